@@ -1,0 +1,17 @@
+"""jax_ncclx: NCCLX-style collectives for JAX, as primitives that run inside ``jax.shard_map``.
+
+Every op mirrors its ``jax.lax`` counterpart and works under ``jax.jit``, ``jax.vmap`` and ``jax.grad``, on the
+CPU backend (N virtual devices) and on NVIDIA GPUs through NCCL.
+"""
+
+from jax_ncclx._src.lib import build_info as build_info
+from jax_ncclx._src.ops.all_gather import all_gather as all_gather
+from jax_ncclx._src.ops.all_reduce import all_reduce as all_reduce
+from jax_ncclx._src.ops.all_to_all import all_to_all as all_to_all
+from jax_ncclx._src.ops.all_to_allv_dynamic import all_to_allv_dynamic as all_to_allv_dynamic
+from jax_ncclx._src.ops.ppermute import ppermute as ppermute
+from jax_ncclx._src.ops.reduce_scatter import reduce_scatter as reduce_scatter
+
+__version__ = "0.1.0"
+
+__all__ = ["all_gather", "all_reduce", "all_to_all", "all_to_allv_dynamic", "build_info", "ppermute", "reduce_scatter"]

@@ -1,0 +1,105 @@
+"""NCCL communicators for the CUDA handlers: one world communicator per set of devices, and one communicator
+per way of grouping those devices along a mesh axis, split from the world communicator and cached.
+
+Why our own communicators instead of borrowing XLA's (jaxlib's collectives FFI extension): later work needs to
+own them (symmetric buffers registered per communicator, abort on timeout, memory accounting), and splitting
+lets every mesh axis reuse one bootstrap.
+
+When they are made: while a program that needs them is being lowered, before it can run, from the Python
+thread, for all local devices at once (ncclGroupStart/End). Making them inside a handler would risk a deadlock:
+``ncclCommInitRank`` allocates device memory while other devices may already be spinning in a collective.
+Every process of a multi-process job lowers the same program, so all of them make the same communicators in
+the same order; the NCCL unique id travels through JAX's distributed key-value store.
+
+Ranks: the world rank of a device is its position among the devices sorted by id; inside a group the rank is
+the position along the mesh axis (``jax.lax.axis_index``), which ``ncclCommSplit`` gets as its key.
+"""
+
+import hashlib
+import logging
+import threading
+from collections.abc import Sequence
+
+import jax
+
+from jax_ncclx._src import compat
+from jax_ncclx._src import lib
+
+logger = logging.getLogger("jax_ncclx")
+
+_lock = threading.Lock()
+_world_comms: dict[tuple[int, ...], int] = {}
+_group_comms: dict[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], int] = {}
+_KV_TIMEOUT_MS = 10 * 60 * 1000
+
+
+def _wait_for_device_work():
+    # NCCL init allocates device memory; let programs still running on the GPUs finish first.
+    for array in jax.live_arrays():
+        try:
+            array.block_until_ready()
+        except RuntimeError:  # deleted or donated while we looked
+            pass
+
+
+def _unique_id(world: tuple[int, ...], root_is_local: bool) -> bytes:
+    cuda = lib.cuda_module()
+    if all(d.process_index == jax.process_index() for d in jax.devices() if d.id in world):
+        return cuda.unique_id()
+    client = compat.distributed_client()
+    if client is None:
+        raise RuntimeError(
+            "jax_ncclx: the mesh spans several processes but jax.distributed is not initialised; call "
+            "jax.distributed.initialize() before the first collective"
+        )
+    key = "jax_ncclx/world/" + hashlib.sha1(repr(world).encode()).hexdigest()
+    if root_is_local:
+        uid = cuda.unique_id()
+        client.key_value_set_bytes(key, uid)
+        return uid
+    return client.blocking_key_value_get_bytes(key, _KV_TIMEOUT_MS)
+
+
+def _world_comm(devices: Sequence[jax.Device]) -> int:
+    world = tuple(sorted(d.id for d in devices))
+    if world in _world_comms:
+        return _world_comms[world]
+    by_id = {d.id: d for d in devices}
+    local = [by_id[i] for i in world if by_id[i].process_index == jax.process_index()]
+    ranks = [world.index(d.id) for d in local]
+    _wait_for_device_work()
+    uid = _unique_id(world, root_is_local=0 in ranks)
+    comm_id = lib.cuda_module().init_comm(uid, len(world), ranks, [d.local_hardware_id for d in local])
+    logger.info("jax_ncclx: world communicator %d over %d devices (local ranks %s)", comm_id, len(world), ranks)
+    _world_comms[world] = comm_id
+    return comm_id
+
+
+def communicator_for(mesh_devices: Sequence[jax.Device], groups: Sequence[Sequence[int]]) -> int:
+    """The comm_id of the communicator for ``groups`` (partition ids, i.e. positions in ``mesh_devices``).
+
+    Every local device of the mesh gets the communicator of its group, ranked by its position in the group.
+    """
+    devices = list(mesh_devices)
+    world = tuple(sorted(d.id for d in devices))
+    group_ids = tuple(tuple(devices[p].id for p in group) for group in groups)
+    key = (world, group_ids)
+    with _lock:
+        if key in _group_comms:
+            return _group_comms[key]
+        world_id = _world_comm(devices)
+        if group_ids == (world,):  # one group in world-rank order: the world communicator itself
+            _group_comms[key] = world_id
+            return world_id
+        position = {dev: (color, rank) for color, group in enumerate(group_ids) for rank, dev in enumerate(group)}
+        local = [d for d in sorted(devices, key=lambda d: d.id) if d.process_index == jax.process_index()]
+        _wait_for_device_work()
+        comm_id = lib.cuda_module().split_comm(
+            world_id,
+            [d.local_hardware_id for d in local],
+            [position[d.id][0] for d in local],
+            [position[d.id][1] for d in local],
+        )
+        logger.info("jax_ncclx: communicator %d = split of %d into groups %s", comm_id, world_id, group_ids)
+        _group_comms[key] = comm_id
+        return comm_id

@@ -1,0 +1,59 @@
+"""Every use of JAX internals (``jax._src``) lives here, so that a JAX upgrade touches one file.
+
+Tested with jax/jaxlib 0.11.2 (the version pinned in pyproject.toml and installed on the GPU machines).
+"""
+
+from jax._src import config as _config
+from jax._src import core as _core
+from jax._src import distributed as _distributed
+from jax._src import mesh as _mesh
+from jax._src.interpreters import pxla as _pxla
+from jax._src.lib.mlir.dialects import hlo as _hlo
+from jax._src.sharding_impls import SPMDAxisContext
+
+TESTED_JAX_VERSION = "0.11.2"
+
+NamedAxisEffect = _core.NamedAxisEffect
+
+
+def axis_is_bound(axis_name) -> bool:
+    """Whether ``axis_name`` is a manual axis of an enclosing ``shard_map`` (or a vmap axis)."""
+    return _core.get_axis_env().axis_exists(axis_name)
+
+
+def check_vma_enabled() -> bool:
+    """Whether the enclosing ``shard_map`` tracks varying manual axes (``check_vma=True``)."""
+    return bool(_config._check_vma.value)
+
+
+def varying_axes(aval) -> frozenset:
+    return frozenset(aval.mat.varying)
+
+
+def with_varying_axes(aval, varying):
+    return aval.update(manual_axis_type=aval.mat.update(varying=frozenset(varying)))
+
+
+def replica_groups(axis_context, axis_name) -> tuple[tuple[int, ...], ...]:
+    """Partition ids of every group along ``axis_name``, each group in axis-index order."""
+    groups = _pxla.axis_groups(axis_context, (axis_name,))
+    return tuple(tuple(int(p) for p in group) for group in groups)
+
+
+def is_spmd_axis_context(axis_context) -> bool:
+    return isinstance(axis_context, SPMDAxisContext)
+
+
+def partition_id():
+    """MLIR value of this device's partition id (a ``tensor<ui32>``), for use inside a lowering rule."""
+    return _hlo.partition_id()
+
+
+def distributed_client():
+    """JAX's coordination-service client (key-value store), or None without ``jax.distributed``."""
+    return _distributed.global_state.client
+
+
+def concrete_context_mesh():
+    """The concrete mesh set by ``jax.set_mesh`` (empty when none is)."""
+    return _mesh.get_concrete_mesh()

@@ -1,0 +1,67 @@
+"""Loads the compiled extension modules and registers their FFI targets with XLA, exactly once.
+
+``_ncclx_cpu`` is always built and registered at import. ``_ncclx_cuda`` exists only in a CUDA build; it is
+imported the first time a collective is lowered for a GPU (after JAX's CUDA plugin has loaded the CUDA runtime
+and NCCL that the module links against), or when ``build_info()`` is asked.
+"""
+
+import functools
+import logging
+
+import jax
+
+from jax_ncclx import _build_config
+from jax_ncclx import _ncclx_cpu
+
+logger = logging.getLogger("jax_ncclx")
+
+for _name, _capsule in _ncclx_cpu.registrations().items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+
+
+@functools.cache
+def _load_cuda():
+    """Returns (module, None) or (None, reason it is unavailable)."""
+    if _build_config.CUDA_STATUS != "built":
+        return None, f"this jax_ncclx was built without CUDA: {_build_config.CUDA_STATUS}"
+    try:
+        jax.devices()  # initialise JAX's backends first: the CUDA plugin loads libcudart and libnccl
+        from jax_ncclx import _ncclx_cuda
+    except ImportError as e:
+        return None, f"the CUDA module failed to load: {e}"
+    for name, capsule in _ncclx_cuda.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    logger.debug("jax_ncclx CUDA handlers registered (NCCL %s)", _ncclx_cuda.nccl_version())
+    return _ncclx_cuda, None
+
+
+def cuda_module():
+    """The CUDA extension module; raises RuntimeError saying why when this build or machine lacks it."""
+    module, reason = _load_cuda()
+    if module is None:
+        raise RuntimeError(
+            f"jax_ncclx cannot run collectives on GPU: {reason}. Rebuild on a machine with nvcc and the "
+            "nvidia-nccl-cu13 wheel (pip install --no-build-isolation -e . ; JAX_NCCLX_CUDA=ON makes a "
+            "missing CUDA toolchain a build error)."
+        )
+    return module
+
+
+def build_info() -> dict:
+    """What this installation of jax_ncclx can do.
+
+    Returns:
+      A dict with ``cpu`` (always True), ``cuda`` (True when the CUDA/NCCL handlers are built and load),
+      ``cuda_status`` (why not, otherwise "built"), ``nccl_version`` / ``nccl_build_version`` (ints like 22809,
+      or None), ``ffi_api_version`` of the XLA headers compiled against, and ``jax_version``.
+    """
+    module, reason = _load_cuda()
+    return {
+        "cpu": True,
+        "cuda": module is not None,
+        "cuda_status": "built" if module is not None else reason,
+        "nccl_version": module.nccl_version() if module else None,
+        "nccl_build_version": module.nccl_build_version() if module else None,
+        "ffi_api_version": tuple(_ncclx_cpu.ffi_api_version()),
+        "jax_version": jax.__version__,
+    }

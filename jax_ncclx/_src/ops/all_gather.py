@@ -1,0 +1,82 @@
+"""all_gather: every member of a mesh-axis group gets all members' arrays, stacked or concatenated.
+
+The primitive gathers onto a new leading dimension ([N, *x.shape], entry i from axis index i); the public
+function moves that dimension to ``axis`` and merges it for ``tiled``, so the FFI call always moves
+contiguous blocks. Sharding model: varying in, varying out (as ``jax.lax.all_gather``); outside
+``shard_map`` the leading dimension of the global array is sharded over the axis.
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.sharding import PartitionSpec as P
+
+from jax_ncclx._src import primitive
+
+
+def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
+    """Gathers ``x`` from every member of the mesh axis ``axis_name``.
+
+    Args:
+      x: array (or pytree) of any shape and any fixed-width dtype (float8 included).
+      axis_name: the mesh axis to gather over (static).
+      axis: where the gathered dimension goes in the result (static; negative counts from the end).
+      tiled: if False the result has a new dimension of size N at ``axis``; if True the members' arrays are
+        concatenated along the existing dimension ``axis`` (static).
+
+    Returns:
+      ``[..., N, ...]`` (stacked) or ``x.shape`` with ``shape[axis] * N`` (tiled); block i comes from axis
+      index i. Same dtype as ``x``.
+    """
+    axis_name = primitive.check_axis_name(axis_name, "all_gather")
+    if not primitive.is_bound(axis_name):
+        return primitive.global_view(partial(all_gather, axis_name=axis_name, axis=axis, tiled=tiled), (x,),
+                                     axis_name, "all_gather", P(axis_name), P(axis_name))
+
+    def one(leaf):
+        primitive.check_dtype(leaf, "all_gather", reduction=False)
+        ndim = jnp.ndim(leaf)
+        out_axis = _normalize_axis(axis, ndim if tiled else ndim + 1, "all_gather")
+        y = all_gather_p.bind(primitive.ensure_varying(leaf, axis_name), axis_name=axis_name)
+        y = jnp.moveaxis(y, 0, out_axis)
+        if tiled:
+            shape = y.shape
+            y = y.reshape(*shape[:out_axis], shape[out_axis] * shape[out_axis + 1], *shape[out_axis + 2:])
+        return y
+
+    return jax.tree.map(one, x)
+
+
+def _normalize_axis(axis: int, ndim: int, op: str) -> int:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"jax_ncclx.{op}: axis {axis} is out of range for a result of rank {ndim}")
+    return axis % ndim
+
+
+all_gather_p = primitive.make_collective("all_gather")
+
+
+def _all_gather_abstract_eval(x, *, axis_name):
+    size = jax.lax.axis_size(axis_name)
+    return primitive.output_aval(x, axis_name, shape=(size, *x.shape)), primitive.effects(axis_name)
+
+
+def _all_gather_batching(axis_data, args, dims, *, axis_name):
+    primitive.reject_collective_axis_vmap(axis_data, axis_name, "all_gather")
+    (x,), (d,) = args, dims
+    return all_gather_p.bind(x, axis_name=axis_name), d + 1
+
+
+def _all_gather_transpose(ct, x, *, axis_name):
+    from jax_ncclx._src.ops.reduce_scatter import reduce_scatter_p
+
+    return [reduce_scatter_p.bind(ad.instantiate_zeros(ct), axis_name=axis_name)]
+
+
+all_gather_p.def_effectful_abstract_eval(_all_gather_abstract_eval)
+primitive.register_lowerings(all_gather_p, "ncclx_all_gather")
+batching.fancy_primitive_batchers[all_gather_p] = _all_gather_batching
+ad.deflinear2(all_gather_p, _all_gather_transpose)

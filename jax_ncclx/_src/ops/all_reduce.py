@@ -1,0 +1,92 @@
+"""all_reduce: every member of a mesh-axis group gets the elementwise sum / max / min of all members' arrays.
+
+Sharding model: inside ``shard_map`` the result is invariant over the axis (as ``jax.lax.psum``); outside it,
+on arrays whose leading dimension is sharded over the axis, each shard is reduced with the others and the
+result keeps that sharding.
+"""
+
+from functools import partial
+
+import jax
+import numpy as np
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.sharding import PartitionSpec as P
+
+from jax_ncclx._src import compat
+from jax_ncclx._src import primitive
+
+
+def all_reduce(x, axis_name, op: str = "sum"):
+    """Reduces ``x`` elementwise over the members of the mesh axis ``axis_name``.
+
+    Args:
+      x: array (or pytree of arrays) of any shape; float32/float64/bfloat16/float16 or 8–64-bit integers.
+      axis_name: the mesh axis to reduce over (static). On a multi-axis mesh the reduction runs within each
+        group along that axis.
+      op: ``"sum"``, ``"max"`` or ``"min"`` (static).
+
+    Returns:
+      An array of ``x``'s shape and dtype, the same on every member of the group. ``sum`` of 16-bit floats
+      accumulates in float32 on the CPU backend and as NCCL does on GPU.
+
+    Differentiable (``sum`` is linear; ``max``/``min`` pass the tangent of the members that hold the extreme,
+    averaged over ties) and vmap-able over non-mesh axes.
+    """
+    axis_name = primitive.check_axis_name(axis_name, "all_reduce")
+    if op not in primitive.REDUCE_OPS:
+        raise ValueError(f"jax_ncclx.all_reduce: op must be one of {sorted(primitive.REDUCE_OPS)}, got {op!r}")
+    if not primitive.is_bound(axis_name):
+        return primitive.global_view(partial(all_reduce, axis_name=axis_name, op=op), (x,), axis_name,
+                                     "all_reduce", P(axis_name), P(axis_name))
+
+    def one(leaf):
+        primitive.check_dtype(leaf, "all_reduce", reduction=True)
+        return all_reduce_p.bind(primitive.ensure_varying(leaf, axis_name), axis_name=axis_name, op=op)
+
+    return jax.tree.map(one, x)
+
+
+all_reduce_p = primitive.make_collective("all_reduce")
+
+
+def _all_reduce_abstract_eval(x, *, axis_name, op):
+    return primitive.output_aval(x, axis_name, invariant=True), primitive.effects(axis_name)
+
+
+def _all_reduce_attrs(*, op):
+    return {"reduce_op": np.int64(primitive.REDUCE_OPS[op])}
+
+
+def _all_reduce_batching(axis_data, args, dims, *, axis_name, op):
+    primitive.reject_collective_axis_vmap(axis_data, axis_name, "all_reduce")
+    (x,), (d,) = args, dims
+    return all_reduce_p.bind(x, axis_name=axis_name, op=op), d
+
+
+def _all_reduce_jvp(primals, tangents, *, axis_name, op):
+    (x,), (t,) = primals, tangents
+    y = all_reduce_p.bind(x, axis_name=axis_name, op=op)
+    t = ad.instantiate_zeros(t)
+    if op == "sum":
+        return y, all_reduce_p.bind(t, axis_name=axis_name, op="sum")
+    # max/min: the tangent of the members holding the extreme, averaged over ties.
+    holds = (x == y).astype(t.dtype)
+    total = all_reduce_p.bind(t * holds, axis_name=axis_name, op="sum")
+    ties = all_reduce_p.bind(holds, axis_name=axis_name, op="sum")
+    return y, total / ties
+
+
+def _all_reduce_transpose(ct, x, *, axis_name, op):
+    assert op == "sum", "only the sum all_reduce is linear"
+    ct = ad.instantiate_zeros(ct)
+    if compat.check_vma_enabled():
+        return [jax.lax.pcast(ct, axis_name, to="varying")]  # as psum: the cotangent is shared by all members
+    return [all_reduce_p.bind(ct, axis_name=axis_name, op="sum")]
+
+
+all_reduce_p.def_effectful_abstract_eval(_all_reduce_abstract_eval)
+primitive.register_lowerings(all_reduce_p, "ncclx_all_reduce", _all_reduce_attrs)
+batching.fancy_primitive_batchers[all_reduce_p] = _all_reduce_batching
+ad.primitive_jvps[all_reduce_p] = _all_reduce_jvp
+ad.primitive_transposes[all_reduce_p] = _all_reduce_transpose

@@ -1,0 +1,88 @@
+"""all_to_all: member i splits its array into N blocks and sends block j to member j.
+
+The primitive exchanges blocks of a leading dimension ([N, ...] -> [N, ...], y[j] = x_j[my index]); it is its
+own transpose. The public function reshapes ``split_axis`` / ``concat_axis`` around it as
+``jax.lax.all_to_all`` defines them. Sharding model: varying in, varying out; outside ``shard_map`` the
+leading dimension of the global array is sharded over the axis.
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.sharding import PartitionSpec as P
+
+from jax_ncclx._src import primitive
+
+
+def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool = False):
+    """Sends block j of ``x`` (split along ``split_axis``) to member j; received blocks go along
+    ``concat_axis``, in source order.
+
+    Args:
+      x: array (or pytree) of any fixed-width dtype (float8 included).
+      axis_name: the mesh axis (static).
+      split_axis: the dimension split into N blocks; untiled its size must be N, tiled a multiple of N (static).
+      concat_axis: where the received blocks go (static).
+      tiled: False: ``split_axis`` is removed and a new dimension of size N is inserted at ``concat_axis``;
+        True: the blocks are concatenated along the existing ``concat_axis`` (static).
+
+    Returns:
+      The same result as ``jax.lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=tiled)``.
+    """
+    axis_name = primitive.check_axis_name(axis_name, "all_to_all")
+    if not primitive.is_bound(axis_name):
+        return primitive.global_view(
+            partial(all_to_all, axis_name=axis_name, split_axis=split_axis, concat_axis=concat_axis, tiled=tiled),
+            (x,), axis_name, "all_to_all", P(axis_name), P(axis_name))
+    size = jax.lax.axis_size(axis_name)
+
+    def one(leaf):
+        primitive.check_dtype(leaf, "all_to_all", reduction=False)
+        ndim = jnp.ndim(leaf)
+        for name, value in (("split_axis", split_axis), ("concat_axis", concat_axis)):
+            if not -ndim <= value < ndim:
+                raise ValueError(f"jax_ncclx.all_to_all: {name}={value} is out of range for rank {ndim}")
+        split, concat = split_axis % ndim, concat_axis % ndim
+        extent = leaf.shape[split]
+        if (tiled and extent % size) or (not tiled and extent != size):
+            need = f"a multiple of the axis size {size} (tiled)" if tiled else f"the axis size {size}"
+            raise ValueError(f"jax_ncclx.all_to_all: split_axis {split} has size {extent}; it must be {need}")
+        front = jnp.moveaxis(leaf, split, 0)
+        blocks = front.reshape(size, extent // size, *front.shape[1:])  # [N, extent/N, rest...]
+        y = all_to_all_p.bind(primitive.ensure_varying(blocks, axis_name), axis_name=axis_name)
+        y = jnp.moveaxis(y, 1, split + 1)  # [N, *leaf.shape with extent/N at split]
+        if not tiled:
+            y = y.reshape(y.shape[0], *leaf.shape[:split], *leaf.shape[split + 1:])  # drop the size-1 split
+            return jnp.moveaxis(y, 0, concat)
+        y = jnp.moveaxis(y, 0, concat)  # [..., N, shape[concat], ...]
+        return y.reshape(*y.shape[:concat], y.shape[concat] * y.shape[concat + 1], *y.shape[concat + 2:])
+
+    return jax.tree.map(one, x)
+
+
+all_to_all_p = primitive.make_collective("all_to_all")
+
+
+def _all_to_all_abstract_eval(x, *, axis_name):
+    return primitive.output_aval(x, axis_name), primitive.effects(axis_name)
+
+
+def _all_to_all_batching(axis_data, args, dims, *, axis_name):
+    primitive.reject_collective_axis_vmap(axis_data, axis_name, "all_to_all")
+    (x,), (d,) = args, dims
+    if d == 0:  # dimension 0 holds the blocks; keep the batch behind it
+        x, d = jnp.moveaxis(x, 0, 1), 1
+    return all_to_all_p.bind(x, axis_name=axis_name), d
+
+
+def _all_to_all_transpose(ct, x, *, axis_name):
+    return [all_to_all_p.bind(ad.instantiate_zeros(ct), axis_name=axis_name)]
+
+
+all_to_all_p.def_effectful_abstract_eval(_all_to_all_abstract_eval)
+primitive.register_lowerings(all_to_all_p, "ncclx_all_to_all")
+batching.fancy_primitive_batchers[all_to_all_p] = _all_to_all_batching
+ad.deflinear2(all_to_all_p, _all_to_all_transpose)

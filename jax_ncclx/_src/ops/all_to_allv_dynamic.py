@@ -1,0 +1,187 @@
+"""all_to_allv_dynamic: NCCLX's AllToAllvDynamic, an all-to-all-v whose split counts stay on the device.
+
+Each member sends a variable number of rows to every peer; the counts are device arrays (no host sync), they
+travel with the data, and the receiver learns them from the result. Rows beyond a static per-source capacity
+are dropped and counted, so bad or unlucky counts never write out of bounds.
+
+The primitive is batched: x ``[B, S, ...]`` and counts ``[B, N, K]`` move in one collective call, which is how
+``vmap`` over a non-mesh axis stays one call. Sharding model: varying in, varying out; outside
+``shard_map`` the leading dimension of every global array (x, counts and the three results) is sharded over
+the axis.
+
+Clamping (the same code runs on CPU and GPU, ``xla_ffi/common/all_to_allv_plan.h``): counts are walked peer by
+peer, chunk by chunk; a negative count sends nothing; counts that run past the S input rows are cut at the end
+of x; each peer takes at most ``max_recv_per_peer`` rows from this member, chunk after chunk. ``dropped[j]``
+counts requested rows that did not reach peer j, with a negative count contributing its magnitude, so any
+nonzero ``dropped`` flags overflow or bad counts.
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.sharding import PartitionSpec as P
+
+from jax_ncclx._src import primitive
+
+LAYOUTS = ("padded", "packed")
+
+
+def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, layout: str = "padded"):
+    """All-to-all-v with device-resident counts.
+
+    Args:
+      x: ``[S, ...]`` rows grouped by destination: the rows for peer 0 first, then peer 1, ...; with K chunks
+        per peer, chunk (j, 0), (j, 1), ... in that order. Any fixed-width dtype (float8 included).
+      send_counts: int32 ``[N]`` (rows for each peer) or ``[N, K]`` (rows of each chunk, e.g. K local experts);
+        N is the size of ``axis_name``. Other integer dtypes are converted to int32.
+      axis_name: the mesh axis (static).
+      max_recv_per_peer: C, the most rows taken from any one source (static Python int >= 0).
+      layout: ``"padded"``: y is ``[N, C, ...]`` and ``y[i, :r_i]`` holds the rows from source i in send
+        order, zeros after. ``"packed"``: y is ``[N * C, ...]`` with all received rows packed from row 0,
+        source-major then chunk-major, zeros after (static).
+
+    Returns:
+      ``(y, recv_counts, dropped)``: y as above with x's dtype; recv_counts int32 ``[N]`` or ``[N, K]`` (the
+      shape of send_counts), the rows each source delivered to this member per chunk; dropped int32 ``[N]``,
+      the rows this member asked to send to each peer that did not arrive (see the module docstring).
+
+    Differentiable in x (the VJP sends cotangents back to the rows they came from, at the cost of one extra
+    exchange of counts) and vmap-able over non-mesh axes (one collective call for the whole batch).
+    """
+    axis_name = primitive.check_axis_name(axis_name, "all_to_allv_dynamic")
+    if isinstance(max_recv_per_peer, jax.core.Tracer) or not isinstance(max_recv_per_peer, (int, np.integer)):
+        raise TypeError(
+            "jax_ncclx.all_to_allv_dynamic: max_recv_per_peer must be a static Python int (it sizes the "
+            f"output), got {max_recv_per_peer!r}; mark it static in jax.jit (static_argnums/static_argnames)")
+    if max_recv_per_peer < 0:
+        raise ValueError(f"jax_ncclx.all_to_allv_dynamic: max_recv_per_peer must be >= 0, got {max_recv_per_peer}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"jax_ncclx.all_to_allv_dynamic: layout must be one of {LAYOUTS}, got {layout!r}")
+    if not primitive.is_bound(axis_name):
+        op = partial(all_to_allv_dynamic, axis_name=axis_name, max_recv_per_peer=max_recv_per_peer, layout=layout)
+        return primitive.global_view(op, (x, send_counts), axis_name, "all_to_allv_dynamic",
+                                     (P(axis_name), P(axis_name)), (P(axis_name),) * 3)
+
+    size = jax.lax.axis_size(axis_name)
+    primitive.check_dtype(x, "all_to_allv_dynamic", reduction=False)
+    if jnp.ndim(x) < 1:
+        raise ValueError("jax_ncclx.all_to_allv_dynamic: x must have a leading row dimension, got a scalar")
+    counts_dtype = jax.typeof(send_counts).dtype
+    if not jnp.issubdtype(counts_dtype, jnp.integer):
+        raise TypeError(f"jax_ncclx.all_to_allv_dynamic: send_counts must be integers, got {counts_dtype}")
+    counts_shape = jnp.shape(send_counts)
+    if len(counts_shape) not in (1, 2) or counts_shape[0] != size:
+        raise ValueError(
+            f"jax_ncclx.all_to_allv_dynamic: send_counts must be [N] or [N, K] with N = {size} (the size of "
+            f"axis {axis_name!r}), got shape {counts_shape}")
+    counts = jnp.asarray(send_counts, jnp.int32).reshape(1, size, -1)
+    y, recv_counts, dropped = all_to_allv_dynamic_p.bind(
+        primitive.ensure_varying(x, axis_name)[None], counts, axis_name=axis_name,
+        capacity=int(max_recv_per_peer), packed=layout == "packed")
+    return y[0], recv_counts.reshape(counts_shape), dropped[0]
+
+
+all_to_allv_dynamic_p = primitive.make_collective("all_to_allv_dynamic", multiple_results=True)
+
+
+def _out_shapes(x_shape, counts_shape, size, capacity, packed):
+    batch, features = x_shape[0], tuple(x_shape[2:])
+    y = (batch, size * capacity, *features) if packed else (batch, size, capacity, *features)
+    return y, tuple(counts_shape), (batch, size)
+
+
+def _abstract_eval(x, counts, *, axis_name, capacity, packed):
+    size = jax.lax.axis_size(axis_name)
+    y, recv, dropped = _out_shapes(x.shape, counts.shape, size, capacity, packed)
+    outs = [primitive.output_aval(x, axis_name, counts, shape=y),
+            primitive.output_aval(counts, axis_name, x, shape=recv, dtype=jnp.int32),
+            primitive.output_aval(counts, axis_name, x, shape=dropped, dtype=jnp.int32)]
+    return outs, primitive.effects(axis_name)
+
+
+def _attrs(*, capacity, packed):
+    return {"capacity": np.int64(capacity), "packed": np.int64(packed)}
+
+
+def _align(nbytes: int) -> int:
+    return (nbytes + 255) // 256 * 256
+
+
+def _cuda_workspace(ctx, *, capacity, packed):
+    # Must match the layout checked by xla_ffi/ops/all_to_allv_cuda.cc.
+    x, counts = ctx.avals_in
+    batch, size, chunks = counts.shape
+    row_bytes = int(np.prod(x.shape[2:], dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    staging = _align(batch * size * capacity * row_bytes)
+    return (staging * (2 if packed else 1) + _align(batch * size * chunks * 4)
+            + 2 * _align(batch * size * 8))
+
+
+def _batching(axis_data, args, dims, *, axis_name, capacity, packed):
+    primitive.reject_collective_axis_vmap(axis_data, axis_name, "all_to_allv_dynamic")
+    x, counts = (batching.bdim_at_front(a, d, axis_data.size) for a, d in zip(args, dims))
+    vmapped, batch = x.shape[:2]
+    outs = all_to_allv_dynamic_p.bind(x.reshape(vmapped * batch, *x.shape[2:]),
+                                      counts.reshape(vmapped * batch, *counts.shape[2:]),
+                                      axis_name=axis_name, capacity=capacity, packed=packed)
+    return [out.reshape(vmapped, batch, *out.shape[1:]) for out in outs], [0, 0, 0]
+
+
+def _jvp(primals, tangents, *, axis_name, capacity, packed):
+    (x, counts), (tx, _) = primals, tangents
+    params = dict(axis_name=axis_name, capacity=capacity, packed=packed)
+    y, recv_counts, dropped = all_to_allv_dynamic_p.bind(x, counts, **params)
+    ty, _, _ = all_to_allv_dynamic_p.bind(ad.instantiate_zeros(tx), counts, **params)
+    integer_zeros = [ad.Zero(jax.typeof(v).to_tangent_aval()) for v in (recv_counts, dropped)]
+    return [y, recv_counts, dropped], [ty, *integer_zeros]
+
+
+def _first_rows(counts, num_rows):
+    """Input row where each peer's rows start ([B, N]), clamped as the plan clamps them."""
+    batch, size, chunks = counts.shape
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(counts, 0).reshape(batch, -1), axis=1), num_rows)
+    peer_ends = ends.reshape(batch, size, chunks)[:, :, -1] if chunks else jnp.zeros((batch, size), jnp.int32)
+    return jnp.concatenate([jnp.zeros((batch, 1), peer_ends.dtype), peer_ends[:, :-1]], axis=1)
+
+
+def _transpose(cts, x, counts, *, axis_name, capacity, packed):
+    """Sends each received row's cotangent back to the row of x it came from; dropped rows get zeros."""
+    ct_y = ad.instantiate_zeros(cts[0])
+    batch, num_rows = x.aval.shape[:2]
+    features = x.aval.shape[2:]
+    params = dict(axis_name=axis_name, capacity=capacity)
+    # What each source delivered here (the forward's recv_counts), exchanged again with one-byte rows (not
+    # zero-size ones: XLA 0.11.2's Shardy pass crashes on zero-size values crossing a shard_map boundary).
+    _, recv_counts, _ = all_to_allv_dynamic_p.bind(jnp.zeros((batch, num_rows), jnp.int8), counts, packed=False,
+                                                   **params)
+    size = recv_counts.shape[1]
+    if packed:
+        rows, back_counts = ct_y, recv_counts
+    else:  # padded rows: send each source its C rows, the part after its rows as one extra (ignored) chunk
+        rows = ct_y.reshape(batch, size * capacity, *features)
+        gap = capacity - recv_counts.sum(axis=2, keepdims=True)
+        back_counts = jnp.concatenate([recv_counts, gap], axis=2)
+    back, returned, _ = all_to_allv_dynamic_p.bind(rows, back_counts, packed=False, **params)
+    delivered = returned[:, :, : counts.shape[2]].sum(axis=2)  # rows each peer got from x   [B, N]
+    first = _first_rows(counts, num_rows)                      # where they start in x       [B, N]
+    r = jnp.arange(num_rows)
+    peer = jnp.sum(first[:, None, :] <= r[None, :, None], axis=2) - 1  # owner of row r        [B, S]
+    offset = r[None, :] - jnp.take_along_axis(first, peer, axis=1)
+    valid = offset < jnp.take_along_axis(delivered, peer, axis=1)
+    slot = peer * capacity + jnp.clip(offset, 0, max(capacity - 1, 0))
+    flat = back.reshape(batch, size * capacity, *features)
+    gathered = jnp.take_along_axis(flat, slot.reshape(batch, num_rows, *([1] * len(features))), axis=1) \
+        if capacity else jnp.zeros((batch, num_rows, *features), ct_y.dtype)
+    mask = valid.reshape(batch, num_rows, *([1] * len(features)))
+    return [jnp.where(mask, gathered, jnp.zeros((), ct_y.dtype)), None]
+
+
+all_to_allv_dynamic_p.def_effectful_abstract_eval(_abstract_eval)
+primitive.register_lowerings(all_to_allv_dynamic_p, "ncclx_all_to_allv_dynamic", _attrs, _cuda_workspace)
+batching.fancy_primitive_batchers[all_to_allv_dynamic_p] = _batching
+ad.primitive_jvps[all_to_allv_dynamic_p] = _jvp
+ad.primitive_transposes[all_to_allv_dynamic_p] = _transpose

@@ -1,0 +1,88 @@
+"""ppermute: point-to-point sends along a mesh axis (pipeline parallelism).
+
+Member ``src`` sends its array to member ``dst`` for every pair of ``perm``; members that receive nothing
+get zeros. Linear; its transpose is the inverse permutation. Sharding model as ``jax.lax.ppermute``.
+"""
+
+from functools import partial
+
+import jax
+import numpy as np
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.sharding import PartitionSpec as P
+
+from jax_ncclx._src import primitive
+
+
+def ppermute(x, axis_name, perm):
+    """Sends ``x`` from member ``src`` to member ``dst`` for each ``(src, dst)`` in ``perm``.
+
+    Args:
+      x: array (or pytree) of any fixed-width dtype.
+      axis_name: the mesh axis (static).
+      perm: sequence of ``(src, dst)`` axis-index pairs (static); each index appears at most once as a source
+        and at most once as a destination.
+
+    Returns:
+      An array like ``x``: the array sent to this member, or zeros if none was.
+    """
+    axis_name = primitive.check_axis_name(axis_name, "ppermute")
+    if not primitive.is_bound(axis_name):
+        return primitive.global_view(partial(ppermute, axis_name=axis_name, perm=perm), (x,), axis_name,
+                                     "ppermute", P(axis_name), P(axis_name))
+    size = jax.lax.axis_size(axis_name)
+    sources, targets = [-1] * size, [-1] * size
+    for src, dst in _check_perm(perm, size):
+        sources[dst], targets[src] = src, dst
+
+    def one(leaf):
+        primitive.check_dtype(leaf, "ppermute", reduction=False)
+        return ppermute_p.bind(primitive.ensure_varying(leaf, axis_name), axis_name=axis_name,
+                               sources=tuple(sources), targets=tuple(targets))
+
+    return jax.tree.map(one, x)
+
+
+def _check_perm(perm, size: int) -> tuple[tuple[int, int], ...]:
+    try:
+        pairs = tuple((int(src), int(dst)) for src, dst in perm)
+    except (TypeError, ValueError):
+        raise TypeError(f"jax_ncclx.ppermute: perm must be a sequence of (src, dst) int pairs, got {perm!r}")
+    for column, what in ((0, "source"), (1, "destination")):
+        indices = [pair[column] for pair in pairs]
+        if any(not 0 <= i < size for i in indices):
+            raise ValueError(f"jax_ncclx.ppermute: a {what} in {pairs} is outside the axis (size {size})")
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"jax_ncclx.ppermute: a {what} appears twice in {pairs}")
+    return pairs
+
+
+ppermute_p = primitive.make_collective("ppermute")
+
+
+# Params: sources[r] is the axis index whose array member r receives, targets[r] where member r sends
+# (-1: none). The inverse permutation swaps the two.
+
+def _ppermute_abstract_eval(x, *, axis_name, sources, targets):
+    return primitive.output_aval(x, axis_name), primitive.effects(axis_name)
+
+
+def _ppermute_attrs(*, sources, targets):
+    return {"sources": np.asarray(sources, np.int64), "targets": np.asarray(targets, np.int64)}
+
+
+def _ppermute_batching(axis_data, args, dims, *, axis_name, sources, targets):
+    primitive.reject_collective_axis_vmap(axis_data, axis_name, "ppermute")
+    (x,), (d,) = args, dims
+    return ppermute_p.bind(x, axis_name=axis_name, sources=sources, targets=targets), d
+
+
+def _ppermute_transpose(ct, x, *, axis_name, sources, targets):
+    return [ppermute_p.bind(ad.instantiate_zeros(ct), axis_name=axis_name, sources=targets, targets=sources)]
+
+
+ppermute_p.def_effectful_abstract_eval(_ppermute_abstract_eval)
+primitive.register_lowerings(ppermute_p, "ncclx_ppermute", _ppermute_attrs)
+batching.fancy_primitive_batchers[ppermute_p] = _ppermute_batching
+ad.deflinear2(ppermute_p, _ppermute_transpose)

@@ -1,0 +1,87 @@
+"""reduce_scatter: the members' arrays are summed and member i keeps block i of the sum.
+
+The primitive takes blocks on a leading dimension ([N, *y.shape] -> y, member i gets the sum of block i); the
+public function moves ``scatter_dimension`` to the front first. Sharding model: varying in, varying out (as
+``jax.lax.psum_scatter``); outside ``shard_map`` the leading dimension of the global array is sharded.
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.sharding import PartitionSpec as P
+
+from jax_ncclx._src import primitive
+
+
+def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False):
+    """Sums ``x`` over the members of ``axis_name`` and scatters the sum along ``scatter_dimension``.
+
+    Args:
+      x: array (or pytree); float32/float64/bfloat16/float16 or integers. Untiled, ``x.shape[
+        scatter_dimension]`` must equal the axis size N; tiled, it must be a multiple of N.
+      axis_name: the mesh axis (static).
+      scatter_dimension: the dimension split into N blocks (static).
+      tiled: if False the scattered dimension is removed; if True it shrinks to ``shape // N`` (static).
+
+    Returns:
+      Block ``axis_index`` of the sum, with ``x``'s dtype.
+    """
+    axis_name = primitive.check_axis_name(axis_name, "reduce_scatter")
+    if not primitive.is_bound(axis_name):
+        return primitive.global_view(
+            partial(reduce_scatter, axis_name=axis_name, scatter_dimension=scatter_dimension, tiled=tiled),
+            (x,), axis_name, "reduce_scatter", P(axis_name), P(axis_name))
+    size = jax.lax.axis_size(axis_name)
+
+    def one(leaf):
+        primitive.check_dtype(leaf, "reduce_scatter", reduction=True)
+        ndim = jnp.ndim(leaf)
+        if not -ndim <= scatter_dimension < ndim:
+            raise ValueError(f"jax_ncclx.reduce_scatter: scatter_dimension {scatter_dimension} is out of "
+                             f"range for an array of rank {ndim}")
+        dim = scatter_dimension % ndim
+        extent = leaf.shape[dim]
+        if (tiled and extent % size) or (not tiled and extent != size):
+            need = f"a multiple of the axis size {size} (tiled)" if tiled else f"the axis size {size}"
+            raise ValueError(f"jax_ncclx.reduce_scatter: dimension {dim} has size {extent}; it must be {need}")
+        front = jnp.moveaxis(leaf, dim, 0)
+        blocks = front.reshape(size, extent // size, *front.shape[1:])
+        y = reduce_scatter_p.bind(primitive.ensure_varying(blocks, axis_name), axis_name=axis_name)
+        return jnp.moveaxis(y, 0, dim) if tiled else y.reshape(y.shape[1:])
+
+    return jax.tree.map(one, x)
+
+
+reduce_scatter_p = primitive.make_collective("reduce_scatter")
+
+
+def _reduce_scatter_abstract_eval(x, *, axis_name):
+    return primitive.output_aval(x, axis_name, shape=x.shape[1:]), primitive.effects(axis_name)
+
+
+def _reduce_scatter_attrs():
+    return {"reduce_op": np.int64(primitive.REDUCE_OPS["sum"])}
+
+
+def _reduce_scatter_batching(axis_data, args, dims, *, axis_name):
+    primitive.reject_collective_axis_vmap(axis_data, axis_name, "reduce_scatter")
+    (x,), (d,) = args, dims
+    if d == 0:  # dimension 0 holds the blocks; keep the batch behind it
+        x, d = jnp.moveaxis(x, 0, 1), 1
+    return reduce_scatter_p.bind(x, axis_name=axis_name), d - 1
+
+
+def _reduce_scatter_transpose(ct, x, *, axis_name):
+    from jax_ncclx._src.ops.all_gather import all_gather_p
+
+    return [all_gather_p.bind(ad.instantiate_zeros(ct), axis_name=axis_name)]
+
+
+reduce_scatter_p.def_effectful_abstract_eval(_reduce_scatter_abstract_eval)
+primitive.register_lowerings(reduce_scatter_p, "ncclx_reduce_scatter", _reduce_scatter_attrs)
+batching.fancy_primitive_batchers[reduce_scatter_p] = _reduce_scatter_batching
+ad.deflinear2(reduce_scatter_p, _reduce_scatter_transpose)

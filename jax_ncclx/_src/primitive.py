@@ -1,0 +1,202 @@
+"""The plumbing every jax_ncclx collective shares, written once.
+
+A collective is a ``jax.extend.core.Primitive`` whose eager ``impl`` refuses to run outside ``shard_map``,
+whose abstract eval keeps the varying-manual-axes type (so ``check_vma=True`` works), and whose lowering
+emits this package's own FFI custom call:
+
+* CPU: the target gets this device's partition id as a trailing operand, plus the replica groups (partition
+  ids), a call-site id and the timeout as attributes; the handlers meet in-process (``xla_ffi/common``).
+* CUDA: the target gets the ``comm_id`` of an NCCL communicator made for exactly these groups (``comm.py``),
+  and optionally a workspace result that XLA allocates and the lowering drops.
+
+Public functions call :func:`global_view` when their axis is not bound by a ``shard_map``: the op then runs
+per shard through an internal ``shard_map`` over the mesh that the arrays are sharded on.
+"""
+
+import functools
+import itertools
+from collections.abc import Callable, Hashable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+from jax.sharding import NamedSharding
+
+from jax_ncclx._src import comm
+from jax_ncclx._src import compat
+from jax_ncclx._src import config
+
+REDUCE_OPS = {"sum": 0, "max": 1, "min": 2}
+
+_call_site_ids = itertools.count(1)
+
+
+# ---- argument checks ---------------------------------------------------------------------------------------
+
+def check_axis_name(axis_name, op: str) -> Hashable:
+    """Returns the single mesh axis ``axis_name`` names (a name or a 1-tuple)."""
+    if isinstance(axis_name, (tuple, list)):
+        if len(axis_name) != 1:
+            raise NotImplementedError(
+                f"jax_ncclx.{op}: axis_name must name one mesh axis, got {axis_name!r}; a collective over "
+                "several axes at once is not supported yet: call it once per axis"
+            )
+        axis_name = axis_name[0]
+    try:
+        hash(axis_name)
+    except TypeError:
+        raise TypeError(f"jax_ncclx.{op}: axis_name must be a hashable mesh axis name, got {axis_name!r}")
+    return axis_name
+
+
+def check_dtype(x, op: str, *, reduction: bool):
+    """Rejects dtypes the op cannot handle: booleans and complex numbers everywhere, 8-bit floats in
+    reductions (they are moved, not reduced)."""
+    dtype = jax.typeof(x).dtype
+    if dtype == jnp.bool_ or not jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.complexfloating):
+        raise TypeError(f"jax_ncclx.{op}: unsupported dtype {dtype}; use a real float or integer dtype")
+    if reduction and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
+        raise TypeError(f"jax_ncclx.{op}: cannot reduce 8-bit float dtype {dtype}; upcast first")
+
+
+def is_bound(axis_name) -> bool:
+    return compat.axis_is_bound(axis_name)
+
+
+# ---- primitives and avals ----------------------------------------------------------------------------------
+
+def make_collective(name: str, *, multiple_results: bool = False) -> Primitive:
+    """A primitive ``ncclx_<name>`` that fails clearly when evaluated outside a mapped context."""
+    prim = Primitive(f"ncclx_{name}")
+    prim.multiple_results = multiple_results
+
+    def outside_shard_map(*args, **params):
+        raise RuntimeError(
+            f"jax_ncclx.{name} must run inside jax.shard_map (or under jax.jit on arrays sharded over the "
+            "named mesh axis)"
+        )
+
+    prim.def_impl(outside_shard_map)
+    return prim
+
+
+def ensure_varying(x, axis_name):
+    """Marks ``x`` as varying over ``axis_name`` when it is not (as ``jax.lax`` collectives do)."""
+    if compat.check_vma_enabled() and axis_name not in compat.varying_axes(jax.typeof(x)):
+        return jax.lax.pcast(x, axis_name, to="varying")
+    return x
+
+
+def output_aval(aval, axis_name, *inputs, shape=None, dtype=None, invariant: bool = False):
+    """The aval of a collective's result: ``aval`` with a new shape/dtype, varying over the union of the
+    inputs' varying axes, minus ``axis_name`` when the result is the same on every member (``invariant``)."""
+    varying = frozenset().union(*(compat.varying_axes(a) for a in (aval, *inputs)))
+    if invariant:
+        varying -= {axis_name}
+    out = aval.update(shape=aval.shape if shape is None else tuple(shape),
+                      dtype=aval.dtype if dtype is None else dtype)
+    return compat.with_varying_axes(out, varying)
+
+
+def effects(axis_name):
+    return {compat.NamedAxisEffect(axis_name)}
+
+
+def reject_collective_axis_vmap(axis_data, axis_name, op: str):
+    if axis_data.name == axis_name:
+        raise NotImplementedError(
+            f"jax_ncclx.{op}: vmap over the collective's own axis {axis_name!r} is not supported; vmap over "
+            "another (non-mesh) axis, or use jax.shard_map for the mesh axis"
+        )
+
+
+# ---- lowering ----------------------------------------------------------------------------------------------
+
+def register_lowerings(prim: Primitive, target: str, attrs: Callable[..., dict] = lambda **params: {},
+                       cuda_workspace: Callable | None = None):
+    """Registers CPU and CUDA lowerings of ``prim`` to the FFI target ``target``.
+
+    Args:
+      attrs: maps the primitive's params (without axis_name) to the op's own FFI attributes.
+      cuda_workspace: maps (ctx, **params) to the byte size of a scratch result the CUDA handler needs.
+    """
+    for platform in ("cpu", "cuda"):
+        mlir.register_lowering(
+            prim,
+            functools.partial(_lower, target=target, attrs=attrs, platform=platform, cuda_workspace=cuda_workspace),
+            platform=platform,
+        )
+
+
+def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_workspace, **params):
+    axis_context = ctx.module_context.axis_context
+    if not compat.is_spmd_axis_context(axis_context):
+        raise NotImplementedError(f"{target}: jax_ncclx collectives lower only inside jax.shard_map (not pmap)")
+    groups = compat.replica_groups(axis_context, axis_name)
+    op_attrs = attrs(**params)
+    avals_in, avals_out = list(ctx.avals_in), list(ctx.avals_out)
+    if platform == "cpu":
+        op_attrs.update(
+            groups=np.asarray(groups, np.int64).reshape(-1),
+            group_size=np.int64(len(groups[0])),
+            op_id=np.int64(next(_call_site_ids)),
+            timeout_ms=np.int64(config.current().timeout_s * 1000),
+        )
+        operands = (*operands, compat.partition_id())
+        avals_in.append(jax.core.ShapedArray((), np.uint32))
+    else:
+        op_attrs["comm_id"] = np.int64(comm.communicator_for(_mesh_devices(axis_context.mesh, target), groups))
+        if cuda_workspace is not None:
+            avals_out.append(jax.core.ShapedArray((cuda_workspace(ctx, **params),), np.uint8))
+    lowered = jax.ffi.ffi_lowering(target)(ctx.replace(avals_in=avals_in, avals_out=avals_out), *operands,
+                                           **op_attrs)
+    return lowered[: len(ctx.avals_out)]
+
+
+def _mesh_devices(mesh, target):
+    """The devices of the mesh being lowered; an abstract mesh takes them from ``jax.set_mesh``."""
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh.devices.flat
+    context = compat.concrete_context_mesh()
+    if not context.empty and context.axis_names == mesh.axis_names and context.axis_sizes == mesh.axis_sizes:
+        return context.devices.flat
+    raise RuntimeError(
+        f"{target}: on GPU the mesh's devices must be known when compiling; pass a concrete jax.sharding.Mesh "
+        "to jax.shard_map, or compile under jax.set_mesh(mesh)")
+
+
+# ---- global view (outside shard_map) -----------------------------------------------------------------------
+
+def global_view(op_fn: Callable, args: tuple, axis_name, op: str, in_specs, out_specs):
+    """Runs ``op_fn`` per shard when called on global arrays outside ``shard_map``.
+
+    The mesh is the one in context (``jax.set_mesh``) or the one the arrays are sharded on; the leading
+    dimension of every array is split over ``axis_name`` (``in_specs`` / ``out_specs``), so each device works
+    on its own shard and nothing is gathered onto one device.
+    """
+    mesh = _mesh_with_axis(args, axis_name)
+    if mesh is None:
+        raise NameError(
+            f"jax_ncclx.{op}: unbound axis name {axis_name!r}. Call it inside jax.shard_map over a mesh with "
+            f"that axis, or on arrays sharded over a mesh axis named {axis_name!r} (e.g. under jax.set_mesh)"
+        )
+    return jax.shard_map(op_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
+
+
+def _mesh_with_axis(args, axis_name):
+    concrete = compat.concrete_context_mesh()
+    if not concrete.empty and axis_name in concrete.axis_names:
+        return concrete
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and axis_name in context.axis_names:
+        return context
+    for leaf in jax.tree.leaves(args):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and axis_name in sharding.mesh.axis_names:
+            return sharding.mesh
+        mesh = getattr(jax.typeof(leaf).sharding, "mesh", None)
+        if mesh is not None and not mesh.empty and axis_name in mesh.axis_names:
+            return mesh
+    return None

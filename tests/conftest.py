@@ -1,0 +1,56 @@
+"""Test setup: 8 virtual CPU devices for the CPU backend, and a ``backend`` fixture that runs each test on
+CPU and, where GPUs and the CUDA build exist, on GPU (those params are marked ``gpu``)."""
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+for _var in ("NCCL_NVLS_ENABLE", "NCCL_NVLINK_MULTICAST_ENABLE"):
+    os.environ[_var] = "0"  # NVLink multicast stays off on the shared GPU machines
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+NUM_CPU_DEVICES = 8
+
+
+def gpu_devices():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+def gpu_skip_reason():
+    import jax_ncclx
+
+    if len(gpu_devices()) < 2:
+        return "needs at least 2 GPUs"
+    info = jax_ncclx.build_info()
+    return None if info["cuda"] else f"jax_ncclx CUDA build unavailable: {info['cuda_status']}"
+
+
+def mesh_2d(devices):
+    """A ("a", "b") mesh: 2 x n/2 (or 1 x n for fewer than 4 devices), Auto axis types."""
+    n = len(devices)
+    shape = (2, n // 2) if n >= 4 else (1, n)
+    grid = np.asarray(devices[: shape[0] * shape[1]]).reshape(shape)
+    return jax.sharding.Mesh(grid, ("a", "b"))
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def backend(request):
+    """Devices of one backend: "cpu" (8 virtual devices) or "gpu" (all local GPUs)."""
+    if request.param == "gpu":
+        reason = gpu_skip_reason()
+        if reason:
+            pytest.skip(reason)
+        return gpu_devices()
+    return jax.devices("cpu")
+
+
+@pytest.fixture
+def mesh(backend):
+    return mesh_2d(backend)

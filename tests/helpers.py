@@ -1,0 +1,49 @@
+"""Shared test helpers: running a per-shard function under jit(shard_map) and comparing with jax.lax."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+INT_DTYPES = [jnp.int32, jnp.int8]
+MOVE_ONLY_DTYPES = [jnp.float8_e4m3fn]
+
+
+def spec(mesh):
+    return P(*mesh.axis_names)
+
+
+def smap(fn, mesh, *, n_in=1, jit=True, check_vma=True, out_specs=None):
+    """``fn`` per shard over both mesh axes; arrays are [a*..., b*..., ...] sharded on their first two dims."""
+    s = spec(mesh)
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=(s,) * n_in, out_specs=s if out_specs is None else out_specs,
+                           check_vma=check_vma)
+    return jax.jit(mapped) if jit else mapped
+
+
+def random_array(shape, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    if jnp.issubdtype(dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
+        values = rng.integers(max(info.min, -8), min(info.max, 8), size=shape)  # sums stay in range
+    else:
+        values = rng.normal(size=shape)
+    return np.asarray(values).astype(dtype)
+
+
+def put(array, mesh):
+    return jax.device_put(array, NamedSharding(mesh, spec(mesh)))
+
+
+def assert_same(actual, expected, dtype):
+    actual = np.asarray(actual)
+    expected = np.asarray(expected)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    if jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize <= 2:
+        np.testing.assert_allclose(actual.astype(np.float32), expected.astype(np.float32), rtol=2e-2, atol=2e-2)
+    else:
+        np.testing.assert_array_equal(actual.view(np.uint8) if dtype == ml_dtypes.float8_e4m3fn else actual,
+                                      expected.view(np.uint8) if dtype == ml_dtypes.float8_e4m3fn else expected)

@@ -1,0 +1,79 @@
+"""One process of the one-process-per-GPU test: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT.
+
+Each process drives one GPU (CUDA_VISIBLE_DEVICES set by the launcher); the communicators bootstrap through
+JAX's distributed key-value store. Checks every op against jax.lax / the NumPy reference and prints WORKER OK.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+
+process_id, num_processes, port = (int(a) for a in sys.argv[1:4])
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_ncclx as nx  # noqa: E402
+import reference  # noqa: E402
+
+n = jax.device_count()
+mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("x",))
+
+
+def global_array(value):
+    return jax.make_array_from_callback(value.shape, NamedSharding(mesh, P("x")), lambda index: value[index])
+
+
+def run(fn, *values, n_out=1):
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("x"),) * len(values), out_specs=P("x")))
+    out = f(*(global_array(v) for v in values))
+    return [np.asarray(multihost_utils.process_allgather(o, tiled=True)) for o in jax.tree.leaves(out)]
+
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(n * 2, 8 * n, 3)).astype(np.float32)
+ring = [(i, (i + 1) % n) for i in range(n)]
+pairs = {
+    "all_reduce": (lambda v: nx.all_reduce(v, "x"), lambda v: jax.lax.psum(v, "x")),
+    "all_gather": (lambda v: nx.all_gather(v, "x", axis=1, tiled=True),
+                   lambda v: jax.lax.all_gather(v, "x", axis=1, tiled=True)),
+    "reduce_scatter": (lambda v: nx.reduce_scatter(v, "x", scatter_dimension=1, tiled=True),
+                       lambda v: jax.lax.psum_scatter(v, "x", scatter_dimension=1, tiled=True)),
+    "all_to_all": (lambda v: nx.all_to_all(v, "x", 1, 0, tiled=True),
+                   lambda v: jax.lax.all_to_all(v, "x", 1, 0, tiled=True)),
+    "ppermute": (lambda v: nx.ppermute(v, "x", ring), lambda v: jax.lax.ppermute(v, "x", ring)),
+}
+for name, (ours, ref) in pairs.items():
+    np.testing.assert_allclose(run(ours, x)[0], run(ref, x)[0], rtol=1e-5, atol=1e-5, err_msg=name)
+    print(f"[{process_id}] {name} ok", flush=True)
+
+rows, capacity = 12, 4
+xs = rng.normal(size=(n, rows, 5)).astype(np.float32)
+counts = rng.integers(-1, rows, size=(n, n, 2)).astype(np.int32)
+for layout in ("padded", "packed"):
+    def body(v, c):
+        return tuple(o[None] for o in nx.all_to_allv_dynamic(v[0], c[0], "x", max_recv_per_peer=capacity,
+                                                              layout=layout))
+    y, recv, dropped = run(body, xs, counts)
+    for member, (ry, rrecv, rdropped) in enumerate(reference.all_to_allv(list(xs), list(counts), capacity, layout)):
+        np.testing.assert_array_equal(y[member], ry)
+        np.testing.assert_array_equal(recv[member], rrecv)
+        np.testing.assert_array_equal(dropped[member], rdropped)
+    print(f"[{process_id}] all_to_allv_dynamic {layout} ok", flush=True)
+
+grad = jax.jit(jax.grad(lambda v: jax.shard_map(lambda u: jnp.sin(nx.all_reduce(u, "x")).sum()[None], mesh=mesh,
+                                                in_specs=P("x"), out_specs=P("x"))(v).sum()))(global_array(x))
+expected = jax.jit(jax.grad(lambda v: jax.shard_map(lambda u: jnp.sin(jax.lax.psum(u, "x")).sum()[None], mesh=mesh,
+                                                    in_specs=P("x"), out_specs=P("x"))(v).sum()))(global_array(x))
+np.testing.assert_allclose(multihost_utils.process_allgather(grad, tiled=True),
+                           multihost_utils.process_allgather(expected, tiled=True), rtol=1e-5, atol=1e-5)
+print(f"[{process_id}] grad ok\nWORKER OK", flush=True)
+jax.distributed.shutdown()

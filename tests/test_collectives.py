@@ -1,0 +1,122 @@
+"""The dense collectives against jax.lax: forward (jit and eager), vmap, grad, dtypes, zero-size, both axes of
+a 2-D mesh. Each test runs on the CPU backend and, where present, on GPUs (``-m gpu``)."""
+
+
+import jax
+import jax.test_util
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ncclx as nx
+from helpers import FLOAT_DTYPES, INT_DTYPES, MOVE_ONLY_DTYPES, assert_same, put, random_array, smap
+
+
+def ring(axis):
+    size = jax.lax.axis_size(axis)
+    return [(i, (i + 1) % size) for i in range(size)]
+
+
+# name -> (ours, jax.lax reference, reduces?)
+OPS = {
+    "all_reduce_sum": (lambda v, a: nx.all_reduce(v, a), lambda v, a: jax.lax.psum(v, a), True),
+    "all_reduce_max": (lambda v, a: nx.all_reduce(v, a, "max"), lambda v, a: jax.lax.pmax(v, a), True),
+    "all_reduce_min": (lambda v, a: nx.all_reduce(v, a, op="min"), lambda v, a: jax.lax.pmin(v, a), True),
+    "all_gather": (lambda v, a: nx.all_gather(v, a, axis=1), lambda v, a: jax.lax.all_gather(v, a, axis=1), False),
+    "all_gather_tiled": (lambda v, a: nx.all_gather(v, a, axis=-1, tiled=True),
+                         lambda v, a: jax.lax.all_gather(v, a, axis=v.ndim - 1, tiled=True), False),
+    "reduce_scatter": (lambda v, a: nx.reduce_scatter(v, a, scatter_dimension=1, tiled=True),
+                       lambda v, a: jax.lax.psum_scatter(v, a, scatter_dimension=1, tiled=True), True),
+    "all_to_all": (lambda v, a: nx.all_to_all(v, a, 1, 0, tiled=True),
+                   lambda v, a: jax.lax.all_to_all(v, a, 1, 0, tiled=True), False),
+    "all_to_all_same_axis": (lambda v, a: nx.all_to_all(v, a, 1, 1, tiled=True),
+                             lambda v, a: jax.lax.all_to_all(v, a, 1, 1, tiled=True), False),
+    "ppermute": (lambda v, a: nx.ppermute(v, a, ring(a)), lambda v, a: jax.lax.ppermute(v, a, ring(a)), False),
+}
+LINEAR = [name for name in OPS if name not in ("all_reduce_max", "all_reduce_min")]
+
+
+def global_shape(mesh, features=3):
+    """Per shard [2, 8, features]: dimension 1 splits evenly over either axis."""
+    return (2 * mesh.shape["a"], 8 * mesh.shape["b"], features)
+
+
+@pytest.mark.parametrize("axis", ["a", "b"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES + INT_DTYPES + MOVE_ONLY_DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("name", OPS)
+def test_matches_lax(mesh, name, axis, dtype):
+    ours, ref, reduces = OPS[name]
+    if reduces and dtype in MOVE_ONLY_DTYPES:
+        pytest.skip("8-bit floats are moved, not reduced")
+    x = put(random_array(global_shape(mesh), dtype), mesh)
+    expected = smap(lambda v: ref(v.astype(jnp.float32) if dtype in MOVE_ONLY_DTYPES else v, axis), mesh)(x)
+    actual = smap(lambda v: ours(v, axis), mesh)(x)
+    if dtype in MOVE_ONLY_DTYPES:
+        actual = actual.astype(jnp.float32)
+    assert_same(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("name", ["all_reduce_sum", "all_gather", "all_to_all", "ppermute"])
+def test_eager_shard_map(mesh, name):
+    ours, ref, _ = OPS[name]
+    x = put(random_array(global_shape(mesh), jnp.float32), mesh)
+    assert_same(smap(lambda v: ours(v, "b"), mesh, jit=False)(x), smap(lambda v: ref(v, "b"), mesh)(x), jnp.float32)
+
+
+@pytest.mark.parametrize("features", [0, 1, 5])
+@pytest.mark.parametrize("name", OPS)
+def test_odd_and_zero_feature_sizes(mesh, name, features):
+    ours, ref, _ = OPS[name]
+    x = put(random_array(global_shape(mesh, features), jnp.float32), mesh)
+    actual = smap(lambda v: ours(v, "b"), mesh)(x)
+    if features == 0:  # jax.lax refuses some zero-size collectives; the shape is what there is to check
+        assert actual.shape == jax.eval_shape(smap(lambda v: ref(v, "b"), mesh), x).shape
+    else:
+        assert_same(actual, smap(lambda v: ref(v, "b"), mesh)(x), jnp.float32)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_vmap_is_one_call(mesh, name):
+    """vmap over a non-mesh axis (the feature axis) matches jax.lax and stays a single collective."""
+    ours, ref, _ = OPS[name]
+    x = put(random_array(global_shape(mesh, 4), jnp.float32), mesh)
+
+    def batched(op):
+        return lambda v: jax.vmap(lambda u: op(u, "b"), in_axes=2, out_axes=2)(v)
+
+    assert_same(smap(batched(ours), mesh)(x), smap(batched(ref), mesh)(x), jnp.float32)
+    jaxpr = str(jax.make_jaxpr(smap(batched(ours), mesh))(x))
+    assert jaxpr.count("ncclx_") == 1, jaxpr
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("axis", ["a", "b"])
+@pytest.mark.parametrize("name", LINEAR)
+def test_grad_matches_lax(mesh, name, axis, check_vma):
+    ours, ref, _ = OPS[name]
+    x = put(random_array(global_shape(mesh), jnp.float32), mesh)
+    def loss(op):
+        body = lambda v: jnp.sin(op(jnp.cos(v), axis)).sum()[None, None]
+        return jax.jit(jax.grad(lambda v: smap(body, mesh, jit=False, check_vma=check_vma)(v).sum()))
+
+    np.testing.assert_allclose(loss(ours)(x), loss(ref)(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_extreme_reduction_gradient(mesh, op):
+    """max/min pass the cotangent to the member holding the extreme (jax.lax.pmax has no derivative)."""
+    x = put(random_array(global_shape(mesh), jnp.float32), mesh)
+    grad = jax.jit(jax.grad(lambda v: smap(lambda u: nx.all_reduce(u, "b", op).sum()[None, None], mesh,
+                                           jit=False)(v).sum()))(x)
+    pick = np.max if op == "max" else np.min
+    values = np.asarray(x).reshape(x.shape[0], mesh.shape["b"], 8, 3)
+    holder = values == pick(values, axis=1, keepdims=True)
+    expected = holder * mesh.shape["b"]  # each of the n members' outputs sends its cotangent to the holder
+    np.testing.assert_allclose(np.asarray(grad).reshape(values.shape), expected)
+
+
+def test_check_grads_numerically(mesh):
+    x = put(random_array(global_shape(mesh), jnp.float32), mesh)
+    f = smap(lambda v: nx.all_to_all(nx.all_gather(jnp.tanh(v), "a", axis=0, tiled=True), "b", 1, 0, tiled=True),
+             mesh, out_specs=jax.sharding.PartitionSpec(("a", "b")))
+    jax.test_util.check_grads(f, (x,), order=2, modes=["fwd", "rev"], atol=1e-2, rtol=1e-2)

@@ -1,0 +1,88 @@
+"""Misuse gets a clear error at trace time; a peer that never arrives gets a timeout naming it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_ncclx as nx
+
+
+@pytest.fixture
+def line():
+    return jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:4]), ("x",))
+
+
+def per_shard(mesh, fn, *args):
+    specs = tuple(P("x") for _ in args)
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P("x")))(*args)
+
+
+def test_unbound_axis_outside_shard_map():
+    with pytest.raises(NameError, match="shard_map"):
+        nx.all_reduce(jnp.ones(4), "nowhere")
+
+
+def test_eager_primitive_outside_mapped_context():
+    from jax_ncclx._src.ops.all_reduce import all_reduce_p
+
+    with pytest.raises(RuntimeError, match="must run inside jax.shard_map"):
+        all_reduce_p.bind(jnp.ones(2), axis_name="x", op="sum")
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda v: nx.all_reduce(v, "x", op="prod"), ValueError, "op must be one of"),
+    (lambda v: nx.all_reduce(v, ("x", "y")), NotImplementedError, "one mesh axis"),
+    (lambda v: nx.all_reduce(v.astype(jnp.float8_e4m3fn), "x"), TypeError, "cannot reduce 8-bit float"),
+    (lambda v: nx.all_gather(v > 0, "x"), TypeError, "unsupported dtype bool"),
+    (lambda v: nx.all_gather(v, "x", axis=5), ValueError, "out of range"),
+    (lambda v: nx.reduce_scatter(v, "x", scatter_dimension=1), ValueError, "must be the axis size 4"),
+    (lambda v: nx.reduce_scatter(v[:, :3], "x", scatter_dimension=1, tiled=True), ValueError, "multiple of"),
+    (lambda v: nx.all_to_all(v, "x", 1, 0), ValueError, "split_axis 1 has size 8"),
+    (lambda v: nx.ppermute(v, "x", [(0, 1), (2, 1)]), ValueError, "destination appears twice"),
+    (lambda v: nx.ppermute(v, "x", [(0, 4)]), ValueError, "outside the axis"),
+    (lambda v: nx.all_to_allv_dynamic(v, jnp.ones(3, jnp.int32), "x", max_recv_per_peer=2), ValueError,
+     r"\[N\] or \[N, K\] with N = 4"),
+    (lambda v: nx.all_to_allv_dynamic(v, jnp.ones(4), "x", max_recv_per_peer=2), TypeError, "must be integers"),
+    (lambda v: nx.all_to_allv_dynamic(v, jnp.ones(4, jnp.int32), "x", max_recv_per_peer=-1), ValueError, ">= 0"),
+    (lambda v: nx.all_to_allv_dynamic(v, jnp.ones(4, jnp.int32), "x", max_recv_per_peer=2, layout="dense"),
+     ValueError, "layout must be one of"),
+    (lambda v: nx.all_to_allv_dynamic(v, jnp.ones(4, jnp.int32), "x", max_recv_per_peer=v.sum().astype(int)),
+     TypeError, "static Python int"),
+])
+def test_misuse_inside_shard_map(line, call, error, message):
+    with pytest.raises(error, match=message):
+        per_shard(line, call, jnp.ones((4 * 2, 8)))
+
+
+def test_vmap_over_the_collective_axis_is_refused():
+    with pytest.raises(NotImplementedError, match="own axis 'i'"):
+        jax.vmap(lambda v: nx.all_reduce(v, "i"), axis_name="i")(jnp.ones((4, 2)))
+
+
+def test_peer_that_never_arrives_is_named(line, monkeypatch):
+    """Only rank 0 enters the collective: it fails after the timeout and names ranks 1, 2, 3."""
+    monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", "1")
+
+    def body(v):
+        return jax.lax.cond(jax.lax.axis_index("x") == 0, lambda u: nx.all_reduce(u, "x"), lambda u: u, v)
+
+    f = jax.jit(jax.shard_map(body, mesh=line, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+    with pytest.raises(Exception, match=r"rank\(s\) 1, 2, 3 did not arrive within 1 s"):
+        jax.block_until_ready(f(jnp.ones((4, 2))))
+
+
+def test_bad_timeout_setting(monkeypatch):
+    from jax_ncclx._src import config
+
+    monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="JAX_NCCLX_TIMEOUT_S='soon'"):
+        config.current()
+
+
+def test_build_info():
+    info = nx.build_info()
+    assert info["cpu"] is True and info["jax_version"] == jax.__version__
+    assert isinstance(info["cuda"], bool) and info["cuda_status"]
+    assert info["ffi_api_version"][0] == 0

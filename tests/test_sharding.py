@@ -1,0 +1,55 @@
+"""Global view: on arrays sharded over a mesh axis, outside shard_map, each op works per shard and the compiled
+program holds only this package's custom calls: no all-gather (or any other XLA collective) is added."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_ncclx as nx
+from helpers import random_array
+
+XLA_COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+
+OPS = {
+    "all_reduce": lambda v: nx.all_reduce(v, "x"),
+    "all_gather": lambda v: nx.all_gather(v, "x", tiled=True),
+    "reduce_scatter": lambda v: nx.reduce_scatter(v, "x", tiled=True),
+    "all_to_all": lambda v: nx.all_to_all(v, "x", 0, 0, tiled=True),
+    "ppermute": lambda v: nx.ppermute(v, "x", [(0, 1), (1, 0)]),
+}
+
+
+@pytest.fixture
+def line(backend):
+    return jax.sharding.Mesh(np.asarray(backend), ("x",))
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_global_view_matches_shard_map(line, name):
+    x = jax.device_put(random_array((line.size * line.size * 2, 3), jnp.float32), NamedSharding(line, P("x")))
+    expected = jax.jit(jax.shard_map(OPS[name], mesh=line, in_specs=P("x"), out_specs=P("x")))(x)
+    with jax.set_mesh(line):  # on GPU the communicators need the mesh's concrete devices at compile time
+        compiled = jax.jit(OPS[name]).lower(x).compile()
+    np.testing.assert_array_equal(compiled(x), expected)
+    assert compiled(x).sharding.spec == P("x")
+    hlo = compiled.as_text()
+    assert f"ncclx_{name}" in hlo
+    assert not [op for op in XLA_COLLECTIVES if op in hlo], hlo
+
+
+def test_global_view_under_set_mesh(line):
+    n = line.size
+    x = jax.device_put(random_array((n * n, 2), jnp.float32), NamedSharding(line, P("x")))  # a row per peer
+    counts = jax.device_put(np.full((n * n,), 1, np.int32), NamedSharding(line, P("x")))
+    with jax.set_mesh(line):
+        y, recv, dropped = jax.jit(lambda a, c: nx.all_to_allv_dynamic(a, c, "x", max_recv_per_peer=2))(x, counts)
+    assert y.shape == (n * n, 2, 2) and y.sharding.spec[0] == "x"
+    np.testing.assert_array_equal(recv, 1)
+    np.testing.assert_array_equal(dropped, 0)
+    rows = np.asarray(x).reshape(n, n, 2)  # [source j, destination i]
+    received = np.asarray(y).reshape(n, n, 2, 2)  # [member i, source j, slot, feature]
+    np.testing.assert_array_equal(received[:, :, 0], rows.transpose(1, 0, 2))
+    np.testing.assert_array_equal(received[:, :, 1], 0)

@@ -1,0 +1,221 @@
+// The communicator registry and the CUDA/NCCL helpers declared in nccl_comms.h.
+#include "common/nccl_comms.h"
+
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <utility>
+
+namespace jax_ncclx {
+namespace {
+
+struct Registry {
+  std::shared_mutex mu;  // handlers only read (shared); the module registers and destroys (exclusive)
+  int64_t next_id = 1;
+  std::map<int64_t, std::map<int32_t, ncclComm_t>> comms;
+};
+
+Registry& GetRegistry() {
+  // Never destroyed: communicators left at exit are torn down by the process, not by a static destructor
+  // that may run after the CUDA runtime is gone.
+  static Registry* registry = new Registry();
+  return *registry;
+}
+
+}  // namespace
+
+int64_t RegisterComms(std::map<int32_t, ncclComm_t> comms) {
+  Registry& registry = GetRegistry();
+  std::unique_lock<std::shared_mutex> lock(registry.mu);
+  const int64_t comm_id = registry.next_id++;
+  registry.comms.emplace(comm_id, std::move(comms));
+  return comm_id;
+}
+
+ffi::ErrorOr<ncclComm_t> LookupComm(std::string_view op, int64_t comm_id, int32_t device_ordinal) {
+  Registry& registry = GetRegistry();
+  std::shared_lock<std::shared_mutex> lock(registry.mu);
+  const auto by_id = registry.comms.find(comm_id);
+  if (by_id != registry.comms.end()) {
+    const auto by_device = by_id->second.find(device_ordinal);
+    if (by_device != by_id->second.end()) return by_device->second;
+  }
+  return InvalidArgument(op, "no communicator " + std::to_string(comm_id) + " for device " +
+                                 std::to_string(device_ordinal) +
+                                 "; was jax_ncclx shut down after this program was compiled?");
+}
+
+ffi::ErrorOr<CommRank> LookupCommRank(std::string_view op, int64_t comm_id, int32_t device_ordinal) {
+  ffi::ErrorOr<ncclComm_t> comm = LookupComm(op, comm_id, device_ordinal);
+  if (comm.has_error()) return comm.error();
+  return DescribeComm(op, *comm);
+}
+
+ffi::ErrorOr<std::map<int32_t, ncclComm_t>> CommsOf(std::string_view op, int64_t comm_id) {
+  Registry& registry = GetRegistry();
+  std::shared_lock<std::shared_mutex> lock(registry.mu);
+  const auto by_id = registry.comms.find(comm_id);
+  if (by_id == registry.comms.end()) {
+    return InvalidArgument(op, "no communicator " + std::to_string(comm_id) + " (unknown or destroyed)");
+  }
+  return by_id->second;
+}
+
+ffi::ErrorOr<CommRank> DescribeComm(std::string_view op, ncclComm_t comm) {
+  CommRank described;
+  described.comm = comm;
+  NCCLX_RETURN_IF_ERROR(CheckNccl(op, "ncclCommUserRank", ncclCommUserRank(comm, &described.rank), comm));
+  NCCLX_RETURN_IF_ERROR(CheckNccl(op, "ncclCommCount", ncclCommCount(comm, &described.size), comm));
+  return described;
+}
+
+ffi::Error DestroyAllComms(std::string_view op) {
+  std::map<int64_t, std::map<int32_t, ncclComm_t>> doomed;
+  {
+    // Unregister first so that no handler can look a communicator up while it is being destroyed.
+    Registry& registry = GetRegistry();
+    std::unique_lock<std::shared_mutex> lock(registry.mu);
+    doomed.swap(registry.comms);
+  }
+  if (doomed.empty()) return ffi::Error::Success();
+  // ncclCommDestroy does not wait for the other ranks (the last local rank frees shared resources), so one
+  // thread can destroy every local communicator in turn.
+  return KeepingCurrentDevice(op, [&] {
+    ffi::Error first_failure;
+    for (const auto& [comm_id, by_device] : doomed) {
+      for (const auto& [device, comm] : by_device) {
+        ffi::Error destroyed = CheckNccl(op, "ncclCommDestroy", ncclCommDestroy(comm), comm);
+        if (destroyed.failure() && first_failure.success()) first_failure = std::move(destroyed);
+      }
+    }
+    return first_failure;
+  });
+}
+
+ffi::Error CheckNccl(std::string_view op, std::string_view call, ncclResult_t result, ncclComm_t comm) {
+  if (result == ncclSuccess) return ffi::Error::Success();
+  std::string message = std::string(call) + " failed: " + ncclGetErrorString(result);
+  const char* last = ncclGetLastError(comm);
+  if (last != nullptr && *last != '\0') message += " (" + std::string(last) + ")";
+  return Internal(op, message);
+}
+
+ffi::Error CheckCuda(std::string_view op, std::string_view call, cudaError_t result) {
+  if (result == cudaSuccess) return ffi::Error::Success();
+  return Internal(op, std::string(call) + " failed: " + cudaGetErrorName(result) + ": " +
+                          cudaGetErrorString(result));
+}
+
+ffi::ErrorOr<ncclDataType_t> NcclReductionType(std::string_view op, ffi::DataType dtype) {
+  switch (dtype) {
+    case ffi::F32:
+      return ncclFloat32;
+    case ffi::F64:
+      return ncclFloat64;
+    case ffi::F16:
+      return ncclFloat16;
+    case ffi::BF16:
+      return ncclBfloat16;
+    case ffi::S8:
+      return ncclInt8;
+    case ffi::U8:
+      return ncclUint8;
+    case ffi::S32:
+      return ncclInt32;
+    case ffi::U32:
+      return ncclUint32;
+    case ffi::S64:
+      return ncclInt64;
+    case ffi::U64:
+      return ncclUint64;
+    default:
+      return InvalidArgument(op, "cannot reduce dtype " + std::string(DataTypeName(dtype)) +
+                                     "; supported: f32, f64, f16, bf16, s8, u8, s32, u32, s64, u64");
+  }
+}
+
+ffi::ErrorOr<ncclRedOp_t> NcclReduceOp(std::string_view op, int64_t reduce_op) {
+  switch (reduce_op) {
+    case 0:
+      return ncclSum;
+    case 1:
+      return ncclMax;
+    case 2:
+      return ncclMin;
+    default:
+      return InvalidArgument(op, "reduce_op is " + std::to_string(reduce_op) +
+                                     ", expected 0 (sum), 1 (max) or 2 (min)");
+  }
+}
+
+std::string_view DataTypeName(ffi::DataType dtype) {
+  switch (dtype) {
+    case ffi::DataType::INVALID:
+      return "invalid";
+    case ffi::PRED:
+      return "pred";
+    case ffi::S1:
+      return "s1";
+    case ffi::S2:
+      return "s2";
+    case ffi::S4:
+      return "s4";
+    case ffi::S8:
+      return "s8";
+    case ffi::S16:
+      return "s16";
+    case ffi::S32:
+      return "s32";
+    case ffi::S64:
+      return "s64";
+    case ffi::U1:
+      return "u1";
+    case ffi::U2:
+      return "u2";
+    case ffi::U4:
+      return "u4";
+    case ffi::U8:
+      return "u8";
+    case ffi::U16:
+      return "u16";
+    case ffi::U32:
+      return "u32";
+    case ffi::U64:
+      return "u64";
+    case ffi::F16:
+      return "f16";
+    case ffi::F32:
+      return "f32";
+    case ffi::F64:
+      return "f64";
+    case ffi::BF16:
+      return "bf16";
+    case ffi::C64:
+      return "c64";
+    case ffi::C128:
+      return "c128";
+    case ffi::TOKEN:
+      return "token";
+    case ffi::F8E5M2:
+      return "f8e5m2";
+    case ffi::F8E4M3:
+      return "f8e4m3";
+    case ffi::F8E4M3FN:
+      return "f8e4m3fn";
+    case ffi::F8E4M3B11FNUZ:
+      return "f8e4m3b11fnuz";
+    case ffi::F8E5M2FNUZ:
+      return "f8e5m2fnuz";
+    case ffi::F8E4M3FNUZ:
+      return "f8e4m3fnuz";
+    case ffi::F8E3M4:
+      return "f8e3m4";
+    case ffi::F4E2M1FN:
+      return "f4e2m1fn";
+    case ffi::F8E8M0FNU:
+      return "f8e8m0fnu";
+  }
+  return "unknown";
+}
+
+}  // namespace jax_ncclx

@@ -1,0 +1,84 @@
+// The process-wide registry of the NCCL communicators that the CUDA handlers use, plus the small CUDA/NCCL
+// helpers those handlers share: error conversion, dtype and reduction mapping, group calls.
+//
+// The Python side creates communicators (through the _ncclx_cuda module) before any program that uses them
+// runs. Each creation gets a new comm_id, which holds one ncclComm_t per local CUDA device ordinal; the
+// handlers, one host thread per device, look theirs up by (comm_id, device ordinal).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstdint>
+#include <map>
+#include <string_view>
+
+#include "common/checks.h"
+
+namespace jax_ncclx {
+
+// A communicator together with the place of this device in it.
+struct CommRank {
+  ncclComm_t comm = nullptr;
+  int rank = -1;  // ncclCommUserRank
+  int size = 0;   // ncclCommCount
+};
+
+// Stores `comms` (local device ordinal -> communicator; may be empty) under a new comm_id and returns it.
+// The registry owns the communicators from then on. Ids start at 1 and are never reused.
+int64_t RegisterComms(std::map<int32_t, ncclComm_t> comms);
+
+// The communicator that `comm_id` holds for `device_ordinal`.
+ffi::ErrorOr<ncclComm_t> LookupComm(std::string_view op, int64_t comm_id, int32_t device_ordinal);
+
+// LookupComm plus this device's rank and the communicator's size.
+ffi::ErrorOr<CommRank> LookupCommRank(std::string_view op, int64_t comm_id, int32_t device_ordinal);
+
+// Every local communicator of `comm_id`, by device ordinal.
+ffi::ErrorOr<std::map<int32_t, ncclComm_t>> CommsOf(std::string_view op, int64_t comm_id);
+
+// Rank and size of `comm`.
+ffi::ErrorOr<CommRank> DescribeComm(std::string_view op, ncclComm_t comm);
+
+// Destroys every registered communicator and empties the registry. Programs still running with them must
+// have finished. Keeps going past failures and returns the first one. Touches CUDA only when there are
+// communicators, and then leaves the caller's current device current.
+ffi::Error DestroyAllComms(std::string_view op);
+
+// Success for ncclSuccess, else an error naming `call` with NCCL's description and last message.
+ffi::Error CheckNccl(std::string_view op, std::string_view call, ncclResult_t result, ncclComm_t comm);
+
+// Success for cudaSuccess, else an error naming `call` with CUDA's description.
+ffi::Error CheckCuda(std::string_view op, std::string_view call, cudaError_t result);
+
+// The NCCL type for reducing `dtype`; InvalidArgument naming the dtype if NCCL cannot reduce it.
+ffi::ErrorOr<ncclDataType_t> NcclReductionType(std::string_view op, ffi::DataType dtype);
+
+// reduce_op attribute (0 sum, 1 max, 2 min) -> ncclRedOp_t.
+ffi::ErrorOr<ncclRedOp_t> NcclReduceOp(std::string_view op, int64_t reduce_op);
+
+// XLA's short name of `dtype` ("f32", "bf16", ...), for messages.
+std::string_view DataTypeName(ffi::DataType dtype);
+
+// Runs `body` (a callable returning ffi::Error), then makes the caller's CUDA device current again:
+// creating and destroying communicators switches devices.
+template <typename Body>
+ffi::Error KeepingCurrentDevice(std::string_view op, Body body) {
+  int device = 0;
+  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaGetDevice", cudaGetDevice(&device)));
+  ffi::Error result = body();
+  ffi::Error restored = CheckCuda(op, "cudaSetDevice", cudaSetDevice(device));
+  return result.failure() ? result : restored;
+}
+
+// Issues the NCCL calls of `issue` (a callable returning ffi::Error) between ncclGroupStart and
+// ncclGroupEnd. The group is closed even when issuing fails, so that this thread's NCCL state stays sane.
+template <typename Issue>
+ffi::Error InNcclGroup(std::string_view op, ncclComm_t comm, Issue issue) {
+  NCCLX_RETURN_IF_ERROR(CheckNccl(op, "ncclGroupStart", ncclGroupStart(), comm));
+  ffi::Error issued = issue();
+  ffi::Error ended = CheckNccl(op, "ncclGroupEnd", ncclGroupEnd(), comm);
+  return issued.failure() ? issued : ended;
+}
+
+}  // namespace jax_ncclx

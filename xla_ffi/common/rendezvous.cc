@@ -1,0 +1,107 @@
+// Implementation of the CPU rendezvous: one global table of rounds guarded by a mutex. Collectives on the CPU
+// backend are for development and CI, so clarity wins over lock-free speed here.
+#include "common/rendezvous.h"
+
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <utility>
+
+namespace jax_ncclx {
+namespace {
+
+struct Round {
+  explicit Round(int64_t size) : published(size), arrived(size, false), departed(size, false) {}
+  std::vector<Published> published;
+  std::vector<bool> arrived;
+  std::vector<bool> departed;
+  int64_t num_arrived = 0;
+  int64_t num_departed = 0;
+  bool abandoned = false;  // a participant gave up waiting; everyone else must fail too
+};
+
+std::mutex mu;
+std::condition_variable cv;
+std::map<RoundKey, std::shared_ptr<Round>> rounds;
+std::map<std::pair<int64_t, int64_t>, int64_t> sequences;
+
+std::string MissingRanks(const std::vector<bool>& present) {
+  std::string out;
+  for (size_t r = 0; r < present.size(); ++r) {
+    if (!present[r]) out += (out.empty() ? "" : ", ") + std::to_string(r);
+  }
+  return out;
+}
+
+// Waits until `done()` holds; on timeout marks the round abandoned and returns an error naming the ranks
+// whose flag in `present` is still false.
+ffi::Error WaitFor(std::unique_lock<std::mutex>& lock, Round& round, std::string_view op,
+                   std::string_view stage, const RoundKey& key, const std::vector<bool>& present,
+                   std::chrono::milliseconds timeout, const std::function<bool()>& done) {
+  if (cv.wait_for(lock, timeout, [&] { return done() || round.abandoned; }) && !round.abandoned) {
+    return ffi::Error::Success();
+  }
+  const bool i_timed_out = !round.abandoned;
+  round.abandoned = true;
+  cv.notify_all();
+  std::string message = "collective #" + std::to_string(key.sequence) + " of call site " +
+                        std::to_string(key.op_id) + " (replica group " + std::to_string(key.group_idx) + "): ";
+  if (i_timed_out) {
+    std::ostringstream seconds;
+    seconds << timeout.count() / 1000.0;
+    message += "rank(s) " + MissingRanks(present) + " did not " + std::string(stage) + " within " +
+               seconds.str() + " s (JAX_NCCLX_TIMEOUT_S)";
+  } else {
+    message += "abandoned because a peer timed out waiting for rank(s) " + MissingRanks(present);
+  }
+  return DeadlineExceeded(op, message);
+}
+
+}  // namespace
+
+bool RoundKey::operator<(const RoundKey& other) const {
+  return std::tie(op_id, group_idx, sequence) < std::tie(other.op_id, other.group_idx, other.sequence);
+}
+
+int64_t NextSequence(int64_t op_id, int64_t partition_id) {
+  std::lock_guard<std::mutex> lock(mu);
+  return sequences[{op_id, partition_id}]++;
+}
+
+ffi::Error RunCollective(std::string_view op, const RoundKey& key, int64_t rank, int64_t size,
+                         Published mine, std::chrono::milliseconds timeout,
+                         const std::function<void(const std::vector<Published>&)>& body) {
+  std::unique_lock<std::mutex> lock(mu);
+  std::shared_ptr<Round>& slot = rounds[key];
+  if (!slot) slot = std::make_shared<Round>(size);
+  std::shared_ptr<Round> round = slot;
+  if (static_cast<int64_t>(round->published.size()) != size || rank < 0 || rank >= size ||
+      round->arrived[rank]) {
+    return InvalidArgument(op, "rank " + std::to_string(rank) + " joined a group of size " +
+                                   std::to_string(round->published.size()) + " twice or out of range");
+  }
+  round->published[rank] = mine;
+  round->arrived[rank] = true;
+  if (++round->num_arrived == size) cv.notify_all();
+  NCCLX_RETURN_IF_ERROR(WaitFor(lock, *round, op, "arrive", key, round->arrived, timeout,
+                                [&] { return round->num_arrived == size; }));
+
+  lock.unlock();
+  body(round->published);  // reads peers' buffers; they stay alive until everyone has departed
+  lock.lock();
+
+  round->departed[rank] = true;
+  if (++round->num_departed == size) {
+    rounds.erase(key);
+    cv.notify_all();
+    return ffi::Error::Success();
+  }
+  return WaitFor(lock, *round, op, "finish reading", key, round->departed, timeout,
+                 [&] { return round->num_departed == size; });
+}
+
+}  // namespace jax_ncclx

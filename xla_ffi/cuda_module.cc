@@ -1,0 +1,255 @@
+// The CUDA extension module _ncclx_cuda: FFI capsules of the NCCL handlers, version queries, and the
+// functions through which the Python side creates, inspects and destroys the NCCL communicators that the
+// handlers look up by comm_id.
+#include <cuda_runtime.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "common/checks.h"
+#include "common/nccl_comms.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+
+namespace jax_ncclx {
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllReduce);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllGather);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclReduceScatter);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllToAll);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclPpermute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllToAllvDynamic);
+
+namespace {
+
+template <typename Fn>
+nb::capsule Capsule(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+// Bad arguments become ValueError, everything else (NCCL and CUDA failures) RuntimeError.
+void ThrowIfFailed(const ffi::Error& error) {
+  if (error.success()) return;
+  if (error.errc() == ffi::ErrorCode::kInvalidArgument) throw nb::value_error(error.message().c_str());
+  throw std::runtime_error(error.message());
+}
+
+template <typename T>
+T ValueOrThrow(ffi::ErrorOr<T> value) {
+  if (value.has_error()) ThrowIfFailed(value.error());
+  return std::move(value).value();
+}
+
+void CheckDistinctDevices(std::string_view op, std::vector<int> devices) {
+  std::sort(devices.begin(), devices.end());
+  const auto twice = std::adjacent_find(devices.begin(), devices.end());
+  if (twice != devices.end()) {
+    ThrowIfFailed(InvalidArgument(op, "devices lists device " + std::to_string(*twice) + " twice"));
+  }
+}
+
+// Creates one communicator per entry of `devices` inside one NCCL group (the ranks of one clique that live
+// in this process must join together), calling create(i, &comm) with device i current. Entries that end
+// up null (a split's NCCL_SPLIT_NOCOLOR) get no communicator. If anything fails, the communicators made so
+// far are aborted. Called without the GIL.
+template <typename Create>
+ffi::ErrorOr<std::map<int32_t, ncclComm_t>> CreateInGroup(std::string_view op,
+                                                          const std::vector<int>& devices, Create create) {
+  std::vector<ncclComm_t> comms(devices.size(), nullptr);
+  ffi::Error created = KeepingCurrentDevice(op, [&] {
+    return InNcclGroup(op, nullptr, [&]() -> ffi::Error {
+      for (size_t i = 0; i < devices.size(); ++i) {
+        NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaSetDevice", cudaSetDevice(devices[i])));
+        NCCLX_RETURN_IF_ERROR(create(i, &comms[i]));
+      }
+      return ffi::Error::Success();
+    });
+  });
+  if (created.failure()) {
+    std::string message = created.message();
+    for (ncclComm_t comm : comms) {
+      if (comm == nullptr) continue;
+      const ffi::Error aborted = CheckNccl(op, "ncclCommAbort", ncclCommAbort(comm), comm);
+      if (aborted.failure()) message += "; cleaning up, " + aborted.message();
+    }
+    return ffi::Error(*created.errc(), message);
+  }
+  std::map<int32_t, ncclComm_t> by_device;
+  for (size_t i = 0; i < devices.size(); ++i) {
+    if (comms[i] != nullptr) by_device.emplace(devices[i], comms[i]);
+  }
+  return by_device;
+}
+
+nb::bytes UniqueId() {
+  ncclUniqueId id;
+  ffi::Error error;
+  {
+    nb::gil_scoped_release release;
+    error = CheckNccl("unique_id", "ncclGetUniqueId", ncclGetUniqueId(&id), nullptr);
+  }
+  ThrowIfFailed(error);
+  return nb::bytes(id.internal, NCCL_UNIQUE_ID_BYTES);
+}
+
+int64_t InitComm(nb::bytes unique_id, int nranks, const std::vector<int>& ranks,
+                 const std::vector<int>& devices) {
+  constexpr std::string_view kOp = "init_comm";
+  if (unique_id.size() != NCCL_UNIQUE_ID_BYTES) {
+    ThrowIfFailed(InvalidArgument(kOp, "unique_id has " + std::to_string(unique_id.size()) +
+                                           " bytes, expected " + std::to_string(NCCL_UNIQUE_ID_BYTES)));
+  }
+  if (ranks.empty() || ranks.size() != devices.size()) {
+    ThrowIfFailed(InvalidArgument(kOp, "got " + std::to_string(ranks.size()) + " ranks and " +
+                                           std::to_string(devices.size()) +
+                                           " devices, expected one rank per device and at least one"));
+  }
+  for (const int rank : ranks) {
+    if (rank < 0 || rank >= nranks) {
+      ThrowIfFailed(InvalidArgument(kOp, "rank " + std::to_string(rank) + " is outside [0, nranks=" +
+                                             std::to_string(nranks) + ")"));
+    }
+  }
+  CheckDistinctDevices(kOp, devices);
+  ncclUniqueId id;
+  std::memcpy(id.internal, unique_id.data(), NCCL_UNIQUE_ID_BYTES);
+
+  ffi::ErrorOr<std::map<int32_t, ncclComm_t>> comms = [&] {
+    nb::gil_scoped_release release;  // blocks until every rank of the clique has joined
+    return CreateInGroup(kOp, devices, [&](size_t i, ncclComm_t* comm) {
+      const ncclResult_t result = ncclCommInitRank(comm, nranks, id, ranks[i]);
+      return CheckNccl(kOp, "ncclCommInitRank", result, *comm);
+    });
+  }();
+  return RegisterComms(ValueOrThrow(std::move(comms)));
+}
+
+int64_t SplitComm(int64_t parent_id, const std::vector<int>& devices, const std::vector<int>& colors,
+                  const std::vector<int>& keys) {
+  constexpr std::string_view kOp = "split_comm";
+  if (colors.size() != devices.size() || keys.size() != devices.size()) {
+    ThrowIfFailed(InvalidArgument(kOp, "got " + std::to_string(devices.size()) + " devices, " +
+                                           std::to_string(colors.size()) + " colors and " +
+                                           std::to_string(keys.size()) +
+                                           " keys, expected one of each per device"));
+  }
+  for (const int color : colors) {
+    if (color < -1) {
+      ThrowIfFailed(InvalidArgument(kOp, "color " + std::to_string(color) + " is negative; use -1 for none"));
+    }
+  }
+  CheckDistinctDevices(kOp, devices);
+  const std::map<int32_t, ncclComm_t> parents = ValueOrThrow(CommsOf(kOp, parent_id));
+  // A split is collective over the parent: every local rank of it has to take part.
+  const bool all_parents_listed =
+      parents.size() == devices.size() &&
+      std::all_of(devices.begin(), devices.end(), [&](int device) { return parents.count(device) == 1; });
+  if (!all_parents_listed) {
+    std::string parent_devices;
+    for (const auto& [device, comm] : parents) parent_devices += " " + std::to_string(device);
+    ThrowIfFailed(InvalidArgument(kOp, "devices must list each local device of communicator " +
+                                           std::to_string(parent_id) + " once; it has devices:" +
+                                           parent_devices));
+  }
+
+  ffi::ErrorOr<std::map<int32_t, ncclComm_t>> comms = [&] {
+    nb::gil_scoped_release release;  // blocks until every rank of the parent has joined
+    return CreateInGroup(kOp, devices, [&](size_t i, ncclComm_t* comm) {
+      ncclComm_t parent = parents.at(devices[i]);
+      // NCCL_SPLIT_NOCOLOR is -1: that device gets no communicator (NCCL returns null).
+      return CheckNccl(kOp, "ncclCommSplit", ncclCommSplit(parent, colors[i], keys[i], comm, nullptr),
+                       parent);
+    });
+  }();
+  return RegisterComms(ValueOrThrow(std::move(comms)));
+}
+
+std::vector<std::tuple<int, int, int>> CommInfo(int64_t comm_id) {
+  constexpr std::string_view kOp = "comm_info";
+  std::vector<std::tuple<int, int, int>> info;
+  for (const auto& [device, comm] : ValueOrThrow(CommsOf(kOp, comm_id))) {
+    const CommRank described = ValueOrThrow(DescribeComm(kOp, comm));
+    info.emplace_back(device, described.rank, described.size);
+  }
+  return info;
+}
+
+void DestroyAll() {
+  constexpr std::string_view kOp = "destroy_all";
+  ffi::Error error;
+  {
+    nb::gil_scoped_release release;  // waits for the communicators' outstanding work
+    error = DestroyAllComms(kOp);
+  }
+  ThrowIfFailed(error);
+}
+
+int NcclVersion() {
+  int version = 0;
+  ThrowIfFailed(CheckNccl("nccl_version", "ncclGetVersion", ncclGetVersion(&version), nullptr));
+  return version;
+}
+
+int CudaRuntimeVersion() {
+  int version = 0;
+  ThrowIfFailed(CheckCuda("cuda_runtime_version", "cudaRuntimeGetVersion", cudaRuntimeGetVersion(&version)));
+  return version;
+}
+
+}  // namespace
+}  // namespace jax_ncclx
+
+NB_MODULE(_ncclx_cuda, m) {
+  namespace jn = jax_ncclx;
+  m.def(
+      "registrations",
+      [] {
+        nb::dict targets;
+        targets["ncclx_all_reduce"] = jn::Capsule(jn::NcclAllReduce);
+        targets["ncclx_all_gather"] = jn::Capsule(jn::NcclAllGather);
+        targets["ncclx_reduce_scatter"] = jn::Capsule(jn::NcclReduceScatter);
+        targets["ncclx_all_to_all"] = jn::Capsule(jn::NcclAllToAll);
+        targets["ncclx_ppermute"] = jn::Capsule(jn::NcclPpermute);
+        targets["ncclx_all_to_allv_dynamic"] = jn::Capsule(jn::NcclAllToAllvDynamic);
+        return targets;
+      },
+      "FFI handler capsules of the CUDA backend, by target name.");
+  m.def("nccl_version", &jn::NcclVersion,
+        "NCCL_VERSION_CODE of the NCCL library loaded at run time (e.g. 22809 for 2.28.9).");
+  m.def("nccl_build_version", [] { return NCCL_VERSION_CODE; },
+        "NCCL_VERSION_CODE of the nccl.h this module was compiled against.");
+  m.def("cuda_runtime_version", &jn::CudaRuntimeVersion,
+        "Version of the CUDA runtime loaded at run time (e.g. 13000 for 13.0).");
+  m.def("unique_id", &jn::UniqueId,
+        "A new NCCL unique id (128 bytes). Create it on one process and pass it to init_comm on all.");
+  m.def("init_comm", &jn::InitComm, nb::arg("unique_id"), nb::arg("nranks"), nb::arg("ranks"),
+        nb::arg("devices"),
+        "Creates the communicator of `unique_id` for this process's ranks: ranks[i] on CUDA device\n"
+        "devices[i], out of nranks in all. Blocks (without the GIL) until every rank of every process has\n"
+        "joined. Returns the comm_id that the handlers' comm_id attribute names. Raises RuntimeError with\n"
+        "NCCL's message on failure.");
+  m.def("split_comm", &jn::SplitComm, nb::arg("parent_id"), nb::arg("devices"), nb::arg("colors"),
+        nb::arg("keys"),
+        "Splits communicator `parent_id` (ncclCommSplit): the rank on devices[i] joins the new\n"
+        "communicator of colors[i], ordered by keys[i]; color -1 leaves that device without one.\n"
+        "`devices` must list every local device of the parent, and every process of the parent must call\n"
+        "this. Blocks without the GIL. Returns the new comm_id.");
+  m.def("comm_info", &jn::CommInfo, nb::arg("comm_id"),
+        "The local communicators of `comm_id` as (device, rank, nranks) tuples, by device.");
+  m.def("destroy_all", &jn::DestroyAll,
+        "Destroys every communicator. Programs that use them must have finished; programs compiled with\n"
+        "their comm_ids fail with an error afterwards.");
+}

@@ -1,0 +1,96 @@
+// CPU handler of all_to_allv_dynamic. Every participant plans its own sends (PlanSends, the same code the
+// CUDA kernels run), reports its dropped rows, publishes its input and plan, and then pulls from every source
+// the prefix of rows that source planned for it, in the padded or packed receive layout.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/all_to_allv_plan.h"
+#include "common/checks.h"
+#include "ops/cpu_collective.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ncclx {
+namespace {
+
+constexpr std::string_view kOp = "all_to_allv_dynamic";
+
+// One participant's send plan for all batch elements, laid out [batch][peer] ([batch][peer][chunk]).
+struct SendPlan {
+  std::vector<int32_t> delivered_chunks;
+  std::vector<int64_t> first_row;
+  std::vector<int64_t> delivered;
+};
+
+ffi::Error AllToAllvImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::U32> partition_id,
+                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
+                         ffi::Result<ffi::Buffer<ffi::S32>> dropped, ffi::Span<const int64_t> groups,
+                         int64_t group_size, int64_t op_id, int64_t timeout_ms, int64_t capacity,
+                         int64_t packed) {
+  const auto x_dims = x.dimensions();
+  const auto count_dims = counts.dimensions();
+  if (x_dims.size() < 2 || count_dims.size() != 3) {
+    return InvalidArgument(kOp, "x must be [batch, rows, ...] and send_counts [batch, peers, chunks]");
+  }
+  const int64_t num_batch = count_dims[0], num_peers = count_dims[1], num_chunks = count_dims[2];
+  const int64_t num_rows = x_dims[1];
+  if (num_peers != group_size || x_dims[0] != num_batch) {
+    return InvalidArgument(kOp, "send_counts has shape [" + std::to_string(num_batch) + ", " +
+                                    std::to_string(num_peers) + ", K] but the axis has " +
+                                    std::to_string(group_size) + " ranks and x a batch of " +
+                                    std::to_string(x_dims[0]));
+  }
+  int64_t row_bytes = ffi::ByteWidth(x.element_type());
+  for (size_t d = 2; d < x_dims.size(); ++d) row_bytes *= x_dims[d];
+  const int64_t expected_y = num_batch * num_peers * capacity * row_bytes;
+  if (static_cast<int64_t>(y->size_bytes()) != expected_y) {
+    return InvalidArgument(kOp, "output has " + std::to_string(y->size_bytes()) + " bytes, expected " +
+                                    std::to_string(expected_y));
+  }
+
+  SendPlan plan{std::vector<int32_t>(num_batch * num_peers * num_chunks),
+                std::vector<int64_t>(num_batch * num_peers), std::vector<int64_t>(num_batch * num_peers)};
+  for (int64_t b = 0; b < num_batch; ++b) {
+    PlanSends(counts.typed_data() + b * num_peers * num_chunks, num_peers, num_chunks, num_rows, capacity,
+              plan.delivered_chunks.data() + b * num_peers * num_chunks, plan.first_row.data() + b * num_peers,
+              plan.delivered.data() + b * num_peers, dropped->typed_data() + b * num_peers);
+  }
+
+  return RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, op_id, timeout_ms,
+                    {x.untyped_data(), &plan}, [&](int64_t rank, const std::vector<Published>& peers) {
+    char* out = static_cast<char*>(y->untyped_data());
+    std::memset(out, 0, y->size_bytes());
+    for (int64_t b = 0; b < num_batch; ++b) {
+      int64_t packed_row = 0;  // next free row of this batch element in the packed layout
+      for (int64_t source = 0; source < num_peers; ++source) {
+        const SendPlan& theirs = *static_cast<const SendPlan*>(peers[source].extra);
+        const int64_t slot = b * num_peers + rank;  // their plan entry for me
+        std::copy_n(theirs.delivered_chunks.data() + slot * num_chunks, num_chunks,
+                    recv_counts->typed_data() + (b * num_peers + source) * num_chunks);
+        const int64_t rows = theirs.delivered[slot];
+        const int64_t dst_row = packed ? packed_row : source * capacity;
+        const char* src = static_cast<const char*>(peers[source].data) +
+                          (b * num_rows + theirs.first_row[slot]) * row_bytes;
+        std::memcpy(out + (b * num_peers * capacity + dst_row) * row_bytes, src, rows * row_bytes);
+        packed_row += rows;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuAllToAllvDynamic, AllToAllvImpl,
+                              BindCpuGroupAttrs(ffi::Ffi::Bind()
+                                                    .Arg<ffi::AnyBuffer>()          // x [B, S, ...]
+                                                    .Arg<ffi::Buffer<ffi::S32>>()   // send_counts [B, N, K]
+                                                    .Arg<ffi::Buffer<ffi::U32>>()   // partition_id (scalar)
+                                                    .Ret<ffi::AnyBuffer>()          // y (padded or packed)
+                                                    .Ret<ffi::Buffer<ffi::S32>>()   // recv_counts [B, N, K]
+                                                    .Ret<ffi::Buffer<ffi::S32>>())  // dropped [B, N]
+                                  .Attr<int64_t>("capacity")                        // max rows per source
+                                  .Attr<int64_t>("packed"));                        // 1: packed layout
+
+}  // namespace jax_ncclx

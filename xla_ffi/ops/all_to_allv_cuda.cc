@@ -1,0 +1,197 @@
+// CUDA FFI handler of all_to_allv_dynamic: every rank sends a data-dependent number of rows (counts, on the
+// device) to each peer, at most `capacity` rows per peer. All the work is queued on XLA's stream and sized
+// by the static capacity, so the host never reads the counts:
+//   plan kernel -> pack kernel (zero-padded send buffer) -> one NCCL group of all-to-alls (rows and
+//   recv_counts) -> compact kernel (packed layout only).
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <string_view>
+
+#include "common/checks.h"
+#include "common/nccl_comms.h"
+#include "ops/all_to_allv_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ncclx {
+namespace {
+
+constexpr std::string_view kOp = "all_to_allv_dynamic";
+
+template <typename Dims>
+std::string DimsString(const Dims& dims) {
+  std::string text = "[";
+  for (const int64_t dim : dims) text += (text.size() > 1 ? ", " : "") + std::to_string(dim);
+  return text + "]";
+}
+
+bool HasDims(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> expected) {
+  return std::equal(dims.begin(), dims.end(), expected.begin(), expected.end());
+}
+
+ffi::Error CheckDims(std::string_view name, ffi::Span<const int64_t> dims,
+                     std::initializer_list<int64_t> expected) {
+  if (HasDims(dims, expected)) return ffi::Error::Success();
+  return InvalidArgument(kOp, std::string(name) + " has shape " + DimsString(dims) + ", expected " +
+                                  DimsString(expected));
+}
+
+// Checks the operands against each other and the communicator size, and returns the kernels' sizes.
+ffi::ErrorOr<AllToAllvShape> GetShape(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& counts,
+                                      const ffi::AnyBuffer& y, const ffi::Buffer<ffi::S32>& recv_counts,
+                                      const ffi::Buffer<ffi::S32>& dropped, int num_ranks, int64_t capacity,
+                                      int64_t packed) {
+  if (capacity < 0) {
+    return InvalidArgument(kOp, "capacity is " + std::to_string(capacity) + ", expected >= 0");
+  }
+  if (packed != 0 && packed != 1) {
+    return InvalidArgument(kOp, "packed is " + std::to_string(packed) + ", expected 0 or 1");
+  }
+  const ffi::Span<const int64_t> x_dims = x.dimensions();
+  if (x_dims.size() < 2) {
+    return InvalidArgument(kOp,
+                           "x has shape " + DimsString(x_dims) + ", expected [batch, rows, features...]");
+  }
+  AllToAllvShape shape;
+  shape.batch = x_dims[0];
+  shape.num_rows = x_dims[1];
+  shape.num_peers = num_ranks;
+  shape.capacity = capacity;
+  shape.row_bytes = static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
+  for (size_t i = 2; i < x_dims.size(); ++i) shape.row_bytes *= x_dims[i];
+
+  const ffi::Span<const int64_t> counts_dims = counts.dimensions();
+  if (counts_dims.size() != 3 || counts_dims[0] != shape.batch || counts_dims[1] != shape.num_peers) {
+    return InvalidArgument(kOp, "counts has shape " + DimsString(counts_dims) + ", expected [" +
+                                    std::to_string(shape.batch) + ", " + std::to_string(shape.num_peers) +
+                                    ", chunks] (x's batch, the communicator's ranks)");
+  }
+  shape.num_chunks = counts_dims[2];
+  NCCLX_RETURN_IF_ERROR(
+      CheckDims("recv_counts", recv_counts.dimensions(), {shape.batch, shape.num_peers, shape.num_chunks}));
+  NCCLX_RETURN_IF_ERROR(CheckDims("dropped", dropped.dimensions(), {shape.batch, shape.num_peers}));
+
+  if (y.element_type() != x.element_type()) {
+    return InvalidArgument(kOp, "y has dtype " + std::string(DataTypeName(y.element_type())) +
+                                    ", expected x's " + std::string(DataTypeName(x.element_type())));
+  }
+  const int64_t y_bytes = shape.batch * shape.num_peers * shape.capacity * shape.row_bytes;
+  if (static_cast<int64_t>(y.size_bytes()) != y_bytes) {
+    return InvalidArgument(kOp, "y has " + std::to_string(y.size_bytes()) + " bytes, expected batch " +
+                                    std::to_string(shape.batch) + " x " + std::to_string(shape.num_peers) +
+                                    " ranks x capacity " + std::to_string(shape.capacity) + " x " +
+                                    std::to_string(shape.row_bytes) + " bytes per row");
+  }
+  return shape;
+}
+
+int64_t Align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// Byte offsets of the workspace pieces, each 256-byte aligned, in this order. The Python side sizes the
+// workspace with the same formula.
+struct WorkspaceLayout {
+  int64_t send = 0;              // [B, N, C, row_bytes] padded rows to send
+  int64_t recv = 0;              // [B, N, C, row_bytes] padded rows received (packed layout only)
+  int64_t delivered_chunks = 0;  // int32 [B, N, K] rows of each chunk sent (the peers' recv_counts)
+  int64_t first_row = 0;         // int64 [B, N] input row where each peer's rows start
+  int64_t delivered = 0;         // int64 [B, N] rows sent to each peer
+  int64_t total = 0;
+};
+
+WorkspaceLayout LayOutWorkspace(const AllToAllvShape& shape, bool packed) {
+  const int64_t exchange_bytes = shape.batch * shape.num_peers * shape.capacity * shape.row_bytes;
+  const int64_t pairs = shape.batch * shape.num_peers;
+  int64_t offset = 0;
+  auto take = [&offset](int64_t bytes) {
+    const int64_t start = offset;
+    offset += Align256(bytes);
+    return start;
+  };
+  WorkspaceLayout layout;
+  layout.send = take(exchange_bytes);
+  layout.recv = take(packed ? exchange_bytes : 0);
+  layout.delivered_chunks = take(pairs * shape.num_chunks * static_cast<int64_t>(sizeof(int32_t)));
+  layout.first_row = take(pairs * static_cast<int64_t>(sizeof(int64_t)));
+  layout.delivered = take(pairs * static_cast<int64_t>(sizeof(int64_t)));
+  layout.total = offset;
+  return layout;
+}
+
+ffi::Error AllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
+                                ffi::Buffer<ffi::S32> counts, ffi::Result<ffi::AnyBuffer> y,
+                                ffi::ResultBuffer<ffi::S32> recv_counts, ffi::ResultBuffer<ffi::S32> dropped,
+                                ffi::ResultBuffer<ffi::U8> workspace, int64_t comm_id, int64_t capacity,
+                                int64_t packed) {
+  ffi::ErrorOr<CommRank> comm = LookupCommRank(kOp, comm_id, device_ordinal);
+  if (comm.has_error()) return comm.error();
+  ffi::ErrorOr<AllToAllvShape> shape =
+      GetShape(x, counts, *y, *recv_counts, *dropped, comm->size, capacity, packed);
+  if (shape.has_error()) return shape.error();
+  const WorkspaceLayout layout = LayOutWorkspace(*shape, packed == 1);
+  NCCLX_RETURN_IF_ERROR(CheckDims("workspace", workspace->dimensions(), {layout.total}));
+  if (shape->batch == 0) return ffi::Error::Success();
+
+  uint8_t* base = workspace->typed_data();
+  uint8_t* send = base + layout.send;
+  // The padded layout is exactly NCCL's receive layout, so rows land in y directly.
+  uint8_t* recv = packed == 1 ? base + layout.recv : static_cast<uint8_t*>(y->untyped_data());
+  int32_t* delivered_chunks = reinterpret_cast<int32_t*>(base + layout.delivered_chunks);
+  int64_t* first_row = reinterpret_cast<int64_t*>(base + layout.first_row);
+  int64_t* delivered = reinterpret_cast<int64_t*>(base + layout.delivered);
+
+  NCCLX_RETURN_IF_ERROR(CheckCuda(kOp, "plan kernel launch",
+                                  LaunchPlanSends(*shape, counts.typed_data(), delivered_chunks, first_row,
+                                                  delivered, dropped->typed_data(), stream)));
+  NCCLX_RETURN_IF_ERROR(
+      CheckCuda(kOp, "pack kernel launch",
+                LaunchPackRows(*shape, x.untyped_data(), first_row, delivered, send, stream)));
+
+  const int64_t peer_bytes = shape->capacity * shape->row_bytes;
+  const int64_t batch_bytes = shape->num_peers * peer_bytes;
+  const int64_t batch_counts = shape->num_peers * shape->num_chunks;
+  NCCLX_RETURN_IF_ERROR(InNcclGroup(kOp, comm->comm, [&]() -> ffi::Error {
+    for (int64_t b = 0; b < shape->batch; ++b) {
+      if (peer_bytes > 0) {
+        NCCLX_RETURN_IF_ERROR(CheckNccl(kOp, "ncclAlltoAll (rows)",
+                                        ncclAlltoAll(send + b * batch_bytes, recv + b * batch_bytes,
+                                                     peer_bytes, ncclInt8, comm->comm, stream),
+                                        comm->comm));
+      }
+      if (shape->num_chunks > 0) {
+        NCCLX_RETURN_IF_ERROR(CheckNccl(kOp, "ncclAlltoAll (recv_counts)",
+                                        ncclAlltoAll(delivered_chunks + b * batch_counts,
+                                                     recv_counts->typed_data() + b * batch_counts,
+                                                     shape->num_chunks, ncclInt32, comm->comm, stream),
+                                        comm->comm));
+      }
+    }
+    return ffi::Error::Success();
+  }));
+
+  if (packed == 0) return ffi::Error::Success();
+  return CheckCuda(kOp, "compact kernel launch",
+                   LaunchCompactRows(*shape, recv, recv_counts->typed_data(), y->untyped_data(), stream));
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NcclAllToAllvDynamic, AllToAllvDynamicImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+        .Ctx<ffi::DeviceOrdinal>()                 // device_ordinal
+        .Arg<ffi::AnyBuffer>()                     // x: [B, S, F...]
+        .Arg<ffi::Buffer<ffi::S32>>()              // counts: [B, N, K]
+        .Ret<ffi::AnyBuffer>()                     // y: [B, N, C, F...] / [B, N*C, F...]
+        .Ret<ffi::Buffer<ffi::S32>>()              // recv_counts: [B, N, K]
+        .Ret<ffi::Buffer<ffi::S32>>()              // dropped: [B, N]
+        .Ret<ffi::Buffer<ffi::U8>>()               // workspace: [W]
+        .Attr<int64_t>("comm_id")                  // comm_id
+        .Attr<int64_t>("capacity")                 // capacity
+        .Attr<int64_t>("packed"));                 // packed
+
+}  // namespace jax_ncclx

@@ -1,0 +1,238 @@
+// CPU handlers of the dense collectives (all_reduce, all_gather, reduce_scatter, all_to_all, ppermute).
+// Each participant reads its peers' operands in place through the rendezvous and writes only its own output.
+// Reductions visit ranks in order 0..N-1, so every participant computes bit-identical results; 16-bit
+// floats are accumulated in float32 and rounded once.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/checks.h"
+#include "ops/cpu_collective.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ncclx {
+namespace {
+
+enum class ReduceOp : int64_t { kSum = 0, kMax = 1, kMin = 2 };
+
+float Bf16ToFloat(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof(value));
+  return value;
+}
+
+uint16_t FloatToBf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if (std::isnan(value)) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fff + ((bits >> 16) & 1);  // round to nearest even
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+float HalfToFloat(uint16_t bits) {
+  const uint32_t sign = (bits >> 15) & 1, exponent = (bits >> 10) & 0x1f, mantissa = bits & 0x3ff;
+  float magnitude;
+  if (exponent == 0) {
+    magnitude = std::ldexp(static_cast<float>(mantissa), -24);
+  } else if (exponent == 31) {
+    magnitude = mantissa ? NAN : INFINITY;
+  } else {
+    magnitude = std::ldexp(static_cast<float>(mantissa | 0x400), static_cast<int>(exponent) - 25);
+  }
+  return sign ? -magnitude : magnitude;
+}
+
+uint16_t FloatToHalf(float value) {
+  const uint16_t sign = std::signbit(value) ? 0x8000 : 0;
+  if (std::isnan(value)) return sign | 0x7e00;
+  float magnitude = std::fabs(value);
+  if (magnitude >= 65520.0f) return sign | 0x7c00;  // rounds to infinity
+  if (magnitude < std::ldexp(1.0f, -14)) {           // subnormal: a multiple of 2^-24
+    return sign | static_cast<uint16_t>(std::nearbyint(std::ldexp(magnitude, 24)));
+  }
+  int exponent;
+  const float fraction = std::frexp(magnitude, &exponent);  // magnitude = fraction * 2^exponent
+  uint32_t mantissa = static_cast<uint32_t>(std::nearbyint(std::ldexp(fraction, 11)));  // 1024..2048
+  if (mantissa == 2048) {
+    mantissa = 1024;
+    ++exponent;
+  }
+  if (exponent + 14 >= 31) return sign | 0x7c00;
+  return sign | static_cast<uint16_t>(((exponent + 14) << 10) | (mantissa & 0x3ff));
+}
+
+template <typename Acc>
+Acc Combine(ReduceOp op, Acc a, Acc b) {
+  switch (op) {
+    case ReduceOp::kSum: return a + b;
+    case ReduceOp::kMax: return a > b ? a : b;
+    case ReduceOp::kMin: return a < b ? a : b;
+  }
+  return a;
+}
+
+// out[i] = op over ranks of inputs[rank][offset + i]. Storage is the element type, Acc the accumulator.
+template <typename Storage, typename Acc, Acc (*Load)(Storage), Storage (*Store)(Acc)>
+void ReduceTyped(ReduceOp op, void* out, const std::vector<Published>& inputs, size_t offset, size_t count) {
+  Storage* y = static_cast<Storage*>(out);
+  for (size_t i = 0; i < count; ++i) {
+    Acc acc = Load(static_cast<const Storage*>(inputs[0].data)[offset + i]);
+    for (size_t r = 1; r < inputs.size(); ++r) {
+      acc = Combine(op, acc, Load(static_cast<const Storage*>(inputs[r].data)[offset + i]));
+    }
+    y[i] = Store(acc);
+  }
+}
+
+template <typename T>
+T Identity(T value) { return value; }
+
+ffi::Error Reduce(std::string_view op_name, ffi::DataType dtype, ReduceOp op, void* out,
+                  const std::vector<Published>& inputs, size_t offset, size_t count) {
+  switch (dtype) {
+#define NCCLX_REDUCE_CASE(DTYPE, T) \
+  case ffi::DataType::DTYPE:        \
+    ReduceTyped<T, T, Identity<T>, Identity<T>>(op, out, inputs, offset, count); \
+    return ffi::Error::Success();
+    NCCLX_REDUCE_CASE(F32, float)
+    NCCLX_REDUCE_CASE(F64, double)
+    NCCLX_REDUCE_CASE(S8, int8_t)
+    NCCLX_REDUCE_CASE(U8, uint8_t)
+    NCCLX_REDUCE_CASE(S16, int16_t)
+    NCCLX_REDUCE_CASE(U16, uint16_t)
+    NCCLX_REDUCE_CASE(S32, int32_t)
+    NCCLX_REDUCE_CASE(U32, uint32_t)
+    NCCLX_REDUCE_CASE(S64, int64_t)
+    NCCLX_REDUCE_CASE(U64, uint64_t)
+#undef NCCLX_REDUCE_CASE
+    case ffi::DataType::BF16:
+      ReduceTyped<uint16_t, float, Bf16ToFloat, FloatToBf16>(op, out, inputs, offset, count);
+      return ffi::Error::Success();
+    case ffi::DataType::F16:
+      ReduceTyped<uint16_t, float, HalfToFloat, FloatToHalf>(op, out, inputs, offset, count);
+      return ffi::Error::Success();
+    default:
+      return InvalidArgument(op_name, "cannot reduce elements of XLA dtype " +
+                                          std::to_string(static_cast<int>(dtype)));
+  }
+}
+
+ffi::Error CheckReduceOp(std::string_view op_name, int64_t reduce_op) {
+  if (reduce_op < 0 || reduce_op > 2) {
+    return InvalidArgument(op_name, "reduce_op must be 0 (sum), 1 (max) or 2 (min), got " +
+                                        std::to_string(reduce_op));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckBytes(std::string_view op_name, std::string_view what, size_t got, size_t expected) {
+  if (got == expected) return ffi::Error::Success();
+  return InvalidArgument(op_name, std::string(what) + " has " + std::to_string(got) + " bytes, expected " +
+                                      std::to_string(expected));
+}
+
+ffi::Error AllReduceImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id, ffi::Result<ffi::AnyBuffer> y,
+                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t op_id,
+                         int64_t timeout_ms, int64_t reduce_op) {
+  constexpr std::string_view kOp = "all_reduce";
+  NCCLX_RETURN_IF_ERROR(CheckReduceOp(kOp, reduce_op));
+  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", y->size_bytes(), x.size_bytes()));
+  ffi::Error result = ffi::Error::Success();
+  NCCLX_RETURN_IF_ERROR(RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, op_id, timeout_ms,
+                                   {x.untyped_data()}, [&](int64_t, const std::vector<Published>& peers) {
+    result = Reduce(kOp, x.element_type(), static_cast<ReduceOp>(reduce_op), y->untyped_data(), peers, 0,
+                    x.element_count());
+  }));
+  return result;
+}
+
+ffi::Error AllGatherImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id, ffi::Result<ffi::AnyBuffer> y,
+                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t op_id,
+                         int64_t timeout_ms) {
+  constexpr std::string_view kOp = "all_gather";
+  const size_t chunk = x.size_bytes();
+  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", y->size_bytes(), chunk * group_size));
+  return RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, op_id, timeout_ms,
+                    {x.untyped_data()}, [&](int64_t, const std::vector<Published>& peers) {
+    char* out = static_cast<char*>(y->untyped_data());
+    for (size_t r = 0; r < peers.size(); ++r) std::memcpy(out + r * chunk, peers[r].data, chunk);
+  });
+}
+
+ffi::Error ReduceScatterImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id,
+                             ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups,
+                             int64_t group_size, int64_t op_id, int64_t timeout_ms, int64_t reduce_op) {
+  constexpr std::string_view kOp = "reduce_scatter";
+  NCCLX_RETURN_IF_ERROR(CheckReduceOp(kOp, reduce_op));
+  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "input", x.size_bytes(), y->size_bytes() * group_size));
+  ffi::Error result = ffi::Error::Success();
+  NCCLX_RETURN_IF_ERROR(RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, op_id, timeout_ms,
+                                   {x.untyped_data()}, [&](int64_t rank, const std::vector<Published>& peers) {
+    const size_t count = y->element_count();
+    result = Reduce(kOp, x.element_type(), static_cast<ReduceOp>(reduce_op), y->untyped_data(), peers,
+                    rank * count, count);
+  }));
+  return result;
+}
+
+ffi::Error AllToAllImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id, ffi::Result<ffi::AnyBuffer> y,
+                        ffi::Span<const int64_t> groups, int64_t group_size, int64_t op_id,
+                        int64_t timeout_ms) {
+  constexpr std::string_view kOp = "all_to_all";
+  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", y->size_bytes(), x.size_bytes()));
+  const size_t chunk = x.size_bytes() / group_size;
+  return RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, op_id, timeout_ms,
+                    {x.untyped_data()}, [&](int64_t rank, const std::vector<Published>& peers) {
+    char* out = static_cast<char*>(y->untyped_data());
+    for (size_t r = 0; r < peers.size(); ++r) {
+      std::memcpy(out + r * chunk, static_cast<const char*>(peers[r].data) + rank * chunk, chunk);
+    }
+  });
+}
+
+ffi::Error PpermuteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id, ffi::Result<ffi::AnyBuffer> y,
+                        ffi::Span<const int64_t> groups, int64_t group_size, int64_t op_id,
+                        int64_t timeout_ms, ffi::Span<const int64_t> sources,
+                        ffi::Span<const int64_t> targets) {
+  constexpr std::string_view kOp = "ppermute";
+  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", y->size_bytes(), x.size_bytes()));
+  if (static_cast<int64_t>(sources.size()) != group_size || static_cast<int64_t>(targets.size()) != group_size) {
+    return InvalidArgument(kOp, "sources and targets must have one entry per rank (" +
+                                    std::to_string(group_size) + ")");
+  }
+  return RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, op_id, timeout_ms,
+                    {x.untyped_data()}, [&](int64_t rank, const std::vector<Published>& peers) {
+    const int64_t source = sources[rank];
+    if (source < 0) {
+      std::memset(y->untyped_data(), 0, y->size_bytes());
+    } else {
+      std::memcpy(y->untyped_data(), peers[source].data, y->size_bytes());
+    }
+  });
+}
+
+// Binding prefix shared by the single-operand collectives: operand, partition id, result.
+auto BindSingleOperand() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()          // x
+      .Arg<ffi::Buffer<ffi::U32>>()   // partition_id (scalar)
+      .Ret<ffi::AnyBuffer>();         // y
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuAllReduce, AllReduceImpl,
+                              BindCpuGroupAttrs(BindSingleOperand()).Attr<int64_t>("reduce_op"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuAllGather, AllGatherImpl, BindCpuGroupAttrs(BindSingleOperand()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuReduceScatter, ReduceScatterImpl,
+                              BindCpuGroupAttrs(BindSingleOperand()).Attr<int64_t>("reduce_op"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuAllToAll, AllToAllImpl, BindCpuGroupAttrs(BindSingleOperand()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuPpermute, PpermuteImpl,
+                              BindCpuGroupAttrs(BindSingleOperand())
+                                  .Attr<ffi::Span<const int64_t>>("sources")    // source of each rank, -1: none
+                                  .Attr<ffi::Span<const int64_t>>("targets"));  // target of each rank, -1: none
+
+}  // namespace jax_ncclx

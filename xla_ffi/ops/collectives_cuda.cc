@@ -1,0 +1,245 @@
+// CUDA FFI handlers of the fixed-size collectives: all_reduce, all_gather, reduce_scatter, all_to_all and
+// ppermute. Each looks up this device's communicator, checks the buffer sizes against it and queues NCCL
+// work on XLA's stream; nothing here waits for the device. Data-moving ops send raw bytes (ncclInt8), so
+// every dtype works, fp8 included.
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "common/checks.h"
+#include "common/nccl_comms.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ncclx {
+namespace {
+
+int64_t Bytes(const ffi::AnyBuffer& buffer) { return static_cast<int64_t>(buffer.size_bytes()); }
+
+// `what` is "input" or "output"; `expected` says where the expected size comes from.
+ffi::Error CheckBytes(std::string_view op, std::string_view what, int64_t bytes, int64_t expected_bytes,
+                      const std::string& expected) {
+  if (bytes == expected_bytes) return ffi::Error::Success();
+  return InvalidArgument(op, std::string(what) + " has " + std::to_string(bytes) + " bytes, expected " +
+                                 expected);
+}
+
+std::string RanksTimes(int ranks, int64_t bytes) {
+  return std::to_string(ranks) + " ranks x " + std::to_string(bytes) + " bytes";
+}
+
+ffi::Error CheckSameDtype(std::string_view op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& y) {
+  if (x.element_type() == y.element_type()) return ffi::Error::Success();
+  return InvalidArgument(op, "output has dtype " + std::string(DataTypeName(y.element_type())) +
+                                 ", expected the input's " + std::string(DataTypeName(x.element_type())));
+}
+
+// The NCCL type and operation of a reduction of x.
+struct Reduction {
+  ncclDataType_t dtype;
+  ncclRedOp_t op;
+};
+
+ffi::ErrorOr<Reduction> GetReduction(std::string_view op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& y,
+                                     int64_t reduce_op) {
+  NCCLX_RETURN_IF_ERROR(CheckSameDtype(op, x, y));
+  ffi::ErrorOr<ncclDataType_t> dtype = NcclReductionType(op, x.element_type());
+  if (dtype.has_error()) return dtype.error();
+  ffi::ErrorOr<ncclRedOp_t> red_op = NcclReduceOp(op, reduce_op);
+  if (red_op.has_error()) return red_op.error();
+  return Reduction{*dtype, *red_op};
+}
+
+ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
+                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t reduce_op) {
+  constexpr std::string_view kOp = "all_reduce";
+  ffi::ErrorOr<CommRank> comm = LookupCommRank(kOp, comm_id, device_ordinal);
+  if (comm.has_error()) return comm.error();
+  ffi::ErrorOr<Reduction> reduction = GetReduction(kOp, x, *y, reduce_op);
+  if (reduction.has_error()) return reduction.error();
+  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " +
+                                                                          std::to_string(Bytes(x))));
+  if (Bytes(x) == 0) return ffi::Error::Success();
+  return CheckNccl(kOp, "ncclAllReduce",
+                   ncclAllReduce(x.untyped_data(), y->untyped_data(), x.element_count(), reduction->dtype,
+                                 reduction->op, comm->comm, stream),
+                   comm->comm);
+}
+
+ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
+                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id) {
+  constexpr std::string_view kOp = "all_gather";
+  ffi::ErrorOr<CommRank> comm = LookupCommRank(kOp, comm_id, device_ordinal);
+  if (comm.has_error()) return comm.error();
+  NCCLX_RETURN_IF_ERROR(
+      CheckBytes(kOp, "output", Bytes(*y), comm->size * Bytes(x), RanksTimes(comm->size, Bytes(x))));
+  if (Bytes(x) == 0) return ffi::Error::Success();
+  return CheckNccl(kOp, "ncclAllGather",
+                   ncclAllGather(x.untyped_data(), y->untyped_data(), Bytes(x), ncclInt8, comm->comm, stream),
+                   comm->comm);
+}
+
+ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
+                             ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t reduce_op) {
+  constexpr std::string_view kOp = "reduce_scatter";
+  ffi::ErrorOr<CommRank> comm = LookupCommRank(kOp, comm_id, device_ordinal);
+  if (comm.has_error()) return comm.error();
+  ffi::ErrorOr<Reduction> reduction = GetReduction(kOp, x, *y, reduce_op);
+  if (reduction.has_error()) return reduction.error();
+  NCCLX_RETURN_IF_ERROR(
+      CheckBytes(kOp, "input", Bytes(x), comm->size * Bytes(*y), RanksTimes(comm->size, Bytes(*y))));
+  if (Bytes(x) == 0) return ffi::Error::Success();
+  return CheckNccl(kOp, "ncclReduceScatter",
+                   ncclReduceScatter(x.untyped_data(), y->untyped_data(), y->element_count(),
+                                     reduction->dtype, reduction->op, comm->comm, stream),
+                   comm->comm);
+}
+
+ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
+                        ffi::Result<ffi::AnyBuffer> y, int64_t comm_id) {
+  constexpr std::string_view kOp = "all_to_all";
+  ffi::ErrorOr<CommRank> comm = LookupCommRank(kOp, comm_id, device_ordinal);
+  if (comm.has_error()) return comm.error();
+  if (Bytes(x) % comm->size != 0) {
+    return InvalidArgument(kOp, "input has " + std::to_string(Bytes(x)) + " bytes, which do not split into " +
+                                    std::to_string(comm->size) + " equal per-rank blocks");
+  }
+  NCCLX_RETURN_IF_ERROR(
+      CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
+  if (Bytes(x) == 0) return ffi::Error::Success();
+  return CheckNccl(kOp, "ncclAlltoAll",
+                   ncclAlltoAll(x.untyped_data(), y->untyped_data(), Bytes(x) / comm->size, ncclInt8,
+                                comm->comm, stream),
+                   comm->comm);
+}
+
+// Every rank sees the same sources/targets, so checking that they describe one consistent set of pairs
+// makes all ranks fail together instead of leaving a send or receive without its partner (a hang).
+ffi::Error CheckPairs(std::string_view op, ffi::Span<const int64_t> sources, ffi::Span<const int64_t> targets,
+                      int size) {
+  if (static_cast<int64_t>(sources.size()) != size || static_cast<int64_t>(targets.size()) != size) {
+    return InvalidArgument(op, "sources has " + std::to_string(sources.size()) + " entries and targets " +
+                                   std::to_string(targets.size()) + ", expected one per rank (" +
+                                   std::to_string(size) + ")");
+  }
+  for (int r = 0; r < size; ++r) {
+    const int64_t source = sources[r];
+    const int64_t target = targets[r];
+    if (source < -1 || source >= size || target < -1 || target >= size) {
+      return InvalidArgument(op, "sources[" + std::to_string(r) + "] = " + std::to_string(source) +
+                                     " and targets[" + std::to_string(r) + "] = " + std::to_string(target) +
+                                     " must each be -1 or a rank below " + std::to_string(size));
+    }
+  }
+  for (int r = 0; r < size; ++r) {
+    const int64_t target = targets[r];
+    if (target >= 0 && sources[target] != r) {
+      return InvalidArgument(op, "targets[" + std::to_string(r) + "] = " + std::to_string(target) +
+                                     " but sources[" + std::to_string(target) + "] = " +
+                                     std::to_string(sources[target]) + ", expected " + std::to_string(r));
+    }
+    const int64_t source = sources[r];
+    if (source >= 0 && targets[source] != r) {
+      return InvalidArgument(op, "sources[" + std::to_string(r) + "] = " + std::to_string(source) +
+                                     " but targets[" + std::to_string(source) + "] = " +
+                                     std::to_string(targets[source]) + ", expected " + std::to_string(r));
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error PpermuteImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
+                        ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, ffi::Span<const int64_t> sources,
+                        ffi::Span<const int64_t> targets) {
+  constexpr std::string_view kOp = "ppermute";
+  ffi::ErrorOr<CommRank> comm = LookupCommRank(kOp, comm_id, device_ordinal);
+  if (comm.has_error()) return comm.error();
+  NCCLX_RETURN_IF_ERROR(CheckPairs(kOp, sources, targets, comm->size));
+  NCCLX_RETURN_IF_ERROR(
+      CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
+  const int64_t bytes = Bytes(x);
+  if (bytes == 0) return ffi::Error::Success();
+
+  const int64_t source = sources[comm->rank];
+  const int64_t target = targets[comm->rank];
+  // CheckPairs makes a rank its own source exactly when it is its own target: a local copy, no NCCL.
+  if (source == comm->rank) {
+    return CheckCuda(kOp, "cudaMemcpyAsync",
+                     cudaMemcpyAsync(y->untyped_data(), x.untyped_data(), bytes, cudaMemcpyDeviceToDevice,
+                                     stream));
+  }
+  if (source < 0) {
+    NCCLX_RETURN_IF_ERROR(
+        CheckCuda(kOp, "cudaMemsetAsync", cudaMemsetAsync(y->untyped_data(), 0, bytes, stream)));
+    if (target < 0) return ffi::Error::Success();
+  }
+  // Send and receive in one group: with both issued together, rings of ranks cannot deadlock.
+  return InNcclGroup(kOp, comm->comm, [&]() -> ffi::Error {
+    if (target >= 0) {
+      NCCLX_RETURN_IF_ERROR(CheckNccl(
+          kOp, "ncclSend",
+          ncclSend(x.untyped_data(), bytes, ncclInt8, static_cast<int>(target), comm->comm, stream),
+          comm->comm));
+    }
+    if (source < 0) return ffi::Error::Success();
+    return CheckNccl(
+        kOp, "ncclRecv",
+        ncclRecv(y->untyped_data(), bytes, ncclInt8, static_cast<int>(source), comm->comm, stream),
+        comm->comm);
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NcclAllReduce, AllReduceImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+        .Ctx<ffi::DeviceOrdinal>()                 // device_ordinal
+        .Arg<ffi::AnyBuffer>()                     // x
+        .Ret<ffi::AnyBuffer>()                     // y
+        .Attr<int64_t>("comm_id")                  // comm_id
+        .Attr<int64_t>("reduce_op"));              // reduce_op
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NcclAllGather, AllGatherImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+        .Ctx<ffi::DeviceOrdinal>()                 // device_ordinal
+        .Arg<ffi::AnyBuffer>()                     // x
+        .Ret<ffi::AnyBuffer>()                     // y: [N, *x.shape]
+        .Attr<int64_t>("comm_id"));                // comm_id
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NcclReduceScatter, ReduceScatterImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+        .Ctx<ffi::DeviceOrdinal>()                 // device_ordinal
+        .Arg<ffi::AnyBuffer>()                     // x: [N, *y.shape]
+        .Ret<ffi::AnyBuffer>()                     // y
+        .Attr<int64_t>("comm_id")                  // comm_id
+        .Attr<int64_t>("reduce_op"));              // reduce_op
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NcclAllToAll, AllToAllImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+        .Ctx<ffi::DeviceOrdinal>()                 // device_ordinal
+        .Arg<ffi::AnyBuffer>()                     // x: [N, ...]
+        .Ret<ffi::AnyBuffer>()                     // y: x's shape
+        .Attr<int64_t>("comm_id"));                // comm_id
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NcclPpermute, PpermuteImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()     // stream
+        .Ctx<ffi::DeviceOrdinal>()                    // device_ordinal
+        .Arg<ffi::AnyBuffer>()                        // x
+        .Ret<ffi::AnyBuffer>()                        // y
+        .Attr<int64_t>("comm_id")                     // comm_id
+        .Attr<ffi::Span<const int64_t>>("sources")    // sources
+        .Attr<ffi::Span<const int64_t>>("targets"));  // targets
+
+}  // namespace jax_ncclx
