@@ -10,10 +10,23 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 command="${1:-}"
 shift || true
-python="${PYTHON:-python3.12}"
 venv="${VENV:-.venv}"
 
+# A Python 3.12 interpreter: $PYTHON, python3.12 on PATH, or pyenv's 3.12.x.
+find_python() {
+  local candidate
+  for candidate in "${PYTHON:-}" python3.12 "$(pyenv root 2>/dev/null || echo /nonexistent)"/versions/3.12*/bin/python3.12; do
+    if [ -n "$candidate" ] && "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+      echo "$candidate"
+      return
+    fi
+  done
+  echo "tools/dev.sh: no Python 3.12 found; set PYTHON=/path/to/python3.12" >&2
+  exit 1
+}
+
 if [ ! -x "$venv/bin/python" ]; then
+  python="$(find_python)"
   echo "== creating $venv with $python"
   "$python" -m venv "$venv"
 fi
