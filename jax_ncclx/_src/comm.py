@@ -42,9 +42,10 @@ def _wait_for_device_work():
             pass
 
 
-def _unique_id(world: tuple[int, ...], root_is_local: bool) -> bytes:
+def _unique_id(world: tuple[int, ...], local_ranks: list[int]) -> bytes:
+    """A fresh id when this process holds the whole world; otherwise the id rank 0's process publishes."""
     cuda = lib.cuda_module()
-    if all(d.process_index == jax.process_index() for d in jax.devices() if d.id in world):
+    if len(local_ranks) == len(world):
         return cuda.unique_id()
     client = compat.distributed_client()
     if client is None:
@@ -53,7 +54,7 @@ def _unique_id(world: tuple[int, ...], root_is_local: bool) -> bytes:
             "jax.distributed.initialize() before the first collective"
         )
     key = "jax_ncclx/world/" + hashlib.sha1(repr(world).encode()).hexdigest()
-    if root_is_local:
+    if 0 in local_ranks:
         uid = cuda.unique_id()
         client.key_value_set_bytes(key, uid)
         return uid
@@ -68,7 +69,7 @@ def _world_comm(devices: Sequence[jax.Device]) -> int:
     local = [by_id[i] for i in world if by_id[i].process_index == jax.process_index()]
     ranks = [world.index(d.id) for d in local]
     _wait_for_device_work()
-    uid = _unique_id(world, root_is_local=0 in ranks)
+    uid = _unique_id(world, ranks)
     comm_id = lib.cuda_module().init_comm(uid, len(world), ranks, [d.local_hardware_id for d in local])
     logger.info("jax_ncclx: world communicator %d over %d devices (local ranks %s)", comm_id, len(world), ranks)
     _world_comms[world] = comm_id
