@@ -1,9 +1,9 @@
-"""A small mixture-of-experts step with jax_ncclx.all_to_allv_dynamic, checked against a dense reference.
+"""A small mixture-of-experts step with jax_ncclx.moe, checked against a dense reference.
 
-Every device holds T tokens and E/N experts. Each token picks its top-k experts; the (token, choice) rows are
-sorted by expert, shuffled to the devices that own those experts (the counts never leave the device), run
-through their expert, shuffled back, and combined with the router weights. Runs on all GPUs when there are
-at least two, otherwise on 8 virtual CPU devices:
+Every device holds T tokens and E/N experts. Each token picks its top-k experts. ``moe.dispatch`` sends the
+(token, choice) rows to the devices that own those experts (the counts never leave the device) and groups
+them by expert; ``jax.lax.ragged_dot`` runs the experts; ``moe.combine`` sends the outputs back and sums them
+with the router weights. Runs on all GPUs when there are at least two, otherwise on 8 virtual CPU devices:
 
     python examples/moe_step.py [--tokens 64] [--hidden 32] [--experts 16] [--top-k 2]
 """
@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ncclx as nx  # noqa: E402
+from jax_ncclx import moe  # noqa: E402
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
@@ -35,37 +36,19 @@ def route(tokens, router, top_k):
 
 def moe_layer(tokens, router, expert_weights, *, num_experts, top_k, capacity):
     """Per device: tokens [T, H], router [H, E] (replicated), expert_weights [E/N, H, H] (this device's)."""
-    num_devices = jax.lax.axis_size("ep")
-    local_experts = num_experts // num_devices
     experts, gates = route(tokens, router, top_k)
-
-    # Dispatch: (token, choice) rows sorted by expert = grouped by destination device, then by its expert.
-    flat_expert = experts.reshape(-1)
-    order = jnp.argsort(flat_expert, stable=True)
-    rows = jnp.repeat(tokens, top_k, axis=0)[order]
-    send_counts = jnp.bincount(flat_expert, length=num_experts).reshape(num_devices, local_experts)
-    received, recv_counts, dropped = nx.all_to_allv_dynamic(
-        rows, send_counts, "ep", max_recv_per_peer=capacity, layout="packed")
-
-    # Expert compute: packed rows are source-major, then expert-major; find each row's local expert.
-    ends = jnp.cumsum(recv_counts.reshape(-1))
-    segment = jnp.searchsorted(ends, jnp.arange(received.shape[0]), side="right") % local_experts
-    outputs = jnp.tanh(jnp.einsum("rh,rhd->rd", received, expert_weights[segment]))
-
-    # Combine: send every row back to where it came from (padded layout: block j = rows that went to j).
-    returned, _, _ = nx.all_to_allv_dynamic(outputs, recv_counts, "ep", max_recv_per_peer=capacity)
-    sent_to = send_counts.sum(axis=1)
-    starts = jnp.cumsum(sent_to) - sent_to
-    peer = jnp.searchsorted(jnp.cumsum(sent_to), jnp.arange(rows.shape[0]), side="right")
-    sorted_out = returned[peer, jnp.arange(rows.shape[0]) - starts[peer]]
-    per_choice = jnp.zeros_like(sorted_out).at[order].set(sorted_out).reshape(tokens.shape[0], top_k, -1)
-    return (per_choice * gates[..., None]).sum(axis=1), dropped
+    rows, group_sizes, handle = moe.dispatch(tokens, experts, num_experts=num_experts, axis_name="ep",
+                                             capacity=capacity)
+    # HIGHEST: float32 without TF32 on GPUs, so the comparison with the dense reference stays tight.
+    outputs = jnp.tanh(jax.lax.ragged_dot(rows, expert_weights, group_sizes, precision=jax.lax.Precision.HIGHEST))
+    return moe.combine(outputs, handle, gates), handle.dropped
 
 
 def dense_reference(tokens, router, expert_weights, top_k):
     experts, gates = route(tokens, router, top_k)
     chosen = expert_weights[experts]  # [T, k, H, H]
-    return (jnp.tanh(jnp.einsum("th,tkhd->tkd", tokens, chosen)) * gates[..., None]).sum(axis=1)
+    y = jnp.tanh(jnp.einsum("th,tkhd->tkd", tokens, chosen, precision=jax.lax.Precision.HIGHEST))
+    return (y * gates[..., None]).sum(axis=1)
 
 
 def main():

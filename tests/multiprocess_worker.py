@@ -1,7 +1,11 @@
-"""One process of the one-process-per-GPU test: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT.
+"""One process of the one-process-per-GPU test:
+python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT VISIBILITY.
 
-Each process drives one GPU (CUDA_VISIBLE_DEVICES set by the launcher); the communicators bootstrap through
-JAX's distributed key-value store. Checks every op against jax.lax / the NumPy reference and prints WORKER OK.
+Each process drives one GPU; the communicators bootstrap through JAX's distributed key-value store. VISIBILITY
+"one" means the launcher hid the other GPUs (CUDA_VISIBLE_DEVICES), so all_to_allv_dynamic cannot map its
+peers and must fall back to NCCL; "all" means every GPU is visible and JAX uses only GPU PROCESS_ID
+(local_device_ids), so the NVLink kernel runs over CUDA IPC. Checks every op against jax.lax / the NumPy
+reference, and the transport all_to_allv_dynamic lowered to, and prints WORKER OK.
 """
 
 import os
@@ -13,7 +17,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jax  # noqa: E402
 
 process_id, num_processes, port = (int(a) for a in sys.argv[1:4])
-jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id)
+visibility = sys.argv[4]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id,
+                           local_device_ids=[process_id] if visibility == "all" else None)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -68,6 +74,13 @@ for layout in ("padded", "packed"):
         np.testing.assert_array_equal(recv[member], rrecv)
         np.testing.assert_array_equal(dropped[member], rdropped)
     print(f"[{process_id}] all_to_allv_dynamic {layout} ok", flush=True)
+
+lowered = jax.jit(jax.shard_map(lambda v, c: nx.all_to_allv_dynamic(v[0], c[0], "x", max_recv_per_peer=2)[0][None],
+                                mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x"))).lower(
+    global_array(xs), global_array(counts[..., 0])).as_text()
+on_nvlink = "ncclx_all_to_allv_dynamic_nvlink" in lowered
+assert on_nvlink == (visibility == "all"), f"visibility {visibility}: NVLink kernel chosen: {on_nvlink}"
+print(f"[{process_id}] all_to_allv_dynamic transport {'nvlink' if on_nvlink else 'nccl'} ok", flush=True)
 
 grad = jax.jit(jax.grad(lambda v: jax.shard_map(lambda u: jnp.sin(nx.all_reduce(u, "x")).sum()[None], mesh=mesh,
                                                 in_specs=P("x"), out_specs=P("x"))(v).sum()))(global_array(x))

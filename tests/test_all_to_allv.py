@@ -1,5 +1,10 @@
 """all_to_allv_dynamic against the NumPy reference: adversarial count patterns, both layouts, K chunks per
-peer, dtypes, vmap (one call), grad, and both axes of a 2-D mesh; on CPU and, where present, GPUs."""
+peer, dtypes, vmap (one call), grad, and both axes of a 2-D mesh; on CPU and, where present, on GPUs through
+both transports (the NVLink kernel, required to be taken, and the NCCL path)."""
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.test_util
@@ -10,9 +15,33 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ncclx as nx
 import reference
+from conftest import gpu_devices, gpu_skip_reason
 from helpers import assert_same, random_array
 
 ROWS, FEATURES, CAPACITY = 12, 5, 4
+NVLINK_TARGET = "ncclx_all_to_allv_dynamic_nvlink"
+
+
+GPU_TRANSPORTS = {  # param -> (JAX_NCCLX_TRANSPORT, JAX_NCCLX_NVLINK_DIRECT)
+    "gpu-nvlink": ("nvlink", "1"),         # rows written straight into the peers' outputs
+    "gpu-nvlink-staged": ("nvlink", "0"),  # rows staged in symmetric memory, as with one process per GPU
+    "gpu-nccl": ("nccl", "1"),
+}
+
+
+@pytest.fixture(params=["cpu", *(pytest.param(name, marks=pytest.mark.gpu) for name in GPU_TRANSPORTS)])
+def backend(request, monkeypatch):
+    """Overrides conftest's: GPUs run through each transport; "nvlink" makes a fallback to NCCL an error. The
+    settings are read when a program is lowered."""
+    if request.param == "cpu":
+        return jax.devices("cpu")
+    reason = gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    transport, direct = GPU_TRANSPORTS[request.param]
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", transport)
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_DIRECT", direct)
+    return gpu_devices()
 
 
 def counts_for(pattern, n, k, seed):
@@ -182,3 +211,65 @@ def test_check_grads_numerically(backend):
                       mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x"))
     jax.test_util.check_grads(lambda v: f(v, counts), (jnp.asarray(random_array((n, ROWS, 2), jnp.float32)),),
                               order=2, modes=["fwd", "rev"], atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_large_random_rows(backend, layout):
+    """Many rows of an odd width (4-byte copies) and bf16 rows of 16-byte multiples, several pieces per peer."""
+    n = len(backend)
+    rows, capacity = 600, 220
+    rng = np.random.default_rng(11)
+    counts = rng.integers(0, 2 * capacity // 3, size=(n, n, 3)).astype(np.int32)
+    for features, dtype in (((129,), jnp.float32), ((256,), jnp.bfloat16)):
+        xs = random_array((n, rows, *features), dtype, seed=3)
+        check(run(line_mesh(backend), "x", xs, counts, layout, capacity=capacity),
+              reference.all_to_allv(list(xs), list(counts), capacity, layout), dtype)
+
+
+def test_repeated_calls_reuse_flags(backend):
+    """One compiled program run many times with changing counts: the epochs on the device keep the peers in
+    step without any reset."""
+    n = len(backend)
+    mesh = line_mesh(backend)
+    xs = random_array((n, ROWS, FEATURES), jnp.float32)
+
+    def body(x, c):
+        y, recv, dropped = nx.all_to_allv_dynamic(x[0], c[0], "x", max_recv_per_peer=CAPACITY, layout="packed")
+        return y[None], recv[None], dropped[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x")))
+    for step in range(30):
+        counts = counts_for("random", n, 2, seed=100 + step)
+        out = f(jnp.asarray(xs), jnp.asarray(counts))
+        if step % 10 == 9:
+            check([tuple(np.asarray(o[i]) for o in out) for i in range(n)],
+                  reference.all_to_allv(list(xs), list(counts), CAPACITY, "packed"), jnp.float32)
+
+
+def test_lowering_picks_the_transport(backend):
+    n = len(backend)
+    mesh = line_mesh(backend)
+    f = jax.jit(jax.shard_map(lambda x, c: nx.all_to_allv_dynamic(x[0], c[0], "x", max_recv_per_peer=2)[0][None],
+                              mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x")))
+    text = f.lower(jnp.zeros((n, 4, 2)), jnp.zeros((n, n), jnp.int32)).as_text()
+    on_nvlink = os.environ.get("JAX_NCCLX_TRANSPORT") == "nvlink" and backend[0].platform == "gpu"
+    assert (NVLINK_TARGET in text) == on_nvlink
+    if on_nvlink:
+        stats = [s for s in nx.memory_stats() if s["symmetric_data_bytes"] > 0]
+        assert stats and all(s["control_bytes"] < 1 << 16 for s in stats)
+
+
+CAPTURE_SCRIPT = os.path.join(os.path.dirname(__file__), "command_buffer_worker.py")
+
+
+@pytest.mark.gpu
+def test_nvlink_kernel_inside_command_buffers():
+    """With custom calls captured into CUDA graphs, the NVLink kernel gives the reference results call after
+    call (the worker checks the compiled program really holds a command buffer)."""
+    reason = gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    env = dict(os.environ, JAX_NCCLX_TRANSPORT="nvlink", NCCL_NVLS_ENABLE="0",
+               XLA_FLAGS="--xla_gpu_enable_command_buffer=+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
+    done = subprocess.run([sys.executable, CAPTURE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "CAPTURE OK" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]

@@ -20,15 +20,21 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_one_process_per_gpu():
+@pytest.mark.parametrize("visibility", ["one", "all"])
+def test_one_process_per_gpu(visibility):
+    """visibility "one": each process sees only its GPU (NVLink kernels fall back to NCCL); "all": every GPU is
+    visible, JAX uses one per process, and all_to_allv_dynamic's NVLink kernel maps its peers via CUDA IPC."""
     reason = gpu_skip_reason()
     if reason:
         pytest.skip(reason)
     n, port = len(gpu_devices()), free_port()
     procs = []
     for pid in range(n):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(pid), NCCL_NVLS_ENABLE="0", JAX_PLATFORMS="cuda")
-        procs.append(subprocess.Popen([sys.executable, WORKER, str(pid), str(n), str(port)], env=env,
+        env = dict(os.environ, NCCL_NVLS_ENABLE="0", JAX_PLATFORMS="cuda")
+        env.pop("JAX_NCCLX_TRANSPORT", None)
+        if visibility == "one":
+            env["CUDA_VISIBLE_DEVICES"] = str(pid)
+        procs.append(subprocess.Popen([sys.executable, WORKER, str(pid), str(n), str(port), visibility], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     for proc in procs:

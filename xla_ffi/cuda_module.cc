@@ -3,6 +3,7 @@
 // handlers look up by comm_id.
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 #include <nccl.h>
@@ -20,6 +21,8 @@
 
 #include "common/checks.h"
 #include "common/nccl_comms.h"
+#include "common/symmetric.h"
+#include "ops/all_to_allv_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -32,6 +35,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclReduceScatter);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllToAll);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclPpermute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllToAllvDynamic);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllToAllvDynamic);
 
 namespace {
 
@@ -189,12 +193,42 @@ std::vector<std::tuple<int, int, int>> CommInfo(int64_t comm_id) {
 
 void DestroyAll() {
   constexpr std::string_view kOp = "destroy_all";
-  ffi::Error error;
+  ffi::Error freed;
+  ffi::Error destroyed;
   {
     nb::gil_scoped_release release;  // waits for the communicators' outstanding work
-    error = DestroyAllComms(kOp);
+    freed = FreeAllSymmetric(kOp);   // before the communicators: their programs must be done with it
+    destroyed = DestroyAllComms(kOp);
   }
-  ThrowIfFailed(error);
+  ThrowIfFailed(freed);
+  ThrowIfFailed(destroyed);
+}
+
+std::string EnsureSymmetricMemory(int64_t comm_id, int64_t data_bytes) {
+  ffi::ErrorOr<std::string> reason = [&] {
+    nb::gil_scoped_release release;  // collective: blocks until every rank has joined
+    return EnsureSymmetric("ensure_symmetric", comm_id, data_bytes);
+  }();
+  return ValueOrThrow(std::move(reason));
+}
+
+std::vector<std::tuple<int64_t, int, int64_t, int64_t>> SymmetricMemory() {
+  std::vector<std::tuple<int64_t, int, int64_t, int64_t>> usage;
+  for (const SymmetricUsage& entry : SymmetricMemoryUsage()) {
+    usage.emplace_back(entry.comm_id, entry.device, entry.data_bytes, entry.control_bytes);
+  }
+  return usage;
+}
+
+int64_t AllToAllvStagingBytes(int64_t batch, int64_t num_peers, int64_t num_chunks, int64_t capacity,
+                              int64_t row_bytes, bool direct) {
+  AllToAllvShape shape;
+  shape.batch = batch;
+  shape.num_peers = num_peers;
+  shape.num_chunks = num_chunks;
+  shape.capacity = capacity;
+  shape.row_bytes = row_bytes;
+  return LayOutNvlinkStaging(shape, direct).total;
 }
 
 int NcclVersion() {
@@ -224,6 +258,7 @@ NB_MODULE(_ncclx_cuda, m) {
         targets["ncclx_all_to_all"] = jn::Capsule(jn::NcclAllToAll);
         targets["ncclx_ppermute"] = jn::Capsule(jn::NcclPpermute);
         targets["ncclx_all_to_allv_dynamic"] = jn::Capsule(jn::NcclAllToAllvDynamic);
+        targets["ncclx_all_to_allv_dynamic_nvlink"] = jn::Capsule(jn::NvlinkAllToAllvDynamic);
         return targets;
       },
       "FFI handler capsules of the CUDA backend, by target name.");
@@ -250,6 +285,24 @@ NB_MODULE(_ncclx_cuda, m) {
   m.def("comm_info", &jn::CommInfo, nb::arg("comm_id"),
         "The local communicators of `comm_id` as (device, rank, nranks) tuples, by device.");
   m.def("destroy_all", &jn::DestroyAll,
-        "Destroys every communicator. Programs that use them must have finished; programs compiled with\n"
-        "their comm_ids fail with an error afterwards.");
+        "Frees all symmetric memory and destroys every communicator. Programs that use them must have\n"
+        "finished; programs compiled with their comm_ids fail with an error afterwards.");
+  m.def("ensure_symmetric", &jn::EnsureSymmetricMemory, nb::arg("comm_id"), nb::arg("data_bytes"),
+        "Collective over every process of communicator `comm_id`: makes every rank's symmetric data region\n"
+        "at least `data_bytes` (allocated on first need, grown, never shrunk) and maps it into all peers.\n"
+        "Returns '' when the NVLink kernels can run on the communicator, else why not (the same answer on\n"
+        "every rank; remembered, so later calls return at once).");
+  m.def("symmetric_memory", &jn::SymmetricMemory,
+        "Symmetric device memory held: (comm_id, device, data_bytes, control_bytes) per local rank.");
+  m.def(
+      "nvlink_launch_counts",
+      [] {
+        const jn::NvlinkLaunchCounts counts = jn::GetNvlinkLaunchCounts();
+        return std::make_tuple(counts.launches, counts.captured);
+      },
+      "(host launches, launches recorded into CUDA graphs) of the NVLink all_to_allv_dynamic handler.");
+  m.def("all_to_allv_staging_bytes", &jn::AllToAllvStagingBytes, nb::arg("batch"), nb::arg("num_peers"),
+        nb::arg("num_chunks"), nb::arg("capacity"), nb::arg("row_bytes"), nb::arg("direct"),
+        "Symmetric data bytes the NVLink all_to_allv_dynamic kernel needs for these static sizes; `direct`:\n"
+        "ranks write into each other's outputs (one process), so only the counts are staged.");
 }

@@ -104,3 +104,43 @@ def communicator_for(mesh_devices: Sequence[jax.Device], groups: Sequence[Sequen
         logger.info("jax_ncclx: communicator %d = split of %d into groups %s", comm_id, world_id, group_ids)
         _group_comms[key] = comm_id
         return comm_id
+
+
+_nvlink_verdicts: dict[int, str] = {}
+
+
+def nvlink_symmetric_memory(comm_id: int, data_bytes: int, op: str) -> bool:
+    """Whether ``op`` may use its NVLink kernel on ``comm_id``, with at least ``data_bytes`` of symmetric memory.
+
+    Collective, like communicator creation: every process lowering the program calls it in the same order.
+    The symmetric memory is allocated on the first call and grown (never shrunk) by later ones. When a rank
+    cannot reach a peer through NVLink peer access the answer is False, logged once per communicator.
+    """
+    with _lock:
+        reason = lib.cuda_module().ensure_symmetric(comm_id, data_bytes)
+        if reason and comm_id not in _nvlink_verdicts:
+            logger.warning("jax_ncclx: communicator %d cannot use NVLink kernels (%s); %s and later ops on it use "
+                           "NCCL", comm_id, reason, op)
+        _nvlink_verdicts[comm_id] = reason
+    return not reason
+
+
+def nvlink_unavailable_reason(comm_id: int) -> str:
+    """Why ``comm_id`` has no NVLink kernels ("" when it has them, or when nothing asked yet)."""
+    return _nvlink_verdicts.get(comm_id, "")
+
+
+def memory_stats() -> list[dict]:
+    """Device memory jax_ncclx holds outside XLA's allocator, per communicator and local GPU.
+
+    Returns:
+      One dict per (communicator, local device) that holds symmetric memory: ``comm_id``, ``device`` (CUDA
+      ordinal), ``symmetric_data_bytes`` (the staging region, sized by the largest call lowered so far) and
+      ``control_bytes`` (flags and peer table, fixed). Empty when no GPU op has needed any, or on a CPU-only
+      build.
+    """
+    module = lib.cuda_module_if_available()
+    if module is None:
+        return []
+    return [dict(comm_id=comm_id, device=device, symmetric_data_bytes=data, control_bytes=control)
+            for comm_id, device, data, control in module.symmetric_memory()]

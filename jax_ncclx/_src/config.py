@@ -16,9 +16,24 @@ class Config:
       timeout_s: seconds a participant waits for its peers before the collective fails with an error that
         names the ranks that did not arrive (``JAX_NCCLX_TIMEOUT_S``, default 600). Enforced by the CPU
         backend today.
+      transport: how GPU ops that have an NVLink kernel move data (``JAX_NCCLX_TRANSPORT``): ``"auto"``
+        (default) uses the NVLink kernel when every rank of the communicator reaches every other through
+        NVLink peer access and NCCL otherwise, logging why; ``"nvlink"`` makes the fallback an error;
+        ``"nccl"`` always uses NCCL.
+      nvlink_blocks: thread blocks per NVLink kernel launch (``JAX_NCCLX_NVLINK_BLOCKS``); 0 (default) picks
+        by message size. Capped at one block per SM.
+      nvlink_direct: when one process drives every GPU of the communicator, NVLink kernels write rows
+        straight into the peers' outputs (``JAX_NCCLX_NVLINK_DIRECT=1``, default) instead of staging them in
+        symmetric memory and copying them out (0; what one process per GPU always does).
     """
 
     timeout_s: float = 600.0
+    transport: str = "auto"
+    nvlink_blocks: int = 0
+    nvlink_direct: bool = True
+
+
+TRANSPORTS = ("auto", "nvlink", "nccl")
 
 
 def _positive_float(name: str, default: float) -> float:
@@ -34,6 +49,32 @@ def _positive_float(name: str, default: float) -> float:
     return value
 
 
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower() or default
+    if value not in choices:
+        raise ValueError(f"{name}={raw!r} is not valid: it must be one of {', '.join(choices)}")
+    return value
+
+
+def _non_negative_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    if raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name}={raw!r} is not valid: it must be an integer >= 0")
+    return value
+
+
 def current() -> Config:
     """The settings in force now, from the environment."""
-    return Config(timeout_s=_positive_float("JAX_NCCLX_TIMEOUT_S", Config.timeout_s))
+    return Config(
+        timeout_s=_positive_float("JAX_NCCLX_TIMEOUT_S", Config.timeout_s),
+        transport=_choice("JAX_NCCLX_TRANSPORT", Config.transport, TRANSPORTS),
+        nvlink_blocks=_non_negative_int("JAX_NCCLX_NVLINK_BLOCKS", Config.nvlink_blocks),
+        nvlink_direct=_choice("JAX_NCCLX_NVLINK_DIRECT", "1", ("0", "1")) == "1",
+    )

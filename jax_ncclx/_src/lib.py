@@ -47,6 +47,11 @@ def cuda_module():
     return module
 
 
+def cuda_module_if_available():
+    """The CUDA extension module, or None when this build or machine lacks it."""
+    return _load_cuda()[0]
+
+
 def build_info() -> dict:
     """What this installation of jax_ncclx can do.
 

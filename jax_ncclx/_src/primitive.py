@@ -6,13 +6,15 @@ emits this package's own FFI custom call:
 
 * CPU: the target gets this device's partition id as a trailing operand, plus the replica groups (partition
   ids), a call-site id and the timeout as attributes; the handlers meet in-process (``xla_ffi/common``).
-* CUDA: the target gets the ``comm_id`` of an NCCL communicator made for exactly these groups (``comm.py``),
-  and optionally a workspace result that XLA allocates and the lowering drops.
+* CUDA: the target gets the ``comm_id`` of an NCCL communicator made for exactly these groups (``comm.py``).
+  An op may route its CUDA lowering (:class:`CudaRoute`): pick another target (e.g. its NVLink kernel),
+  add attributes, and ask for a workspace result that XLA allocates and the lowering drops.
 
 Public functions call :func:`global_view` when their axis is not bound by a ``shard_map``: the op then runs
 per shard through an internal ``shard_map`` over the mesh that the arrays are sharded on.
 """
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Callable, Hashable
@@ -114,23 +116,34 @@ def reject_collective_axis_vmap(axis_data, axis_name, op: str):
 
 # ---- lowering ----------------------------------------------------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class CudaRoute:
+    """How one CUDA call site lowers: the FFI target, extra attributes, and the byte size of a workspace
+    result (None: the handler takes none)."""
+
+    target: str
+    attrs: dict = dataclasses.field(default_factory=dict)
+    workspace_bytes: int | None = None
+
+
 def register_lowerings(prim: Primitive, target: str, attrs: Callable[..., dict] = lambda **params: {},
-                       cuda_workspace: Callable | None = None):
+                       cuda_route: Callable[..., CudaRoute] | None = None):
     """Registers CPU and CUDA lowerings of ``prim`` to the FFI target ``target``.
 
     Args:
       attrs: maps the primitive's params (without axis_name) to the op's own FFI attributes.
-      cuda_workspace: maps (ctx, **params) to the byte size of a scratch result the CUDA handler needs.
+      cuda_route: maps (ctx, comm_id, **params) to the :class:`CudaRoute` of a CUDA call site; by default
+        every call site lowers to ``target`` without workspace.
     """
     for platform in ("cpu", "cuda"):
         mlir.register_lowering(
             prim,
-            functools.partial(_lower, target=target, attrs=attrs, platform=platform, cuda_workspace=cuda_workspace),
+            functools.partial(_lower, target=target, attrs=attrs, platform=platform, cuda_route=cuda_route),
             platform=platform,
         )
 
 
-def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_workspace, **params):
+def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **params):
     axis_context = ctx.module_context.axis_context
     if not compat.is_spmd_axis_context(axis_context):
         raise NotImplementedError(f"{target}: jax_ncclx collectives lower only inside jax.shard_map (not pmap)")
@@ -147,9 +160,12 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_workspace, *
         operands = (*operands, compat.partition_id())
         avals_in.append(jax.core.ShapedArray((), np.uint32))
     else:
-        op_attrs["comm_id"] = np.int64(comm.communicator_for(_mesh_devices(axis_context.mesh, target), groups))
-        if cuda_workspace is not None:
-            avals_out.append(jax.core.ShapedArray((cuda_workspace(ctx, **params),), np.uint8))
+        comm_id = comm.communicator_for(_mesh_devices(axis_context.mesh, target), groups)
+        route = cuda_route(ctx, comm_id, **params) if cuda_route is not None else CudaRoute(target)
+        target = route.target
+        op_attrs.update(route.attrs, comm_id=np.int64(comm_id))
+        if route.workspace_bytes is not None:
+            avals_out.append(jax.core.ShapedArray((route.workspace_bytes,), np.uint8))
     lowered = jax.ffi.ffi_lowering(target)(ctx.replace(avals_in=avals_in, avals_out=avals_out), *operands,
                                            **op_attrs)
     return lowered[: len(ctx.avals_out)]

@@ -17,33 +17,57 @@
 
 namespace jax_ncclx {
 
-// counts: [num_peers * num_chunks] requested rows (row-major, peer-major).
-// delivered_chunks: [num_peers * num_chunks] rows of each chunk that reach the peer (these become the
-//   peer's recv_counts). first_row / delivered / dropped: [num_peers] input row where the rows for the
-//   peer start, how many rows it receives, and how many requested rows did not reach it.
+// Where one peer's rows sit in the input and how many reach it.
+struct PeerPlan {
+  int64_t first_row = 0;  // input row where the rows for the peer start
+  int64_t delivered = 0;  // rows it receives (at most capacity)
+  int32_t dropped = 0;    // requested rows that do not reach it
+};
+
+// The plan for `peer` alone, in O(num_peers * num_chunks) time and O(1) space, so that a device thread can
+// plan one peer without scratch memory. counts: [num_peers * num_chunks] requested rows (peer-major).
+// emit(chunk, rows) is called for each of the peer's chunks with the rows of it that reach the peer (these
+// become the peer's recv_counts).
+template <typename Emit>
+NCCLX_HOST_DEVICE inline PeerPlan PlanPeer(const int32_t* counts, int64_t num_chunks, int64_t num_rows,
+                                           int64_t capacity, int64_t peer, Emit emit) {
+  // Rows are consumed in order and cut at the end of the input, so the rows claimed before this peer are
+  // min(num_rows, sum of the earlier positive counts).
+  int64_t claimed = 0;
+  for (int64_t i = 0; i < peer * num_chunks; ++i) claimed += counts[i] < 0 ? 0 : counts[i];
+  PeerPlan plan;
+  plan.first_row = claimed < num_rows ? claimed : num_rows;
+  int64_t consumed = plan.first_row;
+  int64_t room = capacity;
+  int64_t requested = 0;
+  for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
+    const int64_t count = counts[peer * num_chunks + chunk];
+    requested += count < 0 ? -count : count;
+    int64_t rows = count < 0 ? 0 : count;
+    rows = rows < num_rows - consumed ? rows : num_rows - consumed;  // cut at the end of the input
+    consumed += rows;
+    const int64_t fits = rows < room ? rows : room;                  // cut at the peer's capacity
+    room -= fits;
+    plan.delivered += fits;
+    emit(chunk, static_cast<int32_t>(fits));
+  }
+  const int64_t lost = requested - plan.delivered;
+  plan.dropped = static_cast<int32_t>(lost < INT32_MAX ? lost : INT32_MAX);
+  return plan;
+}
+
+// PlanPeer for every peer. delivered_chunks: [num_peers * num_chunks]; first_row / delivered / dropped:
+// [num_peers].
 NCCLX_HOST_DEVICE inline void PlanSends(const int32_t* counts, int64_t num_peers, int64_t num_chunks,
                                         int64_t num_rows, int64_t capacity, int32_t* delivered_chunks,
                                         int64_t* first_row, int64_t* delivered, int32_t* dropped) {
-  int64_t consumed = 0;  // input rows claimed by the chunks walked so far
   for (int64_t peer = 0; peer < num_peers; ++peer) {
-    first_row[peer] = consumed;
-    int64_t room = capacity;
-    int64_t requested = 0;
-    int64_t sent = 0;
-    for (int64_t chunk = 0; chunk < num_chunks; ++chunk) {
-      const int64_t count = counts[peer * num_chunks + chunk];
-      requested += count < 0 ? -count : count;
-      int64_t rows = count < 0 ? 0 : count;
-      rows = rows < num_rows - consumed ? rows : num_rows - consumed;  // cut at the end of the input
-      consumed += rows;
-      const int64_t fits = rows < room ? rows : room;                  // cut at the peer's capacity
-      room -= fits;
-      sent += fits;
-      delivered_chunks[peer * num_chunks + chunk] = static_cast<int32_t>(fits);
-    }
-    delivered[peer] = sent;
-    const int64_t lost = requested - sent;
-    dropped[peer] = static_cast<int32_t>(lost < INT32_MAX ? lost : INT32_MAX);
+    int32_t* peer_chunks = delivered_chunks + peer * num_chunks;
+    const PeerPlan plan = PlanPeer(counts, num_chunks, num_rows, capacity, peer,
+                                   [peer_chunks](int64_t chunk, int32_t rows) { peer_chunks[chunk] = rows; });
+    first_row[peer] = plan.first_row;
+    delivered[peer] = plan.delivered;
+    dropped[peer] = plan.dropped;
   }
 }
 

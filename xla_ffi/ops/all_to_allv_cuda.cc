@@ -1,12 +1,15 @@
-// CUDA FFI handler of all_to_allv_dynamic: every rank sends a data-dependent number of rows (counts, on the
-// device) to each peer, at most `capacity` rows per peer. All the work is queued on XLA's stream and sized
-// by the static capacity, so the host never reads the counts:
-//   plan kernel -> pack kernel (zero-padded send buffer) -> one NCCL group of all-to-alls (rows and
-//   recv_counts) -> compact kernel (packed layout only).
+// CUDA FFI handlers of all_to_allv_dynamic: every rank sends a data-dependent number of rows (counts, on
+// the device) to each peer, at most `capacity` rows per peer. All the work is queued on XLA's stream and
+// sized by the static capacity, so the host never reads the counts. Two transports:
+//   NCCL (portable):  plan kernel -> pack kernel (zero-padded send buffer) -> one NCCL group of
+//                     all-to-alls (rows and recv_counts) -> compact kernel (packed layout only);
+//   NVLink:           one kernel writing straight into the peers' symmetric memory
+//                     (all_to_allv_nvlink_kernels.cu); command-buffer compatible.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
@@ -14,6 +17,7 @@
 
 #include "common/checks.h"
 #include "common/nccl_comms.h"
+#include "common/symmetric.h"
 #include "ops/all_to_allv_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -193,5 +197,95 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("comm_id")                  // comm_id
         .Attr<int64_t>("capacity")                 // capacity
         .Attr<int64_t>("packed"));                 // packed
+
+namespace {
+
+std::atomic<int64_t> nvlink_launches{0};
+std::atomic<int64_t> nvlink_captured_launches{0};
+
+void CountNvlinkLaunch(bool captured) {
+  nvlink_launches.fetch_add(1, std::memory_order_relaxed);
+  if (captured) nvlink_captured_launches.fetch_add(1, std::memory_order_relaxed);
+}
+
+ffi::ErrorOr<int> SmCount(int32_t device_ordinal) {
+  int sm_count = 0;
+  NCCLX_RETURN_IF_ERROR(CheckCuda(kOp, "cudaDeviceGetAttribute",
+                                  cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount,
+                                                         device_ordinal)));
+  return sm_count;
+}
+
+ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
+                                      ffi::Buffer<ffi::S32> counts, ffi::Result<ffi::AnyBuffer> y,
+                                      ffi::ResultBuffer<ffi::S32> recv_counts,
+                                      ffi::ResultBuffer<ffi::S32> dropped, int64_t comm_id, int64_t capacity,
+                                      int64_t packed, int64_t blocks, int64_t direct) {
+  ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
+  if (symmetric.has_error()) return symmetric.error();
+  ffi::ErrorOr<AllToAllvShape> shape =
+      GetShape(x, counts, *y, *recv_counts, *dropped, symmetric->size, capacity, packed);
+  if (shape.has_error()) return shape.error();
+  if (direct == 1 && !symmetric->same_process) {
+    return InvalidArgument(kOp, "direct is 1 but the communicator's ranks are not all in this process");
+  }
+  const NvlinkStagingLayout layout = LayOutNvlinkStaging(*shape, direct == 1);
+  if (layout.total > symmetric->data_bytes) {
+    return Internal(kOp, "the symmetric data region holds " + std::to_string(symmetric->data_bytes) +
+                             " bytes but this call needs " + std::to_string(layout.total) +
+                             "; it is sized when the program is lowered by jax_ncclx");
+  }
+  if (shape->batch == 0) return ffi::Error::Success();
+  ffi::ErrorOr<int> sm_count = SmCount(device_ordinal);
+  if (sm_count.has_error()) return sm_count.error();
+  const NvlinkGrid grid = ChooseNvlinkGrid(*shape, static_cast<int>(blocks), *sm_count);
+
+  NvlinkAllToAllvArgs args;
+  args.shape = *shape;
+  args.rank = symmetric->rank;
+  args.groups = grid.groups;
+  args.packed = packed == 1;
+  args.direct = direct == 1;
+  args.x = x.untyped_data();
+  args.counts = counts.typed_data();
+  args.y = y->untyped_data();
+  args.recv_counts = recv_counts->typed_data();
+  args.dropped = dropped->typed_data();
+  args.table = symmetric->table;
+  args.control = symmetric->control;
+  args.staging = symmetric->data;
+  args.counts_slot_bytes = layout.counts_slot_bytes;
+  args.rows_offset = layout.rows_offset;
+  args.rows_slot_bytes = layout.rows_slot_bytes;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  NCCLX_RETURN_IF_ERROR(CheckCuda(kOp, "cudaStreamIsCapturing", cudaStreamIsCapturing(stream, &capture)));
+  CountNvlinkLaunch(capture == cudaStreamCaptureStatusActive);
+  return CheckCuda(kOp, "NVLink kernel launch", LaunchNvlinkAllToAllv(args, grid.blocks, stream));
+}
+
+}  // namespace
+
+NvlinkLaunchCounts GetNvlinkLaunchCounts() {
+  return {nvlink_launches.load(std::memory_order_relaxed), nvlink_captured_launches.load(std::memory_order_relaxed)};
+}
+
+// Safe in command buffers: one kernel launch whose arguments are fixed for the program (peer addresses are
+// read from the stable peer table, epochs live on the device).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NvlinkAllToAllvDynamic, NvlinkAllToAllvDynamicImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+        .Ctx<ffi::DeviceOrdinal>()                 // device_ordinal
+        .Arg<ffi::AnyBuffer>()                     // x: [B, S, F...]
+        .Arg<ffi::Buffer<ffi::S32>>()              // counts: [B, N, K]
+        .Ret<ffi::AnyBuffer>()                     // y: [B, N, C, F...] / [B, N*C, F...]
+        .Ret<ffi::Buffer<ffi::S32>>()              // recv_counts: [B, N, K]
+        .Ret<ffi::Buffer<ffi::S32>>()              // dropped: [B, N]
+        .Attr<int64_t>("comm_id")                  // comm_id
+        .Attr<int64_t>("capacity")                 // capacity
+        .Attr<int64_t>("packed")                   // packed
+        .Attr<int64_t>("blocks")                   // blocks (0 = chosen by size)
+        .Attr<int64_t>("direct"),                  // direct: 1 = write into the peers' outputs
+    {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_ncclx

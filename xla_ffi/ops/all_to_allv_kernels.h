@@ -1,11 +1,15 @@
-// Host launchers of the device kernels of all_to_allv_dynamic: plan the sends, pack the padded send
-// buffer, and compact the padded receive buffer into the packed output. Each launcher queues its work on
-// `stream` and returns cudaGetLastError() of the launch (cudaSuccess when there is nothing to launch).
+// Host launchers of the device kernels of all_to_allv_dynamic. The NCCL path: plan the sends, pack the
+// padded send buffer, and compact the padded receive buffer into the packed output. The NVLink path: one
+// kernel that writes into the peers' symmetric memory (all_to_allv_nvlink_kernels.cu). Each launcher queues
+// its work on `stream` and returns cudaGetLastError() of the launch (cudaSuccess when there is nothing to
+// launch).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "common/symmetric_layout.h"
 
 namespace jax_ncclx {
 
@@ -34,5 +38,54 @@ cudaError_t LaunchPackRows(const AllToAllvShape& shape, const void* x, const int
 // source 1, ..., then zeros.
 cudaError_t LaunchCompactRows(const AllToAllvShape& shape, const void* recv, const int32_t* recv_counts,
                               void* y, cudaStream_t stream);
+
+// The NVLink kernel's layout of each rank's symmetric data region: N count slots, one per source rank
+// (int32 [B, N, K]: the source's delivered counts, indexed by destination), then, unless ranks write
+// straight into each other's outputs ("direct", all ranks in one process), N row slots ([B, C, row_bytes]
+// each) where sources stage their rows. Slots are 256-byte aligned.
+struct NvlinkStagingLayout {
+  int64_t counts_slot_bytes = 0;
+  int64_t rows_offset = 0;
+  int64_t rows_slot_bytes = 0;
+  int64_t total = 0;  // bytes of symmetric data the call needs
+};
+NvlinkStagingLayout LayOutNvlinkStaging(const AllToAllvShape& shape, bool direct);
+
+struct NvlinkAllToAllvArgs {
+  AllToAllvShape shape;
+  int rank = 0;
+  int groups = 1;  // pieces per peer slot, each with its own arrival flag (<= kMaxFlagGroups)
+  bool packed = false;
+  bool direct = false;  // write rows into the peers' outputs (same process) instead of their staging slots
+  const void* x = nullptr;              // [B, S, row_bytes]
+  const int32_t* counts = nullptr;      // [B, N, K]
+  void* y = nullptr;                    // [B, N, C, row_bytes] or [B, N * C, row_bytes]
+  int32_t* recv_counts = nullptr;       // [B, N, K]
+  int32_t* dropped = nullptr;           // [B, N]
+  const PeerTable* table = nullptr;     // every rank's symmetric memory, as this rank maps it
+  SymmetricControl* control = nullptr;  // this rank's control block
+  const uint8_t* staging = nullptr;     // this rank's data region
+  int64_t counts_slot_bytes = 0;        // from NvlinkStagingLayout
+  int64_t rows_offset = 0;
+  int64_t rows_slot_bytes = 0;
+};
+
+// Blocks and pieces per peer for a call: `requested_blocks` (0 = by size), never more than one per SM.
+struct NvlinkGrid {
+  int blocks = 1;
+  int groups = 1;
+};
+NvlinkGrid ChooseNvlinkGrid(const AllToAllvShape& shape, int requested_blocks, int sm_count);
+
+// Launches the NVLink kernel with `blocks` blocks (from ChooseNvlinkGrid, whose groups must be in args).
+cudaError_t LaunchNvlinkAllToAllv(const NvlinkAllToAllvArgs& args, int blocks, cudaStream_t stream);
+
+// How often the NVLink handler ran on the host, and how many of those runs were being recorded into a CUDA
+// graph (a replayed graph launches the kernel without calling the handler). Defined in all_to_allv_cuda.cc.
+struct NvlinkLaunchCounts {
+  int64_t launches = 0;
+  int64_t captured = 0;
+};
+NvlinkLaunchCounts GetNvlinkLaunchCounts();
 
 }  // namespace jax_ncclx

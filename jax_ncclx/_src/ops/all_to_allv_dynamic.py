@@ -25,6 +25,9 @@ from jax.interpreters import ad
 from jax.interpreters import batching
 from jax.sharding import PartitionSpec as P
 
+from jax_ncclx._src import comm
+from jax_ncclx._src import config
+from jax_ncclx._src import lib
 from jax_ncclx._src import primitive
 
 LAYOUTS = ("padded", "packed")
@@ -111,14 +114,26 @@ def _align(nbytes: int) -> int:
     return (nbytes + 255) // 256 * 256
 
 
-def _cuda_workspace(ctx, *, capacity, packed):
-    # Must match the layout checked by xla_ffi/ops/all_to_allv_cuda.cc.
+def _cuda_route(ctx, comm_id, *, capacity, packed):
+    """The NVLink kernel when the communicator's ranks reach each other over NVLink, else the NCCL path."""
     x, counts = ctx.avals_in
     batch, size, chunks = counts.shape
     row_bytes = int(np.prod(x.shape[2:], dtype=np.int64)) * np.dtype(x.dtype).itemsize
-    staging = _align(batch * size * capacity * row_bytes)
-    return (staging * (2 if packed else 1) + _align(batch * size * chunks * 4)
-            + 2 * _align(batch * size * 8))
+    settings = config.current()
+    if settings.transport != "nccl":
+        direct = settings.nvlink_direct and jax.process_count() == 1
+        staging = lib.cuda_module().all_to_allv_staging_bytes(batch, size, chunks, capacity, row_bytes, direct)
+        if comm.nvlink_symmetric_memory(comm_id, staging, "all_to_allv_dynamic"):
+            return primitive.CudaRoute("ncclx_all_to_allv_dynamic_nvlink",
+                                       {"blocks": np.int64(settings.nvlink_blocks), "direct": np.int64(direct)})
+        if settings.transport == "nvlink":
+            raise RuntimeError(
+                "jax_ncclx.all_to_allv_dynamic: JAX_NCCLX_TRANSPORT=nvlink but this communicator cannot use "
+                f"NVLink: {comm.nvlink_unavailable_reason(comm_id)}")
+    # NCCL path workspace; must match the layout checked by xla_ffi/ops/all_to_allv_cuda.cc.
+    exchange = _align(batch * size * capacity * row_bytes)
+    workspace = exchange * (2 if packed else 1) + _align(batch * size * chunks * 4) + 2 * _align(batch * size * 8)
+    return primitive.CudaRoute("ncclx_all_to_allv_dynamic", workspace_bytes=workspace)
 
 
 def _batching(axis_data, args, dims, *, axis_name, capacity, packed):
@@ -181,7 +196,7 @@ def _transpose(cts, x, counts, *, axis_name, capacity, packed):
 
 
 all_to_allv_dynamic_p.def_effectful_abstract_eval(_abstract_eval)
-primitive.register_lowerings(all_to_allv_dynamic_p, "ncclx_all_to_allv_dynamic", _attrs, _cuda_workspace)
+primitive.register_lowerings(all_to_allv_dynamic_p, "ncclx_all_to_allv_dynamic", _attrs, _cuda_route)
 batching.fancy_primitive_batchers[all_to_allv_dynamic_p] = _batching
 ad.primitive_jvps[all_to_allv_dynamic_p] = _jvp
 ad.primitive_transposes[all_to_allv_dynamic_p] = _transpose

@@ -1,0 +1,751 @@
+"""MoE token shuffle: jax_ncclx.all_to_allv_dynamic against XLA's all_to_all and ragged_all_to_all.
+
+One process drives every local GPU on one mesh axis "ep" (with --smoke: 8 virtual CPU devices and tiny
+shapes). For each T (tokens per rank) the routing is that of an MoE layer: each token picks top-k of
+E = experts_per_rank * N experts at random (fixed seed), its T*k rows are sorted by expert (so grouped by the
+rank that owns the expert), and send_counts is [N, E/N]. The capacity C is the most rows any rank sends any
+peer in that routing, so nothing is dropped. Every op is timed per op inside jax.jit(jax.shard_map(...)) as a
+chain of --unroll dependent ops per call; results go to <out>/all_to_allv.{json,md,png}.
+
+    python benchmarks/all_to_allv.py                        # T = 16, 128, 4096 on all GPUs
+    python benchmarks/all_to_allv.py --sweep                # plus T = 16 .. 8192, powers of 2
+    python benchmarks/all_to_allv.py --transports auto,nccl # both jax_ncclx transports, one after the other
+    python benchmarks/all_to_allv.py --smoke --out /tmp/bench_smoke   # CPU, tiny shapes
+    python benchmarks/all_to_allv.py --from-json benchmarks/results/all_to_allv.json  # redo the .md / .png
+
+See benchmarks/README.md for what the columns mean.
+"""
+
+import argparse
+import dataclasses
+import functools
+import gc
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import common  # first: sets XLA_PYTHON_CLIENT_PREALLOCATE and NCCL_NVLS_ENABLE before JAX starts
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)  # only used by --smoke
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_ncclx as nx  # noqa: E402
+
+AXIS = "ep"
+NAME = "all_to_allv"
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32, "fp8": jnp.float8_e4m3fn}
+BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+DEFAULTS = {  # (GPU run, --smoke); a flag given on the command line wins
+    "tokens": ("16,128,4096", "8,32"),
+    "sweep_range": ((16, 8192), (4, 64)),
+    "hidden": (7168, 64),
+    "top_k": (8, 4),
+    "experts_per_rank": (8, 2),
+    "iters": (20, 3),
+    "unroll": (10, 3),
+    "max_seconds": (1.0, 0.2),
+}
+VARIANTS = {  # key: (label, times the payload moves per op)
+    "nx_padded": ("nx all_to_allv_dynamic padded", 1),
+    "nx_packed": ("nx all_to_allv_dynamic packed", 1),
+    "xla_all_to_all": ("lax.all_to_all (pre-padded)", 1),
+    "xla_ragged": ("lax.ragged_all_to_all (host sizes)", 1),
+    "xla_ragged_counts": ("lax.ragged_all_to_all + count a2a", 1),
+    "nx_moe": ("nx moe dispatch+combine", 2),
+}
+BASELINES = ("xla_all_to_all", "xla_ragged", "xla_ragged_counts")
+TABLE = [  # (key, header, width, format) of the progress table
+    ("tokens", "T", 5, "d"), ("variant", "variant", 17, ""), ("transport", "transport", 9, ""),
+    ("path", "path", 11, ""),
+    ("median_us", "median us", 10, ".1f"), ("min_us", "min us", 10, ".1f"), ("peer_gbps", "peer GB/s", 9, ".1f"),
+    ("alg_gbps", "alg GB/s", 9, ".1f"), ("vs_xla_all_to_all", "x a2a", 6, ".2f"),
+    ("vs_xla_ragged", "x ragged", 8, ".2f"), ("vs_xla_ragged_counts", "x rag+c", 7, ".2f"),
+    ("reps", "reps", 4, "d"), ("compile_s", "compile s", 9, ".2f"), ("status", "status", 11, ""),
+]
+
+
+class VerificationError(RuntimeError):
+    """jax_ncclx returned wrong results: the run stops."""
+
+
+class RunError(RuntimeError):
+    """jax_ncclx raised errors in some measurements (recorded in the results): the run fails at its end."""
+
+
+# ---- routing and inputs ------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Routing:
+    """A random top-k routing of T tokens on each of N ranks (host arrays).
+
+    Attributes:
+      experts: int32 [N, T, k], distinct experts per token.
+      weights: float32 [N, T, k], positive, summing to 1 per token.
+      order: int32 [N, T*k]: sorted row r of a rank is its (token, choice) ``order[r]`` (token ``order[r] // k``).
+      counts: int32 [N src, N dst, E/N]: rows each rank sends to each expert.
+      capacity: the most rows any rank sends any peer.
+    """
+
+    experts: np.ndarray
+    weights: np.ndarray
+    order: np.ndarray
+    counts: np.ndarray
+    capacity: int
+
+    @property
+    def per_peer(self):  # [N src, N dst] rows
+        return self.counts.sum(axis=2)
+
+    @property
+    def starts(self):  # [N src, N dst] first sorted row of each peer's block
+        return np.cumsum(self.per_peer, axis=1) - self.per_peer
+
+
+def make_routing(n: int, tokens: int, top_k: int, experts_per_rank: int, seed: int) -> Routing:
+    rng = np.random.default_rng([seed, tokens])
+    num_experts = n * experts_per_rank
+    scores = rng.random((n, tokens, num_experts), dtype=np.float32)
+    experts = np.argpartition(-scores, top_k - 1, axis=2)[:, :, :top_k].astype(np.int32)
+    weights = rng.random((n, tokens, top_k), dtype=np.float32) + 0.1
+    weights /= weights.sum(axis=2, keepdims=True)
+    flat = experts.reshape(n, -1)
+    order = np.argsort(flat, axis=1, kind="stable").astype(np.int32)
+    counts = np.stack([np.bincount(f, minlength=num_experts) for f in flat]).reshape(n, n, experts_per_rank)
+    return Routing(experts, weights, order, counts.astype(np.int32), int(counts.sum(axis=2).max()))
+
+
+def sizes_of(routing: Routing, tokens: int, hidden: int, top_k: int, itemsize: int) -> dict:
+    n = routing.counts.shape[0]
+    row_bytes = hidden * itemsize
+    per_peer = routing.per_peer
+    peer_rows = per_peer.sum(axis=1) - np.diag(per_peer)
+    return {
+        "tokens": tokens,
+        "rows_per_rank": tokens * top_k,
+        "capacity": routing.capacity,
+        "row_bytes": row_bytes,
+        "payload_bytes": tokens * top_k * row_bytes,
+        "peer_bytes": float(peer_rows.mean() * row_bytes),
+        "peer_bytes_per_rank": (peer_rows * row_bytes).tolist(),
+        "padded_bytes": n * routing.capacity * row_bytes,
+        "rows_per_peer": per_peer.tolist(),
+    }
+
+
+def per_rank(mesh, fn, n_in, **kwargs):
+    """``fn`` per rank under jit(shard_map); every argument and result is split over the axis."""
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS),) * n_in, out_specs=P(AXIS)), **kwargs)
+
+
+def make_inputs(mesh, routing: Routing, tokens: int, hidden: int, dtype, seed: int) -> dict:
+    """Device arrays, each [N * per-rank rows, ...] and split over the axis."""
+    n, top_k = routing.experts.shape[0], routing.experts.shape[2]
+    capacity = routing.capacity
+    sharding = NamedSharding(mesh, P(AXIS))
+    put = lambda a: jax.device_put(np.ascontiguousarray(a), sharding)  # noqa: E731
+
+    @functools.partial(jax.jit, out_shardings=sharding)
+    def random_tokens(key):
+        return jax.random.normal(key, (n * tokens, hidden), jnp.float32).astype(dtype)
+
+    # Padded layout: slot s of peer j's block is sorted row starts[j] + s, or -1 past that peer's rows.
+    slot = np.arange(capacity)
+    pad_index = np.where(slot[None, None, :] < routing.per_peer[:, :, None],
+                         routing.starts[:, :, None] + slot[None, None, :], -1).astype(np.int32)
+
+    arrays = {
+        "tokens": random_tokens(jax.random.key(seed + tokens)),
+        "order": put(routing.order.reshape(-1)),
+        "counts": put(routing.counts.reshape(n * n, -1)),
+        "expert_ids": put(routing.experts.reshape(n * tokens, top_k)),
+        "weights": put(routing.weights.reshape(n * tokens, top_k)),
+        "in_offsets": put(routing.starts.reshape(-1).astype(np.int32)),
+        "send_sizes": put(routing.per_peer.reshape(-1).astype(np.int32)),
+        "out_offsets": put(np.repeat(np.arange(n, dtype=np.int32) * capacity, n)),
+        "recv_sizes": put(routing.per_peer.T.reshape(-1).astype(np.int32)),
+    }
+    pad_index = put(pad_index.reshape(-1))
+    arrays["x"] = per_rank(mesh, lambda t, o: t[o // top_k], 2)(arrays["tokens"], arrays["order"])
+    arrays["padded"] = per_rank(
+        mesh, lambda x, i: jnp.where((i >= 0)[:, None], x[jnp.maximum(i, 0)], jnp.zeros((), x.dtype)), 2,
+    )(arrays["x"], pad_index)
+    jax.block_until_ready(arrays)
+    return arrays
+
+
+# ---- the timed chains (per rank) ---------------------------------------------------------------------------
+
+def tie(sizes, y):
+    """``sizes + 0``, computed from one element of y: the next op's counts depend on this op's result, so XLA
+    can neither merge nor overlap the ops of a chain (one tiny integer kernel per op; ``v != v`` is not folded
+    for floats)."""
+    first = y.reshape(-1)[0]
+    return sizes + (first != first).astype(sizes.dtype)
+
+
+def nx_chain(x, counts, *, capacity, layout, unroll):
+    for _ in range(unroll):
+        y, _, _ = nx.all_to_allv_dynamic(x, counts, AXIS, max_recv_per_peer=capacity, layout=layout)
+        counts = tie(counts, y)
+    return counts
+
+
+def a2a_chain(padded, *, unroll):
+    for _ in range(unroll):  # the output is the next input: XLA's own chain, no extra kernel
+        padded = jax.lax.all_to_all(padded, AXIS, 0, 0, tiled=True)
+    return padded
+
+
+def ragged_op(x, in_offsets, send_sizes, out_offsets, recv_sizes, *, capacity, exchange_counts):
+    """One ragged_all_to_all into a zeroed [N*C, H] buffer, rows from source i at i*C (the padded layout).
+    With exchange_counts the receive sizes come from a lax.all_to_all of the send sizes, as a layer that knows
+    only its own counts must do."""
+    if exchange_counts:
+        recv_sizes = jax.lax.all_to_all(send_sizes, AXIS, 0, 0, tiled=True)
+    out = jnp.zeros((jax.lax.axis_size(AXIS) * capacity, x.shape[1]), x.dtype)
+    return jax.lax.ragged_all_to_all(x, out, in_offsets, send_sizes, out_offsets, recv_sizes, axis_name=AXIS)
+
+
+def ragged_chain(x, in_offsets, send_sizes, out_offsets, recv_sizes, *, capacity, exchange_counts, unroll):
+    for _ in range(unroll):
+        y = ragged_op(x, in_offsets, send_sizes, out_offsets, recv_sizes, capacity=capacity,
+                      exchange_counts=exchange_counts)
+        send_sizes = tie(send_sizes, y)
+    return send_sizes
+
+
+def moe_round_trip(moe, tokens, expert_ids, weights, *, num_experts, capacity):
+    rows, _, handle = moe.dispatch(tokens, expert_ids, num_experts=num_experts, axis_name=AXIS, capacity=capacity)
+    return moe.combine(rows, handle, weights)
+
+
+def moe_chain(tokens, expert_ids, weights, *, moe, num_experts, capacity, unroll):
+    for _ in range(unroll):  # the weights sum to 1 per token, so the tokens come back (about) unchanged
+        tokens = moe_round_trip(moe, tokens, expert_ids, weights, num_experts=num_experts,
+                                capacity=capacity).astype(tokens.dtype)
+    return tokens
+
+
+def chain_and_args(variant, mesh, arrays, routing, args, moe):
+    """(jitted chain, the names of its arguments, whether it donates its first argument and returns its next
+    value)."""
+    capacity, unroll = routing.capacity, args.unroll
+    if variant in ("nx_padded", "nx_packed"):
+        fn = functools.partial(nx_chain, capacity=capacity, layout=variant[3:], unroll=unroll)
+        return per_rank(mesh, fn, 2), ("x", "counts"), False
+    if variant == "xla_all_to_all":
+        fn = functools.partial(a2a_chain, unroll=unroll)
+        return per_rank(mesh, fn, 1, donate_argnums=0), ("padded",), True
+    if variant in ("xla_ragged", "xla_ragged_counts"):
+        fn = functools.partial(ragged_chain, capacity=capacity, exchange_counts=variant == "xla_ragged_counts",
+                               unroll=unroll)
+        return per_rank(mesh, fn, 5), ("x", "in_offsets", "send_sizes", "out_offsets", "recv_sizes"), False
+    if variant == "nx_moe":
+        fn = functools.partial(moe_chain, moe=moe, num_experts=routing.counts.shape[0] * args.experts_per_rank,
+                               capacity=capacity, unroll=unroll)
+        return per_rank(mesh, fn, 3, donate_argnums=0), ("tokens", "expert_ids", "weights"), True
+    raise ValueError(variant)
+
+
+def time_variant(variant, mesh, arrays, routing, args, moe=None) -> dict:
+    fn, names, donates = chain_and_args(variant, mesh, arrays, routing, args, moe)
+    inputs = [arrays[k] for k in names]
+    if donates:
+        inputs[0] = jax.device_put(inputs[0], may_alias=False)  # a copy: each call consumes its first argument
+    timing = common.time_jitted(fn, *inputs, ops_per_call=args.unroll, feedback=donates, reps=args.iters,
+                                max_seconds=args.max_seconds, on_compile=lambda c: ffi_targets(c.as_text()))
+    timing["ffi_targets"] = timing.pop("compiled_info")
+    timing["path"] = path_of(timing["ffi_targets"], mesh.devices.flat[0].platform)
+    for array in jax.tree.leaves(timing.pop("final")):
+        array.delete()
+    return timing
+
+
+def ffi_targets(hlo_text: str) -> list:
+    """The jax_ncclx FFI targets a compiled program calls."""
+    return sorted(set(re.findall(r'custom_call_target="(ncclx_\w+)"', hlo_text)))
+
+
+def path_of(targets: list, platform: str) -> str:
+    """How the data moved, from the compiled program: "xla" (no jax_ncclx call), "cpu", "nvlink" (the NVLink
+    kernel), "nccl", or "nvlink+nccl" (both, e.g. in one moe round trip)."""
+    if not targets:
+        return "xla"
+    if platform == "cpu":
+        return "cpu"
+    kinds = {"nvlink" if t.endswith("_nvlink") else "nccl" for t in targets}
+    return "+".join(sorted(kinds, reverse=True))
+
+
+# ---- verification (outside the timing) ---------------------------------------------------------------------
+
+def bits(a):
+    return jax.lax.bitcast_convert_type(a, BITS[a.dtype.itemsize])
+
+
+def verify_nx(mesh, arrays, routing):
+    """Runs both layouts once and checks them, bit for bit, against lax.all_to_all of the padded buffer (the
+    packed layout against its rows packed), plus recv_counts and dropped. Raises VerificationError."""
+    capacity = routing.capacity
+    n = routing.counts.shape[0]
+
+    def body(x, counts, padded):
+        ref = jax.lax.all_to_all(padded, AXIS, 0, 0, tiled=True)  # [N*C, H], block i from source i
+        y_pad, recv_pad, dropped_pad = nx.all_to_allv_dynamic(x, counts, AXIS, max_recv_per_peer=capacity,
+                                                              layout="padded")
+        y_pack, recv_pack, dropped_pack = nx.all_to_allv_dynamic(x, counts, AXIS, max_recv_per_peer=capacity,
+                                                                 layout="packed")
+        received = recv_pad.sum(axis=1)  # rows from each source            [N]
+        ends = jnp.cumsum(received)
+        row = jnp.arange(n * capacity)
+        source = jnp.minimum(jnp.searchsorted(ends, row, side="right"), n - 1)
+        src_row = source * capacity + row - (ends - received)[source]
+        packed = jnp.where((row < ends[-1])[:, None], ref[jnp.clip(src_row, 0, n * capacity - 1)],
+                           jnp.zeros((), ref.dtype))
+        stats = jnp.stack([jnp.sum(bits(y_pad.reshape(ref.shape)) != bits(ref)),
+                           jnp.sum(bits(y_pack) != bits(packed)),
+                           jnp.sum(dropped_pad), jnp.sum(dropped_pack)]).astype(jnp.int32)
+        return stats[None], recv_pad, recv_pack
+
+    stats, recv_pad, recv_pack = per_rank(mesh, body, 3)(arrays["x"], arrays["counts"], arrays["padded"])
+    stats = np.asarray(stats)
+    expected = routing.counts.transpose(1, 0, 2)  # [dst, src, chunk]
+    problems = []
+    for i, what in enumerate(("padded y differs from lax.all_to_all in {} elements per rank",
+                              "packed y differs from the packed lax.all_to_all rows in {} elements per rank",
+                              "padded layout dropped {} rows per rank", "packed layout dropped {} rows per rank")):
+        if stats[:, i].any():
+            problems.append(what.format(stats[:, i].tolist()))
+    for name, recv in (("padded", recv_pad), ("packed", recv_pack)):
+        if not np.array_equal(np.asarray(recv).reshape(expected.shape), expected):
+            problems.append(f"{name} recv_counts differ from the routing's counts")
+    del recv_pad, recv_pack
+    if problems:
+        raise VerificationError("jax_ncclx.all_to_allv_dynamic gave wrong results: " + "; ".join(problems))
+
+
+def verify_ragged(mesh, arrays, routing):
+    """Mismatching elements per rank of one ragged_all_to_all against lax.all_to_all of the padded buffer."""
+    op = functools.partial(ragged_op, capacity=routing.capacity, exchange_counts=False)
+
+    def body(x, padded, *sizes):
+        ref = jax.lax.all_to_all(padded, AXIS, 0, 0, tiled=True)
+        return jnp.sum(bits(op(x, *sizes)) != bits(ref)).astype(jnp.int32)[None]
+
+    names = ("x", "padded", "in_offsets", "send_sizes", "out_offsets", "recv_sizes")
+    return np.asarray(per_rank(mesh, body, 6)(*(arrays[k] for k in names))).tolist()
+
+
+def verify_moe(mesh, arrays, routing, moe, experts_per_rank):
+    """Largest |combine(dispatch(t)) - t * sum(weights)| relative to max |t| (the weights sum to 1)."""
+    fn = functools.partial(moe_round_trip, moe, num_experts=routing.counts.shape[0] * experts_per_rank,
+                           capacity=routing.capacity)
+
+    def body(tokens, expert_ids, weights):
+        out = fn(tokens, expert_ids, weights).astype(jnp.float32)
+        expected = tokens.astype(jnp.float32) * weights.sum(axis=1, keepdims=True)
+        return (jnp.max(jnp.abs(out - expected)) / jnp.maximum(jnp.max(jnp.abs(expected)), 1e-6))[None]
+
+    return float(np.max(per_rank(mesh, body, 3)(arrays["tokens"], arrays["expert_ids"], arrays["weights"])))
+
+
+# ---- the run -----------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.splitlines()[8:]))
+    parser.add_argument("--smoke", action="store_true",
+                        help="8 virtual CPU devices, tiny shapes, results under a temporary folder by default")
+    parser.add_argument("--tokens", help="tokens per rank, comma separated (default 16,128,4096; smoke 8,32)")
+    parser.add_argument("--sweep", action="store_true", help="add powers of 2 from 16 to 8192 (smoke 4 to 64)")
+    parser.add_argument("--hidden", type=int, help="row width (default 7168; smoke 64)")
+    parser.add_argument("--top-k", type=int, help="experts per token (default 8; smoke 4)")
+    parser.add_argument("--experts-per-rank", type=int, help="local experts, K of send_counts [N, K] (default 8; "
+                        "smoke 2)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--iters", type=int, help="the most timed calls per variant (default 20; smoke 3)")
+    parser.add_argument("--unroll", type=int, help="dependent ops per jitted call (default 10; smoke 3)")
+    parser.add_argument("--max-seconds", type=float, help="stop timing a variant after this many seconds of "
+                        "timed calls, at least 3 calls (default 1.0; smoke 0.2)")
+    parser.add_argument("--transports", help="JAX_NCCLX_TRANSPORT values to run the jax_ncclx variants with, "
+                        "comma separated, e.g. auto,nccl ('default' = unset; default: the environment's value)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma separated subset of {','.join(VARIANTS)}")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results; smoke: a folder "
+                        "under the system's temporary directory; --from-json: the JSON's folder)")
+    parser.add_argument("--name", default=NAME, help=f"file stem of the results (default {NAME})")
+    parser.add_argument("--from-json", type=Path, help="rewrite the .md and .png of an earlier run's JSON, "
+                        "without running anything")
+    args = parser.parse_args(argv)
+
+    for key, (full, smoke) in DEFAULTS.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, smoke if args.smoke else full)
+    tokens = {int(t) for t in str(args.tokens).split(",") if t.strip()}
+    if args.sweep:
+        low, high = args.sweep_range
+        tokens |= {1 << e for e in range(low.bit_length() - 1, high.bit_length())}
+    args.tokens = sorted(tokens)
+    if not args.tokens or min(args.tokens) < 1:
+        parser.error("--tokens needs positive integers")
+    if args.top_k > 0 and args.experts_per_rank < 1:
+        parser.error("--experts-per-rank must be >= 1")
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
+    if args.transports is None:
+        args.transports = [os.environ.get("JAX_NCCLX_TRANSPORT") or "default"]
+    else:
+        args.transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    if args.out is None:
+        if args.from_json:
+            args.out = args.from_json.parent
+        elif args.smoke:
+            args.out = Path(tempfile.gettempdir()) / "jax_ncclx_bench_smoke"
+        else:
+            args.out = common.RESULTS_DIR
+    return parser, args
+
+
+def pick_devices(parser, smoke):
+    if smoke:
+        return jax.devices("cpu")
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if len(gpus) < 2:
+        parser.error(f"needs at least 2 GPUs (found {len(gpus)}); --smoke runs on 8 virtual CPU devices")
+    if not nx.build_info()["cuda"]:
+        parser.error(f"jax_ncclx has no CUDA handlers: {nx.build_info()['cuda_status']}")
+    return gpus
+
+
+def set_transport(transport):
+    """Sets JAX_NCCLX_TRANSPORT ("default": unset), which jax_ncclx reads when it lowers a collective, and when
+    that changes it drops JAX's caches so the programs compiled next see it. Returns the transport in force
+    (the package's own default spelled out when it can be read)."""
+    before = os.environ.get("JAX_NCCLX_TRANSPORT")
+    if transport == "default":
+        os.environ.pop("JAX_NCCLX_TRANSPORT", None)
+    else:
+        os.environ["JAX_NCCLX_TRANSPORT"] = transport
+    if os.environ.get("JAX_NCCLX_TRANSPORT") != before:
+        jax.clear_caches()
+    try:
+        from jax_ncclx._src import config
+        return config.current().transport
+    except Exception:  # noqa: BLE001 - a jax_ncclx without the setting
+        return transport
+
+
+def transport_choices():
+    """The transports this jax_ncclx accepts, or None when it has no transport setting."""
+    try:
+        from jax_ncclx._src import config
+        return tuple(config.TRANSPORTS) if "transport" in {f.name for f in dataclasses.fields(config.Config)} \
+            else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def ncclx_state() -> dict:
+    """jax_ncclx's symmetric memory per communicator and why a communicator could not use NVLink ("" = it can)."""
+    try:
+        from jax_ncclx._src import comm
+        return {"memory": comm.memory_stats(),
+                "nvlink_unavailable": {str(k): v for k, v in getattr(comm, "_nvlink_verdicts", {}).items()}}
+    except Exception as e:  # noqa: BLE001 - a jax_ncclx without these
+        return {"error": short(e)}
+
+
+def load_moe():
+    try:
+        from jax_ncclx import moe
+    except ImportError as e:
+        return None, f"jax_ncclx.moe unavailable ({e})"
+    return moe, None
+
+
+def status_of(error: Exception) -> str:
+    text = str(error)
+    return "unsupported" if "UNIMPLEMENTED" in text or "not supported" in text.lower() else "error"
+
+
+def short(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
+
+
+def make_row(variant, transport, size, args, timing=None, status="ok", message=None, verified=None) -> dict:
+    label, shuffles = VARIANTS[variant]
+    row = {"tokens": size["tokens"], "variant": variant, "label": label, "transport": transport, "status": status,
+           "message": message, "verified": verified, "dtype": args.dtype, "hidden": args.hidden,
+           "top_k": args.top_k, "num_experts": args.num_devices * args.experts_per_rank,
+           "capacity": size["capacity"], "rows_per_rank": size["rows_per_rank"],
+           "payload_bytes": size["payload_bytes"], "peer_bytes": size["peer_bytes"],
+           "padded_bytes": size["padded_bytes"], "shuffles_per_op": shuffles, "unroll": args.unroll}
+    if timing is not None:
+        row.update(timing)
+        for suffix, key in (("", "median_us"), ("_best", "min_us")):
+            seconds = timing[key] * 1e-6
+            row["peer_gbps" + suffix] = shuffles * size["peer_bytes"] / seconds / 1e9
+            row["alg_gbps" + suffix] = shuffles * size["payload_bytes"] / seconds / 1e9
+    return row
+
+
+def add_speedups(row, baselines):
+    if row["status"] != "ok" or not row["variant"].startswith("nx_") or row["variant"] == "nx_moe":
+        return
+    for key in BASELINES:
+        base = baselines.get(key)
+        row[f"vs_{key}"] = base["median_us"] / row["median_us"] if base and base["status"] == "ok" else None
+
+
+def run_size(tokens, mesh, args, moe, moe_reason, log, table, rows, sizes):
+    n = args.num_devices
+    routing = make_routing(n, tokens, args.top_k, args.experts_per_rank, args.seed)
+    size = sizes_of(routing, tokens, args.hidden, args.top_k, np.dtype(DTYPES[args.dtype]).itemsize)
+    sizes.append(size)
+    log(f"T={tokens}: {size['rows_per_rank']} rows/rank, C={routing.capacity}, payload "
+        f"{size['payload_bytes'] / 1e6:.2f} MB/rank ({size['peer_bytes'] / 1e6:.2f} MB to peers), padded "
+        f"buffer {size['padded_bytes'] / 1e6:.2f} MB/rank")
+    arrays = make_inputs(mesh, routing, tokens, args.hidden, DTYPES[args.dtype], args.seed)
+    baselines = {}
+
+    def record(row):
+        add_speedups(row, baselines)
+        rows.append(row)
+        table.row(row)
+
+    wanted = set(args.variants)
+    if "xla_all_to_all" in wanted:
+        try:
+            row = make_row("xla_all_to_all", "xla", size, args,
+                           time_variant("xla_all_to_all", mesh, arrays, routing, args))
+        except Exception as e:  # noqa: BLE001 - a baseline that fails is recorded, not fatal
+            log(f"WARNING: lax.all_to_all at T={tokens}: {short(e)}")
+            row = make_row("xla_all_to_all", "xla", size, args, status=status_of(e), message=short(e))
+        baselines["xla_all_to_all"] = row
+        record(row)
+    ragged = [v for v in ("xla_ragged", "xla_ragged_counts") if v in wanted]
+    if ragged:
+        try:
+            mismatches = verify_ragged(mesh, arrays, routing)
+            verified = not any(mismatches)
+            if not verified:
+                log(f"WARNING: ragged_all_to_all differs from lax.all_to_all in {mismatches} elements per rank")
+            for variant in ragged:
+                baselines[variant] = make_row(variant, "xla", size, args,
+                                              time_variant(variant, mesh, arrays, routing, args),
+                                              verified=verified)
+        except Exception as e:  # noqa: BLE001 - XLA:CPU has no ragged_all_to_all; record and go on
+            for variant in ragged:
+                baselines[variant] = make_row(variant, "xla", size, args, status=status_of(e), message=short(e))
+        for variant in ragged:
+            record(baselines[variant])
+
+    for transport in args.transports:
+        transport = set_transport(transport)
+        nx_variants = [v for v in ("nx_padded", "nx_packed") if v in wanted]
+        verified = None
+        for variant in nx_variants:
+            try:
+                if verified is None:
+                    verify_nx(mesh, arrays, routing)
+                    verified = True
+                row = make_row(variant, transport, size, args, time_variant(variant, mesh, arrays, routing, args),
+                               verified=True)
+            except VerificationError:
+                raise  # wrong results: stop here
+            except Exception as e:  # noqa: BLE001 - an error (out of memory, ...): record it, go on, fail at the end
+                log(f"ERROR: {variant} [{transport}] at T={tokens}: {short(e)}")
+                row = make_row(variant, transport, size, args, status="error", message=short(e), verified=verified)
+            record(row)
+        if "nx_moe" in wanted:
+            record(moe_row(mesh, arrays, routing, args, moe, moe_reason, transport, size, log))
+    for array in arrays.values():
+        array.delete()
+    del arrays
+    gc.collect()
+
+
+def moe_row(mesh, arrays, routing, args, moe, moe_reason, transport, size, log):
+    if moe is None:
+        return make_row("nx_moe", transport, size, args, status="unavailable", message=moe_reason)
+    try:
+        error = verify_moe(mesh, arrays, routing, moe, args.experts_per_rank)
+    except Exception as e:  # noqa: BLE001 - the moe module is new: record its failure and go on
+        log(f"WARNING: jax_ncclx.moe failed: {short(e)}")
+        return make_row("nx_moe", transport, size, args, status="error", message=short(e))
+    if not error <= 5e-2:
+        log(f"WARNING: jax_ncclx.moe round trip is wrong: max relative error {error:.3g}; not timed")
+        return make_row("nx_moe", transport, size, args, status="mismatch",
+                        message=f"max relative error {error:.3g}", verified=False)
+    timing = time_variant("nx_moe", mesh, arrays, routing, args, moe)
+    return make_row("nx_moe", transport, size, args, timing, verified=True)
+
+
+# ---- result files ------------------------------------------------------------------------------------------
+
+MD_COLUMNS = [
+    ("tokens", "T", "d"), ("label", "variant", ""), ("transport", "transport", ""), ("path", "path", ""),
+    ("median_us", "median µs/op", ".1f"), ("min_us", "min µs/op", ".1f"), ("peer_gbps", "peer GB/s", ".1f"),
+    ("alg_gbps", "alg GB/s", ".1f"), ("vs_xla_all_to_all", "speedup vs lax.all_to_all", ".2f"),
+    ("vs_xla_ragged", "vs ragged", ".2f"), ("vs_xla_ragged_counts", "vs ragged + count a2a", ".2f"),
+    ("reps", "reps", "d"), ("status", "status", ""),
+]
+
+
+def notes(config: dict, sizes: list) -> str:
+    lines = [
+        f"MoE token shuffle on one mesh axis of {config['num_devices']} devices: T tokens per rank, hidden "
+        f"{config['hidden']} {config['dtype']}, top-{config['top_k']} over "
+        f"{config['num_devices'] * config['experts_per_rank']} experts ({config['experts_per_rank']} per rank, "
+        f"send_counts [N, {config['experts_per_rank']}]), random routing (seed {config['seed']}). C = the most "
+        "rows any rank sends any peer, so nothing is dropped.",
+        "",
+        f"- **µs/op**: one jitted call runs {config['unroll']} dependent ops; time per call / {config['unroll']}, "
+        f"median and min over `reps` calls (at most {config['iters']}, fewer once a variant has spent "
+        f"{config['max_seconds']} s). Chaining: jax_ncclx and ragged_all_to_all take their next send counts from "
+        "one element of the op's output (+ 0, one tiny integer kernel per op, included in their time); "
+        "`lax.all_to_all` takes its output as its next input (no extra kernel); the moe round trip takes its "
+        "combined tokens as the next tokens.",
+        "- **payload** = T·k·H·bytes per rank (every routed row, its own included). **peer GB/s** = bytes each "
+        "rank sends to other ranks (mean over ranks) / median time. **alg GB/s** = payload / median time. The "
+        "moe round trip moves the payload twice (dispatch and combine) and counts it twice.",
+        "- **speedup** = XLA median / jax_ncclx median (> 1: jax_ncclx is faster).",
+        "- jax_ncclx takes the T·k rows sorted by expert and send_counts [N, K] on the device. "
+        "`lax.all_to_all` gets a [N·C, H] buffer padded before timing (it moves N·C rows, padding included). "
+        "`lax.ragged_all_to_all` writes into a zeroed [N·C, H] buffer per op; *host sizes*: offsets and receive "
+        "sizes come from the host, *+ count a2a*: the receive sizes come from a `lax.all_to_all` of the send "
+        "sizes in every op (what a layer that knows only its own counts must do).",
+        "",
+        "| T | rows/rank | C | payload MB/rank | to peers MB/rank | padded buffer MB/rank |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for s in sizes:
+        lines.append(f"| {s['tokens']} | {s['rows_per_rank']} | {s['capacity']} | {s['payload_bytes'] / 1e6:.2f} | "
+                     f"{s['peer_bytes'] / 1e6:.2f} | {s['padded_bytes'] / 1e6:.2f} |")
+    return "\n".join(lines)
+
+
+def plotter(meta, config):
+    def plot(plt, rows):
+        figure, (latency, bandwidth) = plt.subplots(1, 2, figsize=(14, 5.5))
+        colors = {variant: f"C{i}" for i, variant in enumerate(VARIANTS)}
+        transports = sorted({row["transport"] for row in rows if row["transport"] != "xla"})
+        styles = {t: style for t, style in zip(transports, ("-", ":", "-.", (0, (5, 1))))}
+        series = {}
+        for row in rows:
+            if row["status"] == "ok":
+                series.setdefault((row["variant"], row["label"], row["transport"]), []).append(
+                    (row["tokens"], row["median_us"], row["peer_gbps"]))
+        for (variant, label, transport), points in sorted(series.items()):
+            points.sort()
+            kwargs = dict(color=colors.get(variant), linestyle=styles.get(transport, "--"), marker="o",
+                          markersize=4, label=label + ("" if transport == "xla" else f" [{transport}]"))
+            tokens = [p[0] for p in points]
+            latency.plot(tokens, [p[1] for p in points], **kwargs)
+            bandwidth.plot(tokens, [p[2] for p in points], **kwargs)
+        latency.set_xscale("log", base=2)
+        latency.set_yscale("log")
+        latency.set_ylabel("µs per op (median)")
+        bandwidth.set_xscale("log", base=2)
+        bandwidth.set_ylabel("GB/s to peers per rank (median)")
+        for axes in (latency, bandwidth):
+            axes.set_xlabel("tokens per rank")
+            axes.grid(True, which="both", alpha=0.3)
+        latency.legend(fontsize=8)
+        figure.suptitle(f"MoE token shuffle, {meta.get('num_devices')} × {meta.get('device_kind')}: hidden "
+                        f"{config['hidden']} {config['dtype']}, top-{config['top_k']} of "
+                        f"{meta.get('num_devices', 0) * config['experts_per_rank']} experts, "
+                        f"{config['unroll']} dependent ops per call")
+        return figure
+    return plot
+
+
+def write(args, meta, config, rows, sizes, log, **extra):
+    return common.write_results(
+        args.name, rows, meta, plotter(meta, config), out_dir=args.out, columns=MD_COLUMNS,
+        title="all_to_allv_dynamic vs XLA: MoE token shuffle", notes=notes(config, sizes),
+        extra={"config": config, "sizes": sizes, **extra}, log=log,
+        replot_hint=f"python benchmarks/all_to_allv.py --from-json {Path(args.out) / (args.name + '.json')}")
+
+
+def replot(args, log):
+    document = json.loads(args.from_json.read_text())
+    extra = {k: v for k, v in document.items() if k not in ("name", "meta", "config", "sizes", "rows")}
+    write(args, document["meta"], document["config"], document["rows"], document["sizes"], log, **extra)
+
+
+def main(argv=None):
+    parser, args = parse_args(argv)
+    log = common.Progress()
+    if args.from_json:
+        return replot(args, log)
+    devices = pick_devices(parser, args.smoke)
+    args.num_devices = n = len(devices)
+    if args.top_k > n * args.experts_per_rank:
+        parser.error(f"--top-k {args.top_k} is more than the {n * args.experts_per_rank} experts")
+    mesh = jax.sharding.Mesh(np.asarray(devices), (AXIS,))
+    meta = common.metadata(devices)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+              if k not in ("from_json", "sweep_range")}
+    choices = transport_choices()
+    config["transport_choices"] = choices
+    bad = [t for t in args.transports if choices and t != "default" and t not in choices]
+    if bad:
+        parser.error(f"--transports {bad}: this jax_ncclx accepts {', '.join(choices)} (or default)")
+    moe, moe_reason = load_moe() if "nx_moe" in args.variants else (None, "not requested")
+    log(f"{n} × {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}, NCCL "
+        f"{meta['nccl_version']}, commit {(meta['git'] or {}).get('commit', '?')[:12]}")
+    log(f"T = {args.tokens}, hidden {args.hidden} {args.dtype}, top-{args.top_k} of {n * args.experts_per_rank} "
+        f"experts, unroll {args.unroll}, transports {args.transports}, variants {args.variants}")
+    if len(args.transports) > 1 and choices is None:
+        log.warn("this jax_ncclx has no transport setting: JAX_NCCLX_TRANSPORT changes nothing, the transports "
+                 "will time the same code")
+    if moe is None and "nx_moe" in args.variants:
+        log(f"moe round trip: {moe_reason}; recorded as unavailable")
+    for var in ("NCCL_NVLS_ENABLE", "NCCL_NVLINK_MULTICAST_ENABLE"):
+        if os.environ.get(var) != "0":
+            log.warn(f"{var}={os.environ.get(var)!r}: NVLink multicast must stay off on the shared machines")
+
+    table = common.TablePrinter(TABLE)
+    rows, sizes = [], []
+    original_transport = os.environ.get("JAX_NCCLX_TRANSPORT")
+    try:
+        for tokens in args.tokens:
+            run_size(tokens, mesh, args, moe, moe_reason, log, table, rows, sizes)
+    except BaseException as e:
+        log(f"ABORTED at T={sizes[-1]['tokens'] if sizes else '?'}: {short(e)}; writing the rows so far")
+        write(args, meta, config, rows, sizes, log, aborted=short(e))
+        raise
+    finally:
+        set_transport(original_transport or "default")
+    meta["elapsed_s"] = round(log.elapsed(), 1)
+    meta["jax_ncclx_state"] = ncclx_state()
+    write(args, meta, config, rows, sizes, log)
+    log(f"done in {meta['elapsed_s']} s")
+    failed = [f"{r['variant']} [{r['transport']}] T={r['tokens']}" for r in rows
+              if r["status"] == "error" and r["variant"] in ("nx_padded", "nx_packed")]
+    if failed:
+        raise RunError(f"jax_ncclx raised errors in {len(failed)} measurement(s): {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (VerificationError, RunError) as e:
+        sys.exit(f"FAILED: {e}")

@@ -1,0 +1,298 @@
+"""Shared helpers of the benchmark scripts: run metadata, timing of jitted functions, result files, progress.
+
+Importing this module sets the environment every benchmark wants before JAX starts (the scripts import it
+before ``jax``); a value already in the environment wins:
+
+- ``XLA_PYTHON_CLIENT_PREALLOCATE=false``: JAX allocates GPU memory as needed instead of taking 75 % of it up
+  front, which leaves room for NCCL's own buffers and gives each size's arrays back when they are deleted.
+- ``NCCL_NVLS_ENABLE=0``, ``NCCL_NVLINK_MULTICAST_ENABLE=0``: NVLink multicast stays off on the shared machines.
+"""
+
+import datetime
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("NCCL_NVLINK_MULTICAST_ENABLE", "0")
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_DIR = Path(__file__).resolve().parent.parent
+ENV_PREFIXES = ("XLA_", "NCCL_", "JAX_NCCLX_", "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES")
+
+
+# ---- progress ----------------------------------------------------------------------------------------------
+
+class Progress:
+    """Prints timestamped progress lines (seconds since start), flushed at once so long runs can be followed."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def __call__(self, message: str):
+        print(f"[{self.elapsed():7.1f} s] {message}", flush=True)
+
+    def warn(self, message: str):
+        self(f"WARNING: {message}")
+
+
+class TablePrinter:
+    """Prints a fixed-width table row by row as results arrive.
+
+    Args:
+      columns: ``(key, header, width, format)`` tuples; ``format`` is a format spec applied to numbers (other
+        values are printed with ``str``), missing values print as ``-``.
+    """
+
+    def __init__(self, columns):
+        self.columns = columns
+        self.printed_header = False
+
+    def header(self):
+        line = " ".join(f"{header:>{width}}" for _, header, width, _ in self.columns)
+        print(line, flush=True)
+        print("-" * len(line), flush=True)
+        self.printed_header = True
+
+    def row(self, row: dict):
+        if not self.printed_header:
+            self.header()
+        print(" ".join(f"{format_value(row.get(key), fmt):>{width}}" for key, _, width, fmt in self.columns),
+              flush=True)
+
+
+def format_value(value, fmt: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and fmt:
+        return format(value, fmt)
+    return str(value)
+
+
+# ---- metadata ----------------------------------------------------------------------------------------------
+
+def metadata(devices=None) -> dict:
+    """Where and with what a benchmark ran.
+
+    Args:
+      devices: the devices the benchmark uses (default ``jax.devices()``); their kind and count are recorded.
+
+    Returns:
+      A JSON-serialisable dict: date (UTC, ISO 8601), hostname, platform and kind of the devices used, their
+      count, the GPUs visible to this process, process count, Python/NumPy/JAX/jaxlib/jax_ncclx versions,
+      ``jax_ncclx.build_info()`` with the NCCL version spelled out, the git commit and whether the tree is
+      dirty (None outside a checkout), the command line and the relevant environment (XLA_*, NCCL_*,
+      JAX_NCCLX_*, JAX_PLATFORMS, CUDA_VISIBLE_DEVICES).
+    """
+    import jax
+    import jaxlib
+    import numpy as np
+
+    import jax_ncclx
+
+    devices = list(devices) if devices is not None else jax.devices()
+    try:
+        gpu_count = len(jax.devices("gpu"))
+    except RuntimeError:
+        gpu_count = 0
+    try:
+        build = jax_ncclx.build_info()
+    except Exception as e:  # noqa: BLE001 - metadata must not stop a benchmark
+        build = {"error": repr(e)}
+    return {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "hostname": socket.gethostname(),
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "num_devices": len(devices),
+        "gpu_count": gpu_count,
+        "process_count": jax.process_count(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "jax_ncclx": jax_ncclx.__version__,
+        "nccl_version": nccl_version_string(build.get("nccl_version")),
+        "build_info": {k: list(v) if isinstance(v, tuple) else v for k, v in build.items()},
+        "git": git_state(),
+        "argv": sys.argv,
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
+    }
+
+
+def nccl_version_string(code):
+    """22809 -> "2.28.9" (NCCL's version code); None stays None."""
+    if not isinstance(code, int):
+        return None
+    return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
+
+
+def git_state() -> dict | None:
+    """``{"commit": sha, "dirty": bool}`` of the checkout holding this file, or None where git or the checkout
+    is missing."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(REPO_DIR), *args], capture_output=True, text=True, check=True,
+                              timeout=30).stdout.strip()
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit, "dirty": dirty}
+
+
+# ---- timing ------------------------------------------------------------------------------------------------
+
+def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup: int = 2, reps: int = 20,
+                min_reps: int = 3, max_seconds: float = 2.0, on_compile=None) -> dict:
+    """Times a jitted function: compile, warm up, then repeated calls each ended by ``block_until_ready``.
+
+    Args:
+      fn: a ``jax.jit`` function (compiled here for ``args``, so compile time is recorded apart) or any
+        callable.
+      ops_per_call: how many operations one call performs (e.g. an unrolled chain); times are divided by it.
+      feedback: pass each call's output as the first argument of the next call (for functions that donate
+        their first argument and return a value of the same shape: chains of dependent ops with no copies).
+      warmup: untimed calls after compiling; the second is skipped when the first took over max_seconds / 4.
+      reps: the most timed calls.
+      min_reps: the fewest timed calls, whatever max_seconds says.
+      max_seconds: stop timing once this much time went into timed calls (at least min_reps are made), so
+        large shapes take few repetitions.
+      on_compile: called with the compiled executable (e.g. to read its HLO); its result is ``compiled_info``.
+
+    Returns:
+      A dict: ``median_us`` and ``min_us`` per op, ``samples_us`` (every timed call, per op), ``reps``,
+      ``ops_per_call``, ``compile_s`` (None when fn was not a jit function), ``compiled_info``, ``warmup_s``
+      (the warm-up calls, whole calls) and ``final``, the last call's output (delete it to free its memory at once).
+    """
+    import jax
+
+    args = list(args)
+    compile_s = None
+    if hasattr(fn, "lower"):
+        start = time.perf_counter()
+        fn = fn.lower(*args).compile()
+        compile_s = time.perf_counter() - start
+    compiled_info = on_compile(fn) if on_compile is not None else None
+
+    def call():
+        out = jax.block_until_ready(fn(*args))
+        if feedback:
+            args[0] = out
+        return out
+
+    warmup_s = []
+    for i in range(warmup):
+        start = time.perf_counter()
+        call()
+        warmup_s.append(time.perf_counter() - start)
+        if warmup_s[-1] > max_seconds / 4:
+            break
+    samples = []
+    spent = 0.0
+    while len(samples) < max(reps, min_reps):
+        start = time.perf_counter()
+        out = call()
+        samples.append(time.perf_counter() - start)
+        spent += samples[-1]
+        if len(samples) >= min_reps and spent >= max_seconds:
+            break
+    per_op_us = [s / ops_per_call * 1e6 for s in samples]
+    return {
+        "median_us": statistics.median(per_op_us),
+        "min_us": min(per_op_us),
+        "samples_us": per_op_us,
+        "reps": len(samples),
+        "ops_per_call": ops_per_call,
+        "compile_s": compile_s,
+        "compiled_info": compiled_info,
+        "warmup_s": warmup_s,
+        "final": out,
+    }
+
+
+# ---- result files ------------------------------------------------------------------------------------------
+
+def write_results(name: str, rows: list, meta: dict, plot_fn=None, *, out_dir=RESULTS_DIR, columns=None,
+                  title: str | None = None, notes: str = "", extra: dict | None = None, log=print,
+                  replot_hint: str = "") -> dict:
+    """Writes ``<out_dir>/<name>.json``, ``<name>.md`` and (with matplotlib) ``<name>.png``.
+
+    Args:
+      name: file stem.
+      rows: result rows (dicts of JSON-serialisable values); all of them go into the JSON.
+      meta: ``metadata()``; goes into the JSON and, summarised, on top of the markdown.
+      plot_fn: ``plot_fn(plt, rows) -> matplotlib Figure``, called with ``matplotlib.pyplot`` (Agg backend).
+        When matplotlib is missing the PNG is skipped with a warning (``log``) and the other files are written.
+      columns: markdown table columns as ``(key, header, format)``; default every key of the first row.
+      title, notes: markdown heading and a markdown paragraph (column definitions, ...) above the table.
+      extra: more top-level JSON entries (configuration, shapes, ...).
+      log: where warnings and the written paths are reported.
+      replot_hint: the command that redraws the plot from the JSON, named in the missing-matplotlib warning.
+
+    Returns:
+      ``{"json": path, "md": path, "png": path or None}``.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / f"{name}.json", "md": out_dir / f"{name}.md", "png": None}
+
+    document = {"name": name, "meta": meta, **(extra or {}), "rows": rows}
+    paths["json"].write_text(json.dumps(document, indent=1, default=_json_default) + "\n")
+
+    if columns is None:
+        columns = [(key, key, "") for key in (rows[0] if rows else {})]
+    lines = [f"# {title or name}", "", _meta_line(meta), ""]
+    if notes:
+        lines += [notes.strip(), ""]
+    lines.append("| " + " | ".join(header for _, header, _ in columns) + " |")
+    lines.append("|" + "|".join(" --- " for _ in columns) + "|")
+    for row in rows:
+        lines.append("| " + " | ".join(format_value(row.get(key), fmt) for key, _, fmt in columns) + " |")
+    paths["md"].write_text("\n".join(lines) + "\n")
+
+    if plot_fn is not None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            log(f"WARNING: matplotlib is not installed: skipped the plot {out_dir / f'{name}.png'}; the JSON "
+                f"and markdown are written. Draw it later where matplotlib is: {replot_hint or paths['json']}")
+        else:
+            figure = plot_fn(plt, rows)
+            paths["png"] = out_dir / f"{name}.png"
+            figure.savefig(paths["png"], dpi=120, bbox_inches="tight")
+            plt.close(figure)
+    log("wrote " + ", ".join(str(p) for p in paths.values() if p is not None))
+    return paths
+
+
+def _meta_line(meta: dict) -> str:
+    git = meta.get("git") or {}
+    commit = (git.get("commit") or "?")[:12] + (" (dirty)" if git.get("dirty") else "") if git else "unknown"
+    env = meta.get("env") or {}
+    return (f"{meta.get('num_devices')} × {meta.get('device_kind')} ({meta.get('platform')}), "
+            f"{meta.get('process_count')} process(es), jax {meta.get('jax')}, NCCL {meta.get('nccl_version')}, "
+            f"commit {commit}, {meta.get('date_utc')}, host {meta.get('hostname')}"
+            + (f"; env: {', '.join(f'`{k}={v}`' for k, v in env.items())}" if env else ""))
+
+
+def _json_default(value):
+    if hasattr(value, "tolist"):  # NumPy scalars and arrays
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")

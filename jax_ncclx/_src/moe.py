@@ -1,0 +1,314 @@
+"""MoE dispatch and combine over one expert-parallel mesh axis, each one ``all_to_allv_dynamic`` call.
+
+Expert placement: with N members on ``axis_name`` and E experts, E_local = E // N and expert e lives on
+member e // E_local as its local expert e % E_local. ``dispatch`` sends the row of every (token, choice) pair
+to the member that owns the chosen expert and returns the received rows grouped by local expert, ready for
+``jax.lax.ragged_dot``. ``combine`` sends the expert outputs back and sums them per token with the router
+weights. The counts stay on the device: ``dispatch`` learns them from the exchange itself, and ``combine``
+reuses them from the handle.
+
+Capacity: one member sends at most ``capacity`` rows to any one member (the primitive's
+``max_recv_per_peer``). The rows for one destination are sorted by expert and it takes the first
+``capacity`` of them, so drops hit the highest-numbered experts (and, within one, the last tokens) first.
+A dropped pair contributes zero to ``combine``, and ``handle.dropped`` counts the drops per destination.
+
+AD: each function's backward pass is the other's exchange. The cotangent of ``dispatch``'s rows goes back to
+the tokens the way ``combine`` sends rows (unit weights, summed over the k choices). The cotangent of
+``combine``'s output goes out to the experts the way ``dispatch`` sends rows, scaled by the weights. Neither
+backward pass exchanges counts again. They are ``jax.custom_vjp`` rules, so there is no forward mode
+(``jax.jvp``, ``jax.jacfwd``).
+"""
+
+import dataclasses
+import functools
+from collections.abc import Hashable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ncclx._src import compat
+from jax_ncclx._src import primitive
+from jax_ncclx._src.ops.all_to_allv_dynamic import all_to_allv_dynamic
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DispatchHandle:
+    """The routing of one ``dispatch`` call, for ``combine`` and both backward passes.
+
+    A pytree whose leaves are int32 device arrays (N members, E_local local experts, C = capacity, T tokens,
+    k choices). ``axis_name``, ``capacity`` and ``top_k`` are static aux data.
+
+    Attributes:
+      order: ``[T * k]`` the (token, choice) pairs (flattened row-major) sorted by expert, the send order.
+      send_counts: ``[N, E_local]`` pairs this member asked to send to each local expert of each member.
+      recv_counts: ``[N, E_local]`` rows each source delivered here, per local expert.
+      to_expert_major: ``[N * C]`` gather indices from the received rows (source-major, as the exchange
+        packs them) to dispatch's expert-major rows. Padding rows map to themselves.
+      to_source_major: ``[N * C]`` the inverse gather, from expert-major back to source-major.
+      return_slot: ``[T * k]`` where each pair's expert output lands among the rows that ``combine``
+        receives back. ``N * C`` marks a pair that was dropped or that chose no expert.
+      dropped: ``[N]`` rows this member asked to send to each member that did not fit in ``capacity``.
+    """
+
+    order: jax.Array
+    send_counts: jax.Array
+    recv_counts: jax.Array
+    to_expert_major: jax.Array
+    to_source_major: jax.Array
+    return_slot: jax.Array
+    dropped: jax.Array
+    axis_name: Hashable = dataclasses.field(metadata=dict(static=True))
+    capacity: int = dataclasses.field(metadata=dict(static=True))
+    top_k: int = dataclasses.field(metadata=dict(static=True))
+
+
+def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int):
+    """Sends every (token, choice) pair's row to the member that owns its expert.
+
+    Call it inside ``jax.shard_map`` over ``axis_name``. It runs under ``jax.jit``, ``jax.vmap`` (over a
+    non-mesh axis, still one exchange) and ``jax.grad`` (in ``tokens``).
+
+    Args:
+      tokens: ``[T, H]`` any float dtype, this member's tokens.
+      expert_ids: ``[T, k]`` integers, the experts each token chose (top-k). An id outside ``[0, num_experts)``
+        (e.g. -1) chooses no expert. That pair is not sent, is not counted as dropped, and contributes zero.
+      num_experts: E, the total number of experts, a multiple of the axis size N (static).
+      axis_name: the expert-parallel mesh axis (static).
+      capacity: C >= 1, the most rows this member sends to any one member, and receives from any one member
+        (static). Pairs past it are dropped (see ``DispatchHandle.dropped``).
+
+    Returns:
+      ``(expert_rows, group_sizes, handle)``:
+        expert_rows: ``[N * C, H]`` tokens' dtype, the received rows in expert-major order. Local expert 0's
+          rows come first (source 0's, then source 1's, ...), then local expert 1's, and so on. The rest of
+          the rows are zero.
+        group_sizes: int32 ``[E_local]``, the number of rows for each local expert. Pass it with
+          ``expert_rows`` to ``jax.lax.ragged_dot(expert_rows, w, group_sizes)``, where w is
+          ``[E_local, H, H']``.
+        handle: a ``DispatchHandle`` for ``combine``. ``handle.dropped`` is int32 ``[N]``.
+
+    Raises:
+      NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map``.
+      TypeError / ValueError: a bad argument (the message names it).
+    """
+    axis_name = _check_bound_axis(axis_name, "dispatch")
+    num_members = jax.lax.axis_size(axis_name)
+    _check_static_int(num_experts, "num_experts", "dispatch", minimum=1)
+    if num_experts % num_members:
+        raise ValueError(f"jax_ncclx.moe.dispatch: num_experts ({num_experts}) must be a multiple of the size "
+                         f"of axis {axis_name!r} ({num_members})")
+    _check_static_int(capacity, "capacity", "dispatch", minimum=1)
+    _check_matrix(tokens, "tokens", "dispatch", jnp.floating)
+    _check_matrix(expert_ids, "expert_ids", "dispatch", jnp.integer)
+    if jnp.shape(expert_ids)[0] != jnp.shape(tokens)[0] or jnp.shape(expert_ids)[1] < 1:
+        raise ValueError(f"jax_ncclx.moe.dispatch: expert_ids must be [T, k] with T = {jnp.shape(tokens)[0]} "
+                         f"(the rows of tokens) and k >= 1, got shape {jnp.shape(expert_ids)}")
+    tokens, expert_ids = _vary_together(axis_name, (tokens, jnp.asarray(expert_ids, jnp.int32)))
+    return _dispatch(tokens, expert_ids, int(num_experts), axis_name, int(capacity))
+
+
+def combine(expert_out, handle: DispatchHandle, weights):
+    """Sends expert outputs back to their tokens and sums each token's outputs with its router weights.
+
+    ``out[t] = sum_j weights[t, j] * row(t, j)``, where row(t, j) is the row of ``expert_out`` that came
+    from pair (t, j). A pair that was dropped or that chose no expert contributes zero. Call it inside the
+    same ``jax.shard_map`` as the ``dispatch`` that made ``handle``. It is differentiable in ``expert_out``
+    and ``weights``.
+
+    Args:
+      expert_out: ``[N * C, H']`` any float dtype, in dispatch's expert-major layout. H' may differ from H.
+        Rows past ``sum(group_sizes)`` are ignored.
+      handle: the ``DispatchHandle`` from ``dispatch``.
+      weights: ``[T, k]`` any float dtype, the router weight of each (token, choice) pair.
+
+    Returns:
+      ``[T, H']`` with expert_out's dtype. The sum is accumulated in the promoted dtype of expert_out and
+      weights.
+
+    Raises:
+      NameError: the handle's axis is not bound by an enclosing ``jax.shard_map``.
+      TypeError / ValueError: a bad argument (the message names it).
+    """
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"jax_ncclx.moe.combine: handle must be the DispatchHandle from dispatch, got "
+                        f"{type(handle).__name__}")
+    rows = jax.lax.axis_size(_check_bound_axis(handle.axis_name, "combine")) * handle.capacity
+    _check_matrix(expert_out, "expert_out", "combine", jnp.floating)
+    if jnp.shape(expert_out)[0] != rows:
+        raise ValueError(f"jax_ncclx.moe.combine: expert_out must be [N * capacity, H'] = [{rows}, H'] like "
+                         f"dispatch's expert_rows, got shape {jnp.shape(expert_out)}")
+    _check_matrix(weights, "weights", "combine", jnp.floating)
+    pairs_shape = (handle.order.shape[0] // handle.top_k, handle.top_k)
+    if jnp.shape(weights) != pairs_shape:
+        raise ValueError(f"jax_ncclx.moe.combine: weights must be [T, k] = {list(pairs_shape)} like dispatch's "
+                         f"expert_ids, got shape {jnp.shape(weights)}")
+    expert_out, weights = _vary_together(handle.axis_name, (expert_out, weights), jax.tree.leaves(handle))
+    return _combine(expert_out, handle, weights)
+
+
+# ---- dispatch ----------------------------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _dispatch(tokens, expert_ids, num_experts, axis_name, capacity):
+    num_members = jax.lax.axis_size(axis_name)
+    top_k = expert_ids.shape[1]
+    # Pairs that choose no expert get the key num_experts: they sort last and no count includes them.
+    chosen = (expert_ids >= 0) & (expert_ids < num_experts)
+    sort_key = jnp.where(chosen, expert_ids, num_experts).reshape(-1)
+    order = jnp.argsort(sort_key, stable=True).astype(jnp.int32)
+    send_counts = jnp.bincount(sort_key, length=num_experts + 1)[:num_experts]
+    send_counts = send_counts.reshape(num_members, -1).astype(jnp.int32)
+    received, recv_counts, dropped = all_to_allv_dynamic(
+        tokens[order // top_k], send_counts, axis_name, max_recv_per_peer=capacity, layout="packed")
+    handle = _make_handle(order, sort_key[order], send_counts, recv_counts, dropped, axis_name, capacity, top_k)
+    return received[handle.to_expert_major], recv_counts.sum(axis=0), handle
+
+
+def _dispatch_fwd(tokens, expert_ids, num_experts, axis_name, capacity):
+    outputs = _dispatch(tokens, expert_ids, num_experts, axis_name, capacity)
+    return outputs, outputs[2]
+
+
+def _dispatch_bwd(num_experts, axis_name, capacity, handle, cotangents):
+    ct_rows = cotangents[0]
+    per_pair = _send_back(ct_rows, handle)
+    return per_pair.reshape(-1, handle.top_k, ct_rows.shape[1]).sum(axis=1), None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def _make_handle(order, sorted_experts, send_counts, recv_counts, dropped, axis_name, capacity, top_k):
+    num_members, local_experts = send_counts.shape
+    num_rows = num_members * capacity
+    # Member p returns the first delivered_p rows we sent it, packed after those of members < p. The primitive
+    # clamps the same way: at most `capacity` rows per member, chunk after chunk.
+    sent = send_counts.sum(axis=1)
+    delivered = jnp.minimum(sent, capacity)
+    first_sent = jnp.cumsum(sent) - sent
+    first_returned = jnp.cumsum(delivered) - delivered
+    member = sorted_experts // local_experts  # num_members for pairs that chose no expert
+    chose_expert = member < num_members
+    member = jnp.minimum(member, num_members - 1)
+    offset = jnp.arange(order.shape[0], dtype=jnp.int32) - first_sent[member]
+    slot = jnp.where(chose_expert & (offset < delivered[member]), first_returned[member] + offset, num_rows)
+    return DispatchHandle(
+        order=order, send_counts=send_counts, recv_counts=recv_counts,
+        to_expert_major=_regroup(recv_counts, num_rows), to_source_major=_regroup(recv_counts.T, num_rows),
+        return_slot=jnp.zeros_like(order).at[order].set(slot), dropped=dropped,
+        axis_name=axis_name, capacity=capacity, top_k=top_k)
+
+
+def _regroup(block_sizes, num_rows):
+    """Gather indices that reorder rows stored as blocks (a, b) in row-major order into blocks (b, a).
+
+    block_sizes is ``[A, B]``; the rows after the last block (padding) map to themselves.
+    """
+    sizes = block_sizes.reshape(-1)
+    starts = (jnp.cumsum(sizes) - sizes).reshape(block_sizes.shape).T.reshape(-1)  # in the (b, a) order
+    sizes_out = block_sizes.T.reshape(-1)
+    ends_out = jnp.cumsum(sizes_out)
+    row = jnp.arange(num_rows, dtype=jnp.int32)
+    block = jnp.searchsorted(ends_out, row, side="right")
+    inside = block < sizes_out.shape[0]
+    block = jnp.minimum(block, sizes_out.shape[0] - 1)
+    return jnp.where(inside, starts[block] + row - (ends_out - sizes_out)[block], row).astype(jnp.int32)
+
+
+# ---- combine -----------------------------------------------------------------------------------------------
+
+@jax.custom_vjp
+def _combine(expert_out, handle, weights):
+    return _weighted_sum(_send_back(expert_out, handle), weights, expert_out.dtype)
+
+
+def _combine_fwd(expert_out, handle, weights):
+    returned = _send_back(expert_out, handle)
+    return _weighted_sum(returned, weights, expert_out.dtype), (handle, weights, returned)
+
+
+def _combine_bwd(residuals, ct_out):
+    handle, weights, returned = residuals
+    accumulate = jnp.promote_types(returned.dtype, weights.dtype)
+    per_pair = returned.reshape(*weights.shape, -1).astype(accumulate)
+    ct_out = ct_out.astype(accumulate)
+    ct_rows = (ct_out[:, None, :] * weights[:, :, None].astype(accumulate)).astype(returned.dtype)
+    ct_expert_out = _send_out(ct_rows.reshape(-1, ct_rows.shape[2]), handle)
+    ct_weights = (ct_out[:, None, :] * per_pair).sum(axis=2).astype(weights.dtype)
+    return ct_expert_out, None, ct_weights
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def _weighted_sum(returned, weights, dtype):
+    """``[T * k, H']`` rows and ``[T, k]`` weights -> ``[T, H']``.
+
+    An elementwise product and a sum, not a dot, so float32 stays exact on GPUs (no TF32).
+    """
+    accumulate = jnp.promote_types(returned.dtype, weights.dtype)
+    per_pair = returned.reshape(*weights.shape, -1).astype(accumulate)
+    return (per_pair * weights[:, :, None].astype(accumulate)).sum(axis=1).astype(dtype)
+
+
+# ---- the two exchanges, shared by the forward and backward passes -------------------------------------------
+
+def _send_out(pair_rows, handle):
+    """``[T * k, H]`` one row per (token, choice) pair -> ``[N * C, H]`` expert-major rows on the expert side."""
+    received, _, _ = all_to_allv_dynamic(pair_rows[handle.order], handle.send_counts, handle.axis_name,
+                                         max_recv_per_peer=handle.capacity, layout="packed")
+    return received[handle.to_expert_major]
+
+
+def _send_back(expert_rows, handle):
+    """``[N * C, H']`` expert-major rows -> ``[T * k, H']`` one per pair on the token side, zero if not delivered."""
+    returned, _, _ = all_to_allv_dynamic(expert_rows[handle.to_source_major], handle.recv_counts,
+                                         handle.axis_name, max_recv_per_peer=handle.capacity, layout="packed")
+    return jnp.take(returned, handle.return_slot, axis=0, mode="fill", fill_value=0)
+
+
+# ---- argument checks ---------------------------------------------------------------------------------------
+
+def _vary_together(axis_name, arrays, others=()):
+    """``arrays`` cast to vary over ``axis_name`` and every mesh axis that they or ``others`` vary over.
+
+    Under ``check_vma`` a custom_vjp cotangent must have its input's type. The cotangents mix all the inputs,
+    so every input must vary over the union of their axes.
+    """
+    if not compat.check_vma_enabled():
+        return arrays
+    axes = frozenset({axis_name}).union(*(compat.varying_axes(jax.typeof(a)) for a in (*arrays, *others)))
+    return tuple(_vary_over(a, axes) for a in arrays)
+
+
+def _vary_over(array, axes):
+    # Sorted, so every process traces the same program (a frozenset's order follows the string hash seed).
+    missing = tuple(sorted(axes - compat.varying_axes(jax.typeof(array)), key=str))
+    return jax.lax.pcast(array, missing, to="varying") if missing else array
+
+
+def _check_bound_axis(axis_name, op):
+    axis_name = primitive.check_axis_name(axis_name, f"moe.{op}")
+    if not primitive.is_bound(axis_name):
+        raise NameError(f"jax_ncclx.moe.{op}: unbound axis name {axis_name!r}; call it inside jax.shard_map "
+                        "over the expert-parallel mesh axis")
+    return axis_name
+
+
+def _check_static_int(value, name, op, *, minimum):
+    if isinstance(value, jax.core.Tracer) or isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"jax_ncclx.moe.{op}: {name} must be a static Python int (it sizes arrays), got "
+                        f"{value!r}; mark it static in jax.jit (static_argnums/static_argnames)")
+    if value < minimum:
+        raise ValueError(f"jax_ncclx.moe.{op}: {name} must be >= {minimum}, got {value}")
+
+
+def _check_matrix(x, name, op, kind):
+    shape, dtype = jnp.shape(x), jax.typeof(x).dtype
+    if len(shape) != 2:
+        raise ValueError(f"jax_ncclx.moe.{op}: {name} must be 2-D, got shape {shape}")
+    if not jnp.issubdtype(dtype, kind):
+        expected = "a float" if kind is jnp.floating else "an integer"
+        raise TypeError(f"jax_ncclx.moe.{op}: {name} must have {expected} dtype, got {dtype}")

@@ -1,0 +1,13 @@
+"""MoE dispatch and combine over an expert-parallel mesh axis, for use inside ``jax.shard_map``.
+
+``dispatch`` sends each token's top-k rows to the members that own the chosen experts, grouped by local
+expert for ``jax.lax.ragged_dot``. ``combine`` sends the expert outputs back and sums them with the router
+weights. Each is one ``all_to_allv_dynamic`` call, its counts kept on the device, and each is the other's
+backward pass.
+"""
+
+from jax_ncclx._src.moe import DispatchHandle as DispatchHandle
+from jax_ncclx._src.moe import combine as combine
+from jax_ncclx._src.moe import dispatch as dispatch
+
+__all__ = ["DispatchHandle", "combine", "dispatch"]

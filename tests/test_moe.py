@@ -1,0 +1,272 @@
+"""jax_ncclx.moe dispatch / combine against a dense per-device NumPy reference: expert-major rows and group
+sizes, drops over capacity, the round trip, ragged_dot experts, gradients against jax.grad of a dense layer,
+vmap, bf16 and argument errors; on CPU and, where present, GPUs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from helpers import assert_same, random_array
+from jax_ncclx import moe
+
+TOKENS, HIDDEN, TOP_K = 8, 4, 2  # per member
+AMPLE = TOKENS * TOP_K           # a capacity nothing can overflow
+TIGHT = 2                        # about the mean load per member pair: some rows drop
+HIGHEST = jax.lax.Precision.HIGHEST  # no TF32 on GPUs, so float32 compares tightly
+
+
+def line_mesh(devices):
+    return jax.sharding.Mesh(np.asarray(devices), ("x",))
+
+
+def random_ids(n, num_experts, seed, shape=(TOKENS, TOP_K)):
+    """[n, T, k] expert ids, skewed towards low experts, with some -1 (no expert)."""
+    rng = np.random.default_rng(seed)
+    ids = np.minimum(rng.integers(0, num_experts, size=(n, *shape)), rng.integers(0, num_experts, size=(n, *shape)))
+    return np.where(rng.random((n, *shape)) < 0.1, -1, ids).astype(np.int32)
+
+
+def reference_dispatch(tokens, ids, num_experts, capacity):
+    """Per member: (expert_rows, group_sizes, dropped), plus the [n, T, k] mask of pairs that were delivered."""
+    n = len(tokens)
+    local = num_experts // n
+    delivered = np.zeros(ids.shape, bool)
+    dropped = np.zeros((n, n), np.int32)
+    sent = {}  # (source, expert) -> rows delivered to the expert, in send order
+    for src in range(n):
+        flat = ids[src].reshape(-1)
+        taken = np.zeros(n, int)
+        for pair in np.argsort(np.where(flat < 0, num_experts, flat), kind="stable"):
+            expert = flat[pair]
+            if expert < 0:
+                continue
+            dst = expert // local
+            if taken[dst] == capacity:
+                dropped[src, dst] += 1
+                continue
+            taken[dst] += 1
+            delivered[src].reshape(-1)[pair] = True
+            sent.setdefault((src, expert), []).append(tokens[src][pair // ids.shape[2]])
+    out = []
+    for dst in range(n):
+        rows = np.zeros((n * capacity, tokens.shape[2]), tokens.dtype)
+        sizes = np.zeros(local, np.int32)
+        at = 0
+        for e in range(local):
+            for src in range(n):
+                for row in sent.get((src, dst * local + e), []):
+                    rows[at] = row
+                    at += 1
+                    sizes[e] += 1
+        out.append((rows, sizes, dropped[dst]))
+    return out, delivered
+
+
+def run_dispatch_combine(mesh, tokens, ids, weights, num_experts, capacity, expert=lambda rows: rows):
+    """Per member: dispatch, expert(rows), combine. Returns stacked (expert_rows, group_sizes, dropped, out)."""
+
+    def body(t, i, w):
+        rows, sizes, handle = moe.dispatch(t[0], i[0], num_experts=num_experts, axis_name="x", capacity=capacity)
+        out = moe.combine(expert(rows), handle, w[0])
+        return rows[None], sizes[None], handle.dropped[None], out[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x")))
+    return [np.asarray(o) for o in f(tokens, ids, weights)]
+
+
+@pytest.mark.parametrize("capacity", [AMPLE, TIGHT], ids=["ample", "tight"])
+def test_dispatch_and_round_trip(backend, capacity):
+    """Expert-major rows, group sizes and drops match the reference; identity experts give sum_j w * token over
+    the delivered pairs."""
+    n = len(backend)
+    num_experts = 2 * n
+    tokens = random_array((n, TOKENS, HIDDEN), jnp.float32)
+    ids = random_ids(n, num_experts, seed=capacity)
+    weights = random_array((n, TOKENS, TOP_K), jnp.float32, seed=1)
+    rows, sizes, dropped, out = run_dispatch_combine(line_mesh(backend), tokens, ids, weights, num_experts, capacity)
+
+    expected, delivered = reference_dispatch(tokens, ids, num_experts, capacity)
+    for member, (ref_rows, ref_sizes, ref_dropped) in enumerate(expected):
+        np.testing.assert_array_equal(rows[member], ref_rows)
+        np.testing.assert_array_equal(sizes[member], ref_sizes)
+        np.testing.assert_array_equal(dropped[member], ref_dropped)
+    assert (dropped.sum() > 0) == (capacity == TIGHT)
+    ref_out = (tokens[:, :, None, :] * (weights * delivered)[..., None]).sum(axis=2)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-6, atol=1e-6)
+
+
+def test_dropped_pairs_contribute_zero(backend):
+    """All tokens pick expert 0: only `capacity` rows per member get through, the rest count as dropped."""
+    n = len(backend)
+    tokens = random_array((n, TOKENS, HIDDEN), jnp.float32)
+    ids = np.zeros((n, TOKENS, TOP_K), np.int32)
+    weights = np.ones((n, TOKENS, TOP_K), np.float32)
+    _, sizes, dropped, out = run_dispatch_combine(line_mesh(backend), tokens, ids, weights, n, TIGHT)
+    np.testing.assert_array_equal(sizes[:, 0], [n * TIGHT] + [0] * (n - 1))
+    np.testing.assert_array_equal(dropped[:, 0], TOKENS * TOP_K - TIGHT)
+    # The sorted pairs (0, 0), (0, 1) of each member arrive: token 0 comes back twice, the rest not at all.
+    np.testing.assert_allclose(out[:, 0], 2 * tokens[:, 0], rtol=1e-6)
+    np.testing.assert_array_equal(out[:, 1:], 0)
+
+
+def route(tokens, router):
+    logits = jnp.dot(tokens, router, precision=HIGHEST)
+    gates, ids = jax.lax.top_k(logits, TOP_K)
+    return ids.astype(jnp.int32), jax.nn.softmax(gates, axis=-1)
+
+
+def dense_layer(tokens, router, expert_weights, delivered):
+    """tokens [M, H], router [H, E], expert_weights [E, H, H'], delivered [M, k] -> [M, H']."""
+    ids, gates = route(tokens, router)
+    y = jnp.tanh(jnp.einsum("mh,mkhd->mkd", tokens, expert_weights[ids], precision=HIGHEST))
+    return (y * (gates * delivered)[..., None]).sum(axis=1)
+
+
+@pytest.mark.parametrize("capacity", [AMPLE, TIGHT], ids=["ample", "tight"])
+def test_ragged_dot_layer_and_grads(backend, capacity):
+    """A routed layer (top-k router, tanh(ragged_dot) experts with H' != H): output and gradients in tokens,
+    router and expert weights match jax.grad of the dense layer (dropped pairs masked out)."""
+    n = len(backend)
+    num_experts, out_features = 2 * n, 3
+    mesh = line_mesh(backend)
+    tokens = random_array((n * TOKENS, HIDDEN), jnp.float32)
+    router = random_array((HIDDEN, num_experts), jnp.float32, seed=1)
+    expert_weights = random_array((num_experts, HIDDEN, out_features), jnp.float32, seed=2) / 2
+    cotangent = random_array((n * TOKENS, out_features), jnp.float32, seed=3)
+
+    def body(t, r, w):
+        ids, gates = route(t, r)
+        rows, sizes, handle = moe.dispatch(t, ids, num_experts=num_experts, axis_name="x", capacity=capacity)
+        y = jnp.tanh(jax.lax.ragged_dot(rows, w, sizes, precision=HIGHEST))
+        return moe.combine(y, handle, gates), handle.dropped[None]
+
+    layer = jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P("x")), out_specs=(P("x"), P("x")))
+    loss = lambda *args: (layer(*args)[0] * cotangent).sum()
+    out, dropped = jax.jit(layer)(tokens, router, expert_weights)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(tokens, router, expert_weights)
+
+    ids = np.asarray(route(tokens, router)[0]).reshape(n, TOKENS, TOP_K)
+    expected, delivered = reference_dispatch(tokens.reshape(n, TOKENS, HIDDEN), ids, num_experts, capacity)
+    np.testing.assert_array_equal(dropped, np.stack([d for _, _, d in expected]))
+    assert (np.asarray(dropped).sum() > 0) == (capacity == TIGHT)
+    delivered = jnp.asarray(delivered.reshape(n * TOKENS, TOP_K), jnp.float32)
+    dense_loss = lambda *args: (dense_layer(*args, delivered) * cotangent).sum()
+    np.testing.assert_allclose(out, dense_layer(tokens, router, expert_weights, delivered), rtol=1e-5, atol=1e-6)
+    for grad, ref in zip(grads, jax.grad(dense_loss, argnums=(0, 1, 2))(tokens, router, expert_weights)):
+        np.testing.assert_allclose(grad, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_vmap_over_a_batch_axis(backend):
+    """Two routings per member under vmap match the reference, with one exchange each way, and the gradient
+    in the tokens under vmap is the weighted sum of delivered choices."""
+    n, batch = len(backend), 2
+    num_experts = 2 * n
+    mesh = line_mesh(backend)
+    tokens = random_array((n, batch, TOKENS, HIDDEN), jnp.float32)
+    ids = random_ids(n, num_experts, seed=4, shape=(batch, TOKENS, TOP_K))
+    weights = random_array((n, batch, TOKENS, TOP_K), jnp.float32, seed=5)
+
+    def round_trip(t, i, w):
+        rows, _, handle = moe.dispatch(t, i, num_experts=num_experts, axis_name="x", capacity=TIGHT)
+        return moe.combine(rows, handle, w)
+
+    def body(t, i, w):
+        out = jax.vmap(round_trip)(t[0], i[0], w[0])
+        grad = jax.vmap(jax.grad(lambda u, v, c: round_trip(u, v, c).sum()))(t[0], i[0], w[0])
+        return out[None], grad[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x")))
+    out, grad = f(tokens, ids, weights)
+    for b in range(batch):
+        _, delivered = reference_dispatch(tokens[:, b], ids[:, b], num_experts, TIGHT)
+        masked = weights[:, b] * delivered
+        np.testing.assert_allclose(out[:, b], (tokens[:, b, :, None, :] * masked[..., None]).sum(2), rtol=1e-6,
+                                   atol=1e-6)
+        np.testing.assert_allclose(grad[:, b], np.broadcast_to(masked.sum(-1, keepdims=True), grad[:, b].shape),
+                                   rtol=1e-6, atol=1e-6)
+    forward = jax.make_jaxpr(jax.shard_map(lambda t, i, w: jax.vmap(round_trip)(t[0], i[0], w[0])[None], mesh=mesh,
+                                           in_specs=(P("x"),) * 3, out_specs=P("x")))(tokens, ids, weights)
+    assert str(forward).count("ncclx_all_to_allv_dynamic") == 2
+
+
+def test_one_axis_of_2d_mesh_with_replicated_routing(mesh):
+    """Experts over axis "b" of an ("a", "b") mesh; the routing and the weights are replicated (invariant), so
+    their gradient sums over the whole mesh."""
+    num_members = mesh.size
+    num_experts = 2 * mesh.shape["b"]
+    tokens = random_array((num_members * TOKENS, HIDDEN), jnp.float32)
+    ids = random_ids(1, num_experts, seed=8)[0]
+    weights = random_array((TOKENS, TOP_K), jnp.float32, seed=9)
+    cotangent = random_array((num_members * TOKENS, HIDDEN), jnp.float32, seed=10)
+
+    def body(t, i, w):
+        rows, _, handle = moe.dispatch(t, i, num_experts=num_experts, axis_name="b", capacity=AMPLE)
+        return moe.combine(rows, handle, w)
+
+    layer = jax.shard_map(body, mesh=mesh, in_specs=(P(("a", "b")), P(), P()), out_specs=P(("a", "b")))
+    chosen = jnp.asarray(ids >= 0, jnp.float32)
+
+    def dense(t, w):
+        per_member = t.reshape(num_members, TOKENS, 1, HIDDEN) * (w * chosen)[None, :, :, None]
+        return per_member.sum(axis=2).reshape(-1, HIDDEN)
+
+    sharded = lambda t, w: layer(t, jnp.asarray(ids), w)
+    gradient = lambda f: jax.grad(lambda t, w: (f(t, w) * cotangent).sum(), argnums=(0, 1))
+    np.testing.assert_allclose(jax.jit(sharded)(tokens, weights), dense(tokens, weights), rtol=1e-6, atol=1e-6)
+    for grad, ref in zip(jax.jit(gradient(sharded))(tokens, weights), gradient(dense)(tokens, weights)):
+        np.testing.assert_allclose(grad, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_tokens(backend):
+    n = len(backend)
+    num_experts = 2 * n
+    tokens = random_array((n, TOKENS, HIDDEN), jnp.bfloat16)
+    ids = random_ids(n, num_experts, seed=6)
+    weights = random_array((n, TOKENS, TOP_K), jnp.float32, seed=7)
+    rows, _, _, out = run_dispatch_combine(line_mesh(backend), tokens, ids, weights, num_experts, AMPLE)
+    expected, delivered = reference_dispatch(tokens, ids, num_experts, AMPLE)
+    assert rows.dtype == out.dtype == jnp.bfloat16
+    for member, (ref_rows, _, _) in enumerate(expected):
+        np.testing.assert_array_equal(rows[member], ref_rows)
+    ref_out = (tokens.astype(np.float32)[:, :, None, :] * (weights * delivered)[..., None]).sum(axis=2)
+    assert_same(out, ref_out.astype(jnp.bfloat16), jnp.bfloat16)
+
+
+def _dispatch(t, i, **kw):
+    return moe.dispatch(t, i, **{"num_experts": 8, "axis_name": "x", "capacity": 2, **kw})
+
+
+def _combine(t, i, *, out=None, weights=None, handle=None):
+    rows, _, h = _dispatch(t, i)
+    return moe.combine(rows if out is None else out(rows), h if handle is None else handle,
+                       i.astype(jnp.float32) if weights is None else weights(i))
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda t, i: _dispatch(t, i, num_experts=6), ValueError, r"num_experts \(6\) must be a multiple of .* \(4\)"),
+    (lambda t, i: _dispatch(t, i, num_experts=8.0), TypeError, "num_experts must be a static Python int"),
+    (lambda t, i: _dispatch(t, i, capacity=t.sum().astype(int)), TypeError, "capacity must be a static Python int"),
+    (lambda t, i: _dispatch(t, i, capacity=0), ValueError, "capacity must be >= 1"),
+    (lambda t, i: _dispatch(t, i, axis_name="y"), NameError, "unbound axis name 'y'"),
+    (lambda t, i: _dispatch(t[0], i), ValueError, r"tokens must be 2-D, got shape \(4,\)"),
+    (lambda t, i: _dispatch(t.astype(jnp.int32), i), TypeError, "tokens must have a float dtype"),
+    (lambda t, i: _dispatch(t, i.astype(jnp.float32)), TypeError, "expert_ids must have an integer dtype"),
+    (lambda t, i: _dispatch(t, i[:1]), ValueError, r"expert_ids must be \[T, k\] with T = 2"),
+    (lambda t, i: _combine(t, i, out=lambda r: r[:3]), ValueError, r"expert_out must be \[N \* capacity, H'\]"),
+    (lambda t, i: _combine(t, i, weights=lambda i: i.astype(jnp.float32)[:, :1]), ValueError,
+     r"weights must be \[T, k\] = \[2, 2\]"),
+    (lambda t, i: _combine(t, i, weights=lambda i: i), TypeError, "weights must have a float dtype"),
+    (lambda t, i: _combine(t, i, handle=(1, 2)), TypeError, "handle must be the DispatchHandle"),
+])
+def test_misuse(call, error, message):
+    mesh = line_mesh(jax.devices("cpu")[:4])
+    f = jax.shard_map(call, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x"))
+    with pytest.raises(error, match=message):
+        jax.eval_shape(f, jnp.ones((8, 4)), jnp.ones((8, 2), jnp.int32))
+
+
+def test_outside_shard_map():
+    with pytest.raises(NameError, match="call it inside jax.shard_map"):
+        moe.dispatch(jnp.ones((2, 4)), jnp.zeros((2, 1), jnp.int32), num_experts=2, axis_name="x", capacity=1)

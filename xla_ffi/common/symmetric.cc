@@ -1,0 +1,413 @@
+// Symmetric memory set-up: allocate, exchange addresses through the communicator itself, check that every
+// pair of ranks can reach each other over NVLink peer access, map, and publish the peer tables.
+#include "common/symmetric.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <shared_mutex>
+#include <utility>
+
+#include "common/nccl_comms.h"
+
+namespace jax_ncclx {
+namespace {
+
+// What each rank tells the others about itself and its symmetric memory.
+struct RankInfo {
+  uint64_t host = 0;  // hash of the host name: ranks on other hosts are not reachable
+  int32_t pid = 0;    // same process: plain peer pointers; other process: CUDA IPC
+  int32_t device = 0;
+  char pci_bus_id[32] = {};
+  uint64_t control_ptr = 0;
+  uint64_t data_ptr = 0;
+  cudaIpcMemHandle_t control_handle = {};
+  cudaIpcMemHandle_t data_handle = {};
+};
+
+struct LocalRank {
+  int32_t device = 0;
+  ncclComm_t comm = nullptr;
+  int rank = -1;
+  int size = 0;
+  SymmetricControl* control = nullptr;
+  PeerTable* table = nullptr;  // device copy of `peers`
+  uint8_t* data = nullptr;
+  int64_t data_bytes = 0;
+  PeerTable peers = {};                     // host copy
+  std::vector<bool> imported;               // per rank: mapped through CUDA IPC (close, don't free)
+};
+
+struct CommMemory {
+  std::string unavailable;  // non-empty: the NVLink path cannot run on this communicator, and why
+  std::vector<LocalRank> ranks;
+};
+
+struct Registry {
+  std::shared_mutex mu;
+  std::map<int64_t, CommMemory> comms;
+};
+
+Registry& GetRegistry() {
+  static Registry* registry = new Registry();  // never destroyed, like the communicator registry
+  return *registry;
+}
+
+uint64_t HostHash() {
+  char name[HOST_NAME_MAX + 1] = {};
+  gethostname(name, sizeof(name) - 1);
+  return std::hash<std::string>()(name);
+}
+
+int64_t RoundUp(int64_t bytes, int64_t multiple) { return (bytes + multiple - 1) / multiple * multiple; }
+
+// Runs `issue(rank, stream)` for every local rank inside one NCCL group on temporary streams, then waits.
+template <typename Issue>
+ffi::Error CollectiveOnLocalRanks(std::string_view op, std::vector<LocalRank>& ranks, Issue issue) {
+  std::vector<cudaStream_t> streams(ranks.size(), nullptr);
+  ffi::Error result = InNcclGroup(op, nullptr, [&]() -> ffi::Error {
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaSetDevice", cudaSetDevice(ranks[i].device)));
+      NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaStreamCreate", cudaStreamCreate(&streams[i])));
+      NCCLX_RETURN_IF_ERROR(issue(ranks[i], streams[i]));
+    }
+    return ffi::Error::Success();
+  });
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (streams[i] == nullptr) continue;
+    cudaSetDevice(ranks[i].device);
+    ffi::Error synced = CheckCuda(op, "cudaStreamSynchronize", cudaStreamSynchronize(streams[i]));
+    cudaStreamDestroy(streams[i]);
+    if (result.success() && synced.failure()) result = std::move(synced);
+  }
+  return result;
+}
+
+// All-gathers `mine` (one value per local rank) over the communicator: result[i][r] is rank r's value as
+// seen by local rank i.
+template <typename T>
+ffi::ErrorOr<std::vector<std::vector<T>>> AllGather(std::string_view op, std::vector<LocalRank>& ranks,
+                                                    const std::vector<T>& mine) {
+  const int size = ranks.front().size;
+  std::vector<void*> buffers(ranks.size(), nullptr);
+  auto free_buffers = [&] {
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      if (buffers[i] == nullptr) continue;
+      cudaSetDevice(ranks[i].device);
+      cudaFree(buffers[i]);
+    }
+  };
+  std::vector<std::vector<T>> gathered(ranks.size(), std::vector<T>(size));
+  ffi::Error error = [&]() -> ffi::Error {
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaSetDevice", cudaSetDevice(ranks[i].device)));
+      NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaMalloc", cudaMalloc(&buffers[i], sizeof(T) * size)));
+      uint8_t* own_slot = static_cast<uint8_t*>(buffers[i]) + sizeof(T) * ranks[i].rank;
+      NCCLX_RETURN_IF_ERROR(
+          CheckCuda(op, "cudaMemcpy", cudaMemcpy(own_slot, &mine[i], sizeof(T), cudaMemcpyHostToDevice)));
+    }
+    size_t index = 0;
+    NCCLX_RETURN_IF_ERROR(CollectiveOnLocalRanks(op, ranks, [&](LocalRank& rank, cudaStream_t stream) {
+      uint8_t* buffer = static_cast<uint8_t*>(buffers[index++]);
+      return CheckNccl(op, "ncclAllGather",
+                       ncclAllGather(buffer + sizeof(T) * rank.rank, buffer, sizeof(T), ncclUint8, rank.comm,
+                                     stream),
+                       rank.comm);
+    }));
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaSetDevice", cudaSetDevice(ranks[i].device)));
+      NCCLX_RETURN_IF_ERROR(CheckCuda(
+          op, "cudaMemcpy", cudaMemcpy(gathered[i].data(), buffers[i], sizeof(T) * size, cudaMemcpyDeviceToHost)));
+    }
+    return ffi::Error::Success();
+  }();
+  free_buffers();
+  if (error.failure()) return error;
+  return gathered;
+}
+
+// Why local rank `self` cannot write into and signal every peer described in `infos`; "" when it can.
+std::string Unreachable(const LocalRank& self, const std::vector<RankInfo>& infos) {
+  const RankInfo& mine = infos[self.rank];
+  for (int peer = 0; peer < self.size; ++peer) {
+    if (peer == self.rank) continue;
+    const RankInfo& other = infos[peer];
+    const std::string who = "rank " + std::to_string(self.rank) + " cannot reach rank " + std::to_string(peer);
+    if (other.host != mine.host) return who + ": it is on another host";
+    int peer_device = other.device;
+    if (other.pid != mine.pid && cudaDeviceGetByPCIBusId(&peer_device, other.pci_bus_id) != cudaSuccess) {
+      cudaGetLastError();
+      return who + ": its GPU (" + other.pci_bus_id + ") is not visible to this process (CUDA_VISIBLE_DEVICES)";
+    }
+    int access = 0;
+    int atomics = 0;
+    cudaDeviceCanAccessPeer(&access, self.device, peer_device);
+    cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported, self.device, peer_device);
+    cudaGetLastError();
+    // NVLink gives both; PCIe peer access has no native atomics, and the kernels' flags need them.
+    if (!access || !atomics) return who + ": no NVLink peer access with native atomics between the GPUs";
+  }
+  return "";
+}
+
+// Maps `info`'s region (or returns its pointer when it lives in this process).
+ffi::ErrorOr<void*> MapPeer(std::string_view op, const LocalRank& self, const RankInfo& mine,
+                            const RankInfo& info, uint64_t ptr, const cudaIpcMemHandle_t& handle,
+                            bool* imported) {
+  *imported = info.pid != mine.pid;
+  if (!*imported) {
+    if (info.device != self.device) {
+      const cudaError_t enabled = cudaDeviceEnablePeerAccess(info.device, 0);
+      if (enabled == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();
+      } else {
+        NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaDeviceEnablePeerAccess", enabled));
+      }
+    }
+    return reinterpret_cast<void*>(ptr);
+  }
+  void* mapped = nullptr;
+  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaIpcOpenMemHandle",
+                                  cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess)));
+  return mapped;
+}
+
+// Releases local rank memory: closes IPC mappings of the peers' data (and control, if `everything`), then
+// frees this rank's own data (and control and table, if `everything`). The device must be idle.
+void Release(LocalRank& rank, bool everything) {
+  cudaSetDevice(rank.device);
+  for (int peer = 0; peer < rank.size && peer < static_cast<int>(rank.imported.size()); ++peer) {
+    if (!rank.imported[peer]) continue;
+    if (rank.peers.data[peer] != nullptr) cudaIpcCloseMemHandle(rank.peers.data[peer]);
+    if (everything && rank.peers.control[peer] != nullptr) cudaIpcCloseMemHandle(rank.peers.control[peer]);
+  }
+  std::fill(std::begin(rank.peers.data), std::end(rank.peers.data), nullptr);
+  if (rank.data != nullptr) cudaFree(rank.data);
+  rank.data = nullptr;
+  rank.data_bytes = 0;
+  if (everything) {
+    if (rank.control != nullptr) cudaFree(rank.control);
+    if (rank.table != nullptr) cudaFree(rank.table);
+    rank.control = nullptr;
+    rank.table = nullptr;
+    rank.peers = {};
+    rank.imported.clear();
+  }
+  cudaGetLastError();
+}
+
+ffi::Error SynchronizeDevices(std::string_view op, const std::vector<LocalRank>& ranks) {
+  for (const LocalRank& rank : ranks) {
+    NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaSetDevice", cudaSetDevice(rank.device)));
+    NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaDeviceSynchronize", cudaDeviceSynchronize()));
+  }
+  return ffi::Error::Success();
+}
+
+// (Re)allocates every local rank's data region to `data_bytes` (and, the first time, its control block and
+// table), exchanges addresses, agrees on reachability, and maps the peers. Returns the unavailability
+// reason ("" on success). On a reachability failure everything is released again.
+ffi::ErrorOr<std::string> Grow(std::string_view op, CommMemory& memory, int64_t data_bytes, bool first) {
+  std::vector<LocalRank>& ranks = memory.ranks;
+  // Kernels still queued may use the old regions; every process syncs before anyone frees (the all-gather
+  // below cannot complete until all have).
+  NCCLX_RETURN_IF_ERROR(SynchronizeDevices(op, ranks));
+  std::vector<RankInfo> mine(ranks.size());
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    LocalRank& rank = ranks[i];
+    Release(rank, /*everything=*/false);
+    NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaSetDevice", cudaSetDevice(rank.device)));
+    if (first) {
+      NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaMalloc (control)",
+                                      cudaMalloc(reinterpret_cast<void**>(&rank.control), sizeof(SymmetricControl))));
+      NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaMemset", cudaMemset(rank.control, 0, sizeof(SymmetricControl))));
+      NCCLX_RETURN_IF_ERROR(
+          CheckCuda(op, "cudaMalloc (table)", cudaMalloc(reinterpret_cast<void**>(&rank.table), sizeof(PeerTable))));
+      rank.imported.assign(rank.size, false);
+    }
+    NCCLX_RETURN_IF_ERROR(
+        CheckCuda(op, "cudaMalloc (data region of " + std::to_string(data_bytes) + " bytes)",
+                  cudaMalloc(reinterpret_cast<void**>(&rank.data), data_bytes)));
+    rank.data_bytes = data_bytes;
+
+    RankInfo& info = mine[i];
+    info.host = HostHash();
+    info.pid = static_cast<int32_t>(getpid());
+    info.device = rank.device;
+    NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaDeviceGetPCIBusId",
+                                    cudaDeviceGetPCIBusId(info.pci_bus_id, sizeof(info.pci_bus_id), rank.device)));
+    info.control_ptr = reinterpret_cast<uint64_t>(rank.control);
+    info.data_ptr = reinterpret_cast<uint64_t>(rank.data);
+    NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaIpcGetMemHandle", cudaIpcGetMemHandle(&info.control_handle, rank.control)));
+    NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaIpcGetMemHandle", cudaIpcGetMemHandle(&info.data_handle, rank.data)));
+  }
+  ffi::ErrorOr<std::vector<std::vector<RankInfo>>> infos = AllGather(op, ranks, mine);
+  if (infos.has_error()) return infos.error();
+
+  if (first) {
+    // Every rank must take the same path: agree on the first reason any rank found (by rank order).
+    struct Verdict {
+      char reason[240];
+    };
+    std::vector<Verdict> verdicts(ranks.size());
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      const std::string reason = Unreachable(ranks[i], (*infos)[i]);
+      std::snprintf(verdicts[i].reason, sizeof(verdicts[i].reason), "%s", reason.c_str());
+    }
+    ffi::ErrorOr<std::vector<std::vector<Verdict>>> all = AllGather(op, ranks, verdicts);
+    if (all.has_error()) return all.error();
+    for (const Verdict& verdict : all->front()) {
+      if (verdict.reason[0] == '\0') continue;
+      for (LocalRank& rank : ranks) Release(rank, /*everything=*/true);
+      return std::string(verdict.reason);
+    }
+  }
+
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    LocalRank& rank = ranks[i];
+    NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaSetDevice", cudaSetDevice(rank.device)));
+    const std::vector<RankInfo>& all = (*infos)[i];
+    for (int peer = 0; peer < rank.size; ++peer) {
+      const RankInfo& info = all[peer];
+      bool imported = false;
+      if (first) {
+        ffi::ErrorOr<void*> control =
+            MapPeer(op, rank, all[rank.rank], info, info.control_ptr, info.control_handle, &imported);
+        if (control.has_error()) return control.error();
+        rank.peers.control[peer] = static_cast<SymmetricControl*>(*control);
+      }
+      ffi::ErrorOr<void*> data = MapPeer(op, rank, all[rank.rank], info, info.data_ptr, info.data_handle, &imported);
+      if (data.has_error()) return data.error();
+      rank.peers.data[peer] = static_cast<uint8_t*>(*data);
+      rank.imported[peer] = imported;
+    }
+    NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaMemcpy (peer table)",
+                                    cudaMemcpy(rank.table, &rank.peers, sizeof(PeerTable), cudaMemcpyHostToDevice)));
+  }
+  return std::string();
+}
+
+}  // namespace
+
+ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, int64_t data_bytes) {
+  if (data_bytes < 0) return InvalidArgument(op, "data_bytes is negative: " + std::to_string(data_bytes));
+  Registry& registry = GetRegistry();
+  std::unique_lock<std::shared_mutex> lock(registry.mu);
+  auto found = registry.comms.find(comm_id);
+  const bool first = found == registry.comms.end();
+  if (!first) {
+    const CommMemory& memory = found->second;
+    if (!memory.unavailable.empty()) return memory.unavailable;
+    const bool big_enough = std::all_of(memory.ranks.begin(), memory.ranks.end(),
+                                        [&](const LocalRank& rank) { return rank.data_bytes >= data_bytes; });
+    if (big_enough) return std::string();
+  }
+
+  CommMemory fresh;
+  if (first) {
+    ffi::ErrorOr<std::map<int32_t, ncclComm_t>> comms = CommsOf(op, comm_id);
+    if (comms.has_error()) return comms.error();
+    for (const auto& [device, comm] : *comms) {
+      ffi::ErrorOr<CommRank> described = DescribeComm(op, comm);
+      if (described.has_error()) return described.error();
+      LocalRank rank;
+      rank.device = device;
+      rank.comm = comm;
+      rank.rank = described->rank;
+      rank.size = described->size;
+      fresh.ranks.push_back(rank);
+    }
+    if (fresh.ranks.empty()) return InvalidArgument(op, "communicator has no rank in this process");
+    if (fresh.ranks.front().size > kMaxNvlinkRanks) {
+      fresh.unavailable = "the communicator has " + std::to_string(fresh.ranks.front().size) +
+                          " ranks; the NVLink kernels handle at most " + std::to_string(kMaxNvlinkRanks);
+      registry.comms.emplace(comm_id, std::move(fresh));
+      return registry.comms.at(comm_id).unavailable;
+    }
+  }
+  CommMemory& memory = first ? fresh : found->second;
+  // Grow by at least half again, so a run of slightly larger programs does not reallocate each time.
+  int64_t grown = data_bytes;
+  if (!first && !memory.ranks.empty()) grown = std::max(grown, memory.ranks.front().data_bytes * 3 / 2);
+  grown = RoundUp(std::max<int64_t>(grown, 1), 1 << 21);
+
+  std::string reason;
+  NCCLX_RETURN_IF_ERROR(KeepingCurrentDevice(op, [&]() -> ffi::Error {
+    ffi::ErrorOr<std::string> grew = Grow(op, memory, grown, first);
+    if (grew.has_error()) {
+      if (first) {
+        for (LocalRank& rank : memory.ranks) Release(rank, /*everything=*/true);
+      }
+      return grew.error();
+    }
+    reason = *grew;
+    return ffi::Error::Success();
+  }));
+  if (first) {
+    fresh.unavailable = reason;
+    registry.comms.emplace(comm_id, std::move(fresh));
+  }
+  return reason;
+}
+
+ffi::ErrorOr<SymmetricRank> LookupSymmetric(std::string_view op, int64_t comm_id, int32_t device_ordinal) {
+  Registry& registry = GetRegistry();
+  std::shared_lock<std::shared_mutex> lock(registry.mu);
+  const auto found = registry.comms.find(comm_id);
+  if (found != registry.comms.end() && found->second.unavailable.empty()) {
+    for (const LocalRank& rank : found->second.ranks) {
+      if (rank.device != device_ordinal) continue;
+      SymmetricRank view;
+      view.rank = rank.rank;
+      view.size = rank.size;
+      view.table = rank.table;
+      view.control = rank.control;
+      view.data = rank.data;
+      view.data_bytes = rank.data_bytes;
+      view.same_process = std::none_of(rank.imported.begin(), rank.imported.end(), [](bool i) { return i; });
+      return view;
+    }
+  }
+  return InvalidArgument(op, "no symmetric memory for communicator " + std::to_string(comm_id) + " on device " +
+                                 std::to_string(device_ordinal) +
+                                 "; was jax_ncclx shut down after this program was compiled?");
+}
+
+std::vector<SymmetricUsage> SymmetricMemoryUsage() {
+  Registry& registry = GetRegistry();
+  std::shared_lock<std::shared_mutex> lock(registry.mu);
+  std::vector<SymmetricUsage> usage;
+  for (const auto& [comm_id, memory] : registry.comms) {
+    for (const LocalRank& rank : memory.ranks) {
+      if (rank.control == nullptr) continue;
+      usage.push_back({comm_id, rank.device, rank.data_bytes,
+                       static_cast<int64_t>(sizeof(SymmetricControl) + sizeof(PeerTable))});
+    }
+  }
+  return usage;
+}
+
+ffi::Error FreeAllSymmetric(std::string_view op) {
+  Registry& registry = GetRegistry();
+  std::unique_lock<std::shared_mutex> lock(registry.mu);
+  ffi::Error result = KeepingCurrentDevice(op, [&]() -> ffi::Error {
+    ffi::Error first_failure;
+    for (auto& [comm_id, memory] : registry.comms) {
+      ffi::Error synced = SynchronizeDevices(op, memory.ranks);
+      if (synced.failure() && first_failure.success()) first_failure = std::move(synced);
+      for (LocalRank& rank : memory.ranks) Release(rank, /*everything=*/true);
+    }
+    return first_failure;
+  });
+  registry.comms.clear();
+  return result;
+}
+
+}  // namespace jax_ncclx

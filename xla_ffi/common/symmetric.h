@@ -1,0 +1,52 @@
+// The process-wide registry of symmetric device memory (see symmetric_layout.h): per communicator and
+// local device, the control block, the growable data region, and the peer table the NVLink kernels read.
+//
+// Setting it up is collective and host-synchronous, so it runs while a program is being lowered (from the
+// Python thread, like communicator creation), never inside a handler. Handlers only look it up.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/checks.h"
+#include "common/symmetric_layout.h"
+
+namespace jax_ncclx {
+
+// One local rank's symmetric memory, as a handler needs it.
+struct SymmetricRank {
+  int rank = -1;
+  int size = 0;
+  const PeerTable* table = nullptr;   // device pointer; stable for the communicator's lifetime
+  SymmetricControl* control = nullptr;  // this rank's own control block (device pointer)
+  uint8_t* data = nullptr;            // this rank's own data region (device pointer)
+  int64_t data_bytes = 0;
+  bool same_process = false;  // every rank lives in this process, so peers can use each other's pointers
+};
+
+// Makes sure every rank of communicator `comm_id` has a data region of at least `data_bytes` mapped by all
+// its peers. Collective: every process holding ranks of the communicator must call it with the same size,
+// in the same order as its other collective set-up. Returns "" when the NVLink kernels can run, otherwise why
+// not (a rank cannot reach a peer through NVLink peer access, too many ranks, ...). That answer is the same
+// on every rank, and is remembered: later calls return it without communicating or allocating.
+ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, int64_t data_bytes);
+
+// The symmetric memory of `comm_id` on `device_ordinal`; an error if EnsureSymmetric never succeeded for it.
+ffi::ErrorOr<SymmetricRank> LookupSymmetric(std::string_view op, int64_t comm_id, int32_t device_ordinal);
+
+// Device bytes held per (communicator, local device).
+struct SymmetricUsage {
+  int64_t comm_id = 0;
+  int32_t device = 0;
+  int64_t data_bytes = 0;     // the data region (grows to the largest need so far)
+  int64_t control_bytes = 0;  // control block and peer table (fixed)
+};
+std::vector<SymmetricUsage> SymmetricMemoryUsage();
+
+// Frees every rank's symmetric memory (after waiting for the local devices to go idle) and forgets every
+// answer of EnsureSymmetric. Call before destroying the communicators.
+ffi::Error FreeAllSymmetric(std::string_view op);
+
+}  // namespace jax_ncclx
