@@ -462,12 +462,11 @@ def transport_choices():
 
 
 def ncclx_state() -> dict:
-    """jax_ncclx's symmetric memory per communicator and why a communicator could not use NVLink ("" = it can)."""
+    """jax_ncclx's symmetric memory per communicator (the `path` column shows which transport ran; a fallback
+    to NCCL is logged with its reason)."""
     try:
-        from jax_ncclx._src import comm
-        return {"memory": comm.memory_stats(),
-                "nvlink_unavailable": {str(k): v for k, v in getattr(comm, "_nvlink_verdicts", {}).items()}}
-    except Exception as e:  # noqa: BLE001 - a jax_ncclx without these
+        return {"memory": nx.memory_stats()}
+    except Exception as e:  # noqa: BLE001 - a jax_ncclx without memory_stats
         return {"error": short(e)}
 
 
