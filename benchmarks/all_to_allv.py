@@ -52,6 +52,7 @@ DEFAULTS = {  # (GPU run, --smoke); a flag given on the command line wins
     "experts_per_rank": (8, 2),
     "iters": (20, 3),
     "unroll": (10, 3),
+    "pipeline": (10, 2),
     "max_seconds": (1.0, 0.2),
 }
 VARIANTS = {  # key: (label, times the payload moves per op)
@@ -256,17 +257,39 @@ def chain_and_args(variant, mesh, arrays, routing, args, moe):
     raise ValueError(variant)
 
 
+def device_epochs() -> dict:
+    """The newest traced call per (communicator, device), to tell a variant's calls from earlier ones."""
+    from jax_ncclx._src import trace
+    newest = {}
+    for r in trace.device_timeline():
+        key = (r["comm_id"], r["device"])
+        newest[key] = max(newest.get(key, 0), r["epoch"])
+    return newest
+
+
+def device_breakdown(before: dict) -> dict:
+    """Where the GPU time of the NVLink calls made since ``before`` went (see jax_ncclx._src.trace.summarize)."""
+    from jax_ncclx._src import trace
+    records = [r for r in trace.device_timeline() if r["epoch"] > before.get((r["comm_id"], r["device"]), 0)]
+    return {f"dev_{k}": v for k, v in trace.summarize(records).items()} if records else {}
+
+
 def time_variant(variant, mesh, arrays, routing, args, moe=None) -> dict:
+    traced = args.device_trace and variant.startswith("nx_")
+    before = device_epochs() if traced else None
     fn, names, donates = chain_and_args(variant, mesh, arrays, routing, args, moe)
     inputs = [arrays[k] for k in names]
     if donates:
         inputs[0] = jax.device_put(inputs[0], may_alias=False)  # a copy: each call consumes its first argument
     timing = common.time_jitted(fn, *inputs, ops_per_call=args.unroll, feedback=donates, reps=args.iters,
+                                pipeline=args.pipeline,
                                 max_seconds=args.max_seconds, on_compile=lambda c: ffi_targets(c.as_text()))
     timing["ffi_targets"] = timing.pop("compiled_info")
     timing["path"] = path_of(timing["ffi_targets"], mesh.devices.flat[0].platform)
     for array in jax.tree.leaves(timing.pop("final")):
         array.delete()
+    if traced:
+        timing.update(device_breakdown(before))
     return timing
 
 
@@ -375,12 +398,18 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--iters", type=int, help="the most timed calls per variant (default 20; smoke 3)")
     parser.add_argument("--unroll", type=int, help="dependent ops per jitted call (default 10; smoke 3)")
+    parser.add_argument("--pipeline", type=int, help="calls per timed sample, dispatched back to back before one "
+                        "wait, so dispatch overlaps the GPUs' work (default 10; smoke 2; 1 = wait after every "
+                        "call, which adds one dispatch and one wait per call to the time of its ops)")
     parser.add_argument("--max-seconds", type=float, help="stop timing a variant after this many seconds of "
                         "timed calls, at least 3 calls (default 1.0; smoke 0.2)")
     parser.add_argument("--transports", help="JAX_NCCLX_TRANSPORT values to run the jax_ncclx variants with, "
                         "comma separated, e.g. auto,nccl ('default' = unset; default: the environment's value)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma separated subset of {','.join(VARIANTS)}")
+    parser.add_argument("--device-trace", action="store_true",
+                        help="compile with JAX_NCCLX_TRACE=1 and add, per jax_ncclx variant on NVLink, the GPU's "
+                        "own timeline: kernel time, idle gap between kernels, wait for peers (medians)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results; smoke: a folder "
                         "under the system's temporary directory; --from-json: the JSON's folder)")
@@ -605,6 +634,11 @@ MD_COLUMNS = [
     ("vs_xla_ragged", "vs ragged", ".2f"), ("vs_xla_ragged_counts", "vs ragged + count a2a", ".2f"),
     ("reps", "reps", "d"), ("status", "status", ""),
 ]
+TRACE_COLUMNS = [  # with --device-trace: (key, markdown header, progress-table header, format)
+    ("dev_kernel_us", "GPU kernel µs", "kernel us", ".1f"), ("dev_gap_us", "GPU idle gap µs", "gap us", ".1f"),
+    ("dev_wait_peers_us", "wait for peers µs", "peers us", ".1f"), ("dev_send_us", "send µs", "send us", ".1f"),
+    ("dev_wait_data_us", "wait for data µs", "data us", ".1f"),
+]
 
 
 def notes(config: dict, sizes: list) -> str:
@@ -615,8 +649,10 @@ def notes(config: dict, sizes: list) -> str:
         f"send_counts [N, {config['experts_per_rank']}]), random routing (seed {config['seed']}). C = the most "
         "rows any rank sends any peer, so nothing is dropped.",
         "",
-        f"- **µs/op**: one jitted call runs {config['unroll']} dependent ops; time per call / {config['unroll']}, "
-        f"median and min over `reps` calls (at most {config['iters']}, fewer once a variant has spent "
+        f"- **µs/op**: one jitted call runs {config['unroll']} dependent ops and a timed sample dispatches "
+        f"{config.get('pipeline', 1)} calls back to back before waiting once (fewer for slow variants, see the "
+        f"JSON's `pipeline`); time per sample / (calls · {config['unroll']}), "
+        f"median and min over `reps` samples (at most {config['iters']}, fewer once a variant has spent "
         f"{config['max_seconds']} s). Chaining: jax_ncclx and ragged_all_to_all take their next send counts from "
         "one element of the op's output (+ 0, one tiny integer kernel per op, included in their time); "
         "`lax.all_to_all` takes its output as its next input (no extra kernel); the moe round trip takes its "
@@ -677,7 +713,9 @@ def plotter(meta, config):
 
 def write(args, meta, config, rows, sizes, log, **extra):
     return common.write_results(
-        args.name, rows, meta, plotter(meta, config), out_dir=args.out, columns=MD_COLUMNS,
+        args.name, rows, meta, plotter(meta, config), out_dir=args.out,
+        columns=MD_COLUMNS + ([(key, header, fmt) for key, header, _, fmt in TRACE_COLUMNS]
+                              if config.get("device_trace") else []),
         title="all_to_allv_dynamic vs XLA: MoE token shuffle", notes=notes(config, sizes),
         extra={"config": config, "sizes": sizes, **extra}, log=log,
         replot_hint=f"python benchmarks/all_to_allv.py --from-json {Path(args.out) / (args.name + '.json')}")
@@ -721,7 +759,10 @@ def main(argv=None):
         if os.environ.get(var) != "0":
             log.warn(f"{var}={os.environ.get(var)!r}: NVLink multicast must stay off on the shared machines")
 
-    table = common.TablePrinter(TABLE)
+    if args.device_trace:
+        os.environ["JAX_NCCLX_TRACE"] = "1"
+    table = common.TablePrinter(TABLE + [(key, short, 9, fmt) for key, _, short, fmt in TRACE_COLUMNS]
+                                if args.device_trace else TABLE)
     rows, sizes = [], []
     original_transport = os.environ.get("JAX_NCCLX_TRANSPORT")
     try:

@@ -155,8 +155,13 @@ def git_state() -> dict | None:
 # ---- timing ------------------------------------------------------------------------------------------------
 
 def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup: int = 2, reps: int = 20,
-                min_reps: int = 3, max_seconds: float = 2.0, on_compile=None) -> dict:
-    """Times a jitted function: compile, warm up, then repeated calls each ended by ``block_until_ready``.
+                min_reps: int = 3, max_seconds: float = 2.0, pipeline: int = 1, on_compile=None) -> dict:
+    """Times a jitted function: compile, warm up, then timed samples, each ended by ``block_until_ready``.
+
+    A sample is ``pipeline`` calls dispatched back to back and waited for once. With ``pipeline`` > 1 the host
+    prepares the next call while the GPUs run the current one, as in a training loop, so the time per op is
+    what the ops cost in steady state; with 1, every sample also pays one dispatch and one wait (hundreds of
+    µs for a program on several GPUs), spread over the ops of one call.
 
     Args:
       fn: a ``jax.jit`` function (compiled here for ``args``, so compile time is recorded apart) or any
@@ -169,11 +174,14 @@ def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup
       min_reps: the fewest timed calls, whatever max_seconds says.
       max_seconds: stop timing once this much time went into timed calls (at least min_reps are made), so
         large shapes take few repetitions.
+      pipeline: calls per timed sample, dispatched without waiting in between; fewer (at least 1) when
+        ``min_reps`` samples of that many calls would take over ``max_seconds`` (judged by the last warm-up
+        call). The number used is returned as ``pipeline``.
       on_compile: called with the compiled executable (e.g. to read its HLO); its result is ``compiled_info``.
 
     Returns:
       A dict: ``median_us`` and ``min_us`` per op, ``samples_us`` (every timed call, per op), ``reps``,
-      ``ops_per_call``, ``compile_s`` (None when fn was not a jit function), ``compiled_info``, ``warmup_s``
+      ``ops_per_call``, ``pipeline``, ``compile_s`` (None when fn was not a jit function), ``compiled_info``, ``warmup_s``
       (the warm-up calls, whole calls) and ``final``, the last call's output (delete it to free its memory at once).
     """
     import jax
@@ -186,11 +194,12 @@ def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup
         compile_s = time.perf_counter() - start
     compiled_info = on_compile(fn) if on_compile is not None else None
 
-    def call():
-        out = jax.block_until_ready(fn(*args))
-        if feedback:
-            args[0] = out
-        return out
+    def call(calls=1):
+        for _ in range(calls):
+            out = fn(*args)
+            if feedback:
+                args[0] = out
+        return jax.block_until_ready(out)
 
     warmup_s = []
     for i in range(warmup):
@@ -199,22 +208,25 @@ def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup
         warmup_s.append(time.perf_counter() - start)
         if warmup_s[-1] > max_seconds / 4:
             break
+    if warmup_s:
+        pipeline = max(1, min(pipeline, int(max_seconds / (min_reps * warmup_s[-1]))))
     samples = []
     spent = 0.0
     while len(samples) < max(reps, min_reps):
         start = time.perf_counter()
-        out = call()
+        out = call(pipeline)
         samples.append(time.perf_counter() - start)
         spent += samples[-1]
         if len(samples) >= min_reps and spent >= max_seconds:
             break
-    per_op_us = [s / ops_per_call * 1e6 for s in samples]
+    per_op_us = [s / (ops_per_call * pipeline) * 1e6 for s in samples]
     return {
         "median_us": statistics.median(per_op_us),
         "min_us": min(per_op_us),
         "samples_us": per_op_us,
         "reps": len(samples),
         "ops_per_call": ops_per_call,
+        "pipeline": pipeline,
         "compile_s": compile_s,
         "compiled_info": compiled_info,
         "warmup_s": warmup_s,

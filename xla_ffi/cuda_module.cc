@@ -220,6 +220,25 @@ std::vector<std::tuple<int64_t, int, int64_t, int64_t>> SymmetricMemory() {
   return usage;
 }
 
+// (device, rank, records) per local rank; each record is (epoch, start_ns, peers_ns, sent_ns, data_ns, end_ns,
+// blocks, kernel).
+using TraceTuple = std::tuple<uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint32_t, uint32_t>;
+std::vector<std::tuple<int, int, std::vector<TraceTuple>>> DeviceTrace(int64_t comm_id) {
+  ffi::ErrorOr<std::vector<RankTrace>> traces = [&] {
+    nb::gil_scoped_release release;  // waits for the devices
+    return ReadDeviceTrace("device_trace", comm_id);
+  }();
+  std::vector<std::tuple<int, int, std::vector<TraceTuple>>> result;
+  for (const RankTrace& trace : ValueOrThrow(std::move(traces))) {
+    std::vector<TraceTuple> records;
+    for (const DeviceTraceRecord& r : trace.records) {
+      records.emplace_back(r.epoch, r.start_ns, r.peers_ns, r.sent_ns, r.data_ns, r.end_ns, r.blocks, r.kernel);
+    }
+    result.emplace_back(trace.device, trace.rank, std::move(records));
+  }
+  return result;
+}
+
 int64_t AllToAllvStagingBytes(int64_t batch, int64_t num_peers, int64_t num_chunks, int64_t capacity,
                               int64_t row_bytes, bool direct) {
   AllToAllvShape shape;
@@ -294,6 +313,11 @@ NB_MODULE(_ncclx_cuda, m) {
         "every rank; remembered, so later calls return at once).");
   m.def("symmetric_memory", &jn::SymmetricMemory,
         "Symmetric device memory held: (comm_id, device, data_bytes, control_bytes) per local rank.");
+  m.def("device_trace", &jn::DeviceTrace, nb::arg("comm_id"),
+        "Device timelines of the traced NVLink kernel calls on communicator `comm_id` (the last 1024): per\n"
+        "local rank (device, rank, [(epoch, start_ns, peers_ns, sent_ns, data_ns, end_ns, blocks,\n"
+        "kernel), ...]),\n"
+        "oldest first, times from the GPU's %globaltimer. Waits for the local devices to go idle.");
   m.def(
       "nvlink_launch_counts",
       [] {

@@ -106,6 +106,12 @@ def communicator_for(mesh_devices: Sequence[jax.Device], groups: Sequence[Sequen
         return comm_id
 
 
+def all_comm_ids() -> list[int]:
+    """Every communicator made so far (world and split ones), by comm_id."""
+    with _lock:
+        return sorted(set(_world_comms.values()) | set(_group_comms.values()))
+
+
 _nvlink_verdicts: dict[int, str] = {}
 
 

@@ -25,12 +25,16 @@ class Config:
       nvlink_direct: when one process drives every GPU of the communicator, NVLink kernels write rows
         straight into the peers' outputs (``JAX_NCCLX_NVLINK_DIRECT=1``, default) instead of staging them in
         symmetric memory and copying them out (0; what one process per GPU always does).
+      trace: NVLink kernels of programs compiled from now on record each call's device timeline
+        (``JAX_NCCLX_TRACE=1``; default 0, and then they record nothing); read it with
+        ``jax_ncclx._src.trace.device_timeline()``.
     """
 
     timeout_s: float = 600.0
     transport: str = "auto"
     nvlink_blocks: int = 0
     nvlink_direct: bool = True
+    trace: bool = False
 
 
 TRANSPORTS = ("auto", "nvlink", "nccl")
@@ -77,4 +81,5 @@ def current() -> Config:
         transport=_choice("JAX_NCCLX_TRANSPORT", Config.transport, TRANSPORTS),
         nvlink_blocks=_non_negative_int("JAX_NCCLX_NVLINK_BLOCKS", Config.nvlink_blocks),
         nvlink_direct=_choice("JAX_NCCLX_NVLINK_DIRECT", "1", ("0", "1")) == "1",
+        trace=_choice("JAX_NCCLX_TRACE", "0", ("0", "1")) == "1",
     )

@@ -394,6 +394,36 @@ std::vector<SymmetricUsage> SymmetricMemoryUsage() {
   return usage;
 }
 
+ffi::ErrorOr<std::vector<RankTrace>> ReadDeviceTrace(std::string_view op, int64_t comm_id) {
+  Registry& registry = GetRegistry();
+  std::shared_lock<std::shared_mutex> lock(registry.mu);
+  std::vector<RankTrace> traces;
+  const auto found = registry.comms.find(comm_id);
+  if (found == registry.comms.end() || !found->second.unavailable.empty()) return traces;
+  NCCLX_RETURN_IF_ERROR(KeepingCurrentDevice(op, [&]() -> ffi::Error {
+    std::vector<DeviceTraceRecord> ring(kTraceSlots);
+    for (const LocalRank& rank : found->second.ranks) {
+      NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaSetDevice", cudaSetDevice(rank.device)));
+      NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaDeviceSynchronize", cudaDeviceSynchronize()));
+      NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaMemcpy (trace)",
+                                      cudaMemcpy(ring.data(), rank.control->trace,
+                                                 sizeof(DeviceTraceRecord) * kTraceSlots, cudaMemcpyDeviceToHost)));
+      RankTrace trace{rank.device, rank.rank, {}};
+      for (int slot = 0; slot < kTraceSlots; ++slot) {
+        const DeviceTraceRecord& record = ring[slot];
+        if (record.epoch != 0 && record.epoch % kTraceSlots == static_cast<uint64_t>(slot)) {
+          trace.records.push_back(record);
+        }
+      }
+      std::sort(trace.records.begin(), trace.records.end(),
+                [](const DeviceTraceRecord& a, const DeviceTraceRecord& b) { return a.epoch < b.epoch; });
+      traces.push_back(std::move(trace));
+    }
+    return ffi::Error::Success();
+  }));
+  return traces;
+}
+
 ffi::Error FreeAllSymmetric(std::string_view op) {
   Registry& registry = GetRegistry();
   std::unique_lock<std::shared_mutex> lock(registry.mu);

@@ -45,6 +45,15 @@ struct SymmetricUsage {
 };
 std::vector<SymmetricUsage> SymmetricMemoryUsage();
 
+// The complete device timeline records (DeviceTraceRecord) of every local rank of `comm_id`, oldest first.
+// Host-synchronous: waits for the local devices to go idle, so call it between steps, not during one.
+struct RankTrace {
+  int32_t device = 0;
+  int rank = -1;
+  std::vector<DeviceTraceRecord> records;
+};
+ffi::ErrorOr<std::vector<RankTrace>> ReadDeviceTrace(std::string_view op, int64_t comm_id);
+
 // Frees every rank's symmetric memory (after waiting for the local devices to go idle) and forgets every
 // answer of EnsureSymmetric. Call before destroying the communicators.
 ffi::Error FreeAllSymmetric(std::string_view op);

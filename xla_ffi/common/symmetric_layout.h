@@ -19,18 +19,38 @@ namespace jax_ncclx {
 // Ranks one NVLink communicator may have (one host's NVLink domain).
 constexpr int kMaxNvlinkRanks = 8;
 // The most pieces ("groups") a kernel splits one peer's rows into; each has its own arrival flag.
-constexpr int kMaxFlagGroups = 32;
+constexpr int kMaxFlagGroups = 64;
+
+// Calls whose device-side timeline a communicator remembers (a ring: call e lives in slot e % kTraceSlots).
+constexpr int kTraceSlots = 1024;
+
+// One call of an NVLink kernel on one rank as its GPU saw it, in %globaltimer nanoseconds. Written only by
+// programs compiled with JAX_NCCLX_TRACE=1. The fields taken as a maximum over blocks need no reset between
+// calls: the timer only grows, so a stale value from call e - kTraceSlots is always smaller.
+struct DeviceTraceRecord {
+  uint64_t epoch;     // the call; written last, so a record whose epoch matches its slot is complete
+  uint64_t start_ns;  // block 0 began
+  uint64_t peers_ns;  // the last block saw the peer it sends to enter the call (max over blocks)
+  uint64_t sent_ns;   // the last block had sent its rows and raised their flag (max over blocks)
+  uint64_t data_ns;   // the last block saw the rows it receives arrive (max over blocks)
+  uint64_t end_ns;    // the last block finished
+  uint32_t blocks;
+  uint32_t kernel;  // which kernel (TraceKernel)
+  uint64_t reserved;
+};
+
+enum TraceKernel : uint32_t { kTraceAllToAllv = 1 };
 
 // Flags hold epochs: the number of the call (1, 2, ...) on this communicator that set them. They only grow,
 // so no kernel ever resets them and a recorded CUDA graph can replay forever.
 struct alignas(128) SymmetricControl {
   uint64_t entered[kMaxNvlinkRanks];                  // set by rank r: r has entered call e (and finished e-1)
-  uint64_t counted[kMaxNvlinkRanks];                  // set by rank r: r's send counts for call e landed
   uint64_t arrived[kMaxNvlinkRanks][kMaxFlagGroups];  // set by rank r: r's rows of group g for call e landed
   uint64_t output[kMaxNvlinkRanks];                   // set by rank r before `entered`: its output address
                                                       // for call e (same-process ranks write there directly)
   uint64_t epoch;                                     // local: calls finished on this communicator
   uint32_t blocks_done;                               // local: blocks of the current call that finished
+  DeviceTraceRecord trace[kTraceSlots];               // local: timelines of the last calls (when traced)
 };
 
 // One rank's view of every rank's symmetric memory (its own included), indexed by rank.

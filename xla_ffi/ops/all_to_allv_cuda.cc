@@ -220,7 +220,8 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
                                       ffi::Buffer<ffi::S32> counts, ffi::Result<ffi::AnyBuffer> y,
                                       ffi::ResultBuffer<ffi::S32> recv_counts,
                                       ffi::ResultBuffer<ffi::S32> dropped, int64_t comm_id, int64_t capacity,
-                                      int64_t packed, int64_t blocks, int64_t direct) {
+                                      int64_t packed, int64_t blocks, int64_t direct,
+                                      int64_t trace) {
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   ffi::ErrorOr<AllToAllvShape> shape =
@@ -246,6 +247,7 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
   args.groups = grid.groups;
   args.packed = packed == 1;
   args.direct = direct == 1;
+  args.trace = trace == 1;
   args.x = x.untyped_data();
   args.counts = counts.typed_data();
   args.y = y->untyped_data();
@@ -285,7 +287,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("capacity")                 // capacity
         .Attr<int64_t>("packed")                   // packed
         .Attr<int64_t>("blocks")                   // blocks (0 = chosen by size)
-        .Attr<int64_t>("direct"),                  // direct: 1 = write into the peers' outputs
+        .Attr<int64_t>("direct")                   // direct: 1 = write into the peers' outputs
+        .Attr<int64_t>("trace"),                   // trace: 1 = record the call's device timeline
     {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_ncclx

@@ -57,6 +57,7 @@ struct NvlinkAllToAllvArgs {
   int groups = 1;  // pieces per peer slot, each with its own arrival flag (<= kMaxFlagGroups)
   bool packed = false;
   bool direct = false;  // write rows into the peers' outputs (same process) instead of their staging slots
+  bool trace = false;   // record the call's timeline in control->trace
   const void* x = nullptr;              // [B, S, row_bytes]
   const int32_t* counts = nullptr;      // [B, N, K]
   void* y = nullptr;                    // [B, N, C, row_bytes] or [B, N * C, row_bytes]

@@ -4,19 +4,20 @@
 // pieces to send, then pieces to receive:
 //   send (peer, g):    wait until the peer has entered this call (its buffers are free again), write the
 //                      rows of piece g into the peer, then raise the peer's arrived[this rank][g] flag;
-//   receive (src, g):  wait for arrived[src][g], then finish the piece in y: copy it out of the staging slot
-//                      (staged mode) and zero-fill the rows nobody sent.
-// Where rows land: "direct" mode (every rank in this process) writes them straight into the peer's output,
-// whose address the peer publishes when it enters the call, already in the requested layout; the packed
-// layout needs the offsets of the earlier sources, so there every rank first broadcasts its counts. Staged
-// mode (ranks in other processes, reached through CUDA IPC) writes into the peer's symmetric staging slot,
-// and the receiver copies the rows out.
+//   receive (src, g):  wait for arrived[src][g], then finish the piece: recv_counts, and in staged mode the
+//                      copy out of the staging slot and the zero rows.
+// Where rows land: "direct" mode (every rank in this process) writes them, and the zero rows after them,
+// straight into the peer's output, whose address the peer publishes when it enters the call, already in the
+// requested layout; the packed layout needs the counts of the other sources, so there every rank shares its
+// counts with all ranks as it enters. Staged mode (ranks in other processes, reached through CUDA IPC)
+// writes into the peer's symmetric staging slot, and the receiver copies the rows out.
 // Flags hold the call's epoch, kept on the device, so the kernel needs no reset and replays inside CUDA
-// graphs. A peer raises `entered` only after its previous call finished, so one set of buffers is enough.
+// graphs. A peer raises `entered` only after its previous call finished, so one set of row buffers is enough.
 #include <algorithm>
 #include <cstdint>
 
 #include "common/all_to_allv_plan.h"
+#include "common/device_sync.cuh"
 #include "common/symmetric_layout.h"
 #include "ops/all_to_allv_kernels.h"
 
@@ -25,22 +26,9 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kUnroll = 4;
-constexpr int64_t kBytesPerGroup = 64 * 1024;  // per piece: enough blocks to keep NVLink busy at small sizes
-
-__device__ __forceinline__ void StoreRelease(uint64_t* flag, uint64_t value) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
-}
-
-__device__ __forceinline__ uint64_t LoadAcquire(const uint64_t* flag) {
-  uint64_t value;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
-  return value;
-}
-
-__device__ __forceinline__ void WaitAtLeast(const uint64_t* flag, uint64_t epoch) {
-  while (LoadAcquire(flag) < epoch) {
-  }
-}
+// One SM pushes ~10 GB/s into NVLink, so small messages need many blocks; pieces below this size cost more in
+// flags than they gain.
+constexpr int64_t kMinBytesPerPiece = 8 * 1024;
 
 // Staged data is written by other GPUs during this kernel: read it past L1 (ld.global.cg).
 template <typename V>
@@ -72,61 +60,131 @@ __device__ __forceinline__ int64_t PieceStart(int64_t capacity, int g, int group
   return capacity * g / groups;
 }
 
+// Count arrays are tiny, but a thread that walks one in global memory pays a memory latency per element
+// (~0.5 µs; a plan reads up to N * K of them). So each tile of batch elements first stages the counts it
+// needs in shared memory, loaded by the whole block at once. Tiles hold at most this many counts; when one
+// batch element alone needs more, the block reads global memory instead.
+constexpr int64_t kStagedCounts = 2048;
+
 struct Shared {
   int64_t a[kThreads];  // per batch element of the tile: first input row (send) / rows from the source
   int64_t b[kThreads];  // rows delivered to the peer (send) / rows from earlier sources (receive, packed)
-  int64_t c[kThreads];  // output row offset at the peer (send) / rows from all sources (receive, packed)
+  int64_t c[kThreads];  // rows from earlier sources at the peer (send) / from all sources (receive, packed)
+  int64_t d[kThreads];  // rows from all sources at the peer (send, direct packed)
+  int32_t send[kStagedCounts];   // this rank's send counts of the tile's batch elements
+  int32_t slots[kStagedCounts];  // what every source delivered to one rank, from the count slots
 };
 
-// The count slot that `source` fills in `data` (some rank's data region): int32 [B, N, K].
-__device__ __forceinline__ int32_t* CountSlot(const NvlinkAllToAllvArgs& args, uint8_t* data, int source) {
-  return reinterpret_cast<int32_t*>(data + source * args.counts_slot_bytes);
+// The count slot that `source` fills in `data` (some rank's data region) in calls of `parity`:
+// int32 [B, N, K]. Two sets of slots, by call parity, because in the direct packed layout a rank shares its
+// counts before its peers have finished the previous call (see ShareCounts).
+__device__ __forceinline__ int32_t* CountSlot(const NvlinkAllToAllvArgs& args, uint8_t* data, int parity,
+                                              int source) {
+  return reinterpret_cast<int32_t*>(data + (parity * args.shape.num_peers + source) * args.counts_slot_bytes);
 }
 
-__device__ __forceinline__ const int32_t* LocalCountSlot(const NvlinkAllToAllvArgs& args, int source) {
-  return reinterpret_cast<const int32_t*>(args.staging + source * args.counts_slot_bytes);
+__device__ __forceinline__ const int32_t* LocalCountSlot(const NvlinkAllToAllvArgs& args, int parity,
+                                                         int source) {
+  return CountSlot(args, const_cast<uint8_t*>(args.staging), parity, source);
 }
 
-// Rows `source` delivered here in batch element b, summed over chunks (read from this rank's count slots).
-__device__ __forceinline__ int64_t RowsFrom(const NvlinkAllToAllvArgs& args, int source, int64_t b) {
-  const AllToAllvShape& s = args.shape;
-  const int32_t* slot = LocalCountSlot(args, source) + (b * s.num_peers + args.rank) * s.num_chunks;
-  int64_t rows = 0;
-  for (int64_t k = 0; k < s.num_chunks; ++k) rows += LoadStaged(slot + k);
-  return rows;
-}
-
-// Direct packed layout: every rank writes its delivered counts for all peers into every peer's count slot
-// for it, so that senders can place rows after those of the earlier sources. Run by one block.
-__device__ void BroadcastCounts(const NvlinkAllToAllvArgs& args, uint64_t epoch) {
-  const AllToAllvShape& s = args.shape;
-  const int num_peers = static_cast<int>(s.num_peers);
-  if (threadIdx.x < num_peers) WaitAtLeast(&args.control->entered[threadIdx.x], epoch);
-  __syncthreads();
-  for (int64_t pair = threadIdx.x; pair < s.batch * s.num_peers; pair += kThreads) {
-    const int64_t b = pair / s.num_peers;
-    const int64_t dest = pair % s.num_peers;
-    const int32_t* counts = args.counts + b * s.num_peers * s.num_chunks;
-    PlanPeer(counts, s.num_chunks, s.num_rows, s.capacity, dest, [&](int64_t chunk, int32_t rows) {
-      for (int reader = 0; reader < num_peers; ++reader) {
-        CountSlot(args, args.table->data[reader], args.rank)[pair * s.num_chunks + chunk] = rows;
-      }
-    });
+// The counts of one tile of batch elements [first, first + size): this rank's send counts, and the rows
+// every source delivered to `dest` (from this rank's count slots), staged in shared memory when they fit.
+class TileCounts {
+ public:
+  // Batch elements per tile: as many as fit in the staging arrays (at most one per thread), else 1.
+  __device__ static int64_t TileSize(const AllToAllvShape& s) {
+    const int64_t per_element = s.num_peers * s.num_chunks;
+    return per_element == 0 ? kThreads : max(int64_t{1}, min(int64_t{kThreads}, kStagedCounts / per_element));
   }
-  __syncthreads();
-  if (threadIdx.x < num_peers) {
-    __threadfence_system();
-    StoreRelease(&args.table->control[threadIdx.x]->counted[args.rank], epoch);
+
+  // Stages the tile (the caller synchronizes the block before reading). `with_slots`: also the count slots.
+  __device__ TileCounts(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int64_t first, int64_t size,
+                        int dest, bool with_slots)
+      : num_peers_(args.shape.num_peers), num_chunks_(args.shape.num_chunks) {
+    const int64_t per_element = num_peers_ * num_chunks_;
+    const int32_t* slot0 = LocalCountSlot(args, parity, 0) + (first * num_peers_ + dest) * num_chunks_;
+    if (size * per_element > kStagedCounts) {  // one element needing more than the arrays hold: global memory
+      send_ = args.counts + first * per_element;
+      slots_ = slot0;
+      source_stride_ = args.counts_slot_bytes / static_cast<int64_t>(sizeof(int32_t));
+      element_stride_ = per_element;
+      return;
+    }
+    for (int64_t i = threadIdx.x; i < size * per_element; i += kThreads) {
+      shared.send[i] = args.counts[first * per_element + i];
+    }
+    const int64_t per_source = size * num_chunks_;
+    for (int64_t i = threadIdx.x; with_slots && i < num_peers_ * per_source; i += kThreads) {
+      const int64_t source = i / per_source;
+      const int64_t element = i % per_source / num_chunks_;
+      const int64_t chunk = i % num_chunks_;
+      shared.slots[i] = LoadStaged(LocalCountSlot(args, parity, static_cast<int>(source)) +
+                                   ((first + element) * num_peers_ + dest) * num_chunks_ + chunk);
+    }
+    send_ = shared.send;
+    slots_ = shared.slots;
+    source_stride_ = per_source;
+    element_stride_ = num_chunks_;
+  }
+
+  // Send counts [N, K] of element i of the tile.
+  __device__ const int32_t* Send(int64_t i) const { return send_ + i * num_peers_ * num_chunks_; }
+  // Rows of chunk k that `source` delivered to `dest` in element i.
+  __device__ int32_t Delivered(int source, int64_t i, int64_t k) const {
+    return slots_[source * source_stride_ + i * element_stride_ + k];
+  }
+  __device__ int64_t RowsFrom(int source, int64_t i) const {
+    int64_t rows = 0;
+    for (int64_t k = 0; k < num_chunks_; ++k) rows += Delivered(source, i, k);
+    return rows;
+  }
+
+ private:
+  int64_t num_peers_;
+  int64_t num_chunks_;
+  const int32_t* send_;
+  const int32_t* slots_;
+  int64_t source_stride_;
+  int64_t element_stride_;
+};
+
+// Direct packed layout: before entering the call, a rank writes its delivered counts for every destination
+// into every rank's count slot for it, so that senders can place their rows after those of the earlier
+// sources and zero the tail. Peers may still be reading the previous call's counts, hence the parity: a
+// peer that is still in call e-1 reads the other set, and none can be in call e-2 (this rank finished e-1,
+// which needed every peer's rows of e-1). Run by block 0; the caller's release of `entered` publishes them.
+__device__ void ShareCounts(const NvlinkAllToAllvArgs& args, Shared& shared, int parity) {
+  const AllToAllvShape& s = args.shape;
+  const int64_t tile_size = TileCounts::TileSize(s);
+  for (int64_t tile = 0; tile < s.batch; tile += tile_size) {
+    const int64_t size = min(tile_size, s.batch - tile);
+    const TileCounts counts(args, shared, parity, tile, size, args.rank, /*with_slots=*/false);
+    __syncthreads();
+    for (int64_t pair = threadIdx.x; pair < size * s.num_peers; pair += kThreads) {
+      const int64_t i = pair / s.num_peers;
+      const int64_t dest = pair % s.num_peers;
+      const int64_t offset = ((tile + i) * s.num_peers + dest) * s.num_chunks;
+      PlanPeer(counts.Send(i), s.num_chunks, s.num_rows, s.capacity, dest, [&](int64_t chunk, int32_t rows) {
+        for (int reader = 0; reader < s.num_peers; ++reader) {
+          CountSlot(args, args.table->data[reader], parity, args.rank)[offset + chunk] = rows;
+        }
+      });
+    }
+    __syncthreads();
   }
 }
 
+// Writes piece g of this rank's rows for `peer`. Direct mode also writes the zero rows of the piece, so the
+// peer's output is complete when the piece's flag is raised.
 template <typename V>
-__device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int peer, int g) {
+__device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int g) {
   const AllToAllvShape& s = args.shape;
   const int64_t units_per_row = s.row_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t lo = PieceStart(s.capacity, g, args.groups);
   const int64_t hi = PieceStart(s.capacity, g + 1, args.groups);
   const bool first_piece = g == 0;
+  const bool direct_packed = args.direct && args.packed;
   // Row (b, c) for the peer goes to base + b * batch_stride + (shared.c[b] + c) rows.
   V* base;
   int64_t batch_stride;
@@ -138,74 +196,95 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
     base = reinterpret_cast<V*>(args.table->data[peer] + args.rows_offset + args.rank * args.rows_slot_bytes);
     batch_stride = s.capacity * units_per_row;
   }
-  // Counts travel with piece 0, except in the direct packed layout, which broadcast them already.
-  const bool send_counts = first_piece && !(args.direct && args.packed);
-  int32_t* peer_counts = CountSlot(args, args.table->data[peer], args.rank);
+  // Counts travel with piece 0, except in the direct packed layout, which shared them already.
+  const bool send_counts = first_piece && !direct_packed;
+  int32_t* peer_counts = CountSlot(args, args.table->data[peer], parity, args.rank);
   const V* x = static_cast<const V*>(args.x);
-  for (int64_t tile = 0; tile < s.batch; tile += kThreads) {
-    const int64_t b = tile + threadIdx.x;
-    if (b < s.batch) {
-      const int32_t* counts = args.counts + b * s.num_peers * s.num_chunks;
+  const int64_t tile_size = TileCounts::TileSize(s);
+  for (int64_t tile = 0; tile < s.batch; tile += tile_size) {
+    const int64_t size = min(tile_size, s.batch - tile);
+    const TileCounts counts(args, shared, parity, tile, size, peer, /*with_slots=*/direct_packed);
+    __syncthreads();
+    if (threadIdx.x < size) {
+      const int64_t i = threadIdx.x;
+      const int64_t b = tile + i;
       int32_t* delivered_chunks = peer_counts + (b * s.num_peers + peer) * s.num_chunks;
-      const PeerPlan plan = PlanPeer(counts, s.num_chunks, s.num_rows, s.capacity, peer,
+      const PeerPlan plan = PlanPeer(counts.Send(i), s.num_chunks, s.num_rows, s.capacity, peer,
                                      [&](int64_t chunk, int32_t rows) {
                                        if (send_counts) delivered_chunks[chunk] = rows;
                                      });
       if (first_piece) args.dropped[b * s.num_peers + peer] = plan.dropped;
-      int64_t offset = 0;
-      if (args.direct && args.packed) {
-        for (int q = 0; q < args.rank; ++q) {
-          const int32_t* from = LocalCountSlot(args, q) + (b * s.num_peers + peer) * s.num_chunks;
-          for (int64_t k = 0; k < s.num_chunks; ++k) offset += LoadStaged(from + k);
-        }
+      int64_t before = 0, total = 0;
+      for (int q = 0; direct_packed && q < s.num_peers; ++q) {
+        const int64_t rows = counts.RowsFrom(q, i);
+        if (q < args.rank) before += rows;
+        total += rows;
       }
-      shared.a[threadIdx.x] = plan.first_row;
-      shared.b[threadIdx.x] = plan.delivered;
-      shared.c[threadIdx.x] = offset;
+      shared.a[i] = plan.first_row;
+      shared.b[i] = plan.delivered;
+      shared.c[i] = before;
+      shared.d[i] = total;
     }
     __syncthreads();
-    for (int64_t i = 0; i < kThreads && tile + i < s.batch; ++i) {
+    for (int64_t i = 0; i < size; ++i) {
       const int64_t bb = tile + i;
-      const int64_t rows = max(int64_t{0}, min(shared.b[i], hi) - lo);
-      CopyUnits<V, false>(base + bb * batch_stride + (shared.c[i] + lo) * units_per_row,
-                          x + (bb * s.num_rows + shared.a[i] + lo) * units_per_row, rows * units_per_row);
+      const int64_t delivered = shared.b[i];
+      const int64_t live_end = max(lo, min(delivered, hi));  // rows [lo, live_end) hold data, [live_end, hi) zeros
+      V* out = base + bb * batch_stride;
+      CopyUnits<V, false>(out + (shared.c[i] + lo) * units_per_row,
+                          x + (bb * s.num_rows + shared.a[i] + lo) * units_per_row, (live_end - lo) * units_per_row);
+      if (args.direct) {
+        // Padded: the rest of this rank's segment. Packed: this rank's share of the zero tail after all
+        // sources' rows (the shares of all sources tile rows [total, N * C), see ReceivePiece).
+        V* zeros = args.packed
+                       ? out + (shared.d[i] + args.rank * s.capacity - shared.c[i] + (live_end - delivered)) *
+                                   units_per_row
+                       : out + live_end * units_per_row;
+        ZeroUnits(zeros, (hi - live_end) * units_per_row);
+      }
     }
     __syncthreads();
   }
 }
 
+// Finishes piece g of `source`'s rows here: recv_counts (piece 0), and in staged mode the copy out of the
+// staging slot plus the zero rows (direct mode's senders wrote both into y already).
 template <typename V>
-__device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, int source, int g) {
+__device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int source, int g) {
   const AllToAllvShape& s = args.shape;
+  if (args.direct && g != 0) return;
   const int64_t units_per_row = s.row_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t lo = PieceStart(s.capacity, g, args.groups);
   const int64_t hi = PieceStart(s.capacity, g + 1, args.groups);
   const V* slot = reinterpret_cast<const V*>(args.staging + args.rows_offset + source * args.rows_slot_bytes);
   V* y = static_cast<V*>(args.y);
   const int64_t segment_units = s.capacity * units_per_row;
-  for (int64_t tile = 0; tile < s.batch; tile += kThreads) {
-    const int64_t b = tile + threadIdx.x;
-    if (b < s.batch) {
+  const int64_t tile_size = TileCounts::TileSize(s);
+  for (int64_t tile = 0; tile < s.batch; tile += tile_size) {
+    const int64_t size = min(tile_size, s.batch - tile);
+    const TileCounts counts(args, shared, parity, tile, size, args.rank, /*with_slots=*/true);
+    __syncthreads();
+    if (threadIdx.x < size) {
+      const int64_t i = threadIdx.x;
       int64_t before = 0, total = 0;
-      for (int q = 0; q < (args.packed ? s.num_peers : 0); ++q) {
-        const int64_t rows = RowsFrom(args, q, b);
+      for (int q = 0; args.packed && !args.direct && q < s.num_peers; ++q) {
+        const int64_t rows = counts.RowsFrom(q, i);
         if (q < source) before += rows;
         total += rows;
       }
-      const int32_t* from = LocalCountSlot(args, source) + (b * s.num_peers + args.rank) * s.num_chunks;
-      int32_t* recv_counts = args.recv_counts + (b * s.num_peers + source) * s.num_chunks;
+      int32_t* recv_counts = args.recv_counts + ((tile + i) * s.num_peers + source) * s.num_chunks;
       int64_t mine = 0;
       for (int64_t k = 0; k < s.num_chunks; ++k) {
-        const int32_t rows = LoadStaged(from + k);
+        const int32_t rows = counts.Delivered(source, i, k);
         mine += rows;
         if (g == 0) recv_counts[k] = rows;
       }
-      shared.a[threadIdx.x] = mine;
-      shared.b[threadIdx.x] = before;
-      shared.c[threadIdx.x] = total;
+      shared.a[i] = mine;
+      shared.b[i] = before;
+      shared.c[i] = total;
     }
     __syncthreads();
-    for (int64_t i = 0; i < kThreads && tile + i < s.batch; ++i) {
+    for (int64_t i = 0; !args.direct && i < size; ++i) {
       const int64_t bb = tile + i;
       const int64_t mine = shared.a[i];
       const int64_t live_end = max(lo, min(mine, hi));  // rows [lo, live_end) hold data, [live_end, hi) zeros
@@ -221,9 +300,7 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
         data = y + ((bb * s.num_peers + source) * s.capacity + lo) * units_per_row;
         zeros = data + (live_end - lo) * units_per_row;
       }
-      if (!args.direct) {
-        CopyUnits<V, true>(data, slot + (bb * s.capacity + lo) * units_per_row, (live_end - lo) * units_per_row);
-      }
+      CopyUnits<V, true>(data, slot + (bb * s.capacity + lo) * units_per_row, (live_end - lo) * units_per_row);
       ZeroUnits(zeros, (hi - live_end) * units_per_row);
     }
     __syncthreads();
@@ -236,42 +313,53 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
   const int num_peers = static_cast<int>(args.shape.num_peers);
   const int jobs = num_peers * args.groups;
   const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&args.control->epoch) + 1;
-  const bool broadcast_counts = args.direct && args.packed;
+  const int parity = static_cast<int>(epoch & 1);
+  const bool direct_packed = args.direct && args.packed;
+  CallTrace trace(args.control, epoch, args.trace);
+  if (threadIdx.x == 0) trace.Start();
 
-  if (blockIdx.x == 0 && threadIdx.x < num_peers) {
-    SymmetricControl* peer = args.table->control[threadIdx.x];
-    peer->output[args.rank] = reinterpret_cast<uint64_t>(args.y);  // published by the release below
-    StoreRelease(&peer->entered[args.rank], epoch);
+  if (blockIdx.x == 0) {
+    if (direct_packed) ShareCounts(args, shared, parity);
+    if (threadIdx.x < num_peers) {
+      SymmetricControl* peer = args.table->control[threadIdx.x];
+      peer->output[args.rank] = reinterpret_cast<uint64_t>(args.y);  // published by the release below
+      if (direct_packed) __threadfence_system();
+      StoreRelease(&peer->entered[args.rank], epoch);
+    }
   }
-  if (broadcast_counts && blockIdx.x == gridDim.x - 1) BroadcastCounts(args, epoch);
   // Rotate the peers so that the ranks start on different links.
   for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
     const int peer = (args.rank + job / args.groups) % num_peers;
     const int g = job % args.groups;
     if (threadIdx.x == 0) {
-      WaitAtLeast(&args.control->entered[peer], epoch);
-      for (int q = 0; broadcast_counts && q < args.rank; ++q) WaitAtLeast(&args.control->counted[q], epoch);
+      // The direct packed layout places rows after the earlier sources' and zeros after all: every
+      // rank's counts are needed, and they come with `entered`.
+      for (int q = 0; q < num_peers; ++q) {
+        if (q == peer || direct_packed) WaitAtLeast(&args.control->entered[q], epoch);
+      }
+      trace.PeersEntered();
     }
     __syncthreads();
-    SendPiece<V>(args, shared, peer, g);
-    if (threadIdx.x == 0) {
-      __threadfence_system();
+    SendPiece<V>(args, shared, parity, peer, g);
+    if (threadIdx.x == 0) {  // the block's rows are ordered before the release by SendPiece's final barrier
       StoreRelease(&args.table->control[peer]->arrived[args.rank][g], epoch);
+      trace.Sent();
     }
   }
   for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
     const int source = (args.rank - job / args.groups + num_peers) % num_peers;
     const int g = job % args.groups;
     if (threadIdx.x == 0) {
-      // The counts come with piece 0 of each source (or were broadcast); the packed layout needs them all.
-      for (int q = 0; q < num_peers; ++q) {
-        if (q != source && !args.packed) continue;
-        WaitAtLeast(broadcast_counts ? &args.control->counted[q] : &args.control->arrived[q][0], epoch);
+      // The counts come with piece 0 of each source (or with `entered`); the staged packed layout needs
+      // them all.
+      for (int q = 0; args.packed && !args.direct && q < num_peers; ++q) {
+        WaitAtLeast(&args.control->arrived[q][0], epoch);
       }
       WaitAtLeast(&args.control->arrived[source][g], epoch);
+      trace.DataArrived();
     }
     __syncthreads();
-    ReceivePiece<V>(args, shared, source, g);
+    ReceivePiece<V>(args, shared, parity, source, g);
   }
 
   // The last block to finish publishes the epoch for the next call on this stream.
@@ -280,6 +368,7 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
     __threadfence();
     if (atomicAdd(&args.control->blocks_done, 1u) == gridDim.x - 1) {
       args.control->blocks_done = 0;
+      trace.End(epoch, kTraceAllToAllv);
       args.control->epoch = epoch;
       __threadfence();
     }
@@ -300,7 +389,7 @@ NvlinkStagingLayout LayOutNvlinkStaging(const AllToAllvShape& shape, bool direct
   layout.counts_slot_bytes =
       align(shape.batch * shape.num_peers * shape.num_chunks * static_cast<int64_t>(sizeof(int32_t)));
   layout.rows_slot_bytes = direct ? 0 : align(shape.batch * shape.capacity * shape.row_bytes);
-  layout.rows_offset = shape.num_peers * layout.counts_slot_bytes;
+  layout.rows_offset = 2 * shape.num_peers * layout.counts_slot_bytes;  // two sets, by call parity
   layout.total = layout.rows_offset + shape.num_peers * layout.rows_slot_bytes;
   return layout;
 }
@@ -310,7 +399,7 @@ NvlinkGrid ChooseNvlinkGrid(const AllToAllvShape& shape, int requested_blocks, i
   const int64_t peers = std::max<int64_t>(1, shape.num_peers);
   int64_t blocks = requested_blocks > 0
                        ? requested_blocks
-                       : peers * std::clamp<int64_t>((slot_bytes + kBytesPerGroup - 1) / kBytesPerGroup, 1,
+                       : peers * std::clamp<int64_t>((slot_bytes + kMinBytesPerPiece - 1) / kMinBytesPerPiece, 1,
                                                      kMaxFlagGroups);
   // Every block must be resident at once (blocks wait on each other's peers), so at most one per SM.
   blocks = std::clamp<int64_t>(blocks, 1, std::max(1, sm_count));

@@ -125,7 +125,8 @@ def _cuda_route(ctx, comm_id, *, capacity, packed):
         staging = lib.cuda_module().all_to_allv_staging_bytes(batch, size, chunks, capacity, row_bytes, direct)
         if comm.nvlink_symmetric_memory(comm_id, staging, "all_to_allv_dynamic"):
             return primitive.CudaRoute("ncclx_all_to_allv_dynamic_nvlink",
-                                       {"blocks": np.int64(settings.nvlink_blocks), "direct": np.int64(direct)})
+                                       {"blocks": np.int64(settings.nvlink_blocks), "direct": np.int64(direct),
+                                        "trace": np.int64(settings.trace)})
         if settings.transport == "nvlink":
             raise RuntimeError(
                 "jax_ncclx.all_to_allv_dynamic: JAX_NCCLX_TRANSPORT=nvlink but this communicator cannot use "

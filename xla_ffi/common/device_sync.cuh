@@ -1,0 +1,63 @@
+// Device-side building blocks of the NVLink kernels: system-scope flag stores and waits across GPUs, and the
+// per-call timeline they record when a program is traced (DeviceTraceRecord in symmetric_layout.h).
+#pragma once
+
+#include <cstdint>
+
+#include "common/symmetric_layout.h"
+
+namespace jax_ncclx {
+
+__device__ __forceinline__ void StoreRelease(uint64_t* flag, uint64_t value) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ uint64_t LoadAcquire(const uint64_t* flag) {
+  uint64_t value;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void WaitAtLeast(const uint64_t* flag, uint64_t epoch) {
+  while (LoadAcquire(flag) < epoch) {
+  }
+}
+
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  return now;
+}
+
+// Records one call's timeline into `control->trace` when `trace` is set; every method is a no-op otherwise.
+// Called by one thread per block.
+class CallTrace {
+ public:
+  __device__ CallTrace(SymmetricControl* control, uint64_t epoch, bool trace)
+      : record_(trace ? &control->trace[epoch % kTraceSlots] : nullptr) {}
+
+  __device__ void Start() {
+    if (record_ != nullptr && blockIdx.x == 0) record_->start_ns = GlobalTimerNs();
+  }
+  __device__ void PeersEntered() { Latest(&record_->peers_ns); }
+  __device__ void Sent() { Latest(&record_->sent_ns); }
+  __device__ void DataArrived() { Latest(&record_->data_ns); }
+  // By the last block to finish, before it publishes `epoch`.
+  __device__ void End(uint64_t epoch, TraceKernel kernel) {
+    if (record_ == nullptr) return;
+    record_->end_ns = GlobalTimerNs();
+    record_->blocks = gridDim.x;
+    record_->kernel = kernel;
+    __threadfence();
+    record_->epoch = epoch;
+  }
+
+ private:
+  __device__ void Latest(uint64_t* field) {
+    if (record_ != nullptr) atomicMax(reinterpret_cast<unsigned long long*>(field), GlobalTimerNs());
+  }
+
+  DeviceTraceRecord* record_;
+};
+
+}  // namespace jax_ncclx
