@@ -140,7 +140,14 @@ def nccl_version_string(code):
 
 def git_state() -> dict | None:
     """``{"commit": sha, "dirty": bool}`` of the checkout holding this file, or None where git or the checkout
-    is missing."""
+    is missing.
+
+    ``BENCH_GIT_COMMIT`` overrides it, for copies of a clean checkout whose ``.git`` is not the checkout's own
+    (the GPU machines receive the working tree with a stale ``.git``); the result then says ``"from": "env"``.
+    """
+    if os.environ.get("BENCH_GIT_COMMIT"):
+        return {"commit": os.environ["BENCH_GIT_COMMIT"], "dirty": False, "from": "env"}
+
     def git(*args):
         return subprocess.run(["git", "-C", str(REPO_DIR), *args], capture_output=True, text=True, check=True,
                               timeout=30).stdout.strip()
