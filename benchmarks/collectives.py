@@ -1,0 +1,307 @@
+"""Small and large collectives: jax_ncclx's all_reduce / all_gather / all_to_all against jax.lax's.
+
+One process drives every local GPU on one mesh axis "x" (with --smoke: 8 virtual CPU devices and small
+sizes). For each op and size, both implementations run the same chain of --unroll dependent ops inside one
+jax.jit(jax.shard_map(...)), after a check that they give the same result. Size = bytes of each rank's input:
+all_reduce reduces that buffer, all_gather gathers N of them, all_to_all splits it into N blocks (rounded up
+to a multiple of N elements). Results go to <out>/collectives.{json,md,png}.
+
+    python benchmarks/collectives.py                          # 8 B .. 64 MB on all GPUs
+    python benchmarks/collectives.py --ops all_reduce --sizes 8,64K
+    python benchmarks/collectives.py --smoke --out /tmp/coll  # CPU, small sizes
+    python benchmarks/collectives.py --from-json benchmarks/results/collectives.json  # redo the .md / .png
+
+Timing is the harness of benchmarks/README.md: --pipeline calls dispatched back to back per sample, time per
+op = sample time / (pipeline * unroll). Which jax_ncclx path ran (NCCL, or an NVLink kernel where the package
+has one for the op) is read from the compiled program and shown in the `path` column.
+"""
+
+import argparse
+import functools
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import common  # first: sets XLA_PYTHON_CLIENT_PREALLOCATE and NCCL_NVLS_ENABLE before JAX starts
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)  # only used by --smoke
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_ncclx as nx  # noqa: E402
+
+AXIS = "x"
+NAME = "collectives"
+OPS = ("all_reduce", "all_gather", "all_to_all")
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+DEFAULTS = {  # (GPU run, --smoke)
+    "sizes": ("8,64,512,4K,32K,256K,1M,4M,16M,64M", "8,512,32K"),
+    "unroll": (20, 4),
+    "pipeline": (10, 2),
+    "iters": (20, 3),
+    "max_seconds": (1.0, 0.2),
+}
+TABLE = [
+    ("op", "op", 10, ""), ("bytes", "bytes", 10, "d"), ("impl", "impl", 4, ""), ("path", "path", 6, ""),
+    ("median_us", "median us", 10, ".1f"), ("min_us", "min us", 9, ".1f"), ("busbw_gbps", "busbw GB/s", 10, ".1f"),
+    ("speedup", "x xla", 6, ".2f"), ("pipeline", "pipe", 4, "d"), ("status", "status", 8, ""),
+]
+MD_COLUMNS = [
+    ("op", "op", ""), ("bytes", "bytes/rank", "d"), ("impl", "impl", ""), ("path", "path", ""),
+    ("median_us", "median µs/op", ".1f"), ("min_us", "min µs/op", ".1f"), ("busbw_gbps", "bus GB/s", ".1f"),
+    ("speedup", "speedup vs lax", ".2f"), ("reps", "reps", "d"), ("status", "status", ""),
+]
+
+
+class VerificationError(RuntimeError):
+    """jax_ncclx gave a different result from jax.lax: the run stops."""
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", text.upper())
+    if not match:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 8, 64K, 16M")
+    return int(match.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[match.group(2)]
+
+
+# ---- the ops and their chains (per rank) -------------------------------------------------------------------
+
+def one_op(op: str, impl: str, x):
+    """One op on this rank's 1-D buffer x; the result has x's shape, so ops chain without reshaping."""
+    if op == "all_reduce":
+        return nx.all_reduce(x, AXIS) if impl == "nx" else jax.lax.psum(x, AXIS)
+    if op == "all_gather":
+        y = nx.all_gather(x, AXIS, tiled=True) if impl == "nx" else jax.lax.all_gather(x, AXIS, tiled=True)
+        return y[: x.shape[0]]  # this rank's block back: same shape for the next op (a copy, in both chains)
+    if op == "all_to_all":
+        return nx.all_to_all(x, AXIS, 0, 0, tiled=True) if impl == "nx" else \
+            jax.lax.all_to_all(x, AXIS, 0, 0, tiled=True)
+    raise ValueError(op)
+
+
+def chain(x, *, op, impl, unroll):
+    for _ in range(unroll):
+        x = one_op(op, impl, x)
+    return x
+
+
+def bus_factor(op: str, n: int) -> float:
+    """NCCL's bus bandwidth factor (nccl-tests PERFORMANCE.md): all_reduce 2(n-1)/n, the others (n-1)/n."""
+    return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+
+
+def bus_bytes(op: str, n: int, nbytes: int) -> float:
+    """Bytes whose transfer time is the op's algorithm bandwidth, times the bus factor."""
+    algo_bytes = nbytes * n if op == "all_gather" else nbytes  # all_gather: the gathered buffer
+    return algo_bytes * bus_factor(op, n)
+
+
+# ---- running -----------------------------------------------------------------------------------------------
+
+def per_rank(mesh, fn, **kwargs):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)), **kwargs)
+
+
+def make_input(mesh, elements: int, dtype, seed: int):
+    """[N * elements] small integers (exact in every dtype and under a few sums), split over the axis."""
+    n = mesh.devices.size
+    values = np.random.default_rng(seed).integers(-3, 4, size=n * elements).astype(np.float32)
+    return jax.device_put(jnp.asarray(values, dtype), NamedSharding(mesh, P(AXIS)))
+
+
+def verify(mesh, op, x):
+    """One op of each implementation; raises VerificationError unless they agree exactly."""
+    fns = {impl: per_rank(mesh, functools.partial(one_op, op, impl)) for impl in ("nx", "xla")}
+    got, want = (np.asarray(fns[impl](x).astype(jnp.float32)) for impl in ("nx", "xla"))
+    if not np.array_equal(got, want):
+        bad = int(np.sum(got != want))
+        raise VerificationError(f"jax_ncclx.{op} differs from jax.lax in {bad} of {got.size} elements")
+
+
+def ffi_path(hlo_text: str, platform: str) -> str:
+    targets = set(re.findall(r'custom_call_target="(ncclx_\w+)"', hlo_text))
+    if not targets:
+        return "xla"
+    if platform == "cpu":
+        return "cpu"
+    return "+".join(sorted({"nvlink" if t.endswith("_nvlink") else "nccl" for t in targets}, reverse=True))
+
+
+def time_chain(mesh, op, impl, x, args) -> dict:
+    fn = per_rank(mesh, functools.partial(chain, op=op, impl=impl, unroll=args.unroll), donate_argnums=0)
+    # Zeros: sums of the checked values would grow N-fold per op and overflow over a long run.
+    timing = common.time_jitted(fn, jnp.zeros_like(x), ops_per_call=args.unroll, feedback=True,
+                                reps=args.iters, pipeline=args.pipeline, max_seconds=args.max_seconds,
+                                on_compile=lambda c: ffi_path(c.as_text(), mesh.devices.flat[0].platform))
+    timing["path"] = timing.pop("compiled_info")
+    for array in jax.tree.leaves(timing.pop("final")):
+        array.delete()
+    return timing
+
+
+def run(args, mesh, log, table, rows: list):
+    """Measures every (op, size), appending the rows as they come (so an abort keeps them)."""
+    n = mesh.devices.size
+    dtype = DTYPES[args.dtype]
+    itemsize = np.dtype(dtype).itemsize
+    for op in args.ops:
+        for requested in args.sizes:
+            elements = max(1, -(-requested // itemsize))
+            if op == "all_to_all":
+                elements = -(-elements // n) * n
+            nbytes = elements * itemsize
+            x = make_input(mesh, elements, dtype, args.seed)
+            verify(mesh, op, x)
+            results = {}
+            for impl in ("xla", "nx"):
+                row = {"op": op, "impl": impl, "bytes": nbytes, "dtype": args.dtype, "num_devices": n,
+                       "unroll": args.unroll, "verified": True}
+                try:
+                    row.update(time_chain(mesh, op, impl, x, args), status="ok")
+                    row["busbw_gbps"] = bus_bytes(op, n, nbytes) / (row["median_us"] * 1e-6) / 1e9
+                except Exception as e:  # noqa: BLE001 - recorded, and the run fails at the end for nx
+                    log(f"ERROR: {impl} {op} at {nbytes} B: {type(e).__name__}: {str(e)[:300]}")
+                    row.update(status="error", message=f"{type(e).__name__}: {str(e)[:300]}")
+                results[impl] = row
+            if results["nx"]["status"] == "ok" and results["xla"]["status"] == "ok":
+                results["nx"]["speedup"] = results["xla"]["median_us"] / results["nx"]["median_us"]
+            for row in results.values():
+                rows.append(row)
+                table.row(row)
+            x.delete()
+
+
+# ---- result files ------------------------------------------------------------------------------------------
+
+def plotter(meta: dict, config: dict):
+    def plot(plt, rows):
+        ops = [op for op in OPS if any(r["op"] == op for r in rows)]
+        figure, axes = plt.subplots(1, len(ops), figsize=(5.5 * len(ops), 4.5), squeeze=False)
+        for ax, op in zip(axes[0], ops):
+            for impl, style, label in (("nx", "-o", "jax_ncclx"), ("xla", "--s", "jax.lax")):
+                points = sorted((r["bytes"], r["median_us"]) for r in rows
+                                if r["op"] == op and r["impl"] == impl and r["status"] == "ok")
+                if points:
+                    ax.plot(*zip(*points), style, label=label, markersize=4)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(op)
+            ax.set_xlabel("bytes per rank")
+            ax.set_ylabel("µs per op (median)")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        figure.suptitle(f"{meta.get('num_devices')} × {meta.get('device_kind')}, {config['dtype']}, chains of "
+                        f"{config['unroll']} dependent ops, {config['pipeline']} calls per sample")
+        figure.tight_layout(rect=(0, 0, 1, 0.94))
+        return figure
+    return plot
+
+
+def notes(config: dict) -> str:
+    return "\n".join([
+        f"Chains of {config['unroll']} dependent ops per jitted call; a timed sample dispatches "
+        f"{config['pipeline']} calls back to back and waits once (fewer for slow sizes, see the JSON's `pipeline`); "
+        "µs/op = sample time / (calls · unroll), median and min over `reps` samples.",
+        "",
+        "- **bytes/rank**: each rank's input. all_reduce reduces it; all_gather gathers N of them (each op then "
+        "slices this rank's block back out, one copy kernel in both chains); all_to_all splits it into N blocks.",
+        "- **bus GB/s**: as nccl-tests: all_reduce moves 2(N-1)/N of the buffer per rank, all_gather (N-1)/N of "
+        "the gathered buffer, all_to_all (N-1)/N of the input.",
+        "- **speedup** = jax.lax median / jax_ncclx median (> 1: jax_ncclx is faster). **path**: what the "
+        "compiled jax_ncclx program calls (nccl, nvlink, or cpu); jax.lax rows say xla.",
+        "- Every (op, size) is first checked: one op of each implementation must give exactly the same result.",
+    ])
+
+
+def write(args, meta, config, rows, log, **extra):
+    return common.write_results(
+        args.name, rows, meta, plotter(meta, config), out_dir=args.out, columns=MD_COLUMNS,
+        title="jax_ncclx collectives vs jax.lax", notes=notes(config), extra={"config": config, **extra}, log=log,
+        replot_hint=f"python benchmarks/collectives.py --from-json {Path(args.out) / (args.name + '.json')}")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.splitlines()[7:]))
+    parser.add_argument("--smoke", action="store_true", help="8 virtual CPU devices, small sizes")
+    parser.add_argument("--ops", default=",".join(OPS), help=f"comma separated subset of {','.join(OPS)}")
+    parser.add_argument("--sizes", help="bytes per rank, comma separated, K/M suffixes (default "
+                        f"{DEFAULTS['sizes'][0]}; smoke {DEFAULTS['sizes'][1]})")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--unroll", type=int, help="dependent ops per jitted call (default 20; smoke 4)")
+    parser.add_argument("--pipeline", type=int, help="calls per timed sample (default 10; smoke 2)")
+    parser.add_argument("--iters", type=int, help="the most timed samples (default 20; smoke 3)")
+    parser.add_argument("--max-seconds", type=float, help="time budget per measurement (default 1.0; smoke 0.2)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results; smoke: a temporary "
+                        "folder; --from-json: the JSON's folder)")
+    parser.add_argument("--name", default=NAME, help=f"file stem of the results (default {NAME})")
+    parser.add_argument("--from-json", type=Path, help="rewrite the .md and .png of an earlier run's JSON")
+    args = parser.parse_args(argv)
+    for key, (full, smoke) in DEFAULTS.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, smoke if args.smoke else full)
+    try:
+        args.sizes = [parse_size(s) for s in str(args.sizes).split(",") if s.strip()]
+    except argparse.ArgumentTypeError as e:
+        parser.error(str(e))
+    args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    if set(args.ops) - set(OPS):
+        parser.error(f"unknown ops {sorted(set(args.ops) - set(OPS))}; choose from {list(OPS)}")
+    if args.unroll < 1 or args.pipeline < 1 or not args.sizes:
+        parser.error("--unroll and --pipeline must be >= 1 and --sizes non-empty")
+    if args.out is None:
+        args.out = (args.from_json.parent if args.from_json else
+                    Path(tempfile.gettempdir()) / "jax_ncclx_bench_smoke" if args.smoke else common.RESULTS_DIR)
+    return parser, args
+
+
+def main(argv=None):
+    parser, args = parse_args(argv)
+    log = common.Progress()
+    if args.from_json:
+        document = json.loads(args.from_json.read_text())
+        return write(args, document["meta"], document["config"], document["rows"], log)
+    if args.smoke:
+        devices = jax.devices("cpu")
+    else:
+        try:
+            devices = jax.devices("gpu")
+        except RuntimeError:
+            devices = []
+        if len(devices) < 2:
+            parser.error(f"needs at least 2 GPUs (found {len(devices)}); --smoke runs on 8 virtual CPU devices")
+    mesh = jax.sharding.Mesh(np.asarray(devices), (AXIS,))
+    meta = common.metadata(devices)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "from_json"}
+    log(f"{len(devices)} × {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}, ops {args.ops}, "
+        f"sizes {args.sizes}, {args.dtype}, unroll {args.unroll}, pipeline {args.pipeline}")
+    table = common.TablePrinter(TABLE)
+    rows = []
+    try:
+        run(args, mesh, log, table, rows)
+    except BaseException as e:
+        log(f"ABORTED: {type(e).__name__}: {e}; writing the rows so far")
+        write(args, meta, config, rows, log, aborted=f"{type(e).__name__}: {e}")
+        raise
+    meta["elapsed_s"] = round(log.elapsed(), 1)
+    write(args, meta, config, rows, log)
+    log(f"done in {meta['elapsed_s']} s")
+    failed = [f"{r['op']} {r['bytes']} B" for r in rows if r["impl"] == "nx" and r["status"] != "ok"]
+    if failed:
+        raise VerificationError(f"jax_ncclx raised errors in {len(failed)} measurement(s): {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except VerificationError as e:
+        sys.exit(f"FAILED: {e}")

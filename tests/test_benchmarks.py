@@ -1,0 +1,38 @@
+"""The benchmark scripts run end to end on CPU (--smoke) and write results whose jax_ncclx rows were checked
+against XLA; timings are not judged here."""
+
+import json
+import os
+import subprocess
+import sys
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def run_smoke(script, out_dir, *extra):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, script), "--smoke", "--out", str(out_dir),
+                           *extra], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    stem = os.path.splitext(script)[0]
+    for suffix in (".json", ".md"):
+        assert (out_dir / (stem + suffix)).exists()
+    return json.loads((out_dir / (stem + ".json")).read_text())
+
+
+def test_collectives_smoke(tmp_path):
+    document = run_smoke("collectives.py", tmp_path, "--sizes", "8,4K")
+    rows = document["rows"]
+    assert {(r["op"], r["impl"]) for r in rows} == {(op, impl) for op in ("all_reduce", "all_gather", "all_to_all")
+                                                  for impl in ("nx", "xla")}
+    assert all(r["status"] == "ok" and r["verified"] and r["median_us"] > 0 for r in rows)
+    assert all(r["path"] == ("cpu" if r["impl"] == "nx" else "xla") for r in rows)
+
+
+def test_all_to_allv_smoke(tmp_path):
+    document = run_smoke("all_to_allv.py", tmp_path, "--tokens", "8",
+                         "--variants", "nx_padded,nx_packed,xla_all_to_all")
+    rows = {r["variant"]: r for r in document["rows"]}
+    assert set(rows) == {"nx_padded", "nx_packed", "xla_all_to_all"}
+    assert all(r["status"] == "ok" and r["median_us"] > 0 for r in rows.values())
+    assert rows["nx_padded"]["verified"] and rows["nx_packed"]["verified"]
