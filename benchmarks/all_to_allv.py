@@ -448,20 +448,6 @@ def parse_args(argv=None):
     return parser, args
 
 
-def pick_devices(parser, smoke):
-    if smoke:
-        return jax.devices("cpu")
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        gpus = []
-    if len(gpus) < 2:
-        parser.error(f"needs at least 2 GPUs (found {len(gpus)}); --smoke runs on 8 virtual CPU devices")
-    if not nx.build_info()["cuda"]:
-        parser.error(f"jax_ncclx has no CUDA handlers: {nx.build_info()['cuda_status']}")
-    return gpus
-
-
 def set_transport(transport):
     """Sets JAX_NCCLX_TRANSPORT ("default": unset), which jax_ncclx reads when it lowers a collective, and when
     that changes it drops JAX's caches so the programs compiled next see it. Returns the transport in force
@@ -732,7 +718,7 @@ def main(argv=None):
     log = common.Progress()
     if args.from_json:
         return replot(args, log)
-    devices = pick_devices(parser, args.smoke)
+    devices = common.pick_devices(parser, args.smoke)
     args.num_devices = n = len(devices)
     if args.top_k > n * args.experts_per_rank:
         parser.error(f"--top-k {args.top_k} is more than the {n * args.experts_per_rank} experts")

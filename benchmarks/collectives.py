@@ -270,15 +270,7 @@ def main(argv=None):
     if args.from_json:
         document = json.loads(args.from_json.read_text())
         return write(args, document["meta"], document["config"], document["rows"], log)
-    if args.smoke:
-        devices = jax.devices("cpu")
-    else:
-        try:
-            devices = jax.devices("gpu")
-        except RuntimeError:
-            devices = []
-        if len(devices) < 2:
-            parser.error(f"needs at least 2 GPUs (found {len(devices)}); --smoke runs on 8 virtual CPU devices")
+    devices = common.pick_devices(parser, args.smoke)
     mesh = jax.sharding.Mesh(np.asarray(devices), (AXIS,))
     meta = common.metadata(devices)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "from_json"}

@@ -159,6 +159,26 @@ def git_state() -> dict | None:
     return {"commit": commit, "dirty": dirty}
 
 
+def pick_devices(parser, smoke: bool) -> list:
+    """The devices a benchmark runs on: the CPU devices with --smoke, else every GPU (at least 2, and a
+    jax_ncclx built with its CUDA handlers); anything else ends the script through ``parser.error``."""
+    import jax
+
+    import jax_ncclx as nx
+
+    if smoke:
+        return jax.devices("cpu")
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if len(gpus) < 2:
+        parser.error(f"needs at least 2 GPUs (found {len(gpus)}); --smoke runs on 8 virtual CPU devices")
+    if not nx.build_info()["cuda"]:
+        parser.error(f"jax_ncclx has no CUDA handlers: {nx.build_info()['cuda_status']}")
+    return gpus
+
+
 # ---- timing ------------------------------------------------------------------------------------------------
 
 def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup: int = 2, reps: int = 20,
