@@ -257,26 +257,9 @@ def chain_and_args(variant, mesh, arrays, routing, args, moe):
     raise ValueError(variant)
 
 
-def device_epochs() -> dict:
-    """The newest traced call per (communicator, device), to tell a variant's calls from earlier ones."""
-    from jax_ncclx._src import trace
-    newest = {}
-    for r in trace.device_timeline():
-        key = (r["comm_id"], r["device"])
-        newest[key] = max(newest.get(key, 0), r["epoch"])
-    return newest
-
-
-def device_breakdown(before: dict) -> dict:
-    """Where the GPU time of the NVLink calls made since ``before`` went (see jax_ncclx._src.trace.summarize)."""
-    from jax_ncclx._src import trace
-    records = [r for r in trace.device_timeline() if r["epoch"] > before.get((r["comm_id"], r["device"]), 0)]
-    return {f"dev_{k}": v for k, v in trace.summarize(records).items()} if records else {}
-
-
 def time_variant(variant, mesh, arrays, routing, args, moe=None) -> dict:
     traced = args.device_trace and variant.startswith("nx_")
-    before = device_epochs() if traced else None
+    before = common.device_epochs() if traced else None
     fn, names, donates = chain_and_args(variant, mesh, arrays, routing, args, moe)
     inputs = [arrays[k] for k in names]
     if donates:
@@ -289,7 +272,7 @@ def time_variant(variant, mesh, arrays, routing, args, moe=None) -> dict:
     for array in jax.tree.leaves(timing.pop("final")):
         array.delete()
     if traced:
-        timing.update(device_breakdown(before))
+        timing.update(common.device_breakdown(before))
     return timing
 
 

@@ -1,24 +1,30 @@
 """Small and large collectives: jax_ncclx's all_reduce / all_gather / all_to_all against jax.lax's.
 
 One process drives every local GPU on one mesh axis "x" (with --smoke: 8 virtual CPU devices and small
-sizes). For each op and size, both implementations run the same chain of --unroll dependent ops inside one
-jax.jit(jax.shard_map(...)), after a check that they give the same result. Size = bytes of each rank's input:
-all_reduce reduces that buffer, all_gather gathers N of them, all_to_all splits it into N blocks (rounded up
-to a multiple of N elements). Results go to <out>/collectives.{json,md,png}.
+sizes). For each op and size, every implementation (--impls) runs the same chain of --unroll dependent ops
+inside one jax.jit(jax.shard_map(...)), after a check that it gives exactly jax.lax's result. Size = bytes of
+each rank's input: all_reduce reduces that buffer, all_gather gathers N of them, all_to_all splits it into N
+blocks (rounded up to a multiple of N elements). Results go to <out>/collectives.{json,md,png}.
 
-    python benchmarks/collectives.py                          # 8 B .. 64 MB on all GPUs
+Implementations: xla (jax.lax), nx (jax_ncclx with its default thresholds), nx-oneshot / nx-twoshot (the NVLink
+kernels forced at every size; two-shot is all_reduce only), nx-nccl (JAX_NCCLX_TRANSPORT=nccl).
+
+    python benchmarks/collectives.py                          # 8 B .. 64 MB on all GPUs: xla, nx, nx-nccl
+    python benchmarks/collectives.py --impls xla,nx-oneshot,nx-twoshot,nx-nccl   # where the crossovers are
     python benchmarks/collectives.py --ops all_reduce --sizes 8,64K
     python benchmarks/collectives.py --smoke --out /tmp/coll  # CPU, small sizes
     python benchmarks/collectives.py --from-json benchmarks/results/collectives.json  # redo the .md / .png
 
 Timing is the harness of benchmarks/README.md: --pipeline calls dispatched back to back per sample, time per
-op = sample time / (pipeline * unroll). Which jax_ncclx path ran (NCCL, or an NVLink kernel where the package
-has one for the op) is read from the compiled program and shown in the `path` column.
+op = sample time / (pipeline * unroll). Which jax_ncclx path ran (nccl, nvlink-1shot, nvlink-2shot) is read
+from the compiled program and shown in the `path` column.
 """
 
 import argparse
+import contextlib
 import functools
 import json
+import os
 import re
 import sys
 import tempfile
@@ -48,8 +54,19 @@ DEFAULTS = {  # (GPU run, --smoke)
     "iters": (20, 3),
     "max_seconds": (1.0, 0.2),
 }
+EVERYTHING = str(1 << 40)
+IMPLS = {  # name -> JAX_NCCLX_* settings while its programs compile (None: jax.lax)
+    "xla": None,
+    "nx": {},
+    "nx-oneshot": {"JAX_NCCLX_TRANSPORT": "nvlink", "JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES": EVERYTHING,
+                   "JAX_NCCLX_NVLINK_MAX_BYTES": EVERYTHING},
+    "nx-twoshot": {"JAX_NCCLX_TRANSPORT": "nvlink", "JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES": "0",
+                   "JAX_NCCLX_NVLINK_MAX_BYTES": EVERYTHING},
+    "nx-nccl": {"JAX_NCCLX_TRANSPORT": "nccl"},
+}
+SETTINGS = sorted({key for env in IMPLS.values() if env for key in env} | {"JAX_NCCLX_TRACE"})
 TABLE = [
-    ("op", "op", 10, ""), ("bytes", "bytes", 10, "d"), ("impl", "impl", 4, ""), ("path", "path", 6, ""),
+    ("op", "op", 10, ""), ("bytes", "bytes", 10, "d"), ("impl", "impl", 10, ""), ("path", "path", 12, ""),
     ("median_us", "median us", 10, ".1f"), ("min_us", "min us", 9, ".1f"), ("busbw_gbps", "busbw GB/s", 10, ".1f"),
     ("speedup", "x xla", 6, ".2f"), ("pipeline", "pipe", 4, "d"), ("status", "status", 8, ""),
 ]
@@ -57,6 +74,11 @@ MD_COLUMNS = [
     ("op", "op", ""), ("bytes", "bytes/rank", "d"), ("impl", "impl", ""), ("path", "path", ""),
     ("median_us", "median µs/op", ".1f"), ("min_us", "min µs/op", ".1f"), ("busbw_gbps", "bus GB/s", ".1f"),
     ("speedup", "speedup vs lax", ".2f"), ("reps", "reps", "d"), ("status", "status", ""),
+]
+TRACE_COLUMNS = [  # with --device-trace: (key, markdown header, table header, format)
+    ("dev_kernel_us", "GPU kernel µs", "kernel us", ".1f"), ("dev_gap_us", "GPU idle gap µs", "gap us", ".1f"),
+    ("dev_send_us", "send µs", "send us", ".1f"), ("dev_wait_data_us", "until data µs", "data us", ".1f"),
+    ("dev_finish_us", "finish µs", "finish us", ".1f"),
 ]
 
 
@@ -75,15 +97,44 @@ def parse_size(text: str) -> int:
 
 def one_op(op: str, impl: str, x):
     """One op on this rank's 1-D buffer x; the result has x's shape, so ops chain without reshaping."""
+    ours = impl != "xla"
     if op == "all_reduce":
-        return nx.all_reduce(x, AXIS) if impl == "nx" else jax.lax.psum(x, AXIS)
+        return nx.all_reduce(x, AXIS) if ours else jax.lax.psum(x, AXIS)
     if op == "all_gather":
-        y = nx.all_gather(x, AXIS, tiled=True) if impl == "nx" else jax.lax.all_gather(x, AXIS, tiled=True)
+        y = nx.all_gather(x, AXIS, tiled=True) if ours else jax.lax.all_gather(x, AXIS, tiled=True)
         return y[: x.shape[0]]  # this rank's block back: same shape for the next op (a copy, in both chains)
     if op == "all_to_all":
-        return nx.all_to_all(x, AXIS, 0, 0, tiled=True) if impl == "nx" else \
-            jax.lax.all_to_all(x, AXIS, 0, 0, tiled=True)
+        return nx.all_to_all(x, AXIS, 0, 0, tiled=True) if ours else jax.lax.all_to_all(x, AXIS, 0, 0, tiled=True)
     raise ValueError(op)
+
+
+def applies(impl: str, op: str) -> bool:
+    return impl != "nx-twoshot" or op == "all_reduce"
+
+
+@contextlib.contextmanager
+def settings_of(impl: str, trace: bool = False):
+    """The JAX_NCCLX_* settings of ``impl`` (plus JAX_NCCLX_TRACE=1 with ``trace``) while its programs are
+    lowered; JAX's caches are dropped when they change, so a program compiled under other settings is not
+    reused."""
+    wanted = dict(IMPLS[impl] or {}, **({"JAX_NCCLX_TRACE": "1"} if trace and impl != "xla" else {}))
+    before = {key: os.environ.get(key) for key in SETTINGS}
+    after = {key: wanted.get(key, before[key] if impl == "xla" else None) for key in SETTINGS}
+    def apply(values):
+        for key, value in values.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    if after != before:
+        apply(after)
+        jax.clear_caches()
+    try:
+        yield
+    finally:
+        if after != before:
+            apply(before)
+            jax.clear_caches()
 
 
 def chain(x, *, op, impl, unroll):
@@ -116,33 +167,46 @@ def make_input(mesh, elements: int, dtype, seed: int):
     return jax.device_put(jnp.asarray(values, dtype), NamedSharding(mesh, P(AXIS)))
 
 
-def verify(mesh, op, x):
-    """One op of each implementation; raises VerificationError unless they agree exactly."""
-    fns = {impl: per_rank(mesh, functools.partial(one_op, op, impl)) for impl in ("nx", "xla")}
-    got, want = (np.asarray(fns[impl](x).astype(jnp.float32)) for impl in ("nx", "xla"))
+def verify(mesh, op, impl, x, want):
+    """One op of ``impl`` (under its settings); raises VerificationError unless it gives exactly ``want``."""
+    with settings_of(impl):
+        got = np.asarray(per_rank(mesh, functools.partial(one_op, op, impl))(x).astype(jnp.float32))
     if not np.array_equal(got, want):
         bad = int(np.sum(got != want))
-        raise VerificationError(f"jax_ncclx.{op} differs from jax.lax in {bad} of {got.size} elements")
+        raise VerificationError(f"{impl} {op} differs from jax.lax in {bad} of {got.size} elements")
 
 
 def ffi_path(hlo_text: str, platform: str) -> str:
-    targets = set(re.findall(r'custom_call_target="(ncclx_\w+)"', hlo_text))
-    if not targets:
+    """What the compiled program calls: xla, cpu, nccl, nvlink-1shot or nvlink-2shot (joined by + if mixed)."""
+    calls = [m.group(0) for m in re.finditer(r'custom_call_target="ncclx_\w+"[^\n]*', hlo_text)]
+    if not calls:
         return "xla"
     if platform == "cpu":
         return "cpu"
-    return "+".join(sorted({"nvlink" if t.endswith("_nvlink") else "nccl" for t in targets}, reverse=True))
+    paths = set()
+    for call in calls:
+        if "_nvlink" not in call:
+            paths.add("nccl")
+            continue
+        algorithm = re.search(r"algorithm\W+(\d)", call)
+        paths.add("nvlink-2shot" if algorithm and algorithm.group(1) == "2" else "nvlink-1shot")
+    return "+".join(sorted(paths))
 
 
 def time_chain(mesh, op, impl, x, args) -> dict:
     fn = per_rank(mesh, functools.partial(chain, op=op, impl=impl, unroll=args.unroll), donate_argnums=0)
     # Zeros: sums of the checked values would grow N-fold per op and overflow over a long run.
-    timing = common.time_jitted(fn, jnp.zeros_like(x), ops_per_call=args.unroll, feedback=True,
-                                reps=args.iters, pipeline=args.pipeline, max_seconds=args.max_seconds,
-                                on_compile=lambda c: ffi_path(c.as_text(), mesh.devices.flat[0].platform))
+    traced = args.device_trace and impl != "xla"
+    before = common.device_epochs() if traced else None
+    with settings_of(impl, trace=args.device_trace):
+        timing = common.time_jitted(fn, jnp.zeros_like(x), ops_per_call=args.unroll, feedback=True,
+                                    reps=args.iters, pipeline=args.pipeline, max_seconds=args.max_seconds,
+                                    on_compile=lambda c: ffi_path(c.as_text(), mesh.devices.flat[0].platform))
     timing["path"] = timing.pop("compiled_info")
     for array in jax.tree.leaves(timing.pop("final")):
         array.delete()
+    if traced:
+        timing.update(common.device_breakdown(before))
     return timing
 
 
@@ -158,20 +222,26 @@ def run(args, mesh, log, table, rows: list):
                 elements = -(-elements // n) * n
             nbytes = elements * itemsize
             x = make_input(mesh, elements, dtype, args.seed)
-            verify(mesh, op, x)
+            want = np.asarray(per_rank(mesh, functools.partial(one_op, op, "xla"))(x).astype(jnp.float32))
             results = {}
-            for impl in ("xla", "nx"):
+            for impl in ("xla", *(i for i in args.impls if i != "xla" and applies(i, op))):
                 row = {"op": op, "impl": impl, "bytes": nbytes, "dtype": args.dtype, "num_devices": n,
-                       "unroll": args.unroll, "verified": True}
+                       "unroll": args.unroll, "verified": impl == "xla"}
                 try:
+                    if impl != "xla":
+                        verify(mesh, op, impl, x, want)
+                        row["verified"] = True
                     row.update(time_chain(mesh, op, impl, x, args), status="ok")
                     row["busbw_gbps"] = bus_bytes(op, n, nbytes) / (row["median_us"] * 1e-6) / 1e9
+                except VerificationError:
+                    raise
                 except Exception as e:  # noqa: BLE001 - recorded, and the run fails at the end for nx
                     log(f"ERROR: {impl} {op} at {nbytes} B: {type(e).__name__}: {str(e)[:300]}")
                     row.update(status="error", message=f"{type(e).__name__}: {str(e)[:300]}")
                 results[impl] = row
-            if results["nx"]["status"] == "ok" and results["xla"]["status"] == "ok":
-                results["nx"]["speedup"] = results["xla"]["median_us"] / results["nx"]["median_us"]
+            for impl, row in results.items():
+                if impl != "xla" and row["status"] == "ok" and results["xla"]["status"] == "ok":
+                    row["speedup"] = results["xla"]["median_us"] / row["median_us"]
             for row in results.values():
                 rows.append(row)
                 table.row(row)
@@ -185,7 +255,9 @@ def plotter(meta: dict, config: dict):
         ops = [op for op in OPS if any(r["op"] == op for r in rows)]
         figure, axes = plt.subplots(1, len(ops), figsize=(5.5 * len(ops), 4.5), squeeze=False)
         for ax, op in zip(axes[0], ops):
-            for impl, style, label in (("nx", "-o", "jax_ncclx"), ("xla", "--s", "jax.lax")):
+            impls = sorted({r["impl"] for r in rows if r["op"] == op}, key=list(IMPLS).index)
+            for impl in impls:
+                style, label = ("--s", "jax.lax") if impl == "xla" else ("-o", f"jax_ncclx ({impl})")
                 points = sorted((r["bytes"], r["median_us"]) for r in rows
                                 if r["op"] == op and r["impl"] == impl and r["status"] == "ok")
                 if points:
@@ -214,15 +286,19 @@ def notes(config: dict) -> str:
         "slices this rank's block back out, one copy kernel in both chains); all_to_all splits it into N blocks.",
         "- **bus GB/s**: as nccl-tests: all_reduce moves 2(N-1)/N of the buffer per rank, all_gather (N-1)/N of "
         "the gathered buffer, all_to_all (N-1)/N of the input.",
-        "- **speedup** = jax.lax median / jax_ncclx median (> 1: jax_ncclx is faster). **path**: what the "
-        "compiled jax_ncclx program calls (nccl, nvlink, or cpu); jax.lax rows say xla.",
-        "- Every (op, size) is first checked: one op of each implementation must give exactly the same result.",
+        "- **impl**: xla = jax.lax; nx = jax_ncclx with its default thresholds; nx-oneshot / nx-twoshot = its "
+        "NVLink kernels forced at every size; nx-nccl = JAX_NCCLX_TRANSPORT=nccl.",
+        "- **speedup** = jax.lax median / this row's median (> 1: faster than XLA). **path**: what the "
+        "compiled jax_ncclx program calls (nccl, nvlink-1shot, nvlink-2shot, or cpu); jax.lax rows say xla.",
+        "- Every (op, size, impl) is first checked: one op must give exactly jax.lax's result (inputs are small "
+        "integers, so every summation order is exact).",
     ])
 
 
 def write(args, meta, config, rows, log, **extra):
     return common.write_results(
-        args.name, rows, meta, plotter(meta, config), out_dir=args.out, columns=MD_COLUMNS,
+        args.name, rows, meta, plotter(meta, config), out_dir=args.out,
+        columns=MD_COLUMNS + ([(k, md, f) for k, md, _, f in TRACE_COLUMNS] if config.get("device_trace") else []),
         title="jax_ncclx collectives vs jax.lax", notes=notes(config), extra={"config": config, **extra}, log=log,
         replot_hint=f"python benchmarks/collectives.py --from-json {Path(args.out) / (args.name + '.json')}")
 
@@ -235,7 +311,12 @@ def parse_args(argv=None):
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma separated subset of {','.join(OPS)}")
     parser.add_argument("--sizes", help="bytes per rank, comma separated, K/M suffixes (default "
                         f"{DEFAULTS['sizes'][0]}; smoke {DEFAULTS['sizes'][1]})")
+    parser.add_argument("--impls", default="xla,nx,nx-nccl",
+                        help=f"comma separated subset of {','.join(IMPLS)} (xla always runs: it is the baseline)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--device-trace", action="store_true",
+                        help="compile the jax_ncclx chains with JAX_NCCLX_TRACE=1 and add where the NVLink kernels' "
+                        "GPU time went (kernel, idle gap between kernels, send, wait for data, finish)")
     parser.add_argument("--unroll", type=int, help="dependent ops per jitted call (default 20; smoke 4)")
     parser.add_argument("--pipeline", type=int, help="calls per timed sample (default 10; smoke 2)")
     parser.add_argument("--iters", type=int, help="the most timed samples (default 20; smoke 3)")
@@ -254,6 +335,9 @@ def parse_args(argv=None):
     except argparse.ArgumentTypeError as e:
         parser.error(str(e))
     args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    if set(args.impls) - set(IMPLS):
+        parser.error(f"unknown impls {sorted(set(args.impls) - set(IMPLS))}; choose from {list(IMPLS)}")
     if set(args.ops) - set(OPS):
         parser.error(f"unknown ops {sorted(set(args.ops) - set(OPS))}; choose from {list(OPS)}")
     if args.unroll < 1 or args.pipeline < 1 or not args.sizes:
@@ -276,7 +360,8 @@ def main(argv=None):
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "from_json"}
     log(f"{len(devices)} × {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}, ops {args.ops}, "
         f"sizes {args.sizes}, {args.dtype}, unroll {args.unroll}, pipeline {args.pipeline}")
-    table = common.TablePrinter(TABLE)
+    table = common.TablePrinter(TABLE + ([(k, head, 9, f) for k, _, head, f in TRACE_COLUMNS]
+                                         if args.device_trace else []))
     rows = []
     try:
         run(args, mesh, log, table, rows)
@@ -287,7 +372,7 @@ def main(argv=None):
     meta["elapsed_s"] = round(log.elapsed(), 1)
     write(args, meta, config, rows, log)
     log(f"done in {meta['elapsed_s']} s")
-    failed = [f"{r['op']} {r['bytes']} B" for r in rows if r["impl"] == "nx" and r["status"] != "ok"]
+    failed = [f"{r['impl']} {r['op']} {r['bytes']} B" for r in rows if r["impl"] != "xla" and r["status"] != "ok"]
     if failed:
         raise VerificationError(f"jax_ncclx raised errors in {len(failed)} measurement(s): {', '.join(failed)}")
 

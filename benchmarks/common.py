@@ -263,6 +263,25 @@ def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup
 
 # ---- result files ------------------------------------------------------------------------------------------
 
+def device_epochs() -> dict:
+    """The newest traced NVLink call per (communicator, device), to tell a measurement's calls from earlier ones
+    (programs compiled with JAX_NCCLX_TRACE=1 record them)."""
+    from jax_ncclx._src import trace
+    newest = {}
+    for r in trace.device_timeline():
+        key = (r["comm_id"], r["device"])
+        newest[key] = max(newest.get(key, 0), r["epoch"])
+    return newest
+
+
+def device_breakdown(before: dict) -> dict:
+    """Where the GPU time of the NVLink calls made since ``before`` went (jax_ncclx._src.trace.summarize), as
+    ``dev_*`` columns; empty when there were none (e.g. the NCCL path)."""
+    from jax_ncclx._src import trace
+    records = [r for r in trace.device_timeline() if r["epoch"] > before.get((r["comm_id"], r["device"]), 0)]
+    return {f"dev_{k}": v for k, v in trace.summarize(records).items()} if records else {}
+
+
 def write_results(name: str, rows: list, meta: dict, plot_fn=None, *, out_dir=RESULTS_DIR, columns=None,
                   title: str | None = None, notes: str = "", extra: dict | None = None, log=print,
                   replot_hint: str = "") -> dict:

@@ -4,8 +4,8 @@ python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT VISIBILITY.
 Each process drives one GPU; the communicators bootstrap through JAX's distributed key-value store. VISIBILITY
 "one" means the launcher hid the other GPUs (CUDA_VISIBLE_DEVICES), so all_to_allv_dynamic cannot map its
 peers and must fall back to NCCL; "all" means every GPU is visible and JAX uses only GPU PROCESS_ID
-(local_device_ids), so the NVLink kernel runs over CUDA IPC. Checks every op against jax.lax / the NumPy
-reference, and the transport all_to_allv_dynamic lowered to, and prints WORKER OK.
+(local_device_ids), so the NVLink kernels run over CUDA IPC. Checks every op against jax.lax / the NumPy
+reference, and the transport all_to_allv_dynamic and all_reduce lowered to, and prints WORKER OK.
 """
 
 import os
@@ -81,6 +81,26 @@ lowered = jax.jit(jax.shard_map(lambda v, c: nx.all_to_allv_dynamic(v[0], c[0], 
 on_nvlink = "ncclx_all_to_allv_dynamic_nvlink" in lowered
 assert on_nvlink == (visibility == "all"), f"visibility {visibility}: NVLink kernel chosen: {on_nvlink}"
 print(f"[{process_id}] all_to_allv_dynamic transport {'nvlink' if on_nvlink else 'nccl'} ok", flush=True)
+
+# The small-message collectives: NVLink kernels over CUDA IPC when every GPU is visible, NCCL otherwise; one-shot
+# and two-shot all_reduce (the thresholds are read when a program is lowered), exact in rank order.
+big = rng.normal(size=(n, 70001)).astype(np.float32)
+for oneshot_max in ("1073741824", "0"):
+    os.environ["JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES"] = oneshot_max
+    jax.clear_caches()
+    summed = run(lambda v: nx.all_reduce(v, "x"), big)[0]
+    expected = big[0].copy()
+    for part in big[1:]:
+        expected = expected + part
+    if visibility == "all":  # the NVLink kernels sum in rank order: exact
+        np.testing.assert_array_equal(summed, np.broadcast_to(expected, big.shape))
+    else:  # NCCL's order is its own
+        np.testing.assert_allclose(summed, np.broadcast_to(expected, big.shape), rtol=1e-5, atol=1e-5)
+    text = jax.jit(jax.shard_map(lambda v: nx.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"),
+                                 out_specs=P("x"))).lower(global_array(big)).as_text()
+    assert ("ncclx_all_reduce_nvlink" in text) == (visibility == "all"), text[-2000:]
+    print(f"[{process_id}] all_reduce with one-shot max {oneshot_max} ok", flush=True)
+os.environ.pop("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES")
 
 grad = jax.jit(jax.grad(lambda v: jax.shard_map(lambda u: jnp.sin(nx.all_reduce(u, "x")).sum()[None], mesh=mesh,
                                                 in_specs=P("x"), out_specs=P("x"))(v).sum()))(global_array(x))

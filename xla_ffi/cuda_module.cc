@@ -23,6 +23,7 @@
 #include "common/nccl_comms.h"
 #include "common/symmetric.h"
 #include "ops/all_to_allv_kernels.h"
+#include "ops/nvlink_collectives_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -36,6 +37,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllToAll);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclPpermute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllToAllvDynamic);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllToAllvDynamic);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllReduce);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllGather);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllToAll);
 
 namespace {
 
@@ -204,18 +208,19 @@ void DestroyAll() {
   ThrowIfFailed(destroyed);
 }
 
-std::string EnsureSymmetricMemory(int64_t comm_id, int64_t data_bytes) {
+std::string EnsureSymmetricMemory(int64_t comm_id, int64_t staging_bytes, int64_t parity_half_bytes) {
   ffi::ErrorOr<std::string> reason = [&] {
     nb::gil_scoped_release release;  // collective: blocks until every rank has joined
-    return EnsureSymmetric("ensure_symmetric", comm_id, data_bytes);
+    return EnsureSymmetric("ensure_symmetric", comm_id, SymmetricNeed{parity_half_bytes, staging_bytes});
   }();
   return ValueOrThrow(std::move(reason));
 }
 
-std::vector<std::tuple<int64_t, int, int64_t, int64_t>> SymmetricMemory() {
-  std::vector<std::tuple<int64_t, int, int64_t, int64_t>> usage;
+std::vector<std::tuple<int64_t, int, int64_t, int64_t, int64_t>> SymmetricMemory() {
+  std::vector<std::tuple<int64_t, int, int64_t, int64_t, int64_t>> usage;
   for (const SymmetricUsage& entry : SymmetricMemoryUsage()) {
-    usage.emplace_back(entry.comm_id, entry.device, entry.data_bytes, entry.control_bytes);
+    usage.emplace_back(entry.comm_id, entry.device, entry.data_bytes, entry.low_latency_bytes,
+                       entry.control_bytes);
   }
   return usage;
 }
@@ -250,6 +255,27 @@ int64_t AllToAllvStagingBytes(int64_t batch, int64_t num_peers, int64_t num_chun
   return LayOutNvlinkStaging(shape, direct).total;
 }
 
+int64_t NvlinkCollectiveBytes(const std::string& op, int algorithm, int64_t bytes, int size, int element_bytes) {
+  NvlinkCollective collective;
+  if (op == "all_reduce") {
+    collective = NvlinkCollective::kAllReduce;
+  } else if (op == "all_gather") {
+    collective = NvlinkCollective::kAllGather;
+  } else if (op == "all_to_all") {
+    collective = NvlinkCollective::kAllToAll;
+  } else {
+    throw std::invalid_argument("nvlink_collective_bytes: no NVLink kernel for op '" + op + "'");
+  }
+  if (algorithm != 1 && !(algorithm == 2 && collective == NvlinkCollective::kAllReduce)) {
+    throw std::invalid_argument("nvlink_collective_bytes: algorithm " + std::to_string(algorithm) +
+                                " is not one of the op's (1 one-shot; 2 two-shot, all_reduce only)");
+  }
+  if (size < 1 || size > kMaxNvlinkRanks || element_bytes < 1 || bytes < 0) {
+    throw std::invalid_argument("nvlink_collective_bytes: bad sizes");
+  }
+  return NvlinkCollectiveSlotBytes(collective, static_cast<NvlinkAlgorithm>(algorithm), bytes, size, element_bytes);
+}
+
 int NcclVersion() {
   int version = 0;
   ThrowIfFailed(CheckNccl("nccl_version", "ncclGetVersion", ncclGetVersion(&version), nullptr));
@@ -278,6 +304,9 @@ NB_MODULE(_ncclx_cuda, m) {
         targets["ncclx_ppermute"] = jn::Capsule(jn::NcclPpermute);
         targets["ncclx_all_to_allv_dynamic"] = jn::Capsule(jn::NcclAllToAllvDynamic);
         targets["ncclx_all_to_allv_dynamic_nvlink"] = jn::Capsule(jn::NvlinkAllToAllvDynamic);
+        targets["ncclx_all_reduce_nvlink"] = jn::Capsule(jn::NvlinkAllReduce);
+        targets["ncclx_all_gather_nvlink"] = jn::Capsule(jn::NvlinkAllGather);
+        targets["ncclx_all_to_all_nvlink"] = jn::Capsule(jn::NvlinkAllToAll);
         return targets;
       },
       "FFI handler capsules of the CUDA backend, by target name.");
@@ -306,13 +335,16 @@ NB_MODULE(_ncclx_cuda, m) {
   m.def("destroy_all", &jn::DestroyAll,
         "Frees all symmetric memory and destroys every communicator. Programs that use them must have\n"
         "finished; programs compiled with their comm_ids fail with an error afterwards.");
-  m.def("ensure_symmetric", &jn::EnsureSymmetricMemory, nb::arg("comm_id"), nb::arg("data_bytes"),
+  m.def("ensure_symmetric", &jn::EnsureSymmetricMemory, nb::arg("comm_id"), nb::arg("staging_bytes"),
+        nb::arg("parity_half_bytes"),
         "Collective over every process of communicator `comm_id`: makes every rank's symmetric data region\n"
-        "at least `data_bytes` (allocated on first need, grown, never shrunk) and maps it into all peers.\n"
+        "hold at least `staging_bytes` of all_to_allv_dynamic staging and `parity_half_bytes` of low-latency\n"
+        "slots per call parity (allocated on first need, grown, never shrunk) and maps it into all peers.\n"
         "Returns '' when the NVLink kernels can run on the communicator, else why not (the same answer on\n"
         "every rank; remembered, so later calls return at once).");
   m.def("symmetric_memory", &jn::SymmetricMemory,
-        "Symmetric device memory held: (comm_id, device, data_bytes, control_bytes) per local rank.");
+        "Symmetric device memory held: (comm_id, device, data_bytes, low_latency_bytes, control_bytes) per\n"
+        "local rank; low_latency_bytes is the part of data_bytes taken by the low-latency slots.");
   m.def("device_trace", &jn::DeviceTrace, nb::arg("comm_id"),
         "Device timelines of the traced NVLink kernel calls on communicator `comm_id` (the last 1024): per\n"
         "local rank (device, rank, [(epoch, start_ns, peers_ns, sent_ns, data_ns, end_ns, blocks,\n"
@@ -324,7 +356,11 @@ NB_MODULE(_ncclx_cuda, m) {
         const jn::NvlinkLaunchCounts counts = jn::GetNvlinkLaunchCounts();
         return std::make_tuple(counts.launches, counts.captured);
       },
-      "(host launches, launches recorded into CUDA graphs) of the NVLink all_to_allv_dynamic handler.");
+      "(host launches, launches recorded into CUDA graphs) of every NVLink handler.");
+  m.def("nvlink_collective_bytes", &jn::NvlinkCollectiveBytes, nb::arg("op"), nb::arg("algorithm"),
+        nb::arg("bytes"), nb::arg("size"), nb::arg("element_bytes"),
+        "Low-latency slot bytes per call parity that the NVLink kernel of `op` ('all_reduce', 'all_gather',\n"
+        "'all_to_all') needs for `bytes` of input per rank on `size` ranks; algorithm 1 one-shot, 2 two-shot.");
   m.def("all_to_allv_staging_bytes", &jn::AllToAllvStagingBytes, nb::arg("batch"), nb::arg("num_peers"),
         nb::arg("num_chunks"), nb::arg("capacity"), nb::arg("row_bytes"), nb::arg("direct"),
         "Symmetric data bytes the NVLink all_to_allv_dynamic kernel needs for these static sizes; `direct`:\n"

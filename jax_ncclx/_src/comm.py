@@ -112,28 +112,27 @@ def all_comm_ids() -> list[int]:
         return sorted(set(_world_comms.values()) | set(_group_comms.values()))
 
 
-_nvlink_verdicts: dict[int, str] = {}
+_nvlink_refusals_logged: set[int] = set()
 
 
-def nvlink_symmetric_memory(comm_id: int, data_bytes: int, op: str) -> bool:
-    """Whether ``op`` may use its NVLink kernel on ``comm_id``, with at least ``data_bytes`` of symmetric memory.
+def nvlink_symmetric_memory(comm_id: int, op: str, *, staging_bytes: int = 0, slot_bytes: int = 0) -> str:
+    """Makes ``comm_id``'s symmetric memory big enough for ``op``'s NVLink kernel: ``staging_bytes`` of
+    all_to_allv_dynamic staging and ``slot_bytes`` of low-latency slots per call parity.
 
     Collective, like communicator creation: every process lowering the program calls it in the same order.
-    The symmetric memory is allocated on the first call and grown (never shrunk) by later ones. When a rank
-    cannot reach a peer through NVLink peer access the answer is False, logged once per communicator.
+    The memory is allocated on the first call and grown (never shrunk) by later ones.
+
+    Returns:
+      "" when the NVLink kernels can run on the communicator; otherwise why not (a rank cannot reach a peer
+      through NVLink peer access, ...), the same on every rank and logged once per communicator.
     """
     with _lock:
-        reason = lib.cuda_module().ensure_symmetric(comm_id, data_bytes)
-        if reason and comm_id not in _nvlink_verdicts:
+        reason = lib.cuda_module().ensure_symmetric(comm_id, staging_bytes, slot_bytes)
+        if reason and comm_id not in _nvlink_refusals_logged:
+            _nvlink_refusals_logged.add(comm_id)
             logger.warning("jax_ncclx: communicator %d cannot use NVLink kernels (%s); %s and later ops on it use "
                            "NCCL", comm_id, reason, op)
-        _nvlink_verdicts[comm_id] = reason
-    return not reason
-
-
-def nvlink_unavailable_reason(comm_id: int) -> str:
-    """Why ``comm_id`` has no NVLink kernels ("" when it has them, or when nothing asked yet)."""
-    return _nvlink_verdicts.get(comm_id, "")
+    return reason
 
 
 def memory_stats() -> list[dict]:
@@ -141,12 +140,14 @@ def memory_stats() -> list[dict]:
 
     Returns:
       One dict per (communicator, local device) that holds symmetric memory: ``comm_id``, ``device`` (CUDA
-      ordinal), ``symmetric_data_bytes`` (the staging region, sized by the largest call lowered so far) and
+      ordinal), ``symmetric_data_bytes`` (the data region, sized by the largest calls lowered so far),
+      ``low_latency_bytes`` (the part of it that the small-message collectives use, both call parities) and
       ``control_bytes`` (flags and peer table, fixed). Empty when no GPU op has needed any, or on a CPU-only
       build.
     """
     module = lib.cuda_module_if_available()
     if module is None:
         return []
-    return [dict(comm_id=comm_id, device=device, symmetric_data_bytes=data, control_bytes=control)
-            for comm_id, device, data, control in module.symmetric_memory()]
+    return [dict(comm_id=comm_id, device=device, symmetric_data_bytes=data, low_latency_bytes=low_latency,
+                 control_bytes=control)
+            for comm_id, device, data, low_latency, control in module.symmetric_memory()]

@@ -132,8 +132,8 @@ def register_lowerings(prim: Primitive, target: str, attrs: Callable[..., dict] 
 
     Args:
       attrs: maps the primitive's params (without axis_name) to the op's own FFI attributes.
-      cuda_route: maps (ctx, comm_id, **params) to the :class:`CudaRoute` of a CUDA call site; by default
-        every call site lowers to ``target`` without workspace.
+      cuda_route: maps (ctx, comm_id, size, **params) to the :class:`CudaRoute` of a CUDA call site, where
+        ``size`` is the communicator's; by default every call site lowers to ``target`` without workspace.
     """
     for platform in ("cpu", "cuda"):
         mlir.register_lowering(
@@ -161,7 +161,7 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **par
         avals_in.append(jax.core.ShapedArray((), np.uint32))
     else:
         comm_id = comm.communicator_for(_mesh_devices(axis_context.mesh, target), groups)
-        route = cuda_route(ctx, comm_id, **params) if cuda_route is not None else CudaRoute(target)
+        route = cuda_route(ctx, comm_id, len(groups[0]), **params) if cuda_route is not None else CudaRoute(target)
         target = route.target
         op_attrs.update(route.attrs, comm_id=np.int64(comm_id))
         if route.workspace_bytes is not None:

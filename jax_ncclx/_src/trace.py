@@ -15,7 +15,7 @@ import statistics
 from jax_ncclx._src import comm
 from jax_ncclx._src import lib
 
-KERNELS = {1: "all_to_allv_dynamic"}
+KERNELS = {1: "all_to_allv_dynamic", 2: "all_reduce", 3: "all_gather", 4: "all_to_all"}  # TraceKernel
 _FIELDS = ("epoch", "start_ns", "peers_ns", "sent_ns", "data_ns", "end_ns", "blocks", "kernel")
 
 

@@ -60,4 +60,25 @@ class CallTrace {
   DeviceTraceRecord* record_;
 };
 
+// The epoch of the call this kernel runs: one more than the calls finished on the communicator. Kernels on
+// one stream run one after another, so every block of a call reads the same value.
+__device__ __forceinline__ uint64_t CallEpoch(const SymmetricControl* control) {
+  return *reinterpret_cast<const volatile uint64_t*>(&control->epoch) + 1;
+}
+
+// Ends the call: the last block to finish records the trace and publishes `epoch` for the next call.
+// Every thread of every block calls it.
+__device__ __forceinline__ void FinishCall(SymmetricControl* control, uint64_t epoch, CallTrace& trace,
+                                           TraceKernel kernel) {
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  if (atomicAdd(&control->blocks_done, 1u) == gridDim.x - 1) {
+    control->blocks_done = 0;
+    trace.End(epoch, kernel);
+    control->epoch = epoch;
+    __threadfence();
+  }
+}
+
 }  // namespace jax_ncclx

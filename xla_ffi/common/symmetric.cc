@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <climits>
 #include <cstring>
 #include <functional>
@@ -40,7 +42,7 @@ struct LocalRank {
   SymmetricControl* control = nullptr;
   PeerTable* table = nullptr;  // device copy of `peers`
   uint8_t* data = nullptr;
-  int64_t data_bytes = 0;
+  SymmetricNeed layout;  // how data is divided (symmetric_layout.h)
   PeerTable peers = {};                     // host copy
   std::vector<bool> imported;               // per rank: mapped through CUDA IPC (close, don't free)
 };
@@ -191,7 +193,7 @@ void Release(LocalRank& rank, bool everything) {
   std::fill(std::begin(rank.peers.data), std::end(rank.peers.data), nullptr);
   if (rank.data != nullptr) cudaFree(rank.data);
   rank.data = nullptr;
-  rank.data_bytes = 0;
+  rank.layout = {};
   if (everything) {
     if (rank.control != nullptr) cudaFree(rank.control);
     if (rank.table != nullptr) cudaFree(rank.table);
@@ -211,10 +213,13 @@ ffi::Error SynchronizeDevices(std::string_view op, const std::vector<LocalRank>&
   return ffi::Error::Success();
 }
 
-// (Re)allocates every local rank's data region to `data_bytes` (and, the first time, its control block and
+int64_t DataBytes(const SymmetricNeed& layout) { return 2 * layout.parity_half_bytes + layout.staging_bytes; }
+
+// (Re)allocates every local rank's data region to `layout` (and, the first time, its control block and
 // table), exchanges addresses, agrees on reachability, and maps the peers. Returns the unavailability
 // reason ("" on success). On a reachability failure everything is released again.
-ffi::ErrorOr<std::string> Grow(std::string_view op, CommMemory& memory, int64_t data_bytes, bool first) {
+ffi::ErrorOr<std::string> Grow(std::string_view op, CommMemory& memory, const SymmetricNeed& layout, bool first) {
+  const int64_t data_bytes = std::max<int64_t>(DataBytes(layout), 1);
   std::vector<LocalRank>& ranks = memory.ranks;
   // Kernels still queued may use the old regions; every process syncs before anyone frees (the all-gather
   // below cannot complete until all have).
@@ -235,7 +240,7 @@ ffi::ErrorOr<std::string> Grow(std::string_view op, CommMemory& memory, int64_t 
     NCCLX_RETURN_IF_ERROR(
         CheckCuda(op, "cudaMalloc (data region of " + std::to_string(data_bytes) + " bytes)",
                   cudaMalloc(reinterpret_cast<void**>(&rank.data), data_bytes)));
-    rank.data_bytes = data_bytes;
+    rank.layout = layout;
 
     RankInfo& info = mine[i];
     info.host = HostHash();
@@ -288,6 +293,7 @@ ffi::ErrorOr<std::string> Grow(std::string_view op, CommMemory& memory, int64_t 
       rank.peers.data[peer] = static_cast<uint8_t*>(*data);
       rank.imported[peer] = imported;
     }
+    rank.peers.parity_half_bytes = layout.parity_half_bytes;
     NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaMemcpy (peer table)",
                                     cudaMemcpy(rank.table, &rank.peers, sizeof(PeerTable), cudaMemcpyHostToDevice)));
   }
@@ -296,8 +302,12 @@ ffi::ErrorOr<std::string> Grow(std::string_view op, CommMemory& memory, int64_t 
 
 }  // namespace
 
-ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, int64_t data_bytes) {
-  if (data_bytes < 0) return InvalidArgument(op, "data_bytes is negative: " + std::to_string(data_bytes));
+ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, const SymmetricNeed& need) {
+  if (need.parity_half_bytes < 0 || need.staging_bytes < 0) {
+    return InvalidArgument(op, "negative symmetric memory need: " + std::to_string(need.parity_half_bytes) +
+                                   " low-latency bytes per parity, " + std::to_string(need.staging_bytes) +
+                                   " staging bytes");
+  }
   Registry& registry = GetRegistry();
   std::unique_lock<std::shared_mutex> lock(registry.mu);
   auto found = registry.comms.find(comm_id);
@@ -305,8 +315,10 @@ ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, 
   if (!first) {
     const CommMemory& memory = found->second;
     if (!memory.unavailable.empty()) return memory.unavailable;
-    const bool big_enough = std::all_of(memory.ranks.begin(), memory.ranks.end(),
-                                        [&](const LocalRank& rank) { return rank.data_bytes >= data_bytes; });
+    const bool big_enough = std::all_of(memory.ranks.begin(), memory.ranks.end(), [&](const LocalRank& rank) {
+      return rank.layout.parity_half_bytes >= need.parity_half_bytes &&
+             rank.layout.staging_bytes >= need.staging_bytes;
+    });
     if (big_enough) return std::string();
   }
 
@@ -333,10 +345,15 @@ ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, 
     }
   }
   CommMemory& memory = first ? fresh : found->second;
-  // Grow by at least half again, so a run of slightly larger programs does not reallocate each time.
-  int64_t grown = data_bytes;
-  if (!first && !memory.ranks.empty()) grown = std::max(grown, memory.ranks.front().data_bytes * 3 / 2);
-  grown = RoundUp(std::max<int64_t>(grown, 1), 1 << 21);
+  // A part that grows takes at least half again, so a run of slightly larger programs does not reallocate
+  // each time; the other part keeps its size.
+  const SymmetricNeed current = first ? SymmetricNeed{} : memory.ranks.front().layout;
+  auto grow = [](int64_t have, int64_t want, int64_t multiple) {
+    return want <= have ? have : RoundUp(std::max(want, have * 3 / 2), multiple);
+  };
+  SymmetricNeed grown;
+  grown.parity_half_bytes = grow(current.parity_half_bytes, need.parity_half_bytes, 1 << 16);
+  grown.staging_bytes = grow(current.staging_bytes, need.staging_bytes, 1 << 21);
 
   std::string reason;
   NCCLX_RETURN_IF_ERROR(KeepingCurrentDevice(op, [&]() -> ffi::Error {
@@ -370,7 +387,8 @@ ffi::ErrorOr<SymmetricRank> LookupSymmetric(std::string_view op, int64_t comm_id
       view.table = rank.table;
       view.control = rank.control;
       view.data = rank.data;
-      view.data_bytes = rank.data_bytes;
+      view.parity_half_bytes = rank.layout.parity_half_bytes;
+      view.staging_bytes = rank.layout.staging_bytes;
       view.same_process = std::none_of(rank.imported.begin(), rank.imported.end(), [](bool i) { return i; });
       return view;
     }
@@ -387,7 +405,7 @@ std::vector<SymmetricUsage> SymmetricMemoryUsage() {
   for (const auto& [comm_id, memory] : registry.comms) {
     for (const LocalRank& rank : memory.ranks) {
       if (rank.control == nullptr) continue;
-      usage.push_back({comm_id, rank.device, rank.data_bytes,
+      usage.push_back({comm_id, rank.device, DataBytes(rank.layout), 2 * rank.layout.parity_half_bytes,
                        static_cast<int64_t>(sizeof(SymmetricControl) + sizeof(PeerTable))});
     }
   }
@@ -438,6 +456,36 @@ ffi::Error FreeAllSymmetric(std::string_view op) {
   });
   registry.comms.clear();
   return result;
+}
+
+namespace {
+std::atomic<int64_t> nvlink_launches{0};
+std::atomic<int64_t> nvlink_captured_launches{0};
+}  // namespace
+
+ffi::Error CountNvlinkLaunch(std::string_view op, cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaStreamIsCapturing", cudaStreamIsCapturing(stream, &capture)));
+  nvlink_launches.fetch_add(1, std::memory_order_relaxed);
+  if (capture == cudaStreamCaptureStatusActive) nvlink_captured_launches.fetch_add(1, std::memory_order_relaxed);
+  return ffi::Error::Success();
+}
+
+NvlinkLaunchCounts GetNvlinkLaunchCounts() {
+  return {nvlink_launches.load(std::memory_order_relaxed), nvlink_captured_launches.load(std::memory_order_relaxed)};
+}
+
+ffi::ErrorOr<int> SmCount(std::string_view op, int32_t device_ordinal) {
+  static std::array<std::atomic<int>, 64> known{};
+  const bool cacheable = device_ordinal >= 0 && device_ordinal < static_cast<int32_t>(known.size());
+  if (cacheable && known[device_ordinal].load(std::memory_order_relaxed) > 0) {
+    return known[device_ordinal].load(std::memory_order_relaxed);
+  }
+  int sm_count = 0;
+  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaDeviceGetAttribute",
+                                  cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device_ordinal)));
+  if (cacheable) known[device_ordinal].store(sm_count, std::memory_order_relaxed);
+  return sm_count;
 }
 
 }  // namespace jax_ncclx

@@ -5,6 +5,8 @@
 // Python thread, like communicator creation), never inside a handler. Handlers only look it up.
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -22,16 +24,24 @@ struct SymmetricRank {
   const PeerTable* table = nullptr;   // device pointer; stable for the communicator's lifetime
   SymmetricControl* control = nullptr;  // this rank's own control block (device pointer)
   uint8_t* data = nullptr;            // this rank's own data region (device pointer)
-  int64_t data_bytes = 0;
+  int64_t parity_half_bytes = 0;      // the low-latency slots: two halves of this size at the start
+  int64_t staging_bytes = 0;          // the all_to_allv_dynamic staging area after them
   bool same_process = false;  // every rank lives in this process, so peers can use each other's pointers
 };
 
-// Makes sure every rank of communicator `comm_id` has a data region of at least `data_bytes` mapped by all
-// its peers. Collective: every process holding ranks of the communicator must call it with the same size,
-// in the same order as its other collective set-up. Returns "" when the NVLink kernels can run, otherwise why
+// What one op needs of the data region (symmetric_layout.h): low-latency slots of `parity_half_bytes` per
+// call parity, and an all_to_allv_dynamic staging area of `staging_bytes`.
+struct SymmetricNeed {
+  int64_t parity_half_bytes = 0;
+  int64_t staging_bytes = 0;
+};
+
+// Makes sure every rank of communicator `comm_id` has a data region that meets `need`, mapped by all its
+// peers. Collective: every process holding ranks of the communicator must call it with the same need, in
+// the same order as its other collective set-up. Returns "" when the NVLink kernels can run, otherwise why
 // not (a rank cannot reach a peer through NVLink peer access, too many ranks, ...). That answer is the same
 // on every rank, and is remembered: later calls return it without communicating or allocating.
-ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, int64_t data_bytes);
+ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, const SymmetricNeed& need);
 
 // The symmetric memory of `comm_id` on `device_ordinal`; an error if EnsureSymmetric never succeeded for it.
 ffi::ErrorOr<SymmetricRank> LookupSymmetric(std::string_view op, int64_t comm_id, int32_t device_ordinal);
@@ -40,8 +50,9 @@ ffi::ErrorOr<SymmetricRank> LookupSymmetric(std::string_view op, int64_t comm_id
 struct SymmetricUsage {
   int64_t comm_id = 0;
   int32_t device = 0;
-  int64_t data_bytes = 0;     // the data region (grows to the largest need so far)
-  int64_t control_bytes = 0;  // control block and peer table (fixed)
+  int64_t data_bytes = 0;         // the data region (grows to the largest need so far)
+  int64_t low_latency_bytes = 0;  // of which the low-latency slots (both parities)
+  int64_t control_bytes = 0;      // control block and peer table (fixed)
 };
 std::vector<SymmetricUsage> SymmetricMemoryUsage();
 
@@ -57,5 +68,19 @@ ffi::ErrorOr<std::vector<RankTrace>> ReadDeviceTrace(std::string_view op, int64_
 // Frees every rank's symmetric memory (after waiting for the local devices to go idle) and forgets every
 // answer of EnsureSymmetric. Call before destroying the communicators.
 ffi::Error FreeAllSymmetric(std::string_view op);
+
+// Counts a host launch of an NVLink kernel on `stream`, noting whether the stream was being recorded into a
+// CUDA graph (a replayed graph launches the kernel without calling the handler). Called by every NVLink
+// handler.
+ffi::Error CountNvlinkLaunch(std::string_view op, cudaStream_t stream);
+
+struct NvlinkLaunchCounts {
+  int64_t launches = 0;
+  int64_t captured = 0;
+};
+NvlinkLaunchCounts GetNvlinkLaunchCounts();
+
+// SMs of `device_ordinal`, asked of CUDA once per device (handlers run on every call).
+ffi::ErrorOr<int> SmCount(std::string_view op, int32_t device_ordinal);
 
 }  // namespace jax_ncclx

@@ -6,10 +6,16 @@
 // CUDA IPC):
 //   * a SymmetricControl block, allocated once with the communicator and never moved: the flags peers
 //     write to say "I entered call e" and "my rows of group g for call e have landed", plus local state;
-//   * a data region that grows (never shrinks) to what the largest program lowered so far needs; kernels
-//     stage rows and counts there. Its size comes from the ops' static shapes at lowering time.
-// Kernels do not take peer pointers as arguments: they read them from a PeerTable in device memory whose
-// address never changes, so a CUDA graph recorded before the data region grew stays valid.
+//   * a data region that grows (never shrinks) to what the largest program lowered so far needs. Its size
+//     comes from the ops' static shapes at lowering time. It holds, in this order:
+//       - the low-latency slots: two halves of PeerTable::parity_half_bytes, one per call parity. A
+//         collective writes into a peer's half of its call's parity without asking whether the peer is
+//         ready: the peer cannot still be reading that half, because it finished the call two before
+//         (whose half it was) before it sent its rows of the previous call, which this rank needed;
+//       - the staging area of all_to_allv_dynamic (at 2 * parity_half_bytes), written only after the peer
+//         entered the call (SymmetricControl::entered).
+// Kernels do not take region pointers or sizes as arguments: they read them from a PeerTable in device
+// memory whose address never changes, so a CUDA graph recorded before the data region grew stays valid.
 #pragma once
 
 #include <cstdint>
@@ -39,7 +45,7 @@ struct DeviceTraceRecord {
   uint64_t reserved;
 };
 
-enum TraceKernel : uint32_t { kTraceAllToAllv = 1 };
+enum TraceKernel : uint32_t { kTraceAllToAllv = 1, kTraceAllReduce = 2, kTraceAllGather = 3, kTraceAllToAll = 4 };
 
 // Flags hold epochs: the number of the call (1, 2, ...) on this communicator that set them. They only grow,
 // so no kernel ever resets them and a recorded CUDA graph can replay forever.
@@ -57,6 +63,7 @@ struct alignas(128) SymmetricControl {
 struct PeerTable {
   uint8_t* data[kMaxNvlinkRanks];
   SymmetricControl* control[kMaxNvlinkRanks];
+  int64_t parity_half_bytes;  // the same on every rank; a multiple of 256
 };
 
 }  // namespace jax_ncclx

@@ -9,7 +9,6 @@
 #include <nccl.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
@@ -125,6 +124,18 @@ WorkspaceLayout LayOutWorkspace(const AllToAllvShape& shape, bool packed) {
   return layout;
 }
 
+// The arguments both transports' handlers start with.
+auto BindAllToAllv() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+      .Ctx<ffi::DeviceOrdinal>()                 // device_ordinal
+      .Arg<ffi::AnyBuffer>()                     // x: [B, S, F...]
+      .Arg<ffi::Buffer<ffi::S32>>()              // counts: [B, N, K]
+      .Ret<ffi::AnyBuffer>()                     // y: [B, N, C, F...] / [B, N*C, F...]
+      .Ret<ffi::Buffer<ffi::S32>>()              // recv_counts: [B, N, K]
+      .Ret<ffi::Buffer<ffi::S32>>();             // dropped: [B, N]
+}
+
 ffi::Error AllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                                 ffi::Buffer<ffi::S32> counts, ffi::Result<ffi::AnyBuffer> y,
                                 ffi::ResultBuffer<ffi::S32> recv_counts, ffi::ResultBuffer<ffi::S32> dropped,
@@ -181,41 +192,6 @@ ffi::Error AllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi
                    LaunchCompactRows(*shape, recv, recv_counts->typed_data(), y->untyped_data(), stream));
 }
 
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    NcclAllToAllvDynamic, AllToAllvDynamicImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-        .Ctx<ffi::DeviceOrdinal>()                 // device_ordinal
-        .Arg<ffi::AnyBuffer>()                     // x: [B, S, F...]
-        .Arg<ffi::Buffer<ffi::S32>>()              // counts: [B, N, K]
-        .Ret<ffi::AnyBuffer>()                     // y: [B, N, C, F...] / [B, N*C, F...]
-        .Ret<ffi::Buffer<ffi::S32>>()              // recv_counts: [B, N, K]
-        .Ret<ffi::Buffer<ffi::S32>>()              // dropped: [B, N]
-        .Ret<ffi::Buffer<ffi::U8>>()               // workspace: [W]
-        .Attr<int64_t>("comm_id")                  // comm_id
-        .Attr<int64_t>("capacity")                 // capacity
-        .Attr<int64_t>("packed"));                 // packed
-
-namespace {
-
-std::atomic<int64_t> nvlink_launches{0};
-std::atomic<int64_t> nvlink_captured_launches{0};
-
-void CountNvlinkLaunch(bool captured) {
-  nvlink_launches.fetch_add(1, std::memory_order_relaxed);
-  if (captured) nvlink_captured_launches.fetch_add(1, std::memory_order_relaxed);
-}
-
-ffi::ErrorOr<int> SmCount(int32_t device_ordinal) {
-  int sm_count = 0;
-  NCCLX_RETURN_IF_ERROR(CheckCuda(kOp, "cudaDeviceGetAttribute",
-                                  cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount,
-                                                         device_ordinal)));
-  return sm_count;
-}
-
 ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                                       ffi::Buffer<ffi::S32> counts, ffi::Result<ffi::AnyBuffer> y,
                                       ffi::ResultBuffer<ffi::S32> recv_counts,
@@ -231,13 +207,13 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
     return InvalidArgument(kOp, "direct is 1 but the communicator's ranks are not all in this process");
   }
   const NvlinkStagingLayout layout = LayOutNvlinkStaging(*shape, direct == 1);
-  if (layout.total > symmetric->data_bytes) {
-    return Internal(kOp, "the symmetric data region holds " + std::to_string(symmetric->data_bytes) +
+  if (layout.total > symmetric->staging_bytes) {
+    return Internal(kOp, "the symmetric staging area holds " + std::to_string(symmetric->staging_bytes) +
                              " bytes but this call needs " + std::to_string(layout.total) +
                              "; it is sized when the program is lowered by jax_ncclx");
   }
   if (shape->batch == 0) return ffi::Error::Success();
-  ffi::ErrorOr<int> sm_count = SmCount(device_ordinal);
+  ffi::ErrorOr<int> sm_count = SmCount(kOp, device_ordinal);
   if (sm_count.has_error()) return sm_count.error();
   const NvlinkGrid grid = ChooseNvlinkGrid(*shape, static_cast<int>(blocks), *sm_count);
 
@@ -255,34 +231,28 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
   args.dropped = dropped->typed_data();
   args.table = symmetric->table;
   args.control = symmetric->control;
-  args.staging = symmetric->data;
   args.counts_slot_bytes = layout.counts_slot_bytes;
   args.rows_offset = layout.rows_offset;
   args.rows_slot_bytes = layout.rows_slot_bytes;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  NCCLX_RETURN_IF_ERROR(CheckCuda(kOp, "cudaStreamIsCapturing", cudaStreamIsCapturing(stream, &capture)));
-  CountNvlinkLaunch(capture == cudaStreamCaptureStatusActive);
+  NCCLX_RETURN_IF_ERROR(CountNvlinkLaunch(kOp, stream));
   return CheckCuda(kOp, "NVLink kernel launch", LaunchNvlinkAllToAllv(args, grid.blocks, stream));
 }
 
 }  // namespace
 
-NvlinkLaunchCounts GetNvlinkLaunchCounts() {
-  return {nvlink_launches.load(std::memory_order_relaxed), nvlink_captured_launches.load(std::memory_order_relaxed)};
-}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NcclAllToAllvDynamic, AllToAllvDynamicImpl,
+    BindAllToAllv()
+        .Ret<ffi::Buffer<ffi::U8>>()               // workspace: [W]
+        .Attr<int64_t>("comm_id")                  // comm_id
+        .Attr<int64_t>("capacity")                 // capacity
+        .Attr<int64_t>("packed"));                 // packed
 
 // Safe in command buffers: one kernel launch whose arguments are fixed for the program (peer addresses are
 // read from the stable peer table, epochs live on the device).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NvlinkAllToAllvDynamic, NvlinkAllToAllvDynamicImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-        .Ctx<ffi::DeviceOrdinal>()                 // device_ordinal
-        .Arg<ffi::AnyBuffer>()                     // x: [B, S, F...]
-        .Arg<ffi::Buffer<ffi::S32>>()              // counts: [B, N, K]
-        .Ret<ffi::AnyBuffer>()                     // y: [B, N, C, F...] / [B, N*C, F...]
-        .Ret<ffi::Buffer<ffi::S32>>()              // recv_counts: [B, N, K]
-        .Ret<ffi::Buffer<ffi::S32>>()              // dropped: [B, N]
+    BindAllToAllv()
         .Attr<int64_t>("comm_id")                  // comm_id
         .Attr<int64_t>("capacity")                 // capacity
         .Attr<int64_t>("packed")                   // packed

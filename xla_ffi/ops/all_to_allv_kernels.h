@@ -39,15 +39,15 @@ cudaError_t LaunchPackRows(const AllToAllvShape& shape, const void* x, const int
 cudaError_t LaunchCompactRows(const AllToAllvShape& shape, const void* recv, const int32_t* recv_counts,
                               void* y, cudaStream_t stream);
 
-// The NVLink kernel's layout of each rank's symmetric data region: N count slots, one per source rank
-// (int32 [B, N, K]: the source's delivered counts, indexed by destination), then, unless ranks write
-// straight into each other's outputs ("direct", all ranks in one process), N row slots ([B, C, row_bytes]
-// each) where sources stage their rows. Slots are 256-byte aligned.
+// The NVLink kernel's layout of each rank's staging area (symmetric_layout.h): 2 x N count slots, one per
+// call parity and source rank (int32 [B, N, K]: the source's delivered counts, indexed by destination), then,
+// unless ranks write straight into each other's outputs ("direct", all ranks in one process), N row slots
+// ([B, C, row_bytes] each) where sources stage their rows. Slots are 256-byte aligned.
 struct NvlinkStagingLayout {
   int64_t counts_slot_bytes = 0;
   int64_t rows_offset = 0;
   int64_t rows_slot_bytes = 0;
-  int64_t total = 0;  // bytes of symmetric data the call needs
+  int64_t total = 0;  // bytes of staging area the call needs
 };
 NvlinkStagingLayout LayOutNvlinkStaging(const AllToAllvShape& shape, bool direct);
 
@@ -65,8 +65,7 @@ struct NvlinkAllToAllvArgs {
   int32_t* dropped = nullptr;           // [B, N]
   const PeerTable* table = nullptr;     // every rank's symmetric memory, as this rank maps it
   SymmetricControl* control = nullptr;  // this rank's control block
-  const uint8_t* staging = nullptr;     // this rank's data region
-  int64_t counts_slot_bytes = 0;        // from NvlinkStagingLayout
+  int64_t counts_slot_bytes = 0;        // from NvlinkStagingLayout (offsets into the staging area)
   int64_t rows_offset = 0;
   int64_t rows_slot_bytes = 0;
 };
@@ -80,13 +79,5 @@ NvlinkGrid ChooseNvlinkGrid(const AllToAllvShape& shape, int requested_blocks, i
 
 // Launches the NVLink kernel with `blocks` blocks (from ChooseNvlinkGrid, whose groups must be in args).
 cudaError_t LaunchNvlinkAllToAllv(const NvlinkAllToAllvArgs& args, int blocks, cudaStream_t stream);
-
-// How often the NVLink handler ran on the host, and how many of those runs were being recorded into a CUDA
-// graph (a replayed graph launches the kernel without calling the handler). Defined in all_to_allv_cuda.cc.
-struct NvlinkLaunchCounts {
-  int64_t launches = 0;
-  int64_t captured = 0;
-};
-NvlinkLaunchCounts GetNvlinkLaunchCounts();
 
 }  // namespace jax_ncclx

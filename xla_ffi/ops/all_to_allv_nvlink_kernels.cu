@@ -75,17 +75,22 @@ struct Shared {
   int32_t slots[kStagedCounts];  // what every source delivered to one rank, from the count slots
 };
 
-// The count slot that `source` fills in `data` (some rank's data region) in calls of `parity`:
-// int32 [B, N, K]. Two sets of slots, by call parity, because in the direct packed layout a rank shares its
-// counts before its peers have finished the previous call (see ShareCounts).
-__device__ __forceinline__ int32_t* CountSlot(const NvlinkAllToAllvArgs& args, uint8_t* data, int parity,
-                                              int source) {
-  return reinterpret_cast<int32_t*>(data + (parity * args.shape.num_peers + source) * args.counts_slot_bytes);
+// The staging area of `rank`'s data region (symmetric_layout.h), read from the peer table at run time.
+__device__ __forceinline__ uint8_t* Staging(const NvlinkAllToAllvArgs& args, int rank) {
+  return args.table->data[rank] + 2 * args.table->parity_half_bytes;
+}
+
+// The count slot that `source` fills in `owner`'s staging area in calls of `parity`: int32 [B, N, K]. Two
+// sets of slots, by call parity, because in the direct packed layout a rank shares its counts before its
+// peers have finished the previous call (see ShareCounts).
+__device__ __forceinline__ int32_t* CountSlot(const NvlinkAllToAllvArgs& args, int owner, int parity, int source) {
+  return reinterpret_cast<int32_t*>(Staging(args, owner) +
+                                    (parity * args.shape.num_peers + source) * args.counts_slot_bytes);
 }
 
 __device__ __forceinline__ const int32_t* LocalCountSlot(const NvlinkAllToAllvArgs& args, int parity,
                                                          int source) {
-  return CountSlot(args, const_cast<uint8_t*>(args.staging), parity, source);
+  return CountSlot(args, args.rank, parity, source);
 }
 
 // The counts of one tile of batch elements [first, first + size): this rank's send counts, and the rows
@@ -167,7 +172,7 @@ __device__ void ShareCounts(const NvlinkAllToAllvArgs& args, Shared& shared, int
       const int64_t offset = ((tile + i) * s.num_peers + dest) * s.num_chunks;
       PlanPeer(counts.Send(i), s.num_chunks, s.num_rows, s.capacity, dest, [&](int64_t chunk, int32_t rows) {
         for (int reader = 0; reader < s.num_peers; ++reader) {
-          CountSlot(args, args.table->data[reader], parity, args.rank)[offset + chunk] = rows;
+          CountSlot(args, reader, parity, args.rank)[offset + chunk] = rows;
         }
       });
     }
@@ -193,12 +198,12 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
     batch_stride = s.num_peers * s.capacity * units_per_row;
     if (!args.packed) base += args.rank * s.capacity * units_per_row;
   } else {
-    base = reinterpret_cast<V*>(args.table->data[peer] + args.rows_offset + args.rank * args.rows_slot_bytes);
+    base = reinterpret_cast<V*>(Staging(args, peer) + args.rows_offset + args.rank * args.rows_slot_bytes);
     batch_stride = s.capacity * units_per_row;
   }
   // Counts travel with piece 0, except in the direct packed layout, which shared them already.
   const bool send_counts = first_piece && !direct_packed;
-  int32_t* peer_counts = CountSlot(args, args.table->data[peer], parity, args.rank);
+  int32_t* peer_counts = CountSlot(args, peer, parity, args.rank);
   const V* x = static_cast<const V*>(args.x);
   const int64_t tile_size = TileCounts::TileSize(s);
   for (int64_t tile = 0; tile < s.batch; tile += tile_size) {
@@ -256,7 +261,8 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
   const int64_t units_per_row = s.row_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t lo = PieceStart(s.capacity, g, args.groups);
   const int64_t hi = PieceStart(s.capacity, g + 1, args.groups);
-  const V* slot = reinterpret_cast<const V*>(args.staging + args.rows_offset + source * args.rows_slot_bytes);
+  const V* slot =
+      reinterpret_cast<const V*>(Staging(args, args.rank) + args.rows_offset + source * args.rows_slot_bytes);
   V* y = static_cast<V*>(args.y);
   const int64_t segment_units = s.capacity * units_per_row;
   const int64_t tile_size = TileCounts::TileSize(s);
@@ -312,7 +318,7 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
   __shared__ Shared shared;
   const int num_peers = static_cast<int>(args.shape.num_peers);
   const int jobs = num_peers * args.groups;
-  const uint64_t epoch = *reinterpret_cast<volatile uint64_t*>(&args.control->epoch) + 1;
+  const uint64_t epoch = CallEpoch(args.control);
   const int parity = static_cast<int>(epoch & 1);
   const bool direct_packed = args.direct && args.packed;
   CallTrace trace(args.control, epoch, args.trace);
@@ -362,23 +368,14 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
     ReceivePiece<V>(args, shared, parity, source, g);
   }
 
-  // The last block to finish publishes the epoch for the next call on this stream.
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(&args.control->blocks_done, 1u) == gridDim.x - 1) {
-      args.control->blocks_done = 0;
-      trace.End(epoch, kTraceAllToAllv);
-      args.control->epoch = epoch;
-      __threadfence();
-    }
-  }
+  FinishCall(args.control, epoch, trace, kTraceAllToAllv);
 }
 
 bool AlignedTo(int64_t width, const NvlinkAllToAllvArgs& args) {
   auto aligned = [width](const void* p) { return reinterpret_cast<uintptr_t>(p) % width == 0; };
-  // In direct mode the peers' outputs are XLA allocations like ours: as aligned as y.
-  return args.shape.row_bytes % width == 0 && aligned(args.x) && aligned(args.y) && aligned(args.staging);
+  // In direct mode the peers' outputs are XLA allocations like ours: as aligned as y. Staging areas and
+  // their slots are 256-byte aligned.
+  return args.shape.row_bytes % width == 0 && aligned(args.x) && aligned(args.y);
 }
 
 }  // namespace

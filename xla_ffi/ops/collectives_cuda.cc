@@ -11,30 +11,11 @@
 
 #include "common/checks.h"
 #include "common/nccl_comms.h"
+#include "ops/collective_checks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {
 namespace {
-
-int64_t Bytes(const ffi::AnyBuffer& buffer) { return static_cast<int64_t>(buffer.size_bytes()); }
-
-// `what` is "input" or "output"; `expected` says where the expected size comes from.
-ffi::Error CheckBytes(std::string_view op, std::string_view what, int64_t bytes, int64_t expected_bytes,
-                      const std::string& expected) {
-  if (bytes == expected_bytes) return ffi::Error::Success();
-  return InvalidArgument(op, std::string(what) + " has " + std::to_string(bytes) + " bytes, expected " +
-                                 expected);
-}
-
-std::string RanksTimes(int ranks, int64_t bytes) {
-  return std::to_string(ranks) + " ranks x " + std::to_string(bytes) + " bytes";
-}
-
-ffi::Error CheckSameDtype(std::string_view op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& y) {
-  if (x.element_type() == y.element_type()) return ffi::Error::Success();
-  return InvalidArgument(op, "output has dtype " + std::string(DataTypeName(y.element_type())) +
-                                 ", expected the input's " + std::string(DataTypeName(x.element_type())));
-}
 
 // The NCCL type and operation of a reduction of x.
 struct Reduction {
@@ -102,10 +83,7 @@ ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   constexpr std::string_view kOp = "all_to_all";
   ffi::ErrorOr<CommRank> comm = LookupCommRank(kOp, comm_id, device_ordinal);
   if (comm.has_error()) return comm.error();
-  if (Bytes(x) % comm->size != 0) {
-    return InvalidArgument(kOp, "input has " + std::to_string(Bytes(x)) + " bytes, which do not split into " +
-                                    std::to_string(comm->size) + " equal per-rank blocks");
-  }
+  NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), comm->size));
   NCCLX_RETURN_IF_ERROR(
       CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
   if (Bytes(x) == 0) return ffi::Error::Success();

@@ -14,6 +14,7 @@ from jax.interpreters import ad
 from jax.interpreters import batching
 from jax.sharding import PartitionSpec as P
 
+from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
 
 
@@ -64,6 +65,10 @@ def _all_gather_abstract_eval(x, *, axis_name):
     return primitive.output_aval(x, axis_name, shape=(size, *x.shape)), primitive.effects(axis_name)
 
 
+def _all_gather_cuda_route(ctx, comm_id, size):
+    return nvlink.collective_route("all_gather", ctx, comm_id, size)
+
+
 def _all_gather_batching(axis_data, args, dims, *, axis_name):
     primitive.reject_collective_axis_vmap(axis_data, axis_name, "all_gather")
     (x,), (d,) = args, dims
@@ -77,6 +82,6 @@ def _all_gather_transpose(ct, x, *, axis_name):
 
 
 all_gather_p.def_effectful_abstract_eval(_all_gather_abstract_eval)
-primitive.register_lowerings(all_gather_p, "ncclx_all_gather")
+primitive.register_lowerings(all_gather_p, "ncclx_all_gather", cuda_route=_all_gather_cuda_route)
 batching.fancy_primitive_batchers[all_gather_p] = _all_gather_batching
 ad.deflinear2(all_gather_p, _all_gather_transpose)

@@ -14,6 +14,7 @@ from jax.interpreters import batching
 from jax.sharding import PartitionSpec as P
 
 from jax_ncclx._src import compat
+from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
 
 
@@ -27,8 +28,10 @@ def all_reduce(x, axis_name, op: str = "sum"):
       op: ``"sum"``, ``"max"`` or ``"min"`` (static).
 
     Returns:
-      An array of ``x``'s shape and dtype, the same on every member of the group. ``sum`` of 16-bit floats
-      accumulates in float32 on the CPU backend and as NCCL does on GPU.
+      An array of ``x``'s shape and dtype, the same bits on every member of the group. ``sum`` of 16-bit
+      floats accumulates in float32 and rounds once on the CPU backend and in the GPU NVLink kernels (inputs
+      up to ``JAX_NCCLX_NVLINK_MAX_BYTES``, see README); larger inputs go through NCCL, which accumulates
+      in the input dtype.
 
     Differentiable (``sum`` is linear; ``max``/``min`` pass the tangent of the members that hold the extreme,
     averaged over ties) and vmap-able over non-mesh axes.
@@ -56,6 +59,10 @@ def _all_reduce_abstract_eval(x, *, axis_name, op):
 
 def _all_reduce_attrs(*, op):
     return {"reduce_op": np.int64(primitive.REDUCE_OPS[op])}
+
+
+def _all_reduce_cuda_route(ctx, comm_id, size, *, op):
+    return nvlink.collective_route("all_reduce", ctx, comm_id, size)
 
 
 def _all_reduce_batching(axis_data, args, dims, *, axis_name, op):
@@ -86,7 +93,7 @@ def _all_reduce_transpose(ct, x, *, axis_name, op):
 
 
 all_reduce_p.def_effectful_abstract_eval(_all_reduce_abstract_eval)
-primitive.register_lowerings(all_reduce_p, "ncclx_all_reduce", _all_reduce_attrs)
+primitive.register_lowerings(all_reduce_p, "ncclx_all_reduce", _all_reduce_attrs, _all_reduce_cuda_route)
 batching.fancy_primitive_batchers[all_reduce_p] = _all_reduce_batching
 ad.primitive_jvps[all_reduce_p] = _all_reduce_jvp
 ad.primitive_transposes[all_reduce_p] = _all_reduce_transpose

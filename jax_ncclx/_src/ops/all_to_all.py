@@ -14,6 +14,7 @@ from jax.interpreters import ad
 from jax.interpreters import batching
 from jax.sharding import PartitionSpec as P
 
+from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
 
 
@@ -70,6 +71,10 @@ def _all_to_all_abstract_eval(x, *, axis_name):
     return primitive.output_aval(x, axis_name), primitive.effects(axis_name)
 
 
+def _all_to_all_cuda_route(ctx, comm_id, size):
+    return nvlink.collective_route("all_to_all", ctx, comm_id, size)
+
+
 def _all_to_all_batching(axis_data, args, dims, *, axis_name):
     primitive.reject_collective_axis_vmap(axis_data, axis_name, "all_to_all")
     (x,), (d,) = args, dims
@@ -83,6 +88,6 @@ def _all_to_all_transpose(ct, x, *, axis_name):
 
 
 all_to_all_p.def_effectful_abstract_eval(_all_to_all_abstract_eval)
-primitive.register_lowerings(all_to_all_p, "ncclx_all_to_all")
+primitive.register_lowerings(all_to_all_p, "ncclx_all_to_all", cuda_route=_all_to_all_cuda_route)
 batching.fancy_primitive_batchers[all_to_all_p] = _all_to_all_batching
 ad.deflinear2(all_to_all_p, _all_to_all_transpose)

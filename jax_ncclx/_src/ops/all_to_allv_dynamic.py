@@ -25,9 +25,9 @@ from jax.interpreters import ad
 from jax.interpreters import batching
 from jax.sharding import PartitionSpec as P
 
-from jax_ncclx._src import comm
 from jax_ncclx._src import config
 from jax_ncclx._src import lib
+from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
 
 LAYOUTS = ("padded", "packed")
@@ -114,23 +114,19 @@ def _align(nbytes: int) -> int:
     return (nbytes + 255) // 256 * 256
 
 
-def _cuda_route(ctx, comm_id, *, capacity, packed):
+def _cuda_route(ctx, comm_id, size, *, capacity, packed):
     """The NVLink kernel when the communicator's ranks reach each other over NVLink, else the NCCL path."""
     x, counts = ctx.avals_in
-    batch, size, chunks = counts.shape
+    batch, _, chunks = counts.shape
     row_bytes = int(np.prod(x.shape[2:], dtype=np.int64)) * np.dtype(x.dtype).itemsize
     settings = config.current()
+    direct = settings.nvlink_direct and jax.process_count() == 1
     if settings.transport != "nccl":
-        direct = settings.nvlink_direct and jax.process_count() == 1
         staging = lib.cuda_module().all_to_allv_staging_bytes(batch, size, chunks, capacity, row_bytes, direct)
-        if comm.nvlink_symmetric_memory(comm_id, staging, "all_to_allv_dynamic"):
+        if nvlink.symmetric_memory_ready("all_to_allv_dynamic", comm_id, staging_bytes=staging):
             return primitive.CudaRoute("ncclx_all_to_allv_dynamic_nvlink",
                                        {"blocks": np.int64(settings.nvlink_blocks), "direct": np.int64(direct),
                                         "trace": np.int64(settings.trace)})
-        if settings.transport == "nvlink":
-            raise RuntimeError(
-                "jax_ncclx.all_to_allv_dynamic: JAX_NCCLX_TRANSPORT=nvlink but this communicator cannot use "
-                f"NVLink: {comm.nvlink_unavailable_reason(comm_id)}")
     # NCCL path workspace; must match the layout checked by xla_ffi/ops/all_to_allv_cuda.cc.
     exchange = _align(batch * size * capacity * row_bytes)
     workspace = exchange * (2 if packed else 1) + _align(batch * size * chunks * 4) + 2 * _align(batch * size * 8)

@@ -1,0 +1,73 @@
+"""Which transport a CUDA call site takes: an NVLink kernel of this package or NCCL.
+
+Decided while the program is lowered, from the static shapes, the communicator and :mod:`config`:
+
+* ``JAX_NCCLX_TRANSPORT=nccl`` always takes NCCL;
+* otherwise an op with an NVLink kernel takes it when every rank of the communicator reaches every other
+  through NVLink peer access (``comm.nvlink_symmetric_memory``; a communicator that cannot is logged once and
+  uses NCCL, or raises with ``JAX_NCCLX_TRANSPORT=nvlink``);
+* the small-message collectives (all_reduce, all_gather, all_to_all) take their NVLink kernels only up to
+  ``nvlink_max_bytes`` per rank, and all_reduce switches from one-shot to two-shot above
+  ``nvlink_oneshot_max_bytes`` (:func:`config.nvlink_thresholds`). Above that, and for reductions of dtypes
+  the kernels do not reduce, NCCL is the algorithm of choice, not a fallback: it is logged at debug level.
+"""
+
+import logging
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ncclx._src import comm
+from jax_ncclx._src import config
+from jax_ncclx._src import lib
+from jax_ncclx._src.primitive import CudaRoute
+
+logger = logging.getLogger("jax_ncclx")
+
+ONE_SHOT, TWO_SHOT = 1, 2
+# What the all_reduce kernels reduce (xla_ffi/ops/nvlink_collectives_cuda.cc checks the same list).
+REDUCE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32)
+
+
+def symmetric_memory_ready(op: str, comm_id: int, *, staging_bytes: int = 0, slot_bytes: int = 0) -> bool:
+    """Whether ``op`` may launch its NVLink kernel on ``comm_id``, after growing the communicator's symmetric
+    memory to the sizes given. Collective (every process lowering the program calls it in the same order).
+
+    Raises:
+      RuntimeError: ``JAX_NCCLX_TRANSPORT=nvlink`` and the communicator cannot use NVLink (the reason is in
+        the message).
+    """
+    settings = config.current()
+    if settings.transport == "nccl":
+        return False
+    reason = comm.nvlink_symmetric_memory(comm_id, op, staging_bytes=staging_bytes, slot_bytes=slot_bytes)
+    if reason and settings.transport == "nvlink":
+        raise RuntimeError(f"jax_ncclx.{op}: JAX_NCCLX_TRANSPORT=nvlink but this communicator cannot use NVLink: "
+                           f"{reason}")
+    return not reason
+
+
+def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
+    """The route of one all_reduce / all_gather / all_to_all call site: ``ctx`` is its lowering context, ``size``
+    its communicator's size. The NVLink handlers take the op's own attributes plus ``blocks``, ``trace`` and
+    (all_reduce) ``algorithm``."""
+    x = ctx.avals_in[0]
+    nbytes = int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    settings = config.current()
+    oneshot_max, nvlink_max = config.nvlink_thresholds(size, settings)
+    nccl = CudaRoute(f"ncclx_{op}")
+    if settings.transport == "nccl" or nbytes == 0 or nbytes > nvlink_max:
+        return nccl
+    if op == "all_reduce" and not any(np.dtype(x.dtype) == np.dtype(d) for d in REDUCE_DTYPES):
+        logger.debug("jax_ncclx: all_reduce of %s takes NCCL: the NVLink kernels reduce %s", x.dtype,
+                     ", ".join(np.dtype(d).name for d in REDUCE_DTYPES))
+        return nccl
+    algorithm = ONE_SHOT if op != "all_reduce" or nbytes <= oneshot_max else TWO_SHOT
+    slots = lib.cuda_module().nvlink_collective_bytes(op, algorithm, nbytes, size, np.dtype(x.dtype).itemsize)
+    if not symmetric_memory_ready(op, comm_id, slot_bytes=slots):
+        return nccl
+    route_attrs = dict(blocks=np.int64(settings.nvlink_blocks), trace=np.int64(settings.trace))
+    if op == "all_reduce":
+        route_attrs["algorithm"] = np.int64(algorithm)
+    return CudaRoute(f"ncclx_{op}_nvlink", route_attrs)
+

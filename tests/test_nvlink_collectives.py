@@ -1,0 +1,225 @@
+"""The NVLink kernels of all_reduce / all_gather / all_to_all (GPU only).
+
+Each algorithm (forced through the thresholds) against an exact NumPy reference for every size class and dtype:
+all_reduce sums in rank order with 16-bit floats accumulated in float32 and rounded once, so the expected bits
+are known exactly, and every rank must hold the same bits. Flags and slots are reused over thousands of calls
+that mix ops and algorithms in one program, and the lowering picks the algorithm by size. Sub-communicators of a
+2-D mesh go through these kernels in test_collectives.py; command buffers and one process per GPU in
+test_all_to_allv.py / test_multiprocess.py (their workers cover these ops too).
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_ncclx as nx
+from conftest import gpu_devices, gpu_skip_reason
+
+pytestmark = pytest.mark.gpu
+
+EVERYTHING = str(1 << 40)
+ALGORITHMS = {  # param -> (one-shot max bytes, NVLink max bytes)
+    "one-shot": (EVERYTHING, EVERYTHING),
+    "two-shot": ("0", EVERYTHING),
+}
+# Elements per rank: one, odd counts (scalar path, short last chunks), a few blocks, many blocks.
+ELEMENTS = [1, 3, 4099, 65544, 300001]
+REDUCE_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32]
+MOVE_DTYPES = [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn]
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    reason = gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nvlink")  # a fallback to NCCL is an error
+    return gpu_devices()
+
+
+@pytest.fixture(params=ALGORITHMS)
+def algorithm(request, monkeypatch):
+    """all_reduce's algorithm, forced for every size."""
+    oneshot_max, nvlink_max = ALGORITHMS[request.param]
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES", oneshot_max)
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_MAX_BYTES", nvlink_max)
+    return request.param
+
+
+@pytest.fixture
+def nvlink_any_size(monkeypatch):
+    """all_gather / all_to_all (one algorithm) take their NVLink kernel at every size."""
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_MAX_BYTES", EVERYTHING)
+
+
+def per_rank(devices, fn):
+    """jit(shard_map(fn)) over a 1-D mesh "x" of ``devices``; arrays are [n, ...], row r on rank r."""
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("x",))
+    mapped = jax.jit(jax.shard_map(lambda v: fn(v[0])[None], mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    return lambda x: np.asarray(mapped(jax.device_put(x, NamedSharding(mesh, P("x")))))
+
+
+def inputs(n, elements, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    if jnp.issubdtype(dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
+        return rng.integers(max(info.min, -100), min(info.max, 100), size=(n, elements)).astype(dtype)
+    return rng.normal(size=(n, elements)).astype(dtype)
+
+
+def reduce_in_rank_order(parts, op, dtype):
+    """What the kernels compute: rank 0's values combined with rank 1's, then rank 2's, ...; 16-bit floats in
+    float32, rounded once at the end."""
+    accumulate = np.float32 if dtype in (jnp.bfloat16, jnp.float16) else np.dtype(dtype)
+    combine = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op]
+    acc = parts[0].astype(accumulate)
+    for part in parts[1:]:
+        acc = combine(acc, part.astype(accumulate))
+    return acc.astype(dtype)
+
+
+def assert_bits_equal(actual, expected):
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    wide = actual.dtype.itemsize
+    as_int = {1: np.uint8, 2: np.uint16, 4: np.uint32}[wide]
+    mismatch = np.flatnonzero(actual.view(as_int) != expected.view(as_int))
+    assert mismatch.size == 0, (f"{mismatch.size} of {actual.size} elements differ, first at flat index "
+                                f"{mismatch[0]}: got {actual.flat[mismatch[0]]}, expected {expected.flat[mismatch[0]]}")
+
+
+@pytest.mark.parametrize("elements", ELEMENTS)
+@pytest.mark.parametrize("dtype", REDUCE_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_all_reduce_sum_is_exact(gpus, algorithm, dtype, elements):
+    n = len(gpus)
+    x = inputs(n, elements, dtype)
+    out = per_rank(gpus, lambda v: nx.all_reduce(v, "x"))(x)
+    expected = reduce_in_rank_order(list(x), "sum", dtype)
+    for rank in range(n):  # every rank holds the same bits
+        assert_bits_equal(out[rank], expected)
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32], ids=lambda d: jnp.dtype(d).name)
+def test_all_reduce_max_min(gpus, algorithm, dtype, op):
+    n = len(gpus)
+    x = inputs(n, 4099, dtype, seed=1)
+    out = per_rank(gpus, lambda v: nx.all_reduce(v, "x", op))(x)
+    for rank in range(n):
+        assert_bits_equal(out[rank], reduce_in_rank_order(list(x), op, dtype))
+
+
+@pytest.mark.parametrize("elements", [1, 5, 4099, 65536])
+@pytest.mark.parametrize("dtype", MOVE_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_all_gather(gpus, nvlink_any_size, dtype, elements):
+    n = len(gpus)
+    x = inputs(n, elements, jnp.float32).astype(dtype)
+    out = per_rank(gpus, lambda v: nx.all_gather(v, "x", tiled=True))(x)
+    for rank in range(n):
+        assert_bits_equal(out[rank], x.reshape(-1))
+
+
+@pytest.mark.parametrize("block", [1, 5, 1025, 16384])
+@pytest.mark.parametrize("dtype", MOVE_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_all_to_all(gpus, nvlink_any_size, dtype, block):
+    n = len(gpus)
+    x = inputs(n, n * block, jnp.float32).astype(dtype)  # rank r's block j goes to rank j
+    out = per_rank(gpus, lambda v: nx.all_to_all(v, "x", 0, 0, tiled=True))(x)
+    blocks = x.reshape(n, n, block)
+    for rank in range(n):
+        assert_bits_equal(out[rank], blocks[:, rank].reshape(-1))
+
+
+def custom_calls(text):
+    """(target, algorithm or None) of every jax_ncclx custom call in lowered StableHLO text."""
+    calls = []
+    for line in text.splitlines():
+        if "ncclx_" not in line or "custom_call" not in line:
+            continue
+        target = line.split("@")[1].split("(")[0]
+        algorithm = int(line.split("algorithm = ")[1].split(" ")[0]) if "algorithm = " in line else None
+        calls.append((target, algorithm))
+    return calls
+
+
+def test_lowering_picks_the_algorithm_by_size(gpus, monkeypatch):
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "auto")
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES", "1024")
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_MAX_BYTES", "65536")
+    n = len(gpus)
+    mesh = jax.sharding.Mesh(np.asarray(gpus), ("x",))
+
+    def lowered(fn, elements):
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+        return custom_calls(f.lower(jnp.zeros((n * elements,), jnp.float32)).as_text())
+
+    all_reduce = lambda v: nx.all_reduce(v, "x")  # noqa: E731
+    all_gather = lambda v: nx.all_gather(v, "x", tiled=True)  # noqa: E731
+    assert lowered(all_reduce, 256) == [("ncclx_all_reduce_nvlink", 1)]     # 1 KiB: one-shot
+    assert lowered(all_reduce, 257) == [("ncclx_all_reduce_nvlink", 2)]     # just above: two-shot
+    assert lowered(all_reduce, 16384) == [("ncclx_all_reduce_nvlink", 2)]   # 64 KiB: still NVLink
+    assert lowered(all_reduce, 16385) == [("ncclx_all_reduce", None)]       # above the NVLink max: NCCL
+    assert lowered(all_gather, 16384) == [("ncclx_all_gather_nvlink", None)]
+    assert lowered(all_gather, 16385) == [("ncclx_all_gather", None)]
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nccl")
+    assert lowered(all_reduce, 2) == [("ncclx_all_reduce", None)]
+    monkeypatch.delenv("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES")
+    monkeypatch.delenv("JAX_NCCLX_NVLINK_MAX_BYTES")
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "auto")
+    assert lowered(all_reduce, 2) == [("ncclx_all_reduce_nvlink", 1)]       # defaults: 8 B is one-shot
+    stats = [s for s in nx.memory_stats() if s["low_latency_bytes"] > 0]
+    assert stats and all(s["low_latency_bytes"] <= s["symmetric_data_bytes"] for s in stats)
+
+
+def test_flags_survive_thousands_of_mixed_calls(gpus, monkeypatch):
+    """One program: 2000 steps, each a one-shot all_reduce, a two-shot all_reduce, an all_gather and an
+    all_to_all on the same communicator (8000 calls), checked against NumPy at the end."""
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES", "512")
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_MAX_BYTES", EVERYTHING)
+    n, steps, k = len(gpus), 2000, 3
+    mesh = jax.sharding.Mesh(np.asarray(gpus), ("x",))
+
+    def step(rank, a, b):
+        a = nx.all_reduce(a, "x") % 1009 + rank                       # 32 B: one-shot
+        b = nx.all_reduce(b, "x") % 1013 + a[0]                       # 4 KiB: two-shot
+        a = a + nx.all_gather(a[:2], "x", tiled=True).sum() % 7       # every rank's a[:2]
+        moved = nx.all_to_all(b[: n * k], "x", 0, 0, tiled=True)      # block j of b to rank j
+        return a, b.at[: n * k].set(moved)
+
+    def program(a, b):
+        rank = jax.lax.axis_index("x").astype(jnp.int32)
+        a, b = jax.lax.fori_loop(0, steps, lambda _, c: step(rank, *c), (a[0], b[0]))
+        return a[None], b[None]
+
+    f = jax.jit(jax.shard_map(program, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    a0 = np.arange(n * 8, dtype=np.int32).reshape(n, 8)
+    b0 = (np.arange(n * 1024, dtype=np.int32) % 97).reshape(n, 1024)
+    sharding = NamedSharding(mesh, P("x"))
+    a, b = (np.asarray(o) for o in f(jax.device_put(a0, sharding), jax.device_put(b0, sharding)))
+
+    ra, rb = a0.copy(), b0.copy()
+    ranks = np.arange(n, dtype=np.int32)[:, None]
+    for _ in range(steps):
+        ra = ra.sum(0, keepdims=True) % 1009 + ranks
+        rb = rb.sum(0, keepdims=True) % 1013 + ra[:, :1]
+        ra = ra + ra[:, :2].sum() % 7
+        blocks = rb[:, : n * k].reshape(n, n, k)
+        rb[:, : n * k] = blocks.transpose(1, 0, 2).reshape(n, n * k)
+    np.testing.assert_array_equal(a, ra)
+    np.testing.assert_array_equal(b, rb)
+
+
+def test_bf16_sum_accumulates_in_f32(gpus, algorithm):
+    """Values whose bf16 running sum would lose the small terms: accumulating in f32 keeps them."""
+    n = len(gpus)
+    x = np.zeros((n, 4096), ml_dtypes.bfloat16)
+    x[0] = 256.0
+    x[1:] = 1.0  # 256 + 1 rounds back to 256 in bf16, but 256 + (n - 1) is exact in f32 for n - 1 >= 2
+    out = per_rank(gpus, lambda v: nx.all_reduce(v, "x"))(x)
+    expected = np.full(4096, 256.0 + (n - 1), np.float32).astype(ml_dtypes.bfloat16)
+    for rank in range(n):
+        assert_bits_equal(out[rank], expected)

@@ -1,0 +1,157 @@
+// CUDA FFI handlers of the small-message NVLink collectives: all_reduce (one-shot or two-shot), all_gather
+// and all_to_all (one-shot). Each checks its buffers as the NCCL handler of the op does, finds this rank's
+// symmetric memory, and queues one kernel (nvlink_collectives_kernels.cu) on XLA's stream. The kernel's
+// arguments are fixed for the program (peer addresses come from the stable peer table, epochs live on the
+// device), so the handlers are safe inside command buffers. The Python lowering picks the algorithm by size
+// and sizes the symmetric memory before the program can run.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "common/checks.h"
+#include "common/nccl_comms.h"
+#include "common/symmetric.h"
+#include "ops/collective_checks.h"
+#include "ops/nvlink_collectives_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ncclx {
+namespace {
+
+ffi::ErrorOr<ReduceType> GetReduceType(std::string_view op, ffi::DataType dtype) {
+  switch (dtype) {
+    case ffi::F32:
+      return ReduceType::kF32;
+    case ffi::BF16:
+      return ReduceType::kBF16;
+    case ffi::F16:
+      return ReduceType::kF16;
+    case ffi::S32:
+      return ReduceType::kS32;
+    default:
+      return InvalidArgument(op, "the NVLink kernel cannot reduce dtype " + std::string(DataTypeName(dtype)) +
+                                     "; supported: f32, bf16, f16, s32 (others take the NCCL path)");
+  }
+}
+
+// The checks and launch every handler shares once it has filled in the op-specific fields of `args`.
+ffi::Error Launch(std::string_view op, cudaStream_t stream, int32_t device_ordinal, const SymmetricRank& symmetric,
+                  NvlinkCollectiveArgs args, int64_t blocks) {
+  args.rank = symmetric.rank;
+  args.size = symmetric.size;
+  args.table = symmetric.table;
+  args.control = symmetric.control;
+  if (args.bytes == 0) return ffi::Error::Success();
+  const int64_t need = NvlinkCollectiveSlotBytes(args.op, args.algorithm, args.bytes, args.size, args.element_bytes);
+  if (need > symmetric.parity_half_bytes) {
+    return Internal(op, "the symmetric low-latency slots hold " + std::to_string(symmetric.parity_half_bytes) +
+                            " bytes per call parity but this call needs " + std::to_string(need) +
+                            "; they are sized when the program is lowered by jax_ncclx");
+  }
+  ffi::ErrorOr<int> sm_count = SmCount(op, device_ordinal);
+  if (sm_count.has_error()) return sm_count.error();
+  const int grid = ChooseNvlinkCollectiveBlocks(args, static_cast<int>(blocks), *sm_count);
+  NCCLX_RETURN_IF_ERROR(CountNvlinkLaunch(op, stream));
+  return CheckCuda(op, "NVLink kernel launch", LaunchNvlinkCollective(args, grid, stream));
+}
+
+ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
+                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t reduce_op, int64_t algorithm,
+                         int64_t blocks, int64_t trace) {
+  constexpr std::string_view kOp = "all_reduce";
+  ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
+  if (symmetric.has_error()) return symmetric.error();
+  NCCLX_RETURN_IF_ERROR(CheckSameDtype(kOp, x, *y));
+  NCCLX_RETURN_IF_ERROR(
+      CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
+  ffi::ErrorOr<ReduceType> type = GetReduceType(kOp, x.element_type());
+  if (type.has_error()) return type.error();
+  if (reduce_op < 0 || reduce_op > 2) {
+    return InvalidArgument(kOp, "reduce_op is " + std::to_string(reduce_op) + ", expected 0 (sum), 1 (max) or 2 (min)");
+  }
+  if (algorithm != static_cast<int64_t>(NvlinkAlgorithm::kOneShot) &&
+      algorithm != static_cast<int64_t>(NvlinkAlgorithm::kTwoShot)) {
+    return InvalidArgument(kOp, "algorithm is " + std::to_string(algorithm) + ", expected 1 (one-shot) or 2 (two-shot)");
+  }
+  NvlinkCollectiveArgs args;
+  args.op = NvlinkCollective::kAllReduce;
+  args.algorithm = static_cast<NvlinkAlgorithm>(algorithm);
+  args.reduce = static_cast<ReduceOp>(reduce_op);
+  args.reduce_type = *type;
+  args.element_bytes = static_cast<int>(ffi::ByteWidth(x.element_type()));
+  args.bytes = Bytes(x);
+  args.trace = trace == 1;
+  args.x = x.untyped_data();
+  args.y = y->untyped_data();
+  return Launch(kOp, stream, device_ordinal, *symmetric, args, blocks);
+}
+
+ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
+                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t blocks, int64_t trace) {
+  constexpr std::string_view kOp = "all_gather";
+  ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
+  if (symmetric.has_error()) return symmetric.error();
+  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), symmetric->size * Bytes(x),
+                                   RanksTimes(symmetric->size, Bytes(x))));
+  NvlinkCollectiveArgs args;
+  args.op = NvlinkCollective::kAllGather;
+  args.element_bytes = static_cast<int>(ffi::ByteWidth(x.element_type()));
+  args.bytes = Bytes(x);
+  args.trace = trace == 1;
+  args.x = x.untyped_data();
+  args.y = y->untyped_data();
+  return Launch(kOp, stream, device_ordinal, *symmetric, args, blocks);
+}
+
+ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
+                        ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t blocks, int64_t trace) {
+  constexpr std::string_view kOp = "all_to_all";
+  ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
+  if (symmetric.has_error()) return symmetric.error();
+  NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), symmetric->size));
+  NCCLX_RETURN_IF_ERROR(
+      CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
+  NvlinkCollectiveArgs args;
+  args.op = NvlinkCollective::kAllToAll;
+  args.element_bytes = static_cast<int>(ffi::ByteWidth(x.element_type()));
+  args.bytes = Bytes(x);
+  args.trace = trace == 1;
+  args.x = x.untyped_data();
+  args.y = y->untyped_data();
+  return Launch(kOp, stream, device_ordinal, *symmetric, args, blocks);
+}
+
+auto BindCollective() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+      .Ctx<ffi::DeviceOrdinal>()                 // device_ordinal
+      .Arg<ffi::AnyBuffer>()                     // x
+      .Ret<ffi::AnyBuffer>()                     // y
+      .Attr<int64_t>("comm_id");                 // comm_id
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllReduce, AllReduceImpl,
+                              BindCollective()
+                                  .Attr<int64_t>("reduce_op")  // 0 sum, 1 max, 2 min
+                                  .Attr<int64_t>("algorithm")  // 1 one-shot, 2 two-shot
+                                  .Attr<int64_t>("blocks")     // 0 = by size
+                                  .Attr<int64_t>("trace"),     // 1 = record the device timeline
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllGather, AllGatherImpl,
+                              BindCollective()
+                                  .Attr<int64_t>("blocks")
+                                  .Attr<int64_t>("trace"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllToAll, AllToAllImpl,
+                              BindCollective()
+                                  .Attr<int64_t>("blocks")
+                                  .Attr<int64_t>("trace"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace jax_ncclx

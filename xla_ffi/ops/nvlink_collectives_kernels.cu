@@ -1,0 +1,364 @@
+// NVLink kernels of the small-message collectives (see nvlink_collectives_kernels.h for the algorithms).
+//
+// Slots: in every rank's data region, the half of call parity p holds one slot per source rank, 256-byte
+// aligned and laid out the same on every rank (two-shot: N reduce-scatter slots, then N all-gather slots).
+// A block b of the grid owns the same byte range of every slot on every rank; it writes its range into the
+// peers, raises flag arrived[rank][b] on each, and waits for arrived[peer][b] from each before reading the
+// range it received. Blocks never wait for other blocks of their own rank.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "common/device_sync.cuh"
+#include "common/symmetric_layout.h"
+#include "ops/nvlink_collectives_kernels.h"
+
+namespace jax_ncclx {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kUnroll = 4;
+// Bytes of one slot range that justify another block: below this, flags cost more than the copy.
+constexpr int64_t kBytesPerBlock = 8 * 1024;
+// Two-shot: the all-gather phase uses flags [kGatherFlag, kGatherFlag + blocks).
+constexpr int kGatherFlag = kMaxTwoShotBlocks;
+
+int64_t Align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// The slots of one call, identical on every rank.
+struct SlotLayout {
+  int64_t segment_bytes = 0;   // one-shot: what each source sends each rank
+  int64_t chunk_bytes = 0;     // two-shot: bytes of chunk j (the last one may be shorter), a multiple of 16
+  int64_t slot_stride = 0;     // between the slots of consecutive sources
+  int64_t gather_offset = 0;   // two-shot: where the all-gather slots start
+  int64_t half_bytes = 0;      // what the call needs of each parity half
+};
+
+SlotLayout LayOutSlots(NvlinkCollective op, NvlinkAlgorithm algorithm, int64_t bytes, int size, int element_bytes) {
+  SlotLayout layout;
+  if (algorithm == NvlinkAlgorithm::kTwoShot) {
+    // Chunks of whole 16-byte packs, so every chunk boundary keeps the vector path aligned.
+    const int64_t elements = bytes / element_bytes;
+    const int64_t pack = std::max(1, 16 / element_bytes);
+    const int64_t chunk_elements = ((elements + size - 1) / size + pack - 1) / pack * pack;
+    layout.chunk_bytes = chunk_elements * element_bytes;
+    layout.slot_stride = Align256(layout.chunk_bytes);
+    layout.gather_offset = size * layout.slot_stride;
+    layout.half_bytes = 2 * size * layout.slot_stride;
+    return layout;
+  }
+  layout.segment_bytes = op == NvlinkCollective::kAllToAll ? bytes / size : bytes;
+  layout.slot_stride = Align256(layout.segment_bytes);
+  layout.half_bytes = size * layout.slot_stride;
+  return layout;
+}
+
+struct Call {
+  NvlinkCollectiveArgs args;
+  SlotLayout slots;
+};
+
+// `source`'s slot in `owner`'s region for calls of `parity`, at `offset` bytes into the half.
+template <typename V>
+__device__ __forceinline__ V* Slot(const Call& call, int owner, int parity, int source, int64_t offset = 0) {
+  const PeerTable* table = call.args.table;
+  return reinterpret_cast<V*>(table->data[owner] + parity * table->parity_half_bytes + offset +
+                              source * call.slots.slot_stride);
+}
+
+// Units [lo, hi) from src to dst with the whole block, kUnroll loads in flight per thread. `kFromPeers`:
+// src was written by other GPUs during this kernel, so it is read past L1.
+template <typename V, bool kFromPeers>
+__device__ __forceinline__ void CopyRange(V* dst, const V* src, int64_t lo, int64_t hi) {
+  int64_t i = lo + threadIdx.x;
+  for (; i + (kUnroll - 1) * int64_t{kThreads} < hi; i += kUnroll * int64_t{kThreads}) {
+    V v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = kFromPeers ? __ldcg(src + i + u * kThreads) : src[i + u * kThreads];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) dst[i + u * kThreads] = v[u];
+  }
+  for (; i < hi; i += kThreads) dst[i] = kFromPeers ? __ldcg(src + i) : src[i];
+}
+
+// This block's share [lo, hi) of n units.
+__device__ __forceinline__ void BlockRange(int64_t n, int64_t* lo, int64_t* hi) {
+  *lo = n * blockIdx.x / gridDim.x;
+  *hi = n * (blockIdx.x + 1) / gridDim.x;
+}
+
+// After the block's writes into the peers: flag `flag` of this rank on every peer says they landed.
+__device__ __forceinline__ void RaiseFlags(const Call& call, int flag, uint64_t epoch) {
+  __syncthreads();  // every thread's writes come before the releases
+  const int peer = threadIdx.x;
+  if (peer < call.args.size && peer != call.args.rank) {
+    StoreRelease(&call.args.table->control[peer]->arrived[call.args.rank][flag], epoch);
+  }
+}
+
+__device__ __forceinline__ void WaitFlags(const Call& call, int flag, uint64_t epoch) {
+  const int peer = threadIdx.x;
+  if (peer < call.args.size && peer != call.args.rank) WaitAtLeast(&call.args.control->arrived[peer][flag], epoch);
+  __syncthreads();
+}
+
+// ---- reductions --------------------------------------------------------------------------------------------
+
+template <typename T>
+struct Accumulate {  // accumulate in T itself
+  using Type = T;
+  __device__ static Type From(T v) { return v; }
+  __device__ static T To(Type v) { return v; }
+};
+template <>
+struct Accumulate<__nv_bfloat16> {
+  using Type = float;
+  __device__ static float From(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ static __nv_bfloat16 To(float v) { return __float2bfloat16_rn(v); }
+};
+template <>
+struct Accumulate<__half> {
+  using Type = float;
+  __device__ static float From(__half v) { return __half2float(v); }
+  __device__ static __half To(float v) { return __float2half_rn(v); }
+};
+
+template <ReduceOp kOp, typename A>
+__device__ __forceinline__ A Combine(A a, A b) {
+  if constexpr (kOp == ReduceOp::kSum) return a + b;
+  if constexpr (kOp == ReduceOp::kMax) return b > a ? b : a;
+  if constexpr (kOp == ReduceOp::kMin) return b < a ? b : a;
+}
+
+// Reduces units [lo, hi) of the n sources in rank order (the same bits on every rank) and writes the result
+// to every output. A unit V packs sizeof(V) / sizeof(T) elements.
+template <typename T, ReduceOp kOp>
+struct Reduce {
+  static constexpr bool kMoves = false;
+
+  template <typename V>
+  __device__ static void Range(const V* const* sources, int n, V* const* outputs, int num_outputs, int64_t lo,
+                               int64_t hi) {
+    using A = typename Accumulate<T>::Type;
+    constexpr int kPack = sizeof(V) / sizeof(T);
+    for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
+      A acc[kPack];
+      {
+        const V unit = __ldcg(sources[0] + i);
+        const T* values = reinterpret_cast<const T*>(&unit);
+#pragma unroll
+        for (int p = 0; p < kPack; ++p) acc[p] = Accumulate<T>::From(values[p]);
+      }
+      for (int s = 1; s < n; ++s) {
+        const V unit = __ldcg(sources[s] + i);
+        const T* values = reinterpret_cast<const T*>(&unit);
+#pragma unroll
+        for (int p = 0; p < kPack; ++p) acc[p] = Combine<kOp>(acc[p], Accumulate<T>::From(values[p]));
+      }
+      V result;
+      T* out = reinterpret_cast<T*>(&result);
+#pragma unroll
+      for (int p = 0; p < kPack; ++p) out[p] = Accumulate<T>::To(acc[p]);
+      for (int o = 0; o < num_outputs; ++o) outputs[o][i] = result;
+    }
+  }
+};
+
+struct Move {  // all_gather and all_to_all: bytes are copied, never combined
+  static constexpr bool kMoves = true;
+};
+
+TraceKernel TraceKernelOf(NvlinkCollective op) {
+  switch (op) {
+    case NvlinkCollective::kAllReduce:
+      return kTraceAllReduce;
+    case NvlinkCollective::kAllGather:
+      return kTraceAllGather;
+    case NvlinkCollective::kAllToAll:
+      return kTraceAllToAll;
+  }
+  return kTraceAllReduce;
+}
+
+// ---- kernels -----------------------------------------------------------------------------------------------
+
+template <typename V, typename Op>
+__global__ void __launch_bounds__(kThreads) OneShotKernel(Call call, TraceKernel kernel) {
+  const NvlinkCollectiveArgs& args = call.args;
+  const uint64_t epoch = CallEpoch(args.control);
+  const int parity = static_cast<int>(epoch & 1);
+  CallTrace trace(args.control, epoch, args.trace);
+  if (threadIdx.x == 0) {
+    trace.Start();
+    trace.PeersEntered();  // one-shot writes without waiting for the peers
+  }
+  const int n = args.size;
+  const int me = args.rank;
+  const bool scatter = args.op == NvlinkCollective::kAllToAll;  // peer j gets block j of x, not all of it
+  const int64_t units = call.slots.segment_bytes / static_cast<int64_t>(sizeof(V));
+  int64_t lo, hi;
+  BlockRange(units, &lo, &hi);
+  const V* x = static_cast<const V*>(args.x);
+  V* y = static_cast<V*>(args.y);
+
+  for (int k = 1; k < n; ++k) {  // rotated, so the ranks start on different links
+    const int peer = (me + k) % n;
+    CopyRange<V, false>(Slot<V>(call, peer, parity, me), x + (scatter ? peer * units : 0), lo, hi);
+  }
+  RaiseFlags(call, blockIdx.x, epoch);
+  if (threadIdx.x == 0) trace.Sent();
+  if constexpr (Op::kMoves) {  // this rank's own block, while the peers' data travels
+    CopyRange<V, false>(y + me * units, x + (scatter ? me * units : 0), lo, hi);
+  }
+  WaitFlags(call, blockIdx.x, epoch);
+  if (threadIdx.x == 0) trace.DataArrived();
+
+  if constexpr (Op::kMoves) {
+    for (int k = 1; k < n; ++k) {
+      const int source = (me + k) % n;
+      CopyRange<V, true>(y + source * units, Slot<V>(call, me, parity, source), lo, hi);
+    }
+  } else {
+    const V* sources[kMaxNvlinkRanks];
+    for (int s = 0; s < n; ++s) sources[s] = s == me ? x : Slot<V>(call, me, parity, s);
+    V* const outputs[1] = {y};
+    Op::Range(sources, n, outputs, 1, lo, hi);
+  }
+  FinishCall(args.control, epoch, trace, kernel);
+}
+
+// Reduce-scatter then all-gather, both through the slots: rank j owns chunk j.
+template <typename V, typename Op>
+__global__ void __launch_bounds__(kThreads) TwoShotKernel(Call call, TraceKernel kernel) {
+  const NvlinkCollectiveArgs& args = call.args;
+  const uint64_t epoch = CallEpoch(args.control);
+  const int parity = static_cast<int>(epoch & 1);
+  CallTrace trace(args.control, epoch, args.trace);
+  if (threadIdx.x == 0) {
+    trace.Start();
+    trace.PeersEntered();
+  }
+  const int n = args.size;
+  const int me = args.rank;
+  const int64_t total = args.bytes / static_cast<int64_t>(sizeof(V));
+  const int64_t chunk = call.slots.chunk_bytes / static_cast<int64_t>(sizeof(V));
+  int64_t lo, hi;
+  BlockRange(chunk, &lo, &hi);
+  // This block's range of chunk j, clipped to the chunk's length (the last chunks may be short or empty).
+  auto end_in = [&](int j) { return min(hi, max(int64_t{0}, min(chunk, total - j * chunk))); };
+  const V* x = static_cast<const V*>(args.x);
+  V* y = static_cast<V*>(args.y);
+
+  for (int k = 1; k < n; ++k) {
+    const int peer = (me + k) % n;
+    CopyRange<V, false>(Slot<V>(call, peer, parity, me), x + peer * chunk, lo, end_in(peer));
+  }
+  RaiseFlags(call, blockIdx.x, epoch);
+  WaitFlags(call, blockIdx.x, epoch);
+
+  const V* sources[kMaxNvlinkRanks];
+  for (int s = 0; s < n; ++s) sources[s] = s == me ? x + me * chunk : Slot<V>(call, me, parity, s);
+  V* outputs[kMaxNvlinkRanks];
+  outputs[0] = y + me * chunk;
+  for (int k = 1; k < n; ++k) outputs[k] = Slot<V>(call, (me + k) % n, parity, me, call.slots.gather_offset);
+  Op::Range(sources, n, outputs, n, lo, end_in(me));
+  RaiseFlags(call, kGatherFlag + blockIdx.x, epoch);
+  if (threadIdx.x == 0) trace.Sent();
+  WaitFlags(call, kGatherFlag + blockIdx.x, epoch);
+  if (threadIdx.x == 0) trace.DataArrived();
+
+  for (int k = 1; k < n; ++k) {
+    const int source = (me + k) % n;
+    CopyRange<V, true>(y + source * chunk, Slot<V>(call, me, parity, source, call.slots.gather_offset), lo,
+                       end_in(source));
+  }
+  FinishCall(args.control, epoch, trace, kernel);
+}
+
+// ---- launch ------------------------------------------------------------------------------------------------
+
+bool Aligned(const void* p, int64_t width) { return reinterpret_cast<uintptr_t>(p) % width == 0; }
+
+template <typename V, typename Op>
+cudaError_t LaunchAs(const Call& call, int blocks, cudaStream_t stream) {
+  const TraceKernel kernel = TraceKernelOf(call.args.op);
+  if constexpr (!Op::kMoves) {
+    if (call.args.algorithm == NvlinkAlgorithm::kTwoShot) {
+      TwoShotKernel<V, Op><<<blocks, kThreads, 0, stream>>>(call, kernel);
+      return cudaGetLastError();
+    }
+  }
+  OneShotKernel<V, Op><<<blocks, kThreads, 0, stream>>>(call, kernel);
+  return cudaGetLastError();
+}
+
+// The scalar unit of an element type: same size, loadable with __ldcg.
+template <typename T>
+using ScalarUnit = std::conditional_t<sizeof(T) == 2, unsigned short, unsigned int>;
+
+template <typename T, ReduceOp kOp>
+cudaError_t LaunchReduce(const Call& call, int blocks, cudaStream_t stream) {
+  // 16-byte units when every range the kernel touches starts on a 16-byte boundary (slot offsets and
+  // two-shot chunk boundaries always do).
+  const bool vector = call.args.bytes % 16 == 0 && Aligned(call.args.x, 16) && Aligned(call.args.y, 16);
+  return vector ? LaunchAs<uint4, Reduce<T, kOp>>(call, blocks, stream)
+                : LaunchAs<ScalarUnit<T>, Reduce<T, kOp>>(call, blocks, stream);
+}
+
+template <typename T>
+cudaError_t LaunchReduceType(const Call& call, int blocks, cudaStream_t stream) {
+  switch (call.args.reduce) {
+    case ReduceOp::kSum:
+      return LaunchReduce<T, ReduceOp::kSum>(call, blocks, stream);
+    case ReduceOp::kMax:
+      return LaunchReduce<T, ReduceOp::kMax>(call, blocks, stream);
+    case ReduceOp::kMin:
+      return LaunchReduce<T, ReduceOp::kMin>(call, blocks, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+int64_t NvlinkCollectiveSlotBytes(NvlinkCollective op, NvlinkAlgorithm algorithm, int64_t bytes, int size,
+                                  int element_bytes) {
+  return LayOutSlots(op, algorithm, bytes, size, element_bytes).half_bytes;
+}
+
+int ChooseNvlinkCollectiveBlocks(const NvlinkCollectiveArgs& args, int requested, int sm_count) {
+  const SlotLayout slots = LayOutSlots(args.op, args.algorithm, args.bytes, args.size, args.element_bytes);
+  const bool two_shot = args.algorithm == NvlinkAlgorithm::kTwoShot;
+  const int64_t range_bytes = two_shot ? slots.chunk_bytes : slots.segment_bytes;
+  const int64_t by_size = (range_bytes + kBytesPerBlock - 1) / kBytesPerBlock;
+  const int64_t cap = std::min(two_shot ? kMaxTwoShotBlocks : kMaxOneShotBlocks, std::max(1, sm_count));
+  return static_cast<int>(std::clamp<int64_t>(requested > 0 ? requested : by_size, 1, cap));
+}
+
+cudaError_t LaunchNvlinkCollective(const NvlinkCollectiveArgs& args, int blocks, cudaStream_t stream) {
+  const Call call{args, LayOutSlots(args.op, args.algorithm, args.bytes, args.size, args.element_bytes)};
+  if (args.op != NvlinkCollective::kAllReduce) {
+    const int64_t segment = call.slots.segment_bytes;
+    auto fits = [&](int64_t width) {
+      return segment % width == 0 && Aligned(args.x, width) && Aligned(args.y, width);
+    };
+    if (fits(16)) return LaunchAs<uint4, Move>(call, blocks, stream);
+    if (fits(4)) return LaunchAs<unsigned int, Move>(call, blocks, stream);
+    return LaunchAs<unsigned char, Move>(call, blocks, stream);
+  }
+  switch (args.reduce_type) {
+    case ReduceType::kF32:
+      return LaunchReduceType<float>(call, blocks, stream);
+    case ReduceType::kBF16:
+      return LaunchReduceType<__nv_bfloat16>(call, blocks, stream);
+    case ReduceType::kF16:
+      return LaunchReduceType<__half>(call, blocks, stream);
+    case ReduceType::kS32:
+      return LaunchReduceType<int32_t>(call, blocks, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace jax_ncclx
