@@ -26,8 +26,9 @@ ALGORITHMS = {  # param -> (one-shot max bytes, NVLink max bytes)
     "one-shot": (EVERYTHING, EVERYTHING),
     "two-shot": ("0", EVERYTHING),
 }
-# Elements per rank: one, odd counts (scalar path, short last chunks), a few blocks, many blocks.
-ELEMENTS = [1, 3, 4099, 65544, 300001]
+# Elements per rank: one, odd counts (scalar path, short last chunks), 16 KiB of f32 (the largest one-shot call
+# sent as low-latency words), a few blocks, many blocks.
+ELEMENTS = [1, 3, 4096, 4099, 65544, 300001]
 REDUCE_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32]
 MOVE_DTYPES = [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn]
 
@@ -113,7 +114,7 @@ def test_all_reduce_max_min(gpus, algorithm, dtype, op):
         assert_bits_equal(out[rank], reduce_in_rank_order(list(x), op, dtype))
 
 
-@pytest.mark.parametrize("elements", [1, 5, 4099, 65536])
+@pytest.mark.parametrize("elements", [1, 5, 4096, 4099, 65536])
 @pytest.mark.parametrize("dtype", MOVE_DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_all_gather(gpus, nvlink_any_size, dtype, elements):
     n = len(gpus)
@@ -223,3 +224,33 @@ def test_bf16_sum_accumulates_in_f32(gpus, algorithm):
     expected = np.full(4096, 256.0 + (n - 1), np.float32).astype(ml_dtypes.bfloat16)
     for rank in range(n):
         assert_bits_equal(out[rank], expected)
+
+
+def test_low_latency_words_ignore_other_calls_data(gpus, monkeypatch):
+    """Two-shot calls leave raw data in the same parity halves; data made of small integers looks exactly like
+    the tags of low-latency words. The one-shot calls that follow must still wait for their own words."""
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES", "0")  # all_reduce: two-shot at every size
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_MAX_BYTES", EVERYTHING)
+    n, steps = len(gpus), 100
+    mesh = jax.sharding.Mesh(np.asarray(gpus), ("x",))
+
+    def program(big, small):
+        def step(_, carry):
+            big, small = carry
+            big = nx.all_reduce(big, "x") % 8191 + 1                 # two-shot: every value 1..8191 on the wire
+            small = nx.all_gather(small, "x", tiled=True)[: small.shape[0]] + big[:1]  # one-shot words
+            return big, small
+        big, small = jax.lax.fori_loop(0, steps, step, (big[0], small[0]))
+        return big[None], small[None]
+
+    f = jax.jit(jax.shard_map(program, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    big0 = (np.arange(n * 8192, dtype=np.int32) % 8191 + 1).reshape(n, 8192)
+    small0 = np.arange(n * 64, dtype=np.int32).reshape(n, 64)
+    sharding = NamedSharding(mesh, P("x"))
+    big, small = (np.asarray(o) for o in f(jax.device_put(big0, sharding), jax.device_put(small0, sharding)))
+    rbig, rsmall = big0.copy(), small0.copy()
+    for _ in range(steps):
+        rbig = np.broadcast_to(rbig.sum(0) % 8191 + 1, rbig.shape).copy()
+        rsmall = np.broadcast_to(rsmall.reshape(-1)[:64], rsmall.shape) + rbig[:, :1]
+    np.testing.assert_array_equal(big, rbig)
+    np.testing.assert_array_equal(small, rsmall)

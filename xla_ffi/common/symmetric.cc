@@ -240,6 +240,8 @@ ffi::ErrorOr<std::string> Grow(std::string_view op, CommMemory& memory, const Sy
     NCCLX_RETURN_IF_ERROR(
         CheckCuda(op, "cudaMalloc (data region of " + std::to_string(data_bytes) + " bytes)",
                   cudaMalloc(reinterpret_cast<void**>(&rank.data), data_bytes)));
+    // Low-latency words carry a nonzero tag: zeroed memory never passes for a word that arrived.
+    NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaMemset (data region)", cudaMemset(rank.data, 0, data_bytes)));
     rank.layout = layout;
 
     RankInfo& info = mine[i];

@@ -5,6 +5,13 @@
 // A block b of the grid owns the same byte range of every slot on every rank; it writes its range into the
 // peers, raises flag arrived[rank][b] on each, and waits for arrived[peer][b] from each before reading the
 // range it received. Blocks never wait for other blocks of their own rank.
+//
+// Small one-shot calls (segments up to kLowLatencyMaxBytes) skip the flags: every 4-byte word travels in one
+// 8-byte store together with the call's tag (low-latency words, as NCCL's LL protocol), so the receiver
+// polls the words themselves and no fence or separate flag sits on the critical path. The slot then holds
+// twice the payload. Words live in their own area at the start of each half, which no other call writes,
+// so a word's tag is always a tag: 1 + epoch mod (2^32 - 1), never 0, and never-written (zeroed) memory does
+// not match; a stale word matches only if it went unwritten for exactly a multiple of 2^32 - 1 calls.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -25,11 +32,18 @@ constexpr int kUnroll = 4;
 constexpr int64_t kBytesPerBlock = 8 * 1024;
 // Two-shot: the all-gather phase uses flags [kGatherFlag, kGatherFlag + blocks).
 constexpr int kGatherFlag = kMaxTwoShotBlocks;
+// One-shot segments up to this size travel as low-latency words.
+constexpr int64_t kLowLatencyMaxBytes = 16 * 1024;
 
 int64_t Align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
 // The slots of one call, identical on every rank.
+// Bytes at the start of every parity half reserved for low-latency words on a communicator of `size`.
+int64_t WordsArea(int size) { return size * 2 * kLowLatencyMaxBytes; }
+
 struct SlotLayout {
+  bool low_latency = false;    // one-shot as tagged words (twice the bytes in the slots)
+  int64_t base = 0;            // where the call's slots start in the half: 0 for words, else WordsArea
   int64_t segment_bytes = 0;   // one-shot: what each source sends each rank
   int64_t chunk_bytes = 0;     // two-shot: bytes of chunk j (the last one may be shorter), a multiple of 16
   int64_t slot_stride = 0;     // between the slots of consecutive sources
@@ -45,14 +59,17 @@ SlotLayout LayOutSlots(NvlinkCollective op, NvlinkAlgorithm algorithm, int64_t b
     const int64_t pack = std::max(1, 16 / element_bytes);
     const int64_t chunk_elements = ((elements + size - 1) / size + pack - 1) / pack * pack;
     layout.chunk_bytes = chunk_elements * element_bytes;
+    layout.base = WordsArea(size);
     layout.slot_stride = Align256(layout.chunk_bytes);
     layout.gather_offset = size * layout.slot_stride;
-    layout.half_bytes = 2 * size * layout.slot_stride;
+    layout.half_bytes = layout.base + 2 * size * layout.slot_stride;
     return layout;
   }
   layout.segment_bytes = op == NvlinkCollective::kAllToAll ? bytes / size : bytes;
-  layout.slot_stride = Align256(layout.segment_bytes);
-  layout.half_bytes = size * layout.slot_stride;
+  layout.low_latency = layout.segment_bytes % 4 == 0 && layout.segment_bytes <= kLowLatencyMaxBytes;
+  layout.base = layout.low_latency ? 0 : WordsArea(size);
+  layout.slot_stride = Align256(layout.segment_bytes * (layout.low_latency ? 2 : 1));
+  layout.half_bytes = layout.base + size * layout.slot_stride;
   return layout;
 }
 
@@ -65,7 +82,7 @@ struct Call {
 template <typename V>
 __device__ __forceinline__ V* Slot(const Call& call, int owner, int parity, int source, int64_t offset = 0) {
   const PeerTable* table = call.args.table;
-  return reinterpret_cast<V*>(table->data[owner] + parity * table->parity_half_bytes + offset +
+  return reinterpret_cast<V*>(table->data[owner] + parity * table->parity_half_bytes + call.slots.base + offset +
                               source * call.slots.slot_stride);
 }
 
@@ -165,6 +182,26 @@ struct Reduce {
       for (int o = 0; o < num_outputs; ++o) outputs[o][i] = result;
     }
   }
+
+  // Combines one 4-byte word of each of the n sources, in rank order.
+  __device__ static uint32_t Words(const uint32_t* words, int n) {
+    using A = typename Accumulate<T>::Type;
+    constexpr int kPack = sizeof(uint32_t) / sizeof(T);
+    A acc[kPack];
+    const T* first = reinterpret_cast<const T*>(&words[0]);
+#pragma unroll
+    for (int p = 0; p < kPack; ++p) acc[p] = Accumulate<T>::From(first[p]);
+    for (int s = 1; s < n; ++s) {
+      const T* values = reinterpret_cast<const T*>(&words[s]);
+#pragma unroll
+      for (int p = 0; p < kPack; ++p) acc[p] = Combine<kOp>(acc[p], Accumulate<T>::From(values[p]));
+    }
+    uint32_t result;
+    T* out = reinterpret_cast<T*>(&result);
+#pragma unroll
+    for (int p = 0; p < kPack; ++p) out[p] = Accumulate<T>::To(acc[p]);
+    return result;
+  }
 };
 
 struct Move {  // all_gather and all_to_all: bytes are copied, never combined
@@ -230,6 +267,66 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(Call call, TraceKernel
   FinishCall(args.control, epoch, trace, kernel);
 }
 
+__device__ __forceinline__ uint32_t Tag(uint64_t epoch) { return 1 + static_cast<uint32_t>(epoch % 0xffffffffull); }
+
+__device__ __forceinline__ uint32_t AwaitWord(const uint64_t* slot_word, uint32_t tag) {
+  uint64_t word;
+  do {
+    word = LoadRelaxed(slot_word);
+  } while (static_cast<uint32_t>(word >> 32) != tag);
+  return static_cast<uint32_t>(word);
+}
+
+// One-shot with low-latency words: x and y are read and written as 4-byte words.
+template <typename Op>
+__global__ void __launch_bounds__(kThreads) OneShotWordsKernel(Call call, TraceKernel kernel) {
+  const NvlinkCollectiveArgs& args = call.args;
+  const uint64_t epoch = CallEpoch(args.control);
+  const int parity = static_cast<int>(epoch & 1);
+  const uint64_t tag = Tag(epoch);
+  CallTrace trace(args.control, epoch, args.trace);
+  if (threadIdx.x == 0) {
+    trace.Start();
+    trace.PeersEntered();
+  }
+  const int n = args.size;
+  const int me = args.rank;
+  const bool scatter = args.op == NvlinkCollective::kAllToAll;
+  const int64_t words = call.slots.segment_bytes / 4;
+  int64_t lo, hi;
+  BlockRange(words, &lo, &hi);
+  const uint32_t* x = static_cast<const uint32_t*>(args.x);
+  uint32_t* y = static_cast<uint32_t*>(args.y);
+
+  for (int k = 1; k < n; ++k) {
+    const int peer = (me + k) % n;
+    uint64_t* slot = Slot<uint64_t>(call, peer, parity, me);
+    const uint32_t* source = x + (scatter ? peer * words : 0);
+    for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) StoreRelaxed(slot + i, tag << 32 | source[i]);
+  }
+  if (threadIdx.x == 0) trace.Sent();
+  for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
+    if constexpr (Op::kMoves) {
+      y[me * words + i] = x[(scatter ? me * words : 0) + i];
+      for (int k = 1; k < n; ++k) {
+        const int source = (me + k) % n;
+        y[source * words + i] = AwaitWord(Slot<uint64_t>(call, me, parity, source) + i, static_cast<uint32_t>(tag));
+      }
+    } else {
+      uint32_t values[kMaxNvlinkRanks];
+      for (int s = 0; s < n; ++s) {
+        values[s] = s == me ? x[i] : AwaitWord(Slot<uint64_t>(call, me, parity, s) + i, static_cast<uint32_t>(tag));
+      }
+      y[i] = Op::Words(values, n);
+    }
+  }
+  if (args.trace) {
+    __syncthreads();
+    if (threadIdx.x == 0) trace.DataArrived();
+  }
+  FinishCall(args.control, epoch, trace, kernel);
+}
+
 // Reduce-scatter then all-gather, both through the slots: rank j owns chunk j.
 template <typename V, typename Op>
 __global__ void __launch_bounds__(kThreads) TwoShotKernel(Call call, TraceKernel kernel) {
@@ -285,6 +382,12 @@ bool Aligned(const void* p, int64_t width) { return reinterpret_cast<uintptr_t>(
 template <typename V, typename Op>
 cudaError_t LaunchAs(const Call& call, int blocks, cudaStream_t stream) {
   const TraceKernel kernel = TraceKernelOf(call.args.op);
+  if (call.slots.low_latency) {
+    // XLA's buffers are always aligned; the words area must never hold anything but words.
+    if (!Aligned(call.args.x, 4) || !Aligned(call.args.y, 4)) return cudaErrorMisalignedAddress;
+    OneShotWordsKernel<Op><<<blocks, kThreads, 0, stream>>>(call, kernel);
+    return cudaGetLastError();
+  }
   if constexpr (!Op::kMoves) {
     if (call.args.algorithm == NvlinkAlgorithm::kTwoShot) {
       TwoShotKernel<V, Op><<<blocks, kThreads, 0, stream>>>(call, kernel);
