@@ -243,7 +243,8 @@ def test_low_latency_words_ignore_other_calls_data(gpus, monkeypatch):
         big, small = jax.lax.fori_loop(0, steps, step, (big[0], small[0]))
         return big[None], small[None]
 
-    f = jax.jit(jax.shard_map(program, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    # check_vma=False: the loop carries all_reduce's (invariant) result back into a varying input.
+    f = jax.jit(jax.shard_map(program, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
     big0 = (np.arange(n * 8192, dtype=np.int32) % 8191 + 1).reshape(n, 8192)
     small0 = np.arange(n * 64, dtype=np.int32).reshape(n, 64)
     sharding = NamedSharding(mesh, P("x"))
