@@ -39,6 +39,21 @@ __device__ __forceinline__ uint64_t GlobalTimerNs() {
   return now;
 }
 
+// Copies units [lo, hi) from src to dst with the whole block of kThreads threads, kUnroll loads in flight per
+// thread. `kFromPeers`: src is written by other GPUs during the kernel, so it is read past L1 (ld.global.cg).
+template <typename V, bool kFromPeers, int kThreads, int kUnroll = 4>
+__device__ __forceinline__ void BlockCopy(V* dst, const V* src, int64_t lo, int64_t hi) {
+  int64_t i = lo + threadIdx.x;
+  for (; i + (kUnroll - 1) * int64_t{kThreads} < hi; i += kUnroll * int64_t{kThreads}) {
+    V v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = kFromPeers ? __ldcg(src + i + u * kThreads) : src[i + u * kThreads];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) dst[i + u * kThreads] = v[u];
+  }
+  for (; i < hi; i += kThreads) dst[i] = kFromPeers ? __ldcg(src + i) : src[i];
+}
+
 // Records one call's timeline into `control->trace` when `trace` is set; every method is a no-op otherwise.
 // Called by one thread per block.
 class CallTrace {

@@ -25,7 +25,6 @@ namespace jax_ncclx {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kUnroll = 4;
 // One SM pushes ~10 GB/s into NVLink, so small messages need many blocks; pieces below this size cost more in
 // flags than they gain.
 constexpr int64_t kMinBytesPerPiece = 8 * 1024;
@@ -34,20 +33,6 @@ constexpr int64_t kMinBytesPerPiece = 8 * 1024;
 template <typename V>
 __device__ __forceinline__ V LoadStaged(const V* p) {
   return __ldcg(p);
-}
-
-// Copies n units from src to dst with the whole block, kUnroll loads in flight per thread.
-template <typename V, bool kStaged>
-__device__ __forceinline__ void CopyUnits(V* dst, const V* src, int64_t n) {
-  int64_t i = threadIdx.x;
-  for (; i + (kUnroll - 1) * int64_t{kThreads} < n; i += kUnroll * int64_t{kThreads}) {
-    V v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = kStaged ? LoadStaged(src + i + u * kThreads) : src[i + u * kThreads];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) dst[i + u * kThreads] = v[u];
-  }
-  for (; i < n; i += kThreads) dst[i] = kStaged ? LoadStaged(src + i) : src[i];
 }
 
 template <typename V>
@@ -236,8 +221,9 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
       const int64_t delivered = shared.b[i];
       const int64_t live_end = max(lo, min(delivered, hi));  // rows [lo, live_end) hold data, [live_end, hi) zeros
       V* out = base + bb * batch_stride;
-      CopyUnits<V, false>(out + (shared.c[i] + lo) * units_per_row,
-                          x + (bb * s.num_rows + shared.a[i] + lo) * units_per_row, (live_end - lo) * units_per_row);
+      BlockCopy<V, false, kThreads>(out + (shared.c[i] + lo) * units_per_row,
+                                    x + (bb * s.num_rows + shared.a[i] + lo) * units_per_row, 0,
+                                    (live_end - lo) * units_per_row);
       if (args.direct) {
         // Padded: the rest of this rank's segment. Packed: this rank's share of the zero tail after all
         // sources' rows (the shares of all sources tile rows [total, N * C), see ReceivePiece).
@@ -306,7 +292,8 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
         data = y + ((bb * s.num_peers + source) * s.capacity + lo) * units_per_row;
         zeros = data + (live_end - lo) * units_per_row;
       }
-      CopyUnits<V, true>(data, slot + (bb * s.capacity + lo) * units_per_row, (live_end - lo) * units_per_row);
+      BlockCopy<V, true, kThreads>(data, slot + (bb * s.capacity + lo) * units_per_row, 0,
+                                   (live_end - lo) * units_per_row);
       ZeroUnits(zeros, (hi - live_end) * units_per_row);
     }
     __syncthreads();

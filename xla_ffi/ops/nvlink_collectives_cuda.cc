@@ -36,6 +36,18 @@ ffi::ErrorOr<ReduceType> GetReduceType(std::string_view op, ffi::DataType dtype)
   }
 }
 
+// The fields every op's call fills in the same way.
+NvlinkCollectiveArgs ArgsFor(NvlinkCollective op, const ffi::AnyBuffer& x, ffi::AnyBuffer& y, int64_t trace) {
+  NvlinkCollectiveArgs args;
+  args.op = op;
+  args.element_bytes = static_cast<int>(ffi::ByteWidth(x.element_type()));
+  args.bytes = Bytes(x);
+  args.trace = trace == 1;
+  args.x = x.untyped_data();
+  args.y = y.untyped_data();
+  return args;
+}
+
 // The checks and launch every handler shares once it has filled in the op-specific fields of `args`.
 ffi::Error Launch(std::string_view op, cudaStream_t stream, int32_t device_ordinal, const SymmetricRank& symmetric,
                   NvlinkCollectiveArgs args, int64_t blocks) {
@@ -75,16 +87,10 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
       algorithm != static_cast<int64_t>(NvlinkAlgorithm::kTwoShot)) {
     return InvalidArgument(kOp, "algorithm is " + std::to_string(algorithm) + ", expected 1 (one-shot) or 2 (two-shot)");
   }
-  NvlinkCollectiveArgs args;
-  args.op = NvlinkCollective::kAllReduce;
+  NvlinkCollectiveArgs args = ArgsFor(NvlinkCollective::kAllReduce, x, *y, trace);
   args.algorithm = static_cast<NvlinkAlgorithm>(algorithm);
   args.reduce = static_cast<ReduceOp>(reduce_op);
   args.reduce_type = *type;
-  args.element_bytes = static_cast<int>(ffi::ByteWidth(x.element_type()));
-  args.bytes = Bytes(x);
-  args.trace = trace == 1;
-  args.x = x.untyped_data();
-  args.y = y->untyped_data();
   return Launch(kOp, stream, device_ordinal, *symmetric, args, blocks);
 }
 
@@ -95,13 +101,7 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), symmetric->size * Bytes(x),
                                    RanksTimes(symmetric->size, Bytes(x))));
-  NvlinkCollectiveArgs args;
-  args.op = NvlinkCollective::kAllGather;
-  args.element_bytes = static_cast<int>(ffi::ByteWidth(x.element_type()));
-  args.bytes = Bytes(x);
-  args.trace = trace == 1;
-  args.x = x.untyped_data();
-  args.y = y->untyped_data();
+  NvlinkCollectiveArgs args = ArgsFor(NvlinkCollective::kAllGather, x, *y, trace);
   return Launch(kOp, stream, device_ordinal, *symmetric, args, blocks);
 }
 
@@ -113,13 +113,7 @@ ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), symmetric->size));
   NCCLX_RETURN_IF_ERROR(
       CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
-  NvlinkCollectiveArgs args;
-  args.op = NvlinkCollective::kAllToAll;
-  args.element_bytes = static_cast<int>(ffi::ByteWidth(x.element_type()));
-  args.bytes = Bytes(x);
-  args.trace = trace == 1;
-  args.x = x.untyped_data();
-  args.y = y->untyped_data();
+  NvlinkCollectiveArgs args = ArgsFor(NvlinkCollective::kAllToAll, x, *y, trace);
   return Launch(kOp, stream, device_ordinal, *symmetric, args, blocks);
 }
 

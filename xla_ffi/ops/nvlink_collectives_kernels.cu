@@ -27,7 +27,6 @@ namespace jax_ncclx {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kUnroll = 4;
 // Bytes of one slot range that justify another block: below this, flags cost more than the copy.
 constexpr int64_t kBytesPerBlock = 8 * 1024;
 // Two-shot: the all-gather phase uses flags [kGatherFlag, kGatherFlag + blocks).
@@ -86,20 +85,23 @@ __device__ __forceinline__ V* Slot(const Call& call, int owner, int parity, int 
                               source * call.slots.slot_stride);
 }
 
-// Units [lo, hi) from src to dst with the whole block, kUnroll loads in flight per thread. `kFromPeers`:
-// src was written by other GPUs during this kernel, so it is read past L1.
-template <typename V, bool kFromPeers>
-__device__ __forceinline__ void CopyRange(V* dst, const V* src, int64_t lo, int64_t hi) {
-  int64_t i = lo + threadIdx.x;
-  for (; i + (kUnroll - 1) * int64_t{kThreads} < hi; i += kUnroll * int64_t{kThreads}) {
-    V v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = kFromPeers ? __ldcg(src + i + u * kThreads) : src[i + u * kThreads];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) dst[i + u * kThreads] = v[u];
+// The call a kernel runs: its epoch, the parity half it uses, and its timeline (started here). The kernels
+// write into their peers without waiting for them, so "peers entered" is the start.
+struct CallState {
+  uint64_t epoch;
+  int parity;
+  CallTrace trace;
+
+  __device__ explicit CallState(const NvlinkCollectiveArgs& args)
+      : epoch(CallEpoch(args.control)),
+        parity(static_cast<int>(epoch & 1)),
+        trace(args.control, epoch, args.trace) {
+    if (threadIdx.x == 0) {
+      trace.Start();
+      trace.PeersEntered();
+    }
   }
-  for (; i < hi; i += kThreads) dst[i] = kFromPeers ? __ldcg(src + i) : src[i];
-}
+};
 
 // This block's share [lo, hi) of n units.
 __device__ __forceinline__ void BlockRange(int64_t n, int64_t* lo, int64_t* hi) {
@@ -225,13 +227,10 @@ TraceKernel TraceKernelOf(NvlinkCollective op) {
 template <typename V, typename Op>
 __global__ void __launch_bounds__(kThreads) OneShotKernel(Call call, TraceKernel kernel) {
   const NvlinkCollectiveArgs& args = call.args;
-  const uint64_t epoch = CallEpoch(args.control);
-  const int parity = static_cast<int>(epoch & 1);
-  CallTrace trace(args.control, epoch, args.trace);
-  if (threadIdx.x == 0) {
-    trace.Start();
-    trace.PeersEntered();  // one-shot writes without waiting for the peers
-  }
+  CallState state(args);
+  const uint64_t epoch = state.epoch;
+  const int parity = state.parity;
+  CallTrace& trace = state.trace;
   const int n = args.size;
   const int me = args.rank;
   const bool scatter = args.op == NvlinkCollective::kAllToAll;  // peer j gets block j of x, not all of it
@@ -243,12 +242,12 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(Call call, TraceKernel
 
   for (int k = 1; k < n; ++k) {  // rotated, so the ranks start on different links
     const int peer = (me + k) % n;
-    CopyRange<V, false>(Slot<V>(call, peer, parity, me), x + (scatter ? peer * units : 0), lo, hi);
+    BlockCopy<V, false, kThreads>(Slot<V>(call, peer, parity, me), x + (scatter ? peer * units : 0), lo, hi);
   }
   RaiseFlags(call, blockIdx.x, epoch);
   if (threadIdx.x == 0) trace.Sent();
   if constexpr (Op::kMoves) {  // this rank's own block, while the peers' data travels
-    CopyRange<V, false>(y + me * units, x + (scatter ? me * units : 0), lo, hi);
+    BlockCopy<V, false, kThreads>(y + me * units, x + (scatter ? me * units : 0), lo, hi);
   }
   WaitFlags(call, blockIdx.x, epoch);
   if (threadIdx.x == 0) trace.DataArrived();
@@ -256,7 +255,7 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(Call call, TraceKernel
   if constexpr (Op::kMoves) {
     for (int k = 1; k < n; ++k) {
       const int source = (me + k) % n;
-      CopyRange<V, true>(y + source * units, Slot<V>(call, me, parity, source), lo, hi);
+      BlockCopy<V, true, kThreads>(y + source * units, Slot<V>(call, me, parity, source), lo, hi);
     }
   } else {
     const V* sources[kMaxNvlinkRanks];
@@ -281,14 +280,11 @@ __device__ __forceinline__ uint32_t AwaitWord(const uint64_t* slot_word, uint32_
 template <typename Op>
 __global__ void __launch_bounds__(kThreads) OneShotWordsKernel(Call call, TraceKernel kernel) {
   const NvlinkCollectiveArgs& args = call.args;
-  const uint64_t epoch = CallEpoch(args.control);
-  const int parity = static_cast<int>(epoch & 1);
+  CallState state(args);
+  const uint64_t epoch = state.epoch;
+  const int parity = state.parity;
+  CallTrace& trace = state.trace;
   const uint64_t tag = Tag(epoch);
-  CallTrace trace(args.control, epoch, args.trace);
-  if (threadIdx.x == 0) {
-    trace.Start();
-    trace.PeersEntered();
-  }
   const int n = args.size;
   const int me = args.rank;
   const bool scatter = args.op == NvlinkCollective::kAllToAll;
@@ -331,13 +327,10 @@ __global__ void __launch_bounds__(kThreads) OneShotWordsKernel(Call call, TraceK
 template <typename V, typename Op>
 __global__ void __launch_bounds__(kThreads) TwoShotKernel(Call call, TraceKernel kernel) {
   const NvlinkCollectiveArgs& args = call.args;
-  const uint64_t epoch = CallEpoch(args.control);
-  const int parity = static_cast<int>(epoch & 1);
-  CallTrace trace(args.control, epoch, args.trace);
-  if (threadIdx.x == 0) {
-    trace.Start();
-    trace.PeersEntered();
-  }
+  CallState state(args);
+  const uint64_t epoch = state.epoch;
+  const int parity = state.parity;
+  CallTrace& trace = state.trace;
   const int n = args.size;
   const int me = args.rank;
   const int64_t total = args.bytes / static_cast<int64_t>(sizeof(V));
@@ -351,7 +344,7 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(Call call, TraceKernel
 
   for (int k = 1; k < n; ++k) {
     const int peer = (me + k) % n;
-    CopyRange<V, false>(Slot<V>(call, peer, parity, me), x + peer * chunk, lo, end_in(peer));
+    BlockCopy<V, false, kThreads>(Slot<V>(call, peer, parity, me), x + peer * chunk, lo, end_in(peer));
   }
   RaiseFlags(call, blockIdx.x, epoch);
   WaitFlags(call, blockIdx.x, epoch);
@@ -369,7 +362,7 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(Call call, TraceKernel
 
   for (int k = 1; k < n; ++k) {
     const int source = (me + k) % n;
-    CopyRange<V, true>(y + source * chunk, Slot<V>(call, me, parity, source, call.slots.gather_offset), lo,
+    BlockCopy<V, true, kThreads>(y + source * chunk, Slot<V>(call, me, parity, source, call.slots.gather_offset), lo,
                        end_in(source));
   }
   FinishCall(args.control, epoch, trace, kernel);
