@@ -391,7 +391,7 @@ def parse_args(argv=None):
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma separated subset of {','.join(VARIANTS)}")
     parser.add_argument("--device-trace", action="store_true",
-                        help="compile with JAX_NCCLX_TRACE=1 and add, per jax_ncclx variant on NVLink, the GPU's "
+                        help="compile with JAX_NCCLX_TRACE=device and add, per jax_ncclx variant on NVLink, the GPU's "
                         "own timeline: kernel time, idle gap between kernels, wait for peers (medians)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results; smoke: a folder "
@@ -729,7 +729,7 @@ def main(argv=None):
             log.warn(f"{var}={os.environ.get(var)!r}: NVLink multicast must stay off on the shared machines")
 
     if args.device_trace:
-        os.environ["JAX_NCCLX_TRACE"] = "1"
+        os.environ["JAX_NCCLX_TRACE"] = "device"
     table = common.TablePrinter(TABLE + [(key, short, 9, fmt) for key, _, short, fmt in TRACE_COLUMNS]
                                 if args.device_trace else TABLE)
     rows, sizes = [], []

@@ -7,11 +7,14 @@ each rank's input: all_reduce reduces that buffer, all_gather gathers N of them,
 blocks (rounded up to a multiple of N elements). Results go to <out>/collectives.{json,md,png}.
 
 Implementations: xla (jax.lax), nx (jax_ncclx with its default thresholds), nx-oneshot / nx-twoshot (the NVLink
-kernels forced at every size; two-shot is all_reduce only), nx-nccl (JAX_NCCLX_TRANSPORT=nccl).
+kernels forced at every size; two-shot is all_reduce only), nx-nccl (JAX_NCCLX_TRANSPORT=nccl); and what
+tracing and timeouts cost: nx-traced / nx-nccl-traced (JAX_NCCLX_TRACE=1), nx-nccl-nowatch (NCCL without the
+watchdog's two CUDA events per call: JAX_NCCLX_TIMEOUT_S=0).
 
     python benchmarks/collectives.py                          # 8 B .. 64 MB on all GPUs: xla, nx, nx-nccl
     python benchmarks/collectives.py --impls xla,nx-oneshot,nx-twoshot,nx-nccl   # where the crossovers are
     python benchmarks/collectives.py --ops all_reduce --sizes 8,64K
+    python benchmarks/collectives.py --ops all_reduce --sizes 8,64K,1M --impls xla,nx,nx-traced,nx-nccl,nx-nccl-nowatch,nx-nccl-traced
     python benchmarks/collectives.py --smoke --out /tmp/coll  # CPU, small sizes
     python benchmarks/collectives.py --from-json benchmarks/results/collectives.json  # redo the .md / .png
 
@@ -63,8 +66,13 @@ IMPLS = {  # name -> JAX_NCCLX_* settings while its programs compile (None: jax.
     "nx-twoshot": {"JAX_NCCLX_TRANSPORT": "nvlink", "JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES": "0",
                    "JAX_NCCLX_NVLINK_MAX_BYTES": EVERYTHING},
     "nx-nccl": {"JAX_NCCLX_TRANSPORT": "nccl"},
+    # What the reliability machinery costs: traced calls, and NCCL calls without the watchdog's events.
+    "nx-traced": {"JAX_NCCLX_TRACE": "1"},
+    "nx-nccl-traced": {"JAX_NCCLX_TRANSPORT": "nccl", "JAX_NCCLX_TRACE": "1"},
+    "nx-nccl-nowatch": {"JAX_NCCLX_TRANSPORT": "nccl", "JAX_NCCLX_TIMEOUT_S": "0"},
 }
 SETTINGS = sorted({key for env in IMPLS.values() if env for key in env} | {"JAX_NCCLX_TRACE"})
+TRACED_IMPLS = ("nx-traced", "nx-nccl-traced")
 TABLE = [
     ("op", "op", 10, ""), ("bytes", "bytes", 10, "d"), ("impl", "impl", 10, ""), ("path", "path", 12, ""),
     ("median_us", "median us", 10, ".1f"), ("min_us", "min us", 9, ".1f"), ("busbw_gbps", "busbw GB/s", 10, ".1f"),
@@ -117,7 +125,8 @@ def settings_of(impl: str, trace: bool = False):
     """The JAX_NCCLX_* settings of ``impl`` (plus JAX_NCCLX_TRACE=1 with ``trace``) while its programs are
     lowered; JAX's caches are dropped when they change, so a program compiled under other settings is not
     reused."""
-    wanted = dict(IMPLS[impl] or {}, **({"JAX_NCCLX_TRACE": "1"} if trace and impl != "xla" else {}))
+    wanted = dict(IMPLS[impl] or {}, **({"JAX_NCCLX_TRACE": "device"} if trace and impl != "xla" and
+                                        impl not in TRACED_IMPLS else {}))
     before = {key: os.environ.get(key) for key in SETTINGS}
     after = {key: wanted.get(key, before[key] if impl == "xla" else None) for key in SETTINGS}
     def apply(values):
@@ -315,7 +324,7 @@ def parse_args(argv=None):
                         help=f"comma separated subset of {','.join(IMPLS)} (xla always runs: it is the baseline)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--device-trace", action="store_true",
-                        help="compile the jax_ncclx chains with JAX_NCCLX_TRACE=1 and add where the NVLink kernels' "
+                        help="compile the jax_ncclx chains with JAX_NCCLX_TRACE=device and add where the NVLink kernels' "
                         "GPU time went (kernel, idle gap between kernels, send, wait for data, finish)")
     parser.add_argument("--unroll", type=int, help="dependent ops per jitted call (default 20; smoke 4)")
     parser.add_argument("--pipeline", type=int, help="calls per timed sample (default 10; smoke 2)")

@@ -265,7 +265,7 @@ def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup
 
 def device_epochs() -> dict:
     """The newest traced NVLink call per (communicator, device), to tell a measurement's calls from earlier ones
-    (programs compiled with JAX_NCCLX_TRACE=1 record them)."""
+    (programs compiled with JAX_NCCLX_TRACE=1 or device record them)."""
     from jax_ncclx._src import trace
     newest = {}
     for r in trace.device_timeline():

@@ -86,3 +86,25 @@ def test_build_info():
     assert info["cpu"] is True and info["jax_version"] == jax.__version__
     assert isinstance(info["cuda"], bool) and info["cuda_status"]
     assert info["ffi_api_version"][0] == 0
+
+
+EMPTY_CALLS = {
+    "all_reduce": lambda v: nx.all_reduce(v, "x"),
+    "all_gather": lambda v: nx.all_gather(v, "x", axis=1, tiled=True),
+    "reduce_scatter": lambda v: nx.reduce_scatter(v, "x", scatter_dimension=0, tiled=True),
+    "all_to_all": lambda v: nx.all_to_all(v, "x", 0, 0, tiled=True),
+    "ppermute": lambda v: nx.ppermute(v, "x", [(0, 1), (1, 0)]),
+    "all_to_allv_dynamic": lambda v: nx.all_to_allv_dynamic(
+        v, jnp.zeros((jax.lax.axis_size("x"),), jnp.int32), "x", max_recv_per_peer=0)[0],
+}
+
+
+@pytest.mark.parametrize("op", sorted(EMPTY_CALLS))
+def test_empty_arrays_are_defined(backend, op):
+    """Zero-size operands run (no communication) and give zero-size results of the right shape."""
+    mesh = jax.sharding.Mesh(np.asarray(backend[: min(4, len(backend))]), ("x",))
+    n = mesh.size
+    x = jnp.zeros((n * n, 0), jnp.float32)
+    f = jax.jit(jax.shard_map(EMPTY_CALLS[op], mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+    y = jax.block_until_ready(f(x))
+    assert y.size == 0

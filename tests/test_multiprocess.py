@@ -1,6 +1,7 @@
 """One process per GPU: every op through communicators bootstrapped over jax.distributed (GPU machines only)."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -45,3 +46,35 @@ def test_one_process_per_gpu(visibility):
             outputs.append(proc.communicate()[0] + "\nTIMED OUT")
     for pid, (proc, out) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 0 and "WORKER OK" in out, f"process {pid}:\n{out[-4000:]}"
+
+
+FAULT_WORKER = os.path.join(os.path.dirname(__file__), "fault_worker.py")
+
+
+@pytest.mark.parametrize("transport", ["nvlink", "nccl"])
+@pytest.mark.parametrize("scenario", ["skip", "kill"])
+def test_fault_in_one_process_is_reported_by_the_others(scenario, transport):
+    """The last rank skips an all_reduce, or its process dies before it: every other process gets an error
+    within seconds (timeout 3 s) and exits. The NVLink kernels name the missing rank; NCCL cannot, so its
+    watchdog says the missing rank is in another process."""
+    reason = gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    n, port = len(gpu_devices()), free_port()
+    procs = [subprocess.Popen([sys.executable, FAULT_WORKER, str(pid), str(n), str(port), scenario, transport],
+                              env=dict(os.environ, NCCL_NVLS_ENABLE="0", JAX_PLATFORMS="cuda"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in range(n)]
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=180)[0])
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            outputs.append(proc.communicate()[0] + "\nTIMED OUT")
+    expected = rf"rank\(s\) {n - 1}\b" if transport == "nvlink" else r"other processes"
+    for pid, (proc, out) in enumerate(zip(procs, outputs)):
+        if pid == n - 1:
+            assert ("SKIPPED" if scenario == "skip" else "KILLED") in out, out[-4000:]
+            continue
+        assert proc.returncode == 0 and "FAULT REPORTED" in out, f"process {pid}:\n{out[-4000:]}"
+        assert re.search(expected, out), f"process {pid}:\n{out[-4000:]}"

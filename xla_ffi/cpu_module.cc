@@ -1,6 +1,7 @@
 // The always-built extension module: FFI capsules of the CPU handlers, and what this build contains.
 #include <nanobind/nanobind.h>
 
+#include "common/monitor_bindings.h"
 #include "ops/cpu_handlers.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -28,4 +29,5 @@ NB_MODULE(_ncclx_cpu, m) {
   }, "FFI handler capsules of the CPU backend, by target name.");
   m.def("ffi_api_version", [] { return nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR); },
         "XLA FFI API version of the headers this module was compiled against.");
+  jax_ncclx::DefineMonitorBindings(m, nullptr, nullptr);
 }

@@ -20,8 +20,10 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/monitor_bindings.h"
 #include "common/nccl_comms.h"
 #include "common/symmetric.h"
+#include "common/watchdog.h"
 #include "ops/all_to_allv_kernels.h"
 #include "ops/nvlink_collectives_kernels.h"
 #include "xla/ffi/api/ffi.h"
@@ -201,8 +203,10 @@ void DestroyAll() {
   ffi::Error destroyed;
   {
     nb::gil_scoped_release release;  // waits for the communicators' outstanding work
+    StopWatchdog();
     freed = FreeAllSymmetric(kOp);   // before the communicators: their programs must be done with it
     destroyed = DestroyAllComms(kOp);
+    ClearCommFaults();
   }
   ThrowIfFailed(freed);
   ThrowIfFailed(destroyed);
@@ -213,6 +217,7 @@ std::string EnsureSymmetricMemory(int64_t comm_id, int64_t staging_bytes, int64_
     nb::gil_scoped_release release;  // collective: blocks until every rank has joined
     return EnsureSymmetric("ensure_symmetric", comm_id, SymmetricNeed{parity_half_bytes, staging_bytes});
   }();
+  StartWatchdog();  // reports NVLink kernels that give up waiting as soon as they do
   return ValueOrThrow(std::move(reason));
 }
 
@@ -333,8 +338,9 @@ NB_MODULE(_ncclx_cuda, m) {
   m.def("comm_info", &jn::CommInfo, nb::arg("comm_id"),
         "The local communicators of `comm_id` as (device, rank, nranks) tuples, by device.");
   m.def("destroy_all", &jn::DestroyAll,
-        "Frees all symmetric memory and destroys every communicator. Programs that use them must have\n"
-        "finished; programs compiled with their comm_ids fail with an error afterwards.");
+        "Frees all symmetric memory and destroys every communicator (aborted ones are gone already) and\n"
+        "forgets their faults. Programs that use them must have finished; programs compiled with their\n"
+        "comm_ids fail with an error afterwards.");
   m.def("ensure_symmetric", &jn::EnsureSymmetricMemory, nb::arg("comm_id"), nb::arg("staging_bytes"),
         nb::arg("parity_half_bytes"),
         "Collective over every process of communicator `comm_id`: makes every rank's symmetric data region\n"
@@ -361,6 +367,26 @@ NB_MODULE(_ncclx_cuda, m) {
         nb::arg("bytes"), nb::arg("size"), nb::arg("element_bytes"),
         "Low-latency slot bytes per call parity that the NVLink kernel of `op` ('all_reduce', 'all_gather',\n"
         "'all_to_all') needs for `bytes` of input per rank on `size` ranks; algorithm 1 one-shot, 2 two-shot.");
+  jn::DefineMonitorBindings(m, jn::ResolveCallRecord, jn::ResetTraceAnchors);
+  m.def(
+      "faults",
+      [] {
+        std::vector<std::tuple<int64_t, std::string>> faults;
+        {
+          nb::gil_scoped_release release;
+          jn::RecordNvlinkFaults();
+          for (auto& [comm_id, message] : jn::CommFaults()) faults.emplace_back(comm_id, std::move(message));
+        }
+        return faults;
+      },
+      "Communicators that stopped working, as (comm_id, message): NCCL calls the watchdog aborted and NVLink\n"
+      "kernels that gave up waiting for a peer.");
+  m.def(
+      "stop_watchdog", [] {
+        nb::gil_scoped_release release;
+        jn::StopWatchdog();
+      },
+      "Stops the watchdog thread (at interpreter exit); it restarts with the next watched call.");
   m.def("all_to_allv_staging_bytes", &jn::AllToAllvStagingBytes, nb::arg("batch"), nb::arg("num_peers"),
         nb::arg("num_chunks"), nb::arg("capacity"), nb::arg("row_bytes"), nb::arg("direct"),
         "Symmetric data bytes the NVLink all_to_allv_dynamic kernel needs for these static sizes; `direct`:\n"

@@ -106,6 +106,19 @@ def communicator_for(mesh_devices: Sequence[jax.Device], groups: Sequence[Sequen
         return comm_id
 
 
+def destroy_all():
+    """Frees every communicator and its symmetric memory (after their work finished), so that the next
+    lowering makes fresh ones; programs compiled before keep stale comm_ids and fail clearly. The way out of
+    a communicator that stopped working (:func:`check_errors`)."""
+    module = lib.cuda_module_if_available()
+    with _lock:
+        if module is not None:
+            module.destroy_all()
+        _world_comms.clear()
+        _group_comms.clear()
+        _nvlink_refusals_logged.clear()
+
+
 def all_comm_ids() -> list[int]:
     """Every communicator made so far (world and split ones), by comm_id."""
     with _lock:
@@ -151,3 +164,27 @@ def memory_stats() -> list[dict]:
     return [dict(comm_id=comm_id, device=device, symmetric_data_bytes=data, low_latency_bytes=low_latency,
                  control_bytes=control)
             for comm_id, device, data, low_latency, control in module.symmetric_memory()]
+
+
+class CollectiveError(RuntimeError):
+    """A collective went wrong: it timed out (or was aborted because a peer's did), or its payload failed the
+    checksum (``JAX_NCCLX_CHECKSUM=1``)."""
+
+
+def check_errors():
+    """Raises :class:`CollectiveError` naming every communicator of this process that stopped working and
+    every checksum mismatch seen since the last call.
+
+    A GPU collective whose peers do not arrive within its timeout stops waiting on the device (NVLink kernels)
+    or is aborted by the watchdog (NCCL); the program that contained it completes with undefined outputs, and
+    every later jax_ncclx call on that communicator fails with the same message (until
+    :func:`destroy_all`). Call this after ``jax.block_until_ready`` to learn of it at once. CPU-backend
+    collectives raise from the program itself.
+    """
+    from jax_ncclx._src import checksum  # the ops import this module
+
+    module = lib.cuda_module_if_available()
+    problems = [f"communicator {c}: {m}" for c, m in (module.faults() if module is not None else [])]
+    problems += checksum.take_mismatches()
+    if problems:
+        raise CollectiveError("jax_ncclx: " + "\n".join(problems))

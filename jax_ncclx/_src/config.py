@@ -14,8 +14,10 @@ class Config:
 
     Attributes:
       timeout_s: seconds a participant waits for its peers before the collective fails with an error that
-        names the ranks that did not arrive (``JAX_NCCLX_TIMEOUT_S``, default 600). Enforced by the CPU
-        backend today.
+        names the call and the ranks that did not arrive (``JAX_NCCLX_TIMEOUT_S``, default 600);
+        ``JAX_NCCLX_TIMEOUT_S_<OP>`` (e.g. ``JAX_NCCLX_TIMEOUT_S_ALL_TO_ALLV_DYNAMIC``) overrides it for one
+        op, see :meth:`timeout_s_for`. 0 waits forever (no device deadline, no watchdog on NCCL calls).
+      op_timeouts_s: those per-op overrides, by op name.
       transport: how GPU ops that have an NVLink kernel move data (``JAX_NCCLX_TRANSPORT``): ``"auto"``
         (default) uses the NVLink kernel when every rank of the communicator reaches every other through
         NVLink peer access and NCCL otherwise, logging why; ``"nvlink"`` makes the fallback an error;
@@ -31,24 +33,84 @@ class Config:
       nvlink_direct: when one process drives every GPU of the communicator, NVLink kernels write rows
         straight into the peers' outputs (``JAX_NCCLX_NVLINK_DIRECT=1``, default) instead of staging them in
         symmetric memory and copying them out (0; what one process per GPU always does).
-      trace: NVLink kernels of programs compiled from now on record each call's device timeline
-        (``JAX_NCCLX_TRACE=1``; default 0, and then they record nothing); read it with
-        ``jax_ncclx._src.trace.device_timeline()``.
+      trace: programs compiled from now on record every collective call (``JAX_NCCLX_TRACE=1``; default 0,
+        and then they record nothing): op, sequence number, axis, bytes, algorithm and per-rank times, read
+        with :mod:`jax_ncclx.trace`; NVLink kernels also stamp their device timeline.
+      trace_device: NVLink kernels stamp their device timeline (``JAX_NCCLX_TRACE=1`` or ``device``; the
+        latter records nothing on the host, so it adds no host work per call).
+      faults: faults to inject into calls of programs compiled from now on (``JAX_NCCLX_FAULT``; default
+        none), see :class:`Fault`.
+      checksum: collectives traced from now on verify their payload end to end (``JAX_NCCLX_CHECKSUM=1``),
+        see :mod:`jax_ncclx._src.checksum`.
     """
 
     timeout_s: float = 600.0
+    op_timeouts_s: tuple[tuple[str, float], ...] = ()
     transport: str = "auto"
     nvlink_blocks: int = 0
     nvlink_oneshot_max_bytes: int | None = None
     nvlink_max_bytes: int | None = None
     nvlink_direct: bool = True
     trace: bool = False
+    trace_device: bool = False
+    faults: tuple["Fault", ...] = ()
+    checksum: bool = False
+
+    @property
+    def trace_attr(self) -> int:
+        """The handlers' ``trace`` attribute: 0 nothing, 1 host records and device timeline, 2 device only."""
+        return 1 if self.trace else 2 if self.trace_device else 0
+
+    def timeout_s_for(self, op: str) -> float:
+        """The timeout of ``op`` ("all_reduce", ...): its ``JAX_NCCLX_TIMEOUT_S_<OP>`` if set, else timeout_s."""
+        return dict(self.op_timeouts_s).get(op, self.timeout_s)
+
+
+FAULT_KINDS = ("delay", "skip", "corrupt_counts", "corrupt_payload")  # xla_ffi/common/monitor.h FaultKind
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One injected fault: rank ``rank`` of a communicator, at its call number ``seq`` on it (0 = its first
+    jax_ncclx call on that communicator, as the trace numbers calls).
+
+    Kinds: ``delay`` (the rank starts the call ``ms`` milliseconds late), ``skip`` (the rank does not take
+    part: its peers wait for it until they time out; its outputs are left unwritten), ``corrupt_counts``
+    (all_to_allv_dynamic: the rank's send counts are replaced by huge negative and positive values, which
+    the op must clamp and report in ``dropped``), ``corrupt_payload`` (4 bytes in the middle of the rank's
+    output are overwritten with 0xA5 after the call, which checksum mode must catch).
+    """
+
+    kind: str
+    rank: int
+    seq: int
+    ms: int = 0
+
+
+def parse_faults(text: str) -> tuple[Fault, ...]:
+    """Parses ``JAX_NCCLX_FAULT``: faults separated by ``;``, each ``kind:rank=R,seq=S[,ms=M]``, e.g.
+    ``"skip:rank=2,seq=3;delay:rank=0,seq=5,ms=2000"``."""
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        kind, _, fields = item.partition(":")
+        try:
+            values = {key.strip(): int(value) for key, value in
+                      (field.split("=", 1) for field in fields.split(",") if field.strip())}
+        except ValueError:
+            values = None
+        if kind not in FAULT_KINDS or values is None or not {"rank", "seq"} <= set(values) or \
+                not set(values) <= {"rank", "seq", "ms"} or min(values.values()) < 0:
+            raise ValueError(
+                f"JAX_NCCLX_FAULT: cannot parse {item!r}; expected kind:rank=R,seq=S[,ms=M] with kind one of "
+                f"{', '.join(FAULT_KINDS)} and non-negative integers")
+        faults.append(Fault(kind, values["rank"], values["seq"], values.get("ms", 0)))
+    return tuple(faults)
 
 
 TRANSPORTS = ("auto", "nvlink", "nccl")
 
 
-def _positive_float(name: str, default: float) -> float:
+def _seconds(name: str, default: float) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -56,8 +118,8 @@ def _positive_float(name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise ValueError(f"{name}={raw!r} is not valid: it must be a positive number of seconds")
+    if not value >= 0:
+        raise ValueError(f"{name}={raw!r} is not valid: it must be a number of seconds >= 0 (0: no timeout)")
     return value
 
 
@@ -101,14 +163,23 @@ def nvlink_thresholds(size: int, settings: "Config | None" = None) -> tuple[int,
     return oneshot, largest
 
 
+_TIMEOUT_PREFIX = "JAX_NCCLX_TIMEOUT_S_"
+
+
 def current() -> Config:
     """The settings in force now, from the environment."""
+    op_timeouts = tuple(sorted((name[len(_TIMEOUT_PREFIX):].lower(), _seconds(name, 0.0))
+                               for name, raw in os.environ.items() if name.startswith(_TIMEOUT_PREFIX) and raw))
     return Config(
-        timeout_s=_positive_float("JAX_NCCLX_TIMEOUT_S", Config.timeout_s),
+        timeout_s=_seconds("JAX_NCCLX_TIMEOUT_S", Config.timeout_s),
+        op_timeouts_s=op_timeouts,
         transport=_choice("JAX_NCCLX_TRANSPORT", Config.transport, TRANSPORTS),
         nvlink_blocks=_non_negative_int("JAX_NCCLX_NVLINK_BLOCKS", Config.nvlink_blocks),
         nvlink_oneshot_max_bytes=_non_negative_int("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES", None),
         nvlink_max_bytes=_non_negative_int("JAX_NCCLX_NVLINK_MAX_BYTES", None),
         nvlink_direct=_choice("JAX_NCCLX_NVLINK_DIRECT", "1", ("0", "1")) == "1",
-        trace=_choice("JAX_NCCLX_TRACE", "0", ("0", "1")) == "1",
+        trace=_choice("JAX_NCCLX_TRACE", "0", ("0", "1", "device")) == "1",
+        trace_device=_choice("JAX_NCCLX_TRACE", "0", ("0", "1", "device")) != "0",
+        faults=parse_faults(os.environ.get("JAX_NCCLX_FAULT", "")),
+        checksum=_choice("JAX_NCCLX_CHECKSUM", "0", ("0", "1")) == "1",
     )

@@ -5,6 +5,7 @@ imported the first time a collective is lowered for a GPU (after JAX's CUDA plug
 and NCCL that the module links against), or when ``build_info()`` is asked.
 """
 
+import atexit
 import functools
 import logging
 
@@ -31,8 +32,14 @@ def _load_cuda():
         return None, f"the CUDA module failed to load: {e}"
     for name, capsule in _ncclx_cuda.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    atexit.register(_ncclx_cuda.stop_watchdog)  # before the CUDA runtime goes away
     logger.debug("jax_ncclx CUDA handlers registered (NCCL %s)", _ncclx_cuda.nccl_version())
     return _ncclx_cuda, None
+
+
+def cpu_module():
+    """The CPU extension module (always built)."""
+    return _ncclx_cpu
 
 
 def cuda_module():

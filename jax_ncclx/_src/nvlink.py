@@ -49,8 +49,8 @@ def symmetric_memory_ready(op: str, comm_id: int, *, staging_bytes: int = 0, slo
 
 def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
     """The route of one all_reduce / all_gather / all_to_all call site: ``ctx`` is its lowering context, ``size``
-    its communicator's size. The NVLink handlers take the op's own attributes plus ``blocks``, ``trace`` and
-    (all_reduce) ``algorithm``."""
+    its communicator's size. The NVLink handlers take the op's own attributes plus ``blocks`` and (all_reduce)
+    ``algorithm``."""
     x = ctx.avals_in[0]
     nbytes = int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
     settings = config.current()
@@ -66,7 +66,7 @@ def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
     slots = lib.cuda_module().nvlink_collective_bytes(op, algorithm, nbytes, size, np.dtype(x.dtype).itemsize)
     if not symmetric_memory_ready(op, comm_id, slot_bytes=slots):
         return nccl
-    route_attrs = dict(blocks=np.int64(settings.nvlink_blocks), trace=np.int64(settings.trace))
+    route_attrs = dict(blocks=np.int64(settings.nvlink_blocks))
     if op == "all_reduce":
         route_attrs["algorithm"] = np.int64(algorithm)
     return CudaRoute(f"ncclx_{op}_nvlink", route_attrs)

@@ -29,6 +29,9 @@ from jax.sharding import NamedSharding
 from jax_ncclx._src import comm
 from jax_ncclx._src import compat
 from jax_ncclx._src import config
+from jax_ncclx._src import faults
+from jax_ncclx._src import lib
+from jax_ncclx._src import trace
 
 REDUCE_OPS = {"sum": 0, "max": 1, "min": 2}
 
@@ -148,27 +151,44 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **par
     if not compat.is_spmd_axis_context(axis_context):
         raise NotImplementedError(f"{target}: jax_ncclx collectives lower only inside jax.shard_map (not pmap)")
     groups = compat.replica_groups(axis_context, axis_name)
+    op = target.removeprefix("ncclx_")
+    settings = config.current()
+    site = next(_call_site_ids)
     op_attrs = attrs(**params)
+    # Every handler takes these (xla_ffi/common/monitor.h, CallAttrs).
+    op_attrs.update(site=np.int64(site), timeout_ms=np.int64(settings.timeout_s_for(op) * 1000),
+                    trace=np.int64(settings.trace_attr))
     avals_in, avals_out = list(ctx.avals_in), list(ctx.avals_out)
+    site_info = dict(op=op, axis=str(axis_name), platform=platform, bytes=_nbytes(ctx.avals_in[0]),
+                     dtype=str(ctx.avals_in[0].dtype))
     if platform == "cpu":
-        op_attrs.update(
-            groups=np.asarray(groups, np.int64).reshape(-1),
-            group_size=np.int64(len(groups[0])),
-            op_id=np.int64(next(_call_site_ids)),
-            timeout_ms=np.int64(config.current().timeout_s * 1000),
-        )
+        module = lib.cpu_module()
+        op_attrs.update(groups=np.asarray(groups, np.int64).reshape(-1), group_size=np.int64(len(groups[0])))
         operands = (*operands, compat.partition_id())
         avals_in.append(jax.core.ShapedArray((), np.uint32))
+        site_info.update(groups=[list(g) for g in groups], transport="cpu", algorithm="rendezvous")
     else:
-        comm_id = comm.communicator_for(_mesh_devices(axis_context.mesh, target), groups)
+        module = lib.cuda_module()
+        mesh_devices = list(_mesh_devices(axis_context.mesh, target))
+        comm_id = comm.communicator_for(mesh_devices, groups)
         route = cuda_route(ctx, comm_id, len(groups[0]), **params) if cuda_route is not None else CudaRoute(target)
         target = route.target
         op_attrs.update(route.attrs, comm_id=np.int64(comm_id))
         if route.workspace_bytes is not None:
             avals_out.append(jax.core.ShapedArray((route.workspace_bytes,), np.uint8))
+        nvlink = target.endswith("_nvlink")
+        algorithm = {1: "one_shot", 2: "two_shot"}.get(int(route.attrs.get("algorithm", 1))) if nvlink else "nccl"
+        site_info.update(groups=[[mesh_devices[p].id for p in g] for g in groups], comm_id=comm_id,
+                         transport="nvlink" if nvlink else "nccl", algorithm=algorithm)
+    trace.register_call_site(module, site, site_info)
+    faults.install(module, settings.faults)
     lowered = jax.ffi.ffi_lowering(target)(ctx.replace(avals_in=avals_in, avals_out=avals_out), *operands,
                                            **op_attrs)
     return lowered[: len(ctx.avals_out)]
+
+
+def _nbytes(aval) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
 def _mesh_devices(mesh, target):

@@ -1,22 +1,188 @@
-"""Device timelines of the NVLink kernels: what each GPU did during each call, from its own clock.
+"""Collective tracing (CollTrace-style): what every jax_ncclx call did, on every rank.
 
-A program compiled with ``JAX_NCCLX_TRACE=1`` makes its NVLink kernels stamp every call with the GPU's
-``%globaltimer`` (nanoseconds): when the kernel started, when the last block saw its peer enter the call,
-when the last block had sent its rows, when the last block saw its data arrive, and when the last block
-finished. Each communicator keeps the last
-1024 calls per rank in device memory; reading them waits for the GPUs to go idle.
+Programs compiled with ``JAX_NCCLX_TRACE=1`` record each call in their handler: the op, its sequence number
+on its communicator (the n-th call of that rank on it; the same n on every rank names the same collective),
+axis, group, bytes, dtype, transport and algorithm, and per rank the host time the call was queued
+(``enqueue_ns``), began (``start_ns``; on GPU a CUDA event before the work) and ended (``end_ns``; an event
+after it). On CPU ``arrive_ns`` is when every peer had arrived. Times are nanoseconds of the host's system
+clock, comparable across the processes of a host. With tracing off (the default) nothing is recorded and the
+handlers pay nothing. Calls inside CUDA graphs (command buffers) are not recorded: replays never reach the host.
 
-Times of one GPU compare with each other exactly. Across GPUs they compare only as well as the GPUs'
-timers agree, so the summary keeps to per-GPU differences.
+:func:`records` reads them, :func:`dump` writes a Chrome-trace / Perfetto JSON file per process,
+:func:`summary` gives latency percentiles per op, and ``python -m jax_ncclx.trace merge DUMP...`` lines up
+the dumps of all ranks and names, per call, the slowest rank and any rank that never started.
+
+NVLink kernels compiled with tracing also stamp their own device timeline (:func:`device_timeline`), from the
+GPU's ``%globaltimer``: when the kernel started, saw its peers, sent, received and finished.
 """
 
+import json
+import os
+import socket
 import statistics
 
+import jax
+import numpy as np
+
 from jax_ncclx._src import comm
+from jax_ncclx._src import config
 from jax_ncclx._src import lib
 
 KERNELS = {1: "all_to_allv_dynamic", 2: "all_reduce", 3: "all_gather", 4: "all_to_all"}  # TraceKernel
 _FIELDS = ("epoch", "start_ns", "peers_ns", "sent_ns", "data_ns", "end_ns", "blocks", "kernel")
+_CALL_FIELDS = ("site", "comm", "group_index", "seq", "rank", "device", "enqueue_ns", "start_ns", "arrive_ns",
+                "end_ns", "injected")
+_MAX_HISTORY = 1 << 20
+
+_sites: dict[int, dict] = {}
+_history: list[dict] = []
+
+
+def register_call_site(module, site: int, info: dict):
+    """Remembers what call site ``site`` is (op, axis, groups, bytes, dtype, transport, algorithm) and names
+    its axis to ``module``'s handlers for their error messages. Called by the lowering."""
+    _sites[site] = info
+    module.name_call_site(site, repr(info["axis"]))
+
+
+def _device_ids() -> dict[int, int]:
+    return {d.local_hardware_id: d.id for d in jax.local_devices() if d.platform == "gpu"}
+
+
+def _describe(raw: tuple, on_gpu: bool, device_ids: dict[int, int]) -> dict:
+    r = dict(zip(_CALL_FIELDS, raw))
+    info = _sites.get(r["site"], {})
+    groups = info.get("groups", [])
+    if on_gpu:
+        device_id = device_ids.get(r["device"])
+        group = next((g for g in groups if device_id in g), [])
+    else:
+        group = groups[r["group_index"]] if 0 <= r["group_index"] < len(groups) else []
+    injected = r.pop("injected")
+    return dict(op=info.get("op", "?"), seq=r["seq"], axis=info.get("axis"), group=list(group), rank=r["rank"],
+                size=len(group), process=jax.process_index(), host=socket.gethostname(), device=r["device"],
+                bytes=info.get("bytes"), dtype=info.get("dtype"), transport=info.get("transport"),
+                algorithm=info.get("algorithm"), enqueue_ns=r["enqueue_ns"], start_ns=r["start_ns"],
+                arrive_ns=r["arrive_ns"], end_ns=r["end_ns"],
+                injected=config.FAULT_KINDS[injected] if injected >= 0 else None, site=r["site"], comm=r["comm"])
+
+
+def records() -> list[dict]:
+    """Every call traced in this process so far (since :func:`reset`), oldest first per backend.
+
+    Each is a dict: ``op``, ``seq``, ``axis``, ``group`` (the group's device ids on GPU, partition ids on CPU),
+    ``rank`` (in the group), ``size``, ``process``, ``host``, ``device``, ``bytes`` / ``dtype`` of the
+    operand, ``transport`` ("nvlink", "nccl" or "cpu"), ``algorithm``, ``enqueue_ns``, ``start_ns``,
+    ``arrive_ns`` (CPU), ``end_ns`` (0: not reached, e.g. a call still running or that never started),
+    ``injected`` (the fault injected into the call, or None), ``site`` and ``comm``. Reading a GPU call's times
+    needs its CUDA events to have completed; calls still running read as not ended.
+    """
+    device_ids = None
+    for module, on_gpu in ((lib.cpu_module(), False), (lib.cuda_module_if_available(), True)):
+        if module is None:
+            continue
+        raw = module.call_records(True)
+        if raw and on_gpu and device_ids is None:
+            device_ids = _device_ids()
+        _history.extend(_describe(r, on_gpu, device_ids or {}) for r in raw)
+    del _history[:-_MAX_HISTORY]
+    return list(_history)
+
+
+def reset():
+    """Forgets every recorded call."""
+    records()
+    _history.clear()
+
+
+def _percentiles(values_ns: list[int]) -> dict:
+    us = np.asarray(values_ns, dtype=np.float64) / 1e3
+    return dict(p50_us=float(np.percentile(us, 50)), p90_us=float(np.percentile(us, 90)),
+                p99_us=float(np.percentile(us, 99)), max_us=float(us.max()))
+
+
+def summary(calls: list[dict] | None = None) -> dict[str, dict]:
+    """Latency percentiles per op and algorithm, over every rank's finished calls.
+
+    Returns:
+      ``{"all_reduce/nvlink/one_shot": {"calls", "unfinished", "p50_us", "p90_us", "p99_us", "max_us",
+      "queue_p50_us"}, ...}``: percentiles of end - start (µs), calls that never ended, and the median time
+      from the handler queueing the call to its start (on GPU, the work ahead of it on the stream).
+    """
+    calls = records() if calls is None else calls
+    by_op: dict[str, list[dict]] = {}
+    for c in calls:
+        by_op.setdefault(f"{c['op']}/{c['transport']}/{c['algorithm']}", []).append(c)
+    out = {}
+    for key, group in sorted(by_op.items()):
+        done = [c for c in group if c["start_ns"] and c["end_ns"] >= c["start_ns"]]
+        entry = dict(calls=len(group), unfinished=len(group) - len(done))
+        if done:
+            entry.update(_percentiles([c["end_ns"] - c["start_ns"] for c in done]))
+            entry["queue_p50_us"] = statistics.median((c["start_ns"] - c["enqueue_ns"]) / 1e3 for c in done)
+        out[key] = entry
+    return out
+
+
+def dump(path: str | os.PathLike) -> str:
+    """Writes this process's traced calls to ``path`` as Chrome-trace JSON (open it in https://ui.perfetto.dev
+    or chrome://tracing): one track per rank, one slice per call from start to end, the record in its args.
+    The raw records go under the ``"jax_ncclx"`` key for ``python -m jax_ncclx.trace merge``. Returns the path.
+    """
+    calls = records()
+    process = jax.process_index()
+    events = [dict(name="process_name", ph="M", pid=process, args=dict(name=f"process {process}"))]
+    tracks = {}
+    for c in calls:
+        tid = tracks.setdefault((c["transport"] == "cpu", c["device"]), len(tracks))
+        if c["start_ns"] == 0:
+            events.append(dict(name=f"{c['op']} #{c['seq']} never started", ph="i", s="t", pid=process, tid=tid,
+                               ts=c["enqueue_ns"] / 1e3, cat="jax_ncclx", args=c))
+            continue
+        end = c["end_ns"] if c["end_ns"] >= c["start_ns"] else c["start_ns"]
+        events.append(dict(name=f"{c['op']} #{c['seq']}", ph="X", pid=process, tid=tid, ts=c["start_ns"] / 1e3,
+                           dur=(end - c["start_ns"]) / 1e3, cat=f"jax_ncclx,{c['transport']}", args=c))
+    for (cpu, device), tid in tracks.items():
+        events.append(dict(name="thread_name", ph="M", pid=process, tid=tid,
+                           args=dict(name=f"{'partition' if cpu else 'GPU'} {device}")))
+    with open(path, "w") as f:
+        json.dump(dict(traceEvents=events, displayTimeUnit="ns",
+                       jax_ncclx=dict(process=process, host=socket.gethostname(), calls=calls)), f)
+    return os.fspath(path)
+
+
+def merge(dumps: list[dict]) -> list[dict]:
+    """Lines up the calls of several dumps (the ``"jax_ncclx"`` parts of :func:`dump` files, e.g. one per
+    process) by group and sequence number.
+
+    Returns:
+      One dict per collective, ordered by group and seq: ``group``, ``seq``, ``op`` (the ops seen, joined by
+      "|" when ranks disagree), ``ranks`` (how many recorded it), ``never_started`` (ranks of the group with no
+      record or a record that never started), ``unfinished`` (ranks that started but never ended),
+      ``slowest_rank`` (the last to end), ``late_rank`` (the last to start), ``start_spread_us`` (last start -
+      first start) and ``duration_us`` (first start to last end).
+    """
+    calls: dict[tuple, list[dict]] = {}
+    for d in dumps:
+        for c in d["calls"]:
+            calls.setdefault((tuple(c["group"]), c["seq"]), []).append(c)
+    out = []
+    for (group, seq), seen in sorted(calls.items()):
+        size = max(len(group), max(c["size"] for c in seen))
+        started = [c for c in seen if c["start_ns"]]
+        ended = [c for c in started if c["end_ns"] >= c["start_ns"] > 0 and c["end_ns"]]
+        entry = dict(group=list(group), seq=seq, op="|".join(sorted({c["op"] for c in seen})), ranks=len(seen),
+                     never_started=sorted(set(range(size)) - {c["rank"] for c in started}),
+                     unfinished=sorted({c["rank"] for c in started} - {c["rank"] for c in ended}),
+                     slowest_rank=None, late_rank=None, start_spread_us=None, duration_us=None)
+        if started:
+            entry["late_rank"] = max(started, key=lambda c: c["start_ns"])["rank"]
+            entry["start_spread_us"] = (max(c["start_ns"] for c in started) - min(c["start_ns"] for c in started)) / 1e3
+        if ended:
+            entry["slowest_rank"] = max(ended, key=lambda c: c["end_ns"])["rank"]
+            entry["duration_us"] = (max(c["end_ns"] for c in ended) - min(c["start_ns"] for c in started)) / 1e3
+        out.append(entry)
+    return out
 
 
 def device_timeline(comm_ids=None) -> list[dict]:
@@ -29,7 +195,7 @@ def device_timeline(comm_ids=None) -> list[dict]:
       One dict per (call, rank): ``comm_id``, ``device``, ``rank``, ``epoch`` (the call's number on its
       communicator), ``kernel`` (name), ``blocks``, and ``start_ns``, ``peers_ns``, ``sent_ns``, ``data_ns``, ``end_ns``
       (GPU clock; a ``*_ns`` that no block of the call set holds an older call's time). Empty on a CPU-only
-      build or when no traced program ran.
+      build or when no traced NVLink kernel ran.
     """
     module = lib.cuda_module_if_available()
     if module is None:

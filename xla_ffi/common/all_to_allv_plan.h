@@ -17,6 +17,13 @@
 
 namespace jax_ncclx {
 
+// The count an injected kCorruptCounts fault (monitor.h) puts in place of element `i` of the send counts:
+// alternately a large negative count and one far beyond any capacity, so that both clamps are exercised.
+NCCLX_HOST_DEVICE inline int32_t CorruptedCount(int32_t count, int64_t i) {
+  const int32_t magnitude = (count < 0 ? 0 : count % 1000) + (1 << 29);
+  return i % 2 == 0 ? -magnitude : magnitude;
+}
+
 // Where one peer's rows sit in the input and how many reach it.
 struct PeerPlan {
   int64_t first_row = 0;  // input row where the rows for the peer start

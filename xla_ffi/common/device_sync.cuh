@@ -28,16 +28,102 @@ __device__ __forceinline__ uint64_t LoadRelaxed(const uint64_t* word) {
   return value;
 }
 
-__device__ __forceinline__ void WaitAtLeast(const uint64_t* flag, uint64_t epoch) {
-  while (LoadAcquire(flag) < epoch) {
-  }
-}
-
 __device__ __forceinline__ uint64_t GlobalTimerNs() {
   uint64_t now;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
   return now;
 }
+
+// Bounded waiting, for one thread of an NVLink kernel call. A wait that outlasts the call's timeout gives
+// up: it marks the awaited rank missing in this rank's fault record (NvlinkFault), aborts the communicator on
+// every rank (SymmetricControl::abort_by) and returns false; from then on every wait of every rank on the
+// communicator returns false at once. A call that gave up still runs to its end, without waiting: its
+// outputs are undefined, but its reads and writes stay inside its buffers, and the host reports the fault at
+// the next call (watchdog.h). The clock starts at the first check, so a wait that succeeds early costs no
+// timer read.
+class Patience {
+ public:
+  __device__ Patience(const PeerTable* table, SymmetricControl* control, int rank, int size, uint64_t epoch,
+                      TraceKernel kernel, int64_t site, uint64_t timeout_ns)
+      : table_(table), control_(control), rank_(rank), size_(size), epoch_(epoch), kernel_(kernel), site_(site),
+        timeout_ns_(timeout_ns) {
+    if (AbortedBy() != 0) GiveUpAborted();
+  }
+
+  // Waits until *flag >= value, a flag that `peer` raises.
+  __device__ bool AtLeast(const uint64_t* flag, uint64_t value, int peer) {
+    for (uint32_t spins = 1; LoadAcquire(flag) < value; ++spins) {
+      if (spins % kSpinsPerCheck == 0 && !KeepWaiting(peer)) return false;
+    }
+    return true;
+  }
+
+  // Waits until the low-latency word at `word` (written by `peer`) carries `tag`, and returns its payload
+  // (on giving up, whatever the word holds).
+  __device__ uint32_t Word(const uint64_t* word, uint32_t tag, int peer) {
+    uint64_t seen = LoadRelaxed(word);
+    for (uint32_t spins = 1; static_cast<uint32_t>(seen >> 32) != tag; ++spins) {
+      if (spins % kSpinsPerCheck == 0 && !KeepWaiting(peer)) break;
+      seen = LoadRelaxed(word);
+    }
+    return static_cast<uint32_t>(seen);
+  }
+
+ private:
+  static constexpr uint32_t kSpinsPerCheck = 1024;
+
+  __device__ uint32_t AbortedBy() const { return *reinterpret_cast<const volatile uint32_t*>(&control_->abort_by); }
+
+  __device__ bool KeepWaiting(int peer) {
+    if (gave_up_) return false;
+    if (AbortedBy() != 0) return GiveUpAborted();
+    if (timeout_ns_ == 0) return true;  // JAX_NCCLX_TIMEOUT_S=0: wait forever
+    const uint64_t now = GlobalTimerNs();
+    if (started_ns_ == 0) started_ns_ = now;
+    if (now - started_ns_ < timeout_ns_) return true;
+    gave_up_ = true;
+    volatile NvlinkFault* fault = table_->fault;
+    fault->missing[peer] = 1;
+    Describe(fault);
+    fault->waited_ns = now - started_ns_;
+    __threadfence_system();
+    fault->state = kNvlinkGaveUp;
+    for (int r = 0; r < size_; ++r) {
+      *reinterpret_cast<volatile uint32_t*>(&table_->control[r]->abort_by) = static_cast<uint32_t>(rank_ + 1);
+    }
+    __threadfence_system();
+    return false;
+  }
+
+  __device__ bool GiveUpAborted() {
+    gave_up_ = true;
+    volatile NvlinkFault* fault = table_->fault;
+    if (fault->state == kNvlinkHealthy) {
+      Describe(fault);
+      fault->aborted_by = AbortedBy();
+      __threadfence_system();
+      fault->state = kNvlinkAborted;
+    }
+    return false;
+  }
+
+  __device__ void Describe(volatile NvlinkFault* fault) const {
+    fault->kernel = kernel_;
+    fault->epoch = epoch_;
+    fault->site = site_;
+  }
+
+  const PeerTable* table_;
+  SymmetricControl* control_;
+  int rank_;
+  int size_;
+  uint64_t epoch_;
+  TraceKernel kernel_;
+  int64_t site_;
+  uint64_t timeout_ns_;
+  uint64_t started_ns_ = 0;
+  bool gave_up_ = false;
+};
 
 // Copies units [lo, hi) from src to dst with the whole block of kThreads threads, kUnroll loads in flight per
 // thread. `kFromPeers`: src is written by other GPUs during the kernel, so it is read past L1 (ld.global.cg).

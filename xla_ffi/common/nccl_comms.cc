@@ -1,6 +1,8 @@
 // The communicator registry and the CUDA/NCCL helpers declared in nccl_comms.h.
 #include "common/nccl_comms.h"
 
+#include <atomic>
+#include <cstdio>
 #include <mutex>
 #include <shared_mutex>
 #include <string>
@@ -13,6 +15,8 @@ struct Registry {
   std::shared_mutex mu;  // handlers only read (shared); the module registers and destroys (exclusive)
   int64_t next_id = 1;
   std::map<int64_t, std::map<int32_t, ncclComm_t>> comms;
+  std::map<int64_t, std::string> faults;  // communicators that stopped working, with why
+  std::atomic<bool> any_fault{false};
 };
 
 Registry& GetRegistry() {
@@ -32,7 +36,53 @@ int64_t RegisterComms(std::map<int32_t, ncclComm_t> comms) {
   return comm_id;
 }
 
+void RecordCommFault(int64_t comm_id, std::string message) {
+  Registry& registry = GetRegistry();
+  std::unique_lock<std::shared_mutex> lock(registry.mu);
+  if (registry.faults.emplace(comm_id, message).second) {
+    std::fprintf(stderr, "jax_ncclx: %s\n", message.c_str());  // at once, even if no later call reports it
+  }
+  registry.any_fault.store(true, std::memory_order_relaxed);
+}
+
+std::string CommFaultOf(int64_t comm_id) {
+  Registry& registry = GetRegistry();
+  if (!registry.any_fault.load(std::memory_order_relaxed)) return "";
+  std::shared_lock<std::shared_mutex> lock(registry.mu);
+  const auto it = registry.faults.find(comm_id);
+  return it == registry.faults.end() ? "" : it->second;
+}
+
+std::vector<std::pair<int64_t, std::string>> CommFaults() {
+  Registry& registry = GetRegistry();
+  std::shared_lock<std::shared_mutex> lock(registry.mu);
+  return {registry.faults.begin(), registry.faults.end()};
+}
+
+void ClearCommFaults() {
+  Registry& registry = GetRegistry();
+  std::unique_lock<std::shared_mutex> lock(registry.mu);
+  registry.faults.clear();
+  registry.any_fault.store(false, std::memory_order_relaxed);
+}
+
+void AbortComm(int64_t comm_id, std::string message) {
+  RecordCommFault(comm_id, std::move(message));
+  std::map<int32_t, ncclComm_t> doomed;
+  {
+    Registry& registry = GetRegistry();
+    std::unique_lock<std::shared_mutex> lock(registry.mu);
+    const auto it = registry.comms.find(comm_id);
+    if (it == registry.comms.end()) return;
+    doomed.swap(it->second);
+    registry.comms.erase(it);
+  }
+  for (const auto& [device, comm] : doomed) ncclCommAbort(comm);  // best effort: the communicator is lost
+}
+
 ffi::ErrorOr<ncclComm_t> LookupComm(std::string_view op, int64_t comm_id, int32_t device_ordinal) {
+  const std::string fault = CommFaultOf(comm_id);
+  if (!fault.empty()) return DeadlineExceeded(op, "communicator " + std::to_string(comm_id) + " is unusable: " + fault);
   Registry& registry = GetRegistry();
   std::shared_lock<std::shared_mutex> lock(registry.mu);
   const auto by_id = registry.comms.find(comm_id);

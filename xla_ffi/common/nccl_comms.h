@@ -11,7 +11,10 @@
 
 #include <cstdint>
 #include <map>
+#include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "common/checks.h"
 
@@ -39,6 +42,25 @@ ffi::ErrorOr<std::map<int32_t, ncclComm_t>> CommsOf(std::string_view op, int64_t
 
 // Rank and size of `comm`.
 ffi::ErrorOr<CommRank> DescribeComm(std::string_view op, ncclComm_t comm);
+
+// ---- faults: communicators that stopped working ----------------------------------------------------------
+
+// Marks `comm_id` unusable with `message` (the first message wins). Later lookups of it fail with
+// DeadlineExceeded carrying the message.
+void RecordCommFault(int64_t comm_id, std::string message);
+
+// The recorded fault of `comm_id`, or "" when it has none. One relaxed load when no communicator has failed.
+std::string CommFaultOf(int64_t comm_id);
+
+// Every recorded fault, as (comm_id, message).
+std::vector<std::pair<int64_t, std::string>> CommFaults();
+
+// Forgets every recorded fault (their communicators were destroyed).
+void ClearCommFaults();
+
+// Records the fault, takes `comm_id`'s communicators out of the registry and aborts them (ncclCommAbort
+// makes their queued and running kernels return). Used by the watchdog on a call that does not finish.
+void AbortComm(int64_t comm_id, std::string message);
 
 // Destroys every registered communicator and empties the registry. Programs still running with them must
 // have finished. Keeps going past failures and returns the first one. Touches CUDA only when there are

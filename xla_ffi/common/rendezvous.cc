@@ -6,7 +6,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <sstream>
+#include <cstdio>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -40,21 +40,24 @@ std::string MissingRanks(const std::vector<bool>& present) {
 // Waits until `done()` holds; on timeout marks the round abandoned and returns an error naming the ranks
 // whose flag in `present` is still false.
 ffi::Error WaitFor(std::unique_lock<std::mutex>& lock, Round& round, std::string_view op,
-                   std::string_view stage, const RoundKey& key, const std::vector<bool>& present,
+                   std::string_view what, std::string_view stage, const std::vector<bool>& present,
                    std::chrono::milliseconds timeout, const std::function<bool()>& done) {
-  if (cv.wait_for(lock, timeout, [&] { return done() || round.abandoned; }) && !round.abandoned) {
+  const auto ready = [&] { return done() || round.abandoned; };
+  if (timeout.count() == 0) {  // JAX_NCCLX_TIMEOUT_S=0: wait forever
+    cv.wait(lock, ready);
+    if (!round.abandoned) return ffi::Error::Success();
+  } else if (cv.wait_for(lock, timeout, ready) && !round.abandoned) {
     return ffi::Error::Success();
   }
   const bool i_timed_out = !round.abandoned;
   round.abandoned = true;
   cv.notify_all();
-  std::string message = "collective #" + std::to_string(key.sequence) + " of call site " +
-                        std::to_string(key.op_id) + " (replica group " + std::to_string(key.group_idx) + "): ";
+  std::string message = std::string(what) + ": ";
   if (i_timed_out) {
-    std::ostringstream seconds;
-    seconds << timeout.count() / 1000.0;
+    char seconds[32];  // snprintf, not an ostream: the module's own libstdc++ locale is not set up
+    std::snprintf(seconds, sizeof(seconds), "%g", timeout.count() / 1000.0);
     message += "rank(s) " + MissingRanks(present) + " did not " + std::string(stage) + " within " +
-               seconds.str() + " s (JAX_NCCLX_TIMEOUT_S)";
+               seconds + " s (JAX_NCCLX_TIMEOUT_S)";
   } else {
     message += "abandoned because a peer timed out waiting for rank(s) " + MissingRanks(present);
   }
@@ -67,12 +70,12 @@ bool RoundKey::operator<(const RoundKey& other) const {
   return std::tie(op_id, group_idx, sequence) < std::tie(other.op_id, other.group_idx, other.sequence);
 }
 
-int64_t NextSequence(int64_t op_id, int64_t partition_id) {
+int64_t RendezvousSequence(int64_t op_id, int64_t partition_id) {
   std::lock_guard<std::mutex> lock(mu);
   return sequences[{op_id, partition_id}]++;
 }
 
-ffi::Error RunCollective(std::string_view op, const RoundKey& key, int64_t rank, int64_t size,
+ffi::Error RunCollective(std::string_view op, std::string_view what, const RoundKey& key, int64_t rank, int64_t size,
                          Published mine, std::chrono::milliseconds timeout,
                          const std::function<void(const std::vector<Published>&)>& body) {
   std::unique_lock<std::mutex> lock(mu);
@@ -87,7 +90,7 @@ ffi::Error RunCollective(std::string_view op, const RoundKey& key, int64_t rank,
   round->published[rank] = mine;
   round->arrived[rank] = true;
   if (++round->num_arrived == size) cv.notify_all();
-  NCCLX_RETURN_IF_ERROR(WaitFor(lock, *round, op, "arrive", key, round->arrived, timeout,
+  NCCLX_RETURN_IF_ERROR(WaitFor(lock, *round, op, what, "arrive", round->arrived, timeout,
                                 [&] { return round->num_arrived == size; }));
 
   lock.unlock();
@@ -100,7 +103,7 @@ ffi::Error RunCollective(std::string_view op, const RoundKey& key, int64_t rank,
     cv.notify_all();
     return ffi::Error::Success();
   }
-  return WaitFor(lock, *round, op, "finish reading", key, round->departed, timeout,
+  return WaitFor(lock, *round, op, what, "finish reading", round->departed, timeout,
                  [&] { return round->num_departed == size; });
 }
 

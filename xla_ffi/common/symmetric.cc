@@ -40,6 +40,7 @@ struct LocalRank {
   int rank = -1;
   int size = 0;
   SymmetricControl* control = nullptr;
+  NvlinkFault* fault = nullptr;  // pinned host memory, mapped (the same address on the device)
   PeerTable* table = nullptr;  // device copy of `peers`
   uint8_t* data = nullptr;
   SymmetricNeed layout;  // how data is divided (symmetric_layout.h)
@@ -197,6 +198,8 @@ void Release(LocalRank& rank, bool everything) {
   if (everything) {
     if (rank.control != nullptr) cudaFree(rank.control);
     if (rank.table != nullptr) cudaFree(rank.table);
+    if (rank.fault != nullptr) cudaFreeHost(rank.fault);
+    rank.fault = nullptr;
     rank.control = nullptr;
     rank.table = nullptr;
     rank.peers = {};
@@ -235,6 +238,14 @@ ffi::ErrorOr<std::string> Grow(std::string_view op, CommMemory& memory, const Sy
       NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaMemset", cudaMemset(rank.control, 0, sizeof(SymmetricControl))));
       NCCLX_RETURN_IF_ERROR(
           CheckCuda(op, "cudaMalloc (table)", cudaMalloc(reinterpret_cast<void**>(&rank.table), sizeof(PeerTable))));
+      NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaHostAlloc (fault record)",
+                                      cudaHostAlloc(reinterpret_cast<void**>(&rank.fault), sizeof(NvlinkFault),
+                                                    cudaHostAllocMapped | cudaHostAllocPortable)));
+      std::memset(rank.fault, 0, sizeof(NvlinkFault));
+      void* fault_on_device = nullptr;
+      NCCLX_RETURN_IF_ERROR(
+          CheckCuda(op, "cudaHostGetDevicePointer", cudaHostGetDevicePointer(&fault_on_device, rank.fault, 0)));
+      rank.peers.fault = static_cast<NvlinkFault*>(fault_on_device);
       rank.imported.assign(rank.size, false);
     }
     NCCLX_RETURN_IF_ERROR(
@@ -391,6 +402,7 @@ ffi::ErrorOr<SymmetricRank> LookupSymmetric(std::string_view op, int64_t comm_id
       view.data = rank.data;
       view.parity_half_bytes = rank.layout.parity_half_bytes;
       view.staging_bytes = rank.layout.staging_bytes;
+      view.fault = rank.fault;
       view.same_process = std::none_of(rank.imported.begin(), rank.imported.end(), [](bool i) { return i; });
       return view;
     }
@@ -398,6 +410,23 @@ ffi::ErrorOr<SymmetricRank> LookupSymmetric(std::string_view op, int64_t comm_id
   return InvalidArgument(op, "no symmetric memory for communicator " + std::to_string(comm_id) + " on device " +
                                  std::to_string(device_ordinal) +
                                  "; was jax_ncclx shut down after this program was compiled?");
+}
+
+std::vector<NvlinkFaultReport> NvlinkFaultReports() {
+  Registry& registry = GetRegistry();
+  std::shared_lock<std::shared_mutex> lock(registry.mu);
+  std::vector<NvlinkFaultReport> reports;
+  for (const auto& [comm_id, memory] : registry.comms) {
+    for (const LocalRank& rank : memory.ranks) {
+      if (rank.fault == nullptr) continue;
+      const volatile NvlinkFault* fault = rank.fault;
+      if (fault->state == kNvlinkHealthy) continue;
+      NvlinkFaultReport report{comm_id, rank.device, rank.rank, rank.size, {}};
+      std::memcpy(&report.fault, const_cast<const NvlinkFault*>(rank.fault), sizeof(NvlinkFault));
+      reports.push_back(report);
+    }
+  }
+  return reports;
 }
 
 std::vector<SymmetricUsage> SymmetricMemoryUsage() {

@@ -26,6 +26,7 @@ struct SymmetricRank {
   uint8_t* data = nullptr;            // this rank's own data region (device pointer)
   int64_t parity_half_bytes = 0;      // the low-latency slots: two halves of this size at the start
   int64_t staging_bytes = 0;          // the all_to_allv_dynamic staging area after them
+  const NvlinkFault* fault = nullptr;  // this rank's fault record (host pointer; the kernels write it)
   bool same_process = false;  // every rank lives in this process, so peers can use each other's pointers
 };
 
@@ -45,6 +46,16 @@ ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, 
 
 // The symmetric memory of `comm_id` on `device_ordinal`; an error if EnsureSymmetric never succeeded for it.
 ffi::ErrorOr<SymmetricRank> LookupSymmetric(std::string_view op, int64_t comm_id, int32_t device_ordinal);
+
+// The fault records of every local rank whose NVLink kernels gave up waiting (state != kNvlinkHealthy).
+struct NvlinkFaultReport {
+  int64_t comm_id = 0;
+  int32_t device = 0;
+  int rank = -1;
+  int size = 0;
+  NvlinkFault fault;
+};
+std::vector<NvlinkFaultReport> NvlinkFaultReports();
 
 // Device bytes held per (communicator, local device).
 struct SymmetricUsage {

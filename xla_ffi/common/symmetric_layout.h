@@ -47,6 +47,20 @@ struct DeviceTraceRecord {
 
 enum TraceKernel : uint32_t { kTraceAllToAllv = 1, kTraceAllReduce = 2, kTraceAllGather = 3, kTraceAllToAll = 4 };
 
+// Where a rank's NVLink kernels report that they gave up waiting (device_sync.cuh, Patience). It lives in
+// pinned host memory mapped into the device, so the host reads it without a CUDA call: the handlers at
+// every call, the watchdog every few milliseconds.
+enum NvlinkFaultState : uint32_t { kNvlinkHealthy = 0, kNvlinkGaveUp = 1, kNvlinkAborted = 2 };
+struct NvlinkFault {
+  uint32_t state;       // NvlinkFaultState; written last
+  uint32_t kernel;      // TraceKernel of the call
+  uint64_t epoch;       // the call's number among the communicator's NVLink calls
+  int64_t site;         // its call site
+  uint64_t waited_ns;   // kNvlinkGaveUp: how long it waited
+  uint32_t aborted_by;  // kNvlinkAborted: 1 + the rank that gave up first
+  uint8_t missing[kMaxNvlinkRanks];  // kNvlinkGaveUp: 1 for each rank it waited for in vain
+};
+
 // Flags hold epochs: the number of the call (1, 2, ...) on this communicator that set them. They only grow,
 // so no kernel ever resets them and a recorded CUDA graph can replay forever.
 struct alignas(128) SymmetricControl {
@@ -55,6 +69,8 @@ struct alignas(128) SymmetricControl {
   uint64_t output[kMaxNvlinkRanks];                   // set by rank r before `entered`: its output address
                                                       // for call e (same-process ranks write there directly)
   uint64_t epoch;                                     // local: calls finished on this communicator
+  uint32_t abort_by;                                  // set by rank r: 1 + r gave up waiting; the
+                                                      // communicator is unusable, kernels wait no more
   uint32_t blocks_done;                               // local: blocks of the current call that finished
   DeviceTraceRecord trace[kTraceSlots];               // local: timelines of the last calls (when traced)
 };
@@ -64,6 +80,7 @@ struct PeerTable {
   uint8_t* data[kMaxNvlinkRanks];
   SymmetricControl* control[kMaxNvlinkRanks];
   int64_t parity_half_bytes;  // the same on every rank; a multiple of 256
+  NvlinkFault* fault;         // this rank's fault record (device address of pinned host memory)
 };
 
 }  // namespace jax_ncclx

@@ -24,11 +24,17 @@ struct SendPlan {
   std::vector<int64_t> delivered;
 };
 
+std::vector<int32_t> CorruptCounts(const int32_t* counts, int64_t n) {
+  std::vector<int32_t> out(counts, counts + n);
+  for (int64_t i = 0; i < n; ++i) out[i] = CorruptedCount(out[i], i);
+  return out;
+}
+
 ffi::Error AllToAllvImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::U32> partition_id,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
                          ffi::Result<ffi::Buffer<ffi::S32>> dropped, ffi::Span<const int64_t> groups,
-                         int64_t group_size, int64_t op_id, int64_t timeout_ms, int64_t capacity,
-                         int64_t packed) {
+                         int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace,
+                         int64_t capacity, int64_t packed) {
   const auto x_dims = x.dimensions();
   const auto count_dims = counts.dimensions();
   if (x_dims.size() < 2 || count_dims.size() != 3) {
@@ -50,16 +56,24 @@ ffi::Error AllToAllvImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts, ffi::Bu
                                     std::to_string(expected_y));
   }
 
+  ffi::ErrorOr<CpuCall> call =
+      BeginCpuCall(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace);
+  if (call.has_error()) return call.error();
+  const int32_t* send_counts = counts.typed_data();
+  std::vector<int32_t> corrupted;
+  if (call->fault && call->fault->kind == FaultKind::kCorruptCounts) {
+    corrupted = CorruptCounts(send_counts, counts.element_count());
+    send_counts = corrupted.data();
+  }
   SendPlan plan{std::vector<int32_t>(num_batch * num_peers * num_chunks),
                 std::vector<int64_t>(num_batch * num_peers), std::vector<int64_t>(num_batch * num_peers)};
   for (int64_t b = 0; b < num_batch; ++b) {
-    PlanSends(counts.typed_data() + b * num_peers * num_chunks, num_peers, num_chunks, num_rows, capacity,
+    PlanSends(send_counts + b * num_peers * num_chunks, num_peers, num_chunks, num_rows, capacity,
               plan.delivered_chunks.data() + b * num_peers * num_chunks, plan.first_row.data() + b * num_peers,
               plan.delivered.data() + b * num_peers, dropped->typed_data() + b * num_peers);
   }
 
-  return RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, op_id, timeout_ms,
-                    {x.untyped_data(), &plan}, [&](int64_t rank, const std::vector<Published>& peers) {
+  return RunCpuCall(*call, {x.untyped_data(), &plan}, y->untyped_data(), y->size_bytes(), [&](int64_t rank, const std::vector<Published>& peers) {
     char* out = static_cast<char*>(y->untyped_data());
     std::memset(out, 0, y->size_bytes());
     for (int64_t b = 0; b < num_batch; ++b) {

@@ -15,8 +15,10 @@
 #include <string_view>
 
 #include "common/checks.h"
+#include "common/monitor.h"
 #include "common/nccl_comms.h"
 #include "common/symmetric.h"
+#include "common/watchdog.h"
 #include "ops/all_to_allv_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -124,6 +126,26 @@ WorkspaceLayout LayOutWorkspace(const AllToAllvShape& shape, bool packed) {
   return layout;
 }
 
+// The counts a call sends: `counts` itself, or, under an injected kCorruptCounts fault, a corrupted copy in
+// stream-ordered memory that ReleaseCounts frees after the call's work.
+ffi::ErrorOr<const int32_t*> CountsToSend(const GpuCall& call, const ffi::Buffer<ffi::S32>& counts) {
+  if (!call.fault || call.fault->kind != FaultKind::kCorruptCounts || counts.element_count() == 0) {
+    return counts.typed_data();
+  }
+  void* corrupted = nullptr;
+  NCCLX_RETURN_IF_ERROR(CheckCuda(kOp, "cudaMallocAsync",
+                                  cudaMallocAsync(&corrupted, counts.size_bytes(), call.stream)));
+  NCCLX_RETURN_IF_ERROR(CheckCuda(kOp, "corrupt counts kernel launch",
+                                  LaunchCorruptCounts(counts.typed_data(), static_cast<int32_t*>(corrupted),
+                                                      counts.element_count(), call.stream)));
+  return static_cast<const int32_t*>(corrupted);
+}
+
+ffi::Error ReleaseCounts(const GpuCall& call, const ffi::Buffer<ffi::S32>& counts, const int32_t* sent) {
+  if (sent == counts.typed_data()) return ffi::Error::Success();
+  return CheckCuda(kOp, "cudaFreeAsync", cudaFreeAsync(const_cast<int32_t*>(sent), call.stream));
+}
+
 // The arguments both transports' handlers start with.
 auto BindAllToAllv() {
   return ffi::Ffi::Bind()
@@ -139,8 +161,8 @@ auto BindAllToAllv() {
 ffi::Error AllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                                 ffi::Buffer<ffi::S32> counts, ffi::Result<ffi::AnyBuffer> y,
                                 ffi::ResultBuffer<ffi::S32> recv_counts, ffi::ResultBuffer<ffi::S32> dropped,
-                                ffi::ResultBuffer<ffi::U8> workspace, int64_t comm_id, int64_t capacity,
-                                int64_t packed) {
+                                ffi::ResultBuffer<ffi::U8> workspace, int64_t comm_id, int64_t site,
+                                int64_t timeout_ms, int64_t trace, int64_t capacity, int64_t packed) {
   ffi::ErrorOr<CommRank> comm = LookupCommRank(kOp, comm_id, device_ordinal);
   if (comm.has_error()) return comm.error();
   ffi::ErrorOr<AllToAllvShape> shape =
@@ -158,48 +180,55 @@ ffi::Error AllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi
   int64_t* first_row = reinterpret_cast<int64_t*>(base + layout.first_row);
   int64_t* delivered = reinterpret_cast<int64_t*>(base + layout.delivered);
 
-  NCCLX_RETURN_IF_ERROR(CheckCuda(kOp, "plan kernel launch",
-                                  LaunchPlanSends(*shape, counts.typed_data(), delivered_chunks, first_row,
-                                                  delivered, dropped->typed_data(), stream)));
-  NCCLX_RETURN_IF_ERROR(
-      CheckCuda(kOp, "pack kernel launch",
-                LaunchPackRows(*shape, x.untyped_data(), first_row, delivered, send, stream)));
-
+  ffi::ErrorOr<GpuCall> call = BeginGpuCall(kOp, MakeCallAttrs(site, timeout_ms, trace), comm_id, comm->rank,
+                                            comm->size, device_ordinal, stream);
+  if (call.has_error()) return call.error();
   const int64_t peer_bytes = shape->capacity * shape->row_bytes;
   const int64_t batch_bytes = shape->num_peers * peer_bytes;
   const int64_t batch_counts = shape->num_peers * shape->num_chunks;
-  NCCLX_RETURN_IF_ERROR(InNcclGroup(kOp, comm->comm, [&]() -> ffi::Error {
-    for (int64_t b = 0; b < shape->batch; ++b) {
-      if (peer_bytes > 0) {
-        NCCLX_RETURN_IF_ERROR(CheckNccl(kOp, "ncclAlltoAll (rows)",
-                                        ncclAlltoAll(send + b * batch_bytes, recv + b * batch_bytes,
-                                                     peer_bytes, ncclInt8, comm->comm, stream),
-                                        comm->comm));
+  return RunGpuCall(*call, /*watch=*/true, y->untyped_data(), y->size_bytes(), [&]() -> ffi::Error {
+    ffi::ErrorOr<const int32_t*> send_counts = CountsToSend(*call, counts);
+    if (send_counts.has_error()) return send_counts.error();
+    NCCLX_RETURN_IF_ERROR(CheckCuda(kOp, "plan kernel launch",
+                                    LaunchPlanSends(*shape, *send_counts, delivered_chunks, first_row, delivered,
+                                                    dropped->typed_data(), stream)));
+    NCCLX_RETURN_IF_ERROR(ReleaseCounts(*call, counts, *send_counts));
+    NCCLX_RETURN_IF_ERROR(
+        CheckCuda(kOp, "pack kernel launch",
+                  LaunchPackRows(*shape, x.untyped_data(), first_row, delivered, send, stream)));
+    NCCLX_RETURN_IF_ERROR(InNcclGroup(kOp, comm->comm, [&]() -> ffi::Error {
+      for (int64_t b = 0; b < shape->batch; ++b) {
+        if (peer_bytes > 0) {
+          NCCLX_RETURN_IF_ERROR(CheckNccl(kOp, "ncclAlltoAll (rows)",
+                                          ncclAlltoAll(send + b * batch_bytes, recv + b * batch_bytes,
+                                                       peer_bytes, ncclInt8, comm->comm, stream),
+                                          comm->comm));
+        }
+        if (shape->num_chunks > 0) {
+          NCCLX_RETURN_IF_ERROR(CheckNccl(kOp, "ncclAlltoAll (recv_counts)",
+                                          ncclAlltoAll(delivered_chunks + b * batch_counts,
+                                                       recv_counts->typed_data() + b * batch_counts,
+                                                       shape->num_chunks, ncclInt32, comm->comm, stream),
+                                          comm->comm));
+        }
       }
-      if (shape->num_chunks > 0) {
-        NCCLX_RETURN_IF_ERROR(CheckNccl(kOp, "ncclAlltoAll (recv_counts)",
-                                        ncclAlltoAll(delivered_chunks + b * batch_counts,
-                                                     recv_counts->typed_data() + b * batch_counts,
-                                                     shape->num_chunks, ncclInt32, comm->comm, stream),
-                                        comm->comm));
-      }
-    }
-    return ffi::Error::Success();
-  }));
-
-  if (packed == 0) return ffi::Error::Success();
-  return CheckCuda(kOp, "compact kernel launch",
-                   LaunchCompactRows(*shape, recv, recv_counts->typed_data(), y->untyped_data(), stream));
+      return ffi::Error::Success();
+    }));
+    if (packed == 0) return ffi::Error::Success();
+    return CheckCuda(kOp, "compact kernel launch",
+                     LaunchCompactRows(*shape, recv, recv_counts->typed_data(), y->untyped_data(), stream));
+  });
 }
 
 ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                                       ffi::Buffer<ffi::S32> counts, ffi::Result<ffi::AnyBuffer> y,
                                       ffi::ResultBuffer<ffi::S32> recv_counts,
-                                      ffi::ResultBuffer<ffi::S32> dropped, int64_t comm_id, int64_t capacity,
-                                      int64_t packed, int64_t blocks, int64_t direct,
-                                      int64_t trace) {
+                                      ffi::ResultBuffer<ffi::S32> dropped, int64_t comm_id, int64_t site,
+                                      int64_t timeout_ms, int64_t trace, int64_t capacity, int64_t packed,
+                                      int64_t blocks, int64_t direct) {
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
+  NCCLX_RETURN_IF_ERROR(CheckNvlinkFault(kOp, comm_id, *symmetric));
   ffi::ErrorOr<AllToAllvShape> shape =
       GetShape(x, counts, *y, *recv_counts, *dropped, symmetric->size, capacity, packed);
   if (shape.has_error()) return shape.error();
@@ -223,9 +252,10 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
   args.groups = grid.groups;
   args.packed = packed == 1;
   args.direct = direct == 1;
-  args.trace = trace == 1;
+  args.trace = trace == 1 || trace == 2;
+  args.site = site;
+  args.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000;
   args.x = x.untyped_data();
-  args.counts = counts.typed_data();
   args.y = y->untyped_data();
   args.recv_counts = recv_counts->typed_data();
   args.dropped = dropped->typed_data();
@@ -234,17 +264,27 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
   args.counts_slot_bytes = layout.counts_slot_bytes;
   args.rows_offset = layout.rows_offset;
   args.rows_slot_bytes = layout.rows_slot_bytes;
-  NCCLX_RETURN_IF_ERROR(CountNvlinkLaunch(kOp, stream));
-  return CheckCuda(kOp, "NVLink kernel launch", LaunchNvlinkAllToAllv(args, grid.blocks, stream));
+  ffi::ErrorOr<GpuCall> call = BeginGpuCall(kOp, MakeCallAttrs(site, timeout_ms, trace), comm_id, symmetric->rank,
+                                            symmetric->size, device_ordinal, stream);
+  if (call.has_error()) return call.error();
+  return RunGpuCall(*call, /*watch=*/false, y->untyped_data(), y->size_bytes(), [&]() -> ffi::Error {
+    ffi::ErrorOr<const int32_t*> send_counts = CountsToSend(*call, counts);
+    if (send_counts.has_error()) return send_counts.error();
+    args.counts = *send_counts;
+    NCCLX_RETURN_IF_ERROR(CountNvlinkLaunch(kOp, stream));
+    NCCLX_RETURN_IF_ERROR(
+        CheckCuda(kOp, "NVLink kernel launch", LaunchNvlinkAllToAllv(args, grid.blocks, stream)));
+    return ReleaseCounts(*call, counts, *send_counts);
+  });
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NcclAllToAllvDynamic, AllToAllvDynamicImpl,
-    BindAllToAllv()
-        .Ret<ffi::Buffer<ffi::U8>>()               // workspace: [W]
-        .Attr<int64_t>("comm_id")                  // comm_id
+    BindCallAttrs(BindAllToAllv()
+                      .Ret<ffi::Buffer<ffi::U8>>()  // workspace: [W]
+                      .Attr<int64_t>("comm_id"))     // comm_id
         .Attr<int64_t>("capacity")                 // capacity
         .Attr<int64_t>("packed"));                 // packed
 
@@ -252,13 +292,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 // read from the stable peer table, epochs live on the device).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NvlinkAllToAllvDynamic, NvlinkAllToAllvDynamicImpl,
-    BindAllToAllv()
-        .Attr<int64_t>("comm_id")                  // comm_id
+    BindCallAttrs(BindAllToAllv().Attr<int64_t>("comm_id"))  // comm_id
         .Attr<int64_t>("capacity")                 // capacity
         .Attr<int64_t>("packed")                   // packed
         .Attr<int64_t>("blocks")                   // blocks (0 = chosen by size)
-        .Attr<int64_t>("direct")                   // direct: 1 = write into the peers' outputs
-        .Attr<int64_t>("trace"),                   // trace: 1 = record the call's device timeline
+        .Attr<int64_t>("direct"),                  // direct: 1 = write into the peers' outputs
     {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_ncclx

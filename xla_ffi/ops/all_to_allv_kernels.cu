@@ -16,6 +16,12 @@ constexpr int kThreads = 256;
 constexpr int64_t kTargetBlocks = 132 * 4;  // a few resident blocks on every SM of an H100
 constexpr int64_t kMaxGridY = 65535;
 
+__global__ void CorruptCountsKernel(const int32_t* __restrict__ counts, int32_t* __restrict__ out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    out[i] = CorruptedCount(counts[i], i);
+  }
+}
+
 __global__ void PlanSendsKernel(AllToAllvShape shape, const int32_t* __restrict__ counts,
                                 int32_t* __restrict__ delivered_chunks, int64_t* __restrict__ first_row,
                                 int64_t* __restrict__ delivered, int32_t* __restrict__ dropped) {
@@ -132,6 +138,13 @@ cudaError_t WithWidestUnit(int64_t row_bytes, const void* a, const void* b, Laun
 }
 
 }  // namespace
+
+cudaError_t LaunchCorruptCounts(const int32_t* counts, int32_t* out, int64_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, kTargetBlocks);
+  CorruptCountsKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(counts, out, n);
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchPlanSends(const AllToAllvShape& shape, const int32_t* counts, int32_t* delivered_chunks,
                             int64_t* first_row, int64_t* delivered, int32_t* dropped, cudaStream_t stream) {

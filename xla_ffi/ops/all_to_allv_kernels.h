@@ -58,6 +58,8 @@ struct NvlinkAllToAllvArgs {
   bool packed = false;
   bool direct = false;  // write rows into the peers' outputs (same process) instead of their staging slots
   bool trace = false;   // record the call's timeline in control->trace
+  int64_t site = 0;         // call site, for the fault record
+  uint64_t timeout_ns = 0;  // how long a wait for a peer may last (device_sync.cuh, Patience)
   const void* x = nullptr;              // [B, S, row_bytes]
   const int32_t* counts = nullptr;      // [B, N, K]
   void* y = nullptr;                    // [B, N, C, row_bytes] or [B, N * C, row_bytes]
@@ -69,6 +71,10 @@ struct NvlinkAllToAllvArgs {
   int64_t rows_offset = 0;
   int64_t rows_slot_bytes = 0;
 };
+
+// Writes CorruptedCount(counts[i], i) to out[i] for i < n: the send counts of an injected kCorruptCounts
+// fault (monitor.h).
+cudaError_t LaunchCorruptCounts(const int32_t* counts, int32_t* out, int64_t n, cudaStream_t stream);
 
 // Blocks and pieces per peer for a call: `requested_blocks` (0 = by size), never more than one per SM.
 struct NvlinkGrid {

@@ -91,7 +91,9 @@ class TileCounts {
   // Stages the tile (the caller synchronizes the block before reading). `with_slots`: also the count slots.
   __device__ TileCounts(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int64_t first, int64_t size,
                         int dest, bool with_slots)
-      : num_peers_(args.shape.num_peers), num_chunks_(args.shape.num_chunks) {
+      : num_peers_(args.shape.num_peers),
+        num_chunks_(args.shape.num_chunks),
+        capacity_(static_cast<int32_t>(min(args.shape.capacity, int64_t{INT32_MAX}))) {
     const int64_t per_element = num_peers_ * num_chunks_;
     const int32_t* slot0 = LocalCountSlot(args, parity, 0) + (first * num_peers_ + dest) * num_chunks_;
     if (size * per_element > kStagedCounts) {  // one element needing more than the arrays hold: global memory
@@ -120,19 +122,22 @@ class TileCounts {
 
   // Send counts [N, K] of element i of the tile.
   __device__ const int32_t* Send(int64_t i) const { return send_ + i * num_peers_ * num_chunks_; }
-  // Rows of chunk k that `source` delivered to `dest` in element i.
+  // Rows of chunk k that `source` delivered to `dest` in element i. Slots hold what the sender planned, but
+  // a call that gave up waiting (Patience) reads stale ones, so every value is clamped to [0, capacity] and
+  // every sum to the capacity: offsets computed from them stay inside the receiver's rows.
   __device__ int32_t Delivered(int source, int64_t i, int64_t k) const {
-    return slots_[source * source_stride_ + i * element_stride_ + k];
+    return min(max(slots_[source * source_stride_ + i * element_stride_ + k], 0), capacity_);
   }
   __device__ int64_t RowsFrom(int source, int64_t i) const {
     int64_t rows = 0;
     for (int64_t k = 0; k < num_chunks_; ++k) rows += Delivered(source, i, k);
-    return rows;
+    return min(rows, int64_t{capacity_});
   }
 
  private:
   int64_t num_peers_;
   int64_t num_chunks_;
+  int32_t capacity_;
   const int32_t* send_;
   const int32_t* slots_;
   int64_t source_stride_;
@@ -309,6 +314,8 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
   const int parity = static_cast<int>(epoch & 1);
   const bool direct_packed = args.direct && args.packed;
   CallTrace trace(args.control, epoch, args.trace);
+  Patience patience(args.table, args.control, args.rank, num_peers, epoch, kTraceAllToAllv, args.site,
+                    args.timeout_ns);
   if (threadIdx.x == 0) trace.Start();
 
   if (blockIdx.x == 0) {
@@ -324,15 +331,17 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
   for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
     const int peer = (args.rank + job / args.groups) % num_peers;
     const int g = job % args.groups;
+    bool entered = true;
     if (threadIdx.x == 0) {
       // The direct packed layout places rows after the earlier sources' and zeros after all: every
       // rank's counts are needed, and they come with `entered`.
       for (int q = 0; q < num_peers; ++q) {
-        if (q == peer || direct_packed) WaitAtLeast(&args.control->entered[q], epoch);
+        if (q == peer || direct_packed) entered &= patience.AtLeast(&args.control->entered[q], epoch, q);
       }
       trace.PeersEntered();
     }
-    __syncthreads();
+    // A peer that never entered has not published its output address (direct mode): send nothing to it.
+    if (__syncthreads_or(!entered)) continue;
     SendPiece<V>(args, shared, parity, peer, g);
     if (threadIdx.x == 0) {  // the block's rows are ordered before the release by SendPiece's final barrier
       StoreRelease(&args.table->control[peer]->arrived[args.rank][g], epoch);
@@ -346,9 +355,9 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
       // The counts come with piece 0 of each source (or with `entered`); the staged packed layout needs
       // them all.
       for (int q = 0; args.packed && !args.direct && q < num_peers; ++q) {
-        WaitAtLeast(&args.control->arrived[q][0], epoch);
+        patience.AtLeast(&args.control->arrived[q][0], epoch, q);
       }
-      WaitAtLeast(&args.control->arrived[source][g], epoch);
+      patience.AtLeast(&args.control->arrived[source][g], epoch, source);
       trace.DataArrived();
     }
     __syncthreads();

@@ -135,14 +135,14 @@ ffi::Error CheckBytes(std::string_view op_name, std::string_view what, size_t go
 }
 
 ffi::Error AllReduceImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id, ffi::Result<ffi::AnyBuffer> y,
-                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t op_id,
-                         int64_t timeout_ms, int64_t reduce_op) {
+                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
+                         int64_t timeout_ms, int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "all_reduce";
   NCCLX_RETURN_IF_ERROR(CheckReduceOp(kOp, reduce_op));
   NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", y->size_bytes(), x.size_bytes()));
   ffi::Error result = ffi::Error::Success();
-  NCCLX_RETURN_IF_ERROR(RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, op_id, timeout_ms,
-                                   {x.untyped_data()}, [&](int64_t, const std::vector<Published>& peers) {
+  NCCLX_RETURN_IF_ERROR(RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
+                                   {x.untyped_data()}, y->untyped_data(), y->size_bytes(), [&](int64_t, const std::vector<Published>& peers) {
     result = Reduce(kOp, x.element_type(), static_cast<ReduceOp>(reduce_op), y->untyped_data(), peers, 0,
                     x.element_count());
   }));
@@ -150,13 +150,13 @@ ffi::Error AllReduceImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id, f
 }
 
 ffi::Error AllGatherImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id, ffi::Result<ffi::AnyBuffer> y,
-                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t op_id,
-                         int64_t timeout_ms) {
+                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
+                         int64_t timeout_ms, int64_t trace) {
   constexpr std::string_view kOp = "all_gather";
   const size_t chunk = x.size_bytes();
   NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", y->size_bytes(), chunk * group_size));
-  return RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, op_id, timeout_ms,
-                    {x.untyped_data()}, [&](int64_t, const std::vector<Published>& peers) {
+  return RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
+                    {x.untyped_data()}, y->untyped_data(), y->size_bytes(), [&](int64_t, const std::vector<Published>& peers) {
     char* out = static_cast<char*>(y->untyped_data());
     for (size_t r = 0; r < peers.size(); ++r) std::memcpy(out + r * chunk, peers[r].data, chunk);
   });
@@ -164,13 +164,13 @@ ffi::Error AllGatherImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id, f
 
 ffi::Error ReduceScatterImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id,
                              ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups,
-                             int64_t group_size, int64_t op_id, int64_t timeout_ms, int64_t reduce_op) {
+                             int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "reduce_scatter";
   NCCLX_RETURN_IF_ERROR(CheckReduceOp(kOp, reduce_op));
   NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "input", x.size_bytes(), y->size_bytes() * group_size));
   ffi::Error result = ffi::Error::Success();
-  NCCLX_RETURN_IF_ERROR(RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, op_id, timeout_ms,
-                                   {x.untyped_data()}, [&](int64_t rank, const std::vector<Published>& peers) {
+  NCCLX_RETURN_IF_ERROR(RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
+                                   {x.untyped_data()}, y->untyped_data(), y->size_bytes(), [&](int64_t rank, const std::vector<Published>& peers) {
     const size_t count = y->element_count();
     result = Reduce(kOp, x.element_type(), static_cast<ReduceOp>(reduce_op), y->untyped_data(), peers,
                     rank * count, count);
@@ -179,13 +179,13 @@ ffi::Error ReduceScatterImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_i
 }
 
 ffi::Error AllToAllImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id, ffi::Result<ffi::AnyBuffer> y,
-                        ffi::Span<const int64_t> groups, int64_t group_size, int64_t op_id,
-                        int64_t timeout_ms) {
+                        ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
+                        int64_t timeout_ms, int64_t trace) {
   constexpr std::string_view kOp = "all_to_all";
   NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", y->size_bytes(), x.size_bytes()));
   const size_t chunk = x.size_bytes() / group_size;
-  return RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, op_id, timeout_ms,
-                    {x.untyped_data()}, [&](int64_t rank, const std::vector<Published>& peers) {
+  return RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
+                    {x.untyped_data()}, y->untyped_data(), y->size_bytes(), [&](int64_t rank, const std::vector<Published>& peers) {
     char* out = static_cast<char*>(y->untyped_data());
     for (size_t r = 0; r < peers.size(); ++r) {
       std::memcpy(out + r * chunk, static_cast<const char*>(peers[r].data) + rank * chunk, chunk);
@@ -194,8 +194,8 @@ ffi::Error AllToAllImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id, ff
 }
 
 ffi::Error PpermuteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id, ffi::Result<ffi::AnyBuffer> y,
-                        ffi::Span<const int64_t> groups, int64_t group_size, int64_t op_id,
-                        int64_t timeout_ms, ffi::Span<const int64_t> sources,
+                        ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
+                        int64_t timeout_ms, int64_t trace, ffi::Span<const int64_t> sources,
                         ffi::Span<const int64_t> targets) {
   constexpr std::string_view kOp = "ppermute";
   NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", y->size_bytes(), x.size_bytes()));
@@ -203,8 +203,8 @@ ffi::Error PpermuteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id, ff
     return InvalidArgument(kOp, "sources and targets must have one entry per rank (" +
                                     std::to_string(group_size) + ")");
   }
-  return RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, op_id, timeout_ms,
-                    {x.untyped_data()}, [&](int64_t rank, const std::vector<Published>& peers) {
+  return RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
+                    {x.untyped_data()}, y->untyped_data(), y->size_bytes(), [&](int64_t rank, const std::vector<Published>& peers) {
     const int64_t source = sources[rank];
     if (source < 0) {
       std::memset(y->untyped_data(), 0, y->size_bytes());

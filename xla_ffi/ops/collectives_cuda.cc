@@ -10,12 +10,30 @@
 #include <string_view>
 
 #include "common/checks.h"
+#include "common/monitor.h"
 #include "common/nccl_comms.h"
+#include "common/watchdog.h"
 #include "ops/collective_checks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {
 namespace {
+
+// Starts a call on this device's rank of `comm_id`: the communicator, and the call's number and fault.
+struct NcclCall {
+  CommRank comm;
+  GpuCall call;
+};
+
+ffi::ErrorOr<NcclCall> BeginNcclCall(std::string_view op, cudaStream_t stream, int32_t device_ordinal, int64_t comm_id,
+                                     int64_t site, int64_t timeout_ms, int64_t trace) {
+  ffi::ErrorOr<CommRank> comm = LookupCommRank(op, comm_id, device_ordinal);
+  if (comm.has_error()) return comm.error();
+  ffi::ErrorOr<GpuCall> call = BeginGpuCall(op, MakeCallAttrs(site, timeout_ms, trace), comm_id, comm->rank,
+                                            comm->size, device_ordinal, stream);
+  if (call.has_error()) return call.error();
+  return NcclCall{*comm, *call};
+}
 
 // The NCCL type and operation of a reduction of x.
 struct Reduction {
@@ -34,63 +52,79 @@ ffi::ErrorOr<Reduction> GetReduction(std::string_view op, const ffi::AnyBuffer& 
 }
 
 ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t reduce_op) {
+                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
+                         int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "all_reduce";
-  ffi::ErrorOr<CommRank> comm = LookupCommRank(kOp, comm_id, device_ordinal);
-  if (comm.has_error()) return comm.error();
+  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, trace);
+  if (nccl.has_error()) return nccl.error();
+  const CommRank* comm = &nccl->comm;
   ffi::ErrorOr<Reduction> reduction = GetReduction(kOp, x, *y, reduce_op);
   if (reduction.has_error()) return reduction.error();
   NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " +
                                                                           std::to_string(Bytes(x))));
   if (Bytes(x) == 0) return ffi::Error::Success();
-  return CheckNccl(kOp, "ncclAllReduce",
-                   ncclAllReduce(x.untyped_data(), y->untyped_data(), x.element_count(), reduction->dtype,
-                                 reduction->op, comm->comm, stream),
-                   comm->comm);
+  return RunGpuCall(nccl->call, /*watch=*/true, y->untyped_data(), Bytes(*y), [&] {
+    return CheckNccl(kOp, "ncclAllReduce",
+                     ncclAllReduce(x.untyped_data(), y->untyped_data(), x.element_count(), reduction->dtype,
+                                   reduction->op, comm->comm, stream),
+                     comm->comm);
+  });
 }
 
 ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id) {
+                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
+                         int64_t trace) {
   constexpr std::string_view kOp = "all_gather";
-  ffi::ErrorOr<CommRank> comm = LookupCommRank(kOp, comm_id, device_ordinal);
-  if (comm.has_error()) return comm.error();
+  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, trace);
+  if (nccl.has_error()) return nccl.error();
+  const CommRank* comm = &nccl->comm;
   NCCLX_RETURN_IF_ERROR(
       CheckBytes(kOp, "output", Bytes(*y), comm->size * Bytes(x), RanksTimes(comm->size, Bytes(x))));
   if (Bytes(x) == 0) return ffi::Error::Success();
-  return CheckNccl(kOp, "ncclAllGather",
-                   ncclAllGather(x.untyped_data(), y->untyped_data(), Bytes(x), ncclInt8, comm->comm, stream),
-                   comm->comm);
+  return RunGpuCall(nccl->call, /*watch=*/true, y->untyped_data(), Bytes(*y), [&] {
+    return CheckNccl(kOp, "ncclAllGather",
+                     ncclAllGather(x.untyped_data(), y->untyped_data(), Bytes(x), ncclInt8, comm->comm, stream),
+                     comm->comm);
+  });
 }
 
 ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                             ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t reduce_op) {
+                             ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
+                             int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "reduce_scatter";
-  ffi::ErrorOr<CommRank> comm = LookupCommRank(kOp, comm_id, device_ordinal);
-  if (comm.has_error()) return comm.error();
+  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, trace);
+  if (nccl.has_error()) return nccl.error();
+  const CommRank* comm = &nccl->comm;
   ffi::ErrorOr<Reduction> reduction = GetReduction(kOp, x, *y, reduce_op);
   if (reduction.has_error()) return reduction.error();
   NCCLX_RETURN_IF_ERROR(
       CheckBytes(kOp, "input", Bytes(x), comm->size * Bytes(*y), RanksTimes(comm->size, Bytes(*y))));
   if (Bytes(x) == 0) return ffi::Error::Success();
-  return CheckNccl(kOp, "ncclReduceScatter",
-                   ncclReduceScatter(x.untyped_data(), y->untyped_data(), y->element_count(),
-                                     reduction->dtype, reduction->op, comm->comm, stream),
-                   comm->comm);
+  return RunGpuCall(nccl->call, /*watch=*/true, y->untyped_data(), Bytes(*y), [&] {
+    return CheckNccl(kOp, "ncclReduceScatter",
+                     ncclReduceScatter(x.untyped_data(), y->untyped_data(), y->element_count(),
+                                       reduction->dtype, reduction->op, comm->comm, stream),
+                     comm->comm);
+  });
 }
 
 ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                        ffi::Result<ffi::AnyBuffer> y, int64_t comm_id) {
+                        ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
+                        int64_t trace) {
   constexpr std::string_view kOp = "all_to_all";
-  ffi::ErrorOr<CommRank> comm = LookupCommRank(kOp, comm_id, device_ordinal);
-  if (comm.has_error()) return comm.error();
+  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, trace);
+  if (nccl.has_error()) return nccl.error();
+  const CommRank* comm = &nccl->comm;
   NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), comm->size));
   NCCLX_RETURN_IF_ERROR(
       CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
   if (Bytes(x) == 0) return ffi::Error::Success();
-  return CheckNccl(kOp, "ncclAlltoAll",
-                   ncclAlltoAll(x.untyped_data(), y->untyped_data(), Bytes(x) / comm->size, ncclInt8,
-                                comm->comm, stream),
-                   comm->comm);
+  return RunGpuCall(nccl->call, /*watch=*/true, y->untyped_data(), Bytes(*y), [&] {
+    return CheckNccl(kOp, "ncclAlltoAll",
+                     ncclAlltoAll(x.untyped_data(), y->untyped_data(), Bytes(x) / comm->size, ncclInt8,
+                                  comm->comm, stream),
+                     comm->comm);
+  });
 }
 
 // Every rank sees the same sources/targets, so checking that they describe one consistent set of pairs
@@ -129,11 +163,12 @@ ffi::Error CheckPairs(std::string_view op, ffi::Span<const int64_t> sources, ffi
 }
 
 ffi::Error PpermuteImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                        ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, ffi::Span<const int64_t> sources,
-                        ffi::Span<const int64_t> targets) {
+                        ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
+                        int64_t trace, ffi::Span<const int64_t> sources, ffi::Span<const int64_t> targets) {
   constexpr std::string_view kOp = "ppermute";
-  ffi::ErrorOr<CommRank> comm = LookupCommRank(kOp, comm_id, device_ordinal);
-  if (comm.has_error()) return comm.error();
+  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, trace);
+  if (nccl.has_error()) return nccl.error();
+  const CommRank* comm = &nccl->comm;
   NCCLX_RETURN_IF_ERROR(CheckPairs(kOp, sources, targets, comm->size));
   NCCLX_RETURN_IF_ERROR(
       CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
@@ -142,82 +177,55 @@ ffi::Error PpermuteImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
 
   const int64_t source = sources[comm->rank];
   const int64_t target = targets[comm->rank];
-  // CheckPairs makes a rank its own source exactly when it is its own target: a local copy, no NCCL.
-  if (source == comm->rank) {
-    return CheckCuda(kOp, "cudaMemcpyAsync",
-                     cudaMemcpyAsync(y->untyped_data(), x.untyped_data(), bytes, cudaMemcpyDeviceToDevice,
-                                     stream));
-  }
-  if (source < 0) {
-    NCCLX_RETURN_IF_ERROR(
-        CheckCuda(kOp, "cudaMemsetAsync", cudaMemsetAsync(y->untyped_data(), 0, bytes, stream)));
-    if (target < 0) return ffi::Error::Success();
-  }
-  // Send and receive in one group: with both issued together, rings of ranks cannot deadlock.
-  return InNcclGroup(kOp, comm->comm, [&]() -> ffi::Error {
-    if (target >= 0) {
-      NCCLX_RETURN_IF_ERROR(CheckNccl(
-          kOp, "ncclSend",
-          ncclSend(x.untyped_data(), bytes, ncclInt8, static_cast<int>(target), comm->comm, stream),
-          comm->comm));
+  return RunGpuCall(nccl->call, /*watch=*/true, y->untyped_data(), bytes, [&]() -> ffi::Error {
+    // CheckPairs makes a rank its own source exactly when it is its own target: a local copy, no NCCL.
+    if (source == comm->rank) {
+      return CheckCuda(kOp, "cudaMemcpyAsync",
+                       cudaMemcpyAsync(y->untyped_data(), x.untyped_data(), bytes, cudaMemcpyDeviceToDevice,
+                                       stream));
     }
-    if (source < 0) return ffi::Error::Success();
-    return CheckNccl(
-        kOp, "ncclRecv",
-        ncclRecv(y->untyped_data(), bytes, ncclInt8, static_cast<int>(source), comm->comm, stream),
-        comm->comm);
+    if (source < 0) {
+      NCCLX_RETURN_IF_ERROR(
+          CheckCuda(kOp, "cudaMemsetAsync", cudaMemsetAsync(y->untyped_data(), 0, bytes, stream)));
+      if (target < 0) return ffi::Error::Success();
+    }
+    // Send and receive in one group: with both issued together, rings of ranks cannot deadlock.
+    return InNcclGroup(kOp, comm->comm, [&]() -> ffi::Error {
+      if (target >= 0) {
+        NCCLX_RETURN_IF_ERROR(CheckNccl(
+            kOp, "ncclSend",
+            ncclSend(x.untyped_data(), bytes, ncclInt8, static_cast<int>(target), comm->comm, stream),
+            comm->comm));
+      }
+      if (source < 0) return ffi::Error::Success();
+      return CheckNccl(
+          kOp, "ncclRecv",
+          ncclRecv(y->untyped_data(), bytes, ncclInt8, static_cast<int>(source), comm->comm, stream),
+          comm->comm);
+    });
   });
+}
+
+// The prefix every NCCL handler's binding shares; the op's own attributes follow.
+auto BindNcclCollective() {
+  return BindCallAttrs(ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                           .Ctx<ffi::DeviceOrdinal>()                 // device_ordinal
+                           .Arg<ffi::AnyBuffer>()                     // x
+                           .Ret<ffi::AnyBuffer>()                     // y
+                           .Attr<int64_t>("comm_id"));                // comm_id
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    NcclAllReduce, AllReduceImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-        .Ctx<ffi::DeviceOrdinal>()                 // device_ordinal
-        .Arg<ffi::AnyBuffer>()                     // x
-        .Ret<ffi::AnyBuffer>()                     // y
-        .Attr<int64_t>("comm_id")                  // comm_id
-        .Attr<int64_t>("reduce_op"));              // reduce_op
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    NcclAllGather, AllGatherImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-        .Ctx<ffi::DeviceOrdinal>()                 // device_ordinal
-        .Arg<ffi::AnyBuffer>()                     // x
-        .Ret<ffi::AnyBuffer>()                     // y: [N, *x.shape]
-        .Attr<int64_t>("comm_id"));                // comm_id
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    NcclReduceScatter, ReduceScatterImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-        .Ctx<ffi::DeviceOrdinal>()                 // device_ordinal
-        .Arg<ffi::AnyBuffer>()                     // x: [N, *y.shape]
-        .Ret<ffi::AnyBuffer>()                     // y
-        .Attr<int64_t>("comm_id")                  // comm_id
-        .Attr<int64_t>("reduce_op"));              // reduce_op
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    NcclAllToAll, AllToAllImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-        .Ctx<ffi::DeviceOrdinal>()                 // device_ordinal
-        .Arg<ffi::AnyBuffer>()                     // x: [N, ...]
-        .Ret<ffi::AnyBuffer>()                     // y: x's shape
-        .Attr<int64_t>("comm_id"));                // comm_id
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    NcclPpermute, PpermuteImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()     // stream
-        .Ctx<ffi::DeviceOrdinal>()                    // device_ordinal
-        .Arg<ffi::AnyBuffer>()                        // x
-        .Ret<ffi::AnyBuffer>()                        // y
-        .Attr<int64_t>("comm_id")                     // comm_id
-        .Attr<ffi::Span<const int64_t>>("sources")    // sources
-        .Attr<ffi::Span<const int64_t>>("targets"));  // targets
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclAllReduce, AllReduceImpl, BindNcclCollective().Attr<int64_t>("reduce_op"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclAllGather, AllGatherImpl, BindNcclCollective());  // y: [N, *x.shape]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclReduceScatter, ReduceScatterImpl,
+                              BindNcclCollective().Attr<int64_t>("reduce_op"));  // x: [N, *y.shape]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclAllToAll, AllToAllImpl, BindNcclCollective());  // x, y: [N, ...]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclPpermute, PpermuteImpl,
+                              BindNcclCollective()
+                                  .Attr<ffi::Span<const int64_t>>("sources")    // sources
+                                  .Attr<ffi::Span<const int64_t>>("targets"));  // targets
 
 }  // namespace jax_ncclx

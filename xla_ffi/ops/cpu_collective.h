@@ -1,39 +1,118 @@
-// What every CPU collective handler shares: the replica-group attributes the Python lowering passes to each
-// CPU custom call, and the call that turns them into a rendezvous with the right peers.
+// What every CPU collective handler shares: the replica-group and call attributes the Python lowering passes
+// to each CPU custom call, and the call that turns them into a rendezvous with the right peers, with the
+// sequence numbers, injected faults and trace records of monitor.h.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <optional>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
 #include "common/checks.h"
 #include "common/groups.h"
+#include "common/monitor.h"
 #include "common/rendezvous.h"
 
 namespace jax_ncclx {
 
-// Appends the attributes every CPU collective takes, in the order the handlers' last parameters expect.
+// Appends the attributes every CPU collective takes, in the order the handlers' parameters after the
+// buffers expect: groups, group_size, site, timeout_ms, trace.
 template <typename Binding>
 auto BindCpuGroupAttrs(Binding binding) {
-  return std::move(binding).template Attr<ffi::Span<const int64_t>>("groups")  // flat partition ids of all groups
-      .template Attr<int64_t>("group_size")                          // participants per group (axis size)
-      .template Attr<int64_t>("op_id")                               // unique id of the call site
-      .template Attr<int64_t>("timeout_ms");                         // how long to wait for peers
+  return BindCallAttrs(std::move(binding)
+                           .template Attr<ffi::Span<const int64_t>>("groups")  // flat partition ids of all groups
+                           .template Attr<int64_t>("group_size"));            // participants per group
 }
 
-// Runs `body(rank, peers)` as participant `partition_id` of its replica group.
-inline ffi::Error RunInGroup(std::string_view op, uint32_t partition_id, ffi::Span<const int64_t> groups,
-                             int64_t group_size, int64_t op_id, int64_t timeout_ms, Published mine,
-                             const std::function<void(int64_t, const std::vector<Published>&)>& body) {
+// One participant's call, from BeginCpuCall to RunCpuCall.
+struct CpuCall {
+  std::string_view op;
+  CallAttrs attrs;
+  GroupPosition position;
+  uint32_t partition_id = 0;
+  int64_t group_size = 0;
+  int64_t comm = 0;  // key of the replica group, for sequence numbers
+  int64_t sequence = 0;
+  std::optional<InjectedFault> fault;
+};
+
+// Hash of the replica groups and the group index: the CPU stand-in for a communicator id.
+inline int64_t CpuCommKey(ffi::Span<const int64_t> groups, int64_t group_idx) {
+  uint64_t hash = 1469598103934665603ull;
+  for (const int64_t id : groups) hash = (hash ^ static_cast<uint64_t>(id)) * 1099511628211ull;
+  hash = (hash ^ static_cast<uint64_t>(group_idx)) * 1099511628211ull;
+  return static_cast<int64_t>(hash >> 1);
+}
+
+inline ffi::ErrorOr<CpuCall> BeginCpuCall(std::string_view op, uint32_t partition_id,
+                                          ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
+                                          int64_t timeout_ms, int64_t trace) {
   ffi::ErrorOr<GroupPosition> position = FindGroupPosition(op, groups, group_size, partition_id);
   if (position.has_error()) return position.error();
-  const RoundKey key{op_id, position->group_idx, NextSequence(op_id, partition_id)};
-  const int64_t rank = position->rank;
-  return RunCollective(op, key, rank, group_size, mine, std::chrono::milliseconds(timeout_ms),
-                       [&](const std::vector<Published>& peers) { body(rank, peers); });
+  CpuCall call;
+  call.op = op;
+  call.attrs = MakeCallAttrs(site, timeout_ms, trace);
+  call.position = *position;
+  call.partition_id = partition_id;
+  call.group_size = group_size;
+  call.comm = CpuCommKey(groups, position->group_idx);
+  call.sequence = NextSequence(call.comm, static_cast<int>(position->rank));
+  call.fault = InjectedFaultFor(static_cast<int>(position->rank), call.sequence);
+  return call;
+}
+
+// Runs `body(rank, peers)` as the participant `call` describes, which writes `output` (`output_bytes`).
+// Injected faults: a delayed call sleeps first, a skipped one returns at once (its peers time out), a
+// corrupted payload has one byte of the output flipped afterwards.
+inline ffi::Error RunCpuCall(const CpuCall& call, Published mine, void* output, size_t output_bytes,
+                             const std::function<void(int64_t, const std::vector<Published>&)>& body) {
+  CallRecord record;
+  int64_t record_index = -1;
+  if (call.attrs.trace) {
+    record.site = call.attrs.site;
+    record.comm = call.comm;
+    record.group = call.position.group_idx;
+    record.sequence = call.sequence;
+    record.rank = static_cast<int32_t>(call.position.rank);
+    record.device = static_cast<int32_t>(call.partition_id);
+    record.enqueue_ns = NowNs();
+    record.injected = call.fault ? static_cast<int32_t>(call.fault->kind) : -1;
+    AppendCallRecord(record, &record_index);
+  }
+  if (ApplyDelayOrSkip(call.fault)) return ffi::Error::Success();
+  if (call.attrs.trace) record.start_ns = NowNs();
+  const int64_t rank = call.position.rank;
+  const RoundKey key{call.attrs.site, call.position.group_idx, RendezvousSequence(call.attrs.site, call.partition_id)};
+  const std::string what = "call #" + std::to_string(call.sequence) + " (" + DescribeCallSite(call.attrs.site) +
+                           ", replica group " + std::to_string(call.position.group_idx) + ")";
+  ffi::Error result = RunCollective(call.op, what, key, rank, call.group_size, mine,
+                                    std::chrono::milliseconds(call.attrs.timeout_ms),
+                                    [&](const std::vector<Published>& peers) {
+                                      if (call.attrs.trace) record.arrive_ns = NowNs();
+                                      body(rank, peers);
+                                    });
+  if (result.success() && call.fault && call.fault->kind == FaultKind::kCorruptPayload && output_bytes > 0) {
+    static_cast<unsigned char*>(output)[output_bytes / 2] ^= 0x5a;
+  }
+  if (call.attrs.trace) {
+    record.end_ns = NowNs();
+    UpdateCallRecord(record_index, record);
+  }
+  return result;
+}
+
+// BeginCpuCall then RunCpuCall, for handlers that need nothing in between.
+inline ffi::Error RunInGroup(std::string_view op, uint32_t partition_id, ffi::Span<const int64_t> groups,
+                             int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace, Published mine,
+                             void* output, size_t output_bytes,
+                             const std::function<void(int64_t, const std::vector<Published>&)>& body) {
+  ffi::ErrorOr<CpuCall> call = BeginCpuCall(op, partition_id, groups, group_size, site, timeout_ms, trace);
+  if (call.has_error()) return call.error();
+  return RunCpuCall(*call, mine, output, output_bytes, body);
 }
 
 }  // namespace jax_ncclx

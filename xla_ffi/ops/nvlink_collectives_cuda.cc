@@ -11,8 +11,10 @@
 #include <string_view>
 
 #include "common/checks.h"
+#include "common/monitor.h"
 #include "common/nccl_comms.h"
 #include "common/symmetric.h"
+#include "common/watchdog.h"
 #include "ops/collective_checks.h"
 #include "ops/nvlink_collectives_kernels.h"
 #include "xla/ffi/api/ffi.h"
@@ -37,20 +39,23 @@ ffi::ErrorOr<ReduceType> GetReduceType(std::string_view op, ffi::DataType dtype)
 }
 
 // The fields every op's call fills in the same way.
-NvlinkCollectiveArgs ArgsFor(NvlinkCollective op, const ffi::AnyBuffer& x, ffi::AnyBuffer& y, int64_t trace) {
+NvlinkCollectiveArgs ArgsFor(NvlinkCollective op, const ffi::AnyBuffer& x, ffi::AnyBuffer& y, const CallAttrs& call) {
   NvlinkCollectiveArgs args;
   args.op = op;
   args.element_bytes = static_cast<int>(ffi::ByteWidth(x.element_type()));
   args.bytes = Bytes(x);
-  args.trace = trace == 1;
+  args.trace = call.trace_device;
+  args.site = call.site;
+  args.timeout_ns = static_cast<uint64_t>(call.timeout_ms) * 1000000;
   args.x = x.untyped_data();
   args.y = y.untyped_data();
   return args;
 }
 
 // The checks and launch every handler shares once it has filled in the op-specific fields of `args`.
-ffi::Error Launch(std::string_view op, cudaStream_t stream, int32_t device_ordinal, const SymmetricRank& symmetric,
-                  NvlinkCollectiveArgs args, int64_t blocks) {
+ffi::Error Launch(std::string_view op, cudaStream_t stream, int32_t device_ordinal, int64_t comm_id,
+                  const SymmetricRank& symmetric, const CallAttrs& attrs, NvlinkCollectiveArgs args, int64_t blocks) {
+  NCCLX_RETURN_IF_ERROR(CheckNvlinkFault(op, comm_id, symmetric));
   args.rank = symmetric.rank;
   args.size = symmetric.size;
   args.table = symmetric.table;
@@ -65,13 +70,19 @@ ffi::Error Launch(std::string_view op, cudaStream_t stream, int32_t device_ordin
   ffi::ErrorOr<int> sm_count = SmCount(op, device_ordinal);
   if (sm_count.has_error()) return sm_count.error();
   const int grid = ChooseNvlinkCollectiveBlocks(args, static_cast<int>(blocks), *sm_count);
-  NCCLX_RETURN_IF_ERROR(CountNvlinkLaunch(op, stream));
-  return CheckCuda(op, "NVLink kernel launch", LaunchNvlinkCollective(args, grid, stream));
+  ffi::ErrorOr<GpuCall> call = BeginGpuCall(op, attrs, comm_id, symmetric.rank, symmetric.size, device_ordinal, stream);
+  if (call.has_error()) return call.error();
+  const int64_t output_bytes = args.op == NvlinkCollective::kAllGather ? args.bytes * args.size : args.bytes;
+  return RunGpuCall(*call, /*watch=*/false, args.y, output_bytes, [&]() -> ffi::Error {
+    NCCLX_RETURN_IF_ERROR(CountNvlinkLaunch(op, stream));
+    return CheckCuda(op, "NVLink kernel launch", LaunchNvlinkCollective(args, grid, stream));
+  });
 }
 
 ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t reduce_op, int64_t algorithm,
-                         int64_t blocks, int64_t trace) {
+                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
+                         int64_t trace, int64_t reduce_op, int64_t algorithm, int64_t blocks) {
+  const CallAttrs call = MakeCallAttrs(site, timeout_ms, trace);
   constexpr std::string_view kOp = "all_reduce";
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
@@ -87,43 +98,47 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
       algorithm != static_cast<int64_t>(NvlinkAlgorithm::kTwoShot)) {
     return InvalidArgument(kOp, "algorithm is " + std::to_string(algorithm) + ", expected 1 (one-shot) or 2 (two-shot)");
   }
-  NvlinkCollectiveArgs args = ArgsFor(NvlinkCollective::kAllReduce, x, *y, trace);
+  NvlinkCollectiveArgs args = ArgsFor(NvlinkCollective::kAllReduce, x, *y, call);
   args.algorithm = static_cast<NvlinkAlgorithm>(algorithm);
   args.reduce = static_cast<ReduceOp>(reduce_op);
   args.reduce_type = *type;
-  return Launch(kOp, stream, device_ordinal, *symmetric, args, blocks);
+  return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, args, blocks);
 }
 
 ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t blocks, int64_t trace) {
+                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
+                         int64_t trace, int64_t blocks) {
   constexpr std::string_view kOp = "all_gather";
+  const CallAttrs call = MakeCallAttrs(site, timeout_ms, trace);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), symmetric->size * Bytes(x),
                                    RanksTimes(symmetric->size, Bytes(x))));
-  NvlinkCollectiveArgs args = ArgsFor(NvlinkCollective::kAllGather, x, *y, trace);
-  return Launch(kOp, stream, device_ordinal, *symmetric, args, blocks);
+  NvlinkCollectiveArgs args = ArgsFor(NvlinkCollective::kAllGather, x, *y, call);
+  return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, args, blocks);
 }
 
 ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                        ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t blocks, int64_t trace) {
+                        ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
+                        int64_t trace, int64_t blocks) {
   constexpr std::string_view kOp = "all_to_all";
+  const CallAttrs call = MakeCallAttrs(site, timeout_ms, trace);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), symmetric->size));
   NCCLX_RETURN_IF_ERROR(
       CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
-  NvlinkCollectiveArgs args = ArgsFor(NvlinkCollective::kAllToAll, x, *y, trace);
-  return Launch(kOp, stream, device_ordinal, *symmetric, args, blocks);
+  NvlinkCollectiveArgs args = ArgsFor(NvlinkCollective::kAllToAll, x, *y, call);
+  return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, args, blocks);
 }
 
 auto BindCollective() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-      .Ctx<ffi::DeviceOrdinal>()                 // device_ordinal
-      .Arg<ffi::AnyBuffer>()                     // x
-      .Ret<ffi::AnyBuffer>()                     // y
-      .Attr<int64_t>("comm_id");                 // comm_id
+  return BindCallAttrs(ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                           .Ctx<ffi::DeviceOrdinal>()                 // device_ordinal
+                           .Arg<ffi::AnyBuffer>()                     // x
+                           .Ret<ffi::AnyBuffer>()                     // y
+                           .Attr<int64_t>("comm_id"));                // comm_id
 }
 
 }  // namespace
@@ -132,20 +147,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllReduce, AllReduceImpl,
                               BindCollective()
                                   .Attr<int64_t>("reduce_op")  // 0 sum, 1 max, 2 min
                                   .Attr<int64_t>("algorithm")  // 1 one-shot, 2 two-shot
-                                  .Attr<int64_t>("blocks")     // 0 = by size
-                                  .Attr<int64_t>("trace"),     // 1 = record the device timeline
+                                  .Attr<int64_t>("blocks"),    // 0 = by size
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllGather, AllGatherImpl,
                               BindCollective()
-                                  .Attr<int64_t>("blocks")
-                                  .Attr<int64_t>("trace"),
+                                  .Attr<int64_t>("blocks"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllToAll, AllToAllImpl,
                               BindCollective()
-                                  .Attr<int64_t>("blocks")
-                                  .Attr<int64_t>("trace"),
+                                  .Attr<int64_t>("blocks"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_ncclx

@@ -91,11 +91,13 @@ struct CallState {
   uint64_t epoch;
   int parity;
   CallTrace trace;
+  Patience patience;
 
-  __device__ explicit CallState(const NvlinkCollectiveArgs& args)
+  __device__ CallState(const NvlinkCollectiveArgs& args, TraceKernel kernel)
       : epoch(CallEpoch(args.control)),
         parity(static_cast<int>(epoch & 1)),
-        trace(args.control, epoch, args.trace) {
+        trace(args.control, epoch, args.trace),
+        patience(args.table, args.control, args.rank, args.size, epoch, kernel, args.site, args.timeout_ns) {
     if (threadIdx.x == 0) {
       trace.Start();
       trace.PeersEntered();
@@ -118,9 +120,12 @@ __device__ __forceinline__ void RaiseFlags(const Call& call, int flag, uint64_t 
   }
 }
 
-__device__ __forceinline__ void WaitFlags(const Call& call, int flag, uint64_t epoch) {
+// A flag that never comes makes the wait give up (Patience); the block then goes on with stale slots.
+__device__ __forceinline__ void WaitFlags(const Call& call, int flag, uint64_t epoch, Patience& patience) {
   const int peer = threadIdx.x;
-  if (peer < call.args.size && peer != call.args.rank) WaitAtLeast(&call.args.control->arrived[peer][flag], epoch);
+  if (peer < call.args.size && peer != call.args.rank) {
+    patience.AtLeast(&call.args.control->arrived[peer][flag], epoch, peer);
+  }
   __syncthreads();
 }
 
@@ -227,7 +232,7 @@ TraceKernel TraceKernelOf(NvlinkCollective op) {
 template <typename V, typename Op>
 __global__ void __launch_bounds__(kThreads) OneShotKernel(Call call, TraceKernel kernel) {
   const NvlinkCollectiveArgs& args = call.args;
-  CallState state(args);
+  CallState state(args, kernel);
   const uint64_t epoch = state.epoch;
   const int parity = state.parity;
   CallTrace& trace = state.trace;
@@ -249,7 +254,7 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(Call call, TraceKernel
   if constexpr (Op::kMoves) {  // this rank's own block, while the peers' data travels
     BlockCopy<V, false, kThreads>(y + me * units, x + (scatter ? me * units : 0), lo, hi);
   }
-  WaitFlags(call, blockIdx.x, epoch);
+  WaitFlags(call, blockIdx.x, epoch, state.patience);
   if (threadIdx.x == 0) trace.DataArrived();
 
   if constexpr (Op::kMoves) {
@@ -268,19 +273,11 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(Call call, TraceKernel
 
 __device__ __forceinline__ uint32_t Tag(uint64_t epoch) { return 1 + static_cast<uint32_t>(epoch % 0xffffffffull); }
 
-__device__ __forceinline__ uint32_t AwaitWord(const uint64_t* slot_word, uint32_t tag) {
-  uint64_t word;
-  do {
-    word = LoadRelaxed(slot_word);
-  } while (static_cast<uint32_t>(word >> 32) != tag);
-  return static_cast<uint32_t>(word);
-}
-
 // One-shot with low-latency words: x and y are read and written as 4-byte words.
 template <typename Op>
 __global__ void __launch_bounds__(kThreads) OneShotWordsKernel(Call call, TraceKernel kernel) {
   const NvlinkCollectiveArgs& args = call.args;
-  CallState state(args);
+  CallState state(args, kernel);
   const uint64_t epoch = state.epoch;
   const int parity = state.parity;
   CallTrace& trace = state.trace;
@@ -306,12 +303,15 @@ __global__ void __launch_bounds__(kThreads) OneShotWordsKernel(Call call, TraceK
       y[me * words + i] = x[(scatter ? me * words : 0) + i];
       for (int k = 1; k < n; ++k) {
         const int source = (me + k) % n;
-        y[source * words + i] = AwaitWord(Slot<uint64_t>(call, me, parity, source) + i, static_cast<uint32_t>(tag));
+        y[source * words + i] =
+            state.patience.Word(Slot<uint64_t>(call, me, parity, source) + i, static_cast<uint32_t>(tag), source);
       }
     } else {
       uint32_t values[kMaxNvlinkRanks];
       for (int s = 0; s < n; ++s) {
-        values[s] = s == me ? x[i] : AwaitWord(Slot<uint64_t>(call, me, parity, s) + i, static_cast<uint32_t>(tag));
+        values[s] = s == me ? x[i]
+                            : state.patience.Word(Slot<uint64_t>(call, me, parity, s) + i,
+                                                  static_cast<uint32_t>(tag), s);
       }
       y[i] = Op::Words(values, n);
     }
@@ -327,7 +327,7 @@ __global__ void __launch_bounds__(kThreads) OneShotWordsKernel(Call call, TraceK
 template <typename V, typename Op>
 __global__ void __launch_bounds__(kThreads) TwoShotKernel(Call call, TraceKernel kernel) {
   const NvlinkCollectiveArgs& args = call.args;
-  CallState state(args);
+  CallState state(args, kernel);
   const uint64_t epoch = state.epoch;
   const int parity = state.parity;
   CallTrace& trace = state.trace;
@@ -347,7 +347,7 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(Call call, TraceKernel
     BlockCopy<V, false, kThreads>(Slot<V>(call, peer, parity, me), x + peer * chunk, lo, end_in(peer));
   }
   RaiseFlags(call, blockIdx.x, epoch);
-  WaitFlags(call, blockIdx.x, epoch);
+  WaitFlags(call, blockIdx.x, epoch, state.patience);
 
   const V* sources[kMaxNvlinkRanks];
   for (int s = 0; s < n; ++s) sources[s] = s == me ? x + me * chunk : Slot<V>(call, me, parity, s);
@@ -357,7 +357,7 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(Call call, TraceKernel
   Op::Range(sources, n, outputs, n, lo, end_in(me));
   RaiseFlags(call, kGatherFlag + blockIdx.x, epoch);
   if (threadIdx.x == 0) trace.Sent();
-  WaitFlags(call, kGatherFlag + blockIdx.x, epoch);
+  WaitFlags(call, kGatherFlag + blockIdx.x, epoch, state.patience);
   if (threadIdx.x == 0) trace.DataArrived();
 
   for (int k = 1; k < n; ++k) {

@@ -38,6 +38,8 @@ struct NvlinkCollectiveArgs {
   int size = 1;
   int64_t bytes = 0;  // of x on each rank (all_to_all: N blocks of bytes / N)
   bool trace = false;
+  int64_t site = 0;         // call site, for the fault record
+  uint64_t timeout_ns = 0;  // how long a wait for a peer may last (device_sync.cuh, Patience)
   const void* x = nullptr;
   void* y = nullptr;  // all_reduce: bytes; all_gather: N * bytes (block i from rank i); all_to_all: bytes
   const PeerTable* table = nullptr;

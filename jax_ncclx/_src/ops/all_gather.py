@@ -14,6 +14,8 @@ from jax.interpreters import ad
 from jax.interpreters import batching
 from jax.sharding import PartitionSpec as P
 
+from jax_ncclx._src import checksum
+from jax_ncclx._src import config
 from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
 
@@ -42,6 +44,8 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
         ndim = jnp.ndim(leaf)
         out_axis = _normalize_axis(axis, ndim if tiled else ndim + 1, "all_gather")
         y = all_gather_p.bind(primitive.ensure_varying(leaf, axis_name), axis_name=axis_name)
+        if config.current().checksum:
+            checksum.verify_all_gather(axis_name, leaf, y)
         y = jnp.moveaxis(y, 0, out_axis)
         if tiled:
             shape = y.shape

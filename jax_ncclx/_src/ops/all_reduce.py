@@ -13,7 +13,9 @@ from jax.interpreters import ad
 from jax.interpreters import batching
 from jax.sharding import PartitionSpec as P
 
+from jax_ncclx._src import checksum
 from jax_ncclx._src import compat
+from jax_ncclx._src import config
 from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
 
@@ -45,7 +47,10 @@ def all_reduce(x, axis_name, op: str = "sum"):
 
     def one(leaf):
         primitive.check_dtype(leaf, "all_reduce", reduction=True)
-        return all_reduce_p.bind(primitive.ensure_varying(leaf, axis_name), axis_name=axis_name, op=op)
+        y = all_reduce_p.bind(primitive.ensure_varying(leaf, axis_name), axis_name=axis_name, op=op)
+        if config.current().checksum:
+            checksum.verify_all_reduce(axis_name, y)
+        return y
 
     return jax.tree.map(one, x)
 

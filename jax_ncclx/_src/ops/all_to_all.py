@@ -14,6 +14,8 @@ from jax.interpreters import ad
 from jax.interpreters import batching
 from jax.sharding import PartitionSpec as P
 
+from jax_ncclx._src import checksum
+from jax_ncclx._src import config
 from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
 
@@ -54,6 +56,8 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
         front = jnp.moveaxis(leaf, split, 0)
         blocks = front.reshape(size, extent // size, *front.shape[1:])  # [N, extent/N, rest...]
         y = all_to_all_p.bind(primitive.ensure_varying(blocks, axis_name), axis_name=axis_name)
+        if config.current().checksum:
+            checksum.verify_all_to_all(axis_name, blocks, y)
         y = jnp.moveaxis(y, 1, split + 1)  # [N, *leaf.shape with extent/N at split]
         if not tiled:
             y = y.reshape(y.shape[0], *leaf.shape[:split], *leaf.shape[split + 1:])  # drop the size-1 split

@@ -25,6 +25,7 @@ from jax.interpreters import ad
 from jax.interpreters import batching
 from jax.sharding import PartitionSpec as P
 
+from jax_ncclx._src import checksum
 from jax_ncclx._src import config
 from jax_ncclx._src import lib
 from jax_ncclx._src import nvlink
@@ -85,6 +86,9 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
     y, recv_counts, dropped = all_to_allv_dynamic_p.bind(
         primitive.ensure_varying(x, axis_name)[None], counts, axis_name=axis_name,
         capacity=int(max_recv_per_peer), packed=layout == "packed")
+    if config.current().checksum:
+        checksum.verify_all_to_allv(axis_name, x, counts[0], y[0], recv_counts[0], int(max_recv_per_peer),
+                                    layout == "packed")
     return y[0], recv_counts.reshape(counts_shape), dropped[0]
 
 
@@ -125,8 +129,7 @@ def _cuda_route(ctx, comm_id, size, *, capacity, packed):
         staging = lib.cuda_module().all_to_allv_staging_bytes(batch, size, chunks, capacity, row_bytes, direct)
         if nvlink.symmetric_memory_ready("all_to_allv_dynamic", comm_id, staging_bytes=staging):
             return primitive.CudaRoute("ncclx_all_to_allv_dynamic_nvlink",
-                                       {"blocks": np.int64(settings.nvlink_blocks), "direct": np.int64(direct),
-                                        "trace": np.int64(settings.trace)})
+                                       {"blocks": np.int64(settings.nvlink_blocks), "direct": np.int64(direct)})
     # NCCL path workspace; must match the layout checked by xla_ffi/ops/all_to_allv_cuda.cc.
     exchange = _align(batch * size * capacity * row_bytes)
     workspace = exchange * (2 if packed else 1) + _align(batch * size * chunks * 4) + 2 * _align(batch * size * 8)

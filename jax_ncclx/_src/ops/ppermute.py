@@ -12,6 +12,8 @@ from jax.interpreters import ad
 from jax.interpreters import batching
 from jax.sharding import PartitionSpec as P
 
+from jax_ncclx._src import checksum
+from jax_ncclx._src import config
 from jax_ncclx._src import primitive
 
 
@@ -38,8 +40,11 @@ def ppermute(x, axis_name, perm):
 
     def one(leaf):
         primitive.check_dtype(leaf, "ppermute", reduction=False)
-        return ppermute_p.bind(primitive.ensure_varying(leaf, axis_name), axis_name=axis_name,
-                               sources=tuple(sources), targets=tuple(targets))
+        y = ppermute_p.bind(primitive.ensure_varying(leaf, axis_name), axis_name=axis_name,
+                            sources=tuple(sources), targets=tuple(targets))
+        if config.current().checksum:
+            checksum.verify_ppermute(axis_name, leaf, y, sources)
+        return y
 
     return jax.tree.map(one, x)
 

@@ -1,0 +1,250 @@
+"""Timeouts that name the missing rank, injected faults, collective tracing and checksum mode.
+
+Each test runs on the CPU backend and, where GPUs exist, on GPU (marked ``gpu``). A CPU collective whose peer
+does not arrive fails inside the program; a GPU one stops waiting on the device (NVLink kernels) or is aborted
+by the watchdog (NCCL), and the host reports it through ``nx.check_errors()`` and every later call.
+"""
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_ncclx as nx
+from jax_ncclx._src import comm
+from jax_ncclx._src import config
+
+from conftest import gpu_devices, gpu_skip_reason
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu-nvlink", marks=pytest.mark.gpu),
+                        pytest.param("gpu-nccl", marks=pytest.mark.gpu)])
+def line(request, monkeypatch):
+    """A one-axis mesh "x" of 4 CPU devices, or of every GPU with the NVLink kernels or with NCCL. GPU
+    communicators are destroyed afterwards: a fault leaves them unusable."""
+    monkeypatch.delenv("JAX_NCCLX_FAULT", raising=False)
+    monkeypatch.setenv("JAX_NCCLX_TRACE", "1")
+    if request.param == "cpu":
+        yield jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:4]), ("x",))
+        return
+    reason = gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", request.param.removeprefix("gpu-"))
+    comm.destroy_all()
+    yield jax.sharding.Mesh(np.asarray(gpu_devices()), ("x",))
+    comm.destroy_all()
+
+
+def on_gpu(mesh):
+    return mesh.devices.flat[0].platform == "gpu"
+
+
+def per_shard(mesh, fn, n_in=1, n_out=1):
+    out = P("x") if n_out == 1 else (P("x"),) * n_out
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("x"),) * n_in, out_specs=out, check_vma=False))
+
+
+def next_seq(mesh, rank: int) -> int:
+    """The sequence number ``rank``'s next call on ``mesh``'s axis gets: runs a traced all_reduce and reads it
+    back. (Per rank: after a call that some ranks never joined, the ranks' numbers differ.)"""
+    nx.trace.reset()
+    # One call of each pattern the tests fault: NCCL connects its peers on first use, on the host, and a
+    # missing peer there blocks the launch itself (reported, not aborted: see xla_ffi/common/watchdog.h).
+    warm_up = lambda v: nx.all_to_all(nx.all_gather(nx.all_reduce(v, "x"), "x", tiled=True), "x", 0, 0, tiled=True)
+    jax.block_until_ready(per_shard(mesh, warm_up)(jnp.ones((mesh.size * mesh.size, 4))))
+    return max(r["seq"] for r in nx.trace.records() if r["rank"] == rank) + 1
+
+
+def expect_fault(mesh, f, args, match):
+    """Runs f(*args): on CPU it must raise matching `match`; on GPU it completes and the host reports it."""
+    if not on_gpu(mesh):
+        with pytest.raises(Exception, match=match):
+            jax.block_until_ready(f(*args))
+        return
+    try:
+        jax.block_until_ready(f(*args))
+    except Exception as error:  # a late rank's handler may already see the fault
+        assert re.search(match, str(error)), error
+    with pytest.raises(nx.CollectiveError, match=match):
+        nx.check_errors()
+    with pytest.raises(Exception, match="unusable"):  # and every later call on the communicator fails
+        jax.block_until_ready(f(*args))
+
+
+def test_skipped_rank_is_named(line, monkeypatch):
+    last = line.size - 1
+    seq = next_seq(line, last)
+    monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", "2")
+    monkeypatch.setenv("JAX_NCCLX_FAULT", f"skip:rank={last},seq={seq}")
+    f = per_shard(line, lambda v: nx.all_reduce(v, "x"))
+    started = time.monotonic()
+    expect_fault(line, f, (jnp.ones((line.size, 4)),), rf"rank\(s\) {last}\b")
+    assert time.monotonic() - started < 60
+
+
+def test_message_names_op_sequence_and_axis(line, monkeypatch):
+    seq = next_seq(line, 0)
+    monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", "2")
+    monkeypatch.setenv("JAX_NCCLX_FAULT", f"skip:rank=0,seq={seq}")
+    f = per_shard(line, lambda v: nx.all_gather(v, "x"))
+    if on_gpu(line):
+        match = r"(NVLink call #\d+|call #\d+) on communicator \d+ \(all_gather, axis 'x', call site \d+\)"
+    else:
+        match = rf"all_gather: call #\d+ \(axis 'x', call site \d+, replica group 0\): .*rank\(s\) 0\b"
+    expect_fault(line, f, (jnp.ones((line.size, 4)),), match)
+
+
+def test_per_op_timeout_overrides_the_default(line, monkeypatch):
+    seq = next_seq(line, 1)
+    monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", "600")
+    monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S_ALL_TO_ALL", "1")
+    monkeypatch.setenv("JAX_NCCLX_FAULT", f"skip:rank=1,seq={seq}")
+    f = per_shard(line, lambda v: nx.all_to_all(v, "x", 0, 0, tiled=True))
+    started = time.monotonic()
+    expect_fault(line, f, (jnp.ones((line.size * line.size, 2)),), r"rank\(s\) 1")
+    assert time.monotonic() - started < 60
+
+
+def test_delay_past_the_timeout_names_the_late_rank(line, monkeypatch):
+    seq = next_seq(line, 1)
+    monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", "1")
+    monkeypatch.setenv("JAX_NCCLX_FAULT", f"delay:rank=1,seq={seq},ms=3000")
+    f = per_shard(line, lambda v: nx.all_reduce(v, "x"))
+    expect_fault(line, f, (jnp.ones((line.size, 4)),), r"rank\(s\) 1")
+
+
+def test_delay_within_the_timeout_shows_in_the_trace(line, monkeypatch, tmp_path):
+    """A late rank only slows the call down; the merged trace names it as the late rank."""
+    seq = next_seq(line, 1)
+    monkeypatch.setenv("JAX_NCCLX_FAULT", f"delay:rank=1,seq={seq},ms=300")
+    f = per_shard(line, lambda v: nx.all_reduce(v, "x"))
+    x = jnp.arange(line.size * 4, dtype=jnp.float32).reshape(line.size, 4)
+    np.testing.assert_array_equal(np.asarray(f(x))[0], np.asarray(x).sum(0))
+    path = nx.trace.dump(tmp_path / "trace.json")
+    merged = nx.trace.merge([json.load(open(path))["jax_ncclx"]])
+    call = next(e for e in merged if e["seq"] == seq)
+    assert call["late_rank"] == 1 and call["never_started"] == [] and call["start_spread_us"] > 200_000, call
+
+
+def test_trace_records_every_call(line, tmp_path):
+    nx.trace.reset()
+    f = per_shard(line, lambda v: nx.all_gather(nx.all_reduce(v, "x"), "x"))
+    jax.block_until_ready(f(jnp.ones((line.size, 16), jnp.float32)))
+    calls = nx.trace.records()
+    assert sorted({c["op"] for c in calls}) == ["all_gather", "all_reduce"]
+    assert len(calls) == 2 * line.size
+    for c in calls:
+        assert c["axis"] == "x" and c["size"] == line.size and c["bytes"] in (64, 64 * line.size)
+        assert 0 < c["enqueue_ns"] <= c["start_ns"] + 1_000_000 and c["start_ns"] <= c["end_ns"], c
+        assert c["dtype"] == "float32" and c["transport"] in ("cpu", "nvlink", "nccl") and c["algorithm"]
+    for rank in range(line.size):  # per rank: the numbers of ranks differ after a call some never joined
+        seqs = {c["op"]: c["seq"] for c in calls if c["rank"] == rank}
+        assert seqs["all_gather"] == seqs["all_reduce"] + 1, calls
+    summary = nx.trace.summary(calls)
+    assert all(s["calls"] == line.size and s["p50_us"] <= s["p99_us"] for s in summary.values()), summary
+    chrome = json.load(open(nx.trace.dump(tmp_path / "t.json")))
+    slices = [e for e in chrome["traceEvents"] if e["ph"] == "X"]
+    assert len(slices) == 2 * line.size and all(e["dur"] >= 0 for e in slices)
+
+
+def test_merge_tool_names_the_rank_that_never_started(line, monkeypatch, tmp_path):
+    if not on_gpu(line):  # devices no other test groups this way: every rank's call numbers start equal
+        line = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[4:8][::-1]), ("x",))
+    skipped = 2 if line.size > 2 else 1
+    seq = next_seq(line, skipped)
+    monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", "1")
+    monkeypatch.setenv("JAX_NCCLX_FAULT", f"skip:rank={skipped},seq={seq}")
+    f = per_shard(line, lambda v: nx.all_reduce(v, "x"))
+    try:
+        jax.block_until_ready(f(jnp.ones((line.size, 4))))
+    except Exception:  # CPU: the call fails; the trace still holds every rank's record
+        pass
+    path = nx.trace.dump(tmp_path / "rank_dump.json")
+    proc = subprocess.run([sys.executable, "-m", "jax_ncclx.trace", "merge", path, "--json", str(tmp_path / "m.json")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert re.search(rf"NEVER STARTED: {skipped}\b", proc.stdout), proc.stdout
+    report = json.load(open(tmp_path / "m.json"))
+    assert next(e for e in report if e["seq"] == seq)["never_started"] == [skipped]
+
+
+def test_tracing_off_records_nothing(line, monkeypatch):
+    monkeypatch.setenv("JAX_NCCLX_TRACE", "0")
+    nx.trace.reset()
+    jax.block_until_ready(per_shard(line, lambda v: nx.all_reduce(v, "x"))(jnp.ones((line.size, 4))))
+    assert nx.trace.records() == []
+
+
+def test_corrupt_counts_are_clamped_and_reported(line, monkeypatch):
+    """Rank 1's counts become huge negative and positive values: nothing lands out of place, and its dropped
+    output reports the damage."""
+    n, capacity, rows = line.size, 3, 8
+    seq = next_seq(line, 1)
+    monkeypatch.setenv("JAX_NCCLX_FAULT", f"corrupt_counts:rank=1,seq={seq}")
+    x = jnp.arange(n * rows * 2, dtype=jnp.float32).reshape(n * rows, 2) + 1
+    counts = jnp.ones((n * n,), jnp.int32)
+    f = per_shard(line, lambda v, c: nx.all_to_allv_dynamic(v, c, "x", max_recv_per_peer=capacity), n_in=2,
+                  n_out=3)
+    y, recv, dropped = (np.asarray(a) for a in f(x, counts))
+    y = y.reshape(n, n, capacity, 2)
+    recv = recv.reshape(n, n)
+    dropped = dropped.reshape(n, n)
+    assert (dropped[1] >= 1 << 28).all() and (dropped[np.arange(n) != 1] == 0).all(), dropped
+    assert ((0 <= recv) & (recv <= capacity)).all(), recv
+    for dest in range(n):
+        for source in range(n):
+            got = recv[dest, source]
+            assert (y[dest, source, got:] == 0).all()
+            if source != 1:
+                np.testing.assert_array_equal(y[dest, source, :got, 0], np.asarray(x)[source * rows + dest, 0])
+
+
+CHECKSUMMED = {
+    "all_gather": (lambda v: nx.all_gather(v, "x"), (4, 8)),
+    "all_to_all": (lambda v: nx.all_to_all(v, "x", 0, 0, tiled=True), (16, 8)),
+    "ppermute": (lambda v: nx.ppermute(v, "x", [(i, (i + 1) % jax.lax.axis_size("x"))
+                                                  for i in range(jax.lax.axis_size("x"))]), (4, 8)),
+    "all_reduce": (lambda v: nx.all_reduce(v, "x"), (4, 8)),
+    "all_to_allv_dynamic": (lambda v: nx.all_to_allv_dynamic(v, jnp.full((jax.lax.axis_size("x"),), 2, jnp.int32),
+                                                             "x", max_recv_per_peer=2)[0], (16, 8)),
+}
+
+
+@pytest.mark.parametrize("op", sorted(CHECKSUMMED))
+def test_checksum_mode_passes_clean_data(line, monkeypatch, op):
+    monkeypatch.setenv("JAX_NCCLX_CHECKSUM", "1")
+    fn, shape = CHECKSUMMED[op]
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(line.size * shape[0] // 4 * 4, shape[1])), jnp.float32)
+    jax.block_until_ready(per_shard(line, fn)(x))
+    nx.check_errors()
+
+
+@pytest.mark.parametrize("op", sorted(CHECKSUMMED))
+def test_checksum_mode_catches_a_corrupted_payload(line, monkeypatch, op):
+    seq = next_seq(line, 1)
+    monkeypatch.setenv("JAX_NCCLX_CHECKSUM", "1")
+    monkeypatch.setenv("JAX_NCCLX_FAULT", f"corrupt_payload:rank=1,seq={seq}")
+    fn, shape = CHECKSUMMED[op]
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(line.size * shape[0] // 4 * 4, shape[1])), jnp.float32)
+    jax.block_until_ready(per_shard(line, fn)(x))
+    culprit = (r"rank \d+ sees a result different from the majority on rank\(s\) \[1\]" if op == "all_reduce"
+               else r"rank 1 received corrupted data from rank\(s\) \[\d+\]")
+    with pytest.raises(nx.CollectiveError, match=rf"checksum mismatch in {op} on axis 'x': {culprit}"):
+        nx.check_errors()
+    nx.check_errors()  # reported once
+
+
+def test_bad_fault_spec_is_refused(monkeypatch):
+    monkeypatch.setenv("JAX_NCCLX_FAULT", "explode:rank=1")
+    with pytest.raises(ValueError, match="JAX_NCCLX_FAULT: cannot parse 'explode:rank=1'"):
+        config.current()
+    assert config.parse_faults("skip:rank=2,seq=3; delay:rank=0,seq=5,ms=20") == (
+        config.Fault("skip", 2, 3), config.Fault("delay", 0, 5, 20))

@@ -1,0 +1,98 @@
+// What every handler, CPU or CUDA, reports and consults about its calls, independent of how data moves:
+//   * the attributes the Python lowering gives every call ("site", "timeout_ms", "trace");
+//   * the axis each call site runs over, for error messages (registered at lowering);
+//   * sequence numbers: the n-th call a rank makes on a communicator (0, 1, 2, ...), the same on every rank
+//     of a healthy program, so that traces of different ranks line up and faults can name a call;
+//   * injected faults (JAX_NCCLX_FAULT, off by default): delay or skip a rank's call, corrupt its counts or
+//     its payload;
+//   * the trace ring of JAX_NCCLX_TRACE=1: one record per call and rank.
+// Each extension module links its own copy; Python talks to the module that runs the program.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace jax_ncclx {
+
+// Attributes every jax_ncclx custom call carries, in this order, after the op's own.
+struct CallAttrs {
+  int64_t site = 0;          // call site id, unique per lowered call in the process
+  int64_t timeout_ms = 0;    // how long a participant waits for its peers; 0: forever
+  bool trace = false;        // record the call in the trace ring (attribute trace == 1)
+  bool trace_device = false;  // NVLink kernels stamp their device timeline (trace == 1 or 2)
+};
+
+template <typename Binding>
+auto BindCallAttrs(Binding binding) {
+  return std::move(binding)
+      .template Attr<int64_t>("site")
+      .template Attr<int64_t>("timeout_ms")
+      .template Attr<int64_t>("trace");
+}
+
+inline CallAttrs MakeCallAttrs(int64_t site, int64_t timeout_ms, int64_t trace) {
+  return CallAttrs{site, timeout_ms, trace == 1, trace == 1 || trace == 2};
+}
+
+// Call sites: the axis name of each, for messages ("axis 'x'"). Unknown sites are described by number.
+void NameCallSite(int64_t site, std::string axis);
+std::string DescribeCallSite(int64_t site);
+
+// The sequence number of rank `rank`'s next call on communicator `comm` (any 64-bit key naming it).
+int64_t NextSequence(int64_t comm, int rank);
+
+// ---- fault injection ---------------------------------------------------------------------------------------
+
+enum class FaultKind : int { kDelay = 0, kSkip = 1, kCorruptCounts = 2, kCorruptPayload = 3 };
+
+struct InjectedFault {
+  FaultKind kind = FaultKind::kDelay;
+  int rank = 0;         // rank in the communicator
+  int64_t sequence = 0;
+  int64_t delay_ms = 0;  // kDelay
+};
+
+// Replaces the faults to inject. An empty list (the default) turns injection off.
+void SetInjectedFaults(std::vector<InjectedFault> faults);
+
+// The fault to inject into `rank`'s call number `sequence`, if any. One relaxed load when none is set.
+std::optional<InjectedFault> InjectedFaultFor(int rank, int64_t sequence);
+
+// Sleeps for a kDelay fault; returns true for a kSkip fault (the caller returns without doing the call).
+bool ApplyDelayOrSkip(const std::optional<InjectedFault>& fault);
+
+// ---- trace ring -------------------------------------------------------------------------------------------
+
+// One call on one rank. Times are nanoseconds of the system clock (CLOCK_REALTIME), comparable across the
+// processes of one host; 0 when unknown (a call that never started or finished has 0 there).
+struct CallRecord {
+  int64_t site = 0;
+  int64_t comm = 0;      // comm_id (GPU) or replica-group key (CPU)
+  int64_t group = 0;     // replica group index (CPU; -1 on GPU, where comm names the group)
+  int64_t sequence = 0;
+  int32_t rank = 0;
+  int32_t device = 0;    // CUDA ordinal (GPU) or partition id (CPU)
+  int64_t enqueue_ns = 0;  // the handler ran (host)
+  int64_t start_ns = 0;    // the call began on the device (CPU: the handler)
+  int64_t arrive_ns = 0;   // every peer had arrived (CPU only)
+  int64_t end_ns = 0;      // the call finished
+  int32_t injected = -1;   // FaultKind injected into this call, or -1
+  void* start_event = nullptr;  // CUDA events that fill start_ns / end_ns when the trace is read
+  void* end_event = nullptr;
+};
+
+constexpr int64_t kTraceCapacity = 1 << 16;  // the newest records are kept
+
+int64_t NowNs();
+
+// Appends a record and sets `*index` for later updates (valid until kTraceCapacity newer records). Returns
+// the record it evicted (zeros when the ring was not full), whose CUDA events the caller releases.
+CallRecord AppendCallRecord(const CallRecord& record, int64_t* index);
+void UpdateCallRecord(int64_t index, const CallRecord& record);
+// Every kept record, oldest first, and clears the ring when `clear`.
+std::vector<CallRecord> CallRecords(bool clear);
+
+}  // namespace jax_ncclx

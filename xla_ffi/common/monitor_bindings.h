@@ -1,0 +1,56 @@
+// The Python bindings of monitor.h, defined the same way in both extension modules (each links its own copy
+// of the tables): name_call_site, set_faults and call_records.
+#pragma once
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/monitor.h"
+
+namespace jax_ncclx {
+
+// `resolve` fills a record's device times from its CUDA events (and releases them) before it is returned;
+// `cleared` runs after a read that cleared the ring.
+inline void DefineMonitorBindings(nanobind::module_& m, std::function<void(CallRecord&)> resolve,
+                                  std::function<void()> cleared) {
+  namespace nb = nanobind;
+  m.def("name_call_site", &NameCallSite, nb::arg("site"), nb::arg("axis"),
+        "Names the axis of a call site, for error messages.");
+  m.def(
+      "set_faults",
+      [](const std::vector<std::tuple<int, int, int64_t, int64_t>>& specs) {
+        std::vector<InjectedFault> faults;
+        for (const auto& [kind, rank, sequence, delay_ms] : specs) {
+          faults.push_back(InjectedFault{static_cast<FaultKind>(kind), rank, sequence, delay_ms});
+        }
+        SetInjectedFaults(std::move(faults));
+      },
+      nb::arg("faults"), "Faults to inject: (kind, rank, sequence, delay_ms) tuples; [] turns injection off.");
+  m.def(
+      "call_records",
+      [resolve, cleared](bool clear) {
+        std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int32_t, int32_t, int64_t, int64_t, int64_t,
+                               int64_t, int32_t>>
+            out;
+        for (CallRecord& r : CallRecords(clear)) {
+          if (resolve) resolve(r);
+          out.emplace_back(r.site, r.comm, r.group, r.sequence, r.rank, r.device, r.enqueue_ns, r.start_ns,
+                           r.arrive_ns, r.end_ns, r.injected);
+        }
+        if (clear && cleared) cleared();
+        return out;
+      },
+      nb::arg("clear"),
+      "Traced calls, oldest first: (site, comm, group, sequence, rank, device, enqueue_ns, start_ns, arrive_ns, "
+      "end_ns, injected).");
+}
+
+}  // namespace jax_ncclx

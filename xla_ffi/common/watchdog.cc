@@ -1,0 +1,455 @@
+// The call bracket and the watchdog thread declared in watchdog.h.
+#include "common/watchdog.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "common/nccl_comms.h"
+
+namespace jax_ncclx {
+namespace {
+
+std::string KernelName(uint32_t kernel) {
+  switch (kernel) {
+    case kTraceAllToAllv:
+      return "all_to_allv_dynamic";
+    case kTraceAllReduce:
+      return "all_reduce";
+    case kTraceAllGather:
+      return "all_gather";
+    case kTraceAllToAll:
+      return "all_to_all";
+  }
+  return "kernel " + std::to_string(kernel);
+}
+
+std::string RankList(const std::set<int>& ranks) {
+  std::string out;
+  for (const int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
+  return out;
+}
+
+// snprintf, not an ostream: streams crash in threads of this module, whose libstdc++ locale is its own.
+std::string Seconds(uint64_t ns) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.3g s", ns / 1e9);
+  return text;
+}
+
+// One message for every local rank's fault record of `comm_id`: the calls that gave up and whom they waited
+// for, or, when only aborted ranks are local, who aborted them.
+std::string NvlinkFaultMessage(int64_t comm_id, const std::vector<NvlinkFaultReport>& reports) {
+  std::set<int> missing;
+  const NvlinkFaultReport* first_gave_up = nullptr;
+  const NvlinkFaultReport* first_aborted = nullptr;
+  for (const NvlinkFaultReport& report : reports) {
+    if (report.comm_id != comm_id) continue;
+    if (report.fault.state == kNvlinkGaveUp) {
+      if (first_gave_up == nullptr) first_gave_up = &report;
+      for (int r = 0; r < kMaxNvlinkRanks; ++r) {
+        if (report.fault.missing[r]) missing.insert(r);
+      }
+    } else if (first_aborted == nullptr) {
+      first_aborted = &report;
+    }
+  }
+  const NvlinkFaultReport* shown = first_gave_up != nullptr ? first_gave_up : first_aborted;
+  if (shown == nullptr) return "";
+  const NvlinkFault& f = shown->fault;
+  std::string message = "NVLink call #" + std::to_string(f.epoch) + " on communicator " + std::to_string(comm_id) +
+                        " (" + KernelName(f.kernel) + ", " + DescribeCallSite(f.site) + ") ";
+  if (first_gave_up != nullptr) {
+    message += "timed out after " + Seconds(f.waited_ns) + " (JAX_NCCLX_TIMEOUT_S): rank(s) " + RankList(missing) +
+               " of " + std::to_string(shown->size) + " did not arrive (seen by rank " + std::to_string(shown->rank) +
+               "); the communicator is aborted";
+  } else {
+    message += "was aborted on rank " + std::to_string(shown->rank) + " of " + std::to_string(shown->size) +
+               " because rank " + std::to_string(static_cast<int>(f.aborted_by) - 1) +
+               " timed out waiting for a peer (that rank's error names the missing ranks)";
+  }
+  return message;
+}
+
+// ---- events ---------------------------------------------------------------------------------------------
+
+std::mutex events_mu;
+std::map<std::pair<int32_t, bool>, std::vector<cudaEvent_t>> free_events;  // (device, timing) -> events
+std::map<cudaEvent_t, std::pair<int32_t, bool>> event_kinds;
+
+ffi::ErrorOr<cudaEvent_t> TakeEvent(std::string_view op, int32_t device, bool timing) {
+  {
+    std::lock_guard<std::mutex> lock(events_mu);
+    std::vector<cudaEvent_t>& pool = free_events[{device, timing}];
+    if (!pool.empty()) {
+      cudaEvent_t event = pool.back();
+      pool.pop_back();
+      return event;
+    }
+  }
+  cudaEvent_t event = nullptr;  // the handler's device is current
+  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaEventCreateWithFlags",
+                                  cudaEventCreateWithFlags(&event, timing ? cudaEventDefault : cudaEventDisableTiming)));
+  std::lock_guard<std::mutex> lock(events_mu);
+  event_kinds[event] = {device, timing};
+  return event;
+}
+
+void ReturnEvent(cudaEvent_t event) {
+  if (event == nullptr) return;
+  std::lock_guard<std::mutex> lock(events_mu);
+  free_events[event_kinds[event]].push_back(event);
+}
+
+// Per device: an event recorded on an idle stream and the host time right after it completed. Device times
+// of traced calls are offsets from it (cudaEventElapsedTime), converted to the host clock.
+struct Anchor {
+  cudaEvent_t event = nullptr;
+  int64_t host_ns = 0;
+};
+std::mutex anchors_mu;
+std::map<int32_t, Anchor> anchors;
+
+ffi::Error EnsureAnchor(std::string_view op, int32_t device) {
+  std::lock_guard<std::mutex> lock(anchors_mu);
+  if (anchors.count(device)) return ffi::Error::Success();
+  Anchor anchor;
+  cudaStream_t idle = nullptr;
+  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaStreamCreateWithFlags", cudaStreamCreateWithFlags(&idle, cudaStreamNonBlocking)));
+  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaEventCreate", cudaEventCreate(&anchor.event)));
+  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaEventRecord", cudaEventRecord(anchor.event, idle)));
+  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaEventSynchronize", cudaEventSynchronize(anchor.event)));
+  anchor.host_ns = NowNs();
+  cudaStreamDestroy(idle);
+  anchors[device] = anchor;
+  return ffi::Error::Success();
+}
+
+// ---- the watchdog ----------------------------------------------------------------------------------------
+
+struct Watched {
+  std::string op;
+  int64_t site = 0;
+  int64_t comm_id = 0;
+  int rank = 0;
+  int size = 0;
+  int64_t sequence = 0;
+  int64_t timeout_ns = 0;
+  uint64_t id = 0;
+  int64_t opened_ns = 0;   // the handler began queueing the call
+  cudaEvent_t start = nullptr;
+  cudaEvent_t end = nullptr;  // null while the handler is still inside NCCL's launch
+  int64_t started_ns = 0;  // when the watchdog first saw `start` complete
+  bool reported = false;   // a launch that never returned was reported
+};
+
+struct Watchdog {
+  std::mutex mu;
+  std::condition_variable wake;
+  std::deque<Watched> pending;
+  uint64_t next_id = 1;
+  std::map<std::pair<int64_t, int>, int64_t> reached;  // (comm_id, rank) -> highest sequence queued
+  bool running = false;
+  bool stop = false;
+  std::thread* thread = nullptr;  // never destroyed: joined by StopWatchdog
+};
+
+Watchdog& GetWatchdog() {
+  static Watchdog* watchdog = new Watchdog();
+  return *watchdog;
+}
+
+constexpr auto kPollInterval = std::chrono::milliseconds(5);
+
+// The hang message of `hung`: which local ranks of its communicator never queued that call.
+std::string HangMessage(Watchdog& w, const Watched& hung) {
+  std::set<int> never, local;
+  ffi::ErrorOr<std::map<int32_t, ncclComm_t>> comms = CommsOf("watchdog", hung.comm_id);
+  if (comms.has_value()) {
+    for (const auto& [device, comm] : *comms) {
+      ffi::ErrorOr<CommRank> described = DescribeComm("watchdog", comm);
+      if (!described.has_value()) continue;
+      local.insert(described->rank);
+      const auto reached = w.reached.find({hung.comm_id, described->rank});
+      if (reached == w.reached.end() || reached->second < hung.sequence) never.insert(described->rank);
+    }
+  }
+  std::string message = "call #" + std::to_string(hung.sequence) + " on communicator " + std::to_string(hung.comm_id) +
+                        " (" + hung.op + ", " + DescribeCallSite(hung.site) + ") has not finished " +
+                        Seconds(hung.timeout_ns) + " after it started on rank " + std::to_string(hung.rank) +
+                        " of " + std::to_string(hung.size) + " (JAX_NCCLX_TIMEOUT_S): ";
+  if (!never.empty()) {
+    message += "rank(s) " + RankList(never) + " never reached it";
+  } else if (static_cast<int>(local.size()) < hung.size) {
+    message += "every rank in this process (" + RankList(local) +
+               ") reached it; the missing rank(s) are among those in other processes (NCCL does not say which)";
+  } else {
+    message += "every rank reached it, but NCCL did not complete it";
+  }
+  return message + "; the communicator is aborted";
+}
+
+void WatchOnce(Watchdog& w) {
+  std::vector<std::pair<int64_t, std::string>> hangs;
+  std::vector<std::pair<int64_t, std::string>> stuck_launches;
+  {
+    std::lock_guard<std::mutex> lock(w.mu);
+    const int64_t now = NowNs();
+    for (auto it = w.pending.begin(); it != w.pending.end();) {
+      if (it->end == nullptr) {
+        // Still inside NCCL's launch: NCCL sets up connections on first use, which waits for the peers on the
+        // host. Aborting would free the communicator under the blocked thread, so only report it.
+        if (!it->reported && now - it->opened_ns > it->timeout_ns) {
+          it->reported = true;
+          std::string message = HangMessage(w, *it);
+          message.replace(message.find("has not finished"), std::string("has not finished").size(),
+                          "is still being queued by NCCL (connection set-up waits for the peers)");
+          stuck_launches.emplace_back(it->comm_id, message.substr(0, message.rfind("; the communicator")));
+        }
+        ++it;
+        continue;
+      }
+      const cudaError_t ended = cudaEventQuery(it->end);
+      if (ended != cudaErrorNotReady) {  // done (or its device failed: nothing left to wait for)
+        cudaGetLastError();
+        ReturnEvent(it->start);
+        ReturnEvent(it->end);
+        it = w.pending.erase(it);
+        continue;
+      }
+      if (it->started_ns == 0 && cudaEventQuery(it->start) == cudaSuccess) it->started_ns = now;
+      cudaGetLastError();
+      if (it->started_ns != 0 && now - it->started_ns > it->timeout_ns &&
+          std::none_of(hangs.begin(), hangs.end(), [&](const auto& h) { return h.first == it->comm_id; })) {
+        hangs.emplace_back(it->comm_id, HangMessage(w, *it));
+      }
+      ++it;
+    }
+    for (const auto& [comm_id, message] : hangs) {
+      // Aborted kernels return, so the events complete; drop the entries now either way (their events are
+      // not reused: they may complete late).
+      for (auto it = w.pending.begin(); it != w.pending.end();) {
+        it = it->comm_id == comm_id && it->end != nullptr ? w.pending.erase(it) : std::next(it);
+      }
+    }
+  }
+  for (const auto& [comm_id, message] : stuck_launches) RecordCommFault(comm_id, message);
+  for (const auto& [comm_id, message] : hangs) AbortComm(comm_id, message);
+
+  // NVLink kernels report their own timeouts; make them visible at once and to the NCCL handlers.
+  RecordNvlinkFaults();
+}
+
+void WatchLoop() {
+  Watchdog& w = GetWatchdog();
+  std::unique_lock<std::mutex> lock(w.mu);
+  while (!w.stop) {
+    w.wake.wait_for(lock, kPollInterval, [&] { return w.stop; });
+    if (w.stop) break;
+    lock.unlock();
+    WatchOnce(w);
+    lock.lock();
+  }
+}
+
+}  // namespace
+
+void RecordNvlinkFaults() {
+  const std::vector<NvlinkFaultReport> reports = NvlinkFaultReports();
+  for (const NvlinkFaultReport& report : reports) {
+    if (CommFaultOf(report.comm_id).empty()) RecordCommFault(report.comm_id, NvlinkFaultMessage(report.comm_id, reports));
+  }
+}
+
+void StartWatchdog() {
+  Watchdog& w = GetWatchdog();
+  std::lock_guard<std::mutex> lock(w.mu);
+  if (w.running) return;
+  w.running = true;
+  w.stop = false;
+  w.thread = new std::thread(WatchLoop);
+}
+
+void StopWatchdog() {
+  Watchdog& w = GetWatchdog();
+  std::thread* thread = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(w.mu);
+    if (!w.running) return;
+    w.stop = true;
+    w.running = false;
+    thread = w.thread;
+    w.thread = nullptr;
+  }
+  w.wake.notify_all();
+  thread->join();
+  delete thread;
+}
+
+ffi::ErrorOr<GpuCall> BeginGpuCall(std::string_view op, const CallAttrs& attrs, int64_t comm_id, int rank, int size,
+                                   int32_t device, cudaStream_t stream) {
+  const std::string fault = CommFaultOf(comm_id);
+  if (!fault.empty()) return DeadlineExceeded(op, "communicator " + std::to_string(comm_id) + " is unusable: " + fault);
+  GpuCall call;
+  call.op = op;
+  call.attrs = attrs;
+  call.comm_id = comm_id;
+  call.rank = rank;
+  call.size = size;
+  call.device = device;
+  call.stream = stream;
+  call.sequence = NextSequence(comm_id, rank);
+  call.fault = InjectedFaultFor(rank, call.sequence);
+  return call;
+}
+
+ffi::Error CheckNvlinkFault(std::string_view op, int64_t comm_id, const SymmetricRank& symmetric) {
+  if (symmetric.fault == nullptr ||
+      reinterpret_cast<const volatile NvlinkFault*>(symmetric.fault)->state == kNvlinkHealthy) {
+    return ffi::Error::Success();
+  }
+  const std::string message = NvlinkFaultMessage(comm_id, NvlinkFaultReports());
+  RecordCommFault(comm_id, message);
+  return DeadlineExceeded(op, "communicator " + std::to_string(comm_id) + " is unusable: " + message);
+}
+
+ffi::ErrorOr<CallBracket> OpenCall(const GpuCall& call, bool watch) {
+  CallBracket bracket;
+  watch = watch && call.attrs.timeout_ms > 0;  // JAX_NCCLX_TIMEOUT_S=0: no watchdog
+  bracket.skip = ApplyDelayOrSkip(call.fault);
+  if (call.fault && call.fault->kind == FaultKind::kDelay) {  // the communicator may have failed meanwhile
+    const std::string fault = CommFaultOf(call.comm_id);
+    if (!fault.empty()) {
+      return DeadlineExceeded(call.op, "communicator " + std::to_string(call.comm_id) + " is unusable: " + fault);
+    }
+  }
+  if (bracket.skip || (!watch && !call.attrs.trace)) return bracket;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  NCCLX_RETURN_IF_ERROR(CheckCuda(call.op, "cudaStreamIsCapturing", cudaStreamIsCapturing(call.stream, &capture)));
+  bracket.capturing = capture != cudaStreamCaptureStatusNone;
+  if (bracket.capturing) return bracket;
+  if (call.attrs.trace) {
+    NCCLX_RETURN_IF_ERROR(EnsureAnchor(call.op, call.device));
+    CallRecord& r = bracket.record;
+    r.site = call.attrs.site;
+    r.comm = call.comm_id;
+    r.group = -1;
+    r.sequence = call.sequence;
+    r.rank = call.rank;
+    r.device = call.device;
+    r.enqueue_ns = NowNs();
+    r.injected = call.fault ? static_cast<int32_t>(call.fault->kind) : -1;
+    ffi::ErrorOr<cudaEvent_t> start = TakeEvent(call.op, call.device, /*timing=*/true);
+    if (start.has_error()) return start.error();
+    r.start_event = *start;
+    NCCLX_RETURN_IF_ERROR(CheckCuda(call.op, "cudaEventRecord", cudaEventRecord(*start, call.stream)));
+  }
+  if (watch) {
+    ffi::ErrorOr<cudaEvent_t> start = TakeEvent(call.op, call.device, /*timing=*/false);
+    if (start.has_error()) return start.error();
+    bracket.watch_start = *start;
+    NCCLX_RETURN_IF_ERROR(CheckCuda(call.op, "cudaEventRecord", cudaEventRecord(*start, call.stream)));
+    Watched watched;
+    watched.op = std::string(call.op);
+    watched.site = call.attrs.site;
+    watched.comm_id = call.comm_id;
+    watched.rank = call.rank;
+    watched.size = call.size;
+    watched.sequence = call.sequence;
+    watched.timeout_ns = call.attrs.timeout_ms * 1000000;
+    watched.opened_ns = NowNs();
+    watched.start = *start;
+    Watchdog& w = GetWatchdog();
+    {
+      std::lock_guard<std::mutex> lock(w.mu);
+      watched.id = bracket.watch_id = w.next_id++;
+      int64_t& reached = w.reached.try_emplace({call.comm_id, call.rank}, -1).first->second;
+      reached = std::max(reached, call.sequence);
+      w.pending.push_back(std::move(watched));
+    }
+    StartWatchdog();
+  }
+  return bracket;
+}
+
+ffi::Error CloseCall(const GpuCall& call, CallBracket& bracket, ffi::Error launched, void* output,
+                     int64_t output_bytes) {
+  cudaEvent_t watch_end = nullptr;
+  if (bracket.watch_id != 0 && launched.success()) {
+    ffi::ErrorOr<cudaEvent_t> end = TakeEvent(call.op, call.device, /*timing=*/false);
+    if (end.has_error()) {
+      launched = end.error();
+    } else {
+      watch_end = *end;
+      launched = CheckCuda(call.op, "cudaEventRecord", cudaEventRecord(watch_end, call.stream));
+    }
+  }
+  if (bracket.watch_id != 0) {
+    Watchdog& w = GetWatchdog();
+    std::lock_guard<std::mutex> lock(w.mu);
+    for (auto it = w.pending.rbegin(); it != w.pending.rend(); ++it) {
+      if (it->id != bracket.watch_id) continue;
+      if (launched.success()) {
+        it->end = watch_end;
+      } else {  // nothing was queued after all
+        ReturnEvent(it->start);
+        ReturnEvent(watch_end);
+        w.pending.erase(std::next(it).base());
+      }
+      break;
+    }
+  }
+  NCCLX_RETURN_IF_ERROR(launched);
+  if (call.fault && call.fault->kind == FaultKind::kCorruptPayload && output_bytes >= 4) {
+    uint8_t* middle = static_cast<uint8_t*>(output) + (output_bytes / 2) / 4 * 4;
+    NCCLX_RETURN_IF_ERROR(CheckCuda(call.op, "cudaMemsetAsync", cudaMemsetAsync(middle, 0xA5, 4, call.stream)));
+  }
+  if (bracket.record.start_event != nullptr) {
+    ffi::ErrorOr<cudaEvent_t> end = TakeEvent(call.op, call.device, /*timing=*/true);
+    if (end.has_error()) return end.error();
+    bracket.record.end_event = *end;
+    NCCLX_RETURN_IF_ERROR(CheckCuda(call.op, "cudaEventRecord", cudaEventRecord(*end, call.stream)));
+    int64_t index = 0;
+    CallRecord evicted = AppendCallRecord(bracket.record, &index);
+    ReturnEvent(static_cast<cudaEvent_t>(evicted.start_event));
+    ReturnEvent(static_cast<cudaEvent_t>(evicted.end_event));
+  }
+  return ffi::Error::Success();
+}
+
+void ResetTraceAnchors() {
+  std::lock_guard<std::mutex> lock(anchors_mu);
+  for (auto& [device, anchor] : anchors) cudaEventDestroy(anchor.event);
+  anchors.clear();
+}
+
+void ResolveCallRecord(CallRecord& record) {
+  auto to_host_ns = [&](void* event) -> int64_t {
+    if (event == nullptr) return 0;
+    std::lock_guard<std::mutex> lock(anchors_mu);
+    const auto anchor = anchors.find(record.device);
+    float ms = 0;
+    if (anchor == anchors.end() ||
+        cudaEventElapsedTime(&ms, anchor->second.event, static_cast<cudaEvent_t>(event)) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    return anchor->second.host_ns + static_cast<int64_t>(static_cast<double>(ms) * 1e6);
+  };
+  record.start_ns = to_host_ns(record.start_event);
+  record.end_ns = to_host_ns(record.end_event);
+  ReturnEvent(static_cast<cudaEvent_t>(record.start_event));
+  ReturnEvent(static_cast<cudaEvent_t>(record.end_event));
+  record.start_event = record.end_event = nullptr;
+}
+
+}  // namespace jax_ncclx

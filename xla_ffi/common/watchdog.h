@@ -1,0 +1,90 @@
+// How the CUDA handlers keep their promise that no call waits forever, and how they record and perturb calls.
+//
+//   * NVLink kernels bound their own waits on the device (device_sync.cuh, Patience) and report in a fault
+//     record in pinned host memory, which their handlers read before every call (CheckNvlinkFault).
+//   * NCCL work cannot be bounded from outside, so its handlers bracket each call with two CUDA events and
+//     a watchdog thread checks them: a call that started more than its timeout ago and has not finished is
+//     declared hung, its communicator is aborted (ncclCommAbort makes the NCCL kernels return) and every later
+//     call on it fails with a message naming the call and the local ranks that never reached it. A handler
+//     stuck inside NCCL's launch itself (NCCL sets up connections on first use, waiting for the peers on the
+//     host) is reported the same way but not aborted: that would free the communicator under it.
+//   * The same bracket applies injected faults (monitor.h) and, under JAX_NCCLX_TRACE=1, records the call
+//     with timing events.
+// Calls recorded into a CUDA graph (command buffers) get neither events nor watching: their handler runs
+// once, at capture, and replays do not come back to the host.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "common/checks.h"
+#include "common/monitor.h"
+#include "common/symmetric.h"
+
+namespace jax_ncclx {
+
+struct GpuCall {
+  std::string_view op;
+  CallAttrs attrs;
+  int64_t comm_id = 0;
+  int rank = 0;
+  int size = 0;
+  int32_t device = 0;
+  cudaStream_t stream = nullptr;
+  int64_t sequence = 0;
+  std::optional<InjectedFault> fault;
+};
+
+// Numbers the call and looks up its injected fault; fails with the communicator's recorded fault, if any.
+ffi::ErrorOr<GpuCall> BeginGpuCall(std::string_view op, const CallAttrs& attrs, int64_t comm_id, int rank, int size,
+                                   int32_t device, cudaStream_t stream);
+
+// An NVLink handler's check of its rank's fault record: DeadlineExceeded naming the call that gave up and the
+// ranks it waited for, once the kernels of the communicator gave up waiting.
+ffi::Error CheckNvlinkFault(std::string_view op, int64_t comm_id, const SymmetricRank& symmetric);
+
+// Records every local NVLink fault record as its communicator's fault (RecordCommFault), so that NCCL calls
+// on it fail too. The watchdog does this every few milliseconds.
+void RecordNvlinkFaults();
+
+// What OpenCall set up for CloseCall.
+struct CallBracket {
+  bool skip = false;  // an injected kSkip fault: do nothing
+  bool capturing = false;
+  CallRecord record;
+  cudaEvent_t watch_start = nullptr;
+  uint64_t watch_id = 0;  // the watchdog's entry, registered before the launch (0: none)
+};
+
+ffi::ErrorOr<CallBracket> OpenCall(const GpuCall& call, bool watch);
+// `launched`: what the launch returned; on failure the watchdog's entry is dropped and the error returned.
+ffi::Error CloseCall(const GpuCall& call, CallBracket& bracket, ffi::Error launched, void* output,
+                     int64_t output_bytes);
+
+// Queues a call's work (`launch()`, returning ffi::Error) inside its bracket. `watch`: NCCL work, which the
+// watchdog must time. `output`: where an injected kCorruptPayload fault overwrites 4 bytes.
+template <typename Launch>
+ffi::Error RunGpuCall(const GpuCall& call, bool watch, void* output, int64_t output_bytes, Launch launch) {
+  ffi::ErrorOr<CallBracket> bracket = OpenCall(call, watch);
+  if (bracket.has_error()) return bracket.error();
+  if (bracket->skip) return ffi::Error::Success();
+  return CloseCall(call, *bracket, launch(), output, output_bytes);
+}
+
+// Starts the watchdog thread if it is not running (it also reports NVLink faults as soon as they happen).
+void StartWatchdog();
+// Stops and joins it (at interpreter exit, before CUDA goes away).
+void StopWatchdog();
+
+// Fills a traced record's start_ns / end_ns from its CUDA events and releases them (0 where an event has not
+// completed). For the trace bindings.
+void ResolveCallRecord(CallRecord& record);
+// Forgets the per-device clock anchors (after the trace was read and cleared), so that the next traced calls
+// measure from a fresh one: cudaEventElapsedTime's float milliseconds lose precision over long spans.
+void ResetTraceAnchors();
+
+}  // namespace jax_ncclx
