@@ -145,11 +145,10 @@ struct Watched {
   int64_t sequence = 0;
   int64_t timeout_ns = 0;
   uint64_t id = 0;
-  int64_t opened_ns = 0;   // the handler began queueing the call
-  cudaEvent_t start = nullptr;
-  cudaEvent_t end = nullptr;  // null while the handler is still inside NCCL's launch
-  int64_t started_ns = 0;  // when the watchdog first saw `start` complete
-  bool reported = false;   // a launch that never returned was reported
+  int64_t opened_ns = 0;      // the handler began queueing the call
+  cudaEvent_t end = nullptr;  // recorded after the call's work; null while the handler is inside NCCL's launch
+  int64_t started_ns = 0;     // when the watchdog saw the rank's previous watched call done (see WatchOnce)
+  bool reported = false;      // a launch that never returned was reported
 };
 
 struct Watchdog {
@@ -168,7 +167,7 @@ Watchdog& GetWatchdog() {
   return *watchdog;
 }
 
-constexpr auto kPollInterval = std::chrono::milliseconds(5);
+constexpr auto kPollInterval = std::chrono::milliseconds(20);
 
 // The hang message of `hung`: which local ranks of its communicator never queued that call.
 std::string HangMessage(Watchdog& w, const Watched& hung) {
@@ -185,7 +184,7 @@ std::string HangMessage(Watchdog& w, const Watched& hung) {
   }
   std::string message = "call #" + std::to_string(hung.sequence) + " on communicator " + std::to_string(hung.comm_id) +
                         " (" + hung.op + ", " + DescribeCallSite(hung.site) + ") has not finished " +
-                        Seconds(hung.timeout_ns) + " after it started on rank " + std::to_string(hung.rank) +
+                        Seconds(hung.timeout_ns) + " after it could start on rank " + std::to_string(hung.rank) +
                         " of " + std::to_string(hung.size) + " (JAX_NCCLX_TIMEOUT_S): ";
   if (!never.empty()) {
     message += "rank(s) " + RankList(never) + " never reached it";
@@ -198,13 +197,26 @@ std::string HangMessage(Watchdog& w, const Watched& hung) {
   return message + "; the communicator is aborted";
 }
 
+// One pass over the watched calls. A rank's calls run in order on its stream, so only the oldest unfinished
+// call of each rank is queried (one cudaEventQuery per rank per pass, which keeps the driver lock free for the
+// handlers). Its clock starts when the watchdog sees the call before it done (or, for the first, when it was
+// queued): a call is timed from when it could start, which includes any other work the stream runs between
+// two watched calls.
 void WatchOnce(Watchdog& w) {
   std::vector<std::pair<int64_t, std::string>> hangs;
   std::vector<std::pair<int64_t, std::string>> stuck_launches;
   {
     std::lock_guard<std::mutex> lock(w.mu);
     const int64_t now = NowNs();
+    std::set<std::pair<int64_t, int>> busy;  // (comm_id, rank) whose oldest call is still running
     for (auto it = w.pending.begin(); it != w.pending.end();) {
+      const std::pair<int64_t, int> rank_key{it->comm_id, it->rank};
+      if (busy.count(rank_key)) {
+        ++it;
+        continue;
+      }
+      busy.insert(rank_key);
+      if (it->started_ns == 0) it->started_ns = std::max(now, it->opened_ns);
       if (it->end == nullptr) {
         // Still inside NCCL's launch: NCCL sets up connections on first use, which waits for the peers on the
         // host. Aborting would free the communicator under the blocked thread, so only report it.
@@ -219,16 +231,14 @@ void WatchOnce(Watchdog& w) {
         continue;
       }
       const cudaError_t ended = cudaEventQuery(it->end);
+      cudaGetLastError();
       if (ended != cudaErrorNotReady) {  // done (or its device failed: nothing left to wait for)
-        cudaGetLastError();
-        ReturnEvent(it->start);
         ReturnEvent(it->end);
         it = w.pending.erase(it);
+        busy.erase(rank_key);  // the rank's next call may start now
         continue;
       }
-      if (it->started_ns == 0 && cudaEventQuery(it->start) == cudaSuccess) it->started_ns = now;
-      cudaGetLastError();
-      if (it->started_ns != 0 && now - it->started_ns > it->timeout_ns &&
+      if (now - it->started_ns > it->timeout_ns &&
           std::none_of(hangs.begin(), hangs.end(), [&](const auto& h) { return h.first == it->comm_id; })) {
         hangs.emplace_back(it->comm_id, HangMessage(w, *it));
       }
@@ -354,10 +364,6 @@ ffi::ErrorOr<CallBracket> OpenCall(const GpuCall& call, bool watch) {
     NCCLX_RETURN_IF_ERROR(CheckCuda(call.op, "cudaEventRecord", cudaEventRecord(*start, call.stream)));
   }
   if (watch) {
-    ffi::ErrorOr<cudaEvent_t> start = TakeEvent(call.op, call.device, /*timing=*/false);
-    if (start.has_error()) return start.error();
-    bracket.watch_start = *start;
-    NCCLX_RETURN_IF_ERROR(CheckCuda(call.op, "cudaEventRecord", cudaEventRecord(*start, call.stream)));
     Watched watched;
     watched.op = std::string(call.op);
     watched.site = call.attrs.site;
@@ -367,7 +373,6 @@ ffi::ErrorOr<CallBracket> OpenCall(const GpuCall& call, bool watch) {
     watched.sequence = call.sequence;
     watched.timeout_ns = call.attrs.timeout_ms * 1000000;
     watched.opened_ns = NowNs();
-    watched.start = *start;
     Watchdog& w = GetWatchdog();
     {
       std::lock_guard<std::mutex> lock(w.mu);
@@ -401,7 +406,6 @@ ffi::Error CloseCall(const GpuCall& call, CallBracket& bracket, ffi::Error launc
       if (launched.success()) {
         it->end = watch_end;
       } else {  // nothing was queued after all
-        ReturnEvent(it->start);
         ReturnEvent(watch_end);
         w.pending.erase(std::next(it).base());
       }

@@ -2,9 +2,9 @@
 //
 //   * NVLink kernels bound their own waits on the device (device_sync.cuh, Patience) and report in a fault
 //     record in pinned host memory, which their handlers read before every call (CheckNvlinkFault).
-//   * NCCL work cannot be bounded from outside, so its handlers bracket each call with two CUDA events and
-//     a watchdog thread checks them: a call that started more than its timeout ago and has not finished is
-//     declared hung, its communicator is aborted (ncclCommAbort makes the NCCL kernels return) and every later
+//   * NCCL work cannot be bounded from outside, so its handlers record a CUDA event after each call and a
+//     watchdog thread checks them: a call that could start (the rank's previous watched call was done) more
+//     than its timeout ago and has not finished is declared hung, its communicator is aborted (ncclCommAbort makes the NCCL kernels return) and every later
 //     call on it fails with a message naming the call and the local ranks that never reached it. A handler
 //     stuck inside NCCL's launch itself (NCCL sets up connections on first use, waiting for the peers on the
 //     host) is reported the same way but not aborted: that would free the communicator under it.
@@ -56,7 +56,6 @@ struct CallBracket {
   bool skip = false;  // an injected kSkip fault: do nothing
   bool capturing = false;
   CallRecord record;
-  cudaEvent_t watch_start = nullptr;
   uint64_t watch_id = 0;  // the watchdog's entry, registered before the launch (0: none)
 };
 
