@@ -296,7 +296,9 @@ def notes(config: dict) -> str:
         "- **bus GB/s**: as nccl-tests: all_reduce moves 2(N-1)/N of the buffer per rank, all_gather (N-1)/N of "
         "the gathered buffer, all_to_all (N-1)/N of the input.",
         "- **impl**: xla = jax.lax; nx = jax_ncclx with its default thresholds; nx-oneshot / nx-twoshot = its "
-        "NVLink kernels forced at every size; nx-nccl = JAX_NCCLX_TRANSPORT=nccl.",
+        "NVLink kernels forced at every size; nx-nccl = JAX_NCCLX_TRANSPORT=nccl; nx-traced / nx-nccl-traced = "
+        "the same with JAX_NCCLX_TRACE=1 (every call recorded); nx-nccl-nowatch = NCCL without the watchdog's "
+        "event per call (JAX_NCCLX_TIMEOUT_S=0).",
         "- **speedup** = jax.lax median / this row's median (> 1: faster than XLA). **path**: what the "
         "compiled jax_ncclx program calls (nccl, nvlink-1shot, nvlink-2shot, or cpu); jax.lax rows say xla.",
         "- Every (op, size, impl) is first checked: one op must give exactly jax.lax's result (inputs are small "

@@ -345,8 +345,7 @@ ffi::ErrorOr<CallBracket> OpenCall(const GpuCall& call, bool watch) {
   if (bracket.skip || (!watch && !call.attrs.trace)) return bracket;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   NCCLX_RETURN_IF_ERROR(CheckCuda(call.op, "cudaStreamIsCapturing", cudaStreamIsCapturing(call.stream, &capture)));
-  bracket.capturing = capture != cudaStreamCaptureStatusNone;
-  if (bracket.capturing) return bracket;
+  if (capture != cudaStreamCaptureStatusNone) return bracket;  // replays never come back to the host
   if (call.attrs.trace) {
     NCCLX_RETURN_IF_ERROR(EnsureAnchor(call.op, call.device));
     CallRecord& r = bracket.record;

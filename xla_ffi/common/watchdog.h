@@ -54,7 +54,6 @@ void RecordNvlinkFaults();
 // What OpenCall set up for CloseCall.
 struct CallBracket {
   bool skip = false;  // an injected kSkip fault: do nothing
-  bool capturing = false;
   CallRecord record;
   uint64_t watch_id = 0;  // the watchdog's entry, registered before the launch (0: none)
 };
