@@ -382,6 +382,15 @@ NB_MODULE(_ncclx_cuda, m) {
       "Communicators that stopped working, as (comm_id, message): NCCL calls the watchdog aborted and NVLink\n"
       "kernels that gave up waiting for a peer.");
   m.def(
+      "watchdog_state",
+      [] {
+        jn::WatchdogState state = jn::GetWatchdogState();
+        std::vector<std::tuple<int64_t, int64_t>> unnamed(state.unnamed.begin(), state.unnamed.end());
+        return std::make_tuple(state.reached, unnamed);
+      },
+      "([(comm_id, rank, highest sequence queued)] of the local ranks' watched NCCL calls,\n"
+      " [(comm_id, sequence)] of hung calls whose missing ranks are in other processes).");
+  m.def(
       "stop_watchdog", [] {
         nb::gil_scoped_release release;
         jn::StopWatchdog();

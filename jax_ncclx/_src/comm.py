@@ -16,8 +16,10 @@ the position along the mesh axis (``jax.lax.axis_index``), which ``ncclCommSplit
 """
 
 import hashlib
+import json
 import logging
 import threading
+import time
 from collections.abc import Sequence
 
 import jax
@@ -176,7 +178,9 @@ def check_errors():
     every checksum mismatch seen since the last call.
 
     A GPU collective whose peers do not arrive within its timeout stops waiting on the device (NVLink kernels)
-    or is aborted by the watchdog (NCCL); the program that contained it completes with undefined outputs, and
+    or is aborted by the watchdog (NCCL; with several processes, which remote rank is missing is asked of the
+    other processes here, waiting up to 3 s for their answer); the program that contained it completes with
+    undefined outputs, and
     every later jax_ncclx call on that communicator fails with the same message (until
     :func:`destroy_all`). Call this after ``jax.block_until_ready`` to learn of it at once. CPU-backend
     collectives raise from the program itself.
@@ -184,7 +188,68 @@ def check_errors():
     from jax_ncclx._src import checksum  # the ops import this module
 
     module = lib.cuda_module_if_available()
-    problems = [f"communicator {c}: {m}" for c, m in (module.faults() if module is not None else [])]
+    problems = []
+    if module is not None:
+        unnamed = dict(module.watchdog_state()[1]) if jax.process_count() > 1 else {}
+        for comm_id, message in module.faults():
+            if comm_id in unnamed:
+                message += "; in other processes: " + _remote_progress(module, comm_id, unnamed[comm_id])
+            problems.append(f"communicator {comm_id}: {message}")
     problems += checksum.take_mismatches()
     if problems:
         raise CollectiveError("jax_ncclx: " + "\n".join(problems))
+
+
+_PROGRESS_WAIT_S = 3.0
+_remote_progress_seen: dict[tuple[int, int], str] = {}
+
+
+def _group_of(comm_id: int) -> tuple[int, ...] | None:
+    """The device ids of ``comm_id``'s ranks, in rank order (the group holding this process's devices)."""
+    local = {d.id for d in jax.local_devices()}
+    for world, world_id in _world_comms.items():
+        if world_id == comm_id:
+            return world
+    for (_, groups), group_id in _group_comms.items():
+        if group_id == comm_id:
+            return next((g for g in groups if local & set(g)), None)
+    return None
+
+
+def _remote_progress(module, comm_id: int, sequence: int) -> str:
+    """Names the ranks of other processes that did not reach NCCL call ``sequence`` on ``comm_id``, which NCCL
+    cannot tell: every process that checks publishes how far its ranks got in JAX's key-value store and reads
+    the others'. A process that does not answer within a few seconds is dead or stuck, and so named."""
+    if (comm_id, sequence) in _remote_progress_seen:
+        return _remote_progress_seen[comm_id, sequence]
+    client, group = compat.distributed_client(), _group_of(comm_id)
+    if client is None or group is None:
+        return "unknown (no jax.distributed key-value store)"
+    process_of = {d.id: d.process_index for d in jax.devices()}
+    me = jax.process_index()
+    key = f"jax_ncclx/progress/{hashlib.sha1(repr(group).encode()).hexdigest()}/{sequence}/"
+    mine = {rank: reached for c, rank, reached in module.watchdog_state()[0] if c == comm_id}
+    try:
+        client.key_value_set(key + str(me), json.dumps(mine))
+    except Exception:  # noqa: BLE001 - published by an earlier check of this process
+        pass
+    deadline = time.monotonic() + _PROGRESS_WAIT_S
+    behind, silent = [], []
+    for process in sorted({process_of[d] for d in group} - {me}):
+        ranks = [r for r, d in enumerate(group) if process_of[d] == process]
+        try:
+            wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            theirs = json.loads(client.blocking_key_value_get(key + str(process), wait_ms))
+        except Exception:  # noqa: BLE001 - no answer in time
+            silent += ranks
+            continue
+        behind += [r for r in ranks if theirs.get(str(r), -1) < sequence]
+    parts = []
+    if behind:
+        parts.append(f"rank(s) {', '.join(map(str, behind))} never reached it (their processes say so)")
+    if silent:
+        parts.append(f"rank(s) {', '.join(map(str, silent))} did not report their progress within "
+                     f"{_PROGRESS_WAIT_S:g} s (process dead or stuck)")
+    answer = "; ".join(parts) or "every rank reached it"
+    _remote_progress_seen[comm_id, sequence] = answer
+    return answer

@@ -157,6 +157,7 @@ struct Watchdog {
   std::deque<Watched> pending;
   uint64_t next_id = 1;
   std::map<std::pair<int64_t, int>, int64_t> reached;  // (comm_id, rank) -> highest sequence queued
+  std::map<int64_t, int64_t> unnamed;  // comm_id -> hung call whose missing ranks are in other processes
   bool running = false;
   bool stop = false;
   std::thread* thread = nullptr;  // never destroyed: joined by StopWatchdog
@@ -191,6 +192,7 @@ std::string HangMessage(Watchdog& w, const Watched& hung) {
   } else if (static_cast<int>(local.size()) < hung.size) {
     message += "every rank in this process (" + RankList(local) +
                ") reached it; the missing rank(s) are among those in other processes (NCCL does not say which)";
+    w.unnamed.emplace(hung.comm_id, hung.sequence);
   } else {
     message += "every rank reached it, but NCCL did not complete it";
   }
@@ -272,6 +274,15 @@ void WatchLoop() {
 }
 
 }  // namespace
+
+WatchdogState GetWatchdogState() {
+  Watchdog& w = GetWatchdog();
+  std::lock_guard<std::mutex> lock(w.mu);
+  WatchdogState state;
+  for (const auto& [key, sequence] : w.reached) state.reached.emplace_back(key.first, key.second, sequence);
+  state.unnamed.assign(w.unnamed.begin(), w.unnamed.end());
+  return state;
+}
 
 void RecordNvlinkFaults() {
   const std::vector<NvlinkFaultReport> reports = NvlinkFaultReports();

@@ -20,6 +20,9 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include "common/checks.h"
 #include "common/monitor.h"
@@ -72,6 +75,15 @@ ffi::Error RunGpuCall(const GpuCall& call, bool watch, void* output, int64_t out
   if (bracket->skip) return ffi::Error::Success();
   return CloseCall(call, *bracket, launch(), output, output_bytes);
 }
+
+// What the watchdog knows that other processes need to name a missing rank (jax_ncclx/_src/comm.py asks
+// them through JAX's key-value store): the highest call each local rank queued on each communicator, and the
+// hung calls whose missing ranks are in other processes.
+struct WatchdogState {
+  std::vector<std::tuple<int64_t, int, int64_t>> reached;  // (comm_id, rank, sequence)
+  std::vector<std::pair<int64_t, int64_t>> unnamed;        // (comm_id, sequence of the hung call)
+};
+WatchdogState GetWatchdogState();
 
 // Starts the watchdog thread if it is not running (it also reports NVLink faults as soon as they happen).
 void StartWatchdog();
