@@ -42,15 +42,17 @@ def take_mismatches() -> list[str]:
     return taken
 
 
-def _weights(n: int, prime) -> jax.Array:
+def _odd_weights(n: int, prime) -> jax.Array:
+    """Odd uint32 weights for positions 0..n-1: a change d of one byte (0 < |d| < 256) changes the sum by an odd
+    multiple of d, never 0 modulo 2^32."""
     return jnp.arange(n, dtype=jnp.uint32) * prime | jnp.uint32(1)
 
 
 def _row_sums(x, rows: int) -> jax.Array:
     """uint32 [rows]: the checksum of each of ``rows`` equal slices of ``x``'s bytes."""
-    data = jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype.itemsize > 1 or x.dtype != jnp.uint8 else x
+    data = x if x.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(x, jnp.uint8)
     data = data.reshape(rows, -1).astype(jnp.uint32) + jnp.uint32(1)
-    return jnp.sum(data * _weights(data.shape[1], _GOLDEN), axis=1, dtype=jnp.uint32)
+    return jnp.sum(data * _odd_weights(data.shape[1], _GOLDEN), axis=1, dtype=jnp.uint32)
 
 
 def _report(op: str, axis_name, bad, what: str):

@@ -422,7 +422,10 @@ ffi::Error CloseCall(const GpuCall& call, CallBracket& bracket, ffi::Error launc
       break;
     }
   }
-  NCCLX_RETURN_IF_ERROR(launched);
+  if (launched.failure()) {
+    ReturnEvent(static_cast<cudaEvent_t>(bracket.record.start_event));
+    return launched;
+  }
   if (call.fault && call.fault->kind == FaultKind::kCorruptPayload && output_bytes >= 4) {
     uint8_t* middle = static_cast<uint8_t*>(output) + (output_bytes / 2) / 4 * 4;
     NCCLX_RETURN_IF_ERROR(CheckCuda(call.op, "cudaMemsetAsync", cudaMemsetAsync(middle, 0xA5, 4, call.stream)));
