@@ -8,7 +8,9 @@ from jax_ncclx import moe as moe
 from jax_ncclx import trace as trace
 from jax_ncclx._src.comm import CollectiveError as CollectiveError
 from jax_ncclx._src.comm import check_errors as check_errors
+from jax_ncclx._src.comm import init as init
 from jax_ncclx._src.comm import memory_stats as memory_stats
+from jax_ncclx._src.comm import shutdown as shutdown
 from jax_ncclx._src.lib import build_info as build_info
 from jax_ncclx._src.ops.all_gather import all_gather as all_gather
 from jax_ncclx._src.ops.all_reduce import all_reduce as all_reduce
@@ -20,4 +22,4 @@ from jax_ncclx._src.ops.reduce_scatter import reduce_scatter as reduce_scatter
 __version__ = "0.1.0"
 
 __all__ = ["CollectiveError", "all_gather", "all_reduce", "all_to_all", "all_to_allv_dynamic", "build_info",
-           "check_errors", "memory_stats", "moe", "ppermute", "reduce_scatter", "trace"]
+           "check_errors", "init", "memory_stats", "moe", "ppermute", "reduce_scatter", "shutdown", "trace"]

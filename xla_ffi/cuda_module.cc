@@ -115,17 +115,23 @@ nb::bytes UniqueId() {
   return nb::bytes(id.internal, NCCL_UNIQUE_ID_BYTES);
 }
 
-int64_t InitComm(nb::bytes unique_id, int nranks, const std::vector<int>& ranks,
+int64_t InitComm(const std::vector<nb::bytes>& unique_ids, int nranks, const std::vector<int>& ranks,
                  const std::vector<int>& devices) {
   constexpr std::string_view kOp = "init_comm";
-  if (unique_id.size() != NCCL_UNIQUE_ID_BYTES) {
-    ThrowIfFailed(InvalidArgument(kOp, "unique_id has " + std::to_string(unique_id.size()) +
-                                           " bytes, expected " + std::to_string(NCCL_UNIQUE_ID_BYTES)));
-  }
-  if (ranks.empty() || ranks.size() != devices.size()) {
-    ThrowIfFailed(InvalidArgument(kOp, "got " + std::to_string(ranks.size()) + " ranks and " +
+  if (ranks.empty() || ranks.size() != devices.size() || unique_ids.size() != devices.size()) {
+    ThrowIfFailed(InvalidArgument(kOp, "got " + std::to_string(unique_ids.size()) + " unique ids, " +
+                                           std::to_string(ranks.size()) + " ranks and " +
                                            std::to_string(devices.size()) +
-                                           " devices, expected one rank per device and at least one"));
+                                           " devices, expected one of each per device and at least one"));
+  }
+  std::vector<ncclUniqueId> ids(unique_ids.size());
+  for (size_t i = 0; i < unique_ids.size(); ++i) {
+    if (unique_ids[i].size() != NCCL_UNIQUE_ID_BYTES) {
+      ThrowIfFailed(InvalidArgument(kOp, "unique_ids[" + std::to_string(i) + "] has " +
+                                             std::to_string(unique_ids[i].size()) + " bytes, expected " +
+                                             std::to_string(NCCL_UNIQUE_ID_BYTES)));
+    }
+    std::memcpy(ids[i].internal, unique_ids[i].data(), NCCL_UNIQUE_ID_BYTES);
   }
   for (const int rank : ranks) {
     if (rank < 0 || rank >= nranks) {
@@ -134,54 +140,12 @@ int64_t InitComm(nb::bytes unique_id, int nranks, const std::vector<int>& ranks,
     }
   }
   CheckDistinctDevices(kOp, devices);
-  ncclUniqueId id;
-  std::memcpy(id.internal, unique_id.data(), NCCL_UNIQUE_ID_BYTES);
 
   ffi::ErrorOr<std::map<int32_t, ncclComm_t>> comms = [&] {
-    nb::gil_scoped_release release;  // blocks until every rank of the clique has joined
+    nb::gil_scoped_release release;  // blocks until every rank of every clique has joined
     return CreateInGroup(kOp, devices, [&](size_t i, ncclComm_t* comm) {
-      const ncclResult_t result = ncclCommInitRank(comm, nranks, id, ranks[i]);
+      const ncclResult_t result = ncclCommInitRank(comm, nranks, ids[i], ranks[i]);
       return CheckNccl(kOp, "ncclCommInitRank", result, *comm);
-    });
-  }();
-  return RegisterComms(ValueOrThrow(std::move(comms)));
-}
-
-int64_t SplitComm(int64_t parent_id, const std::vector<int>& devices, const std::vector<int>& colors,
-                  const std::vector<int>& keys) {
-  constexpr std::string_view kOp = "split_comm";
-  if (colors.size() != devices.size() || keys.size() != devices.size()) {
-    ThrowIfFailed(InvalidArgument(kOp, "got " + std::to_string(devices.size()) + " devices, " +
-                                           std::to_string(colors.size()) + " colors and " +
-                                           std::to_string(keys.size()) +
-                                           " keys, expected one of each per device"));
-  }
-  for (const int color : colors) {
-    if (color < -1) {
-      ThrowIfFailed(InvalidArgument(kOp, "color " + std::to_string(color) + " is negative; use -1 for none"));
-    }
-  }
-  CheckDistinctDevices(kOp, devices);
-  const std::map<int32_t, ncclComm_t> parents = ValueOrThrow(CommsOf(kOp, parent_id));
-  // A split is collective over the parent: every local rank of it has to take part.
-  const bool all_parents_listed =
-      parents.size() == devices.size() &&
-      std::all_of(devices.begin(), devices.end(), [&](int device) { return parents.count(device) == 1; });
-  if (!all_parents_listed) {
-    std::string parent_devices;
-    for (const auto& [device, comm] : parents) parent_devices += " " + std::to_string(device);
-    ThrowIfFailed(InvalidArgument(kOp, "devices must list each local device of communicator " +
-                                           std::to_string(parent_id) + " once; it has devices:" +
-                                           parent_devices));
-  }
-
-  ffi::ErrorOr<std::map<int32_t, ncclComm_t>> comms = [&] {
-    nb::gil_scoped_release release;  // blocks until every rank of the parent has joined
-    return CreateInGroup(kOp, devices, [&](size_t i, ncclComm_t* comm) {
-      ncclComm_t parent = parents.at(devices[i]);
-      // NCCL_SPLIT_NOCOLOR is -1: that device gets no communicator (NCCL returns null).
-      return CheckNccl(kOp, "ncclCommSplit", ncclCommSplit(parent, colors[i], keys[i], comm, nullptr),
-                       parent);
     });
   }();
   return RegisterComms(ValueOrThrow(std::move(comms)));
@@ -323,18 +287,13 @@ NB_MODULE(_ncclx_cuda, m) {
         "Version of the CUDA runtime loaded at run time (e.g. 13000 for 13.0).");
   m.def("unique_id", &jn::UniqueId,
         "A new NCCL unique id (128 bytes). Create it on one process and pass it to init_comm on all.");
-  m.def("init_comm", &jn::InitComm, nb::arg("unique_id"), nb::arg("nranks"), nb::arg("ranks"),
+  m.def("init_comm", &jn::InitComm, nb::arg("unique_ids"), nb::arg("nranks"), nb::arg("ranks"),
         nb::arg("devices"),
-        "Creates the communicator of `unique_id` for this process's ranks: ranks[i] on CUDA device\n"
-        "devices[i], out of nranks in all. Blocks (without the GIL) until every rank of every process has\n"
-        "joined. Returns the comm_id that the handlers' comm_id attribute names. Raises RuntimeError with\n"
-        "NCCL's message on failure.");
-  m.def("split_comm", &jn::SplitComm, nb::arg("parent_id"), nb::arg("devices"), nb::arg("colors"),
-        nb::arg("keys"),
-        "Splits communicator `parent_id` (ncclCommSplit): the rank on devices[i] joins the new\n"
-        "communicator of colors[i], ordered by keys[i]; color -1 leaves that device without one.\n"
-        "`devices` must list every local device of the parent, and every process of the parent must call\n"
-        "this. Blocks without the GIL. Returns the new comm_id.");
+        "Creates one communicator per local device, all in one NCCL group: the device devices[i] joins the\n"
+        "clique of unique_ids[i] as rank ranks[i] of nranks (one clique for a world communicator; one per\n"
+        "group for an axis communicator). Blocks (without the GIL) until every rank of every clique has\n"
+        "joined. Returns the comm_id under which the handlers find each device's communicator. Raises\n"
+        "RuntimeError with NCCL's message on failure.");
   m.def("comm_info", &jn::CommInfo, nb::arg("comm_id"),
         "The local communicators of `comm_id` as (device, rank, nranks) tuples, by device.");
   m.def("destroy_all", &jn::DestroyAll,

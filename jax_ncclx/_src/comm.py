@@ -1,18 +1,20 @@
-"""NCCL communicators for the CUDA handlers: one world communicator per set of devices, and one communicator
-per way of grouping those devices along a mesh axis, split from the world communicator and cached.
+"""NCCL communicators for the CUDA handlers: one per way of grouping a mesh's devices along one of its axes,
+made on first use and cached (the whole mesh in device-id order is the world communicator).
 
-Why our own communicators instead of borrowing XLA's (jaxlib's collectives FFI extension): later work needs to
-own them (symmetric buffers registered per communicator, abort on timeout, memory accounting), and splitting
-lets every mesh axis reuse one bootstrap.
+Why our own communicators instead of borrowing XLA's (jaxlib's collectives FFI extension): they carry state
+XLA's do not have (symmetric buffers registered per communicator, abort on timeout, memory accounting).
 
 When they are made: while a program that needs them is being lowered, before it can run, from the Python
-thread, for all local devices at once (ncclGroupStart/End). Making them inside a handler would risk a deadlock:
+thread, for all local devices at once (one NCCL group). Making them inside a handler would risk a deadlock:
 ``ncclCommInitRank`` allocates device memory while other devices may already be spinning in a collective.
 Every process of a multi-process job lowers the same program, so all of them make the same communicators in
-the same order; the NCCL unique id travels through JAX's distributed key-value store.
+the same order.
 
-Ranks: the world rank of a device is its position among the devices sorted by id; inside a group the rank is
-the position along the mesh axis (``jax.lax.axis_index``), which ``ncclCommSplit`` gets as its key.
+How the ranks meet (``bootstrap.py``, ``docs/bootstrap.md``): each process computes from the mesh shape alone
+which groups its devices are in and their ranks (the coordinate along the axis, ``jax.lax.axis_index``); the
+process holding a group's rank 0 makes the group's NCCL unique id and publishes it in JAX's distributed
+key-value store, the others read it, and every local device joins its group with ``ncclCommInitRank``. No
+membership all-gather, and no key-value traffic when a group lives in one process.
 """
 
 import hashlib
@@ -20,19 +22,30 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
 
 import jax
 
+from jax_ncclx._src import bootstrap
 from jax_ncclx._src import compat
 from jax_ncclx._src import lib
 
 logger = logging.getLogger("jax_ncclx")
 
 _lock = threading.Lock()
-_world_comms: dict[tuple[int, ...], int] = {}
-_group_comms: dict[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], int] = {}
+_axis_comms: dict[tuple, int] = {}  # (device ids in mesh order, mesh shape, axis) -> comm_id
+_generation = 0  # shutdowns so far: names this generation's keys in the key-value store
 _KV_TIMEOUT_MS = 10 * 60 * 1000
+
+
+class _JaxKeyValueStore(bootstrap.KeyValueStore):
+    def __init__(self, client):
+        self._client = client
+
+    def set(self, key: str, value: bytes) -> None:
+        self._client.key_value_set_bytes(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._client.blocking_key_value_get_bytes(key, _KV_TIMEOUT_MS)
 
 
 def _wait_for_device_work():
@@ -44,87 +57,84 @@ def _wait_for_device_work():
             pass
 
 
-def _unique_id(world: tuple[int, ...], local_ranks: list[int]) -> bytes:
-    """A fresh id when this process holds the whole world; otherwise the id rank 0's process publishes."""
-    cuda = lib.cuda_module()
-    if len(local_ranks) == len(world):
-        return cuda.unique_id()
-    client = compat.distributed_client()
-    if client is None:
-        raise RuntimeError(
-            "jax_ncclx: the mesh spans several processes but jax.distributed is not initialised; call "
-            "jax.distributed.initialize() before the first collective"
-        )
-    key = "jax_ncclx/world/" + hashlib.sha1(repr(world).encode()).hexdigest()
-    if 0 in local_ranks:
-        uid = cuda.unique_id()
-        client.key_value_set_bytes(key, uid)
-        return uid
-    return client.blocking_key_value_get_bytes(key, _KV_TIMEOUT_MS)
-
-
-def _world_comm(devices: Sequence[jax.Device]) -> int:
-    world = tuple(sorted(d.id for d in devices))
-    if world in _world_comms:
-        return _world_comms[world]
-    by_id = {d.id: d for d in devices}
-    local = [by_id[i] for i in world if by_id[i].process_index == jax.process_index()]
-    ranks = [world.index(d.id) for d in local]
-    _wait_for_device_work()
-    uid = _unique_id(world, ranks)
-    comm_id = lib.cuda_module().init_comm(uid, len(world), ranks, [d.local_hardware_id for d in local])
-    logger.info("jax_ncclx: world communicator %d over %d devices (local ranks %s)", comm_id, len(world), ranks)
-    _world_comms[world] = comm_id
-    return comm_id
-
-
-def communicator_for(mesh_devices: Sequence[jax.Device], groups: Sequence[Sequence[int]]) -> int:
-    """The comm_id of the communicator for ``groups`` (partition ids, i.e. positions in ``mesh_devices``).
-
-    Every local device of the mesh gets the communicator of its group, ranked by its position in the group.
-    """
-    devices = list(mesh_devices)
-    world = tuple(sorted(d.id for d in devices))
-    group_ids = tuple(tuple(devices[p].id for p in group) for group in groups)
-    key = (world, group_ids)
+def communicator_for(mesh: jax.sharding.Mesh, axis_name) -> int:
+    """The comm_id of the communicators along mesh axis ``axis_name``: every local device of ``mesh`` gets the
+    communicator of its group (the devices sharing its coordinates on the other axes), ranked by its coordinate
+    along the axis. Collective: every process lowering the program calls it in the same order."""
+    devices = list(mesh.devices.flat)
+    shape = tuple(mesh.devices.shape)
+    axis = mesh.axis_names.index(axis_name)
+    key = (tuple(d.id for d in devices), shape, axis)
     with _lock:
-        if key in _group_comms:
-            return _group_comms[key]
-        world_id = _world_comm(devices)
-        if group_ids == (world,):  # one group in world-rank order: the world communicator itself
-            _group_comms[key] = world_id
-            return world_id
-        position = {dev: (color, rank) for color, group in enumerate(group_ids) for rank, dev in enumerate(group)}
-        local = [d for d in sorted(devices, key=lambda d: d.id) if d.process_index == jax.process_index()]
+        if key in _axis_comms:
+            return _axis_comms[key]
+        me = jax.process_index()
+        local = [p for p, d in enumerate(devices) if d.process_index == me]
+        groups = bootstrap.axis_groups(shape, axis, local, lambda p: devices[p].process_index)
+        client = compat.distributed_client()
+        kv = _JaxKeyValueStore(client) if client is not None else None
+        cuda = lib.cuda_module()
+        mesh_key = hashlib.sha1(repr((_generation, key)).encode()).hexdigest()
+        ids, ranks, ordinals = [], [], []
         _wait_for_device_work()
-        comm_id = lib.cuda_module().split_comm(
-            world_id,
-            [d.local_hardware_id for d in local],
-            [position[d.id][0] for d in local],
-            [position[d.id][1] for d in local],
-        )
-        logger.info("jax_ncclx: communicator %d = split of %d into groups %s", comm_id, world_id, group_ids)
-        _group_comms[key] = comm_id
+        for group in groups:
+            uid = bootstrap.unique_id(f"jax_ncclx/{mesh_key}/{group.key}", group.root_process,
+                                      len(group.members) == group.size, me, kv, cuda.unique_id)
+            for rank, position in group.members:
+                ids.append(uid)
+                ranks.append(rank)
+                ordinals.append(devices[position].local_hardware_id)
+        comm_id = cuda.init_comm(ids, shape[axis], ranks, ordinals)
+        logger.info("jax_ncclx: communicator %d along axis %r of a %s mesh (%d local group(s))", comm_id,
+                    axis_name, "x".join(map(str, shape)), len(groups))
+        _axis_comms[key] = comm_id
         return comm_id
+
+
+def init(mesh: jax.sharding.Mesh | None = None):
+    """Makes now, instead of at the first collective, the communicators of every axis of ``mesh`` (default:
+    the mesh of ``jax.set_mesh``). Collective: every process calls it with the same mesh. Does nothing for a
+    mesh of CPU devices (the CPU backend needs no communicators).
+
+    Raises:
+      ValueError: no mesh given and none set.
+    """
+    mesh = mesh if mesh is not None else compat.concrete_context_mesh()
+    if mesh is None or mesh.empty:
+        raise ValueError("jax_ncclx.init: pass a jax.sharding.Mesh or call it under jax.set_mesh(mesh)")
+    if mesh.devices.flat[0].platform != "gpu":
+        return
+    for axis_name in mesh.axis_names:
+        communicator_for(mesh, axis_name)
+
+
+def shutdown():
+    """Frees every communicator and all their memory (after the work queued on them finished) and drops JAX's
+    compiled programs, so that the next call of a jitted function compiles anew and makes fresh communicators:
+    jax_ncclx works again after it. A program object compiled before (``.lower().compile()``) fails with a
+    clear error. Collective: every process calls it. Also the way out of a communicator that stopped working
+    (:func:`check_errors`)."""
+    global _generation
+    destroy_all()
+    jax.clear_caches()
+    with _lock:
+        _generation += 1
 
 
 def destroy_all():
     """Frees every communicator and its symmetric memory (after their work finished), so that the next
-    lowering makes fresh ones; programs compiled before keep stale comm_ids and fail clearly. The way out of
-    a communicator that stopped working (:func:`check_errors`)."""
-    module = lib.cuda_module_if_available()
+    lowering makes fresh ones; programs compiled before keep stale comm_ids and fail clearly."""
     with _lock:
-        if module is not None:
-            module.destroy_all()
-        _world_comms.clear()
-        _group_comms.clear()
+        if _axis_comms:  # else there is nothing to free, and CUDA may not even be usable here
+            lib.cuda_module().destroy_all()
+        _axis_comms.clear()
         _nvlink_refusals_logged.clear()
 
 
 def all_comm_ids() -> list[int]:
     """Every communicator made so far (world and split ones), by comm_id."""
     with _lock:
-        return sorted(set(_world_comms.values()) | set(_group_comms.values()))
+        return sorted(set(_axis_comms.values()))
 
 
 _nvlink_refusals_logged: set[int] = set()
@@ -205,14 +215,16 @@ _remote_progress_seen: dict[tuple[int, int], str] = {}
 
 
 def _group_of(comm_id: int) -> tuple[int, ...] | None:
-    """The device ids of ``comm_id``'s ranks, in rank order (the group holding this process's devices)."""
+    """The device ids of ``comm_id``'s ranks, in rank order (the group holding this process's first device)."""
     local = {d.id for d in jax.local_devices()}
-    for world, world_id in _world_comms.items():
-        if world_id == comm_id:
-            return world
-    for (_, groups), group_id in _group_comms.items():
-        if group_id == comm_id:
-            return next((g for g in groups if local & set(g)), None)
+    for (device_ids, shape, axis), axis_id in _axis_comms.items():
+        if axis_id != comm_id:
+            continue
+        for position, device_id in enumerate(device_ids):
+            if device_id in local:
+                coords = bootstrap.coordinates(position, shape)
+                return tuple(device_ids[bootstrap.flat_position(coords[:axis] + (r,) + coords[axis + 1:], shape)]
+                             for r in range(shape[axis]))
     return None
 
 

@@ -169,8 +169,9 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **par
         site_info.update(groups=[list(g) for g in groups], transport="cpu", algorithm="rendezvous")
     else:
         module = lib.cuda_module()
-        mesh_devices = list(_mesh_devices(axis_context.mesh, target))
-        comm_id = comm.communicator_for(mesh_devices, groups)
+        mesh = _concrete_mesh(axis_context.mesh, target)
+        mesh_devices = list(mesh.devices.flat)
+        comm_id = comm.communicator_for(mesh, axis_name)
         route = cuda_route(ctx, comm_id, len(groups[0]), **params) if cuda_route is not None else CudaRoute(target)
         target = route.target
         op_attrs.update(route.attrs, comm_id=np.int64(comm_id))
@@ -191,13 +192,13 @@ def _nbytes(aval) -> int:
     return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
-def _mesh_devices(mesh, target):
-    """The devices of the mesh being lowered; an abstract mesh takes them from ``jax.set_mesh``."""
+def _concrete_mesh(mesh, target) -> jax.sharding.Mesh:
+    """The mesh being lowered, with its devices; an abstract mesh takes them from ``jax.set_mesh``."""
     if isinstance(mesh, jax.sharding.Mesh):
-        return mesh.devices.flat
+        return mesh
     context = compat.concrete_context_mesh()
     if not context.empty and context.axis_names == mesh.axis_names and context.axis_sizes == mesh.axis_sizes:
-        return context.devices.flat
+        return context
     raise RuntimeError(
         f"{target}: on GPU the mesh's devices must be known when compiling; pass a concrete jax.sharding.Mesh "
         "to jax.shard_map, or compile under jax.set_mesh(mesh)")
