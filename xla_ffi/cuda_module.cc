@@ -257,6 +257,18 @@ int CudaRuntimeVersion() {
   return version;
 }
 
+// Bytes of device `device` in use by anyone (total - free, cudaMemGetInfo): what NCCL and this module
+// allocate outside XLA's allocator shows here.
+int64_t DeviceMemoryUsed(int device) {
+  constexpr std::string_view kOp = "device_memory_used";
+  size_t free_bytes = 0, total_bytes = 0;
+  ThrowIfFailed(KeepingCurrentDevice(kOp, [&]() -> ffi::Error {
+    NCCLX_RETURN_IF_ERROR(CheckCuda(kOp, "cudaSetDevice", cudaSetDevice(device)));
+    return CheckCuda(kOp, "cudaMemGetInfo", cudaMemGetInfo(&free_bytes, &total_bytes));
+  }));
+  return static_cast<int64_t>(total_bytes - free_bytes);
+}
+
 }  // namespace
 }  // namespace jax_ncclx
 
@@ -285,6 +297,8 @@ NB_MODULE(_ncclx_cuda, m) {
         "NCCL_VERSION_CODE of the nccl.h this module was compiled against.");
   m.def("cuda_runtime_version", &jn::CudaRuntimeVersion,
         "Version of the CUDA runtime loaded at run time (e.g. 13000 for 13.0).");
+  m.def("device_memory_used", &jn::DeviceMemoryUsed, nb::arg("device"),
+        "Bytes in use on CUDA device `device` by every allocator (total - free, cudaMemGetInfo).");
   m.def("unique_id", &jn::UniqueId,
         "A new NCCL unique id (128 bytes). Create it on one process and pass it to init_comm on all.");
   m.def("init_comm", &jn::InitComm, nb::arg("unique_ids"), nb::arg("nranks"), nb::arg("ranks"),
