@@ -42,17 +42,17 @@ def take_mismatches() -> list[str]:
     return taken
 
 
-def _odd_weights(n: int, prime) -> jax.Array:
-    """Odd uint32 weights for positions 0..n-1: a change d of one byte (0 < |d| < 256) changes the sum by an odd
+def _odd_weights(positions, prime) -> jax.Array:
+    """Odd uint32 weights of ``positions``: a change d of one byte (0 < |d| < 256) changes the sum by an odd
     multiple of d, never 0 modulo 2^32."""
-    return jnp.arange(n, dtype=jnp.uint32) * prime | jnp.uint32(1)
+    return jnp.asarray(positions).astype(jnp.uint32) * prime | jnp.uint32(1)
 
 
 def _row_sums(x, rows: int) -> jax.Array:
     """uint32 [rows]: the checksum of each of ``rows`` equal slices of ``x``'s bytes."""
     data = x if x.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(x, jnp.uint8)
     data = data.reshape(rows, -1).astype(jnp.uint32) + jnp.uint32(1)
-    return jnp.sum(data * _odd_weights(data.shape[1], _GOLDEN), axis=1, dtype=jnp.uint32)
+    return jnp.sum(data * _odd_weights(jnp.arange(data.shape[1]), _GOLDEN), axis=1, dtype=jnp.uint32)
 
 
 def _report(op: str, axis_name, bad, what: str):
@@ -118,7 +118,7 @@ def _segment_sums(row_sums, first, count):
     n_rows = row_sums.shape[0]
     relative = jnp.arange(n_rows)[None, :] - first[:, None]  # [N, rows]
     inside = (relative >= 0) & (relative < count[:, None])
-    weights = jnp.where(inside, jnp.clip(relative, 0).astype(jnp.uint32) * _ROW_PRIME | jnp.uint32(1), 0)
+    weights = jnp.where(inside, _odd_weights(jnp.clip(relative, 0), _ROW_PRIME), 0)
     return jnp.sum(weights.astype(jnp.uint32) * row_sums[None, :], axis=1, dtype=jnp.uint32)
 
 

@@ -53,6 +53,15 @@ std::string CommFaultOf(int64_t comm_id) {
   return it == registry.faults.end() ? "" : it->second;
 }
 
+ffi::Error UnusableCommError(std::string_view op, int64_t comm_id, std::string_view fault) {
+  return DeadlineExceeded(op, "communicator " + std::to_string(comm_id) + " is unusable: " + std::string(fault));
+}
+
+ffi::Error CheckCommUsable(std::string_view op, int64_t comm_id) {
+  const std::string fault = CommFaultOf(comm_id);
+  return fault.empty() ? ffi::Error::Success() : UnusableCommError(op, comm_id, fault);
+}
+
 std::vector<std::pair<int64_t, std::string>> CommFaults() {
   Registry& registry = GetRegistry();
   std::shared_lock<std::shared_mutex> lock(registry.mu);
@@ -81,8 +90,7 @@ void AbortComm(int64_t comm_id, std::string message) {
 }
 
 ffi::ErrorOr<ncclComm_t> LookupComm(std::string_view op, int64_t comm_id, int32_t device_ordinal) {
-  const std::string fault = CommFaultOf(comm_id);
-  if (!fault.empty()) return DeadlineExceeded(op, "communicator " + std::to_string(comm_id) + " is unusable: " + fault);
+  NCCLX_RETURN_IF_ERROR(CheckCommUsable(op, comm_id));
   Registry& registry = GetRegistry();
   std::shared_lock<std::shared_mutex> lock(registry.mu);
   const auto by_id = registry.comms.find(comm_id);

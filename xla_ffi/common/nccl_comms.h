@@ -52,6 +52,10 @@ void RecordCommFault(int64_t comm_id, std::string message);
 // The recorded fault of `comm_id`, or "" when it has none. One relaxed load when no communicator has failed.
 std::string CommFaultOf(int64_t comm_id);
 
+// Success while `comm_id` has no recorded fault, else DeadlineExceeded saying it is unusable and why.
+ffi::Error CheckCommUsable(std::string_view op, int64_t comm_id);
+ffi::Error UnusableCommError(std::string_view op, int64_t comm_id, std::string_view fault);
+
 // Every recorded fault, as (comm_id, message).
 std::vector<std::pair<int64_t, std::string>> CommFaults();
 

@@ -137,7 +137,7 @@ ffi::Error EnsureAnchor(std::string_view op, int32_t device) {
 // ---- the watchdog ----------------------------------------------------------------------------------------
 
 struct Watched {
-  std::string op;
+  std::string_view op;  // the handler's kOp, a string literal
   int64_t site = 0;
   int64_t comm_id = 0;
   int rank = 0;
@@ -184,7 +184,7 @@ std::string HangMessage(Watchdog& w, const Watched& hung) {
     }
   }
   std::string message = "call #" + std::to_string(hung.sequence) + " on communicator " + std::to_string(hung.comm_id) +
-                        " (" + hung.op + ", " + DescribeCallSite(hung.site) + ") has not finished " +
+                        " (" + std::string(hung.op) + ", " + DescribeCallSite(hung.site) + ") has not finished " +
                         Seconds(hung.timeout_ns) + " after it could start on rank " + std::to_string(hung.rank) +
                         " of " + std::to_string(hung.size) + " (JAX_NCCLX_TIMEOUT_S): ";
   if (!never.empty()) {
@@ -318,8 +318,7 @@ void StopWatchdog() {
 
 ffi::ErrorOr<GpuCall> BeginGpuCall(std::string_view op, const CallAttrs& attrs, int64_t comm_id, int rank, int size,
                                    int32_t device, cudaStream_t stream) {
-  const std::string fault = CommFaultOf(comm_id);
-  if (!fault.empty()) return DeadlineExceeded(op, "communicator " + std::to_string(comm_id) + " is unusable: " + fault);
+  NCCLX_RETURN_IF_ERROR(CheckCommUsable(op, comm_id));
   GpuCall call;
   call.op = op;
   call.attrs = attrs;
@@ -340,7 +339,7 @@ ffi::Error CheckNvlinkFault(std::string_view op, int64_t comm_id, const Symmetri
   }
   const std::string message = NvlinkFaultMessage(comm_id, NvlinkFaultReports());
   RecordCommFault(comm_id, message);
-  return DeadlineExceeded(op, "communicator " + std::to_string(comm_id) + " is unusable: " + message);
+  return UnusableCommError(op, comm_id, message);
 }
 
 ffi::ErrorOr<CallBracket> OpenCall(const GpuCall& call, bool watch) {
@@ -348,10 +347,7 @@ ffi::ErrorOr<CallBracket> OpenCall(const GpuCall& call, bool watch) {
   watch = watch && call.attrs.timeout_ms > 0;  // JAX_NCCLX_TIMEOUT_S=0: no watchdog
   bracket.skip = ApplyDelayOrSkip(call.fault);
   if (call.fault && call.fault->kind == FaultKind::kDelay) {  // the communicator may have failed meanwhile
-    const std::string fault = CommFaultOf(call.comm_id);
-    if (!fault.empty()) {
-      return DeadlineExceeded(call.op, "communicator " + std::to_string(call.comm_id) + " is unusable: " + fault);
-    }
+    NCCLX_RETURN_IF_ERROR(CheckCommUsable(call.op, call.comm_id));
   }
   if (bracket.skip || (!watch && !call.attrs.trace)) return bracket;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -375,7 +371,7 @@ ffi::ErrorOr<CallBracket> OpenCall(const GpuCall& call, bool watch) {
   }
   if (watch) {
     Watched watched;
-    watched.op = std::string(call.op);
+    watched.op = call.op;
     watched.site = call.attrs.site;
     watched.comm_id = call.comm_id;
     watched.rank = call.rank;

@@ -14,6 +14,7 @@
 #include "common/nccl_comms.h"
 #include "common/watchdog.h"
 #include "ops/collective_checks.h"
+#include "ops/cuda_collective.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {
@@ -206,25 +207,15 @@ ffi::Error PpermuteImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   });
 }
 
-// The prefix every NCCL handler's binding shares; the op's own attributes follow.
-auto BindNcclCollective() {
-  return BindCallAttrs(ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                           .Ctx<ffi::DeviceOrdinal>()                 // device_ordinal
-                           .Arg<ffi::AnyBuffer>()                     // x
-                           .Ret<ffi::AnyBuffer>()                     // y
-                           .Attr<int64_t>("comm_id"));                // comm_id
-}
-
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclAllReduce, AllReduceImpl, BindNcclCollective().Attr<int64_t>("reduce_op"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclAllGather, AllGatherImpl, BindNcclCollective());  // y: [N, *x.shape]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclAllReduce, AllReduceImpl, BindCudaCollective().Attr<int64_t>("reduce_op"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclAllGather, AllGatherImpl, BindCudaCollective());  // y: [N, *x.shape]
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclReduceScatter, ReduceScatterImpl,
-                              BindNcclCollective().Attr<int64_t>("reduce_op"));  // x: [N, *y.shape]
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclAllToAll, AllToAllImpl, BindNcclCollective());  // x, y: [N, ...]
+                              BindCudaCollective().Attr<int64_t>("reduce_op"));  // x: [N, *y.shape]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclAllToAll, AllToAllImpl, BindCudaCollective());  // x, y: [N, ...]
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclPpermute, PpermuteImpl,
-                              BindNcclCollective()
+                              BindCudaCollective()
                                   .Attr<ffi::Span<const int64_t>>("sources")    // sources
                                   .Attr<ffi::Span<const int64_t>>("targets"));  // targets
 

@@ -16,6 +16,7 @@
 #include "common/symmetric.h"
 #include "common/watchdog.h"
 #include "ops/collective_checks.h"
+#include "ops/cuda_collective.h"
 #include "ops/nvlink_collectives_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -132,31 +133,22 @@ ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, args, blocks);
 }
 
-auto BindCollective() {
-  return BindCallAttrs(ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                           .Ctx<ffi::DeviceOrdinal>()                 // device_ordinal
-                           .Arg<ffi::AnyBuffer>()                     // x
-                           .Ret<ffi::AnyBuffer>()                     // y
-                           .Attr<int64_t>("comm_id"));                // comm_id
-}
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllReduce, AllReduceImpl,
-                              BindCollective()
+                              BindCudaCollective()
                                   .Attr<int64_t>("reduce_op")  // 0 sum, 1 max, 2 min
                                   .Attr<int64_t>("algorithm")  // 1 one-shot, 2 two-shot
                                   .Attr<int64_t>("blocks"),    // 0 = by size
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllGather, AllGatherImpl,
-                              BindCollective()
+                              BindCudaCollective()
                                   .Attr<int64_t>("blocks"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllToAll, AllToAllImpl,
-                              BindCollective()
+                              BindCudaCollective()
                                   .Attr<int64_t>("blocks"),
                               {ffi::Traits::kCmdBufferCompatible});
 
