@@ -88,7 +88,8 @@ def communicator_for(mesh: jax.sharding.Mesh, axis_name) -> int:
         logger.info("jax_ncclx: communicator %d along axis %r of a %s mesh (%d local group(s))", comm_id,
                     axis_name, "x".join(map(str, shape)), len(groups))
         _axis_comms[key] = comm_id
-        return comm_id
+    _start_progress_publisher()
+    return comm_id
 
 
 def init(mesh: jax.sharding.Mesh | None = None):
@@ -129,6 +130,7 @@ def destroy_all():
             lib.cuda_module().destroy_all()
         _axis_comms.clear()
         _nvlink_refusals_logged.clear()
+        _progress_published.clear()
 
 
 def all_comm_ids() -> list[int]:
@@ -228,23 +230,68 @@ def _group_of(comm_id: int) -> tuple[int, ...] | None:
     return None
 
 
+def _progress_key(group: tuple[int, ...], sequence: int) -> str:
+    return f"jax_ncclx/progress/{hashlib.sha1(repr(group).encode()).hexdigest()}/{sequence}/"
+
+
+def _publish_progress(module, client, comm_id: int, sequence: int) -> None:
+    """Puts in the key-value store how far this process's ranks of ``comm_id`` got (once per hung call)."""
+    with _lock:
+        group = _group_of(comm_id)
+        if group is None or (comm_id, sequence) in _progress_published:
+            return
+        _progress_published.add((comm_id, sequence))
+    mine = {rank: reached for c, rank, reached in module.watchdog_state()[0] if c == comm_id}
+    client.key_value_set(_progress_key(group, sequence) + str(jax.process_index()), json.dumps(mine))
+
+
+_progress_published: set[tuple[int, int]] = set()
+_publisher_started = threading.Event()
+_PUBLISH_POLL_S = 0.05
+
+
+def _start_progress_publisher() -> None:
+    """With several processes, a thread publishes this process's progress as soon as the watchdog finds an
+    NCCL call hung: the main thread may stay blocked for long (``ncclCommAbort`` waits on NCCL's own threads),
+    and the other processes' :func:`check_errors` only wait a few seconds for the answer."""
+    client = compat.distributed_client()
+    if client is None or jax.process_count() == 1 or _publisher_started.is_set():
+        return
+    _publisher_started.set()
+    module = lib.cuda_module()
+
+    def publish_forever():
+        while True:
+            time.sleep(_PUBLISH_POLL_S)
+            try:
+                for comm_id, sequence in module.watchdog_state()[1]:
+                    _publish_progress(module, client, comm_id, sequence)
+            except Exception:  # noqa: BLE001 - the runtime is shutting down; check_errors publishes too
+                logger.debug("jax_ncclx: progress publisher stopped", exc_info=True)
+                return
+
+    threading.Thread(target=publish_forever, name="jax_ncclx-progress", daemon=True).start()
+
+
 def _remote_progress(module, comm_id: int, sequence: int) -> str:
     """Names the ranks of other processes that did not reach NCCL call ``sequence`` on ``comm_id``, which NCCL
-    cannot tell: every process that checks publishes how far its ranks got in JAX's key-value store and reads
-    the others'. A process that does not answer within a few seconds is dead or stuck, and so named."""
+    cannot tell: every process publishes how far its ranks got in JAX's key-value store (its publisher thread
+    when its watchdog finds the hang, or this function) and reads the others'. A process that does not answer
+    within a few seconds is dead or stuck, and so named."""
     if (comm_id, sequence) in _remote_progress_seen:
         return _remote_progress_seen[comm_id, sequence]
-    client, group = compat.distributed_client(), _group_of(comm_id)
+    client = compat.distributed_client()
+    with _lock:
+        group = _group_of(comm_id)
     if client is None or group is None:
         return "unknown (no jax.distributed key-value store)"
     process_of = {d.id: d.process_index for d in jax.devices()}
     me = jax.process_index()
-    key = f"jax_ncclx/progress/{hashlib.sha1(repr(group).encode()).hexdigest()}/{sequence}/"
-    mine = {rank: reached for c, rank, reached in module.watchdog_state()[0] if c == comm_id}
+    key = _progress_key(group, sequence)
     try:
-        client.key_value_set(key + str(me), json.dumps(mine))
-    except Exception:  # noqa: BLE001 - published by an earlier check of this process
-        pass
+        _publish_progress(module, client, comm_id, sequence)
+    except Exception:  # noqa: BLE001 - the others then name this process's ranks as silent
+        logger.warning("jax_ncclx: could not publish this process's progress", exc_info=True)
     deadline = time.monotonic() + _PROGRESS_WAIT_S
     behind, silent = [], []
     for process in sorted({process_of[d] for d in group} - {me}):

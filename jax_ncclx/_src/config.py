@@ -145,9 +145,12 @@ def _non_negative_int(name: str, default):
 
 
 # GPU count -> (one-shot max, NVLink max) bytes per rank; other counts take the entry of the nearest count
-# above. 2 GPUs: measured on 2xH200 (benchmarks/collectives.py: one-shot beats two-shot up to 4 MiB, NVLink
-# beats NCCL and XLA up to 64 MiB; capped at 16 MiB, where the slots take 64 MiB). 4 and 8: provisional.
-NVLINK_THRESHOLDS = {2: (4 << 20, 16 << 20), 4: (256 << 10, 4 << 20), 8: (64 << 10, 2 << 20)}
+# above. Measured with benchmarks/collectives.py (--impls xla,nx-oneshot,nx-twoshot,nx-nccl):
+# 2xH200: one-shot beats two-shot up to 4 MiB, NVLink beats NCCL and XLA up to 64 MiB; capped at 16 MiB,
+# where the slots take 64 MiB. 4xH200 (collectives_4gpu_algorithms.md): one-shot all_reduce beats two-shot up
+# to 512 KiB (12.9 vs 14.6 us), two-shot from 1 MiB; NVLink beats XLA up to 16 MiB for all three ops and
+# loses at 64 MiB (all_reduce, all_gather). 8 GPUs: provisional, not measured (no 8-GPU machine yet).
+NVLINK_THRESHOLDS = {2: (4 << 20, 16 << 20), 4: (512 << 10, 16 << 20), 8: (64 << 10, 2 << 20)}
 
 
 def nvlink_thresholds(size: int, settings: "Config | None" = None) -> tuple[int, int]:
