@@ -6,10 +6,14 @@ or one process per GPU (bootstrapped through jax.distributed). Per case and proc
 - ``first_s``: from the first device use (after ``import jax``; with several processes, from before
   ``jax.distributed.initialize``) until the first all_reduce of 8 floats has completed, compilation included;
   xla = ``jax.lax.psum``, nx = ``nx.all_reduce`` (which makes its communicator while it compiles);
-- ``init_s`` (nx only, a separate case ``nx-init``): ``nx.init(mesh)`` alone, the communicators of every axis;
-- ``comm_mib``: device memory the first collective added, per GPU (cudaMemGetInfo before and after, so NCCL's
-  own buffers count along with XLA's); for nx also the total after the first call of each other op
-  (``after_<op>_mib``) and what jax_ncclx's symmetric memory holds (``nx_held_mib``, ``nx.memory_stats()``).
+  ``first_call_s``: that first collective call alone (compile, communicator, run), after a warm-up program
+  without collectives (CUDA context, XLA's allocator);
+- ``init_s`` and ``idle_mib`` (case ``nx-init``): ``nx.init(mesh)`` alone, the communicators of every axis,
+  and the device memory it added (an idle communicator);
+- ``comm_mib``: device memory the first collective added, per GPU, measured from after the warm-up
+  (cudaMemGetInfo, so NCCL's own buffers count along with XLA's); for nx also the total after the first call
+  of each other op (``after_<op>_mib``) and what jax_ncclx's symmetric memory holds (``nx_held_mib``,
+  ``nx.memory_stats()``).
 
     python benchmarks/startup.py                  # every GPU; one process, and one process per GPU
     python benchmarks/startup.py --modes one      # one process only
@@ -33,7 +37,8 @@ MODES = ("one", "per-gpu")
 OPS_AFTER = ("all_gather", "reduce_scatter", "all_to_all", "ppermute", "all_to_allv_dynamic")
 COLUMNS = [
     ("case", "case", 8, ""), ("mode", "processes", 9, ""), ("gpus", "GPUs", 4, "d"),
-    ("first_s", "first s", 8, ".2f"), ("init_s", "init s", 7, ".2f"), ("comm_mib", "comm MiB", 9, ".1f"),
+    ("first_s", "first s", 8, ".2f"), ("first_call_s", "1st call s", 10, ".2f"), ("init_s", "init s", 7, ".2f"),
+    ("idle_mib", "idle MiB", 8, ".1f"), ("comm_mib", "comm MiB", 9, ".1f"),
     ("nx_held_mib", "nx MiB", 7, ".2f"),
 ] + [(f"after_{op}_mib", f"+{op} MiB", 10, ".1f") for op in OPS_AFTER]
 
@@ -71,13 +76,17 @@ def worker(case: str, process_id: int, num_processes: int, port: int):
         return jax.block_until_ready(f(*arrays))
 
     result = dict(case=case, process=process_id, gpus=n)
+    run(lambda v: v * 2, ((n, 8), np.float32))  # CUDA context, XLA's allocator and kernels: not the collective's
     before = used()
     if case == "nx-init":
         t = time.perf_counter()
         nx.init(mesh)
         result["init_s"] = time.perf_counter() - t
+        result["idle_mib"] = mib(used(), before)
     reduce = (lambda v: jax.lax.psum(v, "x")) if case == "xla" else (lambda v: nx.all_reduce(v, "x"))
+    t = time.perf_counter()
     run(reduce, ((n, 8), np.float32))
+    result["first_call_s"] = time.perf_counter() - t
     result["first_s"] = time.perf_counter() - started
     result["comm_mib"] = mib(used(), before)
     if case == "nx":

@@ -7,8 +7,10 @@ the call (JAX_NCCLX_FAULT), "kill" makes its process exit before it. Every other
 naming the call within seconds and print FAULT REPORTED; the skipping process prints SKIPPED.
 """
 
+import logging
 import os
 import sys
+import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 process_id, num_processes, port = (int(a) for a in sys.argv[1:4])
@@ -16,6 +18,9 @@ scenario, transport = sys.argv[4], sys.argv[5]
 os.environ.update(JAX_NCCLX_TRANSPORT=transport, JAX_NCCLX_TIMEOUT_S="3", JAX_NCCLX_TRACE="1")
 
 import jax  # noqa: E402
+
+logging.basicConfig(format="%(asctime)s %(message)s")
+logging.getLogger("jax_ncclx").setLevel(logging.DEBUG)
 
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id,
                            local_device_ids=[process_id])
@@ -52,7 +57,9 @@ if scenario == "kill" and process_id == last:
     print("KILLED", flush=True)
     os._exit(3)
 
+started = time.monotonic()
 jax.block_until_ready(faulty(x))
+print(f"faulty call returned after {time.monotonic() - started:.2f} s", flush=True)
 if process_id == last and scenario == "skip":
     print("SKIPPED", flush=True)
     for peer in range(last):  # keep this process (and its memory, which peers write into) until they report

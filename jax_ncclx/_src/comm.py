@@ -243,6 +243,7 @@ def _publish_progress(module, client, comm_id: int, sequence: int) -> None:
         _progress_published.add((comm_id, sequence))
     mine = {rank: reached for c, rank, reached in module.watchdog_state()[0] if c == comm_id}
     client.key_value_set(_progress_key(group, sequence) + str(jax.process_index()), json.dumps(mine))
+    logger.debug("jax_ncclx: published the progress of communicator %d for call #%d: %s", comm_id, sequence, mine)
 
 
 _progress_published: set[tuple[int, int]] = set()

@@ -88,6 +88,8 @@ class Patience {
     fault->waited_ns = now - started_ns_;
     __threadfence_system();
     fault->state = kNvlinkGaveUp;
+    for (int r = 0; r < size_; ++r) atomicOr_system(&table_->control[r]->abort_missing, 1u << peer);
+    __threadfence_system();  // the missing rank is visible before the abort
     for (int r = 0; r < size_; ++r) {
       *reinterpret_cast<volatile uint32_t*>(&table_->control[r]->abort_by) = static_cast<uint32_t>(rank_ + 1);
     }
@@ -101,6 +103,8 @@ class Patience {
     if (fault->state == kNvlinkHealthy) {
       Describe(fault);
       fault->aborted_by = AbortedBy();
+      const uint32_t missing = *reinterpret_cast<const volatile uint32_t*>(&control_->abort_missing);
+      for (int r = 0; r < size_; ++r) fault->missing[r] = (missing >> r) & 1u;
       __threadfence_system();
       fault->state = kNvlinkAborted;
     }

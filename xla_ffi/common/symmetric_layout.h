@@ -58,7 +58,8 @@ struct NvlinkFault {
   int64_t site;         // its call site
   uint64_t waited_ns;   // kNvlinkGaveUp: how long it waited
   uint32_t aborted_by;  // kNvlinkAborted: 1 + the rank that gave up first
-  uint8_t missing[kMaxNvlinkRanks];  // kNvlinkGaveUp: 1 for each rank it waited for in vain
+  uint8_t missing[kMaxNvlinkRanks];  // 1 for each rank it (kNvlinkGaveUp) or its aborter (kNvlinkAborted)
+                                     // waited for in vain
 };
 
 // Flags hold epochs: the number of the call (1, 2, ...) on this communicator that set them. They only grow,
@@ -72,6 +73,8 @@ struct alignas(128) SymmetricControl {
   uint32_t abort_by;                                  // set by rank r: 1 + r gave up waiting; the
                                                       // communicator is unusable, kernels wait no more
   uint32_t blocks_done;                               // local: blocks of the current call that finished
+  uint32_t abort_missing;                             // bit p set (before abort_by) by a rank that gave up
+                                                      // waiting for rank p, so aborted ranks can name p
   DeviceTraceRecord trace[kTraceSlots];               // local: timelines of the last calls (when traced)
 };
 

@@ -49,18 +49,20 @@ std::string Seconds(uint64_t ns) {
 // One message for every local rank's fault record of `comm_id`: the calls that gave up and whom they waited
 // for, or, when only aborted ranks are local, who aborted them.
 std::string NvlinkFaultMessage(int64_t comm_id, const std::vector<NvlinkFaultReport>& reports) {
-  std::set<int> missing;
   const NvlinkFaultReport* first_gave_up = nullptr;
   const NvlinkFaultReport* first_aborted = nullptr;
   for (const NvlinkFaultReport& report : reports) {
     if (report.comm_id != comm_id) continue;
-    if (report.fault.state == kNvlinkGaveUp) {
-      if (first_gave_up == nullptr) first_gave_up = &report;
-      for (int r = 0; r < kMaxNvlinkRanks; ++r) {
-        if (report.fault.missing[r]) missing.insert(r);
-      }
-    } else if (first_aborted == nullptr) {
-      first_aborted = &report;
+    if (report.fault.state == kNvlinkGaveUp && first_gave_up == nullptr) first_gave_up = &report;
+    if (report.fault.state == kNvlinkAborted && first_aborted == nullptr) first_aborted = &report;
+  }
+  // Ranks that gave up name whom they waited for; aborted ranks carry the list of the rank that aborted them.
+  const uint32_t named_by = first_gave_up != nullptr ? kNvlinkGaveUp : kNvlinkAborted;
+  std::set<int> missing;
+  for (const NvlinkFaultReport& report : reports) {
+    if (report.comm_id != comm_id || report.fault.state != named_by) continue;
+    for (int r = 0; r < kMaxNvlinkRanks; ++r) {
+      if (report.fault.missing[r]) missing.insert(r);
     }
   }
   const NvlinkFaultReport* shown = first_gave_up != nullptr ? first_gave_up : first_aborted;
@@ -75,7 +77,9 @@ std::string NvlinkFaultMessage(int64_t comm_id, const std::vector<NvlinkFaultRep
   } else {
     message += "was aborted on rank " + std::to_string(shown->rank) + " of " + std::to_string(shown->size) +
                " because rank " + std::to_string(static_cast<int>(f.aborted_by) - 1) +
-               " timed out waiting for a peer (that rank's error names the missing ranks)";
+               " timed out waiting for " +
+               (missing.empty() ? std::string("a peer (that rank's error names the missing ranks)")
+                                : "rank(s) " + RankList(missing));
   }
   return message;
 }
