@@ -17,6 +17,7 @@ key-value store, the others read it, and every local device joins its group with
 membership all-gather, and no key-value traffic when a group lives in one process.
 """
 
+import atexit
 import hashlib
 import json
 import logging
@@ -33,6 +34,7 @@ logger = logging.getLogger("jax_ncclx")
 
 _lock = threading.Lock()
 _axis_comms: dict[tuple, int] = {}  # (device ids in mesh order, mesh shape, axis) -> comm_id
+_comm_groups: dict[int, tuple[int, ...]] = {}  # comm_id -> device ids of its ranks (this process's first group)
 _generation = 0  # shutdowns so far: names this generation's keys in the key-value store
 _KV_TIMEOUT_MS = 10 * 60 * 1000
 
@@ -85,6 +87,11 @@ def communicator_for(mesh: jax.sharding.Mesh, axis_name) -> int:
                 ranks.append(rank)
                 ordinals.append(devices[position].local_hardware_id)
         comm_id = cuda.init_comm(ids, shape[axis], ranks, ordinals)
+        if groups:
+            coords = bootstrap.coordinates(groups[0].members[0][1], shape)
+            _comm_groups[comm_id] = tuple(
+                devices[bootstrap.flat_position(coords[:axis] + (r,) + coords[axis + 1:], shape)].id
+                for r in range(shape[axis]))
         logger.info("jax_ncclx: communicator %d along axis %r of a %s mesh (%d local group(s))", comm_id,
                     axis_name, "x".join(map(str, shape)), len(groups))
         _axis_comms[key] = comm_id
@@ -129,6 +136,7 @@ def destroy_all():
         if _axis_comms:  # else there is nothing to free, and CUDA may not even be usable here
             lib.cuda_module().destroy_all()
         _axis_comms.clear()
+        _comm_groups.clear()
         _nvlink_refusals_logged.clear()
         _progress_published.clear()
 
@@ -216,81 +224,69 @@ _PROGRESS_WAIT_S = 3.0
 _remote_progress_seen: dict[tuple[int, int], str] = {}
 
 
-def _group_of(comm_id: int) -> tuple[int, ...] | None:
-    """The device ids of ``comm_id``'s ranks, in rank order (the group holding this process's first device)."""
-    local = {d.id for d in jax.local_devices()}
-    for (device_ids, shape, axis), axis_id in _axis_comms.items():
-        if axis_id != comm_id:
-            continue
-        for position, device_id in enumerate(device_ids):
-            if device_id in local:
-                coords = bootstrap.coordinates(position, shape)
-                return tuple(device_ids[bootstrap.flat_position(coords[:axis] + (r,) + coords[axis + 1:], shape)]
-                             for r in range(shape[axis]))
-    return None
-
-
 def _progress_key(group: tuple[int, ...], sequence: int) -> str:
     return f"jax_ncclx/progress/{hashlib.sha1(repr(group).encode()).hexdigest()}/{sequence}/"
 
 
-def _publish_progress(module, client, comm_id: int, sequence: int) -> None:
+def _publish_progress(module, client, me: int, comm_id: int, sequence: int) -> None:
     """Puts in the key-value store how far this process's ranks of ``comm_id`` got (once per hung call)."""
     with _lock:
-        group = _group_of(comm_id)
+        group = _comm_groups.get(comm_id)
         if group is None or (comm_id, sequence) in _progress_published:
             return
         _progress_published.add((comm_id, sequence))
     mine = {rank: reached for c, rank, reached in module.watchdog_state()[0] if c == comm_id}
-    client.key_value_set(_progress_key(group, sequence) + str(jax.process_index()), json.dumps(mine))
+    client.key_value_set(_progress_key(group, sequence) + str(me), json.dumps(mine))
     logger.debug("jax_ncclx: published the progress of communicator %d for call #%d: %s", comm_id, sequence, mine)
 
 
 _progress_published: set[tuple[int, int]] = set()
 _publisher_started = threading.Event()
+_publisher_stop = threading.Event()
 _PUBLISH_POLL_S = 0.05
 
 
 def _start_progress_publisher() -> None:
     """With several processes, a thread publishes this process's progress as soon as the watchdog finds an
-    NCCL call hung: the main thread may stay blocked for long (``ncclCommAbort`` waits on NCCL's own threads),
-    and the other processes' :func:`check_errors` only wait a few seconds for the answer."""
+    NCCL call hung or ended by a peer's failure: the main thread may stay blocked for long (``ncclCommAbort``
+    waits on NCCL's own threads), and the other processes' :func:`check_errors` only wait a few seconds for
+    the answer. The thread touches no JAX state, and stops at exit."""
     client = compat.distributed_client()
     if client is None or jax.process_count() == 1 or _publisher_started.is_set():
         return
     _publisher_started.set()
-    module = lib.cuda_module()
+    module, me = lib.cuda_module(), jax.process_index()
 
-    def publish_forever():
-        while True:
-            time.sleep(_PUBLISH_POLL_S)
+    def publish_until_exit():
+        while not _publisher_stop.wait(_PUBLISH_POLL_S):
             try:
                 for comm_id, sequence in module.watchdog_state()[1]:
-                    _publish_progress(module, client, comm_id, sequence)
-            except Exception:  # noqa: BLE001 - the runtime is shutting down; check_errors publishes too
-                logger.debug("jax_ncclx: progress publisher stopped", exc_info=True)
+                    _publish_progress(module, client, me, comm_id, sequence)
+            except Exception:  # noqa: BLE001 - check_errors publishes too
+                logger.warning("jax_ncclx: the progress publisher stopped", exc_info=True)
                 return
 
-    threading.Thread(target=publish_forever, name="jax_ncclx-progress", daemon=True).start()
+    atexit.register(_publisher_stop.set)
+    threading.Thread(target=publish_until_exit, name="jax_ncclx-progress", daemon=True).start()
 
 
 def _remote_progress(module, comm_id: int, sequence: int) -> str:
     """Names the ranks of other processes that did not reach NCCL call ``sequence`` on ``comm_id``, which NCCL
     cannot tell: every process publishes how far its ranks got in JAX's key-value store (its publisher thread
     when its watchdog finds the hang, or this function) and reads the others'. A process that does not answer
-    within a few seconds is dead or stuck, and so named."""
+    within a few seconds died, hangs elsewhere or never joined the call, and is so named."""
     if (comm_id, sequence) in _remote_progress_seen:
         return _remote_progress_seen[comm_id, sequence]
     client = compat.distributed_client()
     with _lock:
-        group = _group_of(comm_id)
+        group = _comm_groups.get(comm_id)
     if client is None or group is None:
         return "unknown (no jax.distributed key-value store)"
     process_of = {d.id: d.process_index for d in jax.devices()}
     me = jax.process_index()
     key = _progress_key(group, sequence)
     try:
-        _publish_progress(module, client, comm_id, sequence)
+        _publish_progress(module, client, me, comm_id, sequence)
     except Exception:  # noqa: BLE001 - the others then name this process's ranks as silent
         logger.warning("jax_ncclx: could not publish this process's progress", exc_info=True)
     deadline = time.monotonic() + _PROGRESS_WAIT_S
@@ -309,7 +305,7 @@ def _remote_progress(module, comm_id: int, sequence: int) -> str:
         parts.append(f"rank(s) {', '.join(map(str, behind))} never reached it (their processes say so)")
     if silent:
         parts.append(f"rank(s) {', '.join(map(str, silent))} did not report their progress within "
-                     f"{_PROGRESS_WAIT_S:g} s (process dead or stuck)")
+                     f"{_PROGRESS_WAIT_S:g} s (their process died, hangs elsewhere, or never joined this call)")
     answer = "; ".join(parts) or "every rank reached it"
     _remote_progress_seen[comm_id, sequence] = answer
     return answer

@@ -174,8 +174,9 @@ Watchdog& GetWatchdog() {
 
 constexpr auto kPollInterval = std::chrono::milliseconds(20);
 
-// The hang message of `hung`: which local ranks of its communicator never queued that call.
-std::string HangMessage(Watchdog& w, const Watched& hung) {
+// The message for `hung`, a call that did not finish in time or (`nccl_error` set) that NCCL ended early
+// because a peer aborted or died: which local ranks of its communicator never queued that call.
+std::string HangMessage(Watchdog& w, const Watched& hung, const std::string& nccl_error = "") {
   std::set<int> never, local;
   ffi::ErrorOr<std::map<int32_t, ncclComm_t>> comms = CommsOf("watchdog", hung.comm_id);
   if (comms.has_value()) {
@@ -188,9 +189,11 @@ std::string HangMessage(Watchdog& w, const Watched& hung) {
     }
   }
   std::string message = "call #" + std::to_string(hung.sequence) + " on communicator " + std::to_string(hung.comm_id) +
-                        " (" + std::string(hung.op) + ", " + DescribeCallSite(hung.site) + ") has not finished " +
-                        Seconds(hung.timeout_ns) + " after it could start on rank " + std::to_string(hung.rank) +
-                        " of " + std::to_string(hung.size) + " (JAX_NCCLX_TIMEOUT_S): ";
+                        " (" + std::string(hung.op) + ", " + DescribeCallSite(hung.site) + ") " +
+                        (nccl_error.empty() ? "has not finished " + Seconds(hung.timeout_ns) + " after it could start"
+                                            : "was ended by NCCL (" + nccl_error + ": a peer aborted or died)") +
+                        " on rank " + std::to_string(hung.rank) + " of " + std::to_string(hung.size) +
+                        (nccl_error.empty() ? " (JAX_NCCLX_TIMEOUT_S): " : ": ");
   if (!never.empty()) {
     message += "rank(s) " + RankList(never) + " never reached it";
   } else if (static_cast<int>(local.size()) < hung.size) {
@@ -239,6 +242,13 @@ void WatchOnce(Watchdog& w) {
       const cudaError_t ended = cudaEventQuery(it->end);
       cudaGetLastError();
       if (ended != cudaErrorNotReady) {  // done (or its device failed: nothing left to wait for)
+        // A peer's abort or death ends this rank's NCCL kernels too, with garbage outputs: only NCCL's
+        // asynchronous error tells such a call from a finished one.
+        const std::string nccl_error = CommAsyncError(it->comm_id);
+        if (!nccl_error.empty() &&
+            std::none_of(hangs.begin(), hangs.end(), [&](const auto& h) { return h.first == it->comm_id; })) {
+          hangs.emplace_back(it->comm_id, HangMessage(w, *it, nccl_error));
+        }
         ReturnEvent(it->end);
         it = w.pending.erase(it);
         busy.erase(rank_key);  // the rank's next call may start now
