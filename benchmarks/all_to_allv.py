@@ -421,6 +421,8 @@ def parse_args(argv=None):
         args.transports = [os.environ.get("JAX_NCCLX_TRANSPORT") or "default"]
     else:
         args.transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    if args.from_json:  # rewrite that run's files, whatever --name says
+        args.name = args.from_json.stem
     if args.out is None:
         if args.from_json:
             args.out = args.from_json.parent

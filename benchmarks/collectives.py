@@ -356,6 +356,8 @@ def parse_args(argv=None):
     if args.out is None:
         args.out = (args.from_json.parent if args.from_json else
                     Path(tempfile.gettempdir()) / "jax_ncclx_bench_smoke" if args.smoke else common.RESULTS_DIR)
+    if args.from_json:  # rewrite that run's files, whatever --name says
+        args.name = args.from_json.stem
     return parser, args
 
 
