@@ -9,7 +9,9 @@ or one process per GPU (bootstrapped through jax.distributed). Per case and proc
   ``first_call_s``: that first collective call alone (compile, communicator, run), after a warm-up program
   without collectives (CUDA context, XLA's allocator);
 - ``init_s`` and ``idle_mib`` (case ``nx-init``): ``nx.init(mesh)`` alone, the communicators of every axis,
-  and the device memory it added (an idle communicator);
+  and the device memory it added (an idle communicator; ``nccl_init_mib``: the part ``nx.memory_stats()``
+  attributes to ``ncclCommInitRank``); ``second_idle_mib``: what a second idle
+  communicator over the same GPUs (in reverse order) adds, i.e. the per-communicator part;
 - ``comm_mib``: device memory the first collective added, per GPU, measured from after the warm-up
   (cudaMemGetInfo, so NCCL's own buffers count along with XLA's); for nx also the total after the first call
   of each other op (``after_<op>_mib``) and what jax_ncclx's symmetric memory holds (``nx_held_mib``,
@@ -38,7 +40,9 @@ OPS_AFTER = ("all_gather", "reduce_scatter", "all_to_all", "ppermute", "all_to_a
 COLUMNS = [
     ("case", "case", 8, ""), ("mode", "processes", 9, ""), ("gpus", "GPUs", 4, "d"),
     ("first_s", "first s", 8, ".2f"), ("first_call_s", "1st call s", 10, ".2f"), ("init_s", "init s", 7, ".2f"),
-    ("idle_mib", "idle MiB", 8, ".1f"), ("comm_mib", "comm MiB", 9, ".1f"),
+    ("idle_mib", "idle MiB", 8, ".1f"), ("nccl_init_mib", "NCCL init MiB", 13, ".1f"),
+    ("second_idle_mib", "2nd idle MiB", 12, ".1f"),
+    ("comm_mib", "comm MiB", 9, ".1f"),
     ("nx_held_mib", "nx MiB", 7, ".2f"),
 ] + [(f"after_{op}_mib", f"+{op} MiB", 10, ".1f") for op in OPS_AFTER]
 
@@ -83,6 +87,12 @@ def worker(case: str, process_id: int, num_processes: int, port: int):
         nx.init(mesh)
         result["init_s"] = time.perf_counter() - t
         result["idle_mib"] = mib(used(), before)
+        result["nccl_init_mib"] = max(s["nccl_init_bytes"] for s in nx.memory_stats()) / 2**20
+        # A second communicator (the same GPUs in reverse order): what each further communicator costs,
+        # apart from what NCCL spends once per process (its device code, its first communicator's set-up).
+        after_first = used()
+        nx.init(jax.sharding.Mesh(np.asarray(devices[::-1]), ("x",)))
+        result["second_idle_mib"] = mib(used(), after_first)
     reduce = (lambda v: jax.lax.psum(v, "x")) if case == "xla" else (lambda v: nx.all_reduce(v, "x"))
     t = time.perf_counter()
     run(reduce, ((n, 8), np.float32))

@@ -3,6 +3,7 @@ unique-id exchange, its cost at up to 100,000 simulated ranks, and nx.init / nx.
 
 import os
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +61,57 @@ def test_unique_id_is_made_once_and_read_by_the_others():
         bootstrap.unique_id("i", root_process=0, all_local=False, me=1, kv=None, new_id=new_id)
 
 
+class _BlockingStore(bootstrap.KeyValueStore):
+    """A key-value store shared by threads standing for processes; get blocks until the key is set."""
+
+    def __init__(self):
+        self._values, self._changed, self.sets = {}, threading.Condition(), 0
+
+    def set(self, key, value):
+        with self._changed:
+            assert key not in self._values, f"{key} set twice"
+            self._values[key] = value
+            self.sets += 1
+            self._changed.notify_all()
+
+    def get(self, key):
+        with self._changed:
+            assert self._changed.wait_for(lambda: key in self._values, timeout=10), f"{key} never set"
+            return self._values[key]
+
+
+def test_address_all_gather_inside_one_process_needs_no_store():
+    """Two groups of 2 ranks, all four devices local: each device gets its own group's blobs in rank order."""
+    entries = [(0, 0, b"a0"), (1, 1, b"a1"), (2, 0, b"b0"), (3, 1, b"b1")]
+    got = bootstrap.all_gather_blobs("x", entries, lambda d: "ab"[d // 2], 2, kv=None)
+    assert got == [[b"a0", b"a1"], [b"a0", b"a1"], [b"b0", b"b1"], [b"b0", b"b1"]]
+
+
+def test_address_all_gather_across_processes():
+    """A group of 4 ranks over 2 processes (2 devices each) and one group inside a third: every process gets
+    every rank's blob; only the split group touches the store (one set per local rank); without a store the
+    split group is an error."""
+    store = _BlockingStore()
+    results = {}
+
+    def process(pid, entries, group_of, size):
+        results[pid] = bootstrap.all_gather_blobs("k", entries, group_of, size, store)
+
+    split = lambda d: "g"  # noqa: E731
+    threads = [threading.Thread(target=process, args=(0, [(0, 0, b"r0"), (1, 1, b"r1")], split, 4)),
+               threading.Thread(target=process, args=(1, [(0, 2, b"r2"), (1, 3, b"r3")], split, 4)),
+               threading.Thread(target=process, args=(2, [(0, 0, b"s0"), (1, 1, b"s1")], lambda d: "h", 2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    everyone = [b"r0", b"r1", b"r2", b"r3"]
+    assert results == {0: [everyone, everyone], 1: [everyone, everyone], 2: [[b"s0", b"s1"], [b"s0", b"s1"]]}
+    assert store.sets == 4
+    with pytest.raises(RuntimeError, match="jax.distributed is not initialised"):
+        bootstrap.all_gather_blobs("k2", [(0, 0, b"r0")], split, 2, kv=None)
+
+
 @pytest.mark.parametrize("per_process", [8, 1])
 def test_bootstrap_cost_per_process_does_not_grow_with_the_mesh(per_process):
     """Simulated up to 100,000 ranks: key-value operations and positions examined per process stay the same
@@ -96,6 +148,9 @@ def test_init_makes_the_communicators_and_shutdown_frees_them():
     nx.init(mesh)
     made = comm.all_comm_ids()
     assert len(made) == 2  # one per axis
+    stats = nx.memory_stats()
+    assert {s["comm_id"] for s in stats} == set(made)
+    assert all(s["nccl_init_bytes"] >= 0 and s["symmetric_data_bytes"] == 0 for s in stats)  # nothing lazy yet
     f = jax.jit(jax.shard_map(lambda v: nx.all_reduce(v, "b"), mesh=mesh, in_specs=P("a", "b"),
                               out_specs=P("a", "b")))
     x = jnp.ones((1, len(devices) * 2))
@@ -105,3 +160,30 @@ def test_init_makes_the_communicators_and_shutdown_frees_them():
     assert comm.all_comm_ids() == [] and nx.memory_stats() == []
     np.testing.assert_array_equal(np.asarray(f(x)), len(devices))  # recompiled with fresh communicators
     assert comm.all_comm_ids() and set(comm.all_comm_ids()).isdisjoint(made)
+
+
+@pytest.mark.gpu
+def test_nvlink_set_up_allocates_no_nccl_buffers(monkeypatch):
+    """The first NVLink call on a fresh communicator adds only jax_ncclx's symmetric memory (a few MiB): the
+    addresses travel through the host, so NCCL never connects its rings (hundreds of MiB per GPU)."""
+    reason = gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from jax_ncclx._src import lib
+
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nvlink")
+    devices = gpu_devices()
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("x",))
+    x = jax.device_put(jnp.ones((len(devices), 256)), jax.sharding.NamedSharding(mesh, P("x")))
+    plain = jax.jit(jax.shard_map(lambda v: v * 2, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    jax.block_until_ready(plain(x))  # XLA's own first-use allocations, not counted below
+    nx.shutdown()
+    nx.init(mesh)
+    cuda = lib.cuda_module()
+    before = [cuda.device_memory_used(d.local_hardware_id) for d in devices]
+    f = jax.jit(jax.shard_map(lambda v: nx.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    np.testing.assert_array_equal(np.asarray(f(x)), len(devices))
+    added = max(cuda.device_memory_used(d.local_hardware_id) - b for d, b in zip(devices, before))
+    held = max(s["symmetric_data_bytes"] + s["control_bytes"] for s in nx.memory_stats())
+    assert 0 < held <= added + (4 << 20)
+    assert added < 64 << 20, f"the first NVLink all_reduce added {added / 2**20:.0f} MiB per GPU"

@@ -104,6 +104,16 @@ ffi::ErrorOr<std::map<int32_t, ncclComm_t>> CreateInGroup(std::string_view op,
   return by_device;
 }
 
+int64_t DeviceMemoryUsed(int device) {
+  constexpr std::string_view kOp = "device_memory_used";
+  size_t free_bytes = 0, total_bytes = 0;
+  ThrowIfFailed(KeepingCurrentDevice(kOp, [&]() -> ffi::Error {
+    NCCLX_RETURN_IF_ERROR(CheckCuda(kOp, "cudaSetDevice", cudaSetDevice(device)));
+    return CheckCuda(kOp, "cudaMemGetInfo", cudaMemGetInfo(&free_bytes, &total_bytes));
+  }));
+  return static_cast<int64_t>(total_bytes - free_bytes);
+}
+
 nb::bytes UniqueId() {
   ncclUniqueId id;
   ffi::Error error;
@@ -141,6 +151,10 @@ int64_t InitComm(const std::vector<nb::bytes>& unique_ids, int nranks, const std
   }
   CheckDistinctDevices(kOp, devices);
 
+  // What creation takes on each device, seen through cudaMemGetInfo (device-wide, so exact only while
+  // nothing else allocates on it; jax_ncclx creates communicators after the device's queued work is done).
+  std::vector<int64_t> used_before(devices.size());
+  for (size_t i = 0; i < devices.size(); ++i) used_before[i] = DeviceMemoryUsed(devices[i]);
   ffi::ErrorOr<std::map<int32_t, ncclComm_t>> comms = [&] {
     nb::gil_scoped_release release;  // blocks until every rank of every clique has joined
     return CreateInGroup(kOp, devices, [&](size_t i, ncclComm_t* comm) {
@@ -148,7 +162,12 @@ int64_t InitComm(const std::vector<nb::bytes>& unique_ids, int nranks, const std
       return CheckNccl(kOp, "ncclCommInitRank", result, *comm);
     });
   }();
-  return RegisterComms(ValueOrThrow(std::move(comms)));
+  std::map<int32_t, ncclComm_t> created = ValueOrThrow(std::move(comms));
+  std::map<int32_t, int64_t> init_bytes;
+  for (size_t i = 0; i < devices.size(); ++i) {
+    init_bytes[devices[i]] = std::max<int64_t>(0, DeviceMemoryUsed(devices[i]) - used_before[i]);
+  }
+  return RegisterComms(std::move(created), std::move(init_bytes));
 }
 
 std::vector<std::tuple<int, int, int>> CommInfo(int64_t comm_id) {
@@ -176,22 +195,64 @@ void DestroyAll() {
   ThrowIfFailed(destroyed);
 }
 
-std::string EnsureSymmetricMemory(int64_t comm_id, int64_t staging_bytes, int64_t parity_half_bytes) {
+// The HostExchange of a Python callable: exchange([(device, rank, bytes), ...]) -> [[bytes per rank], ...].
+// Called with the GIL released; takes it for the call.
+HostExchange PythonExchange(nb::callable exchange) {
+  return [exchange = std::move(exchange)](const std::vector<ExchangeEntry>& entries)
+             -> ffi::ErrorOr<std::vector<std::vector<std::string>>> {
+    constexpr std::string_view kOp = "ensure_symmetric";
+    nb::gil_scoped_acquire acquire;
+    try {
+      nb::list mine;
+      for (const ExchangeEntry& entry : entries) {
+        mine.append(nb::make_tuple(entry.device, entry.rank, nb::bytes(entry.blob.data(), entry.blob.size())));
+      }
+      std::vector<std::vector<std::string>> gathered;
+      for (nb::handle group : exchange(mine)) {
+        std::vector<std::string>& blobs = gathered.emplace_back();
+        for (nb::handle blob : group) {
+          const nb::bytes bytes = nb::cast<nb::bytes>(blob);
+          blobs.emplace_back(bytes.c_str(), bytes.size());
+        }
+      }
+      return gathered;
+    } catch (const std::exception& e) {  // nb::python_error, nb::cast_error
+      return Internal(kOp, std::string("exchanging symmetric memory addresses failed: ") + e.what());
+    }
+  };
+}
+
+std::string EnsureSymmetricMemory(int64_t comm_id, int64_t staging_bytes, int64_t parity_half_bytes,
+                                  nb::callable exchange) {
+  const HostExchange host_exchange = PythonExchange(std::move(exchange));
   ffi::ErrorOr<std::string> reason = [&] {
     nb::gil_scoped_release release;  // collective: blocks until every rank has joined
-    return EnsureSymmetric("ensure_symmetric", comm_id, SymmetricNeed{parity_half_bytes, staging_bytes});
+    return EnsureSymmetric("ensure_symmetric", comm_id, SymmetricNeed{parity_half_bytes, staging_bytes},
+                           host_exchange);
   }();
   StartWatchdog();  // reports NVLink kernels that give up waiting as soon as they do
   return ValueOrThrow(std::move(reason));
 }
 
-std::vector<std::tuple<int64_t, int, int64_t, int64_t, int64_t>> SymmetricMemory() {
-  std::vector<std::tuple<int64_t, int, int64_t, int64_t, int64_t>> usage;
+using MemoryRow = std::tuple<int64_t, int, int64_t, int64_t, int64_t, int64_t, int64_t>;
+
+std::vector<MemoryRow> MemoryHeld() {
+  std::map<std::pair<int64_t, int>, MemoryRow> rows;
+  auto row = [&](int64_t comm_id, int device) -> MemoryRow& {
+    auto [it, added] = rows.try_emplace({comm_id, device}, MemoryRow{comm_id, device, 0, 0, 0, 0, 0});
+    return it->second;
+  };
+  for (const auto& [comm_id, device, bytes] : CommInitBytes()) std::get<2>(row(comm_id, device)) = bytes;
   for (const SymmetricUsage& entry : SymmetricMemoryUsage()) {
-    usage.emplace_back(entry.comm_id, entry.device, entry.data_bytes, entry.low_latency_bytes,
-                       entry.control_bytes);
+    MemoryRow& r = row(entry.comm_id, entry.device);
+    std::get<3>(r) = entry.data_bytes;
+    std::get<4>(r) = entry.low_latency_bytes;
+    std::get<5>(r) = entry.control_bytes;
+    std::get<6>(r) = entry.pinned_host_bytes;
   }
-  return usage;
+  std::vector<MemoryRow> all;
+  for (auto& [key, r] : rows) all.push_back(r);
+  return all;
 }
 
 // (device, rank, records) per local rank; each record is (epoch, start_ns, peers_ns, sent_ns, data_ns, end_ns,
@@ -259,15 +320,6 @@ int CudaRuntimeVersion() {
 
 // Bytes of device `device` in use by anyone (total - free, cudaMemGetInfo): what NCCL and this module
 // allocate outside XLA's allocator shows here.
-int64_t DeviceMemoryUsed(int device) {
-  constexpr std::string_view kOp = "device_memory_used";
-  size_t free_bytes = 0, total_bytes = 0;
-  ThrowIfFailed(KeepingCurrentDevice(kOp, [&]() -> ffi::Error {
-    NCCLX_RETURN_IF_ERROR(CheckCuda(kOp, "cudaSetDevice", cudaSetDevice(device)));
-    return CheckCuda(kOp, "cudaMemGetInfo", cudaMemGetInfo(&free_bytes, &total_bytes));
-  }));
-  return static_cast<int64_t>(total_bytes - free_bytes);
-}
 
 }  // namespace
 }  // namespace jax_ncclx
@@ -315,15 +367,19 @@ NB_MODULE(_ncclx_cuda, m) {
         "forgets their faults. Programs that use them must have finished; programs compiled with their\n"
         "comm_ids fail with an error afterwards.");
   m.def("ensure_symmetric", &jn::EnsureSymmetricMemory, nb::arg("comm_id"), nb::arg("staging_bytes"),
-        nb::arg("parity_half_bytes"),
+        nb::arg("parity_half_bytes"), nb::arg("exchange"),
         "Collective over every process of communicator `comm_id`: makes every rank's symmetric data region\n"
         "hold at least `staging_bytes` of all_to_allv_dynamic staging and `parity_half_bytes` of low-latency\n"
         "slots per call parity (allocated on first need, grown, never shrunk) and maps it into all peers.\n"
+        "Addresses travel through `exchange([(device, rank, bytes), ...])`, which returns for each entry the\n"
+        "bytes of every rank of its group in rank order (collective; no NCCL call is made).\n"
         "Returns '' when the NVLink kernels can run on the communicator, else why not (the same answer on\n"
         "every rank; remembered, so later calls return at once).");
-  m.def("symmetric_memory", &jn::SymmetricMemory,
-        "Symmetric device memory held: (comm_id, device, data_bytes, low_latency_bytes, control_bytes) per\n"
-        "local rank; low_latency_bytes is the part of data_bytes taken by the low-latency slots.");
+  m.def("comm_memory", &jn::MemoryHeld,
+        "Memory held per (communicator, local device): (comm_id, device, nccl_init_bytes, data_bytes,\n"
+        "low_latency_bytes, control_bytes, pinned_host_bytes). nccl_init_bytes: device memory that\n"
+        "ncclCommInitRank took (cudaMemGetInfo around it); the rest is jax_ncclx's symmetric memory, where\n"
+        "low_latency_bytes is the part of data_bytes taken by the low-latency slots.");
   m.def("device_trace", &jn::DeviceTrace, nb::arg("comm_id"),
         "Device timelines of the traced NVLink kernel calls on communicator `comm_id` (the last 1024): per\n"
         "local rank (device, rank, [(epoch, start_ns, peers_ns, sent_ns, data_ns, end_ns, blocks,\n"

@@ -99,3 +99,35 @@ def unique_id(key: str, root_process: int, all_local: bool, me: int, kv: KeyValu
         kv.set(key, uid)
         return uid
     return kv.get(key)
+
+
+def all_gather_blobs(key: str, entries: Sequence[tuple[int, int, bytes]], group_of: Callable[[int], str],
+                     size: int, kv: KeyValueStore | None) -> list[list[bytes]]:
+    """A host all-gather among the ranks of each group (symmetric-memory addresses and IPC handles, a few
+    hundred bytes a rank), so that setting up the NVLink kernels makes no NCCL call: an NCCL collective would
+    make NCCL connect its rings and allocate their buffers, hundreds of MiB per GPU.
+
+    Args:
+      key: names this exchange, the same in every process and new for each exchange.
+      entries: (device, rank, blob) for each local rank.
+      group_of: the group key of a local device.
+      size: ranks per group.
+      kv: the key-value store; only used (a set per local rank, a get per remote rank) when a group has
+        members in other processes.
+
+    Returns:
+      For each entry, in order, the blobs of all ranks of its group in rank order.
+    """
+    local = {(group_of(device), rank): blob for device, rank, blob in entries}
+    groups = {group_of(device) for device, _, _ in entries}
+    complete = {g for g in groups if all((g, r) in local for r in range(size))}
+    if complete != groups:
+        if kv is None:
+            raise RuntimeError(
+                "jax_ncclx: the mesh spans several processes but jax.distributed is not initialised; call "
+                "jax.distributed.initialize() before the first collective")
+        for (group, rank), blob in local.items():
+            if group not in complete:
+                kv.set(f"{key}/{group}/{rank}", blob)
+    return [[local[group_of(device), r] if (group_of(device), r) in local else kv.get(f"{key}/{group_of(device)}/{r}")
+             for r in range(size)] for device, _, _ in entries]

@@ -35,6 +35,7 @@ logger = logging.getLogger("jax_ncclx")
 _lock = threading.Lock()
 _axis_comms: dict[tuple, int] = {}  # (device ids in mesh order, mesh shape, axis) -> comm_id
 _comm_groups: dict[int, tuple[int, ...]] = {}  # comm_id -> device ids of its ranks (this process's first group)
+_comm_exchanges: dict[int, "_AddressExchange"] = {}
 _generation = 0  # shutdowns so far: names this generation's keys in the key-value store
 _KV_TIMEOUT_MS = 10 * 60 * 1000
 
@@ -48,6 +49,20 @@ class _JaxKeyValueStore(bootstrap.KeyValueStore):
 
     def get(self, key: str) -> bytes:
         return self._client.blocking_key_value_get_bytes(key, _KV_TIMEOUT_MS)
+
+
+class _AddressExchange:
+    """The host all-gather through which one communicator's ranks swap symmetric-memory addresses
+    (``bootstrap.all_gather_blobs``); each call is a new exchange with its own keys."""
+
+    def __init__(self, prefix: str, group_of: dict[int, str], size: int, kv: bootstrap.KeyValueStore | None):
+        self._prefix, self._group_of, self._size, self._kv = prefix, group_of, size, kv
+        self._count = 0
+
+    def __call__(self, entries):
+        self._count += 1
+        return bootstrap.all_gather_blobs(f"{self._prefix}/symmetric/{self._count}", entries,
+                                          self._group_of.__getitem__, self._size, self._kv)
 
 
 def _wait_for_device_work():
@@ -87,6 +102,8 @@ def communicator_for(mesh: jax.sharding.Mesh, axis_name) -> int:
                 ranks.append(rank)
                 ordinals.append(devices[position].local_hardware_id)
         comm_id = cuda.init_comm(ids, shape[axis], ranks, ordinals)
+        group_of = {devices[position].local_hardware_id: group.key for group in groups for _, position in group.members}
+        _comm_exchanges[comm_id] = _AddressExchange(f"jax_ncclx/{mesh_key}", group_of, shape[axis], kv)
         if groups:
             coords = bootstrap.coordinates(groups[0].members[0][1], shape)
             _comm_groups[comm_id] = tuple(
@@ -137,6 +154,7 @@ def destroy_all():
             lib.cuda_module().destroy_all()
         _axis_comms.clear()
         _comm_groups.clear()
+        _comm_exchanges.clear()
         _nvlink_refusals_logged.clear()
         _progress_published.clear()
 
@@ -162,7 +180,7 @@ def nvlink_symmetric_memory(comm_id: int, op: str, *, staging_bytes: int = 0, sl
       through NVLink peer access, ...), the same on every rank and logged once per communicator.
     """
     with _lock:
-        reason = lib.cuda_module().ensure_symmetric(comm_id, staging_bytes, slot_bytes)
+        reason = lib.cuda_module().ensure_symmetric(comm_id, staging_bytes, slot_bytes, _comm_exchanges[comm_id])
         if reason and comm_id not in _nvlink_refusals_logged:
             _nvlink_refusals_logged.add(comm_id)
             logger.warning("jax_ncclx: communicator %d cannot use NVLink kernels (%s); %s and later ops on it use "
@@ -171,21 +189,23 @@ def nvlink_symmetric_memory(comm_id: int, op: str, *, staging_bytes: int = 0, sl
 
 
 def memory_stats() -> list[dict]:
-    """Device memory jax_ncclx holds outside XLA's allocator, per communicator and local GPU.
+    """Memory jax_ncclx's communicators hold outside XLA's allocator, per communicator and local GPU.
 
     Returns:
-      One dict per (communicator, local device) that holds symmetric memory: ``comm_id``, ``device`` (CUDA
-      ordinal), ``symmetric_data_bytes`` (the data region, sized by the largest calls lowered so far),
-      ``low_latency_bytes`` (the part of it that the small-message collectives use, both call parities) and
-      ``control_bytes`` (flags and peer table, fixed). Empty when no GPU op has needed any, or on a CPU-only
-      build.
+      One dict per (communicator, local device): ``comm_id``, ``device`` (CUDA ordinal);
+      ``nccl_init_bytes``: device memory ``ncclCommInitRank`` took (cudaMemGetInfo around it: NCCL does not
+      report its own use; what NCCL allocates later, on a communicator's first NCCL call, is not included);
+      ``symmetric_data_bytes``: the NVLink kernels' data region, sized by the largest calls lowered so far
+      (0 until an NVLink op needs it); ``low_latency_bytes``: the part of it that the small-message
+      collectives use, both call parities; ``control_bytes``: flags and peer table; ``pinned_host_bytes``:
+      pinned host memory (the fault record). Empty on a CPU-only build or before any GPU communicator exists.
     """
     module = lib.cuda_module_if_available()
     if module is None:
         return []
-    return [dict(comm_id=comm_id, device=device, symmetric_data_bytes=data, low_latency_bytes=low_latency,
-                 control_bytes=control)
-            for comm_id, device, data, low_latency, control in module.symmetric_memory()]
+    return [dict(comm_id=comm_id, device=device, nccl_init_bytes=nccl_init, symmetric_data_bytes=data,
+                 low_latency_bytes=low_latency, control_bytes=control, pinned_host_bytes=pinned)
+            for comm_id, device, nccl_init, data, low_latency, control, pinned in module.comm_memory()]
 
 
 class CollectiveError(RuntimeError):

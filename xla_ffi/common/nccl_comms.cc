@@ -15,6 +15,7 @@ struct Registry {
   std::shared_mutex mu;  // handlers only read (shared); the module registers and destroys (exclusive)
   int64_t next_id = 1;
   std::map<int64_t, std::map<int32_t, ncclComm_t>> comms;
+  std::map<int64_t, std::map<int32_t, int64_t>> init_bytes;  // comm_id -> device -> bytes creation took
   std::map<int64_t, std::string> faults;  // communicators that stopped working, with why
   std::atomic<bool> any_fault{false};
 };
@@ -28,12 +29,23 @@ Registry& GetRegistry() {
 
 }  // namespace
 
-int64_t RegisterComms(std::map<int32_t, ncclComm_t> comms) {
+int64_t RegisterComms(std::map<int32_t, ncclComm_t> comms, std::map<int32_t, int64_t> init_bytes) {
   Registry& registry = GetRegistry();
   std::unique_lock<std::shared_mutex> lock(registry.mu);
   const int64_t comm_id = registry.next_id++;
   registry.comms.emplace(comm_id, std::move(comms));
+  registry.init_bytes.emplace(comm_id, std::move(init_bytes));
   return comm_id;
+}
+
+std::vector<std::tuple<int64_t, int32_t, int64_t>> CommInitBytes() {
+  Registry& registry = GetRegistry();
+  std::shared_lock<std::shared_mutex> lock(registry.mu);
+  std::vector<std::tuple<int64_t, int32_t, int64_t>> all;
+  for (const auto& [comm_id, by_device] : registry.init_bytes) {
+    for (const auto& [device, bytes] : by_device) all.emplace_back(comm_id, device, bytes);
+  }
+  return all;
 }
 
 void RecordCommFault(int64_t comm_id, std::string message) {
@@ -103,6 +115,7 @@ void AbortComm(int64_t comm_id, std::string message) {
     if (it == registry.comms.end()) return;
     doomed.swap(it->second);
     registry.comms.erase(it);
+    registry.init_bytes.erase(comm_id);
   }
   for (const auto& [device, comm] : doomed) ncclCommAbort(comm);  // best effort: the communicator is lost
 }
@@ -152,6 +165,7 @@ ffi::Error DestroyAllComms(std::string_view op) {
     Registry& registry = GetRegistry();
     std::unique_lock<std::shared_mutex> lock(registry.mu);
     doomed.swap(registry.comms);
+    registry.init_bytes.clear();
   }
   if (doomed.empty()) return ffi::Error::Success();
   // ncclCommDestroy does not wait for the other ranks (the last local rank frees shared resources), so one

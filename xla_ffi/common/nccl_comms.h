@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <tuple>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -27,9 +28,13 @@ struct CommRank {
   int size = 0;   // ncclCommCount
 };
 
-// Stores `comms` (local device ordinal -> communicator; may be empty) under a new comm_id and returns it.
-// The registry owns the communicators from then on. Ids start at 1 and are never reused.
-int64_t RegisterComms(std::map<int32_t, ncclComm_t> comms);
+// Stores `comms` (local device ordinal -> communicator; may be empty) under a new comm_id and returns it,
+// with the device bytes each took to create (`init_bytes`, same keys). The registry owns the communicators
+// from then on. Ids start at 1 and are never reused.
+int64_t RegisterComms(std::map<int32_t, ncclComm_t> comms, std::map<int32_t, int64_t> init_bytes);
+
+// (comm_id, device ordinal, device bytes its creation took) of every registered communicator.
+std::vector<std::tuple<int64_t, int32_t, int64_t>> CommInitBytes();
 
 // The communicator that `comm_id` holds for `device_ordinal`.
 ffi::ErrorOr<ncclComm_t> LookupComm(std::string_view op, int64_t comm_id, int32_t device_ordinal);

@@ -1,9 +1,8 @@
-// Symmetric memory set-up: allocate, exchange addresses through the communicator itself, check that every
+// Symmetric memory set-up: allocate, exchange addresses on the host (HostExchange), check that every
 // pair of ranks can reach each other over NVLink peer access, map, and publish the peer tables.
 #include "common/symmetric.h"
 
 #include <cuda_runtime.h>
-#include <nccl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,10 +10,10 @@
 #include <atomic>
 #include <climits>
 #include <cstring>
-#include <functional>
 #include <map>
 #include <mutex>
 #include <shared_mutex>
+#include <type_traits>
 #include <utility>
 
 #include "common/nccl_comms.h"
@@ -36,7 +35,6 @@ struct RankInfo {
 
 struct LocalRank {
   int32_t device = 0;
-  ncclComm_t comm = nullptr;
   int rank = -1;
   int size = 0;
   SymmetricControl* control = nullptr;
@@ -71,68 +69,39 @@ uint64_t HostHash() {
 
 int64_t RoundUp(int64_t bytes, int64_t multiple) { return (bytes + multiple - 1) / multiple * multiple; }
 
-// Runs `issue(rank, stream)` for every local rank inside one NCCL group on temporary streams, then waits.
-template <typename Issue>
-ffi::Error CollectiveOnLocalRanks(std::string_view op, std::vector<LocalRank>& ranks, Issue issue) {
-  std::vector<cudaStream_t> streams(ranks.size(), nullptr);
-  ffi::Error result = InNcclGroup(op, nullptr, [&]() -> ffi::Error {
-    for (size_t i = 0; i < ranks.size(); ++i) {
-      NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaSetDevice", cudaSetDevice(ranks[i].device)));
-      NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaStreamCreate", cudaStreamCreate(&streams[i])));
-      NCCLX_RETURN_IF_ERROR(issue(ranks[i], streams[i]));
-    }
-    return ffi::Error::Success();
-  });
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    if (streams[i] == nullptr) continue;
-    cudaSetDevice(ranks[i].device);
-    ffi::Error synced = CheckCuda(op, "cudaStreamSynchronize", cudaStreamSynchronize(streams[i]));
-    cudaStreamDestroy(streams[i]);
-    if (result.success() && synced.failure()) result = std::move(synced);
-  }
-  return result;
-}
-
-// All-gathers `mine` (one value per local rank) over the communicator: result[i][r] is rank r's value as
-// seen by local rank i.
+// All-gathers `mine` (one value per local rank) through `exchange`: result[i][r] is rank r's value as seen by
+// local rank i.
 template <typename T>
-ffi::ErrorOr<std::vector<std::vector<T>>> AllGather(std::string_view op, std::vector<LocalRank>& ranks,
-                                                    const std::vector<T>& mine) {
-  const int size = ranks.front().size;
-  std::vector<void*> buffers(ranks.size(), nullptr);
-  auto free_buffers = [&] {
-    for (size_t i = 0; i < ranks.size(); ++i) {
-      if (buffers[i] == nullptr) continue;
-      cudaSetDevice(ranks[i].device);
-      cudaFree(buffers[i]);
+ffi::ErrorOr<std::vector<std::vector<T>>> AllGather(std::string_view op, const std::vector<LocalRank>& ranks,
+                                                    const std::vector<T>& mine, const HostExchange& exchange) {
+  static_assert(std::is_trivially_copyable_v<T>);
+  std::vector<ExchangeEntry> entries(ranks.size());
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    entries[i] = {ranks[i].device, ranks[i].rank,
+                  std::string(reinterpret_cast<const char*>(&mine[i]), sizeof(T))};
+  }
+  ffi::ErrorOr<std::vector<std::vector<std::string>>> blobs = exchange(entries);
+  if (blobs.has_error()) return blobs.error();
+  if (blobs->size() != ranks.size()) {
+    return Internal(op, "the host exchange returned " + std::to_string(blobs->size()) + " lists for " +
+                            std::to_string(ranks.size()) + " local ranks");
+  }
+  std::vector<std::vector<T>> gathered(ranks.size(), std::vector<T>(ranks.front().size));
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const std::vector<std::string>& got = (*blobs)[i];
+    if (static_cast<int>(got.size()) != ranks[i].size) {
+      return Internal(op, "the host exchange returned " + std::to_string(got.size()) + " blobs for a group of " +
+                              std::to_string(ranks[i].size) + " ranks");
     }
-  };
-  std::vector<std::vector<T>> gathered(ranks.size(), std::vector<T>(size));
-  ffi::Error error = [&]() -> ffi::Error {
-    for (size_t i = 0; i < ranks.size(); ++i) {
-      NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaSetDevice", cudaSetDevice(ranks[i].device)));
-      NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaMalloc", cudaMalloc(&buffers[i], sizeof(T) * size)));
-      uint8_t* own_slot = static_cast<uint8_t*>(buffers[i]) + sizeof(T) * ranks[i].rank;
-      NCCLX_RETURN_IF_ERROR(
-          CheckCuda(op, "cudaMemcpy", cudaMemcpy(own_slot, &mine[i], sizeof(T), cudaMemcpyHostToDevice)));
+    for (int r = 0; r < ranks[i].size; ++r) {
+      if (got[r].size() != sizeof(T)) {
+        return Internal(op, "the host exchange returned " + std::to_string(got[r].size()) + " bytes from rank " +
+                                std::to_string(r) + ", expected " + std::to_string(sizeof(T)) +
+                                " (a process running another jax_ncclx build?)");
+      }
+      std::memcpy(&gathered[i][r], got[r].data(), sizeof(T));
     }
-    size_t index = 0;
-    NCCLX_RETURN_IF_ERROR(CollectiveOnLocalRanks(op, ranks, [&](LocalRank& rank, cudaStream_t stream) {
-      uint8_t* buffer = static_cast<uint8_t*>(buffers[index++]);
-      return CheckNccl(op, "ncclAllGather",
-                       ncclAllGather(buffer + sizeof(T) * rank.rank, buffer, sizeof(T), ncclUint8, rank.comm,
-                                     stream),
-                       rank.comm);
-    }));
-    for (size_t i = 0; i < ranks.size(); ++i) {
-      NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaSetDevice", cudaSetDevice(ranks[i].device)));
-      NCCLX_RETURN_IF_ERROR(CheckCuda(
-          op, "cudaMemcpy", cudaMemcpy(gathered[i].data(), buffers[i], sizeof(T) * size, cudaMemcpyDeviceToHost)));
-    }
-    return ffi::Error::Success();
-  }();
-  free_buffers();
-  if (error.failure()) return error;
+  }
   return gathered;
 }
 
@@ -221,11 +190,12 @@ int64_t DataBytes(const SymmetricNeed& layout) { return 2 * layout.parity_half_b
 // (Re)allocates every local rank's data region to `layout` (and, the first time, its control block and
 // table), exchanges addresses, agrees on reachability, and maps the peers. Returns the unavailability
 // reason ("" on success). On a reachability failure everything is released again.
-ffi::ErrorOr<std::string> Grow(std::string_view op, CommMemory& memory, const SymmetricNeed& layout, bool first) {
+ffi::ErrorOr<std::string> Grow(std::string_view op, CommMemory& memory, const SymmetricNeed& layout, bool first,
+                               const HostExchange& exchange) {
   const int64_t data_bytes = std::max<int64_t>(DataBytes(layout), 1);
   std::vector<LocalRank>& ranks = memory.ranks;
-  // Kernels still queued may use the old regions; every process syncs before anyone frees (the all-gather
-  // below cannot complete until all have).
+  // Kernels still queued may use the old regions: finish them before freeing. A peer's writes into this
+  // rank's region belong to calls this rank takes part in, so they are done once this rank's calls are.
   NCCLX_RETURN_IF_ERROR(SynchronizeDevices(op, ranks));
   std::vector<RankInfo> mine(ranks.size());
   for (size_t i = 0; i < ranks.size(); ++i) {
@@ -266,7 +236,7 @@ ffi::ErrorOr<std::string> Grow(std::string_view op, CommMemory& memory, const Sy
     NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaIpcGetMemHandle", cudaIpcGetMemHandle(&info.control_handle, rank.control)));
     NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaIpcGetMemHandle", cudaIpcGetMemHandle(&info.data_handle, rank.data)));
   }
-  ffi::ErrorOr<std::vector<std::vector<RankInfo>>> infos = AllGather(op, ranks, mine);
+  ffi::ErrorOr<std::vector<std::vector<RankInfo>>> infos = AllGather(op, ranks, mine, exchange);
   if (infos.has_error()) return infos.error();
 
   if (first) {
@@ -279,7 +249,7 @@ ffi::ErrorOr<std::string> Grow(std::string_view op, CommMemory& memory, const Sy
       const std::string reason = Unreachable(ranks[i], (*infos)[i]);
       std::snprintf(verdicts[i].reason, sizeof(verdicts[i].reason), "%s", reason.c_str());
     }
-    ffi::ErrorOr<std::vector<std::vector<Verdict>>> all = AllGather(op, ranks, verdicts);
+    ffi::ErrorOr<std::vector<std::vector<Verdict>>> all = AllGather(op, ranks, verdicts, exchange);
     if (all.has_error()) return all.error();
     for (const Verdict& verdict : all->front()) {
       if (verdict.reason[0] == '\0') continue;
@@ -315,7 +285,8 @@ ffi::ErrorOr<std::string> Grow(std::string_view op, CommMemory& memory, const Sy
 
 }  // namespace
 
-ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, const SymmetricNeed& need) {
+ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, const SymmetricNeed& need,
+                                          const HostExchange& exchange) {
   if (need.parity_half_bytes < 0 || need.staging_bytes < 0) {
     return InvalidArgument(op, "negative symmetric memory need: " + std::to_string(need.parity_half_bytes) +
                                    " low-latency bytes per parity, " + std::to_string(need.staging_bytes) +
@@ -344,7 +315,6 @@ ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, 
       if (described.has_error()) return described.error();
       LocalRank rank;
       rank.device = device;
-      rank.comm = comm;
       rank.rank = described->rank;
       rank.size = described->size;
       fresh.ranks.push_back(rank);
@@ -370,7 +340,7 @@ ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, 
 
   std::string reason;
   NCCLX_RETURN_IF_ERROR(KeepingCurrentDevice(op, [&]() -> ffi::Error {
-    ffi::ErrorOr<std::string> grew = Grow(op, memory, grown, first);
+    ffi::ErrorOr<std::string> grew = Grow(op, memory, grown, first, exchange);
     if (grew.has_error()) {
       if (first) {
         for (LocalRank& rank : memory.ranks) Release(rank, /*everything=*/true);
@@ -437,7 +407,8 @@ std::vector<SymmetricUsage> SymmetricMemoryUsage() {
     for (const LocalRank& rank : memory.ranks) {
       if (rank.control == nullptr) continue;
       usage.push_back({comm_id, rank.device, DataBytes(rank.layout), 2 * rank.layout.parity_half_bytes,
-                       static_cast<int64_t>(sizeof(SymmetricControl) + sizeof(PeerTable))});
+                       static_cast<int64_t>(sizeof(SymmetricControl) + sizeof(PeerTable)),
+                       static_cast<int64_t>(sizeof(NvlinkFault))});
     }
   }
   return usage;

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -37,12 +38,28 @@ struct SymmetricNeed {
   int64_t staging_bytes = 0;
 };
 
+// One local rank's part of a host exchange: its device, its rank, and the bytes it publishes.
+struct ExchangeEntry {
+  int32_t device = 0;
+  int rank = 0;
+  std::string blob;
+};
+
+// Exchanges small blobs among the ranks of a communicator on the host (jax_ncclx passes one that goes
+// through JAX's key-value store, or stays in memory when every rank is local): given every local rank's entry,
+// returns for each of them, in the same order, the blobs of all ranks of its group in rank order. Collective.
+using HostExchange = std::function<ffi::ErrorOr<std::vector<std::vector<std::string>>>(
+    const std::vector<ExchangeEntry>&)>;
+
 // Makes sure every rank of communicator `comm_id` has a data region that meets `need`, mapped by all its
-// peers. Collective: every process holding ranks of the communicator must call it with the same need, in
-// the same order as its other collective set-up. Returns "" when the NVLink kernels can run, otherwise why
-// not (a rank cannot reach a peer through NVLink peer access, too many ranks, ...). That answer is the same
-// on every rank, and is remembered: later calls return it without communicating or allocating.
-ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, const SymmetricNeed& need);
+// peers; addresses and IPC handles travel through `exchange`, not through NCCL (a NCCL collective would make
+// NCCL connect its rings and allocate their buffers, hundreds of MiB, for a few hundred bytes). Collective:
+// every process holding ranks of the communicator must call it with the same need, in the same order as its
+// other collective set-up. Returns "" when the NVLink kernels can run, otherwise why not (a rank cannot
+// reach a peer through NVLink peer access, too many ranks, ...). That answer is the same on every rank, and
+// is remembered: later calls return it without communicating or allocating.
+ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, const SymmetricNeed& need,
+                                          const HostExchange& exchange);
 
 // The symmetric memory of `comm_id` on `device_ordinal`; an error if EnsureSymmetric never succeeded for it.
 ffi::ErrorOr<SymmetricRank> LookupSymmetric(std::string_view op, int64_t comm_id, int32_t device_ordinal);
@@ -64,6 +81,7 @@ struct SymmetricUsage {
   int64_t data_bytes = 0;         // the data region (grows to the largest need so far)
   int64_t low_latency_bytes = 0;  // of which the low-latency slots (both parities)
   int64_t control_bytes = 0;      // control block and peer table (fixed)
+  int64_t pinned_host_bytes = 0;  // the fault record, in pinned host memory mapped for the device
 };
 std::vector<SymmetricUsage> SymmetricMemoryUsage();
 
