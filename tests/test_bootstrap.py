@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ncclx as nx
 from jax_ncclx._src import bootstrap
 from jax_ncclx._src import comm
+from jax_ncclx._src import config
 
 from conftest import gpu_devices, gpu_skip_reason
 
@@ -40,7 +41,7 @@ def test_axis_groups_match_the_mesh(shape, per_process):
                 assert group.size == shape[axis]
                 for rank, position in group.members:
                     line, want_rank = want[position]
-                    assert rank == want_rank and group.root_process == process_of(line[0])
+                    assert rank == want_rank and group.root_processes == (process_of(line[0]),)
 
 
 def test_unique_id_is_made_once_and_read_by_the_others():
@@ -51,14 +52,13 @@ def test_unique_id_is_made_once_and_read_by_the_others():
         made.append(len(made).to_bytes(4, "little"))
         return made[-1]
 
+    split = bootstrap.AxisGroup("g", size=2, members=((0, 0),), root_processes=(0,))
     store.caller = 0
-    root = bootstrap.unique_id("g", root_process=0, all_local=False, me=0, kv=store, new_id=new_id)
+    root = bootstrap.read_ids("g", split, store, bootstrap.publish_ids("g", split, 0, store, new_id))
+    other = bootstrap.AxisGroup("g", size=2, members=((1, 1),), root_processes=(0,))
     store.caller = 1
-    assert bootstrap.unique_id("g", root_process=0, all_local=False, me=1, kv=store, new_id=new_id) == root
+    assert bootstrap.read_ids("g", other, store, bootstrap.publish_ids("g", other, 1, store, new_id)) == root
     assert len(made) == 1 and store.ops == {0: 1, 1: 1}
-    assert bootstrap.unique_id("h", root_process=0, all_local=True, me=1, kv=None, new_id=new_id) == made[-1]
-    with pytest.raises(RuntimeError, match="jax.distributed is not initialised"):
-        bootstrap.unique_id("i", root_process=0, all_local=False, me=1, kv=None, new_id=new_id)
 
 
 class _BlockingStore(bootstrap.KeyValueStore):
@@ -114,13 +114,47 @@ def test_address_all_gather_across_processes():
 
 @pytest.mark.parametrize("per_process", [8, 1])
 def test_bootstrap_cost_per_process_does_not_grow_with_the_mesh(per_process):
-    """Simulated up to 100,000 ranks: key-value operations and positions examined per process stay the same
-    (O(1) in N), while a membership all-gather would move N entries per rank."""
-    small = bootstrap_simulation.simulate((4096 // 32, 4, 8), per_process)
-    large = bootstrap_simulation.simulate((100000 // 32, 4, 8), per_process)
+    """Simulated up to 100,000 ranks: with one root per communicator, key-value operations and positions
+    examined per process stay the same (O(1) in N), while a membership all-gather would move N entries per
+    rank. With several roots (large groups, NCCL's scalable init) a process touches each root's id once per
+    group it is in: at most init_max_roots per group, whatever N."""
+    one_root = config.Config(init_ranks_per_root=0)
+    small = bootstrap_simulation.simulate((4096 // 32, 4, 8), per_process, one_root)
+    large = bootstrap_simulation.simulate((100000 // 32, 4, 8), per_process, one_root)
     assert large["kv_ops_max"] == small["kv_ops_max"] <= 3 * per_process
     assert large["positions_max"] == small["positions_max"] == 3 * per_process
     assert large["allgather_entries"] == 100000
+    shape, defaults = (100000 // 32, 4, 8), config.Config()
+    roots = [defaults.init_roots(extent) for extent in shape]
+    assert roots == [4, 1, 1]  # 3125 ranks along the first axis: one root per 1024 ranks
+    many = bootstrap_simulation.simulate(shape, per_process, defaults)
+    assert many["kv_ops_max"] <= per_process * sum(roots) <= 3 * per_process * defaults.init_max_roots
+
+
+@pytest.mark.parametrize(("size", "roots", "want"), [(8, 1, [0]), (10, 3, [0, 4, 7]), (12, 4, [0, 3, 6, 9]),
+                                                     (3125, 4, [0, 782, 1563, 2344])])
+def test_root_ranks_follow_nccls_rule(size, roots, want):
+    """NCCL's rule for ncclCommInitRankScalable: blocks of size // roots ranks, the first size % roots one
+    longer, each led by a root."""
+    assert bootstrap.root_ranks(size, roots) == want
+
+
+def test_several_roots_publish_before_reading():
+    """Two processes, each holding one of a group's two roots: both publish first, so neither waits on the
+    other; every member gets both ids, in root order; a group inside one process makes its ids itself."""
+    store = _BlockingStore()
+    group_of = {p: bootstrap.axis_groups((4,), 0, [2 * p, 2 * p + 1], lambda q: q // 2, roots=2)[0]
+                for p in (0, 1)}
+    assert group_of[0].root_processes == (0, 1)
+    made = {p: bootstrap.publish_ids("g", group_of[p], p, store, lambda p=p: bytes([p])) for p in (0, 1)}
+    assert made == {0: {0: b"\x00"}, 1: {1: b"\x01"}} and store.sets == 2
+    for p in (0, 1):
+        assert bootstrap.read_ids("g", group_of[p], store, made[p]) == [b"\x00", b"\x01"]
+    local = bootstrap.axis_groups((4,), 0, range(4), lambda q: 0, roots=2)[0]
+    counter = iter(range(10))
+    assert bootstrap.publish_ids("h", local, 0, None, lambda: bytes([next(counter)])) == {0: b"\x00", 1: b"\x01"}
+    with pytest.raises(RuntimeError, match="jax.distributed is not initialised"):
+        bootstrap.publish_ids("i", group_of[0], 0, None, lambda: b"x")
 
 
 def test_init_and_shutdown_on_cpu():
@@ -187,3 +221,21 @@ def test_nvlink_set_up_allocates_no_nccl_buffers(monkeypatch):
     held = max(s["symmetric_data_bytes"] + s["control_bytes"] for s in nx.memory_stats())
     assert 0 < held <= added + (4 << 20)
     assert added < 64 << 20, f"the first NVLink all_reduce added {added / 2**20:.0f} MiB per GPU"
+
+
+@pytest.mark.gpu
+def test_several_roots_make_a_working_communicator(monkeypatch):
+    """NCCL's multi-root init (ncclCommInitRankScalable), forced on a small group: one root per rank."""
+    reason = gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setenv("JAX_NCCLX_INIT_RANKS_PER_ROOT", "1")
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nccl")
+    devices = gpu_devices()
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("x",))
+    nx.shutdown()
+    f = jax.jit(jax.shard_map(lambda v: nx.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    x = jax.device_put(jnp.arange(len(devices) * 4.0).reshape(len(devices), 4),
+                       jax.sharding.NamedSharding(mesh, P("x")))
+    np.testing.assert_array_equal(np.asarray(f(x)), np.tile(np.asarray(x).sum(0), (len(devices), 1)))
+    nx.shutdown()

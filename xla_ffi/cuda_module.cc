@@ -125,23 +125,30 @@ nb::bytes UniqueId() {
   return nb::bytes(id.internal, NCCL_UNIQUE_ID_BYTES);
 }
 
-int64_t InitComm(const std::vector<nb::bytes>& unique_ids, int nranks, const std::vector<int>& ranks,
+int64_t InitComm(const std::vector<std::vector<nb::bytes>>& unique_ids, int nranks, const std::vector<int>& ranks,
                  const std::vector<int>& devices) {
   constexpr std::string_view kOp = "init_comm";
   if (ranks.empty() || ranks.size() != devices.size() || unique_ids.size() != devices.size()) {
-    ThrowIfFailed(InvalidArgument(kOp, "got " + std::to_string(unique_ids.size()) + " unique ids, " +
+    ThrowIfFailed(InvalidArgument(kOp, "got " + std::to_string(unique_ids.size()) + " unique id lists, " +
                                            std::to_string(ranks.size()) + " ranks and " +
                                            std::to_string(devices.size()) +
                                            " devices, expected one of each per device and at least one"));
   }
-  std::vector<ncclUniqueId> ids(unique_ids.size());
+  std::vector<std::vector<ncclUniqueId>> ids(unique_ids.size());
   for (size_t i = 0; i < unique_ids.size(); ++i) {
-    if (unique_ids[i].size() != NCCL_UNIQUE_ID_BYTES) {
-      ThrowIfFailed(InvalidArgument(kOp, "unique_ids[" + std::to_string(i) + "] has " +
-                                             std::to_string(unique_ids[i].size()) + " bytes, expected " +
-                                             std::to_string(NCCL_UNIQUE_ID_BYTES)));
+    if (unique_ids[i].empty() || static_cast<int>(unique_ids[i].size()) > nranks) {
+      ThrowIfFailed(InvalidArgument(kOp, "unique_ids[" + std::to_string(i) + "] holds " +
+                                             std::to_string(unique_ids[i].size()) + " ids, expected 1 to nranks=" +
+                                             std::to_string(nranks)));
     }
-    std::memcpy(ids[i].internal, unique_ids[i].data(), NCCL_UNIQUE_ID_BYTES);
+    for (const nb::bytes& id : unique_ids[i]) {
+      if (id.size() != NCCL_UNIQUE_ID_BYTES) {
+        ThrowIfFailed(InvalidArgument(kOp, "unique_ids[" + std::to_string(i) + "] has an id of " +
+                                               std::to_string(id.size()) + " bytes, expected " +
+                                               std::to_string(NCCL_UNIQUE_ID_BYTES)));
+      }
+      std::memcpy(ids[i].emplace_back().internal, id.data(), NCCL_UNIQUE_ID_BYTES);
+    }
   }
   for (const int rank : ranks) {
     if (rank < 0 || rank >= nranks) {
@@ -158,8 +165,13 @@ int64_t InitComm(const std::vector<nb::bytes>& unique_ids, int nranks, const std
   ffi::ErrorOr<std::map<int32_t, ncclComm_t>> comms = [&] {
     nb::gil_scoped_release release;  // blocks until every rank of every clique has joined
     return CreateInGroup(kOp, devices, [&](size_t i, ncclComm_t* comm) {
-      const ncclResult_t result = ncclCommInitRank(comm, nranks, ids[i], ranks[i]);
-      return CheckNccl(kOp, "ncclCommInitRank", result, *comm);
+      if (ids[i].size() == 1) {
+        return CheckNccl(kOp, "ncclCommInitRank", ncclCommInitRank(comm, nranks, ids[i][0], ranks[i]), *comm);
+      }
+      // Several roots share NCCL's bootstrap of a large communicator.
+      const ncclResult_t result = ncclCommInitRankScalable(comm, nranks, ranks[i], static_cast<int>(ids[i].size()),
+                                                           ids[i].data(), nullptr);
+      return CheckNccl(kOp, "ncclCommInitRankScalable", result, *comm);
     });
   }();
   std::map<int32_t, ncclComm_t> created = ValueOrThrow(std::move(comms));
@@ -356,10 +368,10 @@ NB_MODULE(_ncclx_cuda, m) {
   m.def("init_comm", &jn::InitComm, nb::arg("unique_ids"), nb::arg("nranks"), nb::arg("ranks"),
         nb::arg("devices"),
         "Creates one communicator per local device, all in one NCCL group: the device devices[i] joins the\n"
-        "clique of unique_ids[i] as rank ranks[i] of nranks (one clique for a world communicator; one per\n"
-        "group for an axis communicator). Blocks (without the GIL) until every rank of every clique has\n"
-        "joined. Returns the comm_id under which the handlers find each device's communicator. Raises\n"
-        "RuntimeError with NCCL's message on failure.");
+        "clique of unique_ids[i] (its group's ids: one, or one per root for NCCL's multi-root\n"
+        "ncclCommInitRankScalable) as rank ranks[i] of nranks (one clique per group of an axis). Blocks\n"
+        "(without the GIL) until every rank of every clique has joined. Returns the comm_id under which the\n"
+        "handlers find each device's communicator. Raises RuntimeError with NCCL's message on failure.");
   m.def("comm_info", &jn::CommInfo, nb::arg("comm_id"),
         "The local communicators of `comm_id` as (device, rank, nranks) tuples, by device.");
   m.def("destroy_all", &jn::DestroyAll,

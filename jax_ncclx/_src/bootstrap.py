@@ -4,12 +4,11 @@ same code. ``docs/bootstrap.md`` explains the protocol and its cost.
 
 A communicator is made from an NCCL unique id that all its members pass to ``ncclCommInitRank``:
 
-* world communicator (every device of the mesh, ranked by device id): the process holding rank 0 makes the id
-  and publishes it in JAX's distributed key-value store; every other process reads that one key;
 * axis communicator (the devices that differ only in their coordinate along one mesh axis, ranked by that
   coordinate): each process works out, from the mesh shape and its own devices' coordinates alone, which
-  groups its devices belong to, their ranks, and which device is each group's rank 0; the process holding a
-  group's rank 0 makes and publishes the group's id, the others read it. No all-gather of membership
+  groups its devices belong to, their ranks, and which devices are each group's roots (rank 0, or for a
+  large group the first rank of each of a few blocks: NCCL's multi-root scalable init); the process holding
+  a root makes and publishes its id, the others read it. No all-gather of membership
   (``ncclCommSplit`` exchanges every rank's colour with every other rank): a process does O(devices it holds x
   mesh rank) work and one key-value operation per group it is in, however many ranks the mesh has.
 * A group whose members are all in this process needs no key-value store at all.
@@ -41,13 +40,14 @@ class AxisGroup:
       key: the group's name, the same in every process: the mesh axis and the coordinates on the other axes.
       size: ranks in the group (the axis size).
       members: (rank, flat mesh position) of this process's devices in the group.
-      root_process: the process that holds the group's rank 0.
+      root_processes: the processes holding the group's root ranks (:func:`root_ranks`), in unique-id order;
+        one root (rank 0) unless the group is created with NCCL's multi-root scalable init.
     """
 
     key: str
     size: int
     members: tuple[tuple[int, int], ...]
-    root_process: int
+    root_processes: tuple[int, ...]
 
 
 def coordinates(position: int, shape: Sequence[int]) -> tuple[int, ...]:
@@ -66,11 +66,19 @@ def flat_position(coords: Sequence[int], shape: Sequence[int]) -> int:
     return position
 
 
+def root_ranks(size: int, roots: int) -> list[int]:
+    """The ranks that make the unique ids of a communicator of ``size`` ranks created from ``roots`` ids, in
+    id order. NCCL's rule for ``ncclCommInitRankScalable``: the ranks are cut into ``roots`` contiguous
+    blocks, the first ``size % roots`` of them one rank longer, and each block's first rank is a root."""
+    base, longer = divmod(size, roots)
+    return [i * (base + 1) if i < longer else longer * (base + 1) + (i - longer) * base for i in range(roots)]
+
+
 def axis_groups(shape: Sequence[int], axis: int, local_positions: Sequence[int],
-                process_of: Callable[[int], int]) -> list[AxisGroup]:
+                process_of: Callable[[int], int], roots: int = 1) -> list[AxisGroup]:
     """The axis communicators along mesh axis ``axis`` that this process's devices (at flat mesh positions
-    ``local_positions``) belong to, sorted by key. ``process_of(position)`` is the process holding a device;
-    it is asked once per group."""
+    ``local_positions``) belong to, sorted by key, each to be created from ``roots`` unique ids.
+    ``process_of(position)`` is the process holding a device; it is asked once per root of each group."""
     by_key: dict[tuple[int, ...], list[tuple[int, int]]] = {}
     for position in local_positions:
         coords = coordinates(position, shape)
@@ -78,27 +86,40 @@ def axis_groups(shape: Sequence[int], axis: int, local_positions: Sequence[int],
         by_key.setdefault(rest, []).append((coords[axis], position))
     groups = []
     for rest, members in sorted(by_key.items()):
-        root = flat_position(rest[:axis] + (0,) + rest[axis + 1:], shape)
+        root_processes = tuple(process_of(flat_position(rest[:axis] + (rank,) + rest[axis + 1:], shape))
+                               for rank in root_ranks(shape[axis], roots))
         key = f"axis{axis}/" + ",".join(map(str, rest))
-        groups.append(AxisGroup(key, shape[axis], tuple(sorted(members)), process_of(root)))
+        groups.append(AxisGroup(key, shape[axis], tuple(sorted(members)), root_processes))
     return groups
 
 
-def unique_id(key: str, root_process: int, all_local: bool, me: int, kv: KeyValueStore | None,
-              new_id: Callable[[], bytes]) -> bytes:
-    """The NCCL unique id of the communicator named ``key``: made here when this process holds its rank 0
-    (and published unless every member is local), else read from the store."""
-    if all_local:
-        return new_id()
-    if kv is None:
+def publish_ids(key: str, group: AxisGroup, me: int, kv: KeyValueStore | None,
+                new_id: Callable[[], bytes]) -> dict[int, bytes]:
+    """Makes the NCCL unique ids of the roots of ``group`` that this process holds (all of them when every
+    member is local) and, unless every member is local, publishes each under ``<key>/<root index>``.
+
+    Returns:
+      root index -> id, for the ids made here.
+    """
+    all_local = len(group.members) == group.size
+    if not all_local and kv is None:
         raise RuntimeError(
             "jax_ncclx: the mesh spans several processes but jax.distributed is not initialised; call "
             "jax.distributed.initialize() before the first collective")
-    if root_process == me:
-        uid = new_id()
-        kv.set(key, uid)
-        return uid
-    return kv.get(key)
+    made = {}
+    for i, root in enumerate(group.root_processes):
+        if all_local or root == me:
+            made[i] = new_id()
+            if not all_local:
+                kv.set(f"{key}/{i}", made[i])
+    return made
+
+
+def read_ids(key: str, group: AxisGroup, kv: KeyValueStore | None, made: dict[int, bytes]) -> list[bytes]:
+    """All of ``group``'s unique ids in root order: those made here, the others read from the store (blocking
+    until their roots publish them). Publish every group's ids (:func:`publish_ids`) before reading any, so
+    that no two processes wait for each other."""
+    return [made[i] if i in made else kv.get(f"{key}/{i}") for i in range(len(group.root_processes))]
 
 
 def all_gather_blobs(key: str, entries: Sequence[tuple[int, int, bytes]], group_of: Callable[[int], str],

@@ -12,9 +12,10 @@ the same order.
 
 How the ranks meet (``bootstrap.py``, ``docs/bootstrap.md``): each process computes from the mesh shape alone
 which groups its devices are in and their ranks (the coordinate along the axis, ``jax.lax.axis_index``); the
-process holding a group's rank 0 makes the group's NCCL unique id and publishes it in JAX's distributed
-key-value store, the others read it, and every local device joins its group with ``ncclCommInitRank``. No
-membership all-gather, and no key-value traffic when a group lives in one process.
+process holding a group's rank 0 (for a large group, each of its few roots) makes an NCCL unique id and
+publishes it in JAX's distributed key-value store, the others read it, and every local device joins its
+group with ``ncclCommInitRank`` (``ncclCommInitRankScalable`` with several roots). No membership all-gather,
+and no key-value traffic when a group lives in one process.
 """
 
 import atexit
@@ -28,6 +29,7 @@ import jax
 
 from jax_ncclx._src import bootstrap
 from jax_ncclx._src import compat
+from jax_ncclx._src import config
 from jax_ncclx._src import lib
 
 logger = logging.getLogger("jax_ncclx")
@@ -87,18 +89,20 @@ def communicator_for(mesh: jax.sharding.Mesh, axis_name) -> int:
             return _axis_comms[key]
         me = jax.process_index()
         local = [p for p, d in enumerate(devices) if d.process_index == me]
-        groups = bootstrap.axis_groups(shape, axis, local, lambda p: devices[p].process_index)
+        roots = config.current().init_roots(shape[axis])
+        groups = bootstrap.axis_groups(shape, axis, local, lambda p: devices[p].process_index, roots)
         client = compat.distributed_client()
         kv = _JaxKeyValueStore(client) if client is not None else None
         cuda = lib.cuda_module()
         mesh_key = hashlib.sha1(repr((_generation, key)).encode()).hexdigest()
         ids, ranks, ordinals = [], [], []
         _wait_for_device_work()
-        for group in groups:
-            uid = bootstrap.unique_id(f"jax_ncclx/{mesh_key}/{group.key}", group.root_process,
-                                      len(group.members) == group.size, me, kv, cuda.unique_id)
+        keys = [f"jax_ncclx/{mesh_key}/{group.key}" for group in groups]
+        made = [bootstrap.publish_ids(key, group, me, kv, cuda.unique_id) for key, group in zip(keys, groups)]
+        for key, group, own in zip(keys, groups, made):
+            group_ids = bootstrap.read_ids(key, group, kv, own)
             for rank, position in group.members:
-                ids.append(uid)
+                ids.append(group_ids)
                 ranks.append(rank)
                 ordinals.append(devices[position].local_hardware_id)
         comm_id = cuda.init_comm(ids, shape[axis], ranks, ordinals)
@@ -109,8 +113,8 @@ def communicator_for(mesh: jax.sharding.Mesh, axis_name) -> int:
             _comm_groups[comm_id] = tuple(
                 devices[bootstrap.flat_position(coords[:axis] + (r,) + coords[axis + 1:], shape)].id
                 for r in range(shape[axis]))
-        logger.info("jax_ncclx: communicator %d along axis %r of a %s mesh (%d local group(s))", comm_id,
-                    axis_name, "x".join(map(str, shape)), len(groups))
+        logger.info("jax_ncclx: communicator %d along axis %r of a %s mesh (%d local group(s), %d root(s) each)",
+                    comm_id, axis_name, "x".join(map(str, shape)), len(groups), roots)
         _axis_comms[key] = comm_id
     _start_progress_publisher()
     return comm_id

@@ -42,6 +42,11 @@ class Config:
         none), see :class:`Fault`.
       checksum: collectives traced from now on verify their payload end to end (``JAX_NCCLX_CHECKSUM=1``),
         see :mod:`jax_ncclx._src.checksum`.
+      init_ranks_per_root: communicators of more ranks than this are created with NCCL's multi-root
+        ``ncclCommInitRankScalable``, one unique id (root) per this many ranks, at most ``init_max_roots``
+        (``JAX_NCCLX_INIT_RANKS_PER_ROOT``, default 1024; 0 always uses one root).
+      init_max_roots: the most roots of one communicator (``JAX_NCCLX_INIT_MAX_ROOTS``, default 32): every
+        member reads every root's id, so this bounds each process's key-value reads per communicator.
     """
 
     timeout_s: float = 600.0
@@ -55,6 +60,14 @@ class Config:
     trace_device: bool = False
     faults: tuple["Fault", ...] = ()
     checksum: bool = False
+    init_ranks_per_root: int = 1024
+    init_max_roots: int = 32
+
+    def init_roots(self, size: int) -> int:
+        """How many unique ids (roots) a communicator of ``size`` ranks is created with."""
+        if self.init_ranks_per_root == 0 or size <= self.init_ranks_per_root:
+            return 1
+        return max(1, min(self.init_max_roots, -(-size // self.init_ranks_per_root)))
 
     @property
     def trace_attr(self) -> int:
@@ -185,4 +198,6 @@ def current() -> Config:
         trace_device=_choice("JAX_NCCLX_TRACE", "0", ("0", "1", "device")) != "0",
         faults=parse_faults(os.environ.get("JAX_NCCLX_FAULT", "")),
         checksum=_choice("JAX_NCCLX_CHECKSUM", "0", ("0", "1")) == "1",
+        init_ranks_per_root=_non_negative_int("JAX_NCCLX_INIT_RANKS_PER_ROOT", Config.init_ranks_per_root),
+        init_max_roots=_non_negative_int("JAX_NCCLX_INIT_MAX_ROOTS", Config.init_max_roots),
     )
