@@ -45,6 +45,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ncclx as nx  # noqa: E402
+from jax_ncclx._src import lib  # noqa: E402
 
 AXIS = "x"
 NAME = "collectives"
@@ -76,12 +77,14 @@ TRACED_IMPLS = ("nx-traced", "nx-nccl-traced")
 TABLE = [
     ("op", "op", 10, ""), ("bytes", "bytes", 10, "d"), ("impl", "impl", 10, ""), ("path", "path", 12, ""),
     ("median_us", "median us", 10, ".1f"), ("min_us", "min us", 9, ".1f"), ("busbw_gbps", "busbw GB/s", 10, ".1f"),
-    ("speedup", "x xla", 6, ".2f"), ("pipeline", "pipe", 4, "d"), ("status", "status", 8, ""),
+    ("speedup", "x xla", 6, ".2f"), ("pipeline", "pipe", 4, "d"), ("handler_runs_per_op", "host/op", 7, ".2f"),
+    ("status", "status", 8, ""),
 ]
 MD_COLUMNS = [
     ("op", "op", ""), ("bytes", "bytes/rank", "d"), ("impl", "impl", ""), ("path", "path", ""),
     ("median_us", "median µs/op", ".1f"), ("min_us", "min µs/op", ".1f"), ("busbw_gbps", "bus GB/s", ".1f"),
-    ("speedup", "speedup vs lax", ".2f"), ("reps", "reps", "d"), ("status", "status", ""),
+    ("speedup", "speedup vs lax", ".2f"), ("reps", "reps", "d"), ("handler_runs_per_op", "handler runs/op", ".2f"),
+    ("status", "status", ""),
 ]
 TRACE_COLUMNS = [  # with --device-trace: (key, markdown header, table header, format)
     ("dev_kernel_us", "GPU kernel µs", "kernel us", ".1f"), ("dev_gap_us", "GPU idle gap µs", "gap us", ".1f"),
@@ -202,11 +205,19 @@ def ffi_path(hlo_text: str, platform: str) -> str:
     return "+".join(sorted(paths))
 
 
+def nvlink_handler_runs() -> tuple[int, int] | None:
+    """(NVLink handler runs, of which under stream capture) so far in this process; None without the CUDA
+    build."""
+    module = lib.cuda_module_if_available()
+    return tuple(module.nvlink_launch_counts()) if module is not None else None
+
+
 def time_chain(mesh, op, impl, x, args) -> dict:
     fn = per_rank(mesh, functools.partial(chain, op=op, impl=impl, unroll=args.unroll), donate_argnums=0)
     # Zeros: sums of the checked values would grow N-fold per op and overflow over a long run.
     traced = args.device_trace and impl != "xla"
     before = common.device_epochs() if traced else None
+    runs_before = nvlink_handler_runs()
     with settings_of(impl, trace=args.device_trace):
         timing = common.time_jitted(fn, jnp.zeros_like(x), ops_per_call=args.unroll, feedback=True,
                                     reps=args.iters, pipeline=args.pipeline, max_seconds=args.max_seconds,
@@ -216,6 +227,13 @@ def time_chain(mesh, op, impl, x, args) -> dict:
         array.delete()
     if traced:
         timing.update(common.device_breakdown(before))
+    runs_after = nvlink_handler_runs()
+    if runs_before is not None and timing["path"].startswith("nvlink"):
+        # Host work per op: 1 when the handler runs for every op on every GPU (plain launches, or command
+        # buffers re-recorded every call); near 0 when recorded command buffers are replayed.
+        ops_run = (len(timing["warmup_s"]) + timing["reps"] * timing["pipeline"]) * args.unroll * mesh.devices.size
+        timing["handler_runs_per_op"] = (runs_after[0] - runs_before[0]) / ops_run
+        timing["captured_runs_per_op"] = (runs_after[1] - runs_before[1]) / ops_run
     return timing
 
 
@@ -301,6 +319,9 @@ def notes(config: dict) -> str:
         "event per call (JAX_NCCLX_TIMEOUT_S=0).",
         "- **speedup** = jax.lax median / this row's median (> 1: faster than XLA). **path**: what the "
         "compiled jax_ncclx program calls (nccl, nvlink-1shot, nvlink-2shot, or cpu); jax.lax rows say xla.",
+        "- **handler runs/op** (NVLink rows): how often the host ran jax_ncclx's handler per op and GPU while "
+        "timing: 1 when every op is launched from the host (plain runs, or command buffers recorded anew for "
+        "every call), near 0 when XLA replays recorded command buffers.",
         "- Every (op, size, impl) is first checked: one op must give exactly jax.lax's result (inputs are small "
         "integers, so every summation order is exact).",
     ])
