@@ -209,7 +209,10 @@ def test_check_grads_numerically(backend):
     f = jax.shard_map(lambda v, c: nx.all_to_allv_dynamic(jnp.sin(v[0]), c[0], "x", max_recv_per_peer=CAPACITY,
                                                           layout="packed")[0][None],
                       mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x"))
-    jax.test_util.check_grads(lambda v: f(v, counts), (jnp.asarray(random_array((n, ROWS, 2), jnp.float32)),),
+    # Jitted: check_grads evaluates f and its derivatives many times; eagerly, each evaluation re-dispatches
+    # the shard_map op by op (a minute per backend).
+    jax.test_util.check_grads(jax.jit(lambda v: f(v, counts)),
+                              (jnp.asarray(random_array((n, ROWS, 2), jnp.float32)),),
                               order=2, modes=["fwd", "rev"], atol=1e-2, rtol=1e-2)
 
 
