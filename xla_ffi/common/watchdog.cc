@@ -215,6 +215,7 @@ std::string HangMessage(Watchdog& w, const Watched& hung, const std::string& ncc
 void WatchOnce(Watchdog& w) {
   std::vector<std::pair<int64_t, std::string>> hangs;
   std::vector<std::pair<int64_t, std::string>> stuck_launches;
+  const std::vector<std::pair<int64_t, std::string>> async_errors = CommAsyncErrors();  // outside w.mu
   {
     std::lock_guard<std::mutex> lock(w.mu);
     const int64_t now = NowNs();
@@ -260,7 +261,7 @@ void WatchOnce(Watchdog& w) {
     }
     // A peer's abort or death ends this rank's NCCL kernels early, with garbage outputs and no hang: only
     // NCCL's asynchronous error tells. Name the call running then, or else the last one done.
-    for (const auto& [comm_id, nccl_error] : CommAsyncErrors()) {
+    for (const auto& [comm_id, nccl_error] : async_errors) {
       if (hung(comm_id)) continue;
       const auto running = std::find_if(w.pending.begin(), w.pending.end(),
                                         [&](const Watched& call) { return call.comm_id == comm_id; });
