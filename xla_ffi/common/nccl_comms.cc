@@ -80,22 +80,24 @@ std::vector<std::pair<int64_t, std::string>> CommFaults() {
   return {registry.faults.begin(), registry.faults.end()};
 }
 
-std::string CommAsyncError(int64_t comm_id) {
+std::vector<std::pair<int64_t, std::string>> CommAsyncErrors() {
   Registry& registry = GetRegistry();
   std::shared_lock<std::shared_mutex> lock(registry.mu);  // destroy unregisters (exclusively) before freeing
-  const auto it = registry.comms.find(comm_id);
-  if (it == registry.comms.end()) return "";
-  for (const auto& [device, comm] : it->second) {
-    ncclResult_t async = ncclSuccess;
-    if (ncclCommGetAsyncError(comm, &async) != ncclSuccess || async == ncclSuccess || async == ncclInProgress) {
-      continue;
+  std::vector<std::pair<int64_t, std::string>> failed;
+  for (const auto& [comm_id, by_device] : registry.comms) {
+    for (const auto& [device, comm] : by_device) {
+      ncclResult_t async = ncclSuccess;
+      if (ncclCommGetAsyncError(comm, &async) != ncclSuccess || async == ncclSuccess || async == ncclInProgress) {
+        continue;
+      }
+      std::string why = ncclGetErrorString(async);
+      const char* last = ncclGetLastError(comm);
+      if (last != nullptr && *last != '\0') why += std::string(" (") + last + ")";
+      failed.emplace_back(comm_id, std::move(why));
+      break;
     }
-    std::string why = ncclGetErrorString(async);
-    const char* last = ncclGetLastError(comm);
-    if (last != nullptr && *last != '\0') why += std::string(" (") + last + ")";
-    return why;
   }
-  return "";
+  return failed;
 }
 
 void ClearCommFaults() {

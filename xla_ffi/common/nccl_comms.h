@@ -64,9 +64,10 @@ ffi::Error UnusableCommError(std::string_view op, int64_t comm_id, std::string_v
 // Every recorded fault, as (comm_id, message).
 std::vector<std::pair<int64_t, std::string>> CommFaults();
 
-// NCCL's asynchronous error on any local rank of `comm_id` (ncclCommGetAsyncError: set when a peer aborted
-// or its process died, which also ends this rank's kernels early), described; "" when there is none.
-std::string CommAsyncError(int64_t comm_id);
+// The registered communicators whose NCCL asynchronous error is set on some local rank
+// (ncclCommGetAsyncError: a peer aborted or its process died, which also ends this rank's kernels early),
+// each with the error described.
+std::vector<std::pair<int64_t, std::string>> CommAsyncErrors();
 
 // Forgets every recorded fault (their communicators were destroyed).
 void ClearCommFaults();

@@ -162,6 +162,7 @@ struct Watchdog {
   uint64_t next_id = 1;
   std::map<std::pair<int64_t, int>, int64_t> reached;  // (comm_id, rank) -> highest sequence queued
   std::map<int64_t, int64_t> unnamed;  // comm_id -> hung call whose missing ranks are in other processes
+  std::map<int64_t, Watched> last_done;  // comm_id -> its most recent call seen done (event returned)
   bool running = false;
   bool stop = false;
   std::thread* thread = nullptr;  // never destroyed: joined by StopWatchdog
@@ -214,10 +215,14 @@ std::string HangMessage(Watchdog& w, const Watched& hung, const std::string& ncc
 void WatchOnce(Watchdog& w) {
   std::vector<std::pair<int64_t, std::string>> hangs;
   std::vector<std::pair<int64_t, std::string>> stuck_launches;
+  const std::vector<std::pair<int64_t, std::string>> async_errors = CommAsyncErrors();  // outside w.mu
   {
     std::lock_guard<std::mutex> lock(w.mu);
     const int64_t now = NowNs();
     std::set<std::pair<int64_t, int>> busy;  // (comm_id, rank) whose oldest call is still running
+    auto hung = [&](int64_t comm_id) {
+      return std::any_of(hangs.begin(), hangs.end(), [&](const auto& h) { return h.first == comm_id; });
+    };
     for (auto it = w.pending.begin(); it != w.pending.end();) {
       const std::pair<int64_t, int> rank_key{it->comm_id, it->rank};
       if (busy.count(rank_key)) {
@@ -242,23 +247,33 @@ void WatchOnce(Watchdog& w) {
       const cudaError_t ended = cudaEventQuery(it->end);
       cudaGetLastError();
       if (ended != cudaErrorNotReady) {  // done (or its device failed: nothing left to wait for)
-        // A peer's abort or death ends this rank's NCCL kernels too, with garbage outputs: only NCCL's
-        // asynchronous error tells such a call from a finished one.
-        const std::string nccl_error = CommAsyncError(it->comm_id);
-        if (!nccl_error.empty() &&
-            std::none_of(hangs.begin(), hangs.end(), [&](const auto& h) { return h.first == it->comm_id; })) {
-          hangs.emplace_back(it->comm_id, HangMessage(w, *it, nccl_error));
-        }
         ReturnEvent(it->end);
+        it->end = nullptr;
+        w.last_done[it->comm_id] = *it;
         it = w.pending.erase(it);
         busy.erase(rank_key);  // the rank's next call may start now
         continue;
       }
-      if (now - it->started_ns > it->timeout_ns &&
-          std::none_of(hangs.begin(), hangs.end(), [&](const auto& h) { return h.first == it->comm_id; })) {
+      if (now - it->started_ns > it->timeout_ns && !hung(it->comm_id)) {
         hangs.emplace_back(it->comm_id, HangMessage(w, *it));
       }
       ++it;
+    }
+    // A peer's abort or death ends this rank's NCCL kernels early, with garbage outputs and no hang: only
+    // NCCL's asynchronous error tells. Name the call running then, or else the last one done.
+    for (const auto& [comm_id, nccl_error] : async_errors) {
+      if (hung(comm_id)) continue;
+      const auto running = std::find_if(w.pending.begin(), w.pending.end(),
+                                        [&](const Watched& call) { return call.comm_id == comm_id; });
+      const auto done = w.last_done.find(comm_id);
+      if (running != w.pending.end()) {
+        hangs.emplace_back(comm_id, HangMessage(w, *running, nccl_error));
+      } else if (done != w.last_done.end()) {
+        hangs.emplace_back(comm_id, HangMessage(w, done->second, nccl_error));
+      } else {
+        hangs.emplace_back(comm_id, "NCCL reports " + nccl_error + " on communicator " + std::to_string(comm_id) +
+                                        " (a peer aborted or died); the communicator is aborted");
+      }
     }
     for (const auto& [comm_id, message] : hangs) {
       // Aborted kernels return, so the events complete; drop the entries now either way (their events are
