@@ -37,7 +37,7 @@ logger = logging.getLogger("jax_ncclx")
 _lock = threading.Lock()
 _axis_comms: dict[tuple, int] = {}  # (device ids in mesh order, mesh shape, axis) -> comm_id
 _comm_groups: dict[int, tuple[int, ...]] = {}  # comm_id -> device ids of its ranks (this process's first group)
-_comm_exchanges: dict[int, "_AddressExchange"] = {}
+_comm_exchanges: dict[int, "_AddressExchange"] = {}  # comm_id -> how its ranks swap symmetric-memory addresses
 _generation = 0  # shutdowns so far: names this generation's keys in the key-value store
 _KV_TIMEOUT_MS = 10 * 60 * 1000
 
@@ -106,7 +106,8 @@ def communicator_for(mesh: jax.sharding.Mesh, axis_name) -> int:
                 ranks.append(rank)
                 ordinals.append(devices[position].local_hardware_id)
         comm_id = cuda.init_comm(ids, shape[axis], ranks, ordinals)
-        group_of = {devices[position].local_hardware_id: group.key for group in groups for _, position in group.members}
+        group_of = {devices[position].local_hardware_id: group.key
+                    for group in groups for _, position in group.members}
         _comm_exchanges[comm_id] = _AddressExchange(f"jax_ncclx/{mesh_key}", group_of, shape[axis], kv)
         if groups:
             coords = bootstrap.coordinates(groups[0].members[0][1], shape)
