@@ -82,4 +82,5 @@ def test_fault_in_one_process_is_reported_by_the_others(scenario, transport):
         if not ok:
             wrong.append(pid)
     assert not wrong, f"process(es) {wrong} wrong; every output:\n" + "\n".join(
-        f"--- process {pid} (exit {proc.returncode}):\n{out[-3000:]}" for pid, (proc, out) in enumerate(zip(procs, outputs)))
+        f"--- process {pid} (exit {proc.returncode}):\n{out[-3000:]}"
+        for pid, (proc, out) in enumerate(zip(procs, outputs)))
