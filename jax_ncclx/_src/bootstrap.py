@@ -66,6 +66,12 @@ def flat_position(coords: Sequence[int], shape: Sequence[int]) -> int:
     return position
 
 
+def position_of_rank(shape: Sequence[int], axis: int, position: int, rank: int) -> int:
+    """The flat mesh position of rank ``rank`` of the axis group that holds the device at ``position``."""
+    coords = coordinates(position, shape)
+    return flat_position(coords[:axis] + (rank,) + coords[axis + 1:], shape)
+
+
 def axis_groups(shape: Sequence[int], axis: int, local_positions: Sequence[int],
                 process_of: Callable[[int], int]) -> list[AxisGroup]:
     """The axis communicators along mesh axis ``axis`` that this process's devices (at flat mesh positions
@@ -78,7 +84,7 @@ def axis_groups(shape: Sequence[int], axis: int, local_positions: Sequence[int],
         by_key.setdefault(rest, []).append((coords[axis], position))
     groups = []
     for rest, members in sorted(by_key.items()):
-        root = flat_position(rest[:axis] + (0,) + rest[axis + 1:], shape)
+        root = position_of_rank(shape, axis, members[0][1], 0)
         key = f"axis{axis}/" + ",".join(map(str, rest))
         groups.append(AxisGroup(key, shape[axis], tuple(sorted(members)), process_of(root)))
     return groups
