@@ -66,6 +66,12 @@ def flat_position(coords: Sequence[int], shape: Sequence[int]) -> int:
     return position
 
 
+def position_of_rank(shape: Sequence[int], axis: int, position: int, rank: int) -> int:
+    """The flat mesh position of rank ``rank`` of the axis group that holds the device at ``position``."""
+    coords = coordinates(position, shape)
+    return flat_position(coords[:axis] + (rank,) + coords[axis + 1:], shape)
+
+
 def root_ranks(size: int, roots: int) -> list[int]:
     """The ranks that make the unique ids of a communicator of ``size`` ranks created from ``roots`` ids, in
     id order. NCCL's rule for ``ncclCommInitRankScalable``: the ranks are cut into ``roots`` contiguous
@@ -86,7 +92,7 @@ def axis_groups(shape: Sequence[int], axis: int, local_positions: Sequence[int],
         by_key.setdefault(rest, []).append((coords[axis], position))
     groups = []
     for rest, members in sorted(by_key.items()):
-        root_processes = tuple(process_of(flat_position(rest[:axis] + (rank,) + rest[axis + 1:], shape))
+        root_processes = tuple(process_of(position_of_rank(shape, axis, members[0][1], rank))
                                for rank in root_ranks(shape[axis], roots))
         key = f"axis{axis}/" + ",".join(map(str, rest))
         groups.append(AxisGroup(key, shape[axis], tuple(sorted(members)), root_processes))

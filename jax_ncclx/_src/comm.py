@@ -1,5 +1,5 @@
 """NCCL communicators for the CUDA handlers: one per way of grouping a mesh's devices along one of its axes,
-made on first use and cached (the whole mesh in device-id order is the world communicator).
+made on first use (or by :func:`init`) and cached.
 
 Why our own communicators instead of borrowing XLA's (jaxlib's collectives FFI extension): they carry state
 XLA's do not have (symmetric buffers registered per communicator, abort on timeout, memory accounting).
@@ -110,10 +110,9 @@ def communicator_for(mesh: jax.sharding.Mesh, axis_name) -> int:
                     for group in groups for _, position in group.members}
         _comm_exchanges[comm_id] = _AddressExchange(f"jax_ncclx/{mesh_key}", group_of, shape[axis], kv)
         if groups:
-            coords = bootstrap.coordinates(groups[0].members[0][1], shape)
-            _comm_groups[comm_id] = tuple(
-                devices[bootstrap.flat_position(coords[:axis] + (r,) + coords[axis + 1:], shape)].id
-                for r in range(shape[axis]))
+            first = groups[0].members[0][1]
+            _comm_groups[comm_id] = tuple(devices[bootstrap.position_of_rank(shape, axis, first, r)].id
+                                          for r in range(shape[axis]))
         logger.info("jax_ncclx: communicator %d along axis %r of a %s mesh (%d local group(s), %d root(s) each)",
                     comm_id, axis_name, "x".join(map(str, shape)), len(groups), roots)
         _axis_comms[key] = comm_id
