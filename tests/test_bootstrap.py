@@ -157,6 +157,37 @@ def test_several_roots_publish_before_reading():
         bootstrap.publish_ids("i", group_of[0], 0, None, lambda: b"x")
 
 
+class _FakeCudaModule:
+    """Stands in for the CUDA module so that comm.communicator_for's bookkeeping runs on CPU devices."""
+
+    def __init__(self):
+        self.inits = []
+
+    def unique_id(self):
+        return bytes(len(self.inits))
+
+    def init_comm(self, ids, nranks, ranks, devices):
+        self.inits.append((nranks, tuple(ranks), tuple(devices)))
+        return len(self.inits)
+
+    def destroy_all(self):
+        pass
+
+
+def test_communicator_for_makes_each_axis_communicator_once(monkeypatch):
+    """The first lowering along an axis makes its communicator; every later one (other ops, other programs,
+    nx.init first) finds it in the cache: a miss would create NCCL communicators again (and, across
+    processes, republish their ids)."""
+    fake = _FakeCudaModule()
+    monkeypatch.setattr(comm.lib, "cuda_module", lambda: fake)
+    comm.destroy_all()
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:4]).reshape(2, 2), ("a", "b"))
+    first = {axis: comm.communicator_for(mesh, axis) for axis in ("a", "b")}
+    assert [comm.communicator_for(mesh, axis) for axis in ("a", "b", "a")] == [first["a"], first["b"], first["a"]]
+    assert fake.inits == [(2, (0, 1, 0, 1), (0, 2, 1, 3)), (2, (0, 1, 0, 1), (0, 1, 2, 3))]
+    assert comm.all_comm_ids() == sorted(first.values())
+    comm.destroy_all()
+
 def test_init_and_shutdown_on_cpu():
     """On CPU there is nothing to create: init is a no-op and jitted functions keep working across shutdown."""
     mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:4]), ("x",))

@@ -97,10 +97,10 @@ def communicator_for(mesh: jax.sharding.Mesh, axis_name) -> int:
         mesh_key = hashlib.sha1(repr((_generation, key)).encode()).hexdigest()
         ids, ranks, ordinals = [], [], []
         _wait_for_device_work()
-        keys = [f"jax_ncclx/{mesh_key}/{group.key}" for group in groups]
-        made = [bootstrap.publish_ids(key, group, me, kv, cuda.unique_id) for key, group in zip(keys, groups)]
-        for key, group, own in zip(keys, groups, made):
-            group_ids = bootstrap.read_ids(key, group, kv, own)
+        id_keys = [f"jax_ncclx/{mesh_key}/{group.key}" for group in groups]
+        made = [bootstrap.publish_ids(k, group, me, kv, cuda.unique_id) for k, group in zip(id_keys, groups)]
+        for id_key, group, own in zip(id_keys, groups, made):
+            group_ids = bootstrap.read_ids(id_key, group, kv, own)
             for rank, position in group.members:
                 ids.append(group_ids)
                 ranks.append(rank)
