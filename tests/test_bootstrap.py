@@ -166,7 +166,7 @@ class _FakeCudaModule:
     def unique_id(self):
         return bytes(len(self.inits))
 
-    def init_comm(self, ids, nranks, ranks, devices):
+    def init_comm(self, ids, nranks, ranks, devices, max_ctas=0):
         self.inits.append((nranks, tuple(ranks), tuple(devices)))
         return len(self.inits)
 
@@ -269,4 +269,31 @@ def test_several_roots_make_a_working_communicator(monkeypatch):
     x = jax.device_put(jnp.arange(len(devices) * 4.0).reshape(len(devices), 4),
                        jax.sharding.NamedSharding(mesh, P("x")))
     np.testing.assert_array_equal(np.asarray(f(x)), np.tile(np.asarray(x).sum(0), (len(devices), 1)))
+    nx.shutdown()
+
+
+@pytest.mark.gpu
+def test_nccl_max_ctas_makes_a_leaner_communicator(monkeypatch):
+    """JAX_NCCLX_NCCL_MAX_CTAS caps NCCL's channels, and with them the 2 MiB granules NCCL takes per channel
+    at init; the communicator still reduces correctly."""
+    reason = gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nccl")
+    devices = gpu_devices()
+    nx.shutdown()
+    nx.init(jax.sharding.Mesh(np.asarray(devices), ("x",)))  # NCCL's once-per-process costs land here
+    nx.init(jax.sharding.Mesh(np.asarray(devices[::-1]), ("x",)))
+    second = max(comm.all_comm_ids())
+    default = max(s["nccl_init_bytes"] for s in nx.memory_stats() if s["comm_id"] == second)
+    monkeypatch.setenv("JAX_NCCLX_NCCL_MAX_CTAS", "2")
+    mesh = jax.sharding.Mesh(np.asarray(devices).reshape(1, len(devices)), ("a", "b"))
+    f = jax.jit(jax.shard_map(lambda v: nx.all_reduce(v, "b"), mesh=mesh, in_specs=P("a", "b"),
+                              out_specs=P("a", "b")))
+    x = jax.device_put(jnp.arange(len(devices) * 1024.0).reshape(1, -1),
+                       jax.sharding.NamedSharding(mesh, P("a", "b")))
+    expected = np.tile(np.asarray(x).reshape(len(devices), -1).sum(0), len(devices))
+    np.testing.assert_array_equal(np.asarray(f(x)).reshape(-1), expected)
+    lean = max(s["nccl_init_bytes"] for s in nx.memory_stats() if s["comm_id"] == comm.communicator_for(mesh, "b"))
+    assert lean < default / 2, f"maxCTAs=2: {lean / 2**20:.0f} MiB, default: {default / 2**20:.0f} MiB"
     nx.shutdown()

@@ -126,8 +126,9 @@ nb::bytes UniqueId() {
 }
 
 int64_t InitComm(const std::vector<std::vector<nb::bytes>>& unique_ids, int nranks, const std::vector<int>& ranks,
-                 const std::vector<int>& devices) {
+                 const std::vector<int>& devices, int max_ctas) {
   constexpr std::string_view kOp = "init_comm";
+  if (max_ctas < 0) ThrowIfFailed(InvalidArgument(kOp, "max_ctas=" + std::to_string(max_ctas) + ", expected >= 0"));
   if (ranks.empty() || ranks.size() != devices.size() || unique_ids.size() != devices.size()) {
     ThrowIfFailed(InvalidArgument(kOp, "got " + std::to_string(unique_ids.size()) + " unique id lists, " +
                                            std::to_string(ranks.size()) + " ranks and " +
@@ -165,12 +166,15 @@ int64_t InitComm(const std::vector<std::vector<nb::bytes>>& unique_ids, int nran
   ffi::ErrorOr<std::map<int32_t, ncclComm_t>> comms = [&] {
     nb::gil_scoped_release release;  // blocks until every rank of every clique has joined
     return CreateInGroup(kOp, devices, [&](size_t i, ncclComm_t* comm) {
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;  // fields left undefined take NCCL's defaults
+      if (max_ctas > 0) config.maxCTAs = max_ctas;
       if (ids[i].size() == 1) {
-        return CheckNccl(kOp, "ncclCommInitRank", ncclCommInitRank(comm, nranks, ids[i][0], ranks[i]), *comm);
+        return CheckNccl(kOp, "ncclCommInitRankConfig",
+                         ncclCommInitRankConfig(comm, nranks, ids[i][0], ranks[i], &config), *comm);
       }
       // Several roots share NCCL's bootstrap of a large communicator.
       const ncclResult_t result = ncclCommInitRankScalable(comm, nranks, ranks[i], static_cast<int>(ids[i].size()),
-                                                           ids[i].data(), nullptr);
+                                                           ids[i].data(), &config);
       return CheckNccl(kOp, "ncclCommInitRankScalable", result, *comm);
     });
   }();
@@ -366,12 +370,13 @@ NB_MODULE(_ncclx_cuda, m) {
   m.def("unique_id", &jn::UniqueId,
         "A new NCCL unique id (128 bytes). Create it on one process and pass it to init_comm on all.");
   m.def("init_comm", &jn::InitComm, nb::arg("unique_ids"), nb::arg("nranks"), nb::arg("ranks"),
-        nb::arg("devices"),
+        nb::arg("devices"), nb::arg("max_ctas") = 0,
         "Creates one communicator per local device, all in one NCCL group: the device devices[i] joins the\n"
         "clique of unique_ids[i] (its group's ids: one, or one per root for NCCL's multi-root\n"
         "ncclCommInitRankScalable) as rank ranks[i] of nranks (one clique per group of an axis). Blocks\n"
-        "(without the GIL) until every rank of every clique has joined. Returns the comm_id under which the\n"
-        "handlers find each device's communicator. Raises RuntimeError with NCCL's message on failure.");
+        "(without the GIL) until every rank of every clique has joined. max_ctas > 0 caps NCCL's thread\n"
+        "blocks (channels) per call (ncclConfig_t.maxCTAs). Returns the comm_id under which the handlers find\n"
+        "each device's communicator. Raises RuntimeError with NCCL's message on failure.");
   m.def("comm_info", &jn::CommInfo, nb::arg("comm_id"),
         "The local communicators of `comm_id` as (device, rank, nranks) tuples, by device.");
   m.def("destroy_all", &jn::DestroyAll,

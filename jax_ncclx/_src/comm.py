@@ -89,7 +89,8 @@ def communicator_for(mesh: jax.sharding.Mesh, axis_name) -> int:
             return _axis_comms[key]
         me = jax.process_index()
         local = [p for p, d in enumerate(devices) if d.process_index == me]
-        roots = config.current().init_roots(shape[axis])
+        settings = config.current()
+        roots = settings.init_roots(shape[axis])
         groups = bootstrap.axis_groups(shape, axis, local, lambda p: devices[p].process_index, roots)
         client = compat.distributed_client()
         kv = _JaxKeyValueStore(client) if client is not None else None
@@ -105,7 +106,7 @@ def communicator_for(mesh: jax.sharding.Mesh, axis_name) -> int:
                 ids.append(group_ids)
                 ranks.append(rank)
                 ordinals.append(devices[position].local_hardware_id)
-        comm_id = cuda.init_comm(ids, shape[axis], ranks, ordinals)
+        comm_id = cuda.init_comm(ids, shape[axis], ranks, ordinals, settings.nccl_max_ctas)
         group_of = {devices[position].local_hardware_id: group.key
                     for group in groups for _, position in group.members}
         _comm_exchanges[comm_id] = _AddressExchange(f"jax_ncclx/{mesh_key}", group_of, shape[axis], kv)

@@ -47,6 +47,11 @@ class Config:
         (``JAX_NCCLX_INIT_RANKS_PER_ROOT``, default 1024; 0 always uses one root).
       init_max_roots: the most roots of one communicator (``JAX_NCCLX_INIT_MAX_ROOTS``, default 32): every
         member reads every root's id, so this bounds each process's key-value reads per communicator.
+      nccl_max_ctas: the most thread blocks (channels) NCCL may use per call on communicators created from
+        now on (``JAX_NCCLX_NCCL_MAX_CTAS``, NCCL's ``ncclConfig_t.maxCTAs``; default 0: NCCL's choice, 24-32
+        on H200). NCCL allocates a few KiB per channel at init, each in its own 2 MiB cuMem granule, so an idle
+        communicator holds about 6 MiB per channel: fewer channels make it leaner, at the cost of NCCL's
+        bandwidth on large messages (README, "Start-up and memory").
     """
 
     timeout_s: float = 600.0
@@ -62,6 +67,7 @@ class Config:
     checksum: bool = False
     init_ranks_per_root: int = 1024
     init_max_roots: int = 32
+    nccl_max_ctas: int = 0
 
     def init_roots(self, size: int) -> int:
         """How many unique ids (roots) a communicator of ``size`` ranks is created with."""
@@ -200,4 +206,5 @@ def current() -> Config:
         checksum=_choice("JAX_NCCLX_CHECKSUM", "0", ("0", "1")) == "1",
         init_ranks_per_root=_non_negative_int("JAX_NCCLX_INIT_RANKS_PER_ROOT", Config.init_ranks_per_root),
         init_max_roots=_non_negative_int("JAX_NCCLX_INIT_MAX_ROOTS", Config.init_max_roots),
+        nccl_max_ctas=_non_negative_int("JAX_NCCLX_NCCL_MAX_CTAS", Config.nccl_max_ctas),
     )
