@@ -158,35 +158,58 @@ def test_several_roots_publish_before_reading():
 
 
 class _FakeCudaModule:
-    """Stands in for the CUDA module so that comm.communicator_for's bookkeeping runs on CPU devices."""
+    """Stands in for the CUDA module so that comm.py's communicator bookkeeping runs on CPU devices."""
 
     def __init__(self):
-        self.inits = []
+        self.registered, self.created = [], []
+
+    def register_comm(self, nranks, ranks, devices):
+        self.registered.append((nranks, tuple(ranks), tuple(devices)))
+        return len(self.registered)
 
     def unique_id(self):
-        return bytes(len(self.inits))
+        return bytes(len(self.created))
 
-    def init_comm(self, ids, nranks, ranks, devices, max_ctas=0):
-        self.inits.append((nranks, tuple(ranks), tuple(devices)))
-        return len(self.inits)
+    def init_comm(self, comm_id, ids, max_ctas=0):
+        self.created.append((comm_id, sorted(ids)))
 
     def destroy_all(self):
         pass
 
 
 def test_communicator_for_makes_each_axis_communicator_once(monkeypatch):
-    """The first lowering along an axis makes its communicator; every later one (other ops, other programs,
-    nx.init first) finds it in the cache: a miss would create NCCL communicators again (and, across
-    processes, republish their ids)."""
+    """The first lowering along an axis registers its communicator; every later one (other ops, other
+    programs) finds it in the cache: a miss would create NCCL communicators again (and, across processes,
+    republish their ids). Its NCCL communicators are made by the first op that needs them, once."""
     fake = _FakeCudaModule()
     monkeypatch.setattr(comm.lib, "cuda_module", lambda: fake)
     comm.destroy_all()
     mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:4]).reshape(2, 2), ("a", "b"))
     first = {axis: comm.communicator_for(mesh, axis) for axis in ("a", "b")}
     assert [comm.communicator_for(mesh, axis) for axis in ("a", "b", "a")] == [first["a"], first["b"], first["a"]]
-    assert fake.inits == [(2, (0, 1, 0, 1), (0, 2, 1, 3)), (2, (0, 1, 0, 1), (0, 1, 2, 3))]
+    assert fake.registered == [(2, (0, 1, 0, 1), (0, 2, 1, 3)), (2, (0, 1, 0, 1), (0, 1, 2, 3))]
     assert comm.all_comm_ids() == sorted(first.values())
+    assert fake.created == []  # registering makes no NCCL communicator
+    comm.ensure_nccl(first["b"])
+    comm.ensure_nccl(first["b"])
+    assert fake.created == [(first["b"], [0, 1, 2, 3])]
     comm.destroy_all()
+
+
+def test_failed_nccl_creation_is_repeated_not_retried(monkeypatch):
+    """A failed NCCL creation fails every later op on that communicator with the first error: trying again
+    would republish its unique ids (the key-value store refuses) or wait for peers that moved on."""
+    fake = _FakeCudaModule()
+    fake.init_comm = lambda *args: (_ for _ in ()).throw(RuntimeError("ncclCommInitRankConfig failed"))
+    monkeypatch.setattr(comm.lib, "cuda_module", lambda: fake)
+    comm.destroy_all()
+    comm_id = comm.communicator_for(jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:2]), ("x",)), "x")
+    with pytest.raises(RuntimeError, match="ncclCommInitRankConfig failed"):
+        comm.ensure_nccl(comm_id)
+    with pytest.raises(RuntimeError, match="failed earlier: ncclCommInitRankConfig failed"):
+        comm.ensure_nccl(comm_id)
+    comm.destroy_all()
+
 
 def test_init_and_shutdown_on_cpu():
     """On CPU there is nothing to create: init is a no-op and jitted functions keep working across shutdown."""
@@ -228,9 +251,10 @@ def test_init_makes_the_communicators_and_shutdown_frees_them():
 
 
 @pytest.mark.gpu
-def test_nvlink_set_up_allocates_no_nccl_buffers(monkeypatch):
-    """The first NVLink call on a fresh communicator adds only jax_ncclx's symmetric memory (a few MiB): the
-    addresses travel through the host, so NCCL never connects its rings (hundreds of MiB per GPU)."""
+def test_nvlink_only_use_makes_no_nccl_communicator(monkeypatch):
+    """A communicator used only by NVLink kernels never creates its NCCL communicators: its first call adds
+    only jax_ncclx's symmetric memory (a few MiB; the addresses travel through the host, not an NCCL
+    collective). The first op that needs NCCL on it creates them, and works."""
     reason = gpu_skip_reason()
     if reason:
         pytest.skip(reason)
@@ -238,20 +262,28 @@ def test_nvlink_set_up_allocates_no_nccl_buffers(monkeypatch):
 
     monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nvlink")
     devices = gpu_devices()
+    n = len(devices)
     mesh = jax.sharding.Mesh(np.asarray(devices), ("x",))
-    x = jax.device_put(jnp.ones((len(devices), 256)), jax.sharding.NamedSharding(mesh, P("x")))
+    x = jax.device_put(jnp.ones((n, 256)), jax.sharding.NamedSharding(mesh, P("x")))
     plain = jax.jit(jax.shard_map(lambda v: v * 2, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
     jax.block_until_ready(plain(x))  # XLA's own first-use allocations, not counted below
     nx.shutdown()
-    nx.init(mesh)
     cuda = lib.cuda_module()
     before = [cuda.device_memory_used(d.local_hardware_id) for d in devices]
     f = jax.jit(jax.shard_map(lambda v: nx.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    np.testing.assert_array_equal(np.asarray(f(x)), len(devices))
+    np.testing.assert_array_equal(np.asarray(f(x)), n)
     added = max(cuda.device_memory_used(d.local_hardware_id) - b for d, b in zip(devices, before))
-    held = max(s["symmetric_data_bytes"] + s["control_bytes"] for s in nx.memory_stats())
+    stats = nx.memory_stats()
+    assert len(stats) == n and all(s["nccl_init_bytes"] == 0 for s in stats)
+    held = max(s["symmetric_data_bytes"] + s["control_bytes"] for s in stats)
     assert 0 < held <= added + (4 << 20)
     assert added < 64 << 20, f"the first NVLink all_reduce added {added / 2**20:.0f} MiB per GPU"
+    # reduce_scatter has no NVLink kernel: it makes the NCCL communicators.
+    g = jax.jit(jax.shard_map(lambda v: nx.reduce_scatter(v, "x", tiled=True), mesh=mesh, in_specs=P("x"),
+                              out_specs=P("x")))
+    np.testing.assert_array_equal(np.asarray(g(jnp.ones((n * n, 8)))), n)
+    assert all(s["nccl_init_bytes"] > 0 for s in nx.memory_stats())
+    nx.shutdown()
 
 
 @pytest.mark.gpu

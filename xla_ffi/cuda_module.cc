@@ -125,39 +125,55 @@ nb::bytes UniqueId() {
   return nb::bytes(id.internal, NCCL_UNIQUE_ID_BYTES);
 }
 
-int64_t InitComm(const std::vector<std::vector<nb::bytes>>& unique_ids, int nranks, const std::vector<int>& ranks,
-                 const std::vector<int>& devices, int max_ctas) {
+int64_t RegisterCommMembers(int nranks, const std::vector<int>& ranks, const std::vector<int>& devices) {
+  constexpr std::string_view kOp = "register_comm";
+  if (ranks.empty() || ranks.size() != devices.size()) {
+    ThrowIfFailed(InvalidArgument(kOp, "got " + std::to_string(ranks.size()) + " ranks and " +
+                                           std::to_string(devices.size()) +
+                                           " devices, expected one rank per device and at least one"));
+  }
+  CheckDistinctDevices(kOp, devices);
+  std::map<int32_t, CommMember> members;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (ranks[i] < 0 || ranks[i] >= nranks) {
+      ThrowIfFailed(InvalidArgument(kOp, "rank " + std::to_string(ranks[i]) + " is outside [0, nranks=" +
+                                             std::to_string(nranks) + ")"));
+    }
+    members[devices[i]] = CommMember{ranks[i], nranks};
+  }
+  return RegisterComm(std::move(members));
+}
+
+void InitComm(int64_t comm_id, const std::map<int, std::vector<nb::bytes>>& unique_ids, int max_ctas) {
   constexpr std::string_view kOp = "init_comm";
   if (max_ctas < 0) ThrowIfFailed(InvalidArgument(kOp, "max_ctas=" + std::to_string(max_ctas) + ", expected >= 0"));
-  if (ranks.empty() || ranks.size() != devices.size() || unique_ids.size() != devices.size()) {
-    ThrowIfFailed(InvalidArgument(kOp, "got " + std::to_string(unique_ids.size()) + " unique id lists, " +
-                                           std::to_string(ranks.size()) + " ranks and " +
-                                           std::to_string(devices.size()) +
-                                           " devices, expected one of each per device and at least one"));
-  }
-  std::vector<std::vector<ncclUniqueId>> ids(unique_ids.size());
-  for (size_t i = 0; i < unique_ids.size(); ++i) {
-    if (unique_ids[i].empty() || static_cast<int>(unique_ids[i].size()) > nranks) {
-      ThrowIfFailed(InvalidArgument(kOp, "unique_ids[" + std::to_string(i) + "] holds " +
-                                             std::to_string(unique_ids[i].size()) + " ids, expected 1 to nranks=" +
-                                             std::to_string(nranks)));
+  const std::map<int32_t, CommMember> members = ValueOrThrow(CommMembers(kOp, comm_id));
+  std::vector<int> devices;
+  std::vector<std::vector<ncclUniqueId>> ids;
+  for (const auto& [device, member] : members) {
+    const auto given = unique_ids.find(device);
+    if (given == unique_ids.end() || given->second.empty() || static_cast<int>(given->second.size()) > member.size) {
+      ThrowIfFailed(InvalidArgument(kOp, "device " + std::to_string(device) + " of communicator " +
+                                             std::to_string(comm_id) + " needs 1 to nranks=" +
+                                             std::to_string(member.size) + " unique ids, got " +
+                                             std::to_string(given == unique_ids.end() ? 0 : given->second.size())));
     }
-    for (const nb::bytes& id : unique_ids[i]) {
+    std::vector<ncclUniqueId>& mine = ids.emplace_back();
+    for (const nb::bytes& id : given->second) {
       if (id.size() != NCCL_UNIQUE_ID_BYTES) {
-        ThrowIfFailed(InvalidArgument(kOp, "unique_ids[" + std::to_string(i) + "] has an id of " +
+        ThrowIfFailed(InvalidArgument(kOp, "device " + std::to_string(device) + " got a unique id of " +
                                                std::to_string(id.size()) + " bytes, expected " +
                                                std::to_string(NCCL_UNIQUE_ID_BYTES)));
       }
-      std::memcpy(ids[i].emplace_back().internal, id.data(), NCCL_UNIQUE_ID_BYTES);
+      std::memcpy(mine.emplace_back().internal, id.data(), NCCL_UNIQUE_ID_BYTES);
     }
+    devices.push_back(device);
   }
-  for (const int rank : ranks) {
-    if (rank < 0 || rank >= nranks) {
-      ThrowIfFailed(InvalidArgument(kOp, "rank " + std::to_string(rank) + " is outside [0, nranks=" +
-                                             std::to_string(nranks) + ")"));
-    }
+  if (unique_ids.size() != members.size()) {
+    ThrowIfFailed(InvalidArgument(kOp, "got unique ids for " + std::to_string(unique_ids.size()) +
+                                           " devices; communicator " + std::to_string(comm_id) + " has " +
+                                           std::to_string(members.size()) + " here"));
   }
-  CheckDistinctDevices(kOp, devices);
 
   // What creation takes on each device, seen through cudaMemGetInfo (device-wide, so exact only while
   // nothing else allocates on it; jax_ncclx creates communicators after the device's queued work is done).
@@ -166,15 +182,16 @@ int64_t InitComm(const std::vector<std::vector<nb::bytes>>& unique_ids, int nran
   ffi::ErrorOr<std::map<int32_t, ncclComm_t>> comms = [&] {
     nb::gil_scoped_release release;  // blocks until every rank of every clique has joined
     return CreateInGroup(kOp, devices, [&](size_t i, ncclComm_t* comm) {
+      const CommMember& member = members.at(devices[i]);
       ncclConfig_t config = NCCL_CONFIG_INITIALIZER;  // fields left undefined take NCCL's defaults
       if (max_ctas > 0) config.maxCTAs = max_ctas;
       if (ids[i].size() == 1) {
         return CheckNccl(kOp, "ncclCommInitRankConfig",
-                         ncclCommInitRankConfig(comm, nranks, ids[i][0], ranks[i], &config), *comm);
+                         ncclCommInitRankConfig(comm, member.size, ids[i][0], member.rank, &config), *comm);
       }
       // Several roots share NCCL's bootstrap of a large communicator.
-      const ncclResult_t result = ncclCommInitRankScalable(comm, nranks, ranks[i], static_cast<int>(ids[i].size()),
-                                                           ids[i].data(), &config);
+      const ncclResult_t result = ncclCommInitRankScalable(comm, member.size, member.rank,
+                                                           static_cast<int>(ids[i].size()), ids[i].data(), &config);
       return CheckNccl(kOp, "ncclCommInitRankScalable", result, *comm);
     });
   }();
@@ -183,15 +200,13 @@ int64_t InitComm(const std::vector<std::vector<nb::bytes>>& unique_ids, int nran
   for (size_t i = 0; i < devices.size(); ++i) {
     init_bytes[devices[i]] = std::max<int64_t>(0, DeviceMemoryUsed(devices[i]) - used_before[i]);
   }
-  return RegisterComms(std::move(created), std::move(init_bytes));
+  ThrowIfFailed(AttachNcclComms(kOp, comm_id, std::move(created), std::move(init_bytes)));
 }
 
 std::vector<std::tuple<int, int, int>> CommInfo(int64_t comm_id) {
-  constexpr std::string_view kOp = "comm_info";
   std::vector<std::tuple<int, int, int>> info;
-  for (const auto& [device, comm] : ValueOrThrow(CommsOf(kOp, comm_id))) {
-    const CommRank described = ValueOrThrow(DescribeComm(kOp, comm));
-    info.emplace_back(device, described.rank, described.size);
+  for (const auto& [device, member] : ValueOrThrow(CommMembers("comm_info", comm_id))) {
+    info.emplace_back(device, member.rank, member.size);
   }
   return info;
 }
@@ -258,6 +273,7 @@ std::vector<MemoryRow> MemoryHeld() {
     auto [it, added] = rows.try_emplace({comm_id, device}, MemoryRow{comm_id, device, 0, 0, 0, 0, 0});
     return it->second;
   };
+  for (const auto& [comm_id, device] : RegisteredMembers()) row(comm_id, device);
   for (const auto& [comm_id, device, bytes] : CommInitBytes()) std::get<2>(row(comm_id, device)) = bytes;
   for (const SymmetricUsage& entry : SymmetricMemoryUsage()) {
     MemoryRow& r = row(entry.comm_id, entry.device);
@@ -369,16 +385,18 @@ NB_MODULE(_ncclx_cuda, m) {
         "Bytes in use on CUDA device `device` by every allocator (total - free, cudaMemGetInfo).");
   m.def("unique_id", &jn::UniqueId,
         "A new NCCL unique id (128 bytes). Create it on one process and pass it to init_comm on all.");
-  m.def("init_comm", &jn::InitComm, nb::arg("unique_ids"), nb::arg("nranks"), nb::arg("ranks"),
-        nb::arg("devices"), nb::arg("max_ctas") = 0,
-        "Creates one communicator per local device, all in one NCCL group: the device devices[i] joins the\n"
-        "clique of unique_ids[i] (its group's ids: one, or one per root for NCCL's multi-root\n"
-        "ncclCommInitRankScalable) as rank ranks[i] of nranks (one clique per group of an axis). Blocks\n"
-        "(without the GIL) until every rank of every clique has joined. max_ctas > 0 caps NCCL's thread\n"
-        "blocks (channels) per call (ncclConfig_t.maxCTAs). Returns the comm_id under which the handlers find\n"
-        "each device's communicator. Raises RuntimeError with NCCL's message on failure.");
+  m.def("register_comm", &jn::RegisterCommMembers, nb::arg("nranks"), nb::arg("ranks"), nb::arg("devices"),
+        "Registers a communicator of nranks ranks whose local device devices[i] is rank ranks[i] (one clique\n"
+        "per group of an axis) and returns its comm_id. Makes no NCCL call: the NVLink kernels need only the\n"
+        "ranks; init_comm adds the NCCL communicators when an op needs them.");
+  m.def("init_comm", &jn::InitComm, nb::arg("comm_id"), nb::arg("unique_ids"), nb::arg("max_ctas") = 0,
+        "Creates the NCCL communicators of `comm_id`, one per local device, all in one NCCL group: each device\n"
+        "joins its clique with unique_ids[device] (its group's ids: one, or one per root for NCCL's multi-root\n"
+        "ncclCommInitRankScalable). Blocks (without the GIL) until every rank of every clique has joined.\n"
+        "max_ctas > 0 caps NCCL's thread blocks (channels) per call (ncclConfig_t.maxCTAs). Raises\n"
+        "RuntimeError with NCCL's message on failure.");
   m.def("comm_info", &jn::CommInfo, nb::arg("comm_id"),
-        "The local communicators of `comm_id` as (device, rank, nranks) tuples, by device.");
+        "The local ranks of `comm_id` as (device, rank, nranks) tuples, by device.");
   m.def("destroy_all", &jn::DestroyAll,
         "Frees all symmetric memory and destroys every communicator (aborted ones are gone already) and\n"
         "forgets their faults. Programs that use them must have finished; programs compiled with their\n"

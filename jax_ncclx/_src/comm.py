@@ -5,10 +5,12 @@ Why our own communicators instead of borrowing XLA's (jaxlib's collectives FFI e
 XLA's do not have (symmetric buffers registered per communicator, abort on timeout, memory accounting).
 
 When they are made: while a program that needs them is being lowered, before it can run, from the Python
-thread, for all local devices at once (one NCCL group). Making them inside a handler would risk a deadlock:
-``ncclCommInitRank`` allocates device memory while other devices may already be spinning in a collective.
-Every process of a multi-process job lowers the same program, so all of them make the same communicators in
-the same order.
+thread, for all local devices at once (one NCCL group). A communicator is first only its ranks (what the
+NVLink kernels need); its NCCL communicators are created when the first op that goes through NCCL is lowered
+(or by :func:`init`), so NVLink-only use never pays NCCL's few hundred MiB per GPU. Making them inside a
+handler would risk a deadlock: ``ncclCommInitRank`` allocates device memory while other devices may already
+be spinning in a collective. Every process of a multi-process job lowers the same program, so all of them
+make the same communicators in the same order.
 
 How the ranks meet (``bootstrap.py``, ``docs/bootstrap.md``): each process computes from the mesh shape alone
 which groups its devices are in and their ranks (the coordinate along the axis, ``jax.lax.axis_index``); the
@@ -19,11 +21,13 @@ and no key-value traffic when a group lives in one process.
 """
 
 import atexit
+import functools
 import hashlib
 import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 
@@ -38,6 +42,8 @@ _lock = threading.Lock()
 _axis_comms: dict[tuple, int] = {}  # (device ids in mesh order, mesh shape, axis) -> comm_id
 _comm_groups: dict[int, tuple[int, ...]] = {}  # comm_id -> device ids of its ranks (this process's first group)
 _comm_exchanges: dict[int, "_AddressExchange"] = {}  # comm_id -> how its ranks swap symmetric-memory addresses
+_nccl_pending: dict[int, Callable[[], None]] = {}  # comm_id -> creates its NCCL communicators (not made yet)
+_nccl_failed: dict[int, str] = {}  # comm_id -> why creating its NCCL communicators failed
 _generation = 0  # shutdowns so far: names this generation's keys in the key-value store
 _KV_TIMEOUT_MS = 10 * 60 * 1000
 
@@ -79,7 +85,8 @@ def _wait_for_device_work():
 def communicator_for(mesh: jax.sharding.Mesh, axis_name) -> int:
     """The comm_id of the communicators along mesh axis ``axis_name``: every local device of ``mesh`` gets the
     communicator of its group (the devices sharing its coordinates on the other axes), ranked by its coordinate
-    along the axis. Collective: every process lowering the program calls it in the same order."""
+    along the axis. Registers the ranks only; the NCCL communicators come with the first op that needs them
+    (:func:`ensure_nccl`). Collective: every process lowering the program calls it in the same order."""
     devices = list(mesh.devices.flat)
     shape = tuple(mesh.devices.shape)
     axis = mesh.axis_names.index(axis_name)
@@ -89,24 +96,15 @@ def communicator_for(mesh: jax.sharding.Mesh, axis_name) -> int:
             return _axis_comms[key]
         me = jax.process_index()
         local = [p for p, d in enumerate(devices) if d.process_index == me]
-        settings = config.current()
-        roots = settings.init_roots(shape[axis])
+        roots = config.current().init_roots(shape[axis])
         groups = bootstrap.axis_groups(shape, axis, local, lambda p: devices[p].process_index, roots)
         client = compat.distributed_client()
         kv = _JaxKeyValueStore(client) if client is not None else None
-        cuda = lib.cuda_module()
         mesh_key = hashlib.sha1(repr((_generation, key)).encode()).hexdigest()
-        ids, ranks, ordinals = [], [], []
-        _wait_for_device_work()
-        id_keys = [f"jax_ncclx/{mesh_key}/{group.key}" for group in groups]
-        made = [bootstrap.publish_ids(k, group, me, kv, cuda.unique_id) for k, group in zip(id_keys, groups)]
-        for id_key, group, own in zip(id_keys, groups, made):
-            group_ids = bootstrap.read_ids(id_key, group, kv, own)
-            for rank, position in group.members:
-                ids.append(group_ids)
-                ranks.append(rank)
-                ordinals.append(devices[position].local_hardware_id)
-        comm_id = cuda.init_comm(ids, shape[axis], ranks, ordinals, settings.nccl_max_ctas)
+        members = [(rank, devices[position].local_hardware_id) for group in groups for rank, position in group.members]
+        comm_id = lib.cuda_module().register_comm(shape[axis], [r for r, _ in members], [d for _, d in members])
+        ordinals = {position: devices[position].local_hardware_id for group in groups for _, position in group.members}
+        _nccl_pending[comm_id] = functools.partial(_create_nccl, comm_id, mesh_key, groups, ordinals, me, kv)
         group_of = {devices[position].local_hardware_id: group.key
                     for group in groups for _, position in group.members}
         _comm_exchanges[comm_id] = _AddressExchange(f"jax_ncclx/{mesh_key}", group_of, shape[axis], kv)
@@ -121,10 +119,49 @@ def communicator_for(mesh: jax.sharding.Mesh, axis_name) -> int:
     return comm_id
 
 
+def _create_nccl(comm_id: int, mesh_key: str, groups, ordinals: dict[int, int], me: int,
+                 kv: bootstrap.KeyValueStore | None):
+    """Creates the NCCL communicators of ``comm_id``: each group's roots make and publish unique ids, every
+    member reads them, and all local devices join in one NCCL group."""
+    cuda = lib.cuda_module()
+    _wait_for_device_work()
+    id_keys = [f"jax_ncclx/{mesh_key}/{group.key}" for group in groups]
+    made = [bootstrap.publish_ids(k, group, me, kv, cuda.unique_id) for k, group in zip(id_keys, groups)]
+    ids = {}
+    for id_key, group, own in zip(id_keys, groups, made):
+        group_ids = bootstrap.read_ids(id_key, group, kv, own)
+        ids.update((ordinals[position], group_ids) for _, position in group.members)
+    cuda.init_comm(comm_id, ids, config.current().nccl_max_ctas)
+    logger.info("jax_ncclx: NCCL communicators of communicator %d created", comm_id)
+
+
+def ensure_nccl(comm_id: int):
+    """Creates the NCCL communicators of ``comm_id`` unless they exist: called while lowering an op that goes
+    through NCCL, so that a communicator used only by the NVLink kernels never holds NCCL's memory (hundreds of
+    MiB per GPU). Collective, like :func:`communicator_for`.
+
+    Raises:
+      RuntimeError: creating them failed (now, or at an earlier attempt, whose error it repeats).
+    """
+    with _lock:
+        if comm_id in _nccl_failed:
+            raise RuntimeError(f"jax_ncclx: creating the NCCL communicators of communicator {comm_id} failed "
+                               f"earlier: {_nccl_failed[comm_id]}")
+        create = _nccl_pending.pop(comm_id, None)
+        if create is None:
+            return
+        try:
+            create()
+        except Exception as error:
+            _nccl_failed[comm_id] = str(error)
+            raise
+
+
 def init(mesh: jax.sharding.Mesh | None = None):
     """Makes now, instead of at the first collective, the communicators of every axis of ``mesh`` (default:
-    the mesh of ``jax.set_mesh``). Collective: every process calls it with the same mesh. Does nothing for a
-    mesh of CPU devices (the CPU backend needs no communicators).
+    the mesh of ``jax.set_mesh``), NCCL's included (which the first collective makes only if it goes through
+    NCCL). Collective: every process calls it with the same mesh. Does nothing for a mesh of CPU devices (the
+    CPU backend needs no communicators).
 
     Raises:
       ValueError: no mesh given and none set.
@@ -135,7 +172,7 @@ def init(mesh: jax.sharding.Mesh | None = None):
     if mesh.devices.flat[0].platform != "gpu":
         return
     for axis_name in mesh.axis_names:
-        communicator_for(mesh, axis_name)
+        ensure_nccl(communicator_for(mesh, axis_name))
 
 
 def shutdown():
@@ -160,6 +197,8 @@ def destroy_all():
         _axis_comms.clear()
         _comm_groups.clear()
         _comm_exchanges.clear()
+        _nccl_pending.clear()
+        _nccl_failed.clear()
         _nvlink_refusals_logged.clear()
         _progress_published.clear()
 
@@ -200,6 +239,7 @@ def memory_stats() -> list[dict]:
       One dict per (communicator, local device): ``comm_id``, ``device`` (CUDA ordinal);
       ``nccl_init_bytes``: device memory ``ncclCommInitRank`` took (cudaMemGetInfo around it: NCCL does not
       report its own use; what NCCL allocates later, on a communicator's first NCCL call, is not included);
+      0 while no op has needed the communicator's NCCL part;
       ``symmetric_data_bytes``: the NVLink kernels' data region, sized by the largest calls lowered so far
       (0 until an NVLink op needs it); ``low_latency_bytes``: the part of it that the small-message
       collectives use, both call parities; ``control_bytes``: flags and peer table; ``pinned_host_bytes``:

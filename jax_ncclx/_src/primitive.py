@@ -178,6 +178,8 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **par
         if route.workspace_bytes is not None:
             avals_out.append(jax.core.ShapedArray((route.workspace_bytes,), np.uint8))
         nvlink = target.endswith("_nvlink")
+        if not nvlink:
+            comm.ensure_nccl(comm_id)
         algorithm = {1: "one_shot", 2: "two_shot"}.get(int(route.attrs.get("algorithm", 1))) if nvlink else "nccl"
         site_info.update(groups=[[mesh_devices[p].id for p in g] for g in groups], comm_id=comm_id,
                          transport="nvlink" if nvlink else "nccl", algorithm=algorithm)

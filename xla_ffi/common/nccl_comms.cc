@@ -14,7 +14,8 @@ namespace {
 struct Registry {
   std::shared_mutex mu;  // handlers only read (shared); the module registers and destroys (exclusive)
   int64_t next_id = 1;
-  std::map<int64_t, std::map<int32_t, ncclComm_t>> comms;
+  std::map<int64_t, std::map<int32_t, CommMember>> members;
+  std::map<int64_t, std::map<int32_t, ncclComm_t>> comms;  // only communicators that NCCL ops needed
   std::map<int64_t, std::map<int32_t, int64_t>> init_bytes;  // comm_id -> device -> bytes creation took
   std::map<int64_t, std::string> faults;  // communicators that stopped working, with why
   std::atomic<bool> any_fault{false};
@@ -29,13 +30,46 @@ Registry& GetRegistry() {
 
 }  // namespace
 
-int64_t RegisterComms(std::map<int32_t, ncclComm_t> comms, std::map<int32_t, int64_t> init_bytes) {
+int64_t RegisterComm(std::map<int32_t, CommMember> members) {
   Registry& registry = GetRegistry();
   std::unique_lock<std::shared_mutex> lock(registry.mu);
   const int64_t comm_id = registry.next_id++;
-  registry.comms.emplace(comm_id, std::move(comms));
-  registry.init_bytes.emplace(comm_id, std::move(init_bytes));
+  registry.members.emplace(comm_id, std::move(members));
   return comm_id;
+}
+
+ffi::Error AttachNcclComms(std::string_view op, int64_t comm_id, std::map<int32_t, ncclComm_t> comms,
+                           std::map<int32_t, int64_t> init_bytes) {
+  Registry& registry = GetRegistry();
+  std::unique_lock<std::shared_mutex> lock(registry.mu);
+  if (!registry.members.count(comm_id)) {
+    return InvalidArgument(op, "no communicator " + std::to_string(comm_id) + " (unknown or destroyed)");
+  }
+  if (!registry.comms.emplace(comm_id, std::move(comms)).second) {
+    return InvalidArgument(op, "communicator " + std::to_string(comm_id) + " already has NCCL communicators");
+  }
+  registry.init_bytes.emplace(comm_id, std::move(init_bytes));
+  return ffi::Error::Success();
+}
+
+ffi::ErrorOr<std::map<int32_t, CommMember>> CommMembers(std::string_view op, int64_t comm_id) {
+  Registry& registry = GetRegistry();
+  std::shared_lock<std::shared_mutex> lock(registry.mu);
+  const auto it = registry.members.find(comm_id);
+  if (it == registry.members.end()) {
+    return InvalidArgument(op, "no communicator " + std::to_string(comm_id) + " (unknown or destroyed)");
+  }
+  return it->second;
+}
+
+std::vector<std::pair<int64_t, int32_t>> RegisteredMembers() {
+  Registry& registry = GetRegistry();
+  std::shared_lock<std::shared_mutex> lock(registry.mu);
+  std::vector<std::pair<int64_t, int32_t>> all;
+  for (const auto& [comm_id, by_device] : registry.members) {
+    for (const auto& [device, member] : by_device) all.emplace_back(comm_id, device);
+  }
+  return all;
 }
 
 std::vector<std::tuple<int64_t, int32_t, int64_t>> CommInitBytes() {
@@ -131,6 +165,10 @@ ffi::ErrorOr<ncclComm_t> LookupComm(std::string_view op, int64_t comm_id, int32_
     const auto by_device = by_id->second.find(device_ordinal);
     if (by_device != by_id->second.end()) return by_device->second;
   }
+  if (registry.members.count(comm_id) && by_id == registry.comms.end()) {
+    return Internal(op, "communicator " + std::to_string(comm_id) + " has no NCCL communicators: jax_ncclx "
+                        "creates them when it compiles an op that goes through NCCL, and did not for this one");
+  }
   return InvalidArgument(op, "no communicator " + std::to_string(comm_id) + " for device " +
                                  std::to_string(device_ordinal) +
                                  "; was jax_ncclx shut down after this program was compiled?");
@@ -140,16 +178,6 @@ ffi::ErrorOr<CommRank> LookupCommRank(std::string_view op, int64_t comm_id, int3
   ffi::ErrorOr<ncclComm_t> comm = LookupComm(op, comm_id, device_ordinal);
   if (comm.has_error()) return comm.error();
   return DescribeComm(op, *comm);
-}
-
-ffi::ErrorOr<std::map<int32_t, ncclComm_t>> CommsOf(std::string_view op, int64_t comm_id) {
-  Registry& registry = GetRegistry();
-  std::shared_lock<std::shared_mutex> lock(registry.mu);
-  const auto by_id = registry.comms.find(comm_id);
-  if (by_id == registry.comms.end()) {
-    return InvalidArgument(op, "no communicator " + std::to_string(comm_id) + " (unknown or destroyed)");
-  }
-  return by_id->second;
 }
 
 ffi::ErrorOr<CommRank> DescribeComm(std::string_view op, ncclComm_t comm) {
@@ -167,6 +195,7 @@ ffi::Error DestroyAllComms(std::string_view op) {
     Registry& registry = GetRegistry();
     std::unique_lock<std::shared_mutex> lock(registry.mu);
     doomed.swap(registry.comms);
+    registry.members.clear();
     registry.init_bytes.clear();
   }
   if (doomed.empty()) return ffi::Error::Success();

@@ -1,9 +1,10 @@
 // The process-wide registry of the NCCL communicators that the CUDA handlers use, plus the small CUDA/NCCL
 // helpers those handlers share: error conversion, dtype and reduction mapping, group calls.
 //
-// The Python side creates communicators (through the _ncclx_cuda module) before any program that uses them
-// runs. Each creation gets a new comm_id, which holds one ncclComm_t per local CUDA device ordinal; the
-// handlers, one host thread per device, look theirs up by (comm_id, device ordinal).
+// The Python side registers communicators (through the _ncclx_cuda module) before any program that uses them
+// runs. Each gets a new comm_id with its local ranks, and, once an op that goes through NCCL is compiled, one
+// ncclComm_t per local CUDA device ordinal; the handlers, one host thread per device, look theirs up by
+// (comm_id, device ordinal).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -28,12 +29,30 @@ struct CommRank {
   int size = 0;   // ncclCommCount
 };
 
-// Stores `comms` (local device ordinal -> communicator; may be empty) under a new comm_id and returns it,
-// with the device bytes each took to create (`init_bytes`, same keys). The registry owns the communicators
-// from then on. Ids start at 1 and are never reused.
-int64_t RegisterComms(std::map<int32_t, ncclComm_t> comms, std::map<int32_t, int64_t> init_bytes);
+// A local rank of a communicator, known from the mesh before NCCL is involved.
+struct CommMember {
+  int rank = -1;
+  int size = 0;
+};
 
-// (comm_id, device ordinal, device bytes its creation took) of every registered communicator.
+// Registers a communicator's local ranks (device ordinal -> rank and size; may be empty) under a new comm_id
+// and returns it. Ids start at 1 and are never reused. The NCCL communicators come later, if ever
+// (AttachNcclComms): jax_ncclx creates them when it compiles the first op that goes through NCCL, so a
+// communicator used only by the NVLink kernels never holds NCCL's memory.
+int64_t RegisterComm(std::map<int32_t, CommMember> members);
+
+// Gives `comm_id` its NCCL communicators, one per local member (`comms`), with the device bytes each took to
+// create (`init_bytes`, same keys). The registry owns them from then on.
+ffi::Error AttachNcclComms(std::string_view op, int64_t comm_id, std::map<int32_t, ncclComm_t> comms,
+                           std::map<int32_t, int64_t> init_bytes);
+
+// The local members of `comm_id`, by device ordinal.
+ffi::ErrorOr<std::map<int32_t, CommMember>> CommMembers(std::string_view op, int64_t comm_id);
+
+// (comm_id, device ordinal) of every local member of every registered communicator.
+std::vector<std::pair<int64_t, int32_t>> RegisteredMembers();
+
+// (comm_id, device ordinal, device bytes its creation took) of every NCCL communicator.
 std::vector<std::tuple<int64_t, int32_t, int64_t>> CommInitBytes();
 
 // The communicator that `comm_id` holds for `device_ordinal`.
@@ -41,9 +60,6 @@ ffi::ErrorOr<ncclComm_t> LookupComm(std::string_view op, int64_t comm_id, int32_
 
 // LookupComm plus this device's rank and the communicator's size.
 ffi::ErrorOr<CommRank> LookupCommRank(std::string_view op, int64_t comm_id, int32_t device_ordinal);
-
-// Every local communicator of `comm_id`, by device ordinal.
-ffi::ErrorOr<std::map<int32_t, ncclComm_t>> CommsOf(std::string_view op, int64_t comm_id);
 
 // Rank and size of `comm`.
 ffi::ErrorOr<CommRank> DescribeComm(std::string_view op, ncclComm_t comm);

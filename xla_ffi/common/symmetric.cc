@@ -308,15 +308,13 @@ ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, 
 
   CommMemory fresh;
   if (first) {
-    ffi::ErrorOr<std::map<int32_t, ncclComm_t>> comms = CommsOf(op, comm_id);
-    if (comms.has_error()) return comms.error();
-    for (const auto& [device, comm] : *comms) {
-      ffi::ErrorOr<CommRank> described = DescribeComm(op, comm);
-      if (described.has_error()) return described.error();
+    ffi::ErrorOr<std::map<int32_t, CommMember>> members = CommMembers(op, comm_id);
+    if (members.has_error()) return members.error();
+    for (const auto& [device, member] : *members) {
       LocalRank rank;
       rank.device = device;
-      rank.rank = described->rank;
-      rank.size = described->size;
+      rank.rank = member.rank;
+      rank.size = member.size;
       fresh.ranks.push_back(rank);
     }
     if (fresh.ranks.empty()) return InvalidArgument(op, "communicator has no rank in this process");

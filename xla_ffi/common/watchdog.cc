@@ -179,14 +179,12 @@ constexpr auto kPollInterval = std::chrono::milliseconds(20);
 // because a peer aborted or died: which local ranks of its communicator never queued that call.
 std::string HangMessage(Watchdog& w, const Watched& hung, const std::string& nccl_error = "") {
   std::set<int> never, local;
-  ffi::ErrorOr<std::map<int32_t, ncclComm_t>> comms = CommsOf("watchdog", hung.comm_id);
-  if (comms.has_value()) {
-    for (const auto& [device, comm] : *comms) {
-      ffi::ErrorOr<CommRank> described = DescribeComm("watchdog", comm);
-      if (!described.has_value()) continue;
-      local.insert(described->rank);
-      const auto reached = w.reached.find({hung.comm_id, described->rank});
-      if (reached == w.reached.end() || reached->second < hung.sequence) never.insert(described->rank);
+  ffi::ErrorOr<std::map<int32_t, CommMember>> members = CommMembers("watchdog", hung.comm_id);
+  if (members.has_value()) {
+    for (const auto& [device, member] : *members) {
+      local.insert(member.rank);
+      const auto reached = w.reached.find({hung.comm_id, member.rank});
+      if (reached == w.reached.end() || reached->second < hung.sequence) never.insert(member.rank);
     }
   }
   std::string message = "call #" + std::to_string(hung.sequence) + " on communicator " + std::to_string(hung.comm_id) +
