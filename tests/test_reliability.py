@@ -248,3 +248,57 @@ def test_bad_fault_spec_is_refused(monkeypatch):
         config.current()
     assert config.parse_faults("skip:rank=2,seq=3; delay:rank=0,seq=5,ms=20") == (
         config.Fault("skip", 2, 3), config.Fault("delay", 0, 5, 20))
+
+
+class _FakeStore:
+    """JAX's distributed client as _check_late_calls uses it: a dict with directory reads."""
+
+    def __init__(self, entries=()):
+        self.values = dict(entries)
+
+    def key_value_set(self, key, value):
+        self.values[key] = value
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.values.items() if k.startswith(prefix)]
+
+
+class _FakeWatchdogModule:
+    """The CUDA module's watchdog bindings, with one call (#5 on communicator 7) that finished late."""
+
+    def __init__(self):
+        self.aborted = {}
+
+    def watch_now(self):
+        pass
+
+    def faults(self):
+        return list(self.aborted.items())
+
+    def watchdog_state(self):
+        return [(7, 1, 5)], [], [(7, 5, "call #5 on communicator 7 (all_reduce) finished only 2.9 s after ...")]
+
+    def abort_comm(self, comm_id, message):
+        self.aborted[comm_id] = message
+
+
+@pytest.mark.parametrize("peer_reported", [True, False])
+def test_late_call_is_checked_with_the_other_processes(monkeypatch, peer_reported):
+    """A call that finished only near its timeout (a peer's abort can end an NCCL kernel early without any
+    error) fails here when another process published its progress for it, and passes when none did; either
+    way this process publishes how far it got, once."""
+    group = (0, 1, 2, 3)
+    store = _FakeStore({comm._progress_key(group, 5) + "0": json.dumps({0: 5})} if peer_reported else {})
+    module = _FakeWatchdogModule()
+    monkeypatch.setattr(comm.compat, "distributed_client", lambda: store)
+    monkeypatch.setattr(comm.jax, "process_index", lambda: 1)
+    monkeypatch.setattr(comm, "_PROGRESS_WAIT_S", 0.2)
+    monkeypatch.setattr(comm, "_comm_groups", {7: group})
+    monkeypatch.setattr(comm, "_late_calls_checked", set())
+    monkeypatch.setattr(comm, "_progress_published", set())
+    assert comm._check_late_calls(module) == ({7: 5} if peer_reported else {})
+    assert json.loads(store.values[comm._progress_key(group, 5) + "1"]) == {"1": 5}
+    if peer_reported:
+        assert re.search(r"call #5 on communicator 7 .*process\(es\) 0 found it hung", module.aborted[7])
+    assert module.aborted == {} or peer_reported
+    assert comm._check_late_calls(module) == {}  # asked once

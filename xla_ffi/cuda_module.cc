@@ -450,10 +450,26 @@ NB_MODULE(_ncclx_cuda, m) {
       [] {
         jn::WatchdogState state = jn::GetWatchdogState();
         std::vector<std::tuple<int64_t, int64_t>> unnamed(state.unnamed.begin(), state.unnamed.end());
-        return std::make_tuple(state.reached, unnamed);
+        return std::make_tuple(state.reached, unnamed, state.late);
       },
       "([(comm_id, rank, highest sequence queued)] of the local ranks' watched NCCL calls,\n"
-      " [(comm_id, sequence)] of hung calls whose missing ranks are in other processes).");
+      " [(comm_id, sequence)] of hung calls whose missing ranks are in other processes,\n"
+      " [(comm_id, sequence, description)] of each communicator's latest call that finished only after half\n"
+      " its timeout).");
+  m.def(
+      "watch_now", [] {
+        nb::gil_scoped_release release;
+        jn::WatchNow();
+      },
+      "Runs one watchdog pass on this thread: calls that finished or timed out are seen at once.");
+  m.def(
+      "abort_comm",
+      [](int64_t comm_id, std::string message) {
+        nb::gil_scoped_release release;
+        jn::AbortComm(comm_id, std::move(message));
+      },
+      nb::arg("comm_id"), nb::arg("message"),
+      "Records `message` as communicator `comm_id`'s fault and aborts its local NCCL communicators.");
   m.def(
       "stop_watchdog", [] {
         nb::gil_scoped_release release;

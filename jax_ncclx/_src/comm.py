@@ -265,20 +265,24 @@ def check_errors():
     A GPU collective whose peers do not arrive within its timeout stops waiting on the device (NVLink kernels)
     or is aborted by the watchdog (NCCL; with several processes, which remote rank is missing is asked of the
     other processes here, waiting up to 3 s for their answer); the program that contained it completes with
-    undefined outputs, and
-    every later jax_ncclx call on that communicator fails with the same message (until
-    :func:`destroy_all`). Call this after ``jax.block_until_ready`` to learn of it at once. CPU-backend
-    collectives raise from the program itself.
+    undefined outputs, and every later jax_ncclx call on that communicator fails with the same message (until
+    :func:`destroy_all`). With several processes, an NCCL call that finished only after half its timeout is
+    also checked with the other processes (up to 3 s, once): a peer's abort can end it early with garbage
+    and no NCCL error, so if another process found it hung, it fails here too. Call this after
+    ``jax.block_until_ready`` to learn of it at once. CPU-backend collectives raise from the program itself.
     """
     from jax_ncclx._src import checksum  # the ops import this module
 
     module = lib.cuda_module_if_available()
     problems = []
     if module is not None:
-        unnamed = dict(module.watchdog_state()[1]) if jax.process_count() > 1 else {}
+        several = jax.process_count() > 1
+        remote = _check_late_calls(module) if several else {}
+        unnamed = dict(module.watchdog_state()[1]) if several else {}
         for comm_id, message in module.faults():
-            if comm_id in unnamed:
-                message += "; in other processes: " + _remote_progress(module, comm_id, unnamed[comm_id])
+            sequence = unnamed.get(comm_id, remote.get(comm_id))
+            if sequence is not None:
+                message += "; in other processes: " + _remote_progress(module, comm_id, sequence)
             problems.append(f"communicator {comm_id}: {message}")
     problems += checksum.take_mismatches()
     if problems:
@@ -287,6 +291,49 @@ def check_errors():
 
 _PROGRESS_WAIT_S = 3.0
 _remote_progress_seen: dict[tuple[int, int], str] = {}
+_late_calls_checked: set[tuple[int, int]] = set()
+
+
+def _check_late_calls(module) -> dict[int, int]:
+    """Asks the other processes about NCCL calls of this process that finished only after half their timeout.
+    Within a host NCCL reports no error when a peer aborts its communicator, and that abort can end this
+    rank's kernel early, with garbage outputs, just before its own watchdog would have fired. If another
+    process published its progress for such a call (its watchdog found the call hung or ended by a peer), the
+    outputs here are undefined too: the local communicator is aborted with a message naming the call.
+    Publishes this process's progress first, so that those processes learn that its ranks reached the call.
+    Waits up to 3 s per late call (each is asked about once).
+
+    Returns:
+      comm_id -> sequence of each communicator aborted here.
+    """
+    client = compat.distributed_client()
+    if client is None:
+        return {}
+    module.watch_now()  # a call that just finished is seen now, not at the watchdog's next pass
+    faulty = {comm_id for comm_id, _ in module.faults()}
+    me, aborted = jax.process_index(), {}
+    for comm_id, sequence, description in module.watchdog_state()[2]:
+        if comm_id in faulty or (comm_id, sequence) in _late_calls_checked:
+            continue
+        _late_calls_checked.add((comm_id, sequence))
+        with _lock:
+            group = _comm_groups.get(comm_id)
+        if group is None:
+            continue
+        _publish_progress(module, client, me, comm_id, sequence)
+        key = _progress_key(group, sequence)
+        deadline = time.monotonic() + _PROGRESS_WAIT_S
+        while True:
+            reporters = sorted(int(k.rstrip("/").rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(key))
+            reporters = [p for p in reporters if p != me]
+            if reporters or time.monotonic() > deadline:
+                break
+            time.sleep(_PUBLISH_POLL_S)
+        if reporters:
+            module.abort_comm(comm_id, f"{description}, and process(es) {', '.join(map(str, reporters))} found it "
+                              "hung or ended by a peer: its outputs here are undefined; the communicator is aborted")
+            aborted[comm_id] = sequence
+    return aborted
 
 
 def _progress_key(group: tuple[int, ...], sequence: int) -> str:

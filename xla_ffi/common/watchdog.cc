@@ -163,6 +163,8 @@ struct Watchdog {
   std::map<std::pair<int64_t, int>, int64_t> reached;  // (comm_id, rank) -> highest sequence queued
   std::map<int64_t, int64_t> unnamed;  // comm_id -> hung call whose missing ranks are in other processes
   std::map<int64_t, Watched> last_done;  // comm_id -> its most recent call seen done (event returned)
+  std::map<int64_t, std::pair<int64_t, std::string>> late;  // comm_id -> (sequence, description) of its
+                                                             // latest call done after half its timeout
   bool running = false;
   bool stop = false;
   std::thread* thread = nullptr;  // never destroyed: joined by StopWatchdog
@@ -248,6 +250,16 @@ void WatchOnce(Watchdog& w) {
         ReturnEvent(it->end);
         it->end = nullptr;
         w.last_done[it->comm_id] = *it;
+        // Within a host NCCL gives no error when peers abort: their abort can end this rank's kernel early,
+        // near their timeout. Such a call is worth asking the other processes about (comm.py, check_errors).
+        if (now - it->started_ns > it->timeout_ns / 2) {
+          w.late[it->comm_id] = {it->sequence, "call #" + std::to_string(it->sequence) + " on communicator " +
+                                                   std::to_string(it->comm_id) + " (" + std::string(it->op) + ", " +
+                                                   DescribeCallSite(it->site) + ") finished only " +
+                                                   Seconds(now - it->started_ns) + " after it could start on rank " +
+                                                   std::to_string(it->rank) + " of " + std::to_string(it->size) +
+                                                   " (timeout " + Seconds(it->timeout_ns) + ")"};
+        }
         it = w.pending.erase(it);
         busy.erase(rank_key);  // the rank's next call may start now
         continue;
@@ -308,8 +320,11 @@ WatchdogState GetWatchdogState() {
   WatchdogState state;
   for (const auto& [key, sequence] : w.reached) state.reached.emplace_back(key.first, key.second, sequence);
   state.unnamed.assign(w.unnamed.begin(), w.unnamed.end());
+  for (const auto& [comm_id, call] : w.late) state.late.emplace_back(comm_id, call.first, call.second);
   return state;
 }
+
+void WatchNow() { WatchOnce(GetWatchdog()); }
 
 void RecordNvlinkFaults() {
   const std::vector<NvlinkFaultReport> reports = NvlinkFaultReports();

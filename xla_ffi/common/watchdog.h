@@ -82,8 +82,14 @@ ffi::Error RunGpuCall(const GpuCall& call, bool watch, void* output, int64_t out
 struct WatchdogState {
   std::vector<std::tuple<int64_t, int, int64_t>> reached;  // (comm_id, rank, sequence)
   std::vector<std::pair<int64_t, int64_t>> unnamed;        // (comm_id, sequence of the hung call)
+  // (comm_id, sequence, description) of each communicator's latest call that finished only after half its
+  // timeout: within a host a peer's abort ends this rank's NCCL kernel early without any NCCL error.
+  std::vector<std::tuple<int64_t, int64_t, std::string>> late;
 };
 WatchdogState GetWatchdogState();
+
+// Runs one watchdog pass now, on the calling thread (check_errors: so that a call that just finished is seen).
+void WatchNow();
 
 // Starts the watchdog thread if it is not running (it also reports NVLink faults as soon as they happen).
 void StartWatchdog();
