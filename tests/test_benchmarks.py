@@ -36,3 +36,9 @@ def test_all_to_allv_smoke(tmp_path):
     assert set(rows) == {"nx_padded", "nx_packed", "xla_all_to_all"}
     assert all(r["status"] == "ok" and r["median_us"] > 0 for r in rows.values())
     assert rows["nx_padded"]["verified"] and rows["nx_packed"]["verified"]
+
+
+def test_launch_floor_smoke(tmp_path):
+    rows = run_smoke("launch_floor.py", tmp_path, "--bytes", "8")["rows"]
+    assert [r["impl"] for r in rows] == ["xla-kernel", "nx", "psum"]  # ffi-kernel is CUDA only
+    assert all(r["median_us"] > 0 and r["x_psum"] > 0 for r in rows)

@@ -38,6 +38,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclReduceScatter);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllToAll);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclPpermute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllToAllvDynamic);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(LaunchProbe);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllToAllvDynamic);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllReduce);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllGather);
@@ -372,6 +373,7 @@ NB_MODULE(_ncclx_cuda, m) {
         targets["ncclx_all_reduce_nvlink"] = jn::Capsule(jn::NvlinkAllReduce);
         targets["ncclx_all_gather_nvlink"] = jn::Capsule(jn::NvlinkAllGather);
         targets["ncclx_all_to_all_nvlink"] = jn::Capsule(jn::NvlinkAllToAll);
+        targets["ncclx_launch_probe"] = jn::Capsule(jn::LaunchProbe);
         return targets;
       },
       "FFI handler capsules of the CUDA backend, by target name.");

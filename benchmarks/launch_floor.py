@@ -1,0 +1,190 @@
+"""The floor under the small-message collectives: what one op costs at the least inside a jitted chain.
+
+The small collectives' time per op (benchmarks/collectives.py) is the kernel plus whatever XLA spends around
+each op. This script times, in the same harness (chains of --unroll dependent ops per jitted call, --pipeline
+calls per sample) and the same process, ops that do no communication next to the collectives:
+
+  xla-kernel   one XLA kernel per op (v * -1, kept apart by optimization_barrier): XLA's own per-kernel cost;
+  ffi-kernel   one jax_ncclx custom call per op (ncclx_launch_probe: a one-block copy kernel, command-buffer
+               compatible like the NVLink handlers): what any custom call costs;
+  nx           nx.all_reduce (default route: the one-shot NVLink kernel at small sizes);
+  psum         jax.lax.psum.
+
+nx minus ffi-kernel is what the collective itself costs (its kernel, flag barrier included); ffi-kernel minus
+xla-kernel is what being a custom call costs. Results go to <out>/launch_floor.{json,md,png}.
+
+    python benchmarks/launch_floor.py                       # 8 bytes per rank on all GPUs
+    python benchmarks/launch_floor.py --bytes 8,4K
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= python benchmarks/launch_floor.py --name launch_floor_nocmdbuf
+    python benchmarks/launch_floor.py --smoke --out /tmp/floor  # CPU: xla-kernel, nx, psum (no ffi-kernel)
+"""
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import common  # first: sets XLA_PYTHON_CLIENT_PREALLOCATE and NCCL_NVLS_ENABLE before JAX starts
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)  # only used by --smoke
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_ncclx as nx  # noqa: E402
+
+AXIS = "x"
+IMPLS = ("xla-kernel", "ffi-kernel", "nx", "psum")
+
+
+def one_op(impl: str, v):
+    if impl == "xla-kernel":
+        return jax.lax.optimization_barrier(v * -1.0)
+    if impl == "ffi-kernel":
+        return jax.ffi.ffi_call("ncclx_launch_probe", jax.ShapeDtypeStruct(v.shape, v.dtype))(v)
+    if impl == "nx":
+        return nx.all_reduce(v, AXIS)
+    return jax.lax.psum(v, AXIS)
+
+
+def chain(v, *, impl, unroll):
+    for _ in range(unroll):
+        v = one_op(impl, v)
+    return v
+
+
+EXPECTED = {"xla-kernel": lambda n: -1.0, "ffi-kernel": lambda n: 1.0, "nx": float, "psum": float}
+
+
+def verify(mesh, impl, ones):
+    """One op of ``impl`` on ones must give its known value everywhere (-1, 1, or N for the reductions)."""
+    one = jax.jit(jax.shard_map(lambda v: one_op(impl, v), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS),
+                                check_vma=False))
+    got = np.asarray(one(ones))
+    want = EXPECTED[impl](mesh.devices.size)
+    if not np.all(got == want):
+        raise AssertionError(f"{impl}: one op on ones gave {got[:4]}..., expected {want} everywhere")
+
+
+TABLE = [("bytes", "bytes", 8, "d"), ("impl", "impl", 11, ""), ("median_us", "median us", 10, ".2f"),
+         ("min_us", "min us", 8, ".2f"), ("over_ffi_us", "- ffi us", 9, ".2f"), ("x_psum", "x psum", 7, ".2f"),
+         ("pipeline", "pipe", 5, "d")]
+MD_COLUMNS = [("bytes", "bytes/rank", "d"), ("impl", "impl", ""), ("median_us", "median µs/op", ".2f"),
+              ("min_us", "min µs/op", ".2f"), ("over_ffi_us", "minus ffi-kernel µs", ".2f"),
+              ("x_psum", "psum / this", ".2f"), ("reps", "samples", "d"), ("pipeline", "calls/sample", "d")]
+
+
+def plotter(meta):
+    def plot(plt, rows):
+        sizes = sorted({r["bytes"] for r in rows})
+        fig, axes = plt.subplots(1, len(sizes), figsize=(4.5 * len(sizes), 3.6), squeeze=False)
+        for ax, size in zip(axes[0], sizes):
+            mine = [r for r in rows if r["bytes"] == size and r.get("median_us") is not None]
+            ax.bar([r["impl"] for r in mine], [r["median_us"] for r in mine], color="#4c72b0")
+            ax.set_title(f"{size} B per rank")
+            ax.set_ylabel("µs per op (median)")
+        fig.suptitle(f"Floor per op, {meta.get('gpu_count') or meta.get('num_devices')} × "
+                     f"{meta.get('device_kind', '')}, chains of dependent ops")
+        fig.tight_layout()
+        return fig
+    return plot
+
+
+def write(args, meta, config, rows, log):
+    return common.write_results(
+        args.name, rows, meta, plotter(meta), out_dir=args.out, columns=MD_COLUMNS,
+        title="What one op costs at the least: XLA kernel, jax_ncclx custom call, all_reduce, psum",
+        notes=("Chains of dependent ops per jitted call, several calls per sample (benchmarks/README.md); "
+               "`minus ffi-kernel`: this row's median minus the custom-call floor's."),
+        extra={"config": config}, log=log,
+        replot_hint=f"python benchmarks/launch_floor.py --from-json {Path(args.out) / (args.name + '.json')}")
+
+
+def run(args, mesh, log, table, rows):
+    n = mesh.devices.size
+    for nbytes in args.bytes:
+        elements = max(1, nbytes // 4)
+        results = {}
+        for impl in args.impls:
+            if impl == "ffi-kernel" and mesh.devices.flat[0].platform != "gpu":
+                log("ffi-kernel skipped: ncclx_launch_probe is a CUDA handler (CPU run)")
+                continue
+            x = jax.device_put(jnp.ones((n * elements,), jnp.float32), NamedSharding(mesh, P(AXIS)))
+            verify(mesh, impl, x)
+            fn = jax.jit(jax.shard_map(lambda v, impl=impl: chain(v, impl=impl, unroll=args.unroll), mesh=mesh,
+                                       in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False), donate_argnums=0)
+            timing = common.time_jitted(fn, x, ops_per_call=args.unroll, feedback=True, reps=args.iters,
+                                        pipeline=args.pipeline, max_seconds=args.max_seconds)
+            for array in jax.tree.leaves(timing.pop("final")):
+                array.delete()
+            timing.pop("compiled_info")
+            results[impl] = dict(bytes=elements * 4, impl=impl, num_devices=n, unroll=args.unroll, **timing)
+        for row in results.values():
+            if "ffi-kernel" in results:
+                row["over_ffi_us"] = row["median_us"] - results["ffi-kernel"]["median_us"]
+            if "psum" in results:
+                row["x_psum"] = results["psum"]["median_us"] / row["median_us"]
+            rows.append(row)
+            table.row(row)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.splitlines()[2:]))
+    parser.add_argument("--smoke", action="store_true", help="8 virtual CPU devices")
+    parser.add_argument("--bytes", default="8", help="bytes per rank, comma separated, K suffix (default 8)")
+    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma separated subset of {','.join(IMPLS)}")
+    parser.add_argument("--unroll", type=int, default=20, help="dependent ops per jitted call (default 20)")
+    parser.add_argument("--pipeline", type=int, default=10, help="calls per timed sample (default 10)")
+    parser.add_argument("--iters", type=int, default=20, help="the most timed samples (default 20)")
+    parser.add_argument("--max-seconds", type=float, default=1.0, help="time budget per measurement (default 1)")
+    parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results; smoke: a temporary "
+                        "folder; --from-json: the JSON's folder)")
+    parser.add_argument("--name", default="launch_floor", help="file stem of the results")
+    parser.add_argument("--from-json", type=Path, help="rewrite the .md and .png of an earlier run's JSON")
+    args = parser.parse_args(argv)
+    try:
+        args.bytes = [int(b[:-1]) * 1024 if b.upper().endswith("K") else int(b)
+                      for b in args.bytes.split(",") if b.strip()]
+    except ValueError:
+        parser.error(f"--bytes: expected integers with an optional K suffix, got {args.bytes!r}")
+    args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    if set(args.impls) - set(IMPLS):
+        parser.error(f"unknown impls {sorted(set(args.impls) - set(IMPLS))}; choose from {list(IMPLS)}")
+    if args.unroll < 1 or args.pipeline < 1 or not args.bytes or min(args.bytes) < 4:
+        parser.error("--unroll and --pipeline must be >= 1, --bytes non-empty and each at least 4")
+    if args.out is None:
+        args.out = (args.from_json.parent if args.from_json else
+                    Path(tempfile.gettempdir()) / "jax_ncclx_bench_smoke" if args.smoke else common.RESULTS_DIR)
+    if args.from_json:
+        args.name = args.from_json.stem
+    return parser, args
+
+
+def main(argv=None):
+    parser, args = parse_args(argv)
+    log = common.Progress()
+    if args.from_json:
+        document = json.loads(args.from_json.read_text())
+        return write(args, document["meta"], document["config"], document["rows"], log)
+    devices = common.pick_devices(parser, args.smoke)
+    mesh = jax.sharding.Mesh(np.asarray(devices), (AXIS,))
+    meta = common.metadata(devices)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "from_json"}
+    log(f"{len(devices)} × {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}, bytes "
+        f"{args.bytes}, impls {args.impls}, unroll {args.unroll}, pipeline {args.pipeline}")
+    rows = []
+    run(args, mesh, log, common.TablePrinter(TABLE), rows)
+    meta["elapsed_s"] = round(log.elapsed(), 1)
+    write(args, meta, config, rows, log)
+    log(f"done in {meta['elapsed_s']} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
