@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Builds jax_ncclx and runs its GPU tests and benchmarks in one command, for a GPU machine lent for a few
+# minutes at a time (one call, logs in one folder):
+#
+#   bash tools/gpu_check.sh OUT_DIR [STEP ...]
+#
+# Steps run in order (default: build tests multiprocess), each under what is left of BUDGET_S seconds
+# (default 570) so that a slow step cannot cost the logs of the others:
+#   build         pip install --no-build-isolation --no-deps -e .  (the GPU machines have no network)
+#   tests         pytest -m "gpu and not multiprocess" (per-test limit 150 s where pytest-timeout is
+#                 installed, as on the GPU machines; a JUnit XML beside the log)
+#   multiprocess  pytest -m multiprocess (one process per GPU, fault injection)
+#   startup | collectives | all_to_allv | launch_floor   benchmarks/<step>.py --out OUT_DIR
+# Every step writes OUT_DIR/<step>.log; the last lines of each and the pass/fail counts are printed at the end.
+# With TAR=1 the folder is packed into OUT_DIR.tgz (a lent machine returns only a few files).
+# NVLink multicast stays off in every process this starts (NCCL_NVLS_ENABLE=0 and its siblings).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:?usage: bash tools/gpu_check.sh OUT_DIR [STEP ...]}"
+shift
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(build tests multiprocess)
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 NCCL_NVLINK_MULTICAST_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export BENCH_GIT_COMMIT="${BENCH_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+python="${PYTHON:-python3}"
+budget="${BUDGET_S:-570}"
+start=$SECONDS
+left() { echo $((budget - (SECONDS - start))); }
+
+run_step() {
+  local step="$1" limit
+  limit=$(left)
+  if [ "$limit" -lt 15 ]; then
+    echo "== $step: skipped, ${limit} s left" | tee "$out/$step.log"
+    return
+  fi
+  local pytest=("$python" -m pytest -p no:cacheprovider -rfE --tb=short)
+  "$python" -c "import pytest_timeout" 2>/dev/null && pytest+=(--timeout 150)  # a hang fails with its traceback
+  case "$step" in
+    build) cmd=("$python" -m pip install --no-build-isolation --no-deps -e .) ;;
+    tests) cmd=("${pytest[@]}" -q -m "gpu and not multiprocess" --junitxml "$out/tests.xml" tests) ;;
+    multiprocess) cmd=("${pytest[@]}" -v -m multiprocess --junitxml "$out/multiprocess.xml" tests) ;;
+    startup | collectives | all_to_allv | launch_floor) cmd=("$python" "benchmarks/$step.py" --out "$out") ;;
+    *) echo "== $step: unknown step" | tee "$out/$step.log"; return ;;
+  esac
+  echo "== $step (limit ${limit} s): ${cmd[*]}"
+  timeout "$limit" "${cmd[@]}" > "$out/$step.log" 2>&1
+  local rc=$?
+  echo "== $step: exit $rc after $((SECONDS - start)) s" | tee -a "$out/$step.log"
+}
+
+for step in "${steps[@]}"; do run_step "$step"; done
+echo "== summary"
+for step in "${steps[@]}"; do
+  echo "-- $step"
+  grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed|skipped)|== $step: exit" "$out/$step.log" | tail -12
+done
+if [ "${TAR:-0}" = 1 ]; then
+  tar -C "$(dirname "$out")" -czf "$out.tgz" "$(basename "$out")" && rm -rf "$out"
+fi
