@@ -97,6 +97,23 @@ def test_dispatch_and_round_trip(backend, capacity):
     np.testing.assert_allclose(out, ref_out, rtol=1e-6, atol=1e-6)
 
 
+def test_dispatch_combine_and_grads_have_no_loops():
+    """The routing arithmetic around the two exchanges is straight-line code: a while loop (e.g. jnp's default
+    binary search) would make XLA's GPU runtime read its predicate back to the host every iteration."""
+    mesh = line_mesh(jax.devices("cpu")[:4])
+    tokens, weights = jnp.ones((4 * TOKENS, HIDDEN)), jnp.ones((4 * TOKENS, TOP_K))
+    ids = jnp.asarray(random_ids(4, 8, seed=0).reshape(4 * TOKENS, TOP_K))
+
+    def loss(t, i, w):
+        rows, _, handle = moe.dispatch(t, i, num_experts=8, axis_name="x", capacity=AMPLE)
+        return moe.combine(rows, handle, w).sum()
+
+    for fn in (loss, jax.grad(loss, argnums=(0, 2))):
+        step = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P(), check_vma=False))
+        text = step.lower(tokens, ids, weights).as_text()
+        assert "ncclx_all_to_allv_dynamic" in text and "stablehlo.while" not in text
+
+
 def test_dropped_pairs_contribute_zero(backend):
     """All tokens pick expert 0: only `capacity` rows per member get through, the rest count as dropped."""
     n = len(backend)

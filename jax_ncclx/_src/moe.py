@@ -211,7 +211,10 @@ def _regroup(block_sizes, num_rows):
     sizes_out = block_sizes.T.reshape(-1)
     ends_out = jnp.cumsum(sizes_out)
     row = jnp.arange(num_rows, dtype=jnp.int32)
-    block = jnp.searchsorted(ends_out, row, side="right")
+    # compare_all: one fused comparison against the A * B block ends (the experts, a few hundred at most).
+    # The default binary search is a while loop, whose predicate XLA's GPU runtime reads back to the host
+    # every iteration: a host round trip in every dispatch, which this module must not have.
+    block = jnp.searchsorted(ends_out, row, side="right", method="compare_all")
     inside = block < sizes_out.shape[0]
     block = jnp.minimum(block, sizes_out.shape[0] - 1)
     return jnp.where(inside, starts[block] + row - (ends_out - sizes_out)[block], row).astype(jnp.int32)
