@@ -329,3 +329,34 @@ def test_nccl_max_ctas_makes_a_leaner_communicator(monkeypatch):
     lean = max(s["nccl_init_bytes"] for s in nx.memory_stats() if s["comm_id"] == comm.communicator_for(mesh, "b"))
     assert lean < default / 2, f"maxCTAs=2: {lean / 2**20:.0f} MiB, default: {default / 2**20:.0f} MiB"
     nx.shutdown()
+
+
+def test_registry_bindings_check_their_arguments():
+    """register_comm / init_comm of the CUDA module (no GPU needed: they fail before any CUDA or NCCL call)."""
+    from jax_ncclx._src import lib
+
+    module = lib.cuda_module_if_available()
+    if module is None:
+        pytest.skip(f"needs the CUDA module: {lib._load_cuda()[1]}")
+    comm.destroy_all()
+    comm_id = module.register_comm(4, [1, 3], [0, 1])
+    assert module.comm_info(comm_id) == [(0, 1, 4), (1, 3, 4)]
+    assert [row[:3] for row in module.comm_memory()] == [(comm_id, 0, 0), (comm_id, 1, 0)]  # no NCCL yet
+    with pytest.raises(ValueError, match="rank 4 is outside"):
+        module.register_comm(4, [4], [0])
+    with pytest.raises(ValueError, match="device 0 twice"):
+        module.register_comm(4, [0, 1], [0, 0])
+    with pytest.raises(ValueError, match="device 1 of communicator .* needs 1 to nranks=4 unique ids, got 0"):
+        module.init_comm(comm_id, {0: [bytes(128)]})
+    with pytest.raises(ValueError, match="unique id of 5 bytes"):
+        module.init_comm(comm_id, {0: [bytes(5)], 1: [bytes(128)]})
+    with pytest.raises(ValueError, match="no communicator 999"):
+        module.init_comm(999, {0: [bytes(128)]})
+    module.watch_now()  # nothing watched: a pass finds nothing
+    assert module.faults() == []
+    module.abort_comm(comm_id, "process 3 found call #1 hung")  # no NCCL communicator to abort: only recorded
+    assert module.faults() == [(comm_id, "process 3 found call #1 hung")]
+    module.destroy_all()
+    assert module.faults() == []
+    with pytest.raises(ValueError, match="unknown or destroyed"):
+        module.comm_info(comm_id)

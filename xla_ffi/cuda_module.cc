@@ -3,6 +3,7 @@
 // handlers look up by comm_id.
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>

@@ -445,6 +445,7 @@ ffi::ErrorOr<std::vector<RankTrace>> ReadDeviceTrace(std::string_view op, int64_
 ffi::Error FreeAllSymmetric(std::string_view op) {
   Registry& registry = GetRegistry();
   std::unique_lock<std::shared_mutex> lock(registry.mu);
+  if (registry.comms.empty()) return ffi::Error::Success();  // nothing to free: leave CUDA alone
   ffi::Error result = KeepingCurrentDevice(op, [&]() -> ffi::Error {
     ffi::Error first_failure;
     for (auto& [comm_id, memory] : registry.comms) {
