@@ -353,7 +353,7 @@ def test_registry_bindings_check_their_arguments():
     with pytest.raises(ValueError, match="no communicator 999"):
         module.init_comm(999, {0: [bytes(128)]})
     module.watch_now()  # nothing watched: a pass finds nothing
-    assert module.faults() == []
+    assert module.faults() == [] and module.watchdog_state() == ([], [], [])
     module.abort_comm(comm_id, "process 3 found call #1 hung")  # no NCCL communicator to abort: only recorded
     assert module.faults() == [(comm_id, "process 3 found call #1 hung")]
     module.destroy_all()
