@@ -24,7 +24,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 import common  # first: sets XLA_PYTHON_CLIENT_PREALLOCATE and NCCL_NVLS_ENABLE before JAX starts
@@ -421,15 +420,7 @@ def parse_args(argv=None):
         args.transports = [os.environ.get("JAX_NCCLX_TRANSPORT") or "default"]
     else:
         args.transports = [t.strip() for t in args.transports.split(",") if t.strip()]
-    if args.from_json:  # rewrite that run's files, whatever --name says
-        args.name = args.from_json.stem
-    if args.out is None:
-        if args.from_json:
-            args.out = args.from_json.parent
-        elif args.smoke:
-            args.out = Path(tempfile.gettempdir()) / "jax_ncclx_bench_smoke"
-        else:
-            args.out = common.RESULTS_DIR
+    common.settle_output(args)
     return parser, args
 
 
@@ -709,8 +700,7 @@ def main(argv=None):
         parser.error(f"--top-k {args.top_k} is more than the {n * args.experts_per_rank} experts")
     mesh = jax.sharding.Mesh(np.asarray(devices), (AXIS,))
     meta = common.metadata(devices)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-              if k not in ("from_json", "sweep_range")}
+    config = common.run_config(args, skip=("sweep_range",))
     choices = transport_choices()
     config["transport_choices"] = choices
     bad = [t for t in args.transports if choices and t != "default" and t not in choices]

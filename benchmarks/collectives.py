@@ -30,7 +30,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 import common  # first: sets XLA_PYTHON_CLIENT_PREALLOCATE and NCCL_NVLS_ENABLE before JAX starts
@@ -374,11 +373,7 @@ def parse_args(argv=None):
         parser.error(f"unknown ops {sorted(set(args.ops) - set(OPS))}; choose from {list(OPS)}")
     if args.unroll < 1 or args.pipeline < 1 or not args.sizes:
         parser.error("--unroll and --pipeline must be >= 1 and --sizes non-empty")
-    if args.out is None:
-        args.out = (args.from_json.parent if args.from_json else
-                    Path(tempfile.gettempdir()) / "jax_ncclx_bench_smoke" if args.smoke else common.RESULTS_DIR)
-    if args.from_json:  # rewrite that run's files, whatever --name says
-        args.name = args.from_json.stem
+    common.settle_output(args)
     return parser, args
 
 
@@ -391,7 +386,7 @@ def main(argv=None):
     devices = common.pick_devices(parser, args.smoke)
     mesh = jax.sharding.Mesh(np.asarray(devices), (AXIS,))
     meta = common.metadata(devices)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "from_json"}
+    config = common.run_config(args)
     log(f"{len(devices)} × {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}, ops {args.ops}, "
         f"sizes {args.sizes}, {args.dtype}, unroll {args.unroll}, pipeline {args.pipeline}")
     table = common.TablePrinter(TABLE + ([(k, head, 9, f) for k, _, head, f in TRACE_COLUMNS]

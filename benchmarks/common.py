@@ -17,6 +17,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -259,6 +260,24 @@ def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup
         "warmup_s": warmup_s,
         "final": out,
     }
+
+
+def settle_output(args):
+    """Fills ``args.out`` when not given (the JSON's folder with ``--from-json``, a temporary folder with
+    ``--smoke``, else ``benchmarks/results``) and, with ``--from-json``, takes that run's file stem as
+    ``args.name``, so that its files are rewritten whatever ``--name`` says."""
+    if args.from_json:
+        args.name = args.from_json.stem
+    if args.out is None:
+        args.out = (args.from_json.parent if args.from_json else
+                    Path(tempfile.gettempdir()) / "jax_ncclx_bench_smoke" if args.smoke else RESULTS_DIR)
+
+
+def run_config(args, skip=()) -> dict:
+    """The command line's settings as JSON values (paths as strings), for the result files; ``from_json`` and
+    the names in ``skip`` left out."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+            if k != "from_json" and k not in skip}
 
 
 # ---- result files ------------------------------------------------------------------------------------------
