@@ -22,7 +22,6 @@ xla-kernel is what being a custom call costs. Results go to <out>/launch_floor.{
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import common  # first: sets XLA_PYTHON_CLIENT_PREALLOCATE and NCCL_NVLS_ENABLE before JAX starts
@@ -159,11 +158,7 @@ def parse_args(argv=None):
         parser.error(f"unknown impls {sorted(set(args.impls) - set(IMPLS))}; choose from {list(IMPLS)}")
     if args.unroll < 1 or args.pipeline < 1 or not args.bytes or min(args.bytes) < 4:
         parser.error("--unroll and --pipeline must be >= 1, --bytes non-empty and each at least 4")
-    if args.out is None:
-        args.out = (args.from_json.parent if args.from_json else
-                    Path(tempfile.gettempdir()) / "jax_ncclx_bench_smoke" if args.smoke else common.RESULTS_DIR)
-    if args.from_json:
-        args.name = args.from_json.stem
+    common.settle_output(args)
     return parser, args
 
 
@@ -176,7 +171,7 @@ def main(argv=None):
     devices = common.pick_devices(parser, args.smoke)
     mesh = jax.sharding.Mesh(np.asarray(devices), (AXIS,))
     meta = common.metadata(devices)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "from_json"}
+    config = common.run_config(args)
     log(f"{len(devices)} × {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}, bytes "
         f"{args.bytes}, impls {args.impls}, unroll {args.unroll}, pipeline {args.pipeline}")
     rows = []
