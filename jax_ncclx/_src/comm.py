@@ -162,10 +162,11 @@ def destroy_all():
         _comm_exchanges.clear()
         _nvlink_refusals_logged.clear()
         _progress_published.clear()
+        _remote_progress_seen.clear()
 
 
 def all_comm_ids() -> list[int]:
-    """Every communicator made so far (world and split ones), by comm_id."""
+    """Every communicator made so far (one per mesh axis and device grouping), by comm_id."""
     with _lock:
         return sorted(set(_axis_comms.values()))
 
@@ -225,8 +226,7 @@ def check_errors():
     A GPU collective whose peers do not arrive within its timeout stops waiting on the device (NVLink kernels)
     or is aborted by the watchdog (NCCL; with several processes, which remote rank is missing is asked of the
     other processes here, waiting up to 3 s for their answer); the program that contained it completes with
-    undefined outputs, and
-    every later jax_ncclx call on that communicator fails with the same message (until
+    undefined outputs, and every later jax_ncclx call on that communicator fails with the same message (until
     :func:`destroy_all`). Call this after ``jax.block_until_ready`` to learn of it at once. CPU-backend
     collectives raise from the program itself.
     """
