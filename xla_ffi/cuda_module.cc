@@ -106,6 +106,8 @@ ffi::ErrorOr<std::map<int32_t, ncclComm_t>> CreateInGroup(std::string_view op,
   return by_device;
 }
 
+// Bytes of device `device` in use by anyone (total - free, cudaMemGetInfo): what NCCL and this module
+// allocate outside XLA's allocator shows here.
 int64_t DeviceMemoryUsed(int device) {
   constexpr std::string_view kOp = "device_memory_used";
   size_t free_bytes = 0, total_bytes = 0;
@@ -351,9 +353,6 @@ int CudaRuntimeVersion() {
   ThrowIfFailed(CheckCuda("cuda_runtime_version", "cudaRuntimeGetVersion", cudaRuntimeGetVersion(&version)));
   return version;
 }
-
-// Bytes of device `device` in use by anyone (total - free, cudaMemGetInfo): what NCCL and this module
-// allocate outside XLA's allocator shows here.
 
 }  // namespace
 }  // namespace jax_ncclx

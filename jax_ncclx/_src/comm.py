@@ -201,10 +201,12 @@ def destroy_all():
         _nccl_failed.clear()
         _nvlink_refusals_logged.clear()
         _progress_published.clear()
+        _remote_progress_seen.clear()
+        _late_calls_checked.clear()
 
 
 def all_comm_ids() -> list[int]:
-    """Every communicator made so far (world and split ones), by comm_id."""
+    """Every communicator made so far (one per mesh axis and device grouping), by comm_id."""
     with _lock:
         return sorted(set(_axis_comms.values()))
 

@@ -13,8 +13,8 @@
 #include <cstdint>
 #include <map>
 #include <string>
-#include <tuple>
 #include <string_view>
+#include <tuple>
 #include <utility>
 #include <vector>
 
