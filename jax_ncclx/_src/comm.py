@@ -101,12 +101,14 @@ def communicator_for(mesh: jax.sharding.Mesh, axis_name) -> int:
         client = compat.distributed_client()
         kv = _JaxKeyValueStore(client) if client is not None else None
         mesh_key = hashlib.sha1(repr((_generation, key)).encode()).hexdigest()
-        members = [(rank, devices[position].local_hardware_id) for group in groups for rank, position in group.members]
-        comm_id = lib.cuda_module().register_comm(shape[axis], [r for r, _ in members], [d for _, d in members])
-        ordinals = {position: devices[position].local_hardware_id for group in groups for _, position in group.members}
+        ranks, ordinals, group_of = [], {}, {}  # ordinals: mesh position -> CUDA ordinal; group_of: by ordinal
+        for group in groups:
+            for rank, position in group.members:
+                ranks.append(rank)
+                ordinals[position] = devices[position].local_hardware_id
+                group_of[ordinals[position]] = group.key
+        comm_id = lib.cuda_module().register_comm(shape[axis], ranks, list(ordinals.values()))
         _nccl_pending[comm_id] = functools.partial(_create_nccl, comm_id, mesh_key, groups, ordinals, me, kv)
-        group_of = {devices[position].local_hardware_id: group.key
-                    for group in groups for _, position in group.members}
         _comm_exchanges[comm_id] = _AddressExchange(f"jax_ncclx/{mesh_key}", group_of, shape[axis], kv)
         if groups:
             first = groups[0].members[0][1]

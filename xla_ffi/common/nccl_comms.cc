@@ -156,36 +156,26 @@ void AbortComm(int64_t comm_id, std::string message) {
   for (const auto& [device, comm] : doomed) ncclCommAbort(comm);  // best effort: the communicator is lost
 }
 
-ffi::ErrorOr<ncclComm_t> LookupComm(std::string_view op, int64_t comm_id, int32_t device_ordinal) {
+ffi::ErrorOr<CommRank> LookupCommRank(std::string_view op, int64_t comm_id, int32_t device_ordinal) {
   NCCLX_RETURN_IF_ERROR(CheckCommUsable(op, comm_id));
   Registry& registry = GetRegistry();
   std::shared_lock<std::shared_mutex> lock(registry.mu);
-  const auto by_id = registry.comms.find(comm_id);
-  if (by_id != registry.comms.end()) {
-    const auto by_device = by_id->second.find(device_ordinal);
-    if (by_device != by_id->second.end()) return by_device->second;
+  const auto comms = registry.comms.find(comm_id);
+  const auto members = registry.members.find(comm_id);
+  if (comms != registry.comms.end() && members != registry.members.end()) {
+    const auto comm = comms->second.find(device_ordinal);
+    const auto member = members->second.find(device_ordinal);
+    if (comm != comms->second.end() && member != members->second.end()) {
+      return CommRank{comm->second, member->second.rank, member->second.size};
+    }
   }
-  if (registry.members.count(comm_id) && by_id == registry.comms.end()) {
+  if (members != registry.members.end() && comms == registry.comms.end()) {
     return Internal(op, "communicator " + std::to_string(comm_id) + " has no NCCL communicators: jax_ncclx "
                         "creates them when it compiles an op that goes through NCCL, and did not for this one");
   }
   return InvalidArgument(op, "no communicator " + std::to_string(comm_id) + " for device " +
                                  std::to_string(device_ordinal) +
                                  "; was jax_ncclx shut down after this program was compiled?");
-}
-
-ffi::ErrorOr<CommRank> LookupCommRank(std::string_view op, int64_t comm_id, int32_t device_ordinal) {
-  ffi::ErrorOr<ncclComm_t> comm = LookupComm(op, comm_id, device_ordinal);
-  if (comm.has_error()) return comm.error();
-  return DescribeComm(op, *comm);
-}
-
-ffi::ErrorOr<CommRank> DescribeComm(std::string_view op, ncclComm_t comm) {
-  CommRank described;
-  described.comm = comm;
-  NCCLX_RETURN_IF_ERROR(CheckNccl(op, "ncclCommUserRank", ncclCommUserRank(comm, &described.rank), comm));
-  NCCLX_RETURN_IF_ERROR(CheckNccl(op, "ncclCommCount", ncclCommCount(comm, &described.size), comm));
-  return described;
 }
 
 ffi::Error DestroyAllComms(std::string_view op) {

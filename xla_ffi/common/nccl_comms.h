@@ -25,8 +25,8 @@ namespace jax_ncclx {
 // A communicator together with the place of this device in it.
 struct CommRank {
   ncclComm_t comm = nullptr;
-  int rank = -1;  // ncclCommUserRank
-  int size = 0;   // ncclCommCount
+  int rank = -1;
+  int size = 0;
 };
 
 // A local rank of a communicator, known from the mesh before NCCL is involved.
@@ -55,14 +55,9 @@ std::vector<std::pair<int64_t, int32_t>> RegisteredMembers();
 // (comm_id, device ordinal, device bytes its creation took) of every NCCL communicator.
 std::vector<std::tuple<int64_t, int32_t, int64_t>> CommInitBytes();
 
-// The communicator that `comm_id` holds for `device_ordinal`.
-ffi::ErrorOr<ncclComm_t> LookupComm(std::string_view op, int64_t comm_id, int32_t device_ordinal);
-
-// LookupComm plus this device's rank and the communicator's size.
+// The NCCL communicator that `comm_id` holds for `device_ordinal`, with that rank and the size (from the
+// registry: no NCCL call on the handlers' path).
 ffi::ErrorOr<CommRank> LookupCommRank(std::string_view op, int64_t comm_id, int32_t device_ordinal);
-
-// Rank and size of `comm`.
-ffi::ErrorOr<CommRank> DescribeComm(std::string_view op, ncclComm_t comm);
 
 // ---- faults: communicators that stopped working ----------------------------------------------------------
 
