@@ -61,7 +61,10 @@ VARIANTS = {  # key: (label, times the payload moves per op)
     "xla_ragged": ("lax.ragged_all_to_all (host sizes)", 1),
     "xla_ragged_counts": ("lax.ragged_all_to_all + count a2a", 1),
     "nx_moe": ("nx moe dispatch+combine", 2),
+    "nx_moe_dispatch": ("nx moe dispatch", 1),
+    "nx_moe_combine": ("nx moe combine", 1),
 }
+MOE_VARIANTS = ("nx_moe", "nx_moe_dispatch", "nx_moe_combine")
 BASELINES = ("xla_all_to_all", "xla_ragged", "xla_ragged_counts")
 TABLE = [  # (key, header, width, format) of the progress table
     ("tokens", "T", 5, "d"), ("variant", "variant", 17, ""), ("transport", "transport", 9, ""),
@@ -235,6 +238,27 @@ def moe_chain(tokens, expert_ids, weights, *, moe, num_experts, capacity, unroll
     return tokens
 
 
+def moe_dispatch_chain(tokens, expert_ids, *, moe, num_experts, capacity, unroll):
+    for _ in range(unroll):  # each dispatch routes again from the expert ids that the last one tied to its rows
+        rows, _, _ = moe.dispatch(tokens, expert_ids, num_experts=num_experts, axis_name=AXIS, capacity=capacity)
+        expert_ids = tie(expert_ids, rows)
+    return expert_ids
+
+
+def moe_combine_chain(expert_rows, handle, weights, *, moe, unroll):
+    for _ in range(unroll):  # one handle, made by a dispatch outside the timing
+        weights = tie(weights, moe.combine(expert_rows, handle, weights))
+    return weights
+
+
+def moe_handle(mesh, arrays, routing, args, moe):
+    """dispatch's (expert_rows, handle) for the inputs, every leaf split over the axis, for the combine chain."""
+    fn = functools.partial(moe.dispatch, num_experts=routing.counts.shape[0] * args.experts_per_rank,
+                           axis_name=AXIS, capacity=routing.capacity)
+    rows, _, handle = per_rank(mesh, fn, 2)(arrays["tokens"], arrays["expert_ids"])
+    return rows, handle
+
+
 def chain_and_args(variant, mesh, arrays, routing, args, moe):
     """(jitted chain, the names of its arguments, whether it donates its first argument and returns its next
     value)."""
@@ -253,6 +277,13 @@ def chain_and_args(variant, mesh, arrays, routing, args, moe):
         fn = functools.partial(moe_chain, moe=moe, num_experts=routing.counts.shape[0] * args.experts_per_rank,
                                capacity=capacity, unroll=unroll)
         return per_rank(mesh, fn, 3, donate_argnums=0), ("tokens", "expert_ids", "weights"), True
+    if variant == "nx_moe_dispatch":
+        fn = functools.partial(moe_dispatch_chain, moe=moe, num_experts=routing.counts.shape[0] * args.experts_per_rank,
+                               capacity=capacity, unroll=unroll)
+        return per_rank(mesh, fn, 2), ("tokens", "expert_ids"), False
+    if variant == "nx_moe_combine":
+        fn = functools.partial(moe_combine_chain, moe=moe, unroll=unroll)
+        return per_rank(mesh, fn, 3), ("expert_rows", "handle", "weights"), False
     raise ValueError(variant)
 
 
@@ -496,7 +527,7 @@ def make_row(variant, transport, size, args, timing=None, status="ok", message=N
 
 
 def add_speedups(row, baselines):
-    if row["status"] != "ok" or not row["variant"].startswith("nx_") or row["variant"] == "nx_moe":
+    if row["status"] != "ok" or not row["variant"].startswith("nx_") or row["variant"] in MOE_VARIANTS:
         return
     for key in BASELINES:
         base = baselines.get(key)
@@ -563,28 +594,38 @@ def run_size(tokens, mesh, args, moe, moe_reason, log, table, rows, sizes):
                 log(f"ERROR: {variant} [{transport}] at T={tokens}: {short(e)}")
                 row = make_row(variant, transport, size, args, status="error", message=short(e), verified=verified)
             record(row)
-        if "nx_moe" in wanted:
-            record(moe_row(mesh, arrays, routing, args, moe, moe_reason, transport, size, log))
+        for row in moe_rows([v for v in MOE_VARIANTS if v in wanted], mesh, arrays, routing, args, moe, moe_reason,
+                            transport, size, log):
+            record(row)
     for array in arrays.values():
         array.delete()
     del arrays
     gc.collect()
 
 
-def moe_row(mesh, arrays, routing, args, moe, moe_reason, transport, size, log):
+def moe_rows(variants, mesh, arrays, routing, args, moe, moe_reason, transport, size, log):
+    """Rows for the requested moe variants, timed once the round trip is verified."""
+    if not variants:
+        return []
     if moe is None:
-        return make_row("nx_moe", transport, size, args, status="unavailable", message=moe_reason)
+        return [make_row(v, transport, size, args, status="unavailable", message=moe_reason) for v in variants]
     try:
         error = verify_moe(mesh, arrays, routing, moe, args.experts_per_rank)
-    except Exception as e:  # noqa: BLE001 - the moe module is new: record its failure and go on
+    except Exception as e:  # noqa: BLE001 - record the failure and go on
         log(f"WARNING: jax_ncclx.moe failed: {short(e)}")
-        return make_row("nx_moe", transport, size, args, status="error", message=short(e))
+        return [make_row(v, transport, size, args, status="error", message=short(e)) for v in variants]
     if not error <= 5e-2:
         log(f"WARNING: jax_ncclx.moe round trip is wrong: max relative error {error:.3g}; not timed")
-        return make_row("nx_moe", transport, size, args, status="mismatch",
-                        message=f"max relative error {error:.3g}", verified=False)
-    timing = time_variant("nx_moe", mesh, arrays, routing, args, moe)
-    return make_row("nx_moe", transport, size, args, timing, verified=True)
+        return [make_row(v, transport, size, args, status="mismatch", message=f"max relative error {error:.3g}",
+                         verified=False) for v in variants]
+    inputs = dict(arrays)
+    if "nx_moe_combine" in variants:
+        inputs["expert_rows"], inputs["handle"] = moe_handle(mesh, arrays, routing, args, moe)
+    rows = [make_row(v, transport, size, args, time_variant(v, mesh, inputs, routing, args, moe), verified=True)
+            for v in variants]
+    for array in jax.tree.leaves([inputs.get("expert_rows"), inputs.get("handle")]):
+        array.delete()
+    return rows
 
 
 # ---- result files ------------------------------------------------------------------------------------------
@@ -618,7 +659,9 @@ def notes(config: dict, sizes: list) -> str:
         f"{config['max_seconds']} s). Chaining: jax_ncclx and ragged_all_to_all take their next send counts from "
         "one element of the op's output (+ 0, one tiny integer kernel per op, included in their time); "
         "`lax.all_to_all` takes its output as its next input (no extra kernel); the moe round trip takes its "
-        "combined tokens as the next tokens.",
+        "combined tokens as the next tokens; moe dispatch alone ties its next expert ids to its rows (+ 0), and "
+        "moe combine alone reuses one dispatch's handle and ties its next weights to its output (+ 0), so each "
+        "includes its own routing and regrouping work.",
         "- **payload** = T·k·H·bytes per rank (every routed row, its own included). **peer GB/s** = bytes each "
         "rank sends to other ranks (mean over ranks) / median time. **alg GB/s** = payload / median time. The "
         "moe round trip moves the payload twice (dispatch and combine) and counts it twice.",
@@ -706,7 +749,7 @@ def main(argv=None):
     bad = [t for t in args.transports if choices and t != "default" and t not in choices]
     if bad:
         parser.error(f"--transports {bad}: this jax_ncclx accepts {', '.join(choices)} (or default)")
-    moe, moe_reason = load_moe() if "nx_moe" in args.variants else (None, "not requested")
+    moe, moe_reason = load_moe() if set(MOE_VARIANTS) & set(args.variants) else (None, "not requested")
     log(f"{n} × {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}, NCCL "
         f"{meta['nccl_version']}, commit {(meta['git'] or {}).get('commit', '?')[:12]}")
     log(f"T = {args.tokens}, hidden {args.hidden} {args.dtype}, top-{args.top_k} of {n * args.experts_per_rank} "
@@ -714,8 +757,8 @@ def main(argv=None):
     if len(args.transports) > 1 and choices is None:
         log.warn("this jax_ncclx has no transport setting: JAX_NCCLX_TRANSPORT changes nothing, the transports "
                  "will time the same code")
-    if moe is None and "nx_moe" in args.variants:
-        log(f"moe round trip: {moe_reason}; recorded as unavailable")
+    if moe is None and set(MOE_VARIANTS) & set(args.variants):
+        log(f"jax_ncclx.moe: {moe_reason}; recorded as unavailable")
     for var in ("NCCL_NVLS_ENABLE", "NCCL_NVLINK_MULTICAST_ENABLE"):
         if os.environ.get(var) != "0":
             log.warn(f"{var}={os.environ.get(var)!r}: NVLink multicast must stay off on the shared machines")

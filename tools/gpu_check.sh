@@ -10,8 +10,9 @@
 #   tests         pytest -m "gpu and not multiprocess" (per-test limit 150 s where pytest-timeout is
 #                 installed, as on the GPU machines; a JUnit XML beside the log)
 #   multiprocess  pytest -m multiprocess (one process per GPU, fault injection)
-#   startup | collectives | all_to_allv | launch_floor   benchmarks/<step>.py --out OUT_DIR
-# Every step writes OUT_DIR/<step>.log; the last lines of each and the pass/fail counts are printed at the end.
+#   startup | collectives | all_to_allv | launch_floor   benchmarks/<step>.py --out OUT_DIR $ARGS_<step>
+#                 (e.g. ARGS_all_to_allv="--experts-per-rank 32 --name all_to_allv_8gpu")
+# Every step writes OUT_DIR/<step>.log (and OUT_DIR/topology.log the GPU links); the last lines of each and the pass/fail counts are printed at the end.
 # With TAR=1 the folder is packed into OUT_DIR.tgz (a lent machine returns only a few files).
 # NVLink multicast stays off in every process this starts (NCCL_NVLS_ENABLE=0 and its siblings).
 set -uo pipefail
@@ -21,6 +22,7 @@ shift
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(build tests multiprocess)
 mkdir -p "$out"
+nvidia-smi topo -m > "$out/topology.log" 2>&1  # which GPU pairs share NVLink, for the record
 export NCCL_NVLS_ENABLE=0 NCCL_NVLINK_MULTICAST_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export BENCH_GIT_COMMIT="${BENCH_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -42,7 +44,10 @@ run_step() {
     build) cmd=("$python" -m pip install --no-build-isolation --no-deps -e .) ;;
     tests) cmd=("${pytest[@]}" -q -m "gpu and not multiprocess" --junitxml "$out/tests.xml" tests) ;;
     multiprocess) cmd=("${pytest[@]}" -v -m multiprocess --junitxml "$out/multiprocess.xml" tests) ;;
-    startup | collectives | all_to_allv | launch_floor) cmd=("$python" "benchmarks/$step.py" --out "$out") ;;
+    startup | collectives | all_to_allv | launch_floor)
+      local args_var="ARGS_$step" extra
+      read -ra extra <<< "${!args_var:-}"
+      cmd=("$python" "benchmarks/$step.py" --out "$out" "${extra[@]}") ;;
     *) echo "== $step: unknown step" | tee "$out/$step.log"; return ;;
   esac
   echo "== $step (limit ${limit} s): ${cmd[*]}"
