@@ -73,6 +73,12 @@ except nx.CollectiveError as error:
     print(f"FAULT REPORTED: {error}", flush=True)
 client.key_value_set(f"reported/{process_id}", "1")
 if scenario == "kill":
+    if process_id == 0:  # this process hosts the key-value store: keep it until the other survivors are done
+        for peer in range(1, last):
+            try:
+                client.blocking_key_value_get(f"reported/{peer}", 60_000)
+            except Exception as error:  # noqa: BLE001 - that peer's own output says what went wrong
+                print(f"process {peer} did not report within 60 s: {error}", flush=True)
     # JAX's distributed shutdown would wait at its exit barrier for the dead process: leave directly.
     sys.stdout.flush()
     os._exit(0)
