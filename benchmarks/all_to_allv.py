@@ -246,9 +246,12 @@ def moe_dispatch_chain(tokens, expert_ids, *, moe, num_experts, capacity, unroll
 
 
 def moe_combine_chain(expert_rows, handle, weights, *, moe, unroll):
-    for _ in range(unroll):  # one handle, made by a dispatch outside the timing
-        weights = tie(weights, moe.combine(expert_rows, handle, weights))
-    return weights
+    # One handle, made by a dispatch outside the timing. The next combine's gather indices are tied to this
+    # one's output: tying only the weights would leave the return exchange loop-invariant, and XLA runs it once.
+    for _ in range(unroll):
+        out = moe.combine(expert_rows, handle, weights)
+        handle = dataclasses.replace(handle, to_source_major=tie(handle.to_source_major, out))
+    return handle.to_source_major
 
 
 def moe_handle(mesh, arrays, routing, args, moe):
@@ -660,7 +663,7 @@ def notes(config: dict, sizes: list) -> str:
         "one element of the op's output (+ 0, one tiny integer kernel per op, included in their time); "
         "`lax.all_to_all` takes its output as its next input (no extra kernel); the moe round trip takes its "
         "combined tokens as the next tokens; moe dispatch alone ties its next expert ids to its rows (+ 0), and "
-        "moe combine alone reuses one dispatch's handle and ties its next weights to its output (+ 0), so each "
+        "moe combine alone reuses one dispatch's handle and ties the handle's next gather indices to its output (+ 0), so each "
         "includes its own routing and regrouping work.",
         "- **payload** = T·k·H·bytes per rank (every routed row, its own included). **peer GB/s** = bytes each "
         "rank sends to other ranks (mean over ranks) / median time. **alg GB/s** = payload / median time. The "
