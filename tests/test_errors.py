@@ -81,6 +81,23 @@ def test_bad_timeout_setting(monkeypatch):
         config.current()
 
 
+def test_nvlink_thresholds_by_gpu_count_and_op(monkeypatch):
+    """The measured defaults per GPU count and op (a count between two entries takes the one above), and the
+    environment overriding every op."""
+    from jax_ncclx._src import config
+
+    for name in ("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES", "JAX_NCCLX_NVLINK_MAX_BYTES"):
+        monkeypatch.delenv(name, raising=False)
+    assert config.nvlink_thresholds(4, "all_gather") == (512 << 10, 16 << 20)
+    assert config.nvlink_thresholds(3, "all_reduce") == (512 << 10, 16 << 20)
+    assert config.nvlink_thresholds(8, "all_gather") == (256 << 10, 4 << 20)
+    assert config.nvlink_thresholds(6, "all_to_all") == (256 << 10, 16 << 20)
+    assert config.nvlink_thresholds(16, "all_reduce") == (256 << 10, 16 << 20)
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_MAX_BYTES", "1024")
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES", "64")
+    assert config.nvlink_thresholds(8, "all_gather") == (64, 1024)
+
+
 def test_build_info():
     info = nx.build_info()
     assert info["cpu"] is True and info["jax_version"] == jax.__version__

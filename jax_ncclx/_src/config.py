@@ -28,8 +28,8 @@ class Config:
         kernel, larger ones two-shot (``JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES``); None (default): the
         measured crossover for the GPU count, :func:`nvlink_thresholds`.
       nvlink_max_bytes: all_reduce / all_gather / all_to_all inputs up to this many bytes per rank use NVLink
-        kernels, larger ones NCCL (``JAX_NCCLX_NVLINK_MAX_BYTES``); None (default): by GPU count. 0 sends
-        every one of these ops to NCCL.
+        kernels, larger ones NCCL (``JAX_NCCLX_NVLINK_MAX_BYTES``, every op); None (default): by GPU count
+        and op. 0 sends every one of these ops to NCCL.
       nvlink_direct: when one process drives every GPU of the communicator, NVLink kernels write rows
         straight into the peers' outputs (``JAX_NCCLX_NVLINK_DIRECT=1``, default) instead of staging them in
         symmetric memory and copying them out (0; what one process per GPU always does).
@@ -163,21 +163,29 @@ def _non_negative_int(name: str, default):
     return value
 
 
-# GPU count -> (one-shot max, NVLink max) bytes per rank; other counts take the entry of the nearest count
-# above. Measured with benchmarks/collectives.py (--impls xla,nx-oneshot,nx-twoshot,nx-nccl):
+# GPU count -> (one-shot all_reduce max, {op: NVLink max}) bytes per rank; other counts take the entry of the
+# nearest count above. Measured with benchmarks/collectives.py (--impls xla,nx-oneshot,nx-twoshot,nx-nccl):
 # 2xH200: one-shot beats two-shot up to 4 MiB, NVLink beats NCCL and XLA up to 64 MiB; capped at 16 MiB,
 # where the slots take 64 MiB. 4xH200 (collectives_4gpu_algorithms.md): one-shot all_reduce beats two-shot up
 # to 512 KiB (12.9 vs 14.6 us), two-shot from 1 MiB; NVLink beats XLA up to 16 MiB for all three ops and
-# loses at 64 MiB (all_reduce, all_gather). 8 GPUs: provisional, not measured (no 8-GPU machine yet).
-NVLINK_THRESHOLDS = {2: (4 << 20, 16 << 20), 4: (512 << 10, 16 << 20), 8: (64 << 10, 2 << 20)}
+# loses at 64 MiB (all_reduce, all_gather). 8xH200 (collectives_8gpu_algorithms.md): one-shot beats two-shot
+# up to 256 KiB (15.3 vs 21.0 us), two-shot from 1 MiB (23.0 vs 34.2); NVLink all_reduce and all_to_all beat
+# XLA up to 16 MiB, all_gather up to 4 MiB (1.14x) and not at 16 MiB (0.90x); every op loses at 64 MiB.
+_EVERY_OP_UP_TO_16_MIB = {"all_reduce": 16 << 20, "all_gather": 16 << 20, "all_to_all": 16 << 20}
+NVLINK_THRESHOLDS = {
+    2: (4 << 20, _EVERY_OP_UP_TO_16_MIB),
+    4: (512 << 10, _EVERY_OP_UP_TO_16_MIB),
+    8: (256 << 10, {"all_reduce": 16 << 20, "all_gather": 4 << 20, "all_to_all": 16 << 20}),
+}
 
 
-def nvlink_thresholds(size: int, settings: "Config | None" = None) -> tuple[int, int]:
-    """(one-shot max, NVLink max) bytes per rank for a communicator of ``size`` GPUs: the environment's
-    values where set, else the measured defaults of :data:`NVLINK_THRESHOLDS`."""
+def nvlink_thresholds(size: int, op: str, settings: "Config | None" = None) -> tuple[int, int]:
+    """(one-shot all_reduce max, NVLink max for ``op``) bytes per rank for a communicator of ``size`` GPUs:
+    the environment's values where set, else the measured defaults of :data:`NVLINK_THRESHOLDS`."""
     settings = settings or current()
     counts = sorted(NVLINK_THRESHOLDS)
     oneshot, largest = NVLINK_THRESHOLDS[next((c for c in counts if c >= size), counts[-1])]
+    largest = largest[op]
     if settings.nvlink_oneshot_max_bytes is not None:
         oneshot = settings.nvlink_oneshot_max_bytes
     if settings.nvlink_max_bytes is not None:

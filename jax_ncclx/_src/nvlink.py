@@ -7,7 +7,7 @@ Decided while the program is lowered, from the static shapes, the communicator a
   through NVLink peer access (``comm.nvlink_symmetric_memory``; a communicator that cannot is logged once and
   uses NCCL, or raises with ``JAX_NCCLX_TRANSPORT=nvlink``);
 * the small-message collectives (all_reduce, all_gather, all_to_all) take their NVLink kernels only up to
-  ``nvlink_max_bytes`` per rank, and all_reduce switches from one-shot to two-shot above
+  ``nvlink_max_bytes`` per rank (by GPU count and op), and all_reduce switches from one-shot to two-shot above
   ``nvlink_oneshot_max_bytes`` (:func:`config.nvlink_thresholds`). Above that, and for reductions of dtypes
   the kernels do not reduce, NCCL is the algorithm of choice, not a fallback: it is logged at debug level.
 """
@@ -54,7 +54,7 @@ def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
     x = ctx.avals_in[0]
     nbytes = int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
     settings = config.current()
-    oneshot_max, nvlink_max = config.nvlink_thresholds(size, settings)
+    oneshot_max, nvlink_max = config.nvlink_thresholds(size, op, settings)
     nccl = CudaRoute(f"ncclx_{op}")
     if settings.transport == "nccl" or nbytes == 0 or nbytes > nvlink_max:
         return nccl
