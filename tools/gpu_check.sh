@@ -15,6 +15,8 @@
 # Every step writes OUT_DIR/<step>.log (and OUT_DIR/topology.log the GPU links); the last lines of each and the pass/fail counts are printed at the end.
 # With TAR=1 the folder is packed into OUT_DIR.tgz (a lent machine returns only a few files).
 # NVLink multicast stays off in every process this starts (NCCL_NVLS_ENABLE=0 and its siblings).
+# Results record BENCH_GIT_COMMIT (default: git rev-parse HEAD); pass it, since a lent machine's copy of the
+# working tree has been seen to report another commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:?usage: bash tools/gpu_check.sh OUT_DIR [STEP ...]}"
