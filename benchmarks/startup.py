@@ -19,6 +19,7 @@ or one process per GPU (bootstrapped through jax.distributed). Per case and proc
 
     python benchmarks/startup.py                  # every GPU; one process, and one process per GPU
     python benchmarks/startup.py --modes one      # one process only
+    python benchmarks/startup.py --from-json benchmarks/results/startup_4gpu.json   # redo the .md / .png
 
 Results go to benchmarks/results/startup_<N>gpu.{json,md,png}. GPU only.
 """
@@ -165,7 +166,11 @@ def main(argv=None):
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma separated subset of {','.join(MODES)}")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma separated subset of {','.join(CASES)}")
     parser.add_argument("--out", type=Path, default=common.RESULTS_DIR)
+    parser.add_argument("--from-json", type=Path, help="rewrite the .md and .png of an earlier run's JSON")
     args = parser.parse_args(argv)
+    if args.from_json:
+        document = json.loads(args.from_json.read_text())
+        return write(document["name"], document["rows"], document["meta"], args.out, common.Progress())
     import jax
 
     try:
@@ -186,8 +191,12 @@ def main(argv=None):
     for r in rows:
         if r["case"] != "xla" and r["mode"] in xla:
             r["first_vs_xla"] = r["first_s"] / xla[r["mode"]]
+    write(f"startup_{gpus}gpu", rows, common.metadata(), args.out, log)
+
+
+def write(name, rows, meta, out_dir, log):
     common.write_results(
-        f"startup_{gpus}gpu", rows, common.metadata(), plot, out_dir=args.out,
+        name, rows, meta, plot, out_dir=out_dir,
         columns=[(k, h, f) for k, h, _, f in COLUMNS] + [("first_vs_xla", "first / xla", ".2f")],
         title="jax_ncclx start-up vs XLA", notes=__doc__.split("\n\n")[1], log=log)
 
