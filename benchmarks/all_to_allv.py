@@ -446,10 +446,7 @@ def parse_args(argv=None):
         parser.error("--tokens needs positive integers")
     if args.top_k > 0 and args.experts_per_rank < 1:
         parser.error("--experts-per-rank must be >= 1")
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = set(args.variants) - set(VARIANTS)
-    if unknown:
-        parser.error(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
+    args.variants = common.choices(parser, args.variants, VARIANTS, "--variants")
     if args.transports is None:
         args.transports = [os.environ.get("JAX_NCCLX_TRANSPORT") or "default"]
     else:
@@ -740,13 +737,10 @@ def main(argv=None):
     log = common.Progress()
     if args.from_json:
         return replot(args, log)
-    devices = common.pick_devices(parser, args.smoke)
-    args.num_devices = n = len(devices)
+    devices, mesh, meta, config = common.start(parser, args, AXIS, skip=("sweep_range",))
+    args.num_devices = n = config["num_devices"] = len(devices)
     if args.top_k > n * args.experts_per_rank:
         parser.error(f"--top-k {args.top_k} is more than the {n * args.experts_per_rank} experts")
-    mesh = jax.sharding.Mesh(np.asarray(devices), (AXIS,))
-    meta = common.metadata(devices)
-    config = common.run_config(args, skip=("sweep_range",))
     choices = transport_choices()
     config["transport_choices"] = choices
     bad = [t for t in args.transports if choices and t != "default" and t not in choices]

@@ -365,12 +365,8 @@ def parse_args(argv=None):
         args.sizes = [parse_size(s) for s in str(args.sizes).split(",") if s.strip()]
     except argparse.ArgumentTypeError as e:
         parser.error(str(e))
-    args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
-    if set(args.impls) - set(IMPLS):
-        parser.error(f"unknown impls {sorted(set(args.impls) - set(IMPLS))}; choose from {list(IMPLS)}")
-    if set(args.ops) - set(OPS):
-        parser.error(f"unknown ops {sorted(set(args.ops) - set(OPS))}; choose from {list(OPS)}")
+    args.ops = common.choices(parser, args.ops, OPS, "--ops")
+    args.impls = common.choices(parser, args.impls, IMPLS, "--impls")
     if args.unroll < 1 or args.pipeline < 1 or not args.sizes:
         parser.error("--unroll and --pipeline must be >= 1 and --sizes non-empty")
     common.settle_output(args)
@@ -383,10 +379,7 @@ def main(argv=None):
     if args.from_json:
         document = json.loads(args.from_json.read_text())
         return write(args, document["meta"], document["config"], document["rows"], log)
-    devices = common.pick_devices(parser, args.smoke)
-    mesh = jax.sharding.Mesh(np.asarray(devices), (AXIS,))
-    meta = common.metadata(devices)
-    config = common.run_config(args)
+    devices, mesh, meta, config = common.start(parser, args, AXIS)
     log(f"{len(devices)} × {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}, ops {args.ops}, "
         f"sizes {args.sizes}, {args.dtype}, unroll {args.unroll}, pipeline {args.pipeline}")
     table = common.TablePrinter(TABLE + ([(k, head, 9, f) for k, _, head, f in TRACE_COLUMNS]

@@ -262,6 +262,26 @@ def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup
     }
 
 
+def choices(parser, text, allowed, flag: str) -> list:
+    """A comma separated command-line list whose items must be among ``allowed``; anything else ends the script
+    through ``parser.error`` naming ``flag``."""
+    items = [item.strip() for item in str(text).split(",") if item.strip()]
+    unknown = sorted(set(items) - set(allowed))
+    if unknown:
+        parser.error(f"{flag}: unknown {unknown}; choose from {list(allowed)}")
+    return items
+
+
+def start(parser, args, axis: str, skip=()) -> tuple:
+    """(devices, a one-axis mesh named ``axis`` over them, metadata, run config) for a benchmark run: the
+    devices of :func:`pick_devices`, the config of :func:`run_config`."""
+    import jax
+    import numpy as np
+
+    devices = pick_devices(parser, args.smoke)
+    return devices, jax.sharding.Mesh(np.asarray(devices), (axis,)), metadata(devices), run_config(args, skip)
+
+
 def settle_output(args):
     """Fills ``args.out`` when not given (the JSON's folder with ``--from-json``, a temporary folder with
     ``--smoke``, else ``benchmarks/results``) and, with ``--from-json``, takes that run's file stem as

@@ -153,9 +153,7 @@ def parse_args(argv=None):
                       for b in args.bytes.split(",") if b.strip()]
     except ValueError:
         parser.error(f"--bytes: expected integers with an optional K suffix, got {args.bytes!r}")
-    args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
-    if set(args.impls) - set(IMPLS):
-        parser.error(f"unknown impls {sorted(set(args.impls) - set(IMPLS))}; choose from {list(IMPLS)}")
+    args.impls = common.choices(parser, args.impls, IMPLS, "--impls")
     if args.unroll < 1 or args.pipeline < 1 or not args.bytes or min(args.bytes) < 4:
         parser.error("--unroll and --pipeline must be >= 1, --bytes non-empty and each at least 4")
     common.settle_output(args)
@@ -168,10 +166,7 @@ def main(argv=None):
     if args.from_json:
         document = json.loads(args.from_json.read_text())
         return write(args, document["meta"], document["config"], document["rows"], log)
-    devices = common.pick_devices(parser, args.smoke)
-    mesh = jax.sharding.Mesh(np.asarray(devices), (AXIS,))
-    meta = common.metadata(devices)
-    config = common.run_config(args)
+    devices, mesh, meta, config = common.start(parser, args, AXIS)
     log(f"{len(devices)} × {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}, bytes "
         f"{args.bytes}, impls {args.impls}, unroll {args.unroll}, pipeline {args.pipeline}")
     rows = []
