@@ -305,6 +305,30 @@ def test_several_roots_make_a_working_communicator(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_shutdown_forgets_the_watched_calls(monkeypatch):
+    """nx.shutdown() leaves no per-communicator watchdog state behind: comm ids are never reused, so the
+    entries of destroyed communicators would only pile up across re-inits."""
+    reason = gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from jax_ncclx._src import lib
+
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nccl")  # the watchdog watches NCCL calls
+    monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", "60")
+    devices = gpu_devices()
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("x",))
+    nx.shutdown()
+    f = jax.jit(jax.shard_map(lambda v: nx.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    x = jax.device_put(jnp.ones((len(devices), 4)), jax.sharding.NamedSharding(mesh, P("x")))
+    jax.block_until_ready(f(x))
+    module = lib.cuda_module()
+    reached = module.watchdog_state()[0]
+    assert sorted(rank for _, rank, _ in reached) == list(range(len(devices))), reached
+    nx.shutdown()
+    assert module.watchdog_state() == ([], [], [])
+
+
+@pytest.mark.gpu
 def test_nccl_max_ctas_makes_a_leaner_communicator(monkeypatch):
     """JAX_NCCLX_NCCL_MAX_CTAS caps NCCL's channels, and with them the 2 MiB granules NCCL takes per channel
     at init; the communicator still reduces correctly."""

@@ -225,6 +225,7 @@ void DestroyAll() {
     freed = FreeAllSymmetric(kOp);   // before the communicators: their programs must be done with it
     destroyed = DestroyAllComms(kOp);
     ClearCommFaults();
+    ForgetWatchedCalls();
   }
   ThrowIfFailed(freed);
   ThrowIfFailed(destroyed);

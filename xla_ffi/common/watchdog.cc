@@ -358,6 +358,16 @@ void StopWatchdog() {
   delete thread;
 }
 
+void ForgetWatchedCalls() {
+  Watchdog& w = GetWatchdog();
+  std::lock_guard<std::mutex> lock(w.mu);
+  w.pending.clear();  // left only by hung calls, whose events are not reused (see WatchOnce)
+  w.reached.clear();
+  w.unnamed.clear();
+  w.last_done.clear();
+  w.late.clear();
+}
+
 ffi::ErrorOr<GpuCall> BeginGpuCall(std::string_view op, const CallAttrs& attrs, int64_t comm_id, int rank, int size,
                                    int32_t device, cudaStream_t stream) {
   NCCLX_RETURN_IF_ERROR(CheckCommUsable(op, comm_id));

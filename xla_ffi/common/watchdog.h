@@ -95,6 +95,9 @@ void WatchNow();
 void StartWatchdog();
 // Stops and joins it (at interpreter exit, before CUDA goes away).
 void StopWatchdog();
+// Forgets every communicator's watched calls and progress (destroy_all, after StopWatchdog): comm ids are
+// never reused, so their entries would only pile up across re-inits.
+void ForgetWatchedCalls();
 
 // Fills a traced record's start_ns / end_ns from its CUDA events and releases them (0 where an event has not
 // completed). For the trace bindings.
