@@ -651,8 +651,8 @@ def notes(config: dict, sizes: list) -> str:
         "one element of the op's output (+ 0, one tiny integer kernel per op, included in their time); "
         "`lax.all_to_all` takes its output as its next input (no extra kernel); the moe round trip takes its "
         "combined tokens as the next tokens; moe dispatch alone ties its next expert ids to its rows (+ 0), and "
-        "moe combine alone reuses one dispatch's handle and ties the handle's next gather indices to its output (+ 0), so each "
-        "includes its own routing and regrouping work.",
+        "moe combine alone reuses one dispatch's handle and ties the handle's next gather indices to its output "
+        "(+ 0), so each includes its own routing and regrouping work.",
         "- **payload** = T·k·H·bytes per rank (every routed row, its own included). **peer GB/s** = bytes each "
         "rank sends to other ranks (mean over ranks) / median time. **alg GB/s** = payload / median time. The "
         "moe round trip moves the payload twice (dispatch and combine) and counts it twice.",
