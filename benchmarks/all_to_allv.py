@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ncclx as nx  # noqa: E402
+from jax_ncclx import moe  # noqa: E402
 
 AXIS = "ep"
 NAME = "all_to_allv"
@@ -226,26 +227,26 @@ def ragged_chain(x, in_offsets, send_sizes, out_offsets, recv_sizes, *, capacity
     return send_sizes
 
 
-def moe_round_trip(moe, tokens, expert_ids, weights, *, num_experts, capacity):
+def moe_round_trip(tokens, expert_ids, weights, *, num_experts, capacity):
     rows, _, handle = moe.dispatch(tokens, expert_ids, num_experts=num_experts, axis_name=AXIS, capacity=capacity)
     return moe.combine(rows, handle, weights)
 
 
-def moe_chain(tokens, expert_ids, weights, *, moe, num_experts, capacity, unroll):
+def moe_chain(tokens, expert_ids, weights, *, num_experts, capacity, unroll):
     for _ in range(unroll):  # the weights sum to 1 per token, so the tokens come back (about) unchanged
-        tokens = moe_round_trip(moe, tokens, expert_ids, weights, num_experts=num_experts,
+        tokens = moe_round_trip(tokens, expert_ids, weights, num_experts=num_experts,
                                 capacity=capacity).astype(tokens.dtype)
     return tokens
 
 
-def moe_dispatch_chain(tokens, expert_ids, *, moe, num_experts, capacity, unroll):
+def moe_dispatch_chain(tokens, expert_ids, *, num_experts, capacity, unroll):
     for _ in range(unroll):  # each dispatch routes again from the expert ids that the last one tied to its rows
         rows, _, _ = moe.dispatch(tokens, expert_ids, num_experts=num_experts, axis_name=AXIS, capacity=capacity)
         expert_ids = tie(expert_ids, rows)
     return expert_ids
 
 
-def moe_combine_chain(expert_rows, handle, weights, *, moe, unroll):
+def moe_combine_chain(expert_rows, handle, weights, *, unroll):
     # One handle, made by a dispatch outside the timing. The next combine's gather indices are tied to this
     # one's output: tying only the weights would leave the return exchange loop-invariant, and XLA runs it once.
     for _ in range(unroll):
@@ -254,7 +255,7 @@ def moe_combine_chain(expert_rows, handle, weights, *, moe, unroll):
     return handle.to_source_major
 
 
-def moe_handle(mesh, arrays, routing, args, moe):
+def moe_handle(mesh, arrays, routing, args):
     """dispatch's (expert_rows, handle) for the inputs, every leaf split over the axis, for the combine chain."""
     fn = functools.partial(moe.dispatch, num_experts=routing.counts.shape[0] * args.experts_per_rank,
                            axis_name=AXIS, capacity=routing.capacity)
@@ -262,7 +263,7 @@ def moe_handle(mesh, arrays, routing, args, moe):
     return rows, handle
 
 
-def chain_and_args(variant, mesh, arrays, routing, args, moe):
+def chain_and_args(variant, mesh, arrays, routing, args):
     """(jitted chain, the names of its arguments, whether it donates its first argument and returns its next
     value)."""
     capacity, unroll = routing.capacity, args.unroll
@@ -277,23 +278,23 @@ def chain_and_args(variant, mesh, arrays, routing, args, moe):
                                unroll=unroll)
         return per_rank(mesh, fn, 5), ("x", "in_offsets", "send_sizes", "out_offsets", "recv_sizes"), False
     if variant == "nx_moe":
-        fn = functools.partial(moe_chain, moe=moe, num_experts=routing.counts.shape[0] * args.experts_per_rank,
+        fn = functools.partial(moe_chain, num_experts=routing.counts.shape[0] * args.experts_per_rank,
                                capacity=capacity, unroll=unroll)
         return per_rank(mesh, fn, 3, donate_argnums=0), ("tokens", "expert_ids", "weights"), True
     if variant == "nx_moe_dispatch":
-        fn = functools.partial(moe_dispatch_chain, moe=moe, num_experts=routing.counts.shape[0] * args.experts_per_rank,
+        fn = functools.partial(moe_dispatch_chain, num_experts=routing.counts.shape[0] * args.experts_per_rank,
                                capacity=capacity, unroll=unroll)
         return per_rank(mesh, fn, 2), ("tokens", "expert_ids"), False
     if variant == "nx_moe_combine":
-        fn = functools.partial(moe_combine_chain, moe=moe, unroll=unroll)
+        fn = functools.partial(moe_combine_chain, unroll=unroll)
         return per_rank(mesh, fn, 3), ("expert_rows", "handle", "weights"), False
     raise ValueError(variant)
 
 
-def time_variant(variant, mesh, arrays, routing, args, moe=None) -> dict:
+def time_variant(variant, mesh, arrays, routing, args) -> dict:
     traced = args.device_trace and variant.startswith("nx_")
     before = common.device_epochs() if traced else None
-    fn, names, donates = chain_and_args(variant, mesh, arrays, routing, args, moe)
+    fn, names, donates = chain_and_args(variant, mesh, arrays, routing, args)
     inputs = [arrays[k] for k in names]
     if donates:
         inputs[0] = jax.device_put(inputs[0], may_alias=False)  # a copy: each call consumes its first argument
@@ -384,9 +385,9 @@ def verify_ragged(mesh, arrays, routing):
     return np.asarray(per_rank(mesh, body, 6)(*(arrays[k] for k in names))).tolist()
 
 
-def verify_moe(mesh, arrays, routing, moe, experts_per_rank):
+def verify_moe(mesh, arrays, routing, experts_per_rank):
     """Largest |combine(dispatch(t)) - t * sum(weights)| relative to max |t| (the weights sum to 1)."""
-    fn = functools.partial(moe_round_trip, moe, num_experts=routing.counts.shape[0] * experts_per_rank,
+    fn = functools.partial(moe_round_trip, num_experts=routing.counts.shape[0] * experts_per_rank,
                            capacity=routing.capacity)
 
     def body(tokens, expert_ids, weights):
@@ -492,14 +493,6 @@ def ncclx_state() -> dict:
         return {"error": short(e)}
 
 
-def load_moe():
-    try:
-        from jax_ncclx import moe
-    except ImportError as e:
-        return None, f"jax_ncclx.moe unavailable ({e})"
-    return moe, None
-
-
 def status_of(error: Exception) -> str:
     text = str(error)
     return "unsupported" if "UNIMPLEMENTED" in text or "not supported" in text.lower() else "error"
@@ -534,7 +527,7 @@ def add_speedups(row, baselines):
         row[f"vs_{key}"] = base["median_us"] / row["median_us"] if base and base["status"] == "ok" else None
 
 
-def run_size(tokens, mesh, args, moe, moe_reason, log, table, rows, sizes):
+def run_size(tokens, mesh, args, log, table, rows, sizes):
     n = args.num_devices
     routing = make_routing(n, tokens, args.top_k, args.experts_per_rank, args.seed)
     size = sizes_of(routing, tokens, args.hidden, args.top_k, np.dtype(DTYPES[args.dtype]).itemsize)
@@ -594,8 +587,8 @@ def run_size(tokens, mesh, args, moe, moe_reason, log, table, rows, sizes):
                 log(f"ERROR: {variant} [{transport}] at T={tokens}: {short(e)}")
                 row = make_row(variant, transport, size, args, status="error", message=short(e), verified=verified)
             record(row)
-        for row in moe_rows([v for v in MOE_VARIANTS if v in wanted], mesh, arrays, routing, args, moe, moe_reason,
-                            transport, size, log):
+        for row in moe_rows([v for v in MOE_VARIANTS if v in wanted], mesh, arrays, routing, args, transport, size,
+                            log):
             record(row)
     for array in arrays.values():
         array.delete()
@@ -603,14 +596,12 @@ def run_size(tokens, mesh, args, moe, moe_reason, log, table, rows, sizes):
     gc.collect()
 
 
-def moe_rows(variants, mesh, arrays, routing, args, moe, moe_reason, transport, size, log):
+def moe_rows(variants, mesh, arrays, routing, args, transport, size, log):
     """Rows for the requested moe variants, timed once the round trip is verified."""
     if not variants:
         return []
-    if moe is None:
-        return [make_row(v, transport, size, args, status="unavailable", message=moe_reason) for v in variants]
     try:
-        error = verify_moe(mesh, arrays, routing, moe, args.experts_per_rank)
+        error = verify_moe(mesh, arrays, routing, args.experts_per_rank)
     except Exception as e:  # noqa: BLE001 - record the failure and go on
         log(f"WARNING: jax_ncclx.moe failed: {short(e)}")
         return [make_row(v, transport, size, args, status="error", message=short(e)) for v in variants]
@@ -620,8 +611,8 @@ def moe_rows(variants, mesh, arrays, routing, args, moe, moe_reason, transport, 
                          verified=False) for v in variants]
     inputs = dict(arrays)
     if "nx_moe_combine" in variants:
-        inputs["expert_rows"], inputs["handle"] = moe_handle(mesh, arrays, routing, args, moe)
-    rows = [make_row(v, transport, size, args, time_variant(v, mesh, inputs, routing, args, moe), verified=True)
+        inputs["expert_rows"], inputs["handle"] = moe_handle(mesh, arrays, routing, args)
+    rows = [make_row(v, transport, size, args, time_variant(v, mesh, inputs, routing, args), verified=True)
             for v in variants]
     for array in jax.tree.leaves([inputs.get("expert_rows"), inputs.get("handle")]):
         array.delete()
@@ -660,8 +651,8 @@ def notes(config: dict, sizes: list) -> str:
         "one element of the op's output (+ 0, one tiny integer kernel per op, included in their time); "
         "`lax.all_to_all` takes its output as its next input (no extra kernel); the moe round trip takes its "
         "combined tokens as the next tokens; moe dispatch alone ties its next expert ids to its rows (+ 0), and "
-        "moe combine alone reuses one dispatch's handle and ties the handle's next gather indices to its output (+ 0), so each "
-        "includes its own routing and regrouping work.",
+        "moe combine alone reuses one dispatch's handle and ties the handle's next gather indices to its output "
+        "(+ 0), so each includes its own routing and regrouping work.",
         "- **payload** = T·k·H·bytes per rank (every routed row, its own included). **peer GB/s** = bytes each "
         "rank sends to other ranks (mean over ranks) / median time. **alg GB/s** = payload / median time. The "
         "moe round trip moves the payload twice (dispatch and combine) and counts it twice.",
@@ -746,7 +737,6 @@ def main(argv=None):
     bad = [t for t in args.transports if choices and t != "default" and t not in choices]
     if bad:
         parser.error(f"--transports {bad}: this jax_ncclx accepts {', '.join(choices)} (or default)")
-    moe, moe_reason = load_moe() if set(MOE_VARIANTS) & set(args.variants) else (None, "not requested")
     log(f"{n} × {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}, NCCL "
         f"{meta['nccl_version']}, commit {(meta['git'] or {}).get('commit', '?')[:12]}")
     log(f"T = {args.tokens}, hidden {args.hidden} {args.dtype}, top-{args.top_k} of {n * args.experts_per_rank} "
@@ -754,8 +744,6 @@ def main(argv=None):
     if len(args.transports) > 1 and choices is None:
         log.warn("this jax_ncclx has no transport setting: JAX_NCCLX_TRANSPORT changes nothing, the transports "
                  "will time the same code")
-    if moe is None and set(MOE_VARIANTS) & set(args.variants):
-        log(f"jax_ncclx.moe: {moe_reason}; recorded as unavailable")
     for var in ("NCCL_NVLS_ENABLE", "NCCL_NVLINK_MULTICAST_ENABLE"):
         if os.environ.get(var) != "0":
             log.warn(f"{var}={os.environ.get(var)!r}: NVLink multicast must stay off on the shared machines")
@@ -768,7 +756,7 @@ def main(argv=None):
     original_transport = os.environ.get("JAX_NCCLX_TRANSPORT")
     try:
         for tokens in args.tokens:
-            run_size(tokens, mesh, args, moe, moe_reason, log, table, rows, sizes)
+            run_size(tokens, mesh, args, log, table, rows, sizes)
     except BaseException as e:
         log(f"ABORTED at T={sizes[-1]['tokens'] if sizes else '?'}: {short(e)}; writing the rows so far")
         write(args, meta, config, rows, sizes, log, aborted=short(e))
