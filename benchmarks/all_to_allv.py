@@ -5,7 +5,9 @@ shapes). For each T (tokens per rank) the routing is that of an MoE layer: each 
 E = experts_per_rank * N experts at random (fixed seed), its T*k rows are sorted by expert (so grouped by the
 rank that owns the expert), and send_counts is [N, E/N]. The capacity C is the most rows any rank sends any
 peer in that routing, so nothing is dropped. Every op is timed per op inside jax.jit(jax.shard_map(...)) as a
-chain of --unroll dependent ops per call; results go to <out>/all_to_allv.{json,md,png}.
+chain of dependent ops per call (--unroll; by default 50, or 10 where the padded buffer passes 64 MB, so that
+the host's dispatch of a call, ~100 µs on 4 GPUs, hides behind the GPUs' work on the previous call); results
+go to <out>/all_to_allv.{json,md,png}.
 
     python benchmarks/all_to_allv.py                        # T = 16, 128, 4096 on all GPUs
     python benchmarks/all_to_allv.py --sweep                # plus T = 16 .. 8192, powers of 2
@@ -39,6 +41,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ncclx as nx  # noqa: E402
 from jax_ncclx import moe  # noqa: E402
+from jax_ncclx._src import config as nx_config  # noqa: E402
 
 AXIS = "ep"
 NAME = "all_to_allv"
@@ -51,7 +54,6 @@ DEFAULTS = {  # (GPU run, --smoke); a flag given on the command line wins
     "top_k": (8, 4),
     "experts_per_rank": (8, 2),
     "iters": (20, 3),
-    "unroll": (10, 3),
     "pipeline": (10, 2),
     "max_seconds": (1.0, 0.2),
 }
@@ -65,6 +67,7 @@ VARIANTS = {  # key: (label, times the payload moves per op)
     "nx_moe_dispatch": ("nx moe dispatch", 1),
     "nx_moe_combine": ("nx moe combine", 1),
 }
+LONG_OP_BYTES = 64 * 2**20  # padded buffers past this take ~0.2 ms per op or more: 10 ops per call
 MOE_VARIANTS = ("nx_moe", "nx_moe_dispatch", "nx_moe_combine")
 BASELINES = ("xla_all_to_all", "xla_ragged", "xla_ragged_counts")
 TABLE = [  # (key, header, width, format) of the progress table
@@ -414,7 +417,8 @@ def parse_args(argv=None):
                         "smoke 2)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--iters", type=int, help="the most timed calls per variant (default 20; smoke 3)")
-    parser.add_argument("--unroll", type=int, help="dependent ops per jitted call (default 10; smoke 3)")
+    parser.add_argument("--unroll", type=int, help="dependent ops per jitted call (default 50, or 10 where the "
+                        "padded buffer passes 64 MB; smoke 3)")
     parser.add_argument("--pipeline", type=int, help="calls per timed sample, dispatched back to back before one "
                         "wait, so dispatch overlaps the GPUs' work (default 10; smoke 2; 1 = wait after every "
                         "call, which adds one dispatch and one wait per call to the time of its ops)")
@@ -459,7 +463,7 @@ def parse_args(argv=None):
 def set_transport(transport):
     """Sets JAX_NCCLX_TRANSPORT ("default": unset), which jax_ncclx reads when it lowers a collective, and when
     that changes it drops JAX's caches so the programs compiled next see it. Returns the transport in force
-    (the package's own default spelled out when it can be read)."""
+    (the package's own default spelled out)."""
     before = os.environ.get("JAX_NCCLX_TRANSPORT")
     if transport == "default":
         os.environ.pop("JAX_NCCLX_TRANSPORT", None)
@@ -467,30 +471,7 @@ def set_transport(transport):
         os.environ["JAX_NCCLX_TRANSPORT"] = transport
     if os.environ.get("JAX_NCCLX_TRANSPORT") != before:
         jax.clear_caches()
-    try:
-        from jax_ncclx._src import config
-        return config.current().transport
-    except Exception:  # noqa: BLE001 - a jax_ncclx without the setting
-        return transport
-
-
-def transport_choices():
-    """The transports this jax_ncclx accepts, or None when it has no transport setting."""
-    try:
-        from jax_ncclx._src import config
-        return tuple(config.TRANSPORTS) if "transport" in {f.name for f in dataclasses.fields(config.Config)} \
-            else None
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def ncclx_state() -> dict:
-    """jax_ncclx's symmetric memory per communicator (the `path` column shows which transport ran; a fallback
-    to NCCL is logged with its reason)."""
-    try:
-        return {"memory": nx.memory_stats()}
-    except Exception as e:  # noqa: BLE001 - a jax_ncclx without memory_stats
-        return {"error": short(e)}
+    return nx_config.current().transport
 
 
 def status_of(error: Exception) -> str:
@@ -527,14 +508,25 @@ def add_speedups(row, baselines):
         row[f"vs_{key}"] = base["median_us"] / row["median_us"] if base and base["status"] == "ok" else None
 
 
+def default_unroll(size, smoke):
+    """Ops per jitted call: enough that one call's GPU time hides the host's dispatch of the next (~100 µs
+    on 4 GPUs, ~225 on 8: with 10 ops per call that floor alone is 10-20 µs per op), and few where each op
+    takes long, to bound the run time."""
+    if smoke:
+        return 3
+    return 10 if size["padded_bytes"] > LONG_OP_BYTES else 50
+
+
 def run_size(tokens, mesh, args, log, table, rows, sizes):
     n = args.num_devices
     routing = make_routing(n, tokens, args.top_k, args.experts_per_rank, args.seed)
     size = sizes_of(routing, tokens, args.hidden, args.top_k, np.dtype(DTYPES[args.dtype]).itemsize)
     sizes.append(size)
+    args = argparse.Namespace(**{**vars(args), "unroll": args.unroll or default_unroll(size, args.smoke)})
+    size["unroll"] = args.unroll
     log(f"T={tokens}: {size['rows_per_rank']} rows/rank, C={routing.capacity}, payload "
         f"{size['payload_bytes'] / 1e6:.2f} MB/rank ({size['peer_bytes'] / 1e6:.2f} MB to peers), padded "
-        f"buffer {size['padded_bytes'] / 1e6:.2f} MB/rank")
+        f"buffer {size['padded_bytes'] / 1e6:.2f} MB/rank, {args.unroll} ops per call")
     arrays = make_inputs(mesh, routing, tokens, args.hidden, DTYPES[args.dtype], args.seed)
     baselines = {}
 
@@ -635,7 +627,14 @@ TRACE_COLUMNS = [  # with --device-trace: (key, markdown header, progress-table 
 ]
 
 
+def ops_per_call(config: dict, sizes: list) -> str:
+    """How many ops one jitted call ran: --unroll, or the per-T default (older results: config only)."""
+    counts = sorted({s.get("unroll", config["unroll"]) for s in sizes} - {None}, reverse=True)
+    return config["unroll"] or " or ".join(map(str, counts)) or "?"
+
+
 def notes(config: dict, sizes: list) -> str:
+    unroll = ops_per_call(config, sizes)
     lines = [
         f"MoE token shuffle on one mesh axis of {config['num_devices']} devices: T tokens per rank, hidden "
         f"{config['hidden']} {config['dtype']}, top-{config['top_k']} over "
@@ -643,9 +642,10 @@ def notes(config: dict, sizes: list) -> str:
         f"send_counts [N, {config['experts_per_rank']}]), random routing (seed {config['seed']}). C = the most "
         "rows any rank sends any peer, so nothing is dropped.",
         "",
-        f"- **µs/op**: one jitted call runs {config['unroll']} dependent ops and a timed sample dispatches "
+        f"- **µs/op**: one jitted call runs {unroll} dependent ops (see *ops/call* below) and a timed sample "
+        "dispatches "
         f"{config.get('pipeline', 1)} calls back to back before waiting once (fewer for slow variants, see the "
-        f"JSON's `pipeline`); time per sample / (calls · {config['unroll']}), "
+        "JSON's `pipeline`); time per sample / (calls · ops/call), "
         f"median and min over `reps` samples (at most {config['iters']}, fewer once a variant has spent "
         f"{config['max_seconds']} s). Chaining: jax_ncclx and ragged_all_to_all take their next send counts from "
         "one element of the op's output (+ 0, one tiny integer kernel per op, included in their time); "
@@ -663,16 +663,17 @@ def notes(config: dict, sizes: list) -> str:
         "sizes come from the host, *+ count a2a*: the receive sizes come from a `lax.all_to_all` of the send "
         "sizes in every op (what a layer that knows only its own counts must do).",
         "",
-        "| T | rows/rank | C | payload MB/rank | to peers MB/rank | padded buffer MB/rank |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| T | rows/rank | C | payload MB/rank | to peers MB/rank | padded buffer MB/rank | ops/call |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for s in sizes:
         lines.append(f"| {s['tokens']} | {s['rows_per_rank']} | {s['capacity']} | {s['payload_bytes'] / 1e6:.2f} | "
-                     f"{s['peer_bytes'] / 1e6:.2f} | {s['padded_bytes'] / 1e6:.2f} |")
+                     f"{s['peer_bytes'] / 1e6:.2f} | {s['padded_bytes'] / 1e6:.2f} | "
+                     f"{s.get('unroll', config['unroll'])} |")
     return "\n".join(lines)
 
 
-def plotter(meta, config):
+def plotter(meta, config, sizes):
     def plot(plt, rows):
         figure, (latency, bandwidth) = plt.subplots(1, 2, figsize=(14, 5.5))
         colors = {variant: f"C{i}" for i, variant in enumerate(VARIANTS)}
@@ -702,14 +703,14 @@ def plotter(meta, config):
         figure.suptitle(f"MoE token shuffle, {meta.get('num_devices')} × {meta.get('device_kind')}: hidden "
                         f"{config['hidden']} {config['dtype']}, top-{config['top_k']} of "
                         f"{meta.get('num_devices', 0) * config['experts_per_rank']} experts, "
-                        f"{config['unroll']} dependent ops per call")
+                        f"{ops_per_call(config, sizes)} dependent ops per call")
         return figure
     return plot
 
 
 def write(args, meta, config, rows, sizes, log, **extra):
     return common.write_results(
-        args.name, rows, meta, plotter(meta, config), out_dir=args.out,
+        args.name, rows, meta, plotter(meta, config, sizes), out_dir=args.out,
         columns=MD_COLUMNS + ([(key, header, fmt) for key, header, _, fmt in TRACE_COLUMNS]
                               if config.get("device_trace") else []),
         title="all_to_allv_dynamic vs XLA: MoE token shuffle", notes=notes(config, sizes),
@@ -732,18 +733,13 @@ def main(argv=None):
     args.num_devices = n = config["num_devices"] = len(devices)
     if args.top_k > n * args.experts_per_rank:
         parser.error(f"--top-k {args.top_k} is more than the {n * args.experts_per_rank} experts")
-    choices = transport_choices()
-    config["transport_choices"] = choices
-    bad = [t for t in args.transports if choices and t != "default" and t not in choices]
+    bad = [t for t in args.transports if t != "default" and t not in nx_config.TRANSPORTS]
     if bad:
-        parser.error(f"--transports {bad}: this jax_ncclx accepts {', '.join(choices)} (or default)")
+        parser.error(f"--transports {bad}: jax_ncclx accepts {', '.join(nx_config.TRANSPORTS)} (or default)")
     log(f"{n} × {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}, NCCL "
         f"{meta['nccl_version']}, commit {(meta['git'] or {}).get('commit', '?')[:12]}")
     log(f"T = {args.tokens}, hidden {args.hidden} {args.dtype}, top-{args.top_k} of {n * args.experts_per_rank} "
-        f"experts, unroll {args.unroll}, transports {args.transports}, variants {args.variants}")
-    if len(args.transports) > 1 and choices is None:
-        log.warn("this jax_ncclx has no transport setting: JAX_NCCLX_TRANSPORT changes nothing, the transports "
-                 "will time the same code")
+        f"experts, unroll {args.unroll or 'by size'}, transports {args.transports}, variants {args.variants}")
     for var in ("NCCL_NVLS_ENABLE", "NCCL_NVLINK_MULTICAST_ENABLE"):
         if os.environ.get(var) != "0":
             log.warn(f"{var}={os.environ.get(var)!r}: NVLink multicast must stay off on the shared machines")
@@ -764,7 +760,7 @@ def main(argv=None):
     finally:
         set_transport(original_transport or "default")
     meta["elapsed_s"] = round(log.elapsed(), 1)
-    meta["jax_ncclx_state"] = ncclx_state()
+    meta["jax_ncclx_state"] = {"memory": nx.memory_stats()}
     write(args, meta, config, rows, sizes, log)
     log(f"done in {meta['elapsed_s']} s")
     failed = [f"{r['variant']} [{r['transport']}] T={r['tokens']}" for r in rows

@@ -26,9 +26,9 @@ ALGORITHMS = {  # param -> (one-shot max bytes, NVLink max bytes)
     "one-shot": (EVERYTHING, EVERYTHING),
     "two-shot": ("0", EVERYTHING),
 }
-# Elements per rank: one, odd counts (scalar path, short last chunks), 16 KiB of f32 (the largest one-shot call
-# sent as low-latency words), a few blocks, many blocks.
-ELEMENTS = [1, 3, 4096, 4099, 65544, 300001]
+# Elements per rank: one, odd counts (scalar path, short last chunks), 16 and 64 KiB of f32 (64 KiB: the largest
+# one-shot call sent as low-latency words), a few blocks, many blocks.
+ELEMENTS = [1, 3, 4096, 4099, 16384, 65544, 300001]
 REDUCE_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32]
 MOVE_DTYPES = [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn]
 
@@ -124,7 +124,7 @@ def test_all_gather(gpus, nvlink_any_size, dtype, elements):
         assert_bits_equal(out[rank], x.reshape(-1))
 
 
-@pytest.mark.parametrize("block", [1, 5, 1025, 16384])
+@pytest.mark.parametrize("block", [1, 5, 1025, 16384, 16385])  # 16384 f32: 64 KiB per peer, the largest in words
 @pytest.mark.parametrize("dtype", MOVE_DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_all_to_all(gpus, nvlink_any_size, dtype, block):
     n = len(gpus)

@@ -9,6 +9,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
@@ -147,6 +148,19 @@ ffi::Error ReleaseCounts(const GpuCall& call, const ffi::Buffer<ffi::S32>& count
 }
 
 // The arguments both transports' handlers start with.
+// NvlinkAllToAllvBlocksPerSm, asked once: every GPU of a process runs the same kernels (the lent machines and
+// the clusters this targets have one GPU model per host).
+ffi::ErrorOr<int> KernelBlocksPerSm() {
+  static std::atomic<int> known{0};
+  if (const int cached = known.load(std::memory_order_relaxed); cached > 0) return cached;
+  int per_sm = 0;
+  NCCLX_RETURN_IF_ERROR(CheckCuda(kOp, "cudaOccupancyMaxActiveBlocksPerMultiprocessor",
+                                  NvlinkAllToAllvBlocksPerSm(&per_sm)));
+  if (per_sm < 1) return Internal(kOp, "the NVLink kernel fits no block on an SM of this GPU");
+  known.store(per_sm, std::memory_order_relaxed);
+  return per_sm;
+}
+
 auto BindAllToAllv() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
@@ -244,7 +258,9 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
   if (shape->batch == 0) return ffi::Error::Success();
   ffi::ErrorOr<int> sm_count = SmCount(kOp, device_ordinal);
   if (sm_count.has_error()) return sm_count.error();
-  const NvlinkGrid grid = ChooseNvlinkGrid(*shape, static_cast<int>(blocks), *sm_count);
+  ffi::ErrorOr<int> per_sm = KernelBlocksPerSm();
+  if (per_sm.has_error()) return per_sm.error();
+  const NvlinkGrid grid = ChooseNvlinkGrid(*shape, static_cast<int>(blocks), *sm_count, *sm_count * *per_sm);
 
   NvlinkAllToAllvArgs args;
   args.shape = *shape;

@@ -76,12 +76,17 @@ struct NvlinkAllToAllvArgs {
 // fault (monitor.h).
 cudaError_t LaunchCorruptCounts(const int32_t* counts, int32_t* out, int64_t n, cudaStream_t stream);
 
-// Blocks and pieces per peer for a call: `requested_blocks` (0 = by size), never more than one per SM.
+// Blocks and pieces per peer for a call. By size (requested_blocks = 0) at most one block per SM; a request
+// may use up to `resident_blocks`, the most that fit on the GPU at once (every block must be resident, since
+// blocks wait on each other's peers).
 struct NvlinkGrid {
   int blocks = 1;
   int groups = 1;
 };
-NvlinkGrid ChooseNvlinkGrid(const AllToAllvShape& shape, int requested_blocks, int sm_count);
+NvlinkGrid ChooseNvlinkGrid(const AllToAllvShape& shape, int requested_blocks, int sm_count, int resident_blocks);
+
+// How many blocks of the NVLink kernel fit on one SM of the current device (the fewest over its variants).
+cudaError_t NvlinkAllToAllvBlocksPerSm(int* blocks);
 
 // Launches the NVLink kernel with `blocks` blocks (from ChooseNvlinkGrid, whose groups must be in args).
 cudaError_t LaunchNvlinkAllToAllv(const NvlinkAllToAllvArgs& args, int blocks, cudaStream_t stream);

@@ -387,19 +387,34 @@ NvlinkStagingLayout LayOutNvlinkStaging(const AllToAllvShape& shape, bool direct
   return layout;
 }
 
-NvlinkGrid ChooseNvlinkGrid(const AllToAllvShape& shape, int requested_blocks, int sm_count) {
+NvlinkGrid ChooseNvlinkGrid(const AllToAllvShape& shape, int requested_blocks, int sm_count, int resident_blocks) {
   const int64_t slot_bytes = shape.batch * shape.capacity * shape.row_bytes;
   const int64_t peers = std::max<int64_t>(1, shape.num_peers);
   int64_t blocks = requested_blocks > 0
                        ? requested_blocks
                        : peers * std::clamp<int64_t>((slot_bytes + kMinBytesPerPiece - 1) / kMinBytesPerPiece, 1,
                                                      kMaxFlagGroups);
-  // Every block must be resident at once (blocks wait on each other's peers), so at most one per SM.
-  blocks = std::clamp<int64_t>(blocks, 1, std::max(1, sm_count));
+  // Every block must be resident at once (blocks wait on each other's peers). By size, one per SM: more did
+  // not move the rows faster in the block sweeps (benchmarks/results/nvlink_blocks_4gpu).
+  blocks = std::clamp<int64_t>(blocks, 1, std::max(1, requested_blocks > 0 ? resident_blocks : sm_count));
   NvlinkGrid grid;
   grid.groups = static_cast<int>(std::clamp<int64_t>((blocks + peers - 1) / peers, 1, kMaxFlagGroups));
   grid.blocks = static_cast<int>(blocks);
   return grid;
+}
+
+cudaError_t NvlinkAllToAllvBlocksPerSm(int* blocks) {
+  int fewest = 0;
+  for (const void* kernel : {reinterpret_cast<const void*>(NvlinkAllToAllvKernel<uint4>),
+                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<uint32_t>),
+                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<uint8_t>)}) {
+    int fit = 0;
+    const cudaError_t status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, kThreads, 0);
+    if (status != cudaSuccess) return status;
+    fewest = fewest == 0 ? fit : std::min(fewest, fit);
+  }
+  *blocks = fewest;
+  return cudaSuccess;
 }
 
 cudaError_t LaunchNvlinkAllToAllv(const NvlinkAllToAllvArgs& args, int blocks, cudaStream_t stream) {

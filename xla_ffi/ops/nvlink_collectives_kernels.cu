@@ -29,10 +29,13 @@ namespace {
 constexpr int kThreads = 512;
 // Bytes of one slot range that justify another block: below this, flags cost more than the copy.
 constexpr int64_t kBytesPerBlock = 8 * 1024;
+// Low-latency words need no flags, so blocks are sized to give each thread about one word per source.
+constexpr int64_t kWordsPerBlock = kThreads;
 // Two-shot: the all-gather phase uses flags [kGatherFlag, kGatherFlag + blocks).
 constexpr int kGatherFlag = kMaxTwoShotBlocks;
-// One-shot segments up to this size travel as low-latency words.
-constexpr int64_t kLowLatencyMaxBytes = 16 * 1024;
+// One-shot segments up to this size travel as low-latency words: twice the bytes, but no fence and no flag
+// on the critical path, which is what a call of this size waits for.
+constexpr int64_t kLowLatencyMaxBytes = 64 * 1024;
 
 int64_t Align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
@@ -273,6 +276,28 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(Call call, TraceKernel
 
 __device__ __forceinline__ uint32_t Tag(uint64_t epoch) { return 1 + static_cast<uint32_t>(epoch % 0xffffffffull); }
 
+// Word i of every peer's slot on this rank, into values[peer] (values[me] is left alone). The loads of all
+// peers go out together, so a thread pays one memory latency, not one per peer; only words that had not
+// landed yet are polled again.
+__device__ __forceinline__ void ReadWords(const Call& call, Patience& patience, int parity, uint32_t tag, int64_t i,
+                                          uint32_t* values) {
+  const int n = call.args.size;
+  const int me = call.args.rank;
+  uint64_t seen[kMaxNvlinkRanks];
+#pragma unroll
+  for (int s = 0; s < kMaxNvlinkRanks; ++s) {
+    if (s < n && s != me) seen[s] = LoadRelaxed(Slot<uint64_t>(call, me, parity, s) + i);
+  }
+#pragma unroll
+  for (int s = 0; s < kMaxNvlinkRanks; ++s) {
+    if (s < n && s != me) {
+      values[s] = static_cast<uint32_t>(seen[s] >> 32) == tag
+                      ? static_cast<uint32_t>(seen[s])
+                      : patience.Word(Slot<uint64_t>(call, me, parity, s) + i, tag, s);
+    }
+  }
+}
+
 // One-shot with low-latency words: x and y are read and written as 4-byte words.
 template <typename Op>
 __global__ void __launch_bounds__(kThreads) OneShotWordsKernel(Call call, TraceKernel kernel) {
@@ -281,7 +306,7 @@ __global__ void __launch_bounds__(kThreads) OneShotWordsKernel(Call call, TraceK
   const uint64_t epoch = state.epoch;
   const int parity = state.parity;
   CallTrace& trace = state.trace;
-  const uint64_t tag = Tag(epoch);
+  const uint32_t tag = Tag(epoch);
   const int n = args.size;
   const int me = args.rank;
   const bool scatter = args.op == NvlinkCollective::kAllToAll;
@@ -295,24 +320,22 @@ __global__ void __launch_bounds__(kThreads) OneShotWordsKernel(Call call, TraceK
     const int peer = (me + k) % n;
     uint64_t* slot = Slot<uint64_t>(call, peer, parity, me);
     const uint32_t* source = x + (scatter ? peer * words : 0);
-    for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) StoreRelaxed(slot + i, tag << 32 | source[i]);
+    for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
+      StoreRelaxed(slot + i, static_cast<uint64_t>(tag) << 32 | source[i]);
+    }
   }
   if (threadIdx.x == 0) trace.Sent();
   for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
+    uint32_t values[kMaxNvlinkRanks];
+    ReadWords(call, state.patience, parity, tag, i, values);
     if constexpr (Op::kMoves) {
       y[me * words + i] = x[(scatter ? me * words : 0) + i];
       for (int k = 1; k < n; ++k) {
         const int source = (me + k) % n;
-        y[source * words + i] =
-            state.patience.Word(Slot<uint64_t>(call, me, parity, source) + i, static_cast<uint32_t>(tag), source);
+        y[source * words + i] = values[source];
       }
     } else {
-      uint32_t values[kMaxNvlinkRanks];
-      for (int s = 0; s < n; ++s) {
-        values[s] = s == me ? x[i]
-                            : state.patience.Word(Slot<uint64_t>(call, me, parity, s) + i,
-                                                  static_cast<uint32_t>(tag), s);
-      }
+      values[me] = x[i];
       y[i] = Op::Words(values, n);
     }
   }
@@ -428,7 +451,8 @@ int ChooseNvlinkCollectiveBlocks(const NvlinkCollectiveArgs& args, int requested
   const SlotLayout slots = LayOutSlots(args.op, args.algorithm, args.bytes, args.size, args.element_bytes);
   const bool two_shot = args.algorithm == NvlinkAlgorithm::kTwoShot;
   const int64_t range_bytes = two_shot ? slots.chunk_bytes : slots.segment_bytes;
-  const int64_t by_size = (range_bytes + kBytesPerBlock - 1) / kBytesPerBlock;
+  const int64_t by_size = slots.low_latency ? (range_bytes / 4 + kWordsPerBlock - 1) / kWordsPerBlock
+                                            : (range_bytes + kBytesPerBlock - 1) / kBytesPerBlock;
   const int64_t cap = std::min(two_shot ? kMaxTwoShotBlocks : kMaxOneShotBlocks, std::max(1, sm_count));
   return static_cast<int>(std::clamp<int64_t>(requested > 0 ? requested : by_size, 1, cap));
 }
