@@ -271,6 +271,8 @@ def _combine(t, i, *, out=None, weights=None, handle=None):
     (lambda t, i: _dispatch(t.astype(jnp.int32), i), TypeError, "tokens must have a float dtype"),
     (lambda t, i: _dispatch(t, i.astype(jnp.float32)), TypeError, "expert_ids must have an integer dtype"),
     (lambda t, i: _dispatch(t, i[:1]), ValueError, r"expert_ids must be \[T, k\] with T = 2"),
+    (lambda t, i: _dispatch(t, i, wire_dtype=jnp.bfloat16), ValueError,
+     "wire_dtype must be None, float8_e4m3fn or float8_e5m2"),
     (lambda t, i: _combine(t, i, out=lambda r: r[:3]), ValueError, r"expert_out must be \[N \* capacity, H'\]"),
     (lambda t, i: _combine(t, i, weights=lambda i: i.astype(jnp.float32)[:, :1]), ValueError,
      r"weights must be \[T, k\] = \[2, 2\]"),
@@ -287,3 +289,59 @@ def test_misuse(call, error, message):
 def test_outside_shard_map():
     with pytest.raises(NameError, match="call it inside jax.shard_map"):
         moe.dispatch(jnp.ones((2, 4)), jnp.zeros((2, 1), jnp.int32), num_experts=2, axis_name="x", capacity=1)
+
+
+def fp8_tokens(n, hidden):
+    """[n, T, H] float32 tokens whose first 128-element block is 10^4 times smaller than the rest: one scale
+    per row would flush it to zero, one per block keeps it."""
+    tokens = random_array((n, TOKENS, hidden), jnp.float32)
+    return tokens * np.where(np.arange(hidden) < 128, 1e-4, 1.0).astype(np.float32)
+
+
+@pytest.mark.parametrize("wire_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=lambda d: jnp.dtype(d).name)
+def test_8bit_wire(backend, wire_dtype):
+    """Rows sent as scaled 8-bit floats come back within the format's rounding of the reference, block by
+    block; the routing (group sizes, drops) is the same as in full precision."""
+    n = len(backend)
+    num_experts, hidden = 2 * n, 256
+    tokens = fp8_tokens(n, hidden)
+    ids = random_ids(n, num_experts, seed=8)
+
+    def body(t, i):
+        rows, sizes, handle = moe.dispatch(t[0], i[0], num_experts=num_experts, axis_name="x", capacity=TIGHT,
+                                           wire_dtype=wire_dtype)
+        return rows[None], sizes[None], handle.dropped[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=line_mesh(backend), in_specs=(P("x"),) * 2, out_specs=P("x")))
+    rows, sizes, dropped = (np.asarray(o) for o in f(tokens, ids))
+    assert rows.dtype == np.float32
+    rounding = 2.0 ** -(jnp.finfo(wire_dtype).nmant + 1)  # half a unit in the last place, relative
+    expected, _ = reference_dispatch(tokens, ids, num_experts, TIGHT)
+    for member, (ref_rows, ref_sizes, ref_dropped) in enumerate(expected):
+        np.testing.assert_array_equal(sizes[member], ref_sizes)
+        np.testing.assert_array_equal(dropped[member], ref_dropped)
+        for block in (slice(0, 128), slice(128, hidden)):
+            got, ref = rows[member][:, block], ref_rows[:, block]
+            np.testing.assert_allclose(got, ref, rtol=rounding, atol=np.abs(ref).max() * 2.0 ** -14)
+            assert np.count_nonzero(got) == np.count_nonzero(ref)  # the small block is not flushed to zero
+
+
+def test_8bit_wire_gradient_is_straight_through(backend):
+    """The backward pass of a dispatch with an 8-bit wire is that of the full-precision one."""
+    n = len(backend)
+    num_experts, hidden = 2 * n, 256
+    tokens = fp8_tokens(n, hidden)
+    ids = random_ids(n, num_experts, seed=9)
+    probe = random_array((n, n * AMPLE, hidden), jnp.float32, seed=10)
+
+    def grads(wire_dtype):
+        def loss(t, i, c):
+            rows, _, _ = moe.dispatch(t, i, num_experts=num_experts, axis_name="x", capacity=AMPLE,
+                                      wire_dtype=wire_dtype)
+            return jax.lax.psum((rows * c).sum(), "x")
+
+        step = jax.shard_map(jax.grad(loss), mesh=line_mesh(backend), in_specs=(P("x"),) * 3, out_specs=P("x"))
+        return np.asarray(jax.jit(step)(tokens.reshape(n * TOKENS, hidden), ids.reshape(n * TOKENS, TOP_K),
+                                        probe.reshape(-1, hidden)))
+
+    np.testing.assert_array_equal(grads(jnp.float8_e4m3fn), grads(None))
