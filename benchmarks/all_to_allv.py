@@ -66,9 +66,15 @@ VARIANTS = {  # key: (label, times the payload moves per op)
     "nx_moe": ("nx moe dispatch+combine", 2),
     "nx_moe_dispatch": ("nx moe dispatch", 1),
     "nx_moe_combine": ("nx moe combine", 1),
+    "nx_moe_fp8": ("nx moe dispatch+combine, fp8 dispatch wire", 2),
+    "nx_moe_dispatch_fp8": ("nx moe dispatch, fp8 wire", 1),
 }
 LONG_OP_BYTES = 64 * 2**20  # padded buffers past this take ~0.2 ms per op or more: 10 ops per call
-MOE_VARIANTS = ("nx_moe", "nx_moe_dispatch", "nx_moe_combine")
+MOE_VARIANTS = ("nx_moe", "nx_moe_dispatch", "nx_moe_combine", "nx_moe_fp8", "nx_moe_dispatch_fp8")
+FP8_WIRE = jnp.float8_e4m3fn  # the *_fp8 variants: moe.dispatch(wire_dtype=FP8_WIRE)
+# Largest round-trip error (relative to max |token|) accepted before timing, by dispatch wire: bf16 tokens
+# round once per op; e4m3 keeps each value within 2^-4 of itself, and the weights sum to 1.
+ROUND_TRIP_TOLERANCE = {None: 5e-2, FP8_WIRE: 8e-2}
 BASELINES = ("xla_all_to_all", "xla_ragged", "xla_ragged_counts")
 TABLE = [  # (key, header, width, format) of the progress table
     ("tokens", "T", 5, "d"), ("variant", "variant", 17, ""), ("transport", "transport", 9, ""),
@@ -230,21 +236,28 @@ def ragged_chain(x, in_offsets, send_sizes, out_offsets, recv_sizes, *, capacity
     return send_sizes
 
 
-def moe_round_trip(tokens, expert_ids, weights, *, num_experts, capacity):
-    rows, _, handle = moe.dispatch(tokens, expert_ids, num_experts=num_experts, axis_name=AXIS, capacity=capacity)
+def wire_of(variant):
+    """The dispatch wire dtype of a moe variant (None: the tokens' own)."""
+    return FP8_WIRE if variant.endswith("_fp8") else None
+
+
+def moe_round_trip(tokens, expert_ids, weights, *, num_experts, capacity, wire_dtype=None):
+    rows, _, handle = moe.dispatch(tokens, expert_ids, num_experts=num_experts, axis_name=AXIS, capacity=capacity,
+                                   wire_dtype=wire_dtype)
     return moe.combine(rows, handle, weights)
 
 
-def moe_chain(tokens, expert_ids, weights, *, num_experts, capacity, unroll):
+def moe_chain(tokens, expert_ids, weights, *, num_experts, capacity, wire_dtype, unroll):
     for _ in range(unroll):  # the weights sum to 1 per token, so the tokens come back (about) unchanged
-        tokens = moe_round_trip(tokens, expert_ids, weights, num_experts=num_experts,
-                                capacity=capacity).astype(tokens.dtype)
+        tokens = moe_round_trip(tokens, expert_ids, weights, num_experts=num_experts, capacity=capacity,
+                                wire_dtype=wire_dtype).astype(tokens.dtype)
     return tokens
 
 
-def moe_dispatch_chain(tokens, expert_ids, *, num_experts, capacity, unroll):
+def moe_dispatch_chain(tokens, expert_ids, *, num_experts, capacity, wire_dtype, unroll):
     for _ in range(unroll):  # each dispatch routes again from the expert ids that the last one tied to its rows
-        rows, _, _ = moe.dispatch(tokens, expert_ids, num_experts=num_experts, axis_name=AXIS, capacity=capacity)
+        rows, _, _ = moe.dispatch(tokens, expert_ids, num_experts=num_experts, axis_name=AXIS, capacity=capacity,
+                                  wire_dtype=wire_dtype)
         expert_ids = tie(expert_ids, rows)
     return expert_ids
 
@@ -280,13 +293,13 @@ def chain_and_args(variant, mesh, arrays, routing, args):
         fn = functools.partial(ragged_chain, capacity=capacity, exchange_counts=variant == "xla_ragged_counts",
                                unroll=unroll)
         return per_rank(mesh, fn, 5), ("x", "in_offsets", "send_sizes", "out_offsets", "recv_sizes"), False
-    if variant == "nx_moe":
+    if variant in ("nx_moe", "nx_moe_fp8"):
         fn = functools.partial(moe_chain, num_experts=routing.counts.shape[0] * args.experts_per_rank,
-                               capacity=capacity, unroll=unroll)
+                               capacity=capacity, wire_dtype=wire_of(variant), unroll=unroll)
         return per_rank(mesh, fn, 3, donate_argnums=0), ("tokens", "expert_ids", "weights"), True
-    if variant == "nx_moe_dispatch":
+    if variant in ("nx_moe_dispatch", "nx_moe_dispatch_fp8"):
         fn = functools.partial(moe_dispatch_chain, num_experts=routing.counts.shape[0] * args.experts_per_rank,
-                               capacity=capacity, unroll=unroll)
+                               capacity=capacity, wire_dtype=wire_of(variant), unroll=unroll)
         return per_rank(mesh, fn, 2), ("tokens", "expert_ids"), False
     if variant == "nx_moe_combine":
         fn = functools.partial(moe_combine_chain, unroll=unroll)
@@ -388,10 +401,10 @@ def verify_ragged(mesh, arrays, routing):
     return np.asarray(per_rank(mesh, body, 6)(*(arrays[k] for k in names))).tolist()
 
 
-def verify_moe(mesh, arrays, routing, experts_per_rank):
+def verify_moe(mesh, arrays, routing, experts_per_rank, wire_dtype):
     """Largest |combine(dispatch(t)) - t * sum(weights)| relative to max |t| (the weights sum to 1)."""
     fn = functools.partial(moe_round_trip, num_experts=routing.counts.shape[0] * experts_per_rank,
-                           capacity=routing.capacity)
+                           capacity=routing.capacity, wire_dtype=wire_dtype)
 
     def body(tokens, expert_ids, weights):
         out = fn(tokens, expert_ids, weights).astype(jnp.float32)
@@ -592,19 +605,25 @@ def moe_rows(variants, mesh, arrays, routing, args, transport, size, log):
     """Rows for the requested moe variants, timed once the round trip is verified."""
     if not variants:
         return []
-    try:
-        error = verify_moe(mesh, arrays, routing, args.experts_per_rank)
-    except Exception as e:  # noqa: BLE001 - record the failure and go on
-        log(f"WARNING: jax_ncclx.moe failed: {short(e)}")
-        return [make_row(v, transport, size, args, status="error", message=short(e)) for v in variants]
-    if not error <= 5e-2:
-        log(f"WARNING: jax_ncclx.moe round trip is wrong: max relative error {error:.3g}; not timed")
-        return [make_row(v, transport, size, args, status="mismatch", message=f"max relative error {error:.3g}",
-                         verified=False) for v in variants]
+    failed = {}  # variant -> its row when its wire's round trip failed or was wrong
+    for wire in {wire_of(v) for v in variants}:
+        mine = [v for v in variants if wire_of(v) == wire]
+        try:
+            error = verify_moe(mesh, arrays, routing, args.experts_per_rank, wire)
+        except Exception as e:  # noqa: BLE001 - record the failure and go on
+            log(f"WARNING: jax_ncclx.moe ({wire or 'full precision'}) failed: {short(e)}")
+            failed.update({v: make_row(v, transport, size, args, status="error", message=short(e)) for v in mine})
+            continue
+        if not error <= ROUND_TRIP_TOLERANCE[wire]:
+            log(f"WARNING: jax_ncclx.moe round trip ({wire or 'full precision'}) is wrong: max relative error "
+                f"{error:.3g}; not timed")
+            failed.update({v: make_row(v, transport, size, args, status="mismatch", verified=False,
+                                       message=f"max relative error {error:.3g}") for v in mine})
     inputs = dict(arrays)
-    if "nx_moe_combine" in variants:
+    if "nx_moe_combine" in variants and "nx_moe_combine" not in failed:
         inputs["expert_rows"], inputs["handle"] = moe_handle(mesh, arrays, routing, args)
-    rows = [make_row(v, transport, size, args, time_variant(v, mesh, inputs, routing, args), verified=True)
+    rows = [failed[v] if v in failed else
+            make_row(v, transport, size, args, time_variant(v, mesh, inputs, routing, args), verified=True)
             for v in variants]
     for array in jax.tree.leaves([inputs.get("expert_rows"), inputs.get("handle")]):
         array.delete()
@@ -657,6 +676,9 @@ def notes(config: dict, sizes: list) -> str:
         "rank sends to other ranks (mean over ranks) / median time. **alg GB/s** = payload / median time. The "
         "moe round trip moves the payload twice (dispatch and combine) and counts it twice.",
         "- **speedup** = XLA median / jax_ncclx median (> 1: jax_ncclx is faster).",
+        "- **fp8 wire** rows: `moe.dispatch(wire_dtype=float8_e4m3fn)`, each row travels as H + 4·H/128 bytes "
+        "(0.52× bf16) and is dequantized on arrival; their GB/s columns still count bf16 bytes (effective rates). "
+        "The round trip is checked before timing: within 5e-2 of max |token| in bf16, 8e-2 with the fp8 wire.",
         "- jax_ncclx takes the T·k rows sorted by expert and send_counts [N, K] on the device. "
         "`lax.all_to_all` gets a [N·C, H] buffer padded before timing (it moves N·C rows, padding included). "
         "`lax.ragged_all_to_all` writes into a zeroed [N·C, H] buffer per op; *host sizes*: offsets and receive "
