@@ -96,13 +96,6 @@ class VerificationError(RuntimeError):
     """jax_ncclx gave a different result from jax.lax: the run stops."""
 
 
-def parse_size(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", text.upper())
-    if not match:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 8, 64K, 16M")
-    return int(match.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[match.group(2)]
-
-
 # ---- the ops and their chains (per rank) -------------------------------------------------------------------
 
 def one_op(op: str, impl: str, x):
@@ -361,10 +354,7 @@ def parse_args(argv=None):
     for key, (full, smoke) in DEFAULTS.items():
         if getattr(args, key, None) is None:
             setattr(args, key, smoke if args.smoke else full)
-    try:
-        args.sizes = [parse_size(s) for s in str(args.sizes).split(",") if s.strip()]
-    except argparse.ArgumentTypeError as e:
-        parser.error(str(e))
+    args.sizes = common.byte_sizes(parser, args.sizes, "--sizes")
     args.ops = common.choices(parser, args.ops, OPS, "--ops")
     args.impls = common.choices(parser, args.impls, IMPLS, "--impls")
     if args.unroll < 1 or args.pipeline < 1 or not args.sizes:

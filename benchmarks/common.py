@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import re
 import socket
 import statistics
 import subprocess
@@ -270,6 +271,21 @@ def choices(parser, text, allowed, flag: str) -> list:
     if unknown:
         parser.error(f"{flag}: unknown {unknown}; choose from {list(allowed)}")
     return items
+
+
+def byte_sizes(parser, text, flag: str) -> list:
+    """A comma separated command-line list of byte counts with optional K / M / G suffixes (8, 64K, 16M);
+    anything else ends the script through ``parser.error`` naming ``flag``."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = []
+    for item in str(text).split(","):
+        if not item.strip():
+            continue
+        match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", item.upper())
+        if not match:
+            parser.error(f"{flag}: bad size {item!r}: use e.g. 8, 64K, 16M")
+        sizes.append(int(match.group(1)) * units[match.group(2)])
+    return sizes
 
 
 def start(parser, args, axis: str, skip=()) -> tuple:

@@ -137,7 +137,7 @@ def parse_args(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[2:]))
     parser.add_argument("--smoke", action="store_true", help="8 virtual CPU devices")
-    parser.add_argument("--bytes", default="8", help="bytes per rank, comma separated, K suffix (default 8)")
+    parser.add_argument("--bytes", default="8", help="bytes per rank, comma separated, K/M suffixes (default 8)")
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma separated subset of {','.join(IMPLS)}")
     parser.add_argument("--unroll", type=int, default=20, help="dependent ops per jitted call (default 20)")
     parser.add_argument("--pipeline", type=int, default=10, help="calls per timed sample (default 10)")
@@ -148,11 +148,7 @@ def parse_args(argv=None):
     parser.add_argument("--name", default="launch_floor", help="file stem of the results")
     parser.add_argument("--from-json", type=Path, help="rewrite the .md and .png of an earlier run's JSON")
     args = parser.parse_args(argv)
-    try:
-        args.bytes = [int(b[:-1]) * 1024 if b.upper().endswith("K") else int(b)
-                      for b in args.bytes.split(",") if b.strip()]
-    except ValueError:
-        parser.error(f"--bytes: expected integers with an optional K suffix, got {args.bytes!r}")
+    args.bytes = common.byte_sizes(parser, args.bytes, "--bytes")
     args.impls = common.choices(parser, args.impls, IMPLS, "--impls")
     if args.unroll < 1 or args.pipeline < 1 or not args.bytes or min(args.bytes) < 4:
         parser.error("--unroll and --pipeline must be >= 1, --bytes non-empty and each at least 4")
