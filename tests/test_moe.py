@@ -128,6 +128,47 @@ def test_dropped_pairs_contribute_zero(backend):
     np.testing.assert_array_equal(out[:, 1:], 0)
 
 
+def test_each_token_crosses_once_per_member(backend):
+    """Two members, k = 4 choices among one member's two experts (each twice): a token crosses the wire once
+    per member, tagged with its pairs, so the exchange holds T rows per member rather than T * k, and the
+    member still gets one expert-major row per pair."""
+    n, top_k, num_experts = 2, 4, 4
+    mesh = line_mesh(backend[:n])
+    tokens = random_array((n, TOKENS, HIDDEN), jnp.float32)
+    member = np.random.default_rng(11).integers(0, n, size=(n, TOKENS, 1))
+    ids = (2 * member + np.arange(top_k) % 2).astype(np.int32)  # experts 2m, 2m + 1, 2m, 2m + 1
+    weights = random_array((n, TOKENS, top_k), jnp.float32, seed=12)
+    capacity = TOKENS * top_k
+    rows, sizes, dropped, out = run_dispatch_combine(mesh, tokens, ids, weights, num_experts, capacity)
+    expected, _ = reference_dispatch(tokens, ids, num_experts, capacity)
+    for m, (ref_rows, ref_sizes, _) in enumerate(expected):
+        np.testing.assert_array_equal(rows[m], ref_rows)
+        np.testing.assert_array_equal(sizes[m], ref_sizes)
+    np.testing.assert_allclose(out, (tokens[:, :, None, :] * weights[..., None]).sum(axis=2), rtol=1e-6, atol=1e-6)
+
+    def body(t, i):
+        return moe.dispatch(t, i, num_experts=num_experts, axis_name="x", capacity=capacity)[0]
+
+    jaxpr = jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 2, out_specs=P("x")))(
+        tokens.reshape(-1, HIDDEN), ids.reshape(-1, top_k))
+    exchanges = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "ncclx_all_to_allv_dynamic"]
+    assert len(exchanges) == 1
+    # T * min(k, N) rows (not T * k), each H values and the k int32 tags (4 float32 columns).
+    assert exchanges[0].invars[0].aval.shape == (1, TOKENS * n, HIDDEN + top_k)
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs in its equations' parameters (shard_map, custom_vjp, ...)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from _equations(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _equations(sub)
+
+
 def route(tokens, router):
     logits = jnp.dot(tokens, router, precision=HIGHEST)
     gates, ids = jax.lax.top_k(logits, TOP_K)
