@@ -10,6 +10,9 @@
 #   tests         pytest -m "gpu and not multiprocess" (per-test limit 150 s where pytest-timeout is
 #                 installed, as on the GPU machines; a JUnit XML beside the log)
 #   multiprocess  pytest -m multiprocess (one process per GPU, fault injection)
+#   memcheck      compute-sanitizer --tool memcheck over the adversarial all_to_allv count patterns on GPU
+#                 (tests/test_all_to_allv.py::test_patterns), with rows written straight into the peers'
+#                 outputs and, JAX_NCCLX_NVLINK_DIRECT=0, through the staging slots
 #   startup | collectives | all_to_allv | launch_floor   benchmarks/<step>.py --out OUT_DIR $ARGS_<step>
 #                 (e.g. ARGS_all_to_allv="--experts-per-rank 32 --name all_to_allv_8gpu")
 # Every step writes OUT_DIR/<step>.log (and OUT_DIR/topology.log the GPU links); the last lines of each and the pass/fail counts are printed at the end.
@@ -46,6 +49,10 @@ run_step() {
     build) cmd=("$python" -m pip install --no-build-isolation --no-deps -e .) ;;
     tests) cmd=("${pytest[@]}" -q -m "gpu and not multiprocess" --junitxml "$out/tests.xml" tests) ;;
     multiprocess) cmd=("${pytest[@]}" -v -m multiprocess --junitxml "$out/multiprocess.xml" tests) ;;
+    memcheck)
+      local sanitizer=("$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)" --tool memcheck --error-exitcode 86 --print-limit 20)
+      local cases=("${pytest[@]}" -q -m gpu "tests/test_all_to_allv.py::test_patterns")
+      cmd=(bash -c "${sanitizer[*]} ${cases[*]} && JAX_NCCLX_NVLINK_DIRECT=0 ${sanitizer[*]} ${cases[*]}") ;;
     startup | collectives | all_to_allv | launch_floor)
       local args_var="ARGS_$step" extra
       read -ra extra <<< "${!args_var:-}"
