@@ -182,15 +182,14 @@ def _dispatch(tokens, expert_ids, num_experts, axis_name, capacity, wire_dtype):
     chosen = (expert_ids >= 0) & (expert_ids < num_experts)
     sort_key = jnp.where(chosen, expert_ids, num_experts).reshape(-1)
     order = jnp.argsort(sort_key, stable=True).astype(jnp.int32)
-    send_counts = jnp.bincount(sort_key, length=num_experts + 1)[:num_experts]
+    # A one-hot sum, not jnp.bincount: its scatter-add piles atomics on a few counters (slow on GPUs).
+    send_counts = (sort_key[:, None] == jnp.arange(num_experts)).sum(axis=0)
     send_counts = send_counts.reshape(num_members, -1).astype(jnp.int32)
-    pairs = _route_pairs(order, sort_key[order], send_counts, capacity)
-    send_token, send_tags, token_counts = _unique_sends(pairs.member.reshape(-1, top_k),
-                                                        pairs.tag.reshape(-1, top_k), num_members, capacity)
-    rows = _gather_rows(tokens, send_token)
+    plan = _plan_sends(order, sort_key[order], send_counts, capacity, top_k)
+    rows = _gather_rows(tokens, plan.send_token)
     if wire_dtype is not None:
         rows = _encode(rows, wire_dtype)
-    received, recv_tokens, _ = all_to_allv_dynamic(_attach_tags(rows, send_tags), token_counts, axis_name,
+    received, recv_tokens, _ = all_to_allv_dynamic(_attach_tags(rows, plan.send_tags), plan.token_counts, axis_name,
                                                    max_recv_per_peer=capacity, layout="padded")
     received = received.reshape(-1, received.shape[-1])
     recv_counts, to_expert_major = _place_received(_detach_tags(received, rows.shape[1], top_k), recv_tokens,
@@ -198,7 +197,7 @@ def _dispatch(tokens, expert_ids, num_experts, axis_name, capacity, wire_dtype):
     expert_rows = _gather_rows(received, to_expert_major, width=rows.shape[1])
     if wire_dtype is not None:
         expert_rows = _decode(expert_rows, tokens.shape[1], wire_dtype, tokens.dtype)
-    handle = _make_handle(order, send_counts, recv_counts, pairs, axis_name, capacity, top_k)
+    handle = _make_handle(order, send_counts, recv_counts, plan, axis_name, capacity, top_k)
     return expert_rows, recv_counts.sum(axis=0), handle
 
 
@@ -244,74 +243,71 @@ def _decode(wire_rows, hidden, wire_dtype, dtype):
     return (values.reshape(num_rows, -1, block) * scale[..., None]).reshape(num_rows, hidden).astype(dtype)
 
 
-class _PairRoutes(NamedTuple):
-    """Where this member's (token, choice) pairs go, each ``[T * k]`` int32 in pair order."""
+class _SendPlan(NamedTuple):
+    """What this member sends in ``dispatch`` (S rows, N members, T tokens, k choices), all int32."""
 
-    member: jax.Array       # the member that receives the pair; N if it was dropped or chose no expert
-    tag: jax.Array          # offset * E_local + local expert (see _unique_sends); -1 where member is N
-    return_slot: jax.Array  # member * C + offset among the pairs for that member; N * C where member is N
-    dropped: jax.Array      # [N] pairs for each member past the capacity
+    send_token: jax.Array    # [S] the token of each row: grouped by member, ascending within one; T past the data
+    send_tags: jax.Array     # [S, k] the rows' tags (see _plan_sends)
+    token_counts: jax.Array  # [N] rows for each member
+    return_slot: jax.Array   # [T * k] where each pair's output comes back in combine; N * C if not delivered
+    dropped: jax.Array       # [N] pairs for each member past the capacity
 
 
-def _route_pairs(order, sorted_experts, send_counts, capacity):
-    """Applies the capacity to the pairs, sorted by expert: each member takes the first C pairs for it."""
+def _plan_sends(order, sorted_experts, send_counts, capacity, top_k):
+    """Sends each token once to each member that takes at least one of its pairs (DeepEP's send-once).
+
+    A token that chose two experts of one member crosses the wire once, not twice: for top-8 of 32 experts on
+    4 members about 3.7 rows per token instead of 8. Each member takes the first C of the pairs for it,
+    sorted by expert. The rows' tags (k int32 each) hold, read in row order, the list of the pairs that the
+    member took, in that order: ``row * E_local + local expert``, row counted from the member's first row,
+    then -1. A token has at most k pairs per member, so the list fits, and the receiver places the pairs in the
+    expert-major layout with gathers alone (``_place_received``).
+
+    Args: order, sorted_experts: ``[T * k]`` the pairs sorted by expert, and their experts (E for no expert).
+    Returns: a ``_SendPlan`` with S = min(T * min(k, N), N * C) rows: a member takes at most C pairs.
+    """
     num_members, local_experts = send_counts.shape
+    num_pairs = order.shape[0]
+    num_tokens = num_pairs // top_k
     sent = send_counts.sum(axis=1)
-    first_sent = jnp.cumsum(sent) - sent                         # [N] sorted position of member p's first pair
-    first_of_expert = _exclusive_cumsum(send_counts).reshape(-1)  # [E] the same per expert
-    position = jnp.arange(order.shape[0], dtype=jnp.int32)
+    taken = jnp.minimum(sent, capacity)
+    first_sent = jnp.cumsum(sent) - sent  # where member p's pairs start in the sorted order
+    position = jnp.arange(num_pairs, dtype=jnp.int32)
     member = sorted_experts // local_experts  # num_members for pairs that chose no expert
     chose_expert = member < num_members
-    expert = jnp.minimum(sorted_experts, send_counts.size - 1)
     member = jnp.minimum(member, num_members - 1)
     offset = position - first_sent[member]
     delivered = chose_expert & (offset < capacity)
-    tag = (position - first_of_expert[expert]) * local_experts + expert % local_experts
+    in_pair_order = jnp.zeros_like(order).at[order].set(position)  # sorted position of each pair
+    pair_member = jnp.where(delivered, member, num_members)[in_pair_order].reshape(num_tokens, top_k)
+    return_slot = jnp.where(delivered, member * capacity + offset, num_members * capacity)[in_pair_order]
 
-    def in_pair_order(sorted_values):
-        return jnp.zeros_like(order).at[order].set(sorted_values)
-
-    return _PairRoutes(member=in_pair_order(jnp.where(delivered, member, num_members)),
-                       tag=in_pair_order(jnp.where(delivered, tag, -1)),
-                       return_slot=in_pair_order(jnp.where(delivered, member * capacity + offset,
-                                                           num_members * capacity)),
-                       dropped=jnp.maximum(sent - capacity, 0).astype(jnp.int32))
-
-
-def _unique_sends(pair_member, pair_tag, num_members, capacity):
-    """Each token goes once to each member that takes at least one of its pairs (DeepEP's send-once).
-
-    A token that chose two experts of one member crosses the wire once, not twice: for top-8 of 32 experts on
-    4 members that is about 3.7 rows per token instead of 8. The row carries a tag for each of its k pairs,
-    ``offset * E_local + local expert`` for the pairs that go to this member (offset: the pair's place among
-    this member's pairs for that expert, in send order) and -1 for the others. So the receiver places every
-    pair in the expert-major layout without a sort.
-
-    Args: pair_member, pair_tag: ``[T, k]`` from ``_route_pairs``.
-    Returns: ``(send_token [S], send_tags [S, k], token_counts [N])``: the token of each row to send, grouped
-      by member and ascending within a member (T past the data), the rows' tags, and the rows per member.
-      S = min(T * min(k, N), N * C) bounds the rows: a member takes at most C pairs.
-    """
-    num_tokens, top_k = pair_member.shape
     members = jnp.arange(num_members, dtype=jnp.int32)
-    sends = (pair_member[:, :, None] == members).any(axis=1).T.reshape(-1)  # [N * T] member-major
+    sends = (pair_member[:, :, None] == members).any(axis=1).T  # [N, T]: token t goes to member p
+    flat = sends.reshape(-1)
+    row_of = (jnp.cumsum(flat) - flat).reshape(num_members, num_tokens)  # its row, if it goes
+    token_counts = sends.sum(axis=1).astype(jnp.int32)
+    first_row = jnp.cumsum(token_counts) - token_counts
     num_rows = min(num_tokens * min(top_k, num_members), num_members * capacity)
-    row = jnp.where(sends, jnp.cumsum(sends) - sends, num_rows)
-    send_token = jnp.full(num_rows, num_tokens, jnp.int32).at[row].set(
+    send_token = jnp.full(num_rows, num_tokens, jnp.int32).at[jnp.where(sends, row_of, num_rows).reshape(-1)].set(
         jnp.tile(jnp.arange(num_tokens, dtype=jnp.int32), num_members), mode="drop")
-    send_member = jnp.full(num_rows, num_members, jnp.int32).at[row].set(
-        jnp.repeat(members, num_tokens), mode="drop")
-    token = jnp.minimum(send_token, num_tokens - 1)
-    send_tags = jnp.where(pair_member[token] == send_member[:, None], pair_tag[token], -1)
-    token_counts = sends.reshape(num_members, num_tokens).sum(axis=1).astype(jnp.int32)
-    return send_token, send_tags, token_counts
+
+    # Tag entry first_row[p] * k + o holds member p's o-th pair, the sorted pair first_sent[p] + o.
+    entry = jnp.arange(num_rows * top_k, dtype=jnp.int32)
+    entry_member = (entry[:, None] >= first_row[None, 1:] * top_k).sum(axis=1)
+    o = entry - first_row[entry_member] * top_k
+    pair = jnp.minimum(first_sent[entry_member] + o, num_pairs - 1)
+    row = row_of[entry_member, order[pair] // top_k] - first_row[entry_member]
+    tags = jnp.where(o < taken[entry_member], row * local_experts + sorted_experts[pair] % local_experts, -1)
+    return _SendPlan(send_token=send_token, send_tags=tags.reshape(num_rows, top_k), token_counts=token_counts,
+                     return_slot=return_slot, dropped=jnp.maximum(sent - capacity, 0).astype(jnp.int32))
 
 
 def _place_received(tags, recv_tokens, local_experts, capacity):
-    """Where each received pair goes in the expert-major layout.
+    """Where each received pair goes in the expert-major layout (the tags are described in ``_plan_sends``).
 
     Args:
-      tags: ``[N * C, k]`` the tags of the received rows (padded layout: source i's from row i * C).
+      tags: int32 ``[N * C, k]`` the tags of the received rows (padded layout: source i's from row i * C).
       recv_tokens: ``[N]`` rows each source delivered.
     Returns:
       ``(recv_counts [N, E_local], to_expert_major [N * C])``: pairs per source and local expert, and the
@@ -319,20 +315,19 @@ def _place_received(tags, recv_tokens, local_experts, capacity):
     """
     num_members = recv_tokens.shape[0]
     num_rows, top_k = tags.shape
-    received = jnp.arange(num_rows, dtype=jnp.int32)
-    source = received // capacity
-    arrived = (received % capacity < recv_tokens[source])[:, None]
-    offset, expert = tags // local_experts, tags % local_experts
-    valid = arrived & (tags >= 0) & (offset < capacity)
-    num_blocks = num_members * local_experts
-    block = jnp.where(valid, source[:, None] * local_experts + expert, num_blocks)
-    recv_counts = jnp.bincount(block.reshape(-1), length=num_blocks + 1)[:num_blocks]
-    recv_counts = recv_counts.reshape(num_members, local_experts).astype(jnp.int32)
-    starts = _exclusive_cumsum(recv_counts.T).T.reshape(-1)  # expert-major start of block (source, expert)
-    row = jnp.where(valid, starts[jnp.minimum(block, num_blocks - 1)] + offset, num_rows)
-    to_expert_major = jnp.full(num_rows, num_rows, jnp.int32).at[row.reshape(-1)].set(
-        jnp.repeat(received, top_k), mode="drop")
-    return recv_counts, to_expert_major
+    per_source = capacity * top_k
+    entries = tags.reshape(num_members, per_source)
+    valid = (jnp.arange(per_source) // top_k < recv_tokens[:, None]) & (entries >= 0)
+    expert = entries % local_experts
+    recv_counts = (valid[:, :, None] & (expert[:, :, None] == jnp.arange(local_experts))).sum(axis=1)
+    recv_counts = recv_counts.astype(jnp.int32)
+    # Source i's list holds its pairs sorted by expert: those of expert e start after its earlier experts'.
+    list_starts = (jnp.arange(num_members, dtype=jnp.int32)[:, None] * per_source +
+                   jnp.cumsum(recv_counts, axis=1) - recv_counts)
+    entry = _regroup(recv_counts, list_starts, num_rows, outside=num_rows * top_k)
+    row = _gather_rows(tags.reshape(-1, 1), entry)[:, 0] // local_experts
+    inside = (entry < num_rows * top_k) & (row >= 0) & (row < capacity)
+    return recv_counts, jnp.where(inside, entry // per_source * capacity + row, num_rows)
 
 
 def _attach_tags(rows, tags):
@@ -356,7 +351,7 @@ def _detach_tags(wire_rows, width, top_k):
     return tags.reshape(tags.shape[0], -1)[:, :top_k]
 
 
-def _make_handle(order, send_counts, recv_counts, pairs, axis_name, capacity, top_k):
+def _make_handle(order, send_counts, recv_counts, plan, axis_name, capacity, top_k):
     num_members = send_counts.shape[0]
     num_rows = num_members * capacity
     # combine and the backward passes exchange one row per pair: source i's rows of expert e arrive at row
@@ -369,7 +364,7 @@ def _make_handle(order, send_counts, recv_counts, pairs, axis_name, capacity, to
         order=order, send_counts=send_counts, recv_counts=recv_counts,
         to_expert_major=_regroup(recv_counts, padded_starts, num_rows),
         to_source_major=_regroup(recv_counts.T, expert_major_starts.T, num_rows),
-        return_slot=pairs.return_slot, dropped=pairs.dropped,
+        return_slot=plan.return_slot, dropped=plan.dropped,
         axis_name=axis_name, capacity=capacity, top_k=top_k)
 
 
@@ -379,11 +374,12 @@ def _exclusive_cumsum(sizes):
     return (jnp.cumsum(flat) - flat).reshape(sizes.shape)
 
 
-def _regroup(block_sizes, block_starts, num_rows):
+def _regroup(block_sizes, block_starts, num_rows, outside=None):
     """Gather indices that collect blocks (a, b) into blocks (b, a) packed from row 0.
 
     Block (a, b) is ``block_sizes[a, b]`` rows of the input from row ``block_starts[a, b]`` (both ``[A, B]``).
-    Rows past the last block get ``num_rows``, out of bounds (``_gather_rows`` gives zeros there).
+    Rows past the last block get ``outside`` (default ``num_rows``), out of bounds (``_gather_rows`` gives
+    zeros there).
     """
     starts = block_starts.T.reshape(-1)  # in the (b, a) order
     sizes_out = block_sizes.T.reshape(-1)
@@ -395,7 +391,8 @@ def _regroup(block_sizes, block_starts, num_rows):
     block = jnp.searchsorted(ends_out, row, side="right", method="compare_all")
     inside = block < sizes_out.shape[0]
     block = jnp.minimum(block, sizes_out.shape[0] - 1)
-    return jnp.where(inside, starts[block] + row - (ends_out - sizes_out)[block], num_rows).astype(jnp.int32)
+    outside = num_rows if outside is None else outside
+    return jnp.where(inside, starts[block] + row - (ends_out - sizes_out)[block], outside).astype(jnp.int32)
 
 
 # ---- combine -----------------------------------------------------------------------------------------------
