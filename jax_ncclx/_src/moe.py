@@ -278,9 +278,13 @@ def _plan_sends(order, sorted_experts, send_counts, capacity, top_k):
     member = jnp.minimum(member, num_members - 1)
     offset = position - first_sent[member]
     delivered = chose_expert & (offset < capacity)
-    in_pair_order = jnp.zeros_like(order).at[order].set(position)  # sorted position of each pair
-    pair_member = jnp.where(delivered, member, num_members)[in_pair_order].reshape(num_tokens, top_k)
-    return_slot = jnp.where(delivered, member * capacity + offset, num_members * capacity)[in_pair_order]
+    # Back to pair order with one scatter, whose output XLA keeps in memory (a gather through the inverse
+    # permutation would be fused into combine's row gather and recomputed for every element of every row).
+    in_pair_order = jnp.zeros((num_pairs, 2), jnp.int32).at[order].set(jnp.stack(
+        [jnp.where(delivered, member, num_members), jnp.where(delivered, member * capacity + offset,
+                                                              num_members * capacity)], axis=1))
+    pair_member = in_pair_order[:, 0].reshape(num_tokens, top_k)
+    return_slot = in_pair_order[:, 1]
 
     members = jnp.arange(num_members, dtype=jnp.int32)
     sends = (pair_member[:, :, None] == members).any(axis=1).T  # [N, T]: token t goes to member p
@@ -446,6 +450,9 @@ def _gather_rows(rows, index, width=None):
     """``rows[index, :width]`` (all columns by default), zero where the index is out of bounds (``_regroup``'s
     rows past the data)."""
     width = rows.shape[1] if width is None else width
+    # The barrier keeps the index arithmetic out of the gather's fusion: XLA would otherwise recompute it
+    # (searches over the expert blocks) for every element of every row, several times the copy itself.
+    index = jax.lax.optimization_barrier(index)
     dimensions = jax.lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,))
     return jax.lax.gather(rows, index[:, None], dimensions, slice_sizes=(1, width),
                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP, fill_value=0)
