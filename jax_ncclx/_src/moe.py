@@ -189,8 +189,11 @@ def _dispatch(tokens, expert_ids, num_experts, axis_name, capacity, wire_dtype):
     rows = _gather_rows(tokens, plan.send_token)
     if wire_dtype is not None:
         rows = _encode(rows, wire_dtype)
+    # A member gets each token at most once: min(C, T) rows per source, so the padded layout's zero rows
+    # after the data (written over NVLink too) stay few.
     received, recv_tokens, _ = all_to_allv_dynamic(_attach_tags(rows, plan.send_tags), plan.token_counts, axis_name,
-                                                   max_recv_per_peer=capacity, layout="padded")
+                                                   max_recv_per_peer=min(capacity, tokens.shape[0]),
+                                                   layout="padded")
     received = received.reshape(-1, received.shape[-1])
     recv_counts, to_expert_major = _place_received(_detach_tags(received, rows.shape[1], top_k), recv_tokens,
                                                    send_counts.shape[1], capacity)
@@ -264,7 +267,8 @@ def _plan_sends(order, sorted_experts, send_counts, capacity, top_k):
     expert-major layout with gathers alone (``_place_received``).
 
     Args: order, sorted_experts: ``[T * k]`` the pairs sorted by expert, and their experts (E for no expert).
-    Returns: a ``_SendPlan`` with S = min(T * min(k, N), N * C) rows: a member takes at most C pairs.
+    Returns: a ``_SendPlan`` with S = min(T * min(k, N), N * C) rows: a member takes at most C pairs, and
+      at most T rows (one per token).
     """
     num_members, local_experts = send_counts.shape
     num_pairs = order.shape[0]
@@ -311,15 +315,18 @@ def _place_received(tags, recv_tokens, local_experts, capacity):
     """Where each received pair goes in the expert-major layout (the tags are described in ``_plan_sends``).
 
     Args:
-      tags: int32 ``[N * C, k]`` the tags of the received rows (padded layout: source i's from row i * C).
+      tags: int32 ``[N * R, k]`` the tags of the received rows (padded layout: source i's R rows from row
+        i * R).
       recv_tokens: ``[N]`` rows each source delivered.
+      capacity: C, the pairs each source may deliver (the expert-major layout has N * C rows).
     Returns:
       ``(recv_counts [N, E_local], to_expert_major [N * C])``: pairs per source and local expert, and the
-      received row of each expert-major row (N * C past the data).
+      received row of each expert-major row (N * R past the data).
     """
     num_members = recv_tokens.shape[0]
-    num_rows, top_k = tags.shape
-    per_source = capacity * top_k
+    num_received, top_k = tags.shape
+    rows_per_source = num_received // num_members
+    per_source = rows_per_source * top_k
     entries = tags.reshape(num_members, per_source)
     valid = (jnp.arange(per_source) // top_k < recv_tokens[:, None]) & (entries >= 0)
     expert = entries % local_experts
@@ -328,10 +335,10 @@ def _place_received(tags, recv_tokens, local_experts, capacity):
     # Source i's list holds its pairs sorted by expert: those of expert e start after its earlier experts'.
     list_starts = (jnp.arange(num_members, dtype=jnp.int32)[:, None] * per_source +
                    jnp.cumsum(recv_counts, axis=1) - recv_counts)
-    entry = _regroup(recv_counts, list_starts, num_rows, outside=num_rows * top_k)
+    entry = _regroup(recv_counts, list_starts, num_members * capacity, outside=num_received * top_k)
     row = _gather_rows(tags.reshape(-1, 1), entry)[:, 0] // local_experts
-    inside = (entry < num_rows * top_k) & (row >= 0) & (row < capacity)
-    return recv_counts, jnp.where(inside, entry // per_source * capacity + row, num_rows)
+    inside = (entry < num_received * top_k) & (row >= 0) & (row < rows_per_source)
+    return recv_counts, jnp.where(inside, entry // per_source * rows_per_source + row, num_received)
 
 
 def _attach_tags(rows, tags):
