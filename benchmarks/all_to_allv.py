@@ -674,7 +674,10 @@ def notes(config: dict, sizes: list) -> str:
         "(+ 0), so each includes its own routing and regrouping work.",
         "- **payload** = T·k·H·bytes per rank (every routed row, its own included). **peer GB/s** = bytes each "
         "rank sends to other ranks (mean over ranks) / median time. **alg GB/s** = payload / median time. The "
-        "moe round trip moves the payload twice (dispatch and combine) and counts it twice.",
+        "moe round trip moves the payload twice (dispatch and combine) and counts it twice. moe dispatch sends "
+        "each token once to each rank that owns one of its experts (about 3.7 rows per token here, not 8) with "
+        "k int32 tags, so its GB/s count the rows the pairs stand for (effective rates); combine sends one row "
+        "per pair.",
         "- **speedup** = XLA median / jax_ncclx median (> 1: jax_ncclx is faster).",
         "- **fp8 wire** rows: `moe.dispatch(wire_dtype=float8_e4m3fn)`, each row travels as H + 4·H/128 bytes "
         "(0.52× bf16) and is dequantized on arrival; their GB/s columns still count bf16 bytes (effective rates). "
