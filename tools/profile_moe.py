@@ -65,8 +65,9 @@ def trace_events(log_dir: Path):
     gpu0 = {pid for pid, name in process.items() if "GPU:0" in name}
     if not gpu0:
         raise SystemExit(f"profile_moe: no GPU 0 in the trace's processes {sorted(process.values())}")
+    on_stream = lambda e: thread.get((e["pid"], e["tid"]), "").startswith("Stream")  # noqa: E731
     return [(e["name"], float(e.get("dur", 0.0))) for e in events
-            if e.get("ph") == "X" and e.get("pid") in gpu0 and thread.get((e["pid"], e["tid"]), "").startswith("Stream")]
+            if e.get("ph") == "X" and e.get("pid") in gpu0 and on_stream(e)]
 
 
 def profile(fn, args, calls):
@@ -95,7 +96,8 @@ def print_table(title, rows, log):
     shown = rows[:TOP_KERNELS]
     rest = rows[TOP_KERNELS:]
     if rest:
-        shown = shown + [{"kernel": f"({len(rest)} others)", "launches_per_call": sum(r["launches_per_call"] for r in rest),
+        shown = shown + [{"kernel": f"({len(rest)} others)",
+                          "launches_per_call": sum(r["launches_per_call"] for r in rest),
                           "us_per_call": sum(r["us_per_call"] for r in rest)}]
     for r in shown:
         print(f"    {r['us_per_call']:9.1f} µs  {r['launches_per_call']:5.1f}x  {r['kernel'][:110]}", flush=True)

@@ -302,13 +302,13 @@ def _plan_sends(order, sorted_experts, send_counts, capacity, top_k):
     send_token = jnp.full(num_rows, num_tokens, jnp.int32).at[jnp.where(sends, row_of, num_rows).reshape(-1)].set(
         jnp.tile(jnp.arange(num_tokens, dtype=jnp.int32), num_members), mode="drop")
 
-    # Tag entry first_row[p] * k + o holds member p's o-th pair, the sorted pair first_sent[p] + o.
+    # Tag entry first_row[p] * k + i holds member p's i-th pair, the sorted pair first_sent[p] + i.
     entry = jnp.arange(num_rows * top_k, dtype=jnp.int32)
     entry_member = (entry[:, None] >= first_row[None, 1:] * top_k).sum(axis=1)
-    o = entry - first_row[entry_member] * top_k
-    pair = jnp.minimum(first_sent[entry_member] + o, num_pairs - 1)
+    place = entry - first_row[entry_member] * top_k  # in member p's list
+    pair = jnp.minimum(first_sent[entry_member] + place, num_pairs - 1)
     row = row_of[entry_member, order[pair] // top_k] - first_row[entry_member]
-    tags = jnp.where(o < taken[entry_member], row * local_experts + sorted_experts[pair] % local_experts, -1)
+    tags = jnp.where(place < taken[entry_member], row * local_experts + sorted_experts[pair] % local_experts, -1)
     return _SendPlan(send_token=send_token, send_tags=tags.reshape(num_rows, top_k), token_counts=token_counts,
                      return_slot=return_slot, dropped=jnp.maximum(sent - capacity, 0).astype(jnp.int32))
 
