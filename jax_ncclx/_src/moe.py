@@ -193,10 +193,8 @@ def _dispatch(tokens, expert_ids, num_experts, axis_name, capacity, wire_dtype):
         rows = _encode(rows, wire_dtype)
     # A member gets each token at most once: min(C, T) rows per source, so the padded layout's zero rows
     # after the data (written over NVLink too) stay few.
-    received, recv_tokens, _ = all_to_allv_dynamic(_attach_tags(rows, plan.send_tags), plan.token_counts, axis_name,
-                                                   max_recv_per_peer=min(capacity, tokens.shape[0]),
-                                                   layout="padded")
-    received = received.reshape(-1, received.shape[-1])
+    received, recv_tokens, _ = _exchange(_attach_tags(rows, plan.send_tags), plan.token_counts, axis_name,
+                                         min(capacity, tokens.shape[0]))
     recv_counts, to_expert_major = _place_received(_detach_tags(received, rows.shape[1], top_k), recv_tokens,
                                                    send_counts.shape[1], capacity)
     expert_rows = _gather_rows(received, to_expert_major, width=rows.shape[1])
