@@ -1,5 +1,5 @@
 """all_to_allv_dynamic against the NumPy reference: adversarial count patterns, both layouts, K chunks per
-peer, dtypes, vmap (one call), grad, and both axes of a 2-D mesh; on CPU and, where present, on GPUs through
+peer, rows gathered through send_rows, dtypes, vmap (one call), grad, and both axes of a 2-D mesh; on CPU and, where present, on GPUs through
 both transports (the NVLink kernel, required to be taken, and the NCCL path)."""
 
 import os
@@ -68,18 +68,35 @@ def line_mesh(backend):
     return jax.sharding.Mesh(np.asarray(backend), ("x",))
 
 
-def run(mesh, axis, xs, counts, layout, capacity=CAPACITY, prepare=lambda x: x):
+def run(mesh, axis, xs, counts, layout, capacity=CAPACITY, prepare=lambda x: x, send_rows=None):
     n = len(xs)
 
-    def body(x, c):
+    def body(x, c, *index):
         y, recv, dropped = nx.all_to_allv_dynamic(prepare(x[0]), c[0], axis, max_recv_per_peer=capacity,
-                                                  layout=layout)
+                                                  layout=layout, send_rows=index[0][0] if index else None)
         return y[None], recv[None], dropped[None]
 
     spec = P(mesh.axis_names)
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec))
-    out = f(jnp.asarray(xs), jnp.asarray(counts))
+    args = (jnp.asarray(xs), jnp.asarray(counts), *(() if send_rows is None else (jnp.asarray(send_rows),)))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * len(args), out_specs=spec))
+    out = f(*args)
     return [tuple(np.asarray(o[i]) for o in out) for i in range(n)]
+
+
+def random_send_rows(n, num_rows, source_rows, seed):
+    """[n, num_rows] int32 indices into x's source_rows rows: repeats, and some outside x on both sides."""
+    return np.random.default_rng(seed).integers(-2, source_rows + 2, size=(n, num_rows)).astype(np.int32)
+
+
+def gather_rows(xs, send_rows):
+    """Each member's x[send_rows] in NumPy, zero rows where the index is outside x."""
+    out = []
+    for x, index in zip(xs, send_rows):
+        inside = (index >= 0) & (index < len(x))
+        rows = x[np.where(inside, index, 0)]
+        rows[~inside] = 0
+        out.append(rows)
+    return out
 
 
 def check(actual, expected, dtype):
@@ -101,6 +118,20 @@ def test_patterns(backend, pattern, k, layout):
         counts = counts[..., 0]  # the [N] form
     check(run(mesh, "x", xs, counts, layout), reference.all_to_allv(list(xs), list(counts), CAPACITY, layout),
           jnp.float32)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("pattern", ["overflow", "bad", "random"])
+def test_send_rows_gather_on_the_way(backend, pattern, layout):
+    """send_rows (repeats, indices outside x, S != X) gives the result of sending x[send_rows]."""
+    mesh = line_mesh(backend)
+    n = len(backend)
+    source_rows = ROWS - 5
+    xs = random_array((n, source_rows, FEATURES), jnp.float32)
+    send_rows = random_send_rows(n, ROWS, source_rows, seed=13)
+    counts = counts_for(pattern, n, 2, seed=2)
+    expected = reference.all_to_allv(gather_rows(xs, send_rows), list(counts), CAPACITY, layout)
+    check(run(mesh, "x", xs, counts, layout, send_rows=send_rows), expected, jnp.float32)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8, jnp.float8_e4m3fn],
@@ -156,23 +187,28 @@ def test_either_axis_of_2d_mesh(mesh, axis):
               jnp.float32)
 
 
-def test_vmap_is_one_call(backend):
+@pytest.mark.parametrize("indexed", [False, True], ids=["x", "send_rows"])
+def test_vmap_is_one_call(backend, indexed):
     """Two routings at once under vmap: each matches the reference, and the jaxpr holds one collective."""
     n = len(backend)
     mesh = line_mesh(backend)
     xs = random_array((n, 2, ROWS, 3), jnp.float32)
     counts = np.stack([counts_for("overflow", n, 2, seed=s) for s in (7, 8)], axis=1)  # [n, 2, n, k]
+    send_rows = np.stack([random_send_rows(n, ROWS, ROWS, seed=s) for s in (1, 2)], axis=1)  # [n, 2, S]
 
-    def body(x, c):
-        f = jax.vmap(lambda u, v: nx.all_to_allv_dynamic(u, v, "x", max_recv_per_peer=CAPACITY, layout="packed"))
-        return tuple(o[None] for o in f(x[0], c[0]))
+    def body(x, c, i):
+        f = jax.vmap(lambda u, v, w: nx.all_to_allv_dynamic(u, v, "x", max_recv_per_peer=CAPACITY, layout="packed",
+                                                             send_rows=w if indexed else None))
+        return tuple(o[None] for o in f(x[0], c[0], i[0]))
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x")))
-    out = f(jnp.asarray(xs), jnp.asarray(counts))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x")))
+    args = jnp.asarray(xs), jnp.asarray(counts), jnp.asarray(send_rows)
+    out = f(*args)
     for b in range(2):
-        expected = reference.all_to_allv(list(xs[:, b]), list(counts[:, b]), CAPACITY, "packed")
+        sent = gather_rows(xs[:, b], send_rows[:, b]) if indexed else list(xs[:, b])
+        expected = reference.all_to_allv(sent, list(counts[:, b]), CAPACITY, "packed")
         check([tuple(np.asarray(o[i, b]) for o in out) for i in range(n)], expected, jnp.float32)
-    assert str(jax.make_jaxpr(f)(jnp.asarray(xs), jnp.asarray(counts))).count("ncclx_all_to_allv_dynamic") == 1
+    assert str(jax.make_jaxpr(f)(*args)).count("ncclx_all_to_allv_dynamic") == 1
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
@@ -202,6 +238,32 @@ def test_grad_sends_cotangents_back(backend, layout):
     np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-6)
 
 
+def test_grad_through_send_rows(backend):
+    """The gradient with send_rows equals that of gathering first: cotangents of repeated rows add up, and
+    rows outside x get none."""
+    n = len(backend)
+    mesh = line_mesh(backend)
+    source_rows = ROWS - 4
+    xs = jnp.asarray(random_array((n, source_rows, 3), jnp.float32))
+    send_rows = jnp.asarray(random_send_rows(n, ROWS, source_rows, seed=5))
+    counts = jnp.asarray(counts_for("overflow", n, 2, seed=9))
+    w = random_array((n * CAPACITY, 3), jnp.float32, seed=2)
+
+    def loss(x, fused):
+        def body(v, c, i):
+            index = i[0]
+            outside = (index < 0) | (index >= source_rows)  # jnp.take wraps negative indices: move them out
+            rows = v[0] if fused else jnp.take(v[0], jnp.where(outside, source_rows, index), axis=0,
+                                                 mode="fill", fill_value=0)
+            y = nx.all_to_allv_dynamic(rows, c[0], "x", max_recv_per_peer=CAPACITY, layout="packed",
+                                       send_rows=index if fused else None)[0]
+            return (y * w).sum()[None]
+        return jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x"))(x, counts, send_rows).sum()
+
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    np.testing.assert_allclose(np.asarray(grad(xs, True)), np.asarray(grad(xs, False)), rtol=1e-6, atol=1e-6)
+
+
 def test_check_grads_numerically(backend):
     n = len(backend)
     mesh = line_mesh(backend)
@@ -227,6 +289,11 @@ def test_large_random_rows(backend, layout):
         xs = random_array((n, rows, *features), dtype, seed=3)
         check(run(line_mesh(backend), "x", xs, counts, layout, capacity=capacity),
               reference.all_to_allv(list(xs), list(counts), capacity, layout), dtype)
+    # Rows gathered through send_rows, wide enough that each lane of a row's copy has several loads in flight.
+    xs = random_array((n, rows // 2, 1024), jnp.bfloat16, seed=4)
+    send_rows = random_send_rows(n, rows, rows // 2, seed=6)
+    check(run(line_mesh(backend), "x", xs, counts, layout, capacity=capacity, send_rows=send_rows),
+          reference.all_to_allv(gather_rows(xs, send_rows), list(counts), capacity, layout), jnp.bfloat16)
 
 
 def test_repeated_calls_reuse_flags(backend):

@@ -215,6 +215,11 @@ CHECKSUMMED = {
     "all_reduce": (lambda v: nx.all_reduce(v, "x"), (4, 8)),
     "all_to_allv_dynamic": (lambda v: nx.all_to_allv_dynamic(v, jnp.full((jax.lax.axis_size("x"),), 2, jnp.int32),
                                                              "x", max_recv_per_peer=2)[0], (16, 8)),
+    # Rows gathered on the way, in reverse, one index outside x: the checksum covers the gathered rows.
+    "all_to_allv_dynamic[send_rows]": (
+        lambda v: nx.all_to_allv_dynamic(v, jnp.full((jax.lax.axis_size("x"),), 2, jnp.int32), "x",
+                                         max_recv_per_peer=2, send_rows=jnp.arange(v.shape[0])[::-1] - 1)[0],
+        (16, 8)),
 }
 
 
@@ -237,7 +242,8 @@ def test_checksum_mode_catches_a_corrupted_payload(line, monkeypatch, op):
     jax.block_until_ready(per_shard(line, fn)(x))
     culprit = (r"rank \d+ sees a result different from the majority on rank\(s\) \[1\]" if op == "all_reduce"
                else r"rank 1 received corrupted data from rank\(s\) \[\d+\]")
-    with pytest.raises(nx.CollectiveError, match=rf"checksum mismatch in {op} on axis 'x': {culprit}"):
+    name = op.split("[")[0]
+    with pytest.raises(nx.CollectiveError, match=rf"checksum mismatch in {name} on axis 'x': {culprit}"):
         nx.check_errors()
     nx.check_errors()  # reported once
 

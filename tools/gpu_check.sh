@@ -10,8 +10,8 @@
 #   tests         pytest -m "gpu and not multiprocess" (per-test limit 150 s where pytest-timeout is
 #                 installed, as on the GPU machines; a JUnit XML beside the log)
 #   multiprocess  pytest -m multiprocess (one process per GPU, fault injection)
-#   memcheck      compute-sanitizer --tool memcheck over the adversarial all_to_allv count patterns on GPU
-#                 (tests/test_all_to_allv.py::test_patterns), with rows written straight into the peers'
+#   memcheck      compute-sanitizer --tool memcheck over the adversarial all_to_allv count patterns and
+#                 send_rows indices on GPU (test_patterns, test_send_rows_gather_on_the_way), with rows written straight into the peers'
 #                 outputs and, JAX_NCCLX_NVLINK_DIRECT=0, through the staging slots. API errors are not
 #                 reported: cudaDeviceEnablePeerAccess answers "already enabled" once XLA has enabled it, by
 #                 design, and the sanitizer counts each of those
@@ -53,7 +53,8 @@ run_step() {
     multiprocess) cmd=("${pytest[@]}" -v -m multiprocess --junitxml "$out/multiprocess.xml" tests) ;;
     memcheck)
       local sanitizer=("$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)" --tool memcheck --report-api-errors no --error-exitcode 86 --print-limit 20)
-      local cases=("${pytest[@]}" -q -m gpu "tests/test_all_to_allv.py::test_patterns")
+      local cases=("${pytest[@]}" -q -m gpu "tests/test_all_to_allv.py::test_patterns"
+                   "tests/test_all_to_allv.py::test_send_rows_gather_on_the_way")
       cmd=(bash -c "${sanitizer[*]} ${cases[*]} && JAX_NCCLX_NVLINK_DIRECT=0 ${sanitizer[*]} ${cases[*]}") ;;
     startup | collectives | all_to_allv | launch_floor)
       local args_var="ARGS_$step" extra

@@ -444,12 +444,13 @@ def _weighted_sum(returned, weights, dtype):
 
 # ---- the two exchanges, shared by the forward and backward passes -------------------------------------------
 
-def _exchange(rows, send_counts, axis_name, capacity):
+def _exchange(rows, send_counts, axis_name, capacity, send_rows=None):
     """all_to_allv_dynamic into the padded layout, as ``[N * C, H]``: the NVLink kernel writes it without
     first sharing every member's counts, which the packed layout needs (6-7 µs less per exchange on 4×H200
-    at T = 16 and 128, benchmarks/results/all_to_allv_4gpu)."""
+    at T = 16 and 128, benchmarks/results/all_to_allv_4gpu). ``send_rows``: send ``rows[send_rows]``, gathered
+    by the exchange's kernel (no copy of its own)."""
     received, recv_counts, dropped = all_to_allv_dynamic(rows, send_counts, axis_name, max_recv_per_peer=capacity,
-                                                         layout="padded")
+                                                         layout="padded", send_rows=send_rows)
     return received.reshape(-1, rows.shape[1]), recv_counts, dropped
 
 
@@ -467,14 +468,15 @@ def _gather_rows(rows, index, width=None):
 
 def _send_out(pair_rows, handle):
     """``[T * k, H]`` one row per (token, choice) pair -> ``[N * C, H]`` expert-major rows on the expert side."""
-    received, _, _ = _exchange(pair_rows[handle.order], handle.send_counts, handle.axis_name, handle.capacity)
+    received, _, _ = _exchange(pair_rows, handle.send_counts, handle.axis_name, handle.capacity,
+                               send_rows=handle.order)
     return _gather_rows(received, handle.to_expert_major)
 
 
 def _send_back(expert_rows, handle):
     """``[N * C, H']`` expert-major rows -> ``[T * k, H']`` one per pair on the token side, zero if not delivered."""
-    returned, _, _ = _exchange(_gather_rows(expert_rows, handle.to_source_major), handle.recv_counts,
-                               handle.axis_name, handle.capacity)
+    returned, _, _ = _exchange(expert_rows, handle.recv_counts, handle.axis_name, handle.capacity,
+                               send_rows=handle.to_source_major)
     return _gather_rows(returned, handle.return_slot)
 
 

@@ -164,8 +164,9 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **par
     if platform == "cpu":
         module = lib.cpu_module()
         op_attrs.update(groups=np.asarray(groups, np.int64).reshape(-1), group_size=np.int64(len(groups[0])))
-        operands = (*operands, compat.partition_id())
-        avals_in.append(jax.core.ShapedArray((), np.uint32))
+        # First, ahead of the op's operands, so that a handler's trailing operands may be optional.
+        operands = (compat.partition_id(), *operands)
+        avals_in.insert(0, jax.core.ShapedArray((), np.uint32))
         site_info.update(groups=[list(g) for g in groups], transport="cpu", algorithm="rendezvous")
     else:
         module = lib.cuda_module()

@@ -5,6 +5,8 @@
 //   * counts running past the end of the input's num_rows rows are cut at the end of the input;
 //   * each peer takes at most `capacity` rows, chunk after chunk; rows past that are dropped.
 // So the rows a peer receives are always a contiguous prefix of the rows meant for it.
+// The rows are those of the send buffer: x itself, or, with a send_rows index, row s is x[send_rows[s]]
+// (SourceRow), gathered on the fly by the kernel that sends it.
 #pragma once
 
 #include <cstdint>
@@ -76,6 +78,16 @@ NCCLX_HOST_DEVICE inline void PlanSends(const int32_t* counts, int64_t num_peers
     delivered[peer] = plan.delivered;
     dropped[peer] = plan.dropped;
   }
+}
+
+// The row of x that send row `s` of batch element `b` takes, as a flat row of x [B, source_rows, ...]: s
+// itself without an index, else send_rows[b, s] ([B, num_rows] int32); -1 (send a zero row) when the index
+// falls outside x.
+NCCLX_HOST_DEVICE inline int64_t SourceRow(const int32_t* send_rows, int64_t num_rows, int64_t source_rows,
+                                           int64_t b, int64_t s) {
+  if (send_rows == nullptr) return b * source_rows + s;
+  const int64_t row = send_rows[b * num_rows + s];
+  return row >= 0 && row < source_rows ? b * source_rows + row : -1;
 }
 
 }  // namespace jax_ncclx

@@ -1,9 +1,10 @@
 // CPU handler of all_to_allv_dynamic. Every participant plans its own sends (PlanSends, the same code the
-// CUDA kernels run), reports its dropped rows, publishes its input and plan, and then pulls from every source
-// the prefix of rows that source planned for it, in the padded or packed receive layout.
+// CUDA kernels run), reports its dropped rows, publishes its input, send_rows and plan, and then pulls from
+// every source the prefix of rows that source planned for it, in the padded or packed receive layout.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,8 +18,10 @@ namespace {
 
 constexpr std::string_view kOp = "all_to_allv_dynamic";
 
-// One participant's send plan for all batch elements, laid out [batch][peer] ([batch][peer][chunk]).
+// One participant's send plan for all batch elements, laid out [batch][peer] ([batch][peer][chunk]), and
+// its send_rows (null: x's rows in order).
 struct SendPlan {
+  const int32_t* send_rows = nullptr;
   std::vector<int32_t> delivered_chunks;
   std::vector<int64_t> first_row;
   std::vector<int64_t> delivered;
@@ -30,8 +33,8 @@ std::vector<int32_t> CorruptCounts(const int32_t* counts, int64_t n) {
   return out;
 }
 
-ffi::Error AllToAllvImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::U32> partition_id,
-                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
+ffi::Error AllToAllvImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts,
+                         std::optional<ffi::Buffer<ffi::S32>> send_rows, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
                          ffi::Result<ffi::Buffer<ffi::S32>> dropped, ffi::Span<const int64_t> groups,
                          int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace,
                          int64_t capacity, int64_t packed) {
@@ -41,7 +44,15 @@ ffi::Error AllToAllvImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts, ffi::Bu
     return InvalidArgument(kOp, "x must be [batch, rows, ...] and send_counts [batch, peers, chunks]");
   }
   const int64_t num_batch = count_dims[0], num_peers = count_dims[1], num_chunks = count_dims[2];
-  const int64_t num_rows = x_dims[1];
+  const int64_t source_rows = x_dims[1];
+  int64_t num_rows = source_rows;
+  if (send_rows.has_value()) {
+    const auto rows_dims = send_rows->dimensions();
+    if (rows_dims.size() != 2 || rows_dims[0] != num_batch) {
+      return InvalidArgument(kOp, "send_rows must be [batch, rows] with batch " + std::to_string(num_batch));
+    }
+    num_rows = rows_dims[1];
+  }
   if (num_peers != group_size || x_dims[0] != num_batch) {
     return InvalidArgument(kOp, "send_counts has shape [" + std::to_string(num_batch) + ", " +
                                     std::to_string(num_peers) + ", K] but the axis has " +
@@ -65,7 +76,8 @@ ffi::Error AllToAllvImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts, ffi::Bu
     corrupted = CorruptCounts(send_counts, counts.element_count());
     send_counts = corrupted.data();
   }
-  SendPlan plan{std::vector<int32_t>(num_batch * num_peers * num_chunks),
+  SendPlan plan{send_rows.has_value() ? send_rows->typed_data() : nullptr,
+                std::vector<int32_t>(num_batch * num_peers * num_chunks),
                 std::vector<int64_t>(num_batch * num_peers), std::vector<int64_t>(num_batch * num_peers)};
   for (int64_t b = 0; b < num_batch; ++b) {
     PlanSends(send_counts + b * num_peers * num_chunks, num_peers, num_chunks, num_rows, capacity,
@@ -85,9 +97,14 @@ ffi::Error AllToAllvImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts, ffi::Bu
                     recv_counts->typed_data() + (b * num_peers + source) * num_chunks);
         const int64_t rows = theirs.delivered[slot];
         const int64_t dst_row = packed ? packed_row : source * capacity;
-        const char* src = static_cast<const char*>(peers[source].data) +
-                          (b * num_rows + theirs.first_row[slot]) * row_bytes;
-        std::memcpy(out + (b * num_peers * capacity + dst_row) * row_bytes, src, rows * row_bytes);
+        char* dst = out + (b * num_peers * capacity + dst_row) * row_bytes;
+        for (int64_t r = 0; r < rows; ++r) {  // y starts zeroed: rows outside x stay zero
+          const int64_t row = SourceRow(theirs.send_rows, num_rows, source_rows, b, theirs.first_row[slot] + r);
+          if (row >= 0) {
+            std::memcpy(dst + r * row_bytes, static_cast<const char*>(peers[source].data) + row * row_bytes,
+                        row_bytes);
+          }
+        }
         packed_row += rows;
       }
     }
@@ -98,9 +115,10 @@ ffi::Error AllToAllvImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts, ffi::Bu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuAllToAllvDynamic, AllToAllvImpl,
                               BindCpuGroupAttrs(ffi::Ffi::Bind()
-                                                    .Arg<ffi::AnyBuffer>()          // x [B, S, ...]
-                                                    .Arg<ffi::Buffer<ffi::S32>>()   // send_counts [B, N, K]
                                                     .Arg<ffi::Buffer<ffi::U32>>()   // partition_id (scalar)
+                                                    .Arg<ffi::AnyBuffer>()          // x [B, X, ...]
+                                                    .Arg<ffi::Buffer<ffi::S32>>()   // send_counts [B, N, K]
+                                                    .OptionalArg<ffi::Buffer<ffi::S32>>()  // send_rows [B, S]
                                                     .Ret<ffi::AnyBuffer>()          // y (padded or packed)
                                                     .Ret<ffi::Buffer<ffi::S32>>()   // recv_counts [B, N, K]
                                                     .Ret<ffi::Buffer<ffi::S32>>())  // dropped [B, N]

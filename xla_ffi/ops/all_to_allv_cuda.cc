@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -48,6 +49,7 @@ ffi::Error CheckDims(std::string_view name, ffi::Span<const int64_t> dims,
 
 // Checks the operands against each other and the communicator size, and returns the kernels' sizes.
 ffi::ErrorOr<AllToAllvShape> GetShape(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& counts,
+                                      const std::optional<ffi::Buffer<ffi::S32>>& send_rows,
                                       const ffi::AnyBuffer& y, const ffi::Buffer<ffi::S32>& recv_counts,
                                       const ffi::Buffer<ffi::S32>& dropped, int num_ranks, int64_t capacity,
                                       int64_t packed) {
@@ -64,7 +66,16 @@ ffi::ErrorOr<AllToAllvShape> GetShape(const ffi::AnyBuffer& x, const ffi::Buffer
   }
   AllToAllvShape shape;
   shape.batch = x_dims[0];
+  shape.source_rows = x_dims[1];
   shape.num_rows = x_dims[1];
+  if (send_rows.has_value()) {
+    const ffi::Span<const int64_t> rows_dims = send_rows->dimensions();
+    if (rows_dims.size() != 2 || rows_dims[0] != shape.batch) {
+      return InvalidArgument(kOp, "send_rows has shape " + DimsString(rows_dims) + ", expected [" +
+                                      std::to_string(shape.batch) + ", rows] (x's batch)");
+    }
+    shape.num_rows = rows_dims[1];
+  }
   shape.num_peers = num_ranks;
   shape.capacity = capacity;
   shape.row_bytes = static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
@@ -93,6 +104,10 @@ ffi::ErrorOr<AllToAllvShape> GetShape(const ffi::AnyBuffer& x, const ffi::Buffer
                                     std::to_string(shape.row_bytes) + " bytes per row");
   }
   return shape;
+}
+
+const int32_t* SendRowsData(const std::optional<ffi::Buffer<ffi::S32>>& send_rows) {
+  return send_rows.has_value() ? send_rows->typed_data() : nullptr;
 }
 
 int64_t Align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
@@ -167,20 +182,22 @@ auto BindAllToAllv() {
       .Ctx<ffi::DeviceOrdinal>()                 // device_ordinal
       .Arg<ffi::AnyBuffer>()                     // x: [B, S, F...]
       .Arg<ffi::Buffer<ffi::S32>>()              // counts: [B, N, K]
+      .OptionalArg<ffi::Buffer<ffi::S32>>()      // send_rows: [B, S], the row of x each send row takes
       .Ret<ffi::AnyBuffer>()                     // y: [B, N, C, F...] / [B, N*C, F...]
       .Ret<ffi::Buffer<ffi::S32>>()              // recv_counts: [B, N, K]
       .Ret<ffi::Buffer<ffi::S32>>();             // dropped: [B, N]
 }
 
 ffi::Error AllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                                ffi::Buffer<ffi::S32> counts, ffi::Result<ffi::AnyBuffer> y,
+                                ffi::Buffer<ffi::S32> counts, std::optional<ffi::Buffer<ffi::S32>> send_rows,
+                                ffi::Result<ffi::AnyBuffer> y,
                                 ffi::ResultBuffer<ffi::S32> recv_counts, ffi::ResultBuffer<ffi::S32> dropped,
                                 ffi::ResultBuffer<ffi::U8> workspace, int64_t comm_id, int64_t site,
                                 int64_t timeout_ms, int64_t trace, int64_t capacity, int64_t packed) {
   ffi::ErrorOr<CommRank> comm = LookupCommRank(kOp, comm_id, device_ordinal);
   if (comm.has_error()) return comm.error();
   ffi::ErrorOr<AllToAllvShape> shape =
-      GetShape(x, counts, *y, *recv_counts, *dropped, comm->size, capacity, packed);
+      GetShape(x, counts, send_rows, *y, *recv_counts, *dropped, comm->size, capacity, packed);
   if (shape.has_error()) return shape.error();
   const WorkspaceLayout layout = LayOutWorkspace(*shape, packed == 1);
   NCCLX_RETURN_IF_ERROR(CheckDims("workspace", workspace->dimensions(), {layout.total}));
@@ -209,7 +226,8 @@ ffi::Error AllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi
     NCCLX_RETURN_IF_ERROR(ReleaseCounts(*call, counts, *send_counts));
     NCCLX_RETURN_IF_ERROR(
         CheckCuda(kOp, "pack kernel launch",
-                  LaunchPackRows(*shape, x.untyped_data(), first_row, delivered, send, stream)));
+                  LaunchPackRows(*shape, x.untyped_data(), SendRowsData(send_rows), first_row, delivered,
+                                 send, stream)));
     NCCLX_RETURN_IF_ERROR(InNcclGroup(kOp, comm->comm, [&]() -> ffi::Error {
       for (int64_t b = 0; b < shape->batch; ++b) {
         if (peer_bytes > 0) {
@@ -235,7 +253,9 @@ ffi::Error AllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi
 }
 
 ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                                      ffi::Buffer<ffi::S32> counts, ffi::Result<ffi::AnyBuffer> y,
+                                      ffi::Buffer<ffi::S32> counts,
+                                      std::optional<ffi::Buffer<ffi::S32>> send_rows,
+                                      ffi::Result<ffi::AnyBuffer> y,
                                       ffi::ResultBuffer<ffi::S32> recv_counts,
                                       ffi::ResultBuffer<ffi::S32> dropped, int64_t comm_id, int64_t site,
                                       int64_t timeout_ms, int64_t trace, int64_t capacity, int64_t packed,
@@ -244,7 +264,7 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckNvlinkFault(kOp, comm_id, *symmetric));
   ffi::ErrorOr<AllToAllvShape> shape =
-      GetShape(x, counts, *y, *recv_counts, *dropped, symmetric->size, capacity, packed);
+      GetShape(x, counts, send_rows, *y, *recv_counts, *dropped, symmetric->size, capacity, packed);
   if (shape.has_error()) return shape.error();
   if (direct == 1 && !symmetric->same_process) {
     return InvalidArgument(kOp, "direct is 1 but the communicator's ranks are not all in this process");
@@ -272,6 +292,7 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
   args.site = site;
   args.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000;
   args.x = x.untyped_data();
+  args.send_rows = SendRowsData(send_rows);
   args.y = y->untyped_data();
   args.recv_counts = recv_counts->typed_data();
   args.dropped = dropped->typed_data();

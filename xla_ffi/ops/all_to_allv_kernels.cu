@@ -38,19 +38,25 @@ __global__ void PlanSendsKernel(AllToAllvShape shape, const int32_t* __restrict_
 // dimension over the segment's units (V-sized pieces of its rows).
 template <typename V>
 __global__ void PackRowsKernel(AllToAllvShape shape, int64_t units_per_row, const V* __restrict__ x,
-                               const int64_t* __restrict__ first_row, const int64_t* __restrict__ delivered,
-                               V* __restrict__ send) {
+                               const int32_t* __restrict__ send_rows, const int64_t* __restrict__ first_row,
+                               const int64_t* __restrict__ delivered, V* __restrict__ send) {
   const int64_t segments = shape.batch * shape.num_peers;
   const int64_t segment_units = shape.capacity * units_per_row;
   for (int64_t segment = blockIdx.y; segment < segments; segment += gridDim.y) {
     const int64_t b = segment / shape.num_peers;
-    // The rows for one peer are contiguous in x (PlanSends), so the segment is one contiguous copy.
-    const V* src = x + (b * shape.num_rows + first_row[segment]) * units_per_row;
     V* dst = send + segment * segment_units;
     const int64_t live = delivered[segment] * units_per_row;
     for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < segment_units;
          i += int64_t{gridDim.x} * blockDim.x) {
-      dst[i] = i < live ? src[i] : V{};
+      if (i >= live) {
+        dst[i] = V{};
+        continue;
+      }
+      // The rows for one peer are contiguous send rows (PlanSends); without an index, contiguous in x too.
+      const int64_t row = send_rows == nullptr ? 0 : i / units_per_row;
+      const int64_t source =
+          SourceRow(send_rows, shape.num_rows, shape.source_rows, b, first_row[segment] + row);
+      dst[i] = source < 0 ? V{} : x[source * units_per_row + i - row * units_per_row];
     }
   }
 }
@@ -156,15 +162,15 @@ cudaError_t LaunchPlanSends(const AllToAllvShape& shape, const int32_t* counts, 
   return cudaGetLastError();
 }
 
-cudaError_t LaunchPackRows(const AllToAllvShape& shape, const void* x, const int64_t* first_row,
-                           const int64_t* delivered, void* send, cudaStream_t stream) {
+cudaError_t LaunchPackRows(const AllToAllvShape& shape, const void* x, const int32_t* send_rows,
+                           const int64_t* first_row, const int64_t* delivered, void* send, cudaStream_t stream) {
   const int64_t segments = shape.batch * shape.num_peers;
   if (segments == 0 || shape.capacity == 0 || shape.row_bytes == 0) return cudaSuccess;
   return WithWidestUnit(shape.row_bytes, x, send, [&](auto unit) {
     using V = decltype(unit);
     const int64_t units_per_row = shape.row_bytes / static_cast<int64_t>(sizeof(V));
     PackRowsKernel<V><<<SegmentGrid(segments, shape.capacity * units_per_row), kThreads, 0, stream>>>(
-        shape, units_per_row, static_cast<const V*>(x), first_row, delivered, static_cast<V*>(send));
+        shape, units_per_row, static_cast<const V*>(x), send_rows, first_row, delivered, static_cast<V*>(send));
     return cudaGetLastError();
   });
 }

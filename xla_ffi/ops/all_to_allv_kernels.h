@@ -15,11 +15,12 @@ namespace jax_ncclx {
 
 // Sizes shared by the three kernels. A row is the trailing feature dims of one input row, as raw bytes.
 struct AllToAllvShape {
-  int64_t batch = 0;       // B
-  int64_t num_peers = 0;   // N (communicator size)
-  int64_t num_chunks = 0;  // K (count entries per peer)
-  int64_t num_rows = 0;    // S (input rows per batch element)
-  int64_t capacity = 0;    // C (rows each peer can take)
+  int64_t batch = 0;        // B
+  int64_t num_peers = 0;    // N (communicator size)
+  int64_t num_chunks = 0;   // K (count entries per peer)
+  int64_t num_rows = 0;     // S (send rows per batch element: x's rows, or send_rows' length)
+  int64_t source_rows = 0;  // rows of x per batch element (S without send_rows)
+  int64_t capacity = 0;     // C (rows each peer can take)
   int64_t row_bytes = 0;
 };
 
@@ -28,10 +29,11 @@ struct AllToAllvShape {
 cudaError_t LaunchPlanSends(const AllToAllvShape& shape, const int32_t* counts, int32_t* delivered_chunks,
                             int64_t* first_row, int64_t* delivered, int32_t* dropped, cudaStream_t stream);
 
-// Fills send [B, N, C, row_bytes]: row (b, j, c) is x[b, first_row[b, j] + c] when c < delivered[b, j],
-// else zero bytes. x is [B, S, row_bytes].
-cudaError_t LaunchPackRows(const AllToAllvShape& shape, const void* x, const int64_t* first_row,
-                           const int64_t* delivered, void* send, cudaStream_t stream);
+// Fills send [B, N, C, row_bytes]: row (b, j, c) is send row first_row[b, j] + c of batch element b when
+// c < delivered[b, j], else zero bytes. x is [B, X, row_bytes]; send row s is x[b, s], or x[b, send_rows[b, s]]
+// when send_rows ([B, S] int32) is not null (SourceRow).
+cudaError_t LaunchPackRows(const AllToAllvShape& shape, const void* x, const int32_t* send_rows,
+                           const int64_t* first_row, const int64_t* delivered, void* send, cudaStream_t stream);
 
 // Builds y [B, N * C, row_bytes] from recv [B, N, C, row_bytes], where source j sent
 // sum_k recv_counts[b, j, k] rows followed by zero rows: y[b] holds the rows of source 0, then those of
@@ -60,7 +62,8 @@ struct NvlinkAllToAllvArgs {
   bool trace = false;   // record the call's timeline in control->trace
   int64_t site = 0;         // call site, for the fault record
   uint64_t timeout_ns = 0;  // how long a wait for a peer may last (device_sync.cuh, Patience)
-  const void* x = nullptr;              // [B, S, row_bytes]
+  const void* x = nullptr;              // [B, X, row_bytes]
+  const int32_t* send_rows = nullptr;   // [B, S]: the row of x each send row takes; null: x's rows in order
   const int32_t* counts = nullptr;      // [B, N, K]
   void* y = nullptr;                    // [B, N, C, row_bytes] or [B, N * C, row_bytes]
   int32_t* recv_counts = nullptr;       // [B, N, K]

@@ -170,6 +170,35 @@ __device__ void ShareCounts(const NvlinkAllToAllvArgs& args, Shared& shared, int
   }
 }
 
+// Copies send rows [lo, hi) of batch element b to dst through args.send_rows, a warp per row with kUnroll
+// loads in flight per lane; a row whose index falls outside x becomes zeros (SourceRow).
+template <typename V>
+__device__ void GatherRows(V* dst, const NvlinkAllToAllvArgs& args, int64_t b, int64_t lo, int64_t hi,
+                           int64_t units_per_row) {
+  constexpr int kWarps = kThreads / 32;
+  constexpr int kUnroll = 4;
+  const int64_t lane = threadIdx.x % 32;
+  const V* x = static_cast<const V*>(args.x);
+  for (int64_t r = lo + threadIdx.x / 32; r < hi; r += kWarps) {
+    const int64_t source = SourceRow(args.send_rows, args.shape.num_rows, args.shape.source_rows, b, r);
+    V* out = dst + (r - lo) * units_per_row;
+    if (source < 0) {
+      for (int64_t u = lane; u < units_per_row; u += 32) out[u] = V{};
+      continue;
+    }
+    const V* in = x + source * units_per_row;
+    int64_t u = lane;
+    for (; u + (kUnroll - 1) * 32 < units_per_row; u += kUnroll * 32) {
+      V v[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) v[k] = in[u + k * 32];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) out[u + k * 32] = v[k];
+    }
+    for (; u < units_per_row; u += 32) out[u] = in[u];
+  }
+}
+
 // Writes piece g of this rank's rows for `peer`. Direct mode also writes the zero rows of the piece, so the
 // peer's output is complete when the piece's flag is raised.
 template <typename V>
@@ -226,9 +255,13 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
       const int64_t delivered = shared.b[i];
       const int64_t live_end = max(lo, min(delivered, hi));  // rows [lo, live_end) hold data, [live_end, hi) zeros
       V* out = base + bb * batch_stride;
-      BlockCopy<V, false, kThreads>(out + (shared.c[i] + lo) * units_per_row,
-                                    x + (bb * s.num_rows + shared.a[i] + lo) * units_per_row, 0,
-                                    (live_end - lo) * units_per_row);
+      V* data = out + (shared.c[i] + lo) * units_per_row;
+      if (args.send_rows == nullptr) {
+        BlockCopy<V, false, kThreads>(data, x + (bb * s.source_rows + shared.a[i] + lo) * units_per_row, 0,
+                                      (live_end - lo) * units_per_row);
+      } else {
+        GatherRows<V>(data, args, bb, shared.a[i] + lo, shared.a[i] + live_end, units_per_row);
+      }
       if (args.direct) {
         // Padded: the rest of this rank's segment. Packed: this rank's share of the zero tail after all
         // sources' rows (the shares of all sources tile rows [total, N * C), see ReceivePiece).

@@ -134,7 +134,7 @@ ffi::Error CheckBytes(std::string_view op_name, std::string_view what, size_t go
                                       std::to_string(expected));
 }
 
-ffi::Error AllReduceImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id, ffi::Result<ffi::AnyBuffer> y,
+ffi::Error AllReduceImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                          ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
                          int64_t timeout_ms, int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "all_reduce";
@@ -149,7 +149,7 @@ ffi::Error AllReduceImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id, f
   return result;
 }
 
-ffi::Error AllGatherImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id, ffi::Result<ffi::AnyBuffer> y,
+ffi::Error AllGatherImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                          ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
                          int64_t timeout_ms, int64_t trace) {
   constexpr std::string_view kOp = "all_gather";
@@ -162,7 +162,7 @@ ffi::Error AllGatherImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id, f
   });
 }
 
-ffi::Error ReduceScatterImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id,
+ffi::Error ReduceScatterImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
                              ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups,
                              int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "reduce_scatter";
@@ -178,7 +178,7 @@ ffi::Error ReduceScatterImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_i
   return result;
 }
 
-ffi::Error AllToAllImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id, ffi::Result<ffi::AnyBuffer> y,
+ffi::Error AllToAllImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
                         int64_t timeout_ms, int64_t trace) {
   constexpr std::string_view kOp = "all_to_all";
@@ -193,7 +193,7 @@ ffi::Error AllToAllImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id, ff
   });
 }
 
-ffi::Error PpermuteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id, ffi::Result<ffi::AnyBuffer> y,
+ffi::Error PpermuteImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
                         int64_t timeout_ms, int64_t trace, ffi::Span<const int64_t> sources,
                         ffi::Span<const int64_t> targets) {
@@ -214,11 +214,12 @@ ffi::Error PpermuteImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> partition_id, ff
   });
 }
 
-// Binding prefix shared by the single-operand collectives: operand, partition id, result.
+// Binding prefix shared by the single-operand collectives: partition id (every CPU handler's first
+// operand), operand, result.
 auto BindSingleOperand() {
   return ffi::Ffi::Bind()
-      .Arg<ffi::AnyBuffer>()          // x
       .Arg<ffi::Buffer<ffi::U32>>()   // partition_id (scalar)
+      .Arg<ffi::AnyBuffer>()          // x
       .Ret<ffi::AnyBuffer>();         // y
 }
 

@@ -4,14 +4,13 @@ Each member sends a variable number of rows to every peer; the counts are device
 travel with the data, and the receiver learns them from the result. Rows beyond a static per-source capacity
 are dropped and counted, so bad or unlucky counts never write out of bounds.
 
-The primitive is batched: x ``[B, S, ...]`` and counts ``[B, N, K]`` move in one collective call, which is how
-``vmap`` over a non-mesh axis stays one call. Sharding model: varying in, varying out; outside
+The primitive is batched: x ``[B, X, ...]``, counts ``[B, N, K]`` and the optional send_rows ``[B, S]`` move
+in one collective call, which is how ``vmap`` over a non-mesh axis stays one call. Sharding model: varying in, varying out; outside
 ``shard_map`` the leading dimension of every global array (x, counts and the three results) is sharded over
 the axis.
 
 Clamping (the same code runs on CPU and GPU, ``xla_ffi/common/all_to_allv_plan.h``): counts are walked peer by
-peer, chunk by chunk; a negative count sends nothing; counts that run past the S input rows are cut at the end
-of x; each peer takes at most ``max_recv_per_peer`` rows from this member, chunk after chunk. ``dropped[j]``
+peer, chunk by chunk; a negative count sends nothing; counts that run past the S send rows are cut at the end; each peer takes at most ``max_recv_per_peer`` rows from this member, chunk after chunk. ``dropped[j]``
 counts requested rows that did not reach peer j, with a negative count contributing its magnitude, so any
 nonzero ``dropped`` flags overflow or bad counts.
 """
@@ -34,12 +33,14 @@ from jax_ncclx._src import primitive
 LAYOUTS = ("padded", "packed")
 
 
-def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, layout: str = "padded"):
+def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, layout: str = "padded",
+                        send_rows=None):
     """All-to-all-v with device-resident counts.
 
     Args:
       x: ``[S, ...]`` rows grouped by destination: the rows for peer 0 first, then peer 1, ...; with K chunks
-        per peer, chunk (j, 0), (j, 1), ... in that order. Any fixed-width dtype (float8 included).
+        per peer, chunk (j, 0), (j, 1), ... in that order. Any fixed-width dtype (float8 included). With
+        ``send_rows``, x is ``[X, ...]`` with any X, and the send rows are gathered from it.
       send_counts: int32 ``[N]`` (rows for each peer) or ``[N, K]`` (rows of each chunk, e.g. K local experts);
         N is the size of ``axis_name``. Other integer dtypes are converted to int32.
       axis_name: the mesh axis (static).
@@ -47,6 +48,9 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
       layout: ``"padded"``: y is ``[N, C, ...]`` and ``y[i, :r_i]`` holds the rows from source i in send
         order, zeros after. ``"packed"``: y is ``[N * C, ...]`` with all received rows packed from row 0,
         source-major then chunk-major, zeros after (static).
+      send_rows: None, or integer ``[S]``: send row s is ``x[send_rows[s]]`` (a zero row where the index is
+        outside ``[0, X)``), read by the kernel that sends it, so the gather costs no copy of its own. It
+        replaces ``all_to_allv_dynamic(x[send_rows], ...)``; the counts split the S send rows.
 
     Returns:
       ``(y, recv_counts, dropped)``: y as above with x's dtype; recv_counts int32 ``[N]`` or ``[N, K]`` (the
@@ -54,7 +58,8 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
       the rows this member asked to send to each peer that did not arrive (see the module docstring).
 
     Differentiable in x (the VJP sends cotangents back to the rows they came from, at the cost of one extra
-    exchange of counts) and vmap-able over non-mesh axes (one collective call for the whole batch).
+    exchange of counts, and sums them over the send rows that read one row of x) and vmap-able over non-mesh
+    axes (one collective call for the whole batch).
     """
     axis_name = primitive.check_axis_name(axis_name, "all_to_allv_dynamic")
     if isinstance(max_recv_per_peer, jax.core.Tracer) or not isinstance(max_recv_per_peer, (int, np.integer)):
@@ -66,9 +71,12 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
     if layout not in LAYOUTS:
         raise ValueError(f"jax_ncclx.all_to_allv_dynamic: layout must be one of {LAYOUTS}, got {layout!r}")
     if not primitive.is_bound(axis_name):
-        op = partial(all_to_allv_dynamic, axis_name=axis_name, max_recv_per_peer=max_recv_per_peer, layout=layout)
-        return primitive.global_view(op, (x, send_counts), axis_name, "all_to_allv_dynamic",
-                                     (P(axis_name), P(axis_name)), (P(axis_name),) * 3)
+        def op(x, send_counts, *send_rows):
+            return all_to_allv_dynamic(x, send_counts, axis_name, max_recv_per_peer=max_recv_per_peer,
+                                       layout=layout, send_rows=send_rows[0] if send_rows else None)
+        args = (x, send_counts) if send_rows is None else (x, send_counts, send_rows)
+        return primitive.global_view(op, args, axis_name, "all_to_allv_dynamic", (P(axis_name),) * len(args),
+                                     (P(axis_name),) * 3)
 
     size = jax.lax.axis_size(axis_name)
     primitive.check_dtype(x, "all_to_allv_dynamic", reduction=False)
@@ -82,12 +90,23 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
         raise ValueError(
             f"jax_ncclx.all_to_allv_dynamic: send_counts must be [N] or [N, K] with N = {size} (the size of "
             f"axis {axis_name!r}), got shape {counts_shape}")
+    index = ()
+    if send_rows is not None:
+        rows_dtype = jax.typeof(send_rows).dtype
+        if not jnp.issubdtype(rows_dtype, jnp.integer) or jnp.ndim(send_rows) != 1:
+            raise TypeError(f"jax_ncclx.all_to_allv_dynamic: send_rows must be a 1-D integer array, got "
+                            f"{rows_dtype}{list(jnp.shape(send_rows))}")
+        index = (jnp.asarray(send_rows, jnp.int32)[None],)
     counts = jnp.asarray(send_counts, jnp.int32).reshape(1, size, -1)
     y, recv_counts, dropped = all_to_allv_dynamic_p.bind(
-        primitive.ensure_varying(x, axis_name)[None], counts, axis_name=axis_name,
+        primitive.ensure_varying(x, axis_name)[None], counts, *index, axis_name=axis_name,
         capacity=int(max_recv_per_peer), packed=layout == "packed")
     if config.current().checksum:
-        checksum.verify_all_to_allv(axis_name, x, counts[0], y[0], recv_counts[0], int(max_recv_per_peer),
+        sent = x
+        if send_rows is not None:  # jnp.take would wrap negative indices; send_rows gives zero rows for them
+            rows = index[0][0]
+            sent = jnp.take(x, jnp.where(rows < 0, x.shape[0], rows), axis=0, mode="fill", fill_value=0)
+        checksum.verify_all_to_allv(axis_name, sent, counts[0], y[0], recv_counts[0], int(max_recv_per_peer),
                                     layout == "packed")
     return y[0], recv_counts.reshape(counts_shape), dropped[0]
 
@@ -101,12 +120,12 @@ def _out_shapes(x_shape, counts_shape, size, capacity, packed):
     return y, tuple(counts_shape), (batch, size)
 
 
-def _abstract_eval(x, counts, *, axis_name, capacity, packed):
+def _abstract_eval(x, counts, *send_rows, axis_name, capacity, packed):
     size = jax.lax.axis_size(axis_name)
     y, recv, dropped = _out_shapes(x.shape, counts.shape, size, capacity, packed)
-    outs = [primitive.output_aval(x, axis_name, counts, shape=y),
-            primitive.output_aval(counts, axis_name, x, shape=recv, dtype=jnp.int32),
-            primitive.output_aval(counts, axis_name, x, shape=dropped, dtype=jnp.int32)]
+    outs = [primitive.output_aval(x, axis_name, counts, *send_rows, shape=y),
+            primitive.output_aval(counts, axis_name, x, *send_rows, shape=recv, dtype=jnp.int32),
+            primitive.output_aval(counts, axis_name, x, *send_rows, shape=dropped, dtype=jnp.int32)]
     return outs, primitive.effects(axis_name)
 
 
@@ -120,7 +139,7 @@ def _align(nbytes: int) -> int:
 
 def _cuda_route(ctx, comm_id, size, *, capacity, packed):
     """The NVLink kernel when the communicator's ranks reach each other over NVLink, else the NCCL path."""
-    x, counts = ctx.avals_in
+    x, counts = ctx.avals_in[:2]
     batch, _, chunks = counts.shape
     row_bytes = int(np.prod(x.shape[2:], dtype=np.int64)) * np.dtype(x.dtype).itemsize
     settings = config.current()
@@ -138,19 +157,18 @@ def _cuda_route(ctx, comm_id, size, *, capacity, packed):
 
 def _batching(axis_data, args, dims, *, axis_name, capacity, packed):
     primitive.reject_collective_axis_vmap(axis_data, axis_name, "all_to_allv_dynamic")
-    x, counts = (batching.bdim_at_front(a, d, axis_data.size) for a, d in zip(args, dims))
-    vmapped, batch = x.shape[:2]
-    outs = all_to_allv_dynamic_p.bind(x.reshape(vmapped * batch, *x.shape[2:]),
-                                      counts.reshape(vmapped * batch, *counts.shape[2:]),
+    args = [batching.bdim_at_front(a, d, axis_data.size) for a, d in zip(args, dims)]
+    vmapped, batch = args[0].shape[:2]
+    outs = all_to_allv_dynamic_p.bind(*(a.reshape(vmapped * batch, *a.shape[2:]) for a in args),
                                       axis_name=axis_name, capacity=capacity, packed=packed)
     return [out.reshape(vmapped, batch, *out.shape[1:]) for out in outs], [0, 0, 0]
 
 
 def _jvp(primals, tangents, *, axis_name, capacity, packed):
-    (x, counts), (tx, _) = primals, tangents
+    (x, *integer_args), tx = primals, tangents[0]
     params = dict(axis_name=axis_name, capacity=capacity, packed=packed)
-    y, recv_counts, dropped = all_to_allv_dynamic_p.bind(x, counts, **params)
-    ty, _, _ = all_to_allv_dynamic_p.bind(ad.instantiate_zeros(tx), counts, **params)
+    y, recv_counts, dropped = all_to_allv_dynamic_p.bind(x, *integer_args, **params)
+    ty, _, _ = all_to_allv_dynamic_p.bind(ad.instantiate_zeros(tx), *integer_args, **params)
     integer_zeros = [ad.Zero(jax.typeof(v).to_tangent_aval()) for v in (recv_counts, dropped)]
     return [y, recv_counts, dropped], [ty, *integer_zeros]
 
@@ -163,10 +181,12 @@ def _first_rows(counts, num_rows):
     return jnp.concatenate([jnp.zeros((batch, 1), peer_ends.dtype), peer_ends[:, :-1]], axis=1)
 
 
-def _transpose(cts, x, counts, *, axis_name, capacity, packed):
-    """Sends each received row's cotangent back to the row of x it came from; dropped rows get zeros."""
+def _transpose(cts, x, counts, *send_rows, axis_name, capacity, packed):
+    """Sends each received row's cotangent back to the send row it came from (dropped rows get zeros), then,
+    with send_rows, sums the send rows' cotangents into the rows of x they read."""
     ct_y = ad.instantiate_zeros(cts[0])
-    batch, num_rows = x.aval.shape[:2]
+    batch, source_rows = x.aval.shape[:2]
+    num_rows = send_rows[0].shape[1] if send_rows else source_rows
     features = x.aval.shape[2:]
     params = dict(axis_name=axis_name, capacity=capacity)
     # What each source delivered here (the forward's recv_counts), exchanged again with one-byte rows (not
@@ -192,7 +212,13 @@ def _transpose(cts, x, counts, *, axis_name, capacity, packed):
     gathered = jnp.take_along_axis(flat, slot.reshape(batch, num_rows, *([1] * len(features))), axis=1) \
         if capacity else jnp.zeros((batch, num_rows, *features), ct_y.dtype)
     mask = valid.reshape(batch, num_rows, *([1] * len(features)))
-    return [jnp.where(mask, gathered, jnp.zeros((), ct_y.dtype)), None]
+    ct_sent = jnp.where(mask, gathered, jnp.zeros((), ct_y.dtype))
+    if not send_rows:
+        return [ct_sent, None]
+    index = send_rows[0]
+    index = jnp.where((index >= 0) & (index < source_rows), index, source_rows)  # outside x: dropped, not wrapped
+    ct_x = jnp.zeros(x.aval.shape, ct_y.dtype).at[jnp.arange(batch)[:, None], index].add(ct_sent, mode="drop")
+    return [ct_x, None, None]
 
 
 all_to_allv_dynamic_p.def_effectful_abstract_eval(_abstract_eval)
