@@ -200,8 +200,9 @@ def make_inputs(mesh, routing: Routing, tokens: int, hidden: int, dtype, seed: i
 def tie(sizes, y):
     """``sizes + 0``, computed from one element of y: the next op's counts depend on this op's result, so XLA
     can neither merge nor overlap the ops of a chain (one tiny integer kernel per op; ``v != v`` is not folded
-    for floats)."""
-    first = y.reshape(-1)[0]
+    for floats). y passes an optimization barrier first: XLA would otherwise compute only the element read
+    when y comes from a gather or a reduction (moe's expert-major rows, combine's weighted sum)."""
+    first = jax.lax.optimization_barrier(y).reshape(-1)[0]
     return sizes + (first != first).astype(sizes.dtype)
 
 
@@ -251,6 +252,9 @@ def moe_chain(tokens, expert_ids, weights, *, num_experts, capacity, wire_dtype,
     for _ in range(unroll):  # the weights sum to 1 per token, so the tokens come back (about) unchanged
         tokens = moe_round_trip(tokens, expert_ids, weights, num_experts=num_experts, capacity=capacity,
                                 wire_dtype=wire_dtype).astype(tokens.dtype)
+        # Route again from ids tied to the result, as the next layer would: with the same ids every time,
+        # XLA would compute the send plan once for the whole chain.
+        expert_ids = tie(expert_ids, tokens)
     return tokens
 
 
@@ -667,11 +671,13 @@ def notes(config: dict, sizes: list) -> str:
         "JSON's `pipeline`); time per sample / (calls · ops/call), "
         f"median and min over `reps` samples (at most {config['iters']}, fewer once a variant has spent "
         f"{config['max_seconds']} s). Chaining: jax_ncclx and ragged_all_to_all take their next send counts from "
-        "one element of the op's output (+ 0, one tiny integer kernel per op, included in their time); "
+        "one element of the op's output (+ 0, one tiny integer kernel per op, included in their time), read "
+        "behind an optimization barrier so that XLA computes the whole output; "
         "`lax.all_to_all` takes its output as its next input (no extra kernel); the moe round trip takes its "
-        "combined tokens as the next tokens; moe dispatch alone ties its next expert ids to its rows (+ 0), and "
-        "moe combine alone reuses one dispatch's handle and ties the handle's next gather indices to its output "
-        "(+ 0), so each includes its own routing and regrouping work.",
+        "combined tokens as the next tokens and routes again from expert ids tied to them; moe dispatch alone "
+        "ties its next expert ids to its rows (+ 0), and moe combine alone reuses one dispatch's handle and ties "
+        "the handle's next gather indices to its output (+ 0), so each includes its own routing and regrouping "
+        "work.",
         "- **payload** = T·k·H·bytes per rank (every routed row, its own included). **peer GB/s** = bytes each "
         "rank sends to other ranks (mean over ranks) / median time. **alg GB/s** = payload / median time. The "
         "moe round trip moves the payload twice (dispatch and combine) and counts it twice. moe dispatch sends "
