@@ -386,12 +386,3 @@ def test_8bit_wire_gradient_is_straight_through(backend):
                                         probe.reshape(-1, hidden)))
 
     np.testing.assert_array_equal(grads(jnp.float8_e4m3fn), grads(None))
-
-
-@pytest.mark.parametrize("num_keys, size", [(1, 5), (9, 64), (33, 1000)])
-def test_counting_sort_is_a_stable_argsort(num_keys, size):
-    from jax_ncclx._src.moe import _counting_sort
-    keys = np.random.default_rng(size).integers(0, num_keys, size=size).astype(np.int32)
-    order, counts = jax.jit(_counting_sort, static_argnums=1)(jnp.asarray(keys), num_keys)
-    np.testing.assert_array_equal(np.asarray(order), np.argsort(keys, kind="stable"))
-    np.testing.assert_array_equal(np.asarray(counts), np.bincount(keys, minlength=num_keys))
