@@ -54,8 +54,8 @@ class DispatchHandle:
       to_expert_major: ``[N * C]`` gather indices from the received rows (the exchange's padded layout:
         source i's rows from row i * C) to dispatch's expert-major rows. Rows past the data get ``N * C``,
         out of bounds, so a gather with ``mode="fill"`` gives zeros there.
-      to_source_major: ``[N * C]`` gather indices from expert-major rows to the rows ``combine`` sends back:
-        grouped by destination member, packed from row 0 (``N * C`` past the data, as above).
+      to_source_major: ``[N * C]`` the expert-major row of each row ``combine`` sends back (its exchange's
+        ``send_rows``): grouped by destination member, packed from row 0 (``N * C`` past the data, as above).
       return_slot: ``[T * k]`` where each pair's expert output lands among the rows that ``combine``
         receives back (member p's from row p * C). ``N * C`` marks a pair that was dropped or that chose no
         expert.

@@ -5,6 +5,8 @@
 //                     all-to-alls (rows and recv_counts) -> compact kernel (packed layout only);
 //   NVLink:           one kernel writing straight into the peers' symmetric memory
 //                     (all_to_allv_nvlink_kernels.cu); command-buffer compatible.
+// The optional send_rows [B, S] name the row of x that each send row takes; both transports gather through
+// it as they copy rows out (the pack kernel, the NVLink kernel; SourceRow in all_to_allv_plan.h).
 #include <cuda_runtime.h>
 #include <nccl.h>
 
