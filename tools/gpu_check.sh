@@ -11,8 +11,9 @@
 #                 installed, as on the GPU machines; a JUnit XML beside the log)
 #   multiprocess  pytest -m multiprocess (one process per GPU, fault injection)
 #   memcheck      compute-sanitizer --tool memcheck over the adversarial all_to_allv count patterns and
-#                 send_rows indices on GPU (test_patterns, test_send_rows_gather_on_the_way), with rows written straight into the peers'
-#                 outputs and, JAX_NCCLX_NVLINK_DIRECT=0, through the staging slots. API errors are not
+#                 send_rows indices on GPU (test_patterns, test_send_rows_gather_on_the_way), with rows
+#                 written straight into the peers' outputs and, JAX_NCCLX_NVLINK_DIRECT=0, through the
+#                 staging slots. API errors are not
 #                 reported: cudaDeviceEnablePeerAccess answers "already enabled" once XLA has enabled it, by
 #                 design, and the sanitizer counts each of those
 #   startup | collectives | all_to_allv | launch_floor   benchmarks/<step>.py --out OUT_DIR $ARGS_<step>

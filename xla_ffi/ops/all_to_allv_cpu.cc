@@ -34,10 +34,10 @@ std::vector<int32_t> CorruptCounts(const int32_t* counts, int64_t n) {
 }
 
 ffi::Error AllToAllvImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts,
-                         std::optional<ffi::Buffer<ffi::S32>> send_rows, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
-                         ffi::Result<ffi::Buffer<ffi::S32>> dropped, ffi::Span<const int64_t> groups,
-                         int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace,
-                         int64_t capacity, int64_t packed) {
+                         std::optional<ffi::Buffer<ffi::S32>> send_rows, ffi::Result<ffi::AnyBuffer> y,
+                         ffi::Result<ffi::Buffer<ffi::S32>> recv_counts, ffi::Result<ffi::Buffer<ffi::S32>> dropped,
+                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t site, int64_t timeout_ms,
+                         int64_t trace, int64_t capacity, int64_t packed) {
   const auto x_dims = x.dimensions();
   const auto count_dims = counts.dimensions();
   if (x_dims.size() < 2 || count_dims.size() != 3) {

@@ -5,14 +5,15 @@ travel with the data, and the receiver learns them from the result. Rows beyond 
 are dropped and counted, so bad or unlucky counts never write out of bounds.
 
 The primitive is batched: x ``[B, X, ...]``, counts ``[B, N, K]`` and the optional send_rows ``[B, S]`` move
-in one collective call, which is how ``vmap`` over a non-mesh axis stays one call. Sharding model: varying in, varying out; outside
-``shard_map`` the leading dimension of every global array (x, counts and the three results) is sharded over
-the axis.
+in one collective call, which is how ``vmap`` over a non-mesh axis stays one call. Sharding model: varying in,
+varying out; outside ``shard_map`` the leading dimension of every global array (x, counts, send_rows and the
+three results) is sharded over the axis.
 
 Clamping (the same code runs on CPU and GPU, ``xla_ffi/common/all_to_allv_plan.h``): counts are walked peer by
-peer, chunk by chunk; a negative count sends nothing; counts that run past the S send rows are cut at the end; each peer takes at most ``max_recv_per_peer`` rows from this member, chunk after chunk. ``dropped[j]``
-counts requested rows that did not reach peer j, with a negative count contributing its magnitude, so any
-nonzero ``dropped`` flags overflow or bad counts.
+peer, chunk by chunk; a negative count sends nothing; counts that run past the S send rows are cut at the end;
+each peer takes at most ``max_recv_per_peer`` rows from this member, chunk after chunk. ``dropped[j]`` counts
+requested rows that did not reach peer j, with a negative count contributing its magnitude, so any nonzero
+``dropped`` flags overflow or bad counts.
 """
 
 from functools import partial
@@ -102,13 +103,17 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
         primitive.ensure_varying(x, axis_name)[None], counts, *index, axis_name=axis_name,
         capacity=int(max_recv_per_peer), packed=layout == "packed")
     if config.current().checksum:
-        sent = x
-        if send_rows is not None:  # jnp.take would wrap negative indices; send_rows gives zero rows for them
-            rows = index[0][0]
-            sent = jnp.take(x, jnp.where(rows < 0, x.shape[0], rows), axis=0, mode="fill", fill_value=0)
+        sent = x if send_rows is None else jnp.take(x, _outside_to_end(index[0][0], x.shape[0]), axis=0,
+                                                      mode="fill", fill_value=0)
         checksum.verify_all_to_allv(axis_name, sent, counts[0], y[0], recv_counts[0], int(max_recv_per_peer),
                                     layout == "packed")
     return y[0], recv_counts.reshape(counts_shape), dropped[0]
+
+
+def _outside_to_end(index, num_rows):
+    """send_rows with every index outside ``[0, num_rows)`` moved to num_rows: jnp's gathers and scatters would
+    wrap a negative index, where send_rows sends a zero row."""
+    return jnp.where((index >= 0) & (index < num_rows), index, num_rows)
 
 
 all_to_allv_dynamic_p = primitive.make_collective("all_to_allv_dynamic", multiple_results=True)
@@ -215,8 +220,7 @@ def _transpose(cts, x, counts, *send_rows, axis_name, capacity, packed):
     ct_sent = jnp.where(mask, gathered, jnp.zeros((), ct_y.dtype))
     if not send_rows:
         return [ct_sent, None]
-    index = send_rows[0]
-    index = jnp.where((index >= 0) & (index < source_rows), index, source_rows)  # outside x: dropped, not wrapped
+    index = _outside_to_end(send_rows[0], source_rows)
     ct_x = jnp.zeros(x.aval.shape, ct_y.dtype).at[jnp.arange(batch)[:, None], index].add(ct_sent, mode="drop")
     return [ct_x, None, None]
 
