@@ -48,3 +48,95 @@ def all_to_allv(xs, counts, capacity, layout):
             y = padded
         out.append((y, recv.reshape(np.shape(counts[me])), plans[me][2].astype(np.int32)))
     return out
+
+
+def moe_plan_sends(ids, num_experts, num_members, capacity):
+    """jax_ncclx._src.ops.moe_routing.plan_sends for one member, pair by pair: a dict of its results."""
+    num_tokens, top_k = ids.shape
+    local = num_experts // num_members
+    key = ids.reshape(-1).astype(np.int64)
+    key = np.where((key >= 0) & (key < num_experts), key, num_experts)
+    order = np.argsort(key, kind="stable")
+    return_slot = np.full(num_tokens * top_k, num_members * capacity)
+    taken = [[] for _ in range(num_members)]  # each member's delivered pairs, in order
+    for pair in order:
+        if key[pair] == num_experts:
+            continue
+        member = key[pair] // local
+        if len(taken[member]) < capacity:
+            return_slot[pair] = member * capacity + len(taken[member])
+            taken[member].append(pair)
+    num_rows = min(num_tokens * min(top_k, num_members), num_members * capacity)
+    send_token = np.full(num_rows, num_tokens)
+    tags = np.full(num_rows * top_k, -1)
+    token_counts, row = [], 0
+    for member, pairs in enumerate(taken):
+        tokens = sorted({pair // top_k for pair in pairs})
+        send_token[row: row + len(tokens)] = tokens
+        for i, pair in enumerate(pairs):
+            tags[row * top_k + i] = tokens.index(pair // top_k) * local + key[pair] % local
+        token_counts.append(len(tokens))
+        row += len(tokens)
+    send_counts = np.bincount(key, minlength=num_experts + 1)[:num_experts].reshape(num_members, local)
+    result = dict(order=order, send_counts=send_counts, send_token=send_token, send_tags=tags.reshape(num_rows, top_k),
+                  token_counts=token_counts, return_slot=return_slot,
+                  dropped=np.maximum(send_counts.sum(axis=1) - capacity, 0))
+    return {name: np.asarray(value, np.int32) for name, value in result.items()}
+
+
+def moe_place_received(tags, recv_tokens, local_experts, capacity):
+    """jax_ncclx._src.ops.moe_routing.place_received for one member, block by block: a dict of its results."""
+    num_members = len(recv_tokens)
+    rows_per_source = tags.shape[0] // num_members
+    top_k = tags.shape[1]
+    num_rows = num_members * capacity
+    lists = tags.reshape(num_members, -1)
+    counts = np.zeros((num_members, local_experts), np.int64)
+    for source, entries in enumerate(lists):
+        for j, tag in enumerate(entries):
+            if j // top_k < recv_tokens[source] and tag >= 0:
+                counts[source, tag % local_experts] += 1
+    expand = np.full(num_rows, num_members * rows_per_source)
+    to_expert_major = np.full(num_rows, num_rows)
+    to_source_major = np.full(num_rows, num_rows)
+    block_start, x = {}, 0
+    for e in range(local_experts):
+        for source in range(num_members):
+            block_start[e, source] = x
+            start = counts[source, :e].sum()
+            for r in range(counts[source, e]):
+                if x < num_rows:
+                    if start + r < capacity:
+                        to_expert_major[x] = source * capacity + start + r
+                    tag = lists[source, start + r]
+                    if tag >= 0 and tag // local_experts < rows_per_source:
+                        expand[x] = source * rows_per_source + tag // local_experts
+                x += 1
+    x = 0
+    for source in range(num_members):
+        for e in range(local_experts):
+            for r in range(counts[source, e]):
+                if x < num_rows:
+                    to_source_major[x] = min(block_start[e, source] + r, num_rows)
+                x += 1
+    result = dict(recv_counts=counts, group_sizes=counts.sum(axis=0), expand_rows=expand,
+                  to_expert_major=to_expert_major, to_source_major=to_source_major)
+    return {name: np.asarray(value, np.int32) for name, value in result.items()}
+
+
+def moe_exchange_tags(plans, rows_per_source):
+    """What each member receives of the members' plan_sends tags through dispatch's padded exchange, R rows
+    per source: per member, (tags [N * R, k] with zero rows after each source's data, recv_tokens [N])."""
+    num_members = len(plans)
+    out = []
+    for me in range(num_members):
+        top_k = plans[me]["send_tags"].shape[1]
+        tags = np.zeros((num_members, rows_per_source, top_k), np.int32)
+        recv_tokens = np.zeros(num_members, np.int32)
+        for source, plan in enumerate(plans):
+            first = int(np.sum(plan["token_counts"][:me]))
+            rows = plan["send_tags"][first: first + plan["token_counts"][me]]
+            tags[source, : len(rows)] = rows
+            recv_tokens[source] = len(rows)
+        out.append((tags.reshape(-1, top_k), recv_tokens))
+    return out

@@ -8,10 +8,12 @@
 # (default 570) so that a slow step cannot cost the logs of the others:
 #   build         pip install --no-build-isolation --no-deps -e .  (the GPU machines have no network)
 #   tests         pytest -m "gpu and not multiprocess" (per-test limit 150 s where pytest-timeout is
-#                 installed, as on the GPU machines; a JUnit XML beside the log)
+#                 installed, as on the GPU machines; a JUnit XML beside the log) over $ARGS_tests (default:
+#                 tests, all of them)
 #   multiprocess  pytest -m multiprocess (one process per GPU, fault injection)
 #   memcheck      compute-sanitizer --tool memcheck over the adversarial all_to_allv count patterns and
-#                 send_rows indices on GPU (test_patterns, test_send_rows_gather_on_the_way), with rows
+#                 send_rows indices on GPU (test_patterns, test_send_rows_gather_on_the_way) and the moe
+#                 routing kernels (test_moe_routing), with rows
 #                 written straight into the peers' outputs and, JAX_NCCLX_NVLINK_DIRECT=0, through the
 #                 staging slots. API errors are not
 #                 reported: cudaDeviceEnablePeerAccess answers "already enabled" once XLA has enabled it, by
@@ -50,12 +52,15 @@ run_step() {
   "$python" -c "import pytest_timeout" 2>/dev/null && pytest+=(--timeout 150)  # a hang fails with its traceback
   case "$step" in
     build) cmd=("$python" -m pip install --no-build-isolation --no-deps -e .) ;;
-    tests) cmd=("${pytest[@]}" -q -m "gpu and not multiprocess" --junitxml "$out/tests.xml" tests) ;;
+    tests)
+      local paths
+      read -ra paths <<< "${ARGS_tests:-tests}"
+      cmd=("${pytest[@]}" -q -m "gpu and not multiprocess" --junitxml "$out/tests.xml" "${paths[@]}") ;;
     multiprocess) cmd=("${pytest[@]}" -v -m multiprocess --junitxml "$out/multiprocess.xml" tests) ;;
     memcheck)
       local sanitizer=("$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)" --tool memcheck --report-api-errors no --error-exitcode 86 --print-limit 20)
       local cases=("${pytest[@]}" -q -m gpu "tests/test_all_to_allv.py::test_patterns"
-                   "tests/test_all_to_allv.py::test_send_rows_gather_on_the_way")
+                   "tests/test_all_to_allv.py::test_send_rows_gather_on_the_way" tests/test_moe_routing.py)
       cmd=(bash -c "${sanitizer[*]} ${cases[*]} && JAX_NCCLX_NVLINK_DIRECT=0 ${sanitizer[*]} ${cases[*]}") ;;
     startup | collectives | all_to_allv | launch_floor)
       local args_var="ARGS_$step" extra

@@ -44,6 +44,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllToAllvDynamic);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllReduce);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllGather);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllToAll);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaMoePlanSends);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaMoePlaceReceived);
 
 namespace {
 
@@ -375,6 +377,8 @@ NB_MODULE(_ncclx_cuda, m) {
         targets["ncclx_all_gather_nvlink"] = jn::Capsule(jn::NvlinkAllGather);
         targets["ncclx_all_to_all_nvlink"] = jn::Capsule(jn::NvlinkAllToAll);
         targets["ncclx_launch_probe"] = jn::Capsule(jn::LaunchProbe);
+        targets["ncclx_moe_plan_sends"] = jn::Capsule(jn::CudaMoePlanSends);
+        targets["ncclx_moe_place_received"] = jn::Capsule(jn::CudaMoePlaceReceived);
         return targets;
       },
       "FFI handler capsules of the CUDA backend, by target name.");

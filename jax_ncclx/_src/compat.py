@@ -5,6 +5,7 @@ Tested with jax/jaxlib 0.11.2 (the version pinned in pyproject.toml and installe
 
 from jax._src import config as _config
 from jax._src import core as _core
+from jax._src import dispatch as _dispatch
 from jax._src import distributed as _distributed
 from jax._src import mesh as _mesh
 from jax._src.interpreters import pxla as _pxla
@@ -14,6 +15,11 @@ from jax._src.sharding_impls import SPMDAxisContext
 TESTED_JAX_VERSION = "0.11.2"
 
 NamedAxisEffect = _core.NamedAxisEffect
+
+
+def apply_primitive(prim, *args, **params):
+    """Evaluates ``prim`` eagerly (compiled on its own), as ``jax.lax`` primitives do outside ``jit``."""
+    return _dispatch.apply_primitive(prim, *args, **params)
 
 
 def axis_is_bound(axis_name) -> bool:

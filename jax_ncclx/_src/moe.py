@@ -28,7 +28,6 @@ backward pass exchanges counts again. They are ``jax.custom_vjp`` rules, so ther
 import dataclasses
 import functools
 from collections.abc import Hashable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +35,7 @@ import numpy as np
 
 from jax_ncclx._src import compat
 from jax_ncclx._src import primitive
+from jax_ncclx._src.ops import moe_routing
 from jax_ncclx._src.ops.all_to_allv_dynamic import all_to_allv_dynamic
 
 
@@ -180,14 +180,7 @@ def combine(expert_out, handle: DispatchHandle, weights):
 def _dispatch(tokens, expert_ids, num_experts, axis_name, capacity, wire_dtype):
     num_members = jax.lax.axis_size(axis_name)
     top_k = expert_ids.shape[1]
-    # Pairs that choose no expert get the key num_experts: they sort last and no count includes them.
-    chosen = (expert_ids >= 0) & (expert_ids < num_experts)
-    sort_key = jnp.where(chosen, expert_ids, num_experts).reshape(-1)
-    order = jnp.argsort(sort_key, stable=True).astype(jnp.int32)
-    # A one-hot sum, not jnp.bincount: its scatter-add piles atomics on a few counters (slow on GPUs).
-    send_counts = (sort_key[:, None] == jnp.arange(num_experts)).sum(axis=0)
-    send_counts = send_counts.reshape(num_members, -1).astype(jnp.int32)
-    plan = _plan_sends(order, sort_key[order], send_counts, capacity, top_k)
+    plan = moe_routing.plan_sends(expert_ids, num_experts=num_experts, num_members=num_members, capacity=capacity)
     rows = _gather_rows(tokens, plan.send_token)
     if wire_dtype is not None:
         rows = _encode(rows, wire_dtype)
@@ -195,13 +188,16 @@ def _dispatch(tokens, expert_ids, num_experts, axis_name, capacity, wire_dtype):
     # after the data (written over NVLink too) stay few.
     received, recv_tokens, _ = _exchange(_attach_tags(rows, plan.send_tags), plan.token_counts, axis_name,
                                          min(capacity, tokens.shape[0]))
-    recv_counts, to_expert_major = _place_received(_detach_tags(received, rows.shape[1], top_k), recv_tokens,
-                                                   send_counts.shape[1], capacity)
-    expert_rows = _gather_rows(received, to_expert_major, width=rows.shape[1])
+    placed = moe_routing.place_received(_detach_tags(received, rows.shape[1], top_k), recv_tokens,
+                                        local_experts=num_experts // num_members, capacity=capacity)
+    expert_rows = _gather_rows(received, placed.expand_rows, width=rows.shape[1])
     if wire_dtype is not None:
         expert_rows = _decode(expert_rows, tokens.shape[1], wire_dtype, tokens.dtype)
-    handle = _make_handle(order, send_counts, recv_counts, plan, axis_name, capacity, top_k)
-    return expert_rows, recv_counts.sum(axis=0), handle
+    handle = DispatchHandle(
+        order=plan.order, send_counts=plan.send_counts, recv_counts=placed.recv_counts,
+        to_expert_major=placed.to_expert_major, to_source_major=placed.to_source_major,
+        return_slot=plan.return_slot, dropped=plan.dropped, axis_name=axis_name, capacity=capacity, top_k=top_k)
+    return expert_rows, placed.group_sizes, handle
 
 
 def _dispatch_fwd(tokens, expert_ids, num_experts, axis_name, capacity, wire_dtype):
@@ -246,101 +242,6 @@ def _decode(wire_rows, hidden, wire_dtype, dtype):
     return (values.reshape(num_rows, -1, block) * scale[..., None]).reshape(num_rows, hidden).astype(dtype)
 
 
-class _SendPlan(NamedTuple):
-    """What this member sends in ``dispatch`` (S rows, N members, T tokens, k choices), all int32."""
-
-    send_token: jax.Array    # [S] the token of each row: grouped by member, ascending within one; T past the data
-    send_tags: jax.Array     # [S, k] the rows' tags (see _plan_sends)
-    token_counts: jax.Array  # [N] rows for each member
-    return_slot: jax.Array   # [T * k] where each pair's output comes back in combine; N * C if not delivered
-    dropped: jax.Array       # [N] pairs for each member past the capacity
-
-
-def _plan_sends(order, sorted_experts, send_counts, capacity, top_k):
-    """Sends each token once to each member that takes at least one of its pairs (DeepEP's send-once).
-
-    A token that chose two experts of one member crosses the wire once, not twice: for top-8 of 32 experts on
-    4 members about 3.7 rows per token instead of 8. Each member takes the first C of the pairs for it,
-    sorted by expert. The rows' tags (k int32 each) hold, read in row order, the list of the pairs that the
-    member took, in that order: ``row * E_local + local expert``, row counted from the member's first row,
-    then -1. A token has at most k pairs per member, so the list fits, and the receiver places the pairs in the
-    expert-major layout with gathers alone (``_place_received``).
-
-    Args: order, sorted_experts: ``[T * k]`` the pairs sorted by expert, and their experts (E for no expert).
-    Returns: a ``_SendPlan`` with S = min(T * min(k, N), N * C) rows: a member takes at most C pairs, and
-      at most T rows (one per token).
-    """
-    num_members, local_experts = send_counts.shape
-    num_pairs = order.shape[0]
-    num_tokens = num_pairs // top_k
-    sent = send_counts.sum(axis=1)
-    taken = jnp.minimum(sent, capacity)
-    first_sent = jnp.cumsum(sent) - sent  # where member p's pairs start in the sorted order
-    position = jnp.arange(num_pairs, dtype=jnp.int32)
-    member = sorted_experts // local_experts  # num_members for pairs that chose no expert
-    chose_expert = member < num_members
-    member = jnp.minimum(member, num_members - 1)
-    offset = position - first_sent[member]
-    delivered = chose_expert & (offset < capacity)
-    # Back to pair order with one scatter, whose output XLA keeps in memory (a gather through the inverse
-    # permutation would be fused into combine's row gather and recomputed for every element of every row).
-    in_pair_order = jnp.zeros((num_pairs, 2), jnp.int32).at[order].set(jnp.stack(
-        [jnp.where(delivered, member, num_members), jnp.where(delivered, member * capacity + offset,
-                                                              num_members * capacity)], axis=1))
-    pair_member = in_pair_order[:, 0].reshape(num_tokens, top_k)
-    return_slot = in_pair_order[:, 1]
-
-    members = jnp.arange(num_members, dtype=jnp.int32)
-    sends = (pair_member[:, :, None] == members).any(axis=1).T  # [N, T]: token t goes to member p
-    flat = sends.reshape(-1)
-    row_of = (jnp.cumsum(flat) - flat).reshape(num_members, num_tokens)  # its row, if it goes
-    token_counts = sends.sum(axis=1).astype(jnp.int32)
-    first_row = jnp.cumsum(token_counts) - token_counts
-    num_rows = min(num_tokens * min(top_k, num_members), num_members * capacity)
-    send_token = jnp.full(num_rows, num_tokens, jnp.int32).at[jnp.where(sends, row_of, num_rows).reshape(-1)].set(
-        jnp.tile(jnp.arange(num_tokens, dtype=jnp.int32), num_members), mode="drop")
-
-    # Tag entry first_row[p] * k + i holds member p's i-th pair, the sorted pair first_sent[p] + i.
-    entry = jnp.arange(num_rows * top_k, dtype=jnp.int32)
-    entry_member = (entry[:, None] >= first_row[None, 1:] * top_k).sum(axis=1)
-    place = entry - first_row[entry_member] * top_k  # in member p's list
-    pair = jnp.minimum(first_sent[entry_member] + place, num_pairs - 1)
-    row = row_of[entry_member, order[pair] // top_k] - first_row[entry_member]
-    tags = jnp.where(place < taken[entry_member], row * local_experts + sorted_experts[pair] % local_experts, -1)
-    return _SendPlan(send_token=send_token, send_tags=tags.reshape(num_rows, top_k), token_counts=token_counts,
-                     return_slot=return_slot, dropped=jnp.maximum(sent - capacity, 0).astype(jnp.int32))
-
-
-def _place_received(tags, recv_tokens, local_experts, capacity):
-    """Where each received pair goes in the expert-major layout (the tags are described in ``_plan_sends``).
-
-    Args:
-      tags: int32 ``[N * R, k]`` the tags of the received rows (padded layout: source i's R rows from row
-        i * R).
-      recv_tokens: ``[N]`` rows each source delivered.
-      capacity: C, the pairs each source may deliver (the expert-major layout has N * C rows).
-    Returns:
-      ``(recv_counts [N, E_local], to_expert_major [N * C])``: pairs per source and local expert, and the
-      received row of each expert-major row (N * R past the data).
-    """
-    num_members = recv_tokens.shape[0]
-    num_received, top_k = tags.shape
-    rows_per_source = num_received // num_members
-    per_source = rows_per_source * top_k
-    entries = tags.reshape(num_members, per_source)
-    valid = (jnp.arange(per_source) // top_k < recv_tokens[:, None]) & (entries >= 0)
-    expert = entries % local_experts
-    recv_counts = (valid[:, :, None] & (expert[:, :, None] == jnp.arange(local_experts))).sum(axis=1)
-    recv_counts = recv_counts.astype(jnp.int32)
-    # Source i's list holds its pairs sorted by expert: those of expert e start after its earlier experts'.
-    list_starts = (jnp.arange(num_members, dtype=jnp.int32)[:, None] * per_source +
-                   jnp.cumsum(recv_counts, axis=1) - recv_counts)
-    entry = _regroup(recv_counts, list_starts, num_members * capacity, outside=num_received * top_k)
-    row = _gather_rows(tags.reshape(-1, 1), entry)[:, 0] // local_experts
-    inside = (entry < num_received * top_k) & (row >= 0) & (row < rows_per_source)
-    return recv_counts, jnp.where(inside, entry // per_source * rows_per_source + row, num_received)
-
-
 def _attach_tags(rows, tags):
     """``[S, W]`` rows and int32 ``[S, k]`` tags -> ``[S, W + w]`` rows' dtype: the tags' bits appended,
     padded with -1 to a multiple of 16 bytes so that 16-byte aligned rows stay aligned."""
@@ -360,50 +261,6 @@ def _detach_tags(wire_rows, width, top_k):
         bits = bits.reshape(bits.shape[0], -1, 4 // itemsize)
     tags = jax.lax.bitcast_convert_type(bits, jnp.int32)
     return tags.reshape(tags.shape[0], -1)[:, :top_k]
-
-
-def _make_handle(order, send_counts, recv_counts, plan, axis_name, capacity, top_k):
-    num_members = send_counts.shape[0]
-    num_rows = num_members * capacity
-    # combine and the backward passes exchange one row per pair: source i's rows of expert e arrive at row
-    # i * C of the padded layout, after those of its earlier experts; expert-major block (e, i) starts after
-    # all earlier blocks, packed.
-    padded_starts = (jnp.arange(num_members, dtype=jnp.int32)[:, None] * capacity +
-                     jnp.cumsum(recv_counts, axis=1) - recv_counts)
-    expert_major_starts = _exclusive_cumsum(recv_counts.T).T
-    return DispatchHandle(
-        order=order, send_counts=send_counts, recv_counts=recv_counts,
-        to_expert_major=_regroup(recv_counts, padded_starts, num_rows),
-        to_source_major=_regroup(recv_counts.T, expert_major_starts.T, num_rows),
-        return_slot=plan.return_slot, dropped=plan.dropped,
-        axis_name=axis_name, capacity=capacity, top_k=top_k)
-
-
-def _exclusive_cumsum(sizes):
-    """Row-major exclusive running sum of a 2-D array: where each block starts when the blocks are packed."""
-    flat = sizes.reshape(-1)
-    return (jnp.cumsum(flat) - flat).reshape(sizes.shape)
-
-
-def _regroup(block_sizes, block_starts, num_rows, outside=None):
-    """Gather indices that collect blocks (a, b) into blocks (b, a) packed from row 0.
-
-    Block (a, b) is ``block_sizes[a, b]`` rows of the input from row ``block_starts[a, b]`` (both ``[A, B]``).
-    Rows past the last block get ``outside`` (default ``num_rows``), out of bounds (``_gather_rows`` gives
-    zeros there).
-    """
-    starts = block_starts.T.reshape(-1)  # in the (b, a) order
-    sizes_out = block_sizes.T.reshape(-1)
-    ends_out = jnp.cumsum(sizes_out)
-    row = jnp.arange(num_rows, dtype=jnp.int32)
-    # compare_all: one fused comparison against the A * B block ends (the experts, a few hundred at most).
-    # The default binary search is a while loop, whose predicate XLA's GPU runtime reads back to the host
-    # every iteration: a host round trip in every dispatch, which this module must not have.
-    block = jnp.searchsorted(ends_out, row, side="right", method="compare_all")
-    inside = block < sizes_out.shape[0]
-    block = jnp.minimum(block, sizes_out.shape[0] - 1)
-    outside = num_rows if outside is None else outside
-    return jnp.where(inside, starts[block] + row - (ends_out - sizes_out)[block], outside).astype(jnp.int32)
 
 
 # ---- combine -----------------------------------------------------------------------------------------------
@@ -455,12 +312,9 @@ def _exchange(rows, send_counts, axis_name, capacity, send_rows=None):
 
 
 def _gather_rows(rows, index, width=None):
-    """``rows[index, :width]`` (all columns by default), zero where the index is out of bounds (``_regroup``'s
+    """``rows[index, :width]`` (all columns by default), zero where the index is out of bounds (the routing's
     rows past the data)."""
     width = rows.shape[1] if width is None else width
-    # The barrier keeps the index arithmetic out of the gather's fusion: XLA would otherwise recompute it
-    # (searches over the expert blocks) for every element of every row, several times the copy itself.
-    index = jax.lax.optimization_barrier(index)
     dimensions = jax.lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,))
     return jax.lax.gather(rows, index[:, None], dimensions, slice_sizes=(1, width),
                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP, fill_value=0)

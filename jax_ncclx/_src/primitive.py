@@ -191,6 +191,29 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **par
     return lowered[: len(ctx.avals_out)]
 
 
+def register_local_lowerings(prim: Primitive, target: str, attrs: Callable[..., dict],
+                            cuda_scratch_bytes: Callable[..., int] | None = None):
+    """Registers CPU and CUDA lowerings of a local op (no communication: no groups, no communicator, nothing
+    traced) to the FFI target ``target`` on both platforms.
+
+    Args:
+      attrs: maps the primitive's params to its FFI attributes.
+      cuda_scratch_bytes: maps (avals_in, **params) to the bytes of a scratch result that the CUDA handler
+        takes last (XLA allocates it; the lowering drops it). None: no scratch.
+    """
+    def lower(ctx, *operands, platform, **params):
+        avals_out = list(ctx.avals_out)
+        if platform == "cuda":
+            lib.cuda_module()  # registers the CUDA targets, or says why it cannot
+            if cuda_scratch_bytes is not None:
+                avals_out.append(jax.core.ShapedArray((cuda_scratch_bytes(ctx.avals_in, **params),), np.uint8))
+        lowered = jax.ffi.ffi_lowering(target)(ctx.replace(avals_out=avals_out), *operands, **attrs(**params))
+        return lowered[: len(ctx.avals_out)]
+
+    for platform in ("cpu", "cuda"):
+        mlir.register_lowering(prim, functools.partial(lower, platform=platform), platform=platform)
+
+
 def _nbytes(aval) -> int:
     return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 

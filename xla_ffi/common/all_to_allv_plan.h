@@ -11,11 +11,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define NCCLX_HOST_DEVICE __host__ __device__
-#else
-#define NCCLX_HOST_DEVICE
-#endif
+#include "common/host_device.h"
 
 namespace jax_ncclx {
 

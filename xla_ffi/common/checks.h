@@ -2,6 +2,9 @@
 // and the problem. Handlers never abort the process.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 
@@ -22,6 +25,22 @@ inline ffi::Error Internal(std::string_view op, std::string_view message) {
 inline ffi::Error DeadlineExceeded(std::string_view op, std::string_view message) {
   return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
                     "jax_ncclx " + std::string(op) + ": " + std::string(message));
+}
+
+// "[2, 3]", for messages about shapes.
+template <typename Dims>
+std::string DimsString(const Dims& dims) {
+  std::string text = "[";
+  for (const int64_t dim : dims) text += (text.size() > 1 ? ", " : "") + std::to_string(dim);
+  return text + "]";
+}
+
+// InvalidArgument naming the operand `name` unless its dimensions are `expected`.
+inline ffi::Error CheckDims(std::string_view op, std::string_view name, ffi::Span<const int64_t> dims,
+                            std::initializer_list<int64_t> expected) {
+  if (std::equal(dims.begin(), dims.end(), expected.begin(), expected.end())) return ffi::Error::Success();
+  return InvalidArgument(op, std::string(name) + " has shape " + DimsString(dims) + ", expected " +
+                                 DimsString(expected));
 }
 
 }  // namespace jax_ncclx

@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <initializer_list>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -30,24 +29,6 @@ namespace jax_ncclx {
 namespace {
 
 constexpr std::string_view kOp = "all_to_allv_dynamic";
-
-template <typename Dims>
-std::string DimsString(const Dims& dims) {
-  std::string text = "[";
-  for (const int64_t dim : dims) text += (text.size() > 1 ? ", " : "") + std::to_string(dim);
-  return text + "]";
-}
-
-bool HasDims(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> expected) {
-  return std::equal(dims.begin(), dims.end(), expected.begin(), expected.end());
-}
-
-ffi::Error CheckDims(std::string_view name, ffi::Span<const int64_t> dims,
-                     std::initializer_list<int64_t> expected) {
-  if (HasDims(dims, expected)) return ffi::Error::Success();
-  return InvalidArgument(kOp, std::string(name) + " has shape " + DimsString(dims) + ", expected " +
-                                  DimsString(expected));
-}
 
 // Checks the operands against each other and the communicator size, and returns the kernels' sizes.
 ffi::ErrorOr<AllToAllvShape> GetShape(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& counts,
@@ -91,8 +72,8 @@ ffi::ErrorOr<AllToAllvShape> GetShape(const ffi::AnyBuffer& x, const ffi::Buffer
   }
   shape.num_chunks = counts_dims[2];
   NCCLX_RETURN_IF_ERROR(
-      CheckDims("recv_counts", recv_counts.dimensions(), {shape.batch, shape.num_peers, shape.num_chunks}));
-  NCCLX_RETURN_IF_ERROR(CheckDims("dropped", dropped.dimensions(), {shape.batch, shape.num_peers}));
+      CheckDims(kOp, "recv_counts", recv_counts.dimensions(), {shape.batch, shape.num_peers, shape.num_chunks}));
+  NCCLX_RETURN_IF_ERROR(CheckDims(kOp, "dropped", dropped.dimensions(), {shape.batch, shape.num_peers}));
 
   if (y.element_type() != x.element_type()) {
     return InvalidArgument(kOp, "y has dtype " + std::string(DataTypeName(y.element_type())) +
@@ -202,7 +183,7 @@ ffi::Error AllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi
       GetShape(x, counts, send_rows, *y, *recv_counts, *dropped, comm->size, capacity, packed);
   if (shape.has_error()) return shape.error();
   const WorkspaceLayout layout = LayOutWorkspace(*shape, packed == 1);
-  NCCLX_RETURN_IF_ERROR(CheckDims("workspace", workspace->dimensions(), {layout.total}));
+  NCCLX_RETURN_IF_ERROR(CheckDims(kOp, "workspace", workspace->dimensions(), {layout.total}));
   if (shape->batch == 0) return ffi::Error::Success();
 
   uint8_t* base = workspace->typed_data();

@@ -1,0 +1,191 @@
+"""The routing arithmetic of ``jax_ncclx.moe.dispatch``, as two local ops (no communication).
+
+``plan_sends`` runs on the sender before the exchange, ``place_received`` on the receiver after it. Each is one
+custom call: a single-block CUDA kernel on GPU (``xla_ffi/ops/moe_routing_kernels.cu``), a loop on CPU
+(``moe_routing_cpu.cc``), where the same arithmetic in ``jax.numpy`` took ~20 XLA kernels of ~1.4 µs each.
+The docstrings below are the specification both handlers follow; ``tests/reference.py`` implements it in
+NumPy.
+
+Both primitives are batched: every operand and result has a leading batch dimension B, which is how ``vmap``
+stays one call. They are integer-valued, so their derivative is zero. Sharding model: per device, like any
+elementwise op inside ``shard_map``.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad
+from jax.interpreters import batching
+
+from jax_ncclx._src import compat
+from jax_ncclx._src import primitive
+
+MAX_EXPERTS = 2048  # kMaxRoutingExperts in xla_ffi/ops/moe_routing.h: per-expert counters in shared memory
+
+
+class SendPlan(NamedTuple):
+    """What one member sends in ``dispatch``, all int32 (N members, E experts, T tokens, k choices, S rows)."""
+
+    order: jax.Array         # [T * k] the (token, choice) pairs sorted stably by expert, no-expert pairs last
+    send_counts: jax.Array   # [N, E / N] pairs for each expert
+    send_token: jax.Array    # [S] the token of each send row; T past the data
+    send_tags: jax.Array     # [S, k] the pairs each row carries (see plan_sends)
+    token_counts: jax.Array  # [N] send rows for each member
+    return_slot: jax.Array   # [T * k] where each pair's output comes back in combine; N * C if nowhere
+    dropped: jax.Array       # [N] pairs for each member past the capacity
+
+
+class Placement(NamedTuple):
+    """Where one member puts what it received in ``dispatch``, all int32 (E_local local experts)."""
+
+    recv_counts: jax.Array      # [N, E_local] pairs each source delivered for each local expert
+    group_sizes: jax.Array      # [E_local] pairs for each local expert (recv_counts summed over sources)
+    expand_rows: jax.Array      # [N * C] the received row of each expert-major row; N * R past the data
+    to_expert_major: jax.Array  # [N * C] the same for the one-row-per-pair exchanges; N * C past the data
+    to_source_major: jax.Array  # [N * C] the expert-major row of each row sent back; N * C past the data
+
+
+def num_send_rows(num_tokens: int, top_k: int, num_members: int, capacity: int) -> int:
+    """S: a member takes at most C pairs and one row per token, and a token goes to at most min(k, N)
+    members."""
+    return min(num_tokens * min(top_k, num_members), num_members * capacity)
+
+
+def plan_sends(expert_ids, *, num_experts: int, num_members: int, capacity: int) -> SendPlan:
+    """Plans dispatch's sends: each token goes once to each member that takes at least one of its pairs.
+
+    Pair p = t * k + j is token t's j-th choice. Its key is its expert id, or E when the id is outside
+    ``[0, E)`` (no expert). ``order`` sorts the pairs by key, stably. Member m owns experts
+    ``[m * E / N, (m + 1) * E / N)`` and takes the first C of its pairs in that order (``dropped[m]`` counts
+    the rest); those pairs are delivered. A delivered pair's ``return_slot`` is ``m * C`` plus its place among
+    m's pairs.
+
+    Token t goes to member m when m takes at least one of its pairs. The send rows list the tokens going to
+    member 0 in ascending order, then those going to member 1, and so on (``send_token``, ``token_counts``).
+    The tags of member m's rows, read as one list of ``token_counts[m] * k`` entries, hold its delivered pairs
+    in order, each as ``row * E_local + local expert`` (``row`` counted from m's first row), then -1. A token
+    has at most k pairs per member, so the list fits.
+
+    Args:
+      expert_ids: int32 ``[T, k]``.
+      num_experts, num_members, capacity: E <= 2048 (a multiple of N), N >= 1, C >= 1 (static).
+
+    Returns:
+      A :class:`SendPlan` with S = ``num_send_rows(T, k, N, C)``.
+    """
+    _check_sizes(num_experts=num_experts, num_members=num_members, capacity=capacity)
+    outs = plan_sends_p.bind(jnp.asarray(expert_ids, jnp.int32)[None], num_experts=int(num_experts),
+                             num_members=int(num_members), capacity=int(capacity))
+    return SendPlan(*(out[0] for out in outs))
+
+
+def place_received(tags, recv_tokens, *, local_experts: int, capacity: int) -> Placement:
+    """Places the pairs that arrived in dispatch's exchange into the expert-major layout.
+
+    Source i's rows sit at rows ``[i * R, (i + 1) * R)`` of the exchange's padded layout, of which the first
+    ``recv_tokens[i]`` hold data. The tags of those rows, read as one list, are source i's pairs as
+    :func:`plan_sends` wrote them; a tag counts when it is >= 0. Expert-major block (e, i) holds source i's
+    pairs for local expert e, and the blocks are packed in the order (0, 0), (0, 1), ..., (1, 0), ... from
+    row 0 of N * C rows; rows past the data (or past N * C) get the "past the data" index. Row x of block
+    (e, i) is the r-th pair of the block, the entry ``start + r`` of source i's list, where start counts
+    source i's pairs for experts before e:
+
+    * ``expand_rows[x] = i * R + tag // E_local``, the received row holding the pair's token (N * R when the
+      tag is negative or names a row >= R);
+    * ``to_expert_major[x] = i * C + start + r``: where the exchanges that carry one row per pair (combine,
+      the backward passes) put the pair (N * C when ``start + r >= C``: more than a source can send);
+    * ``to_source_major`` is the inverse regrouping: row x of the source-major packing of the same blocks
+      ((0, 0), (0, 1) for experts, then source 1, ...) takes expert-major row ``to_source_major[x]`` (at most
+      N * C).
+
+    Args:
+      tags: int32 ``[N * R, k]``.
+      recv_tokens: int32 ``[N]``, rows each source delivered.
+      local_experts, capacity: E_local >= 1 (N * E_local <= 2048), C >= 1 (static).
+
+    Returns:
+      A :class:`Placement`.
+    """
+    num_members = jnp.shape(recv_tokens)[0]
+    _check_sizes(num_experts=num_members * local_experts, num_members=num_members, capacity=capacity)
+    outs = place_received_p.bind(jnp.asarray(tags, jnp.int32)[None], jnp.asarray(recv_tokens, jnp.int32)[None],
+                                 local_experts=int(local_experts), capacity=int(capacity))
+    return Placement(*(out[0] for out in outs))
+
+
+def _check_sizes(*, num_experts, num_members, capacity):
+    if not 1 <= num_experts <= MAX_EXPERTS or num_experts % num_members:
+        raise ValueError(f"jax_ncclx.moe: num_experts must be a multiple of the axis size ({num_members}) and at "
+                         f"most {MAX_EXPERTS} (the routing kernels count experts in shared memory), got "
+                         f"{num_experts}")
+    if capacity < 1:
+        raise ValueError(f"jax_ncclx.moe: capacity must be >= 1, got {capacity}")
+
+
+def _make(name):
+    prim = Primitive(f"ncclx_moe_{name}")
+    prim.multiple_results = True
+    prim.def_impl(lambda *args, **params: compat.apply_primitive(prim, *args, **params))
+    return prim
+
+
+plan_sends_p = _make("plan_sends")
+place_received_p = _make("place_received")
+
+
+def _int32(aval, *shape):
+    return primitive.output_aval(aval, None, shape=shape, dtype=jnp.int32)
+
+
+def _plan_sends_abstract_eval(expert_ids, *, num_experts, num_members, capacity):
+    batch, num_tokens, top_k = expert_ids.shape
+    rows = num_send_rows(num_tokens, top_k, num_members, capacity)
+    pairs = num_tokens * top_k
+    return [_int32(expert_ids, batch, pairs), _int32(expert_ids, batch, num_members, num_experts // num_members),
+            _int32(expert_ids, batch, rows), _int32(expert_ids, batch, rows, top_k),
+            _int32(expert_ids, batch, num_members), _int32(expert_ids, batch, pairs),
+            _int32(expert_ids, batch, num_members)]
+
+
+def _place_received_abstract_eval(tags, recv_tokens, *, local_experts, capacity):
+    batch, num_members = recv_tokens.shape
+    rows = num_members * capacity
+    return [_int32(tags, batch, num_members, local_experts), _int32(tags, batch, local_experts),
+            _int32(tags, batch, rows), _int32(tags, batch, rows), _int32(tags, batch, rows)]
+
+
+def _plan_sends_scratch_bytes(avals_in, *, num_members, **params):
+    batch, num_tokens, _ = avals_in[0].shape
+    return batch * num_members * num_tokens * 4  # PlanSendsScratchBytes in moe_routing_kernels.cu
+
+
+def _batching(prim, axis_data, args, dims, **params):
+    args = [batching.bdim_at_front(a, d, axis_data.size) for a, d in zip(args, dims)]
+    vmapped, batch = args[0].shape[:2]
+    outs = prim.bind(*(a.reshape(vmapped * batch, *a.shape[2:]) for a in args), **params)
+    return [out.reshape(vmapped, batch, *out.shape[1:]) for out in outs], [0] * len(outs)
+
+
+def _jvp(prim, primals, tangents, **params):
+    outs = prim.bind(*primals, **params)
+    return outs, [ad.Zero(jax.typeof(out).to_tangent_aval()) for out in outs]
+
+
+plan_sends_p.def_abstract_eval(_plan_sends_abstract_eval)
+place_received_p.def_abstract_eval(_place_received_abstract_eval)
+primitive.register_local_lowerings(
+    plan_sends_p, "ncclx_moe_plan_sends",
+    lambda *, num_experts, num_members, capacity: dict(num_experts=np.int64(num_experts),
+                                                       num_members=np.int64(num_members),
+                                                       capacity=np.int64(capacity)),
+    cuda_scratch_bytes=_plan_sends_scratch_bytes)
+primitive.register_local_lowerings(
+    place_received_p, "ncclx_moe_place_received",
+    lambda *, local_experts, capacity: dict(local_experts=np.int64(local_experts), capacity=np.int64(capacity)))
+for _prim in (plan_sends_p, place_received_p):
+    batching.fancy_primitive_batchers[_prim] = functools.partial(_batching, _prim)
+    ad.primitive_jvps[_prim] = functools.partial(_jvp, _prim)

@@ -1,0 +1,119 @@
+"""The routing ops behind jax_ncclx.moe.dispatch (plan_sends, place_received) against the NumPy reference in
+reference.py, on CPU and on one GPU, for routings that stress them: ids outside [0, E), every pair on one
+expert, more choices than members, repeated experts within a token, many experts (few sorting warps), tags
+that were corrupted on the way, and a vmapped batch."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from jax_ncclx._src.ops import moe_routing
+from reference import moe_exchange_tags, moe_place_received, moe_plan_sends
+
+
+def skewed_ids(rng, shape, num_experts):
+    """Expert ids skewed towards low experts, with some -1 and some ids >= num_experts (both: no expert)."""
+    ids = np.minimum(rng.integers(0, num_experts, size=shape), rng.integers(0, num_experts, size=shape))
+    ids = np.where(rng.random(shape) < 0.05, -1, ids)
+    return np.where(rng.random(shape) < 0.02, num_experts + 3, ids).astype(np.int32)
+
+
+def routings():
+    """(name, ids [N, T, k] for N members, num_experts, capacity)."""
+    rng = np.random.default_rng(0)
+    yield "random_ample", skewed_ids(rng, (4, 16, 4), 16), 16, 64
+    yield "random_tight", skewed_ids(rng, (4, 16, 4), 16), 16, 5
+    yield "no_expert", np.full((2, 8, 2), -1, np.int32), 4, 4
+    yield "all_on_expert_0", np.zeros((4, 12, 3), np.int32), 8, 7
+    yield "k_above_members", skewed_ids(rng, (2, 10, 8), 6), 6, 40         # repeated experts in a token
+    yield "one_expert_per_member", skewed_ids(rng, (4, 9, 2), 4), 4, 3
+    yield "one_token", skewed_ids(rng, (3, 1, 5), 9), 9, 2
+    yield "many_pairs", skewed_ids(rng, (4, 300, 8), 64), 64, 500          # many warp segments
+    yield "many_experts", skewed_ids(rng, (8, 200, 8), 2048), 2048, 150    # few sorting warps
+    yield "one_member", skewed_ids(rng, (1, 64, 4), 2048), 2048, 64
+
+ROUTINGS = {name: (ids, experts, capacity) for name, ids, experts, capacity in routings()}
+
+
+def on_device(backend):
+    return functools.partial(jax.device_put, device=backend[0])
+
+
+@pytest.mark.parametrize("name", list(ROUTINGS))
+def test_plan_and_place_match_reference(backend, name):
+    """Each member plans its sends; the tags travel as the exchange would move them; each member places them."""
+    ids, num_experts, capacity = ROUTINGS[name]
+    num_members, num_tokens, _ = ids.shape
+    put = on_device(backend)
+    plan = jax.jit(functools.partial(moe_routing.plan_sends, num_experts=num_experts, num_members=num_members,
+                                     capacity=capacity))
+    expected_plans = [moe_plan_sends(i, num_experts, num_members, capacity) for i in ids]
+    for member, expected in enumerate(expected_plans):
+        actual = plan(put(ids[member]))._asdict()
+        for field, value in expected.items():
+            np.testing.assert_array_equal(actual[field], value, err_msg=f"member {member}: {field}")
+
+    local = num_experts // num_members
+    place = jax.jit(functools.partial(moe_routing.place_received, local_experts=local, capacity=capacity))
+    for member, (tags, recv_tokens) in enumerate(moe_exchange_tags(expected_plans, min(capacity, num_tokens))):
+        actual = place(put(tags), put(recv_tokens))._asdict()
+        for field, value in moe_place_received(tags, recv_tokens, local, capacity).items():
+            np.testing.assert_array_equal(actual[field], value, err_msg=f"member {member}: {field}")
+
+
+@pytest.mark.parametrize("capacity", [3, 40])
+def test_place_received_survives_corrupted_tags(backend, capacity):
+    """Tags and counts that no sender wrote (negative, huge, unsorted, more than fit) still give indices within
+    their documented ranges, the same on CPU and GPU."""
+    rng = np.random.default_rng(1)
+    num_members, rows_per_source, top_k, local = 4, 6, 3, 5
+    tags = rng.integers(-5, 40, size=(num_members * rows_per_source, top_k)).astype(np.int32)
+    tags[0, 0] = np.iinfo(np.int32).max
+    recv_tokens = np.array([rows_per_source, 0, 2, rows_per_source + 9], np.int32)  # the last one lies
+    put = on_device(backend)
+    actual = jax.jit(functools.partial(moe_routing.place_received, local_experts=local, capacity=capacity))(
+        put(tags), put(recv_tokens))._asdict()
+    expected = moe_place_received(tags, recv_tokens, local, capacity)
+    for field, value in expected.items():
+        np.testing.assert_array_equal(actual[field], value, err_msg=field)
+    assert np.all((expected["expand_rows"] >= 0) & (expected["expand_rows"] <= num_members * rows_per_source))
+    for field in ("to_expert_major", "to_source_major"):
+        assert np.all((expected[field] >= 0) & (expected[field] <= num_members * capacity)), field
+
+
+def test_vmap_is_one_call(backend):
+    """vmap over a batch of routings: one custom call each, equal to the routings one by one."""
+    ids, num_experts, capacity = ROUTINGS["random_tight"]
+    num_members = ids.shape[0]
+    plan = functools.partial(moe_routing.plan_sends, num_experts=num_experts, num_members=num_members,
+                             capacity=capacity)
+    text = jax.jit(jax.vmap(plan)).lower(ids).as_text()
+    assert text.count("ncclx_moe_plan_sends") == 1
+    batched = jax.jit(jax.vmap(plan))(on_device(backend)(ids))
+    for member in range(num_members):
+        for field, value in moe_plan_sends(ids[member], num_experts, num_members, capacity).items():
+            np.testing.assert_array_equal(getattr(batched, field)[member], value, err_msg=field)
+
+    plans = [moe_plan_sends(i, num_experts, num_members, capacity) for i in ids]
+    received = moe_exchange_tags(plans, min(capacity, ids.shape[1]))
+    tags = np.stack([t for t, _ in received])
+    recv_tokens = np.stack([r for _, r in received])
+    place = functools.partial(moe_routing.place_received, local_experts=num_experts // num_members,
+                              capacity=capacity)
+    batched = jax.jit(jax.vmap(place))(on_device(backend)(tags), on_device(backend)(recv_tokens))
+    for member in range(num_members):
+        expected = moe_place_received(tags[member], recv_tokens[member], num_experts // num_members, capacity)
+        for field, value in expected.items():
+            np.testing.assert_array_equal(getattr(batched, field)[member], value, err_msg=field)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_experts=4096, num_members=4, capacity=2), "at most 2048"),
+    (dict(num_experts=6, num_members=4, capacity=2), "multiple of the axis size"),
+    (dict(num_experts=8, num_members=4, capacity=0), "capacity must be >= 1"),
+])
+def test_bad_sizes_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        moe_routing.plan_sends(np.zeros((4, 2), np.int32), **kwargs)

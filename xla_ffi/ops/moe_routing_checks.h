@@ -1,0 +1,119 @@
+// Decoding and checking of the moe routing ops' FFI arguments, shared by the CPU and CUDA handlers, so that
+// both refuse the same bad calls with the same messages.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <string_view>
+
+#include "common/checks.h"
+#include "ops/moe_routing.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ncclx {
+
+inline constexpr std::string_view kPlanSendsOp = "moe plan_sends";
+inline constexpr std::string_view kPlaceReceivedOp = "moe place_received";
+
+using Int32Result = ffi::Result<ffi::Buffer<ffi::S32>>;
+
+// The kernels index with int32: every array of one batch element must have fewer than 2^31 entries.
+inline ffi::Error CheckIndexable(std::string_view op, std::string_view what, int64_t entries) {
+  if (entries <= std::numeric_limits<int32_t>::max()) return ffi::Error::Success();
+  return InvalidArgument(op, std::string(what) + " has " + std::to_string(entries) +
+                                 " entries per batch element, more than int32 indices reach");
+}
+
+inline ffi::ErrorOr<PlanSendsShape> GetPlanSendsShape(const ffi::Buffer<ffi::S32>& expert_ids, int64_t num_experts,
+                                                      int64_t num_members, int64_t capacity) {
+  constexpr std::string_view op = kPlanSendsOp;
+  const auto dims = expert_ids.dimensions();
+  if (dims.size() != 3 || dims[2] < 1) {
+    return InvalidArgument(op, "expert_ids has shape " + DimsString(dims) + ", expected [batch, tokens, k >= 1]");
+  }
+  if (num_members < 1 || num_experts < 1 || num_experts % num_members != 0 || num_experts > kMaxRoutingExperts) {
+    return InvalidArgument(op, "num_experts " + std::to_string(num_experts) + " and num_members " +
+                                   std::to_string(num_members) + ": expected num_experts a multiple of num_members, "
+                                   "at most " + std::to_string(kMaxRoutingExperts));
+  }
+  if (capacity < 1) return InvalidArgument(op, "capacity is " + std::to_string(capacity) + ", expected >= 1");
+  PlanSendsShape shape{dims[0], dims[1], dims[2], num_experts, num_members, capacity};
+  NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "expert_ids", shape.num_pairs()));
+  NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the (member, token) table", num_members * shape.num_tokens));
+  NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "send_tags", shape.num_rows() * shape.top_k));
+  NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the return slots", num_members * capacity));
+  return shape;
+}
+
+inline ffi::Error CheckPlanSendsResults(const PlanSendsShape& s, const Int32Result& order,
+                                        const Int32Result& send_counts, const Int32Result& send_token,
+                                        const Int32Result& send_tags, const Int32Result& token_counts,
+                                        const Int32Result& return_slot, const Int32Result& dropped) {
+  constexpr std::string_view op = kPlanSendsOp;
+  NCCLX_RETURN_IF_ERROR(CheckDims(op, "order", order->dimensions(), {s.batch, s.num_pairs()}));
+  NCCLX_RETURN_IF_ERROR(
+      CheckDims(op, "send_counts", send_counts->dimensions(), {s.batch, s.num_members, s.local_experts()}));
+  NCCLX_RETURN_IF_ERROR(CheckDims(op, "send_token", send_token->dimensions(), {s.batch, s.num_rows()}));
+  NCCLX_RETURN_IF_ERROR(CheckDims(op, "send_tags", send_tags->dimensions(), {s.batch, s.num_rows(), s.top_k}));
+  NCCLX_RETURN_IF_ERROR(CheckDims(op, "token_counts", token_counts->dimensions(), {s.batch, s.num_members}));
+  NCCLX_RETURN_IF_ERROR(CheckDims(op, "return_slot", return_slot->dimensions(), {s.batch, s.num_pairs()}));
+  return CheckDims(op, "dropped", dropped->dimensions(), {s.batch, s.num_members});
+}
+
+inline PlanSendsResults PlanSendsData(const Int32Result& order, const Int32Result& send_counts,
+                                      const Int32Result& send_token, const Int32Result& send_tags,
+                                      const Int32Result& token_counts, const Int32Result& return_slot,
+                                      const Int32Result& dropped) {
+  return {order->typed_data(),        send_counts->typed_data(), send_token->typed_data(),
+          send_tags->typed_data(),    token_counts->typed_data(), return_slot->typed_data(),
+          dropped->typed_data()};
+}
+
+inline ffi::ErrorOr<PlaceReceivedShape> GetPlaceReceivedShape(const ffi::Buffer<ffi::S32>& tags,
+                                                              const ffi::Buffer<ffi::S32>& recv_tokens,
+                                                              int64_t local_experts, int64_t capacity) {
+  constexpr std::string_view op = kPlaceReceivedOp;
+  const auto token_dims = recv_tokens.dimensions();
+  if (token_dims.size() != 2 || token_dims[1] < 1) {
+    return InvalidArgument(op, "recv_tokens has shape " + DimsString(token_dims) + ", expected [batch, members]");
+  }
+  const auto tag_dims = tags.dimensions();
+  if (tag_dims.size() != 3 || tag_dims[0] != token_dims[0] || tag_dims[1] % token_dims[1] != 0 || tag_dims[2] < 1) {
+    return InvalidArgument(op, "tags has shape " + DimsString(tag_dims) + ", expected [" +
+                                   std::to_string(token_dims[0]) + ", members * rows, k >= 1] with " +
+                                   std::to_string(token_dims[1]) + " members (recv_tokens)");
+  }
+  if (local_experts < 1 || token_dims[1] * local_experts > kMaxRoutingExperts || capacity < 1) {
+    return InvalidArgument(op, "local_experts " + std::to_string(local_experts) + " and capacity " +
+                                   std::to_string(capacity) + ": expected both >= 1 and members * local_experts "
+                                   "at most " + std::to_string(kMaxRoutingExperts));
+  }
+  PlaceReceivedShape shape{token_dims[0], token_dims[1], tag_dims[1] / token_dims[1], tag_dims[2], local_experts,
+                           capacity};
+  NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "tags", tag_dims[1] * tag_dims[2]));
+  NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the expert-major rows", shape.num_members * capacity));
+  return shape;
+}
+
+inline ffi::Error CheckPlaceReceivedResults(const PlaceReceivedShape& s, const Int32Result& recv_counts,
+                                            const Int32Result& group_sizes, const Int32Result& expand_rows,
+                                            const Int32Result& to_expert_major, const Int32Result& to_source_major) {
+  constexpr std::string_view op = kPlaceReceivedOp;
+  const int64_t rows = s.num_members * s.capacity;
+  NCCLX_RETURN_IF_ERROR(
+      CheckDims(op, "recv_counts", recv_counts->dimensions(), {s.batch, s.num_members, s.local_experts}));
+  NCCLX_RETURN_IF_ERROR(CheckDims(op, "group_sizes", group_sizes->dimensions(), {s.batch, s.local_experts}));
+  NCCLX_RETURN_IF_ERROR(CheckDims(op, "expand_rows", expand_rows->dimensions(), {s.batch, rows}));
+  NCCLX_RETURN_IF_ERROR(CheckDims(op, "to_expert_major", to_expert_major->dimensions(), {s.batch, rows}));
+  return CheckDims(op, "to_source_major", to_source_major->dimensions(), {s.batch, rows});
+}
+
+inline PlaceReceivedResults PlaceReceivedData(const Int32Result& recv_counts, const Int32Result& group_sizes,
+                                              const Int32Result& expand_rows, const Int32Result& to_expert_major,
+                                              const Int32Result& to_source_major) {
+  return {recv_counts->typed_data(), group_sizes->typed_data(), expand_rows->typed_data(),
+          to_expert_major->typed_data(), to_source_major->typed_data()};
+}
+
+}  // namespace jax_ncclx

@@ -1,0 +1,198 @@
+// CPU handlers of the moe routing ops: the results of the CUDA kernels (moe_routing_kernels.cu), computed
+// one element at a time. No communication: each device computes its own routing.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "common/checks.h"
+#include "ops/moe_routing.h"
+#include "ops/moe_routing_checks.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ncclx {
+namespace {
+
+// Block (a, b) of an [A, B] table of block sizes starts where the earlier blocks end, in row-major order.
+std::vector<int32_t> ExclusiveSums(const std::vector<int32_t>& sizes) {
+  std::vector<int32_t> starts(sizes.size());
+  int32_t running = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    starts[i] = running;
+    running += sizes[i];
+  }
+  return starts;
+}
+
+void PlanSendsOne(const PlanSendsShape& shape, const int32_t* ids, const PlanSendsResults& out) {
+  const int32_t E = shape.num_experts, N = shape.num_members, local = shape.local_experts();
+  const int32_t C = shape.capacity, T = shape.num_tokens, k = shape.top_k;
+  const int32_t P = shape.num_pairs(), S = shape.num_rows();
+  std::vector<int32_t> key_count(E + 1, 0);
+  for (int32_t pair = 0; pair < P; ++pair) ++key_count[RoutingKey(ids[pair], E)];
+  const std::vector<int32_t> key_start = ExclusiveSums(key_count);
+  std::vector<int32_t> next = key_start;  // a stable counting sort
+  std::vector<int32_t> goes(N * T, 0);     // token t goes to member m
+  for (int32_t pair = 0; pair < P; ++pair) {
+    const int32_t key = RoutingKey(ids[pair], E);
+    const int32_t position = next[key]++;
+    out.order[position] = pair;
+    out.return_slot[pair] = N * C;
+    if (key == E) continue;
+    const int32_t member = key / local, offset = position - key_start[member * local];
+    if (offset < C) {
+      out.return_slot[pair] = member * C + offset;
+      goes[member * T + pair / k] = 1;
+    }
+  }
+  for (int32_t e = 0; e < E; ++e) out.send_counts[e] = key_count[e];
+  for (int32_t m = 0; m < N; ++m) {
+    int32_t sent = 0;
+    for (int32_t e = m * local; e < (m + 1) * local; ++e) sent += key_count[e];
+    out.dropped[m] = sent > C ? sent - C : 0;
+  }
+  // Send rows: member-major, tokens ascending within a member.
+  const std::vector<int32_t> row_of = ExclusiveSums(goes);
+  std::vector<int32_t> first_row(N, 0);
+  for (int32_t m = 0; m < N; ++m) {
+    out.token_counts[m] = 0;
+    first_row[m] = row_of.empty() ? 0 : row_of[m * T];
+  }
+  for (int32_t i = 0; i < S; ++i) out.send_token[i] = T;
+  for (int32_t i = 0; i < N * T; ++i) {
+    if (!goes[i]) continue;
+    ++out.token_counts[i / T];
+    if (row_of[i] < S) out.send_token[row_of[i]] = i % T;
+  }
+  for (int32_t i = 0; i < S * k; ++i) out.send_tags[i] = -1;
+  for (int32_t position = 0; position < P; ++position) {
+    const int32_t pair = out.order[position];
+    const int32_t key = RoutingKey(ids[pair], E);
+    if (key == E) continue;
+    const int32_t member = key / local, offset = position - key_start[member * local];
+    const int32_t entry = first_row[member] * k + offset;
+    if (offset < C && entry < S * k) {
+      out.send_tags[entry] = (row_of[member * T + pair / k] - first_row[member]) * local + key % local;
+    }
+  }
+}
+
+ffi::Error PlanSendsImpl(ffi::Buffer<ffi::S32> expert_ids, Int32Result order, Int32Result send_counts,
+                         Int32Result send_token, Int32Result send_tags, Int32Result token_counts,
+                         Int32Result return_slot, Int32Result dropped, int64_t num_experts, int64_t num_members,
+                         int64_t capacity) {
+  ffi::ErrorOr<PlanSendsShape> shape = GetPlanSendsShape(expert_ids, num_experts, num_members, capacity);
+  if (shape.has_error()) return shape.error();
+  const PlanSendsShape& s = *shape;
+  NCCLX_RETURN_IF_ERROR(
+      CheckPlanSendsResults(s, order, send_counts, send_token, send_tags, token_counts, return_slot, dropped));
+  const PlanSendsResults all = PlanSendsData(order, send_counts, send_token, send_tags, token_counts, return_slot,
+                                             dropped);
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t P = s.num_pairs(), S = s.num_rows(), N = s.num_members;
+    PlanSendsOne(s, expert_ids.typed_data() + b * P,
+                 {all.order + b * P, all.send_counts + b * s.num_experts, all.send_token + b * S,
+                  all.send_tags + b * S * s.top_k, all.token_counts + b * N, all.return_slot + b * P,
+                  all.dropped + b * N});
+  }
+  return ffi::Error::Success();
+}
+
+void PlaceReceivedOne(const PlaceReceivedShape& shape, const int32_t* tags, const int32_t* recv_tokens,
+                      const PlaceReceivedResults& out) {
+  const int32_t N = shape.num_members, R = shape.rows_per_source, k = shape.top_k;
+  const int32_t local = shape.local_experts, C = shape.capacity;
+  const int32_t per_source = R * k, rows = N * C;
+  std::vector<int32_t> counts(N * local, 0);  // [N][E_local]
+  for (int32_t entry = 0; entry < N * per_source; ++entry) {
+    const int32_t source = entry / per_source;
+    if ((entry % per_source) / k < recv_tokens[source] && tags[entry] >= 0) {
+      ++counts[source * local + tags[entry] % local];
+    }
+  }
+  std::vector<int32_t> by_expert(N * local);  // [E_local][N]
+  for (int32_t e = 0; e < local; ++e) {
+    out.group_sizes[e] = 0;
+    for (int32_t source = 0; source < N; ++source) {
+      by_expert[e * N + source] = counts[source * local + e];
+      out.group_sizes[e] += counts[source * local + e];
+    }
+  }
+  const std::vector<int32_t> source_major = ExclusiveSums(counts);
+  const std::vector<int32_t> expert_major = ExclusiveSums(by_expert);
+  for (int32_t x = 0; x < rows; ++x) {
+    out.expand_rows[x] = N * R;
+    out.to_expert_major[x] = rows;
+    out.to_source_major[x] = rows;
+  }
+  // Walk the blocks in expert-major order, then in source-major order, filling their rows.
+  for (int32_t e = 0; e < local; ++e) {
+    for (int32_t source = 0; source < N; ++source) {
+      const int32_t first = source_major[source * local + e] - source_major[source * local];
+      for (int32_t r = 0; r < counts[source * local + e]; ++r) {
+        const int32_t x = expert_major[e * N + source] + r;
+        if (x >= rows) break;
+        if (first + r < C) out.to_expert_major[x] = source * C + first + r;
+        const int32_t tag = tags[source * per_source + first + r];
+        if (tag >= 0 && tag / local < R) out.expand_rows[x] = source * R + tag / local;
+      }
+    }
+  }
+  for (int32_t block = 0; block < N * local; ++block) {
+    for (int32_t r = 0; r < counts[block]; ++r) {
+      const int32_t x = source_major[block] + r;
+      if (x >= rows) break;
+      out.to_source_major[x] = std::min(expert_major[(block % local) * N + block / local] + r, rows);
+    }
+  }
+  for (int32_t i = 0; i < N * local; ++i) out.recv_counts[i] = counts[i];
+}
+
+ffi::Error PlaceReceivedImpl(ffi::Buffer<ffi::S32> tags, ffi::Buffer<ffi::S32> recv_tokens, Int32Result recv_counts,
+                             Int32Result group_sizes, Int32Result expand_rows, Int32Result to_expert_major,
+                             Int32Result to_source_major, int64_t local_experts, int64_t capacity) {
+  ffi::ErrorOr<PlaceReceivedShape> shape = GetPlaceReceivedShape(tags, recv_tokens, local_experts, capacity);
+  if (shape.has_error()) return shape.error();
+  const PlaceReceivedShape& s = *shape;
+  NCCLX_RETURN_IF_ERROR(
+      CheckPlaceReceivedResults(s, recv_counts, group_sizes, expand_rows, to_expert_major, to_source_major));
+  const PlaceReceivedResults all =
+      PlaceReceivedData(recv_counts, group_sizes, expand_rows, to_expert_major, to_source_major);
+  const int64_t rows = s.num_members * s.capacity, blocks = s.num_members * s.local_experts;
+  for (int64_t b = 0; b < s.batch; ++b) {
+    PlaceReceivedOne(s, tags.typed_data() + b * s.num_members * s.rows_per_source * s.top_k,
+                     recv_tokens.typed_data() + b * s.num_members,
+                     {all.recv_counts + b * blocks, all.group_sizes + b * s.local_experts, all.expand_rows + b * rows,
+                      all.to_expert_major + b * rows, all.to_source_major + b * rows});
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuMoePlanSends, PlanSendsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // expert_ids [B, T, k]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // order [B, T * k]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // send_counts [B, N, E / N]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // send_token [B, S]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // send_tags [B, S, k]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // token_counts [B, N]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // return_slot [B, T * k]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // dropped [B, N]
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("num_members")
+                                  .Attr<int64_t>("capacity"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuMoePlaceReceived, PlaceReceivedImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tags [B, N * R, k]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // recv_tokens [B, N]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_counts [B, N, E_local]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // group_sizes [B, E_local]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // expand_rows [B, N * C]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // to_expert_major [B, N * C]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // to_source_major [B, N * C]
+                                  .Attr<int64_t>("local_experts")
+                                  .Attr<int64_t>("capacity"));
+
+}  // namespace jax_ncclx

@@ -1,0 +1,81 @@
+// CUDA handlers of the moe routing ops: decode, check, and launch one kernel (moe_routing_kernels.cu) on
+// XLA's stream. No host work beyond the launch and no communicator, so both are safe in command buffers.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/checks.h"
+#include "common/nccl_comms.h"
+#include "ops/moe_routing_checks.h"
+#include "ops/moe_routing_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ncclx {
+namespace {
+
+ffi::Error PlanSendsImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> expert_ids, Int32Result order,
+                         Int32Result send_counts, Int32Result send_token, Int32Result send_tags,
+                         Int32Result token_counts, Int32Result return_slot, Int32Result dropped,
+                         ffi::Result<ffi::AnyBuffer> scratch, int64_t num_experts, int64_t num_members,
+                         int64_t capacity) {
+  ffi::ErrorOr<PlanSendsShape> shape = GetPlanSendsShape(expert_ids, num_experts, num_members, capacity);
+  if (shape.has_error()) return shape.error();
+  NCCLX_RETURN_IF_ERROR(
+      CheckPlanSendsResults(*shape, order, send_counts, send_token, send_tags, token_counts, return_slot, dropped));
+  NCCLX_RETURN_IF_ERROR(CheckDims(kPlanSendsOp, "scratch", scratch->dimensions(), {PlanSendsScratchBytes(*shape)}));
+  return CheckCuda(kPlanSendsOp, "kernel launch",
+                   LaunchPlanSends(*shape, expert_ids.typed_data(),
+                                   PlanSendsData(order, send_counts, send_token, send_tags, token_counts,
+                                                 return_slot, dropped),
+                                   static_cast<int32_t*>(scratch->untyped_data()), stream));
+}
+
+ffi::Error PlaceReceivedImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> tags, ffi::Buffer<ffi::S32> recv_tokens,
+                             Int32Result recv_counts, Int32Result group_sizes, Int32Result expand_rows,
+                             Int32Result to_expert_major, Int32Result to_source_major, int64_t local_experts,
+                             int64_t capacity) {
+  ffi::ErrorOr<PlaceReceivedShape> shape = GetPlaceReceivedShape(tags, recv_tokens, local_experts, capacity);
+  if (shape.has_error()) return shape.error();
+  NCCLX_RETURN_IF_ERROR(
+      CheckPlaceReceivedResults(*shape, recv_counts, group_sizes, expand_rows, to_expert_major, to_source_major));
+  return CheckCuda(kPlaceReceivedOp, "kernel launch",
+                   LaunchPlaceReceived(*shape, tags.typed_data(), recv_tokens.typed_data(),
+                                       PlaceReceivedData(recv_counts, group_sizes, expand_rows, to_expert_major,
+                                                         to_source_major),
+                                       stream));
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaMoePlanSends, PlanSendsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // expert_ids [B, T, k]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // order [B, T * k]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // send_counts [B, N, E / N]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // send_token [B, S]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // send_tags [B, S, k]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // token_counts [B, N]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // return_slot [B, T * k]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // dropped [B, N]
+                                  .Ret<ffi::AnyBuffer>()         // scratch (PlanSendsScratchBytes)
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("num_members")
+                                  .Attr<int64_t>("capacity"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaMoePlaceReceived, PlaceReceivedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tags [B, N * R, k]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // recv_tokens [B, N]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_counts [B, N, E_local]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // group_sizes [B, E_local]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // expand_rows [B, N * C]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // to_expert_major [B, N * C]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // to_source_major [B, N * C]
+                                  .Attr<int64_t>("local_experts")
+                                  .Attr<int64_t>("capacity"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace jax_ncclx

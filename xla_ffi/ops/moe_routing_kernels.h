@@ -1,0 +1,25 @@
+// Host launchers of the moe routing kernels (moe_routing_kernels.cu). One block per batch element does all
+// of one call: at MoE sizes (a few thousand pairs, a few hundred experts) a block finishes in microseconds,
+// where XLA needs ~20 launches for the same arithmetic. Each launcher returns cudaGetLastError() of the launch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "ops/moe_routing.h"
+
+namespace jax_ncclx {
+
+// Bytes of device scratch LaunchPlanSends needs: an int32 per (batch element, member, token).
+int64_t PlanSendsScratchBytes(const PlanSendsShape& shape);
+
+// expert_ids: [B, T, k] int32. Requires E <= kMaxRoutingExperts and every index below 2^31.
+cudaError_t LaunchPlanSends(const PlanSendsShape& shape, const int32_t* expert_ids, const PlanSendsResults& results,
+                            int32_t* scratch, cudaStream_t stream);
+
+// tags: [B, N * R, k] int32, the received rows' tags; recv_tokens: [B, N] rows each source delivered.
+cudaError_t LaunchPlaceReceived(const PlaceReceivedShape& shape, const int32_t* tags, const int32_t* recv_tokens,
+                                const PlaceReceivedResults& results, cudaStream_t stream);
+
+}  // namespace jax_ncclx
