@@ -72,9 +72,10 @@ def moe_plan_sends(ids, num_experts, num_members, capacity):
     token_counts, row = [], 0
     for member, pairs in enumerate(taken):
         tokens = sorted({pair // top_k for pair in pairs})
+        row_of = {token: r for r, token in enumerate(tokens)}
         send_token[row: row + len(tokens)] = tokens
         for i, pair in enumerate(pairs):
-            tags[row * top_k + i] = tokens.index(pair // top_k) * local + key[pair] % local
+            tags[row * top_k + i] = row_of[pair // top_k] * local + key[pair] % local
         token_counts.append(len(tokens))
         row += len(tokens)
     send_counts = np.bincount(key, minlength=num_experts + 1)[:num_experts].reshape(num_members, local)

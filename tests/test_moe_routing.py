@@ -1,7 +1,7 @@
 """The routing ops behind jax_ncclx.moe.dispatch (plan_sends, place_received) against the NumPy reference in
 reference.py, on CPU and on one GPU, for routings that stress them: ids outside [0, E), every pair on one
-expert, more choices than members, repeated experts within a token, many experts (few sorting warps), tags
-that were corrupted on the way, and a vmapped batch."""
+expert, more choices than members, repeated experts within a token, many experts (few sorting warps), enough
+pairs for a cluster of several blocks, tags that were corrupted on the way, and a vmapped batch."""
 
 import functools
 
@@ -31,6 +31,8 @@ def routings():
     yield "one_expert_per_member", skewed_ids(rng, (4, 9, 2), 4), 4, 3
     yield "one_token", skewed_ids(rng, (3, 1, 5), 9), 9, 2
     yield "many_pairs", skewed_ids(rng, (4, 300, 8), 64), 64, 500          # many warp segments
+    yield "two_blocks", skewed_ids(rng, (4, 700, 8), 32), 32, 600          # a cluster of 2 blocks on GPU
+    yield "prefill", skewed_ids(rng, (4, 4096, 8), 32), 32, 9000           # a cluster of 8 blocks on GPU
     yield "many_experts", skewed_ids(rng, (8, 200, 8), 2048), 2048, 150    # few sorting warps
     yield "one_member", skewed_ids(rng, (1, 64, 4), 2048), 2048, 64
 

@@ -1,7 +1,13 @@
 // Device kernels of the moe routing ops and their launchers. Device code only: the XLA handlers that drive
-// them live in moe_routing_cuda.cc. Both kernels run one block of kThreads per batch element; every phase
-// of a call ends at a __syncthreads, which also orders the block's global memory writes for the next phase.
+// them live in moe_routing_cuda.cc.
+//
+// Each call runs on one thread block cluster per batch element (sm_90): one block at MoE decode sizes, up to
+// 8 at prefill sizes, where one SM alone would take ~100 µs (its __match_any_sync throughput above all).
+// The blocks of a cluster read each other's counters through distributed shared memory. Every phase ends
+// at a cluster barrier, which also orders the phase's global memory writes for the next phase.
 #include "ops/moe_routing_kernels.h"
+
+#include <cooperative_groups.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -11,11 +17,20 @@
 namespace jax_ncclx {
 namespace {
 
+namespace cg = cooperative_groups;
+
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
+constexpr int kMaxClusterBlocks = 8;            // the portable cluster size
+constexpr int64_t kWorkPerBlock = 4096;         // pairs (or tag entries) per block before a call takes another
 constexpr int64_t kSharedInts = 48 * 1024 / 4;  // dynamic shared memory without an opt-in
 
 using BlockScan = cub::BlockScan<int32_t, kThreads>;
+
+struct ScanShared {
+  typename BlockScan::TempStorage storage;
+  int32_t block_total;
+};
 
 __device__ inline int64_t Min(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -25,24 +40,44 @@ __device__ inline unsigned LanesBelow() {
   return mask;
 }
 
-// Exclusive prefix sums of value(0), ..., value(n - 1) by the whole block. Each thread takes a contiguous
-// run of indices and calls emit(i, sum of the values before i, value(i)) along it, in order. value(i) is
-// read twice; emit(i, ...) may overwrite what value(i) reads, nothing else may change in between. Returns
-// the total to every thread.
+// Exclusive prefix sums of value(0), ..., value(n - 1). Across the cluster: block r of Q takes the r-th of
+// Q contiguous ranges (then the call ends at a cluster barrier); otherwise every block scans all of them.
+// Each thread takes a contiguous run of its block's range and calls emit(i, sum of the values before i,
+// value(i)) along it, in order. value(i) is read twice; emit(i, ...) may overwrite what value(i) reads,
+// nothing else may change in between. Returns the total to every thread.
 template <typename Value, typename Emit>
-__device__ int32_t ScanBlock(int64_t n, Value value, Emit emit, typename BlockScan::TempStorage& storage) {
-  const int64_t per_thread = (n + kThreads - 1) / kThreads;
-  const int64_t begin = Min(n, threadIdx.x * per_thread), end = Min(n, begin + per_thread);
+__device__ int32_t Scan(int64_t n, bool across_cluster, Value value, Emit emit, ScanShared& shared) {
+  cg::cluster_group cluster = cg::this_cluster();
+  const int64_t blocks = across_cluster ? cluster.num_blocks() : 1, rank = across_cluster ? cluster.block_rank() : 0;
+  const int64_t per_block = (n + blocks - 1) / blocks;
+  const int64_t block_begin = Min(n, rank * per_block), block_end = Min(n, block_begin + per_block);
+  const int64_t per_thread = (block_end - block_begin + kThreads - 1) / kThreads;
+  const int64_t begin = Min(block_end, block_begin + threadIdx.x * per_thread);
+  const int64_t end = Min(block_end, begin + per_thread);
   int32_t sum = 0;
   for (int64_t i = begin; i < end; ++i) sum += value(i);
   int32_t running = 0, total = 0;
-  BlockScan(storage).ExclusiveSum(sum, running, total);
+  BlockScan(shared.storage).ExclusiveSum(sum, running, total);
+  if (across_cluster) {
+    if (threadIdx.x == 0) shared.block_total = total;
+    cluster.sync();
+    total = 0;
+    for (int r = 0; r < blocks; ++r) {
+      const int32_t block_total = *cluster.map_shared_rank(&shared.block_total, r);
+      running += r < rank ? block_total : 0;
+      total += block_total;
+    }
+  }
   for (int64_t i = begin; i < end; ++i) {
     const int32_t v = value(i);
     emit(i, running, v);
     running += v;
   }
-  __syncthreads();  // emit's writes are visible, and the storage may be reused
+  if (across_cluster) {
+    cluster.sync();  // emit's writes are visible, and nobody reads shared.block_total any more
+  } else {
+    __syncthreads();
+  }
   return total;
 }
 
@@ -61,89 +96,119 @@ __device__ inline int32_t BlockAt(const int32_t* starts, int32_t n, int32_t x) {
   return low;
 }
 
-// A stable counting sort of the pairs by key: warp w walks the w-th contiguous segment of the pairs 32 at a
-// time, and lanes with equal keys find each other with __match_any_sync, so the order within a key is
-// segment order, then lane order. Pass 1 counts each key per warp; after a scan over (key, warp), pass 2
-// places the pairs. The per-warp counters take sort_warps * (E + 1) ints of shared memory, so fewer warps
-// sort when there are many experts.
+// Barriers and shared memory of a cluster that may be a single block, where the plain block-local forms serve.
+struct Cluster {
+  cg::cluster_group group = cg::this_cluster();
+  int32_t blocks = group.num_blocks();
+  int32_t rank = group.block_rank();
+  __device__ void Sync() {
+    if (blocks > 1) {
+      group.sync();
+    } else {
+      __syncthreads();
+    }
+  }
+  // Block r's copy of `local`, a pointer into this block's shared memory.
+  __device__ int32_t* Shared(int32_t* local, int r) { return blocks > 1 ? group.map_shared_rank(local, r) : local; }
+};
+
+// Calls visit(pair, live, key, same) for the pairs of segment [begin, end), 32 at a time, where same is the
+// mask of the lanes with the same key. Lanes past the end are not live and get keys that match nobody.
+template <typename Visit>
+__device__ void WalkSegment(const int32_t* __restrict__ ids, int32_t num_experts, int32_t begin, int32_t end,
+                            Visit visit) {
+  const int lane = threadIdx.x % 32;
+  for (int32_t base = begin; base < end; base += 32) {
+    const int32_t pair = base + lane;
+    const bool live = pair < end;
+    const int32_t key = live ? RoutingKey(ids[pair], num_experts) : num_experts + 1 + lane;
+    visit(pair, live, key, __match_any_sync(0xffffffffu, key));
+  }
+}
+
+// A stable counting sort of the pairs by key: the pairs split into one contiguous segment per sorting warp
+// of the cluster (sort_warps per block, rank-major), each warp walks its own, and lanes with equal keys find
+// each other with __match_any_sync, so the order within a key is segment order, then lane order. Pass 1
+// counts each key per warp; a scan over (key, segment) gives where each warp's pairs of each key start;
+// pass 2 places the pairs. The per-warp counters take 2 * sort_warps * (E + 1) ints of shared memory, so
+// fewer warps sort when there are many experts.
 __global__ void __launch_bounds__(kThreads)
     PlanSendsKernel(PlanSendsShape shape, int sort_warps, const int32_t* __restrict__ expert_ids,
                     PlanSendsResults out, int32_t* __restrict__ scratch) {
+  Cluster cluster;
+  const int32_t blocks = cluster.blocks, rank = cluster.rank;
   const int32_t E = shape.num_experts, N = shape.num_members, local = shape.local_experts();
   const int32_t C = shape.capacity, T = shape.num_tokens, k = shape.top_k;
   const int32_t P = shape.num_pairs(), S = shape.num_rows(), NT = N * T;
   const int64_t b = blockIdx.x;
-  const int32_t* ids = expert_ids + b * P;
-  int32_t* order = out.order + b * P;
-  int32_t* return_slot = out.return_slot + b * P;
-  int32_t* send_token = out.send_token + b * S;
-  int32_t* tags = out.send_tags + b * S * k;
+  const int32_t* __restrict__ ids = expert_ids + b * P;
+  int32_t* __restrict__ order = out.order + b * P;
+  int32_t* __restrict__ return_slot = out.return_slot + b * P;
+  int32_t* __restrict__ send_token = out.send_token + b * S;
+  int32_t* __restrict__ tags = out.send_tags + b * S * k;
   // Per (member, token): first 1 if the token goes to the member, then its send row (or -1).
-  int32_t* row_of = scratch + b * NT;
+  int32_t* __restrict__ row_of = scratch + b * NT;
 
   extern __shared__ int32_t shared[];
-  int32_t* counters = shared;                              // [sort_warps][E + 1]
-  int32_t* key_start = counters + sort_warps * (E + 1);    // [E + 2] where each key starts in the order
-  int32_t* first_row = key_start + E + 2;                  // [N + 1] each member's first send row
-  __shared__ typename BlockScan::TempStorage scan_storage;
+  int32_t* counters = shared;                            // [sort_warps][E + 1] this block's warps' counts
+  int32_t* starts = counters + sort_warps * (E + 1);     // [sort_warps][E + 1] where they go in the order
+  int32_t* key_start = starts + sort_warps * (E + 1);    // [E + 2] where each key starts in the order
+  int32_t* first_row = key_start + E + 2;                // [N + 1] each member's first send row
+  __shared__ ScanShared scan;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int32_t thread = rank * kThreads + tid, threads = blocks * kThreads;  // in the cluster
   for (int32_t i = tid; i < sort_warps * (E + 1); i += kThreads) counters[i] = 0;
-  for (int32_t i = tid; i < NT; i += kThreads) row_of[i] = 0;
-  for (int32_t i = tid; i < S; i += kThreads) send_token[i] = T;
-  for (int32_t i = tid; i < S * k; i += kThreads) tags[i] = -1;
+  for (int32_t i = tid; i <= N; i += kThreads) first_row[i] = 0;  // stays so without tokens
+  if (tid == 0) key_start[E + 1] = P;
+  for (int32_t i = thread; i < NT; i += threads) row_of[i] = 0;
+  for (int32_t i = thread; i < S; i += threads) send_token[i] = T;
+  for (int32_t i = thread; i < S * k; i += threads) tags[i] = -1;
   __syncthreads();
 
-  const int32_t per_warp = (P + sort_warps - 1) / sort_warps;
-  const int32_t segment_begin = Min(P, warp * per_warp), segment_end = Min(P, segment_begin + per_warp);
+  const int32_t segments = blocks * sort_warps;
+  const int32_t per_segment = (P + 32 * segments - 1) / (32 * segments) * 32;  // whole chunks of 32
+  const int32_t segment_begin = Min(P, (rank * sort_warps + warp) * per_segment);
+  const int32_t segment_end = Min(P, segment_begin + per_segment);
   int32_t* my_counters = counters + warp * (E + 1);
+  int32_t* my_starts = starts + warp * (E + 1);
   if (warp < sort_warps) {
-    for (int32_t base = segment_begin; base < segment_end; base += 32) {
-      const int32_t pair = base + lane;
-      const bool live = pair < segment_end;
-      const int32_t key = live ? RoutingKey(ids[pair], E) : E + 1 + lane;  // dead lanes match nobody
-      const unsigned same = __match_any_sync(0xffffffffu, key);
+    WalkSegment(ids, E, segment_begin, segment_end, [&](int32_t, bool live, int32_t key, unsigned same) {
       if (live && lane == __ffs(same) - 1) my_counters[key] += __popc(same);
-    }
+    });
   }
-  __syncthreads();
+  cluster.Sync();
 
-  // Keys in order, and within a key the warps in order: each counter becomes where its pairs start.
-  const int32_t num_pairs = ScanBlock(
-      E + 1,
-      [&](int64_t key) {
-        int32_t sum = 0;
-        for (int w = 0; w < sort_warps; ++w) sum += counters[w * (E + 1) + key];
-        return sum;
+  // (key, segment) in order: each segment's start goes to its block's `starts`, each key's to every block.
+  Scan(
+      int64_t{E + 1} * segments, blocks > 1,
+      [&](int64_t j) {
+        const int32_t key = j / segments, segment = j % segments;
+        return cluster.Shared(counters, segment / sort_warps)[(segment % sort_warps) * (E + 1) + key];
       },
-      [&](int64_t key, int32_t start, int32_t) {
-        key_start[key] = start;
-        for (int w = 0; w < sort_warps; ++w) {
-          const int32_t count = counters[w * (E + 1) + key];
-          counters[w * (E + 1) + key] = start;
-          start += count;
+      [&](int64_t j, int32_t start, int32_t) {
+        const int32_t key = j / segments, segment = j % segments;
+        cluster.Shared(starts, segment / sort_warps)[(segment % sort_warps) * (E + 1) + key] = start;
+        if (segment == 0) {
+          for (int r = 0; r < blocks; ++r) cluster.Shared(key_start, r)[key] = start;
         }
       },
-      scan_storage);
-  if (tid == 0) key_start[E + 1] = num_pairs;
-  __syncthreads();
-  for (int32_t e = tid; e < E; e += kThreads) out.send_counts[b * E + e] = key_start[e + 1] - key_start[e];
-  for (int32_t m = tid; m < N; m += kThreads) {
-    const int32_t sent = key_start[(m + 1) * local] - key_start[m * local];
-    out.dropped[b * N + m] = sent > C ? sent - C : 0;
+      scan);
+  if (rank == 0) {
+    for (int32_t e = tid; e < E; e += kThreads) out.send_counts[b * E + e] = key_start[e + 1] - key_start[e];
+    for (int32_t m = tid; m < N; m += kThreads) {
+      const int32_t sent = key_start[(m + 1) * local] - key_start[m * local];
+      out.dropped[b * N + m] = sent > C ? sent - C : 0;
+    }
   }
 
   if (warp < sort_warps) {
-    for (int32_t base = segment_begin; base < segment_end; base += 32) {
-      const int32_t pair = base + lane;
-      const bool live = pair < segment_end;
-      const int32_t key = live ? RoutingKey(ids[pair], E) : E + 1 + lane;
-      const unsigned same = __match_any_sync(0xffffffffu, key);
-      const int32_t start = live ? my_counters[key] : 0;
+    WalkSegment(ids, E, segment_begin, segment_end, [&](int32_t pair, bool live, int32_t key, unsigned same) {
+      const int32_t start = live ? my_starts[key] : 0;
       __syncwarp();
-      if (live && lane == __ffs(same) - 1) my_counters[key] = start + __popc(same);
+      if (live && lane == __ffs(same) - 1) my_starts[key] = start + __popc(same);
       __syncwarp();
-      if (!live) continue;
+      if (!live) return;
       const int32_t position = start + __popc(same & LanesBelow());
       order[position] = pair;
       int32_t slot = N * C;
@@ -155,99 +220,142 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       return_slot[pair] = slot;
-    }
+    });
   }
-  __syncthreads();
+  cluster.Sync();
 
-  // Send rows: member-major, tokens ascending within a member.
-  const int32_t total_rows = ScanBlock(
-      NT, [&](int64_t i) { return row_of[i]; },
+  // Send rows: member-major, tokens ascending within a member. Each member's first row goes to every block.
+  Scan(
+      NT, blocks > 1, [&](int64_t i) { return row_of[i]; },
       [&](int64_t i, int32_t row, int32_t goes) {
-        if (i % T == 0) first_row[i / T] = row;
+        if (i % T == 0) {
+          for (int r = 0; r < blocks; ++r) cluster.Shared(first_row, r)[i / T] = row;
+        }
+        if (i == NT - 1) {
+          for (int r = 0; r < blocks; ++r) cluster.Shared(first_row, r)[N] = row + goes;
+        }
         row_of[i] = goes ? row : -1;
       },
-      scan_storage);
-  if (tid == 0) first_row[N] = total_rows;
-  __syncthreads();
+      scan);
 
-  for (int32_t m = tid; m < N; m += kThreads) out.token_counts[b * N + m] = first_row[m + 1] - first_row[m];
-  for (int32_t i = tid; i < NT; i += kThreads) {
+  if (rank == 0) {
+    for (int32_t m = tid; m < N; m += kThreads) out.token_counts[b * N + m] = first_row[m + 1] - first_row[m];
+  }
+  for (int32_t i = thread; i < NT; i += threads) {
     const int32_t row = row_of[i];
     if (row >= 0 && row < S) send_token[row] = i % T;
   }
-  // Member m's tag entries, from row first_row[m]: its delivered pairs in the order, each as the row of
-  // the token (counted from the member's first row) and the local expert.
-  for (int32_t position = tid; position < P; position += kThreads) {
-    const int32_t pair = order[position];
-    const int32_t key = RoutingKey(ids[pair], E);
-    if (key == E) continue;
-    const int32_t member = key / local, offset = position - key_start[member * local];
-    const int32_t entry = first_row[member] * k + offset;
-    if (offset < C && entry < S * k) {
-      const int32_t row = row_of[member * T + pair / k] - first_row[member];
-      tags[entry] = row * local + key % local;
-    }
+  // Member m's tag entries, from row first_row[m]: its delivered pairs in the order (a pair's return slot
+  // is m * C + its place among them), each as the token's row (counted from m's first row) and local expert.
+  for (int32_t pair = thread; pair < P; pair += threads) {
+    const int32_t slot = return_slot[pair];
+    if (slot >= N * C) continue;
+    const int32_t member = slot / C, entry = first_row[member] * k + slot % C;
+    if (entry < S * k) tags[entry] = (row_of[member * T + pair / k] - first_row[member]) * local + ids[pair] % local;
   }
 }
 
-// Counts the valid tags per (source, local expert), scans the counts in source-major and expert-major order,
-// and walks the N * C expert-major rows, each finding its block by binary search.
+// Counts the valid tags per (source, local expert) (each block of the cluster a share, then summed through
+// distributed shared memory), scans the counts in source-major and expert-major order (every block for
+// itself), and walks the N * C expert-major rows, each finding its block by binary search.
 __global__ void __launch_bounds__(kThreads)
     PlaceReceivedKernel(PlaceReceivedShape shape, const int32_t* __restrict__ all_tags,
                         const int32_t* __restrict__ all_recv_tokens, PlaceReceivedResults out) {
+  Cluster cluster;
+  const int32_t cluster_blocks = cluster.blocks, rank = cluster.rank;
   const int32_t N = shape.num_members, R = shape.rows_per_source, k = shape.top_k;
   const int32_t local = shape.local_experts, C = shape.capacity;
-  const int32_t blocks = N * local, per_source = R * k, rows = N * C;
+  const int32_t blocks = N * local, per_source = R * k, rows = N * C, entries = N * per_source;
   const int64_t b = blockIdx.x;
-  const int32_t* tags = all_tags + b * N * per_source;
-  const int32_t* recv_tokens = all_recv_tokens + b * N;
+  const int32_t* __restrict__ tags = all_tags + b * entries;
+  const int32_t* __restrict__ recv_tokens = all_recv_tokens + b * N;
+  int32_t* __restrict__ expand_rows = out.expand_rows + b * rows;
+  int32_t* __restrict__ to_expert_major = out.to_expert_major + b * rows;
+  int32_t* __restrict__ to_source_major = out.to_source_major + b * rows;
 
   extern __shared__ int32_t shared[];
-  int32_t* counts = shared;                       // [N][E_local]
-  int32_t* source_major = counts + blocks;        // [N][E_local] where block (i, e) starts, source-major
+  int32_t* my_counts = shared;                      // [N][E_local] this block's share of the tags
+  int32_t* cluster_counts = my_counts + blocks;     // [N][E_local] the cluster's, when it has several blocks
+  int32_t* source_major = cluster_counts + blocks;  // [N][E_local] where block (i, e) starts, source-major
   int32_t* expert_major = source_major + blocks;  // [E_local][N] where block (e, i) starts, expert-major
-  __shared__ typename BlockScan::TempStorage scan_storage;
+  __shared__ ScanShared scan;
 
   const int tid = threadIdx.x;
-  for (int32_t i = tid; i < blocks; i += kThreads) counts[i] = 0;
+  const int32_t thread = rank * kThreads + tid, threads = cluster_blocks * kThreads;
+  for (int32_t i = tid; i < blocks; i += kThreads) my_counts[i] = 0;
   __syncthreads();
-  for (int32_t entry = tid; entry < N * per_source; entry += kThreads) {
-    const int32_t source = entry / per_source;
-    const int32_t tag = tags[entry];
-    if ((entry % per_source) / k < recv_tokens[source] && tag >= 0) atomicAdd(&counts[source * local + tag % local], 1);
+  for (int32_t entry = thread; entry < entries; entry += threads) {
+    const int32_t source = entry / per_source, tag = tags[entry];
+    if ((entry % per_source) / k < recv_tokens[source] && tag >= 0) atomicAdd(&my_counts[source * local + tag % local], 1);
   }
-  __syncthreads();
-
-  ScanBlock(
-      blocks, [&](int64_t i) { return counts[i]; },
-      [&](int64_t i, int32_t start, int32_t) { source_major[i] = start; }, scan_storage);
-  const int32_t total = ScanBlock(
-      blocks, [&](int64_t j) { return counts[(j % N) * local + j / N]; },
-      [&](int64_t j, int32_t start, int32_t) { expert_major[j] = start; }, scan_storage);
-
-  for (int32_t i = tid; i < blocks; i += kThreads) out.recv_counts[b * blocks + i] = counts[i];
-  for (int32_t e = tid; e < local; e += kThreads) {
-    int32_t sum = 0;
-    for (int32_t source = 0; source < N; ++source) sum += counts[source * local + e];
-    out.group_sizes[b * local + e] = sum;
+  cluster.Sync();
+  const int32_t* counts = my_counts;
+  if (cluster_blocks > 1) {
+    for (int32_t i = tid; i < blocks; i += kThreads) {
+      int32_t sum = 0;
+      for (int r = 0; r < cluster_blocks; ++r) sum += cluster.Shared(my_counts, r)[i];
+      cluster_counts[i] = sum;
+    }
+    cluster.Sync();  // also: no block leaves while another reads its share
+    counts = cluster_counts;
   }
-  for (int32_t x = tid; x < rows; x += kThreads) {
-    int32_t expand = N * R, to_expert_major = rows, to_source_major = rows;
+
+  Scan(
+      blocks, /*across_cluster=*/false, [&](int64_t i) { return counts[i]; },
+      [&](int64_t i, int32_t start, int32_t) { source_major[i] = start; }, scan);
+  const int32_t total = Scan(
+      blocks, /*across_cluster=*/false, [&](int64_t j) { return counts[(j % N) * local + j / N]; },
+      [&](int64_t j, int32_t start, int32_t) { expert_major[j] = start; }, scan);
+
+  if (rank == 0) {
+    for (int32_t i = tid; i < blocks; i += kThreads) out.recv_counts[b * blocks + i] = counts[i];
+    for (int32_t e = tid; e < local; e += kThreads) {
+      int32_t sum = 0;
+      for (int32_t source = 0; source < N; ++source) sum += counts[source * local + e];
+      out.group_sizes[b * local + e] = sum;
+    }
+  }
+  for (int32_t x = thread; x < rows; x += threads) {
+    int32_t expand = N * R, expert_row = rows, source_row = rows;
     if (x < total) {
       const int32_t j = BlockAt(expert_major, blocks, x);
       const int32_t e = j / N, source = j % N;
       // Source i's tags list its pairs sorted by expert: expert e's start after its earlier experts'.
       const int32_t in_list = source_major[source * local + e] - source_major[source * local] + x - expert_major[j];
-      if (in_list < C) to_expert_major = source * C + in_list;
+      if (in_list < C) expert_row = source * C + in_list;
       const int32_t tag = tags[source * per_source + in_list];
       if (tag >= 0 && tag / local < R) expand = source * R + tag / local;
       const int32_t i = BlockAt(source_major, blocks, x);
-      to_source_major = min(expert_major[(i % local) * N + i / local] + x - source_major[i], rows);
+      source_row = min(expert_major[(i % local) * N + i / local] + x - source_major[i], rows);
     }
-    out.expand_rows[b * rows + x] = expand;
-    out.to_expert_major[b * rows + x] = to_expert_major;
-    out.to_source_major[b * rows + x] = to_source_major;
+    expand_rows[x] = expand;
+    to_expert_major[x] = expert_row;
+    to_source_major[x] = source_row;
   }
+}
+
+// Launches `kernel` on one cluster of `cluster_blocks` blocks per batch element (grid x: batch, y: cluster).
+template <typename... Params, typename... Args>
+cudaError_t LaunchClusters(void (*kernel)(Params...), int64_t batch, int cluster_blocks, size_t shared_bytes,
+                           cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(batch), cluster_blocks, 1);
+  config.blockDim = dim3(kThreads, 1, 1);
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 1;
+  cluster.val.clusterDim.y = cluster_blocks;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+// Blocks per cluster for `work` items: one per kWorkPerBlock, at most kMaxClusterBlocks.
+int ClusterBlocks(int64_t work) {
+  return static_cast<int>(std::clamp<int64_t>((work + kWorkPerBlock - 1) / kWorkPerBlock, 1, kMaxClusterBlocks));
 }
 
 }  // namespace
@@ -259,21 +367,25 @@ int64_t PlanSendsScratchBytes(const PlanSendsShape& shape) {
 cudaError_t LaunchPlanSends(const PlanSendsShape& shape, const int32_t* expert_ids, const PlanSendsResults& results,
                             int32_t* scratch, cudaStream_t stream) {
   if (shape.batch == 0) return cudaSuccess;
+  const int blocks = ClusterBlocks(shape.num_pairs());
+  // As many sorting warps as shared memory allows, but no more than 32 pairs each fill: every warp costs
+  // one __match_any_sync per 32 pairs or fewer, and the SM issues them one warp at a time.
   const int64_t fixed = (shape.num_experts + 2) + (shape.num_members + 1);
-  const int64_t sort_warps =
-      std::clamp<int64_t>((kSharedInts - fixed) / (shape.num_experts + 1), 1, kWarps);
-  const size_t bytes = (sort_warps * (shape.num_experts + 1) + fixed) * sizeof(int32_t);
-  PlanSendsKernel<<<shape.batch, kThreads, bytes, stream>>>(shape, static_cast<int>(sort_warps), expert_ids,
-                                                            results, scratch);
-  return cudaGetLastError();
+  const int64_t fit = (kSharedInts - fixed) / (2 * (shape.num_experts + 1));
+  const int64_t needed = (shape.num_pairs() + 32 * blocks - 1) / (32 * blocks);
+  const int64_t sort_warps = std::clamp<int64_t>(std::min(fit, needed), 1, kWarps);
+  const size_t bytes = (2 * sort_warps * (shape.num_experts + 1) + fixed) * sizeof(int32_t);
+  return LaunchClusters(PlanSendsKernel, shape.batch, blocks, bytes, stream, shape, static_cast<int>(sort_warps),
+                        expert_ids, results, scratch);
 }
 
 cudaError_t LaunchPlaceReceived(const PlaceReceivedShape& shape, const int32_t* tags, const int32_t* recv_tokens,
                                 const PlaceReceivedResults& results, cudaStream_t stream) {
   if (shape.batch == 0) return cudaSuccess;
-  const size_t bytes = 3 * shape.num_members * shape.local_experts * sizeof(int32_t);
-  PlaceReceivedKernel<<<shape.batch, kThreads, bytes, stream>>>(shape, tags, recv_tokens, results);
-  return cudaGetLastError();
+  const size_t bytes = 4 * shape.num_members * shape.local_experts * sizeof(int32_t);
+  const int64_t work = shape.num_members * std::max(shape.rows_per_source * shape.top_k, shape.capacity);
+  return LaunchClusters(PlaceReceivedKernel, shape.batch, ClusterBlocks(work), bytes, stream, shape, tags,
+                        recv_tokens, results);
 }
 
 }  // namespace jax_ncclx
