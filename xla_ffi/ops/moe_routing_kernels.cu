@@ -32,7 +32,8 @@ struct ScanShared {
   int32_t block_total;
 };
 
-__device__ inline int64_t Min(int64_t a, int64_t b) { return a < b ? a : b; }
+// Indices are int32 throughout (the handlers check that they fit): 64-bit division is slow on GPUs.
+__device__ inline int32_t Min(int32_t a, int32_t b) { return a < b ? a : b; }
 
 __device__ inline unsigned LanesBelow() {
   unsigned mask;
@@ -46,16 +47,16 @@ __device__ inline unsigned LanesBelow() {
 // value(i)) along it, in order. value(i) is read twice; emit(i, ...) may overwrite what value(i) reads,
 // nothing else may change in between. Returns the total to every thread.
 template <typename Value, typename Emit>
-__device__ int32_t Scan(int64_t n, bool across_cluster, Value value, Emit emit, ScanShared& shared) {
+__device__ int32_t Scan(int32_t n, bool across_cluster, Value value, Emit emit, ScanShared& shared) {
   cg::cluster_group cluster = cg::this_cluster();
-  const int64_t blocks = across_cluster ? cluster.num_blocks() : 1, rank = across_cluster ? cluster.block_rank() : 0;
-  const int64_t per_block = (n + blocks - 1) / blocks;
-  const int64_t block_begin = Min(n, rank * per_block), block_end = Min(n, block_begin + per_block);
-  const int64_t per_thread = (block_end - block_begin + kThreads - 1) / kThreads;
-  const int64_t begin = Min(block_end, block_begin + threadIdx.x * per_thread);
-  const int64_t end = Min(block_end, begin + per_thread);
+  const int32_t blocks = across_cluster ? cluster.num_blocks() : 1, rank = across_cluster ? cluster.block_rank() : 0;
+  const int32_t per_block = (n + blocks - 1) / blocks;
+  const int32_t block_begin = Min(n, rank * per_block), block_end = Min(n, block_begin + per_block);
+  const int32_t per_thread = (block_end - block_begin + kThreads - 1) / kThreads;
+  const int32_t begin = Min(block_end, block_begin + static_cast<int32_t>(threadIdx.x) * per_thread);
+  const int32_t end = Min(block_end, begin + per_thread);
   int32_t sum = 0;
-  for (int64_t i = begin; i < end; ++i) sum += value(i);
+  for (int32_t i = begin; i < end; ++i) sum += value(i);
   int32_t running = 0, total = 0;
   BlockScan(shared.storage).ExclusiveSum(sum, running, total);
   if (across_cluster) {
@@ -68,7 +69,7 @@ __device__ int32_t Scan(int64_t n, bool across_cluster, Value value, Emit emit, 
       total += block_total;
     }
   }
-  for (int64_t i = begin; i < end; ++i) {
+  for (int32_t i = begin; i < end; ++i) {
     const int32_t v = value(i);
     emit(i, running, v);
     running += v;
@@ -181,12 +182,12 @@ __global__ void __launch_bounds__(kThreads)
 
   // (key, segment) in order: each segment's start goes to its block's `starts`, each key's to every block.
   Scan(
-      int64_t{E + 1} * segments, blocks > 1,
-      [&](int64_t j) {
+      (E + 1) * segments, blocks > 1,
+      [&](int32_t j) {
         const int32_t key = j / segments, segment = j % segments;
         return cluster.Shared(counters, segment / sort_warps)[(segment % sort_warps) * (E + 1) + key];
       },
-      [&](int64_t j, int32_t start, int32_t) {
+      [&](int32_t j, int32_t start, int32_t) {
         const int32_t key = j / segments, segment = j % segments;
         cluster.Shared(starts, segment / sort_warps)[(segment % sort_warps) * (E + 1) + key] = start;
         if (segment == 0) {
@@ -226,8 +227,8 @@ __global__ void __launch_bounds__(kThreads)
 
   // Send rows: member-major, tokens ascending within a member. Each member's first row goes to every block.
   Scan(
-      NT, blocks > 1, [&](int64_t i) { return row_of[i]; },
-      [&](int64_t i, int32_t row, int32_t goes) {
+      NT, blocks > 1, [&](int32_t i) { return row_of[i]; },
+      [&](int32_t i, int32_t row, int32_t goes) {
         if (i % T == 0) {
           for (int r = 0; r < blocks; ++r) cluster.Shared(first_row, r)[i / T] = row;
         }
@@ -301,11 +302,11 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   Scan(
-      blocks, /*across_cluster=*/false, [&](int64_t i) { return counts[i]; },
-      [&](int64_t i, int32_t start, int32_t) { source_major[i] = start; }, scan);
+      blocks, /*across_cluster=*/false, [&](int32_t i) { return counts[i]; },
+      [&](int32_t i, int32_t start, int32_t) { source_major[i] = start; }, scan);
   const int32_t total = Scan(
-      blocks, /*across_cluster=*/false, [&](int64_t j) { return counts[(j % N) * local + j / N]; },
-      [&](int64_t j, int32_t start, int32_t) { expert_major[j] = start; }, scan);
+      blocks, /*across_cluster=*/false, [&](int32_t j) { return counts[(j % N) * local + j / N]; },
+      [&](int32_t j, int32_t start, int32_t) { expert_major[j] = start; }, scan);
 
   if (rank == 0) {
     for (int32_t i = tid; i < blocks; i += kThreads) out.recv_counts[b * blocks + i] = counts[i];
