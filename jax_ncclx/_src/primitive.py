@@ -12,6 +12,9 @@ emits this package's own FFI custom call:
 
 Public functions call :func:`global_view` when their axis is not bound by a ``shard_map``: the op then runs
 per shard through an internal ``shard_map`` over the mesh that the arrays are sharded on.
+
+Local ops (no communication, e.g. moe's routing) use :func:`register_local_lowerings` instead: the same FFI
+target on both platforms, no groups and no communicator.
 """
 
 import dataclasses
