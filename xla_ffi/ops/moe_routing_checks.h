@@ -6,6 +6,7 @@
 #include <limits>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "common/checks.h"
 #include "ops/moe_routing.h"
@@ -61,6 +62,26 @@ inline ffi::Error CheckPlanSendsResults(const PlanSendsShape& s, const Int32Resu
   return CheckDims(op, "dropped", dropped->dimensions(), {s.batch, s.num_members});
 }
 
+// The buffers both handlers of plan_sends bind (after any context), and the attributes (after any scratch).
+template <typename Binding>
+auto BindPlanSendsBuffers(Binding binding) {
+  return std::move(binding).template Arg<ffi::Buffer<ffi::S32>>()  // expert_ids [B, T, k]
+      .template Ret<ffi::Buffer<ffi::S32>>()            // order [B, T * k]
+      .template Ret<ffi::Buffer<ffi::S32>>()            // send_counts [B, N, E / N]
+      .template Ret<ffi::Buffer<ffi::S32>>()            // send_token [B, S]
+      .template Ret<ffi::Buffer<ffi::S32>>()            // send_tags [B, S, k]
+      .template Ret<ffi::Buffer<ffi::S32>>()            // token_counts [B, N]
+      .template Ret<ffi::Buffer<ffi::S32>>()            // return_slot [B, T * k]
+      .template Ret<ffi::Buffer<ffi::S32>>();           // dropped [B, N]
+}
+
+template <typename Binding>
+auto BindPlanSendsAttrs(Binding binding) {
+  return std::move(binding).template Attr<int64_t>("num_experts")
+      .template Attr<int64_t>("num_members")
+      .template Attr<int64_t>("capacity");
+}
+
 inline PlanSendsResults PlanSendsData(const Int32Result& order, const Int32Result& send_counts,
                                       const Int32Result& send_token, const Int32Result& send_tags,
                                       const Int32Result& token_counts, const Int32Result& return_slot,
@@ -107,6 +128,20 @@ inline ffi::Error CheckPlaceReceivedResults(const PlaceReceivedShape& s, const I
   NCCLX_RETURN_IF_ERROR(CheckDims(op, "expand_rows", expand_rows->dimensions(), {s.batch, rows}));
   NCCLX_RETURN_IF_ERROR(CheckDims(op, "to_expert_major", to_expert_major->dimensions(), {s.batch, rows}));
   return CheckDims(op, "to_source_major", to_source_major->dimensions(), {s.batch, rows});
+}
+
+// The buffers and attributes both handlers of place_received bind (after any context).
+template <typename Binding>
+auto BindPlaceReceived(Binding binding) {
+  return std::move(binding).template Arg<ffi::Buffer<ffi::S32>>()  // tags [B, N * R, k]
+      .template Arg<ffi::Buffer<ffi::S32>>()            // recv_tokens [B, N]
+      .template Ret<ffi::Buffer<ffi::S32>>()            // recv_counts [B, N, E_local]
+      .template Ret<ffi::Buffer<ffi::S32>>()            // group_sizes [B, E_local]
+      .template Ret<ffi::Buffer<ffi::S32>>()            // expand_rows [B, N * C]
+      .template Ret<ffi::Buffer<ffi::S32>>()            // to_expert_major [B, N * C]
+      .template Ret<ffi::Buffer<ffi::S32>>()            // to_source_major [B, N * C]
+      .template Attr<int64_t>("local_experts")
+      .template Attr<int64_t>("capacity");
 }
 
 inline PlaceReceivedResults PlaceReceivedData(const Int32Result& recv_counts, const Int32Result& group_sizes,

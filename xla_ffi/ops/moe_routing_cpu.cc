@@ -169,30 +169,8 @@ ffi::Error PlaceReceivedImpl(ffi::Buffer<ffi::S32> tags, ffi::Buffer<ffi::S32> r
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuMoePlanSends, PlanSendsImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // expert_ids [B, T, k]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // order [B, T * k]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // send_counts [B, N, E / N]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // send_token [B, S]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // send_tags [B, S, k]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // token_counts [B, N]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // return_slot [B, T * k]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // dropped [B, N]
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_members")
-                                  .Attr<int64_t>("capacity"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuMoePlanSends, PlanSendsImpl, BindPlanSendsAttrs(BindPlanSendsBuffers(ffi::Ffi::Bind())));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuMoePlaceReceived, PlaceReceivedImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // tags [B, N * R, k]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // recv_tokens [B, N]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_counts [B, N, E_local]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // group_sizes [B, E_local]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // expand_rows [B, N * C]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // to_expert_major [B, N * C]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // to_source_major [B, N * C]
-                                  .Attr<int64_t>("local_experts")
-                                  .Attr<int64_t>("capacity"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuMoePlaceReceived, PlaceReceivedImpl, BindPlaceReceived(ffi::Ffi::Bind()));
 
 }  // namespace jax_ncclx

@@ -47,35 +47,14 @@ ffi::Error PlaceReceivedImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> tags, ff
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaMoePlanSends, PlanSendsImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // expert_ids [B, T, k]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // order [B, T * k]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // send_counts [B, N, E / N]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // send_token [B, S]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // send_tags [B, S, k]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // token_counts [B, N]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // return_slot [B, T * k]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // dropped [B, N]
-                                  .Ret<ffi::AnyBuffer>()         // scratch (PlanSendsScratchBytes)
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_members")
-                                  .Attr<int64_t>("capacity"),
-                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    CudaMoePlanSends, PlanSendsImpl,
+    BindPlanSendsAttrs(BindPlanSendsBuffers(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())
+                           .Ret<ffi::AnyBuffer>()),  // scratch (PlanSendsScratchBytes)
+    {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaMoePlaceReceived, PlaceReceivedImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // tags [B, N * R, k]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // recv_tokens [B, N]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_counts [B, N, E_local]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // group_sizes [B, E_local]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // expand_rows [B, N * C]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // to_expert_major [B, N * C]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // to_source_major [B, N * C]
-                                  .Attr<int64_t>("local_experts")
-                                  .Attr<int64_t>("capacity"),
+                              BindPlaceReceived(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_ncclx
