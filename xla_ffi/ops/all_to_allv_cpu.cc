@@ -98,11 +98,14 @@ ffi::Error AllToAllvImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, f
         const int64_t rows = theirs.delivered[slot];
         const int64_t dst_row = packed ? packed_row : source * capacity;
         char* dst = out + (b * num_peers * capacity + dst_row) * row_bytes;
-        for (int64_t r = 0; r < rows; ++r) {  // y starts zeroed: rows outside x stay zero
-          const int64_t row = SourceRow(theirs.send_rows, num_rows, source_rows, b, theirs.first_row[slot] + r);
-          if (row >= 0) {
-            std::memcpy(dst + r * row_bytes, static_cast<const char*>(peers[source].data) + row * row_bytes,
-                        row_bytes);
+        const char* x_rows = static_cast<const char*>(peers[source].data);
+        if (theirs.send_rows == nullptr) {  // the rows are contiguous in x: one copy
+          const int64_t first = SourceRow(nullptr, num_rows, source_rows, b, theirs.first_row[slot]);
+          if (rows > 0) std::memcpy(dst, x_rows + first * row_bytes, rows * row_bytes);
+        } else {
+          for (int64_t r = 0; r < rows; ++r) {  // y starts zeroed: rows outside x stay zero
+            const int64_t row = SourceRow(theirs.send_rows, num_rows, source_rows, b, theirs.first_row[slot] + r);
+            if (row >= 0) std::memcpy(dst + r * row_bytes, x_rows + row * row_bytes, row_bytes);
           }
         }
         packed_row += rows;
