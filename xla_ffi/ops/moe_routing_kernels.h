@@ -1,6 +1,6 @@
-// Host launchers of the moe routing kernels (moe_routing_kernels.cu). One block per batch element does all
-// of one call: at MoE sizes (a few thousand pairs, a few hundred experts) a block finishes in microseconds,
-// where XLA needs ~20 launches for the same arithmetic. Each launcher returns cudaGetLastError() of the launch.
+// Host launchers of the moe routing kernels (moe_routing_kernels.cu). One thread block cluster per batch
+// element does all of one call in one launch (one block at decode sizes, up to 8 at prefill sizes), where XLA
+// needed ~20 launches for the same arithmetic. Needs sm_90. Each launcher returns the launch's error.
 #pragma once
 
 #include <cuda_runtime.h>
