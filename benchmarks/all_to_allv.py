@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_ncclx as nx  # noqa: E402
 from jax_ncclx import moe  # noqa: E402
 from jax_ncclx._src import config as nx_config  # noqa: E402
+from jax_ncclx._src import primitive as nx_primitive  # noqa: E402
 
 AXIS = "ep"
 NAME = "all_to_allv"
@@ -336,8 +337,10 @@ def ffi_targets(hlo_text: str) -> list:
 
 
 def path_of(targets: list, platform: str) -> str:
-    """How the data moved, from the compiled program: "xla" (no jax_ncclx call), "cpu", "nvlink" (the NVLink
-    kernel), "nccl", or "nvlink+nccl" (both, e.g. in one moe round trip)."""
+    """How the data moved, from the compiled program: "xla" (no jax_ncclx collective), "cpu", "nvlink" (the
+    NVLink kernel), "nccl", or "nvlink+nccl" (both). Local ops (moe routing, row copies) move nothing between
+    devices and do not count."""
+    targets = [t for t in targets if t not in nx_primitive.LOCAL_TARGETS]
     if not targets:
         return "xla"
     if platform == "cpu":

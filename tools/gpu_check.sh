@@ -12,8 +12,8 @@
 #                 tests, all of them)
 #   multiprocess  pytest -m multiprocess (one process per GPU, fault injection)
 #   memcheck      compute-sanitizer --tool memcheck over the adversarial all_to_allv count patterns and
-#                 send_rows indices on GPU (test_patterns, test_send_rows_gather_on_the_way) and the moe
-#                 routing kernels (test_moe_routing), with rows
+#                 send_rows indices on GPU (test_patterns, test_send_rows_gather_on_the_way), the moe
+#                 routing kernels (test_moe_routing) and the row copies (test_take_rows), with rows
 #                 written straight into the peers' outputs and, JAX_NCCLX_NVLINK_DIRECT=0, through the
 #                 staging slots. API errors are not
 #                 reported: cudaDeviceEnablePeerAccess answers "already enabled" once XLA has enabled it, by
@@ -60,7 +60,8 @@ run_step() {
     memcheck)
       local sanitizer=("$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)" --tool memcheck --report-api-errors no --error-exitcode 86 --print-limit 20)
       local cases=("${pytest[@]}" -q -m gpu "tests/test_all_to_allv.py::test_patterns"
-                   "tests/test_all_to_allv.py::test_send_rows_gather_on_the_way" tests/test_moe_routing.py)
+                   "tests/test_all_to_allv.py::test_send_rows_gather_on_the_way" tests/test_moe_routing.py
+                   tests/test_take_rows.py)
       cmd=(bash -c "${sanitizer[*]} ${cases[*]} && JAX_NCCLX_NVLINK_DIRECT=0 ${sanitizer[*]} ${cases[*]}") ;;
     startup | collectives | all_to_allv | launch_floor)
       local args_var="ARGS_$step" extra

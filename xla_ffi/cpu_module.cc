@@ -27,6 +27,7 @@ NB_MODULE(_ncclx_cpu, m) {
     targets["ncclx_all_to_allv_dynamic"] = Capsule(jax_ncclx::CpuAllToAllvDynamic);
     targets["ncclx_moe_plan_sends"] = Capsule(jax_ncclx::CpuMoePlanSends);
     targets["ncclx_moe_place_received"] = Capsule(jax_ncclx::CpuMoePlaceReceived);
+    targets["ncclx_take_rows"] = Capsule(jax_ncclx::CpuTakeRows);
     return targets;
   }, "FFI handler capsules of the CPU backend, by target name.");
   m.def("ffi_api_version", [] { return nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR); },

@@ -46,6 +46,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllGather);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllToAll);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaMoePlanSends);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaMoePlaceReceived);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaTakeRows);
 
 namespace {
 
@@ -379,6 +380,7 @@ NB_MODULE(_ncclx_cuda, m) {
         targets["ncclx_launch_probe"] = jn::Capsule(jn::LaunchProbe);
         targets["ncclx_moe_plan_sends"] = jn::Capsule(jn::CudaMoePlanSends);
         targets["ncclx_moe_place_received"] = jn::Capsule(jn::CudaMoePlaceReceived);
+        targets["ncclx_take_rows"] = jn::Capsule(jn::CudaTakeRows);
         return targets;
       },
       "FFI handler capsules of the CUDA backend, by target name.");

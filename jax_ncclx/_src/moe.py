@@ -37,6 +37,7 @@ from jax_ncclx._src import compat
 from jax_ncclx._src import primitive
 from jax_ncclx._src.ops import moe_routing
 from jax_ncclx._src.ops.all_to_allv_dynamic import all_to_allv_dynamic
+from jax_ncclx._src.ops.take_rows import take_rows
 
 
 @jax.tree_util.register_dataclass
@@ -181,16 +182,16 @@ def _dispatch(tokens, expert_ids, num_experts, axis_name, capacity, wire_dtype):
     num_members = jax.lax.axis_size(axis_name)
     top_k = expert_ids.shape[1]
     plan = moe_routing.plan_sends(expert_ids, num_experts=num_experts, num_members=num_members, capacity=capacity)
-    rows = _gather_rows(tokens, plan.send_token)
-    if wire_dtype is not None:
-        rows = _encode(rows, wire_dtype)
+    # Quantized before the copy into send rows: T rows to encode, not S.
+    source = tokens if wire_dtype is None else _encode(tokens, wire_dtype)
+    width = source.shape[1]
+    rows = take_rows(source, plan.send_token, suffix=_tag_columns(plan.send_tags, source.dtype))
     # A member gets each token at most once: min(C, T) rows per source, so the padded layout's zero rows
     # after the data (written over NVLink too) stay few.
-    received, recv_tokens, _ = _exchange(_attach_tags(rows, plan.send_tags), plan.token_counts, axis_name,
-                                         min(capacity, tokens.shape[0]))
-    placed = moe_routing.place_received(_detach_tags(received, rows.shape[1], top_k), recv_tokens,
+    received, recv_tokens, _ = _exchange(rows, plan.token_counts, axis_name, min(capacity, tokens.shape[0]))
+    placed = moe_routing.place_received(_detach_tags(received, width, top_k), recv_tokens,
                                         local_experts=num_experts // num_members, capacity=capacity)
-    expert_rows = _gather_rows(received, placed.expand_rows, width=rows.shape[1])
+    expert_rows = take_rows(received, placed.expand_rows, width=width)
     if wire_dtype is not None:
         expert_rows = _decode(expert_rows, tokens.shape[1], wire_dtype, tokens.dtype)
     handle = DispatchHandle(
@@ -242,19 +243,18 @@ def _decode(wire_rows, hidden, wire_dtype, dtype):
     return (values.reshape(num_rows, -1, block) * scale[..., None]).reshape(num_rows, hidden).astype(dtype)
 
 
-def _attach_tags(rows, tags):
-    """``[S, W]`` rows and int32 ``[S, k]`` tags -> ``[S, W + w]`` rows' dtype: the tags' bits appended,
-    padded with -1 to a multiple of 16 bytes so that 16-byte aligned rows stay aligned."""
+def _tag_columns(tags, dtype):
+    """int32 ``[S, k]`` tags -> ``[S, w]`` dtype holding their bits, padded with -1 to a multiple of 16 bytes
+    so that rows of 16-byte multiples stay so (the copy kernels move 16 bytes per lane)."""
     tags = jnp.pad(tags, ((0, 0), (0, -tags.shape[1] % 4)), constant_values=-1)
-    if rows.dtype.itemsize == 8:
-        bits = jax.lax.bitcast_convert_type(tags.reshape(tags.shape[0], -1, 2), rows.dtype)
-    else:
-        bits = jax.lax.bitcast_convert_type(tags, rows.dtype)
-    return jnp.concatenate([rows, bits.reshape(rows.shape[0], -1)], axis=1)
+    if np.dtype(dtype).itemsize == 8:
+        tags = tags.reshape(tags.shape[0], -1, 2)
+    return jax.lax.bitcast_convert_type(tags, dtype).reshape(tags.shape[0], -1)
 
 
 def _detach_tags(wire_rows, width, top_k):
-    """The inverse of ``_attach_tags`` for the tags: ``[R, W + w]`` -> int32 ``[R, k]``."""
+    """The tags of received rows ``[R, W + w]`` (columns W on, as ``_tag_columns`` wrote them) -> int32
+    ``[R, k]``."""
     bits = wire_rows[:, width:]
     itemsize = bits.dtype.itemsize
     if itemsize < 4:
@@ -311,12 +311,11 @@ def _exchange(rows, send_counts, axis_name, capacity, send_rows=None):
     return received.reshape(-1, rows.shape[1]), recv_counts, dropped
 
 
-def _gather_rows(rows, index, width=None):
-    """``rows[index, :width]`` (all columns by default), zero where the index is out of bounds (the routing's
-    rows past the data)."""
-    width = rows.shape[1] if width is None else width
+def _gather_rows(rows, index):
+    """``rows[index]``, zero where the index is out of bounds (the routing's rows past the data). An XLA gather,
+    not ``take_rows``: its users reduce the rows right away, and XLA fuses the gather into that reduction."""
     dimensions = jax.lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,))
-    return jax.lax.gather(rows, index[:, None], dimensions, slice_sizes=(1, width),
+    return jax.lax.gather(rows, index[:, None], dimensions, slice_sizes=(1, rows.shape[1]),
                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP, fill_value=0)
 
 
@@ -324,7 +323,7 @@ def _send_out(pair_rows, handle):
     """``[T * k, H]`` one row per (token, choice) pair -> ``[N * C, H]`` expert-major rows on the expert side."""
     received, _, _ = _exchange(pair_rows, handle.send_counts, handle.axis_name, handle.capacity,
                                send_rows=handle.order)
-    return _gather_rows(received, handle.to_expert_major)
+    return take_rows(received, handle.to_expert_major)
 
 
 def _send_back(expert_rows, handle):

@@ -13,8 +13,8 @@ emits this package's own FFI custom call:
 Public functions call :func:`global_view` when their axis is not bound by a ``shard_map``: the op then runs
 per shard through an internal ``shard_map`` over the mesh that the arrays are sharded on.
 
-Local ops (no communication, e.g. moe's routing) use :func:`register_local_lowerings` instead: the same FFI
-target on both platforms, no groups and no communicator.
+Local ops (no communication, e.g. moe's routing) are made by :func:`make_local` and use
+:func:`register_local_lowerings`: the same FFI target on both platforms, no groups and no communicator.
 """
 
 import dataclasses
@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
+from jax.interpreters import batching
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding
 
@@ -88,6 +89,26 @@ def make_collective(name: str, *, multiple_results: bool = False) -> Primitive:
 
     prim.def_impl(outside_shard_map)
     return prim
+
+
+def make_local(name: str, *, multiple_results: bool = False) -> Primitive:
+    """A primitive ``ncclx_<name>`` for a local op (no communication): evaluated eagerly by compiling it."""
+    prim = Primitive(f"ncclx_{name}")
+    prim.multiple_results = multiple_results
+    prim.def_impl(lambda *args, **params: compat.apply_primitive(prim, *args, **params))
+    return prim
+
+
+def fold_vmap_into_batch(prim: Primitive, axis_data, args, dims, **params):
+    """The batching rule of a primitive whose operands and results all lead with a batch dimension B: the
+    vmapped dimension is folded into B, so that ``vmap`` stays one call."""
+    args = [batching.bdim_at_front(a, d, axis_data.size) for a, d in zip(args, dims)]
+    vmapped, batch = args[0].shape[:2]
+    outs = prim.bind(*(a.reshape(vmapped * batch, *a.shape[2:]) for a in args), **params)
+    unfold = lambda out: out.reshape(vmapped, batch, *out.shape[1:])
+    if not prim.multiple_results:
+        return unfold(outs), 0
+    return [unfold(out) for out in outs], [0] * len(outs)
 
 
 def ensure_varying(x, axis_name):
@@ -194,6 +215,9 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **par
     return lowered[: len(ctx.avals_out)]
 
 
+LOCAL_TARGETS: set[str] = set()  # the FFI targets of local ops (no communication), for tools that read HLO
+
+
 def register_local_lowerings(prim: Primitive, target: str, attrs: Callable[..., dict],
                             cuda_scratch_bytes: Callable[..., int] | None = None):
     """Registers CPU and CUDA lowerings of a local op (no communication: no groups, no communicator, nothing
@@ -215,6 +239,7 @@ def register_local_lowerings(prim: Primitive, target: str, attrs: Callable[..., 
 
     for platform in ("cpu", "cuda"):
         mlir.register_lowering(prim, functools.partial(lower, platform=platform), platform=platform)
+    LOCAL_TARGETS.add(target)
 
 
 def _nbytes(aval) -> int:

@@ -27,6 +27,77 @@ inline ffi::Error DeadlineExceeded(std::string_view op, std::string_view message
                     "jax_ncclx " + std::string(op) + ": " + std::string(message));
 }
 
+// XLA's short name of `dtype` ("f32", "bf16", ...), for messages.
+inline std::string_view DataTypeName(ffi::DataType dtype) {
+  switch (dtype) {
+    case ffi::DataType::INVALID:
+      return "invalid";
+    case ffi::PRED:
+      return "pred";
+    case ffi::S1:
+      return "s1";
+    case ffi::S2:
+      return "s2";
+    case ffi::S4:
+      return "s4";
+    case ffi::S8:
+      return "s8";
+    case ffi::S16:
+      return "s16";
+    case ffi::S32:
+      return "s32";
+    case ffi::S64:
+      return "s64";
+    case ffi::U1:
+      return "u1";
+    case ffi::U2:
+      return "u2";
+    case ffi::U4:
+      return "u4";
+    case ffi::U8:
+      return "u8";
+    case ffi::U16:
+      return "u16";
+    case ffi::U32:
+      return "u32";
+    case ffi::U64:
+      return "u64";
+    case ffi::F16:
+      return "f16";
+    case ffi::F32:
+      return "f32";
+    case ffi::F64:
+      return "f64";
+    case ffi::BF16:
+      return "bf16";
+    case ffi::C64:
+      return "c64";
+    case ffi::C128:
+      return "c128";
+    case ffi::TOKEN:
+      return "token";
+    case ffi::F8E5M2:
+      return "f8e5m2";
+    case ffi::F8E4M3:
+      return "f8e4m3";
+    case ffi::F8E4M3FN:
+      return "f8e4m3fn";
+    case ffi::F8E4M3B11FNUZ:
+      return "f8e4m3b11fnuz";
+    case ffi::F8E5M2FNUZ:
+      return "f8e5m2fnuz";
+    case ffi::F8E4M3FNUZ:
+      return "f8e4m3fnuz";
+    case ffi::F8E3M4:
+      return "f8e3m4";
+    case ffi::F4E2M1FN:
+      return "f4e2m1fn";
+    case ffi::F8E8M0FNU:
+      return "f8e8m0fnu";
+  }
+  return "unknown";
+}
+
 // "[2, 3]", for messages about shapes.
 template <typename Dims>
 std::string DimsString(const Dims& dims) {

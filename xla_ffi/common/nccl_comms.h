@@ -104,9 +104,6 @@ ffi::ErrorOr<ncclDataType_t> NcclReductionType(std::string_view op, ffi::DataTyp
 // reduce_op attribute (0 sum, 1 max, 2 min) -> ncclRedOp_t.
 ffi::ErrorOr<ncclRedOp_t> NcclReduceOp(std::string_view op, int64_t reduce_op);
 
-// XLA's short name of `dtype` ("f32", "bf16", ...), for messages.
-std::string_view DataTypeName(ffi::DataType dtype);
-
 // Runs `body` (a callable returning ffi::Error), then makes the caller's CUDA device current again:
 // creating and destroying communicators switches devices.
 template <typename Body>

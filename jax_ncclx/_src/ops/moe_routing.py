@@ -1,7 +1,7 @@
 """The routing arithmetic of ``jax_ncclx.moe.dispatch``, as two local ops (no communication).
 
 ``plan_sends`` runs on the sender before the exchange, ``place_received`` on the receiver after it. Each is one
-custom call: a single-block CUDA kernel on GPU (``xla_ffi/ops/moe_routing_kernels.cu``), a loop on CPU
+custom call: a CUDA kernel on one thread block cluster (``xla_ffi/ops/moe_routing_kernels.cu``), a loop on CPU
 (``moe_routing_cpu.cc``), where the same arithmetic in ``jax.numpy`` took ~20 XLA kernels of ~1.4 µs each.
 The docstrings below are the specification both handlers follow; ``tests/reference.py`` implements it in
 NumPy.
@@ -17,11 +17,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Primitive
 from jax.interpreters import ad
 from jax.interpreters import batching
 
-from jax_ncclx._src import compat
 from jax_ncclx._src import primitive
 
 MAX_EXPERTS = 2048  # kMaxRoutingExperts in xla_ffi/ops/moe_routing.h: per-expert counters in shared memory
@@ -126,15 +124,8 @@ def _check_sizes(*, num_experts, num_members, capacity):
         raise ValueError(f"jax_ncclx.moe: capacity must be >= 1, got {capacity}")
 
 
-def _make(name):
-    prim = Primitive(f"ncclx_moe_{name}")
-    prim.multiple_results = True
-    prim.def_impl(lambda *args, **params: compat.apply_primitive(prim, *args, **params))
-    return prim
-
-
-plan_sends_p = _make("plan_sends")
-place_received_p = _make("place_received")
+plan_sends_p = primitive.make_local("moe_plan_sends", multiple_results=True)
+place_received_p = primitive.make_local("moe_place_received", multiple_results=True)
 
 
 def _int32(aval, *shape):
@@ -163,13 +154,6 @@ def _plan_sends_scratch_bytes(avals_in, *, num_members, **params):
     return batch * num_members * num_tokens * 4  # PlanSendsScratchBytes in moe_routing_kernels.cu
 
 
-def _batching(prim, axis_data, args, dims, **params):
-    args = [batching.bdim_at_front(a, d, axis_data.size) for a, d in zip(args, dims)]
-    vmapped, batch = args[0].shape[:2]
-    outs = prim.bind(*(a.reshape(vmapped * batch, *a.shape[2:]) for a in args), **params)
-    return [out.reshape(vmapped, batch, *out.shape[1:]) for out in outs], [0] * len(outs)
-
-
 def _jvp(prim, primals, tangents, **params):
     outs = prim.bind(*primals, **params)
     return outs, [ad.Zero(jax.typeof(out).to_tangent_aval()) for out in outs]
@@ -187,5 +171,5 @@ primitive.register_local_lowerings(
     place_received_p, "ncclx_moe_place_received",
     lambda *, local_experts, capacity: dict(local_experts=np.int64(local_experts), capacity=np.int64(capacity)))
 for _prim in (plan_sends_p, place_received_p):
-    batching.fancy_primitive_batchers[_prim] = functools.partial(_batching, _prim)
+    batching.fancy_primitive_batchers[_prim] = functools.partial(primitive.fold_vmap_into_batch, _prim)
     ad.primitive_jvps[_prim] = functools.partial(_jvp, _prim)

@@ -1,0 +1,100 @@
+"""take_rows, the row copies of moe.dispatch, against NumPy on CPU and one GPU: every copy unit the CUDA kernel
+picks (16, 4 and 1 bytes), indices outside x, a width below x's, a suffix, a batch under vmap, and its
+gradient."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_ncclx._src.ops.take_rows import take_rows
+
+
+def expected_rows(x, index, width, suffix):
+    taken = np.zeros((len(index), width), x.dtype)
+    inside = (index >= 0) & (index < len(x))
+    taken[inside] = x[index[inside], :width]
+    return taken if suffix is None else np.concatenate([taken, suffix], axis=1)
+
+
+def random_array(rng, shape, dtype):
+    if np.issubdtype(dtype, np.integer):
+        return rng.integers(0, 250, size=shape).astype(dtype)
+    return np.asarray(jnp.asarray(rng.standard_normal(shape), dtype))
+
+
+def put(backend, *arrays):
+    return [jax.device_put(a, backend[0]) for a in arrays]
+
+
+# (name, dtype, x columns, width, suffix columns): 16-byte rows, 4-byte rows, and odd bytes.
+CASES = [
+    ("bf16_wide", jnp.bfloat16, 7184, 7168, 16),
+    ("bf16_no_suffix", jnp.bfloat16, 256, 256, 0),
+    ("f32_unit4", np.float32, 37, 35, 3),
+    ("uint8_odd", np.uint8, 133, 130, 5),
+    ("int32_zero_width", np.int32, 8, 0, 4),
+]
+
+
+@pytest.mark.parametrize("name, dtype, columns, width, suffix_columns", CASES, ids=[c[0] for c in CASES])
+def test_matches_numpy(backend, name, dtype, columns, width, suffix_columns):
+    rng = np.random.default_rng(0)
+    x = random_array(rng, (50, columns), dtype)
+    index = rng.integers(-5, 60, size=300).astype(np.int32)  # about one in six outside [0, 50)
+    index[:4] = [-1, 50, 2**31 - 1, -(2**31)]
+    suffix = random_array(rng, (300, suffix_columns), dtype) if suffix_columns else None
+    fn = jax.jit(functools.partial(take_rows, width=width))
+    args = put(backend, x, index) + ([] if suffix is None else put(backend, suffix))
+    actual = fn(*args[:2], suffix=args[2] if suffix is not None else None)
+    np.testing.assert_array_equal(np.asarray(actual), expected_rows(x, index, width, suffix))
+
+
+def test_vmap_is_one_call(backend):
+    rng = np.random.default_rng(1)
+    x = random_array(rng, (3, 20, 64), jnp.bfloat16)
+    index = rng.integers(-2, 22, size=(3, 40)).astype(np.int32)
+    suffix = random_array(rng, (3, 40, 8), jnp.bfloat16)
+    fn = jax.vmap(lambda x, index, suffix: take_rows(x, index, width=60, suffix=suffix))
+    assert jax.jit(fn).lower(x, index, suffix).as_text().count("ncclx_take_rows") == 1
+    actual = jax.jit(fn)(*put(backend, x, index, suffix))
+    for b in range(3):
+        np.testing.assert_array_equal(np.asarray(actual[b]), expected_rows(x[b], index[b], 60, suffix[b]))
+
+
+def test_gradient_adds_rows_back(backend):
+    """The VJP adds each output row's cotangent into the row it came from; the suffix gets its own columns."""
+    rng = np.random.default_rng(2)
+    x, suffix = rng.standard_normal((10, 6)).astype(np.float32), rng.standard_normal((7, 2)).astype(np.float32)
+    index = np.array([3, 3, -1, 9, 10, 0, 3], np.int32)
+    weights = rng.standard_normal((7, 6)).astype(np.float32)
+    x_d, index_d, suffix_d, weights_d = put(backend, x, index, suffix, weights)
+
+    def loss(x, suffix):
+        return jnp.sum(take_rows(x, index_d, width=4, suffix=suffix) * weights_d)
+
+    grad_x, grad_suffix = jax.jit(jax.grad(loss, argnums=(0, 1)))(x_d, suffix_d)
+    expected = np.zeros_like(x)
+    for i, row in enumerate(index):
+        if 0 <= row < 10:
+            expected[row, :4] += weights[i, :4]
+    np.testing.assert_allclose(np.asarray(grad_x), expected, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad_suffix), weights[:, 4:], rtol=1e-6)
+    tangent = jax.jvp(lambda x: take_rows(x, index_d, width=4), (x_d,), (x_d,))[1]
+    np.testing.assert_array_equal(np.asarray(tangent), expected_rows(x, index, 4, None))
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(x=np.zeros((4,)), index=np.zeros(2, np.int32)), ValueError, "x must be"),
+    (dict(x=np.zeros((4, 3)), index=np.zeros(2, np.float32)), TypeError, "index must be"),
+    (dict(x=np.zeros((4, 3)), index=np.zeros(2, np.int32), width=4), ValueError, "width must be"),
+    (dict(x=np.zeros((4, 3), np.float32), index=np.zeros(2, np.int32), suffix=np.zeros((3, 1), np.float32)),
+     ValueError, "suffix must be"),
+    (dict(x=np.zeros((4, 3), np.float32), index=np.zeros(2, np.int32), suffix=np.zeros((2, 1), np.int32)),
+     ValueError, "suffix must be"),
+])
+def test_bad_arguments_are_refused(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        take_rows(**kwargs)

@@ -1,0 +1,39 @@
+// CPU handler of take_rows: one memcpy per row part.
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#include "ops/take_rows.h"
+#include "ops/take_rows_checks.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ncclx {
+namespace {
+
+ffi::Error TakeRowsImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, std::optional<ffi::AnyBuffer> suffix,
+                        ffi::Result<ffi::AnyBuffer> out) {
+  ffi::ErrorOr<TakeRowsShape> shape = GetTakeRowsShape(x, index, suffix, *out);
+  if (shape.has_error()) return shape.error();
+  const TakeRowsShape& s = *shape;
+  const auto* rows = static_cast<const uint8_t*>(x.untyped_data());
+  const auto* tails = static_cast<const uint8_t*>(SuffixData(suffix));
+  auto* dst = static_cast<uint8_t*>(out->untyped_data());
+  for (int64_t b = 0; b < s.batch; ++b) {
+    for (int64_t i = 0; i < s.rows; ++i, dst += s.out_row_bytes()) {
+      const int64_t row = index.typed_data()[b * s.rows + i];
+      if (row >= 0 && row < s.source_rows) {
+        std::memcpy(dst, rows + (b * s.source_rows + row) * s.x_row_bytes, s.take_bytes);
+      } else {
+        std::memset(dst, 0, s.take_bytes);
+      }
+      if (tails != nullptr) std::memcpy(dst + s.take_bytes, tails + (b * s.rows + i) * s.suffix_bytes, s.suffix_bytes);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuTakeRows, TakeRowsImpl, BindTakeRows(ffi::Ffi::Bind()));
+
+}  // namespace jax_ncclx

@@ -1,0 +1,31 @@
+// CUDA handler of take_rows: decode, check, and launch one kernel (take_rows_kernels.cu) on XLA's stream. No
+// host work beyond the launch, so it is safe in command buffers.
+#include <cuda_runtime.h>
+
+#include <optional>
+
+#include "common/checks.h"
+#include "common/nccl_comms.h"
+#include "ops/take_rows_checks.h"
+#include "ops/take_rows_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ncclx {
+namespace {
+
+ffi::Error TakeRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
+                        std::optional<ffi::AnyBuffer> suffix, ffi::Result<ffi::AnyBuffer> out) {
+  ffi::ErrorOr<TakeRowsShape> shape = GetTakeRowsShape(x, index, suffix, *out);
+  if (shape.has_error()) return shape.error();
+  return CheckCuda(kTakeRowsOp, "kernel launch",
+                   LaunchTakeRows(*shape, x.untyped_data(), index.typed_data(), SuffixData(suffix),
+                                  out->untyped_data(), stream));
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaTakeRows, TakeRowsImpl,
+                              BindTakeRows(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace jax_ncclx
