@@ -1,6 +1,9 @@
-// The device kernel of take_rows: a warp per output row, copying in the widest unit (16, 4 or 1 bytes) that
-// every row size and buffer allows, with several loads in flight per lane. (XLA's gather, which moe.dispatch
-// used before, copies element by element: 2-byte units for bf16 rows.)
+// The device kernel of take_rows: each warp copies one chunk of a row at a time (kUnroll units per lane, all
+// loads in flight before the stores), in the widest unit (16, 4 or 1 bytes) that every row size and buffer
+// allows. Chunks make a few rows still spread over many warps and SMs. The warps walk the chunks column-major
+// (chunk 0 of every row, then chunk 1, ...): moe's expert-major rows read each received row once per local
+// expert it goes to, and one chunk column of the received rows fits in L2 where the whole rows do not.
+// (XLA's gather, which moe.dispatch used before, copies element by element: 2-byte units for bf16 rows.)
 #include "ops/take_rows_kernels.h"
 
 #include <algorithm>
@@ -13,19 +16,31 @@ constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
 constexpr int64_t kMaxBlocks = 16384;
 constexpr int kUnroll = 4;
+constexpr int64_t kChunkUnits = 32 * kUnroll;
 
-// Copies n units from src to dst across the warp's lanes.
+// Chunks per output row: those of the part taken from x, then those of the suffix.
+__host__ __device__ inline int64_t TakeChunks(const TakeRowsShape& s, int64_t unit) {
+  return (s.take_bytes / unit + kChunkUnits - 1) / kChunkUnits;
+}
+__host__ __device__ inline int64_t RowChunks(const TakeRowsShape& s, int64_t unit) {
+  return TakeChunks(s, unit) + (s.suffix_bytes / unit + kChunkUnits - 1) / kChunkUnits;
+}
+
+// Units [lo, min(lo + kChunkUnits, n)) of src to dst (src null: zeros), across the warp's lanes.
 template <typename V>
-__device__ __forceinline__ void WarpCopy(V* __restrict__ dst, const V* __restrict__ src, int64_t n, int lane) {
-  int64_t u = lane;
-  for (; u + (kUnroll - 1) * 32 < n; u += kUnroll * 32) {
-    V v[kUnroll];
+__device__ __forceinline__ void CopyChunk(V* __restrict__ dst, const V* __restrict__ src, int64_t lo, int64_t n,
+                                          int lane) {
+  V v[kUnroll];
 #pragma unroll
-    for (int k = 0; k < kUnroll; ++k) v[k] = src[u + k * 32];
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) dst[u + k * 32] = v[k];
+  for (int k = 0; k < kUnroll; ++k) {
+    const int64_t u = lo + lane + k * 32;
+    v[k] = src != nullptr && u < n ? src[u] : V{};
   }
-  for (; u < n; u += 32) dst[u] = src[u];
+#pragma unroll
+  for (int k = 0; k < kUnroll; ++k) {
+    const int64_t u = lo + lane + k * 32;
+    if (u < n) dst[u] = v[k];
+  }
 }
 
 template <typename V>
@@ -35,19 +50,22 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int64_t unit = sizeof(V);
   const int64_t x_units = shape.x_row_bytes / unit, take_units = shape.take_bytes / unit;
   const int64_t suffix_units = shape.suffix_bytes / unit, out_units = take_units + suffix_units;
+  const int64_t take_chunks = TakeChunks(shape, unit);
+  const int64_t rows = shape.batch * shape.rows, items = rows * RowChunks(shape, unit);
   const int lane = threadIdx.x % 32;
-  const int64_t total = shape.batch * shape.rows;
-  for (int64_t r = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32; r < total;
-       r += int64_t{gridDim.x} * kWarpsPerBlock) {
-    const int64_t b = r / shape.rows;
-    const int32_t row = index[r];
+  for (int64_t item = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32; item < items;
+       item += int64_t{gridDim.x} * kWarpsPerBlock) {
+    const int64_t chunk = item / rows, r = item % rows;
     V* dst = out + r * out_units;
-    if (row >= 0 && row < shape.source_rows) {
-      WarpCopy(dst, x + (b * shape.source_rows + row) * x_units, take_units, lane);
+    if (chunk < take_chunks) {
+      const int64_t b = r / shape.rows;
+      const int32_t row = index[r];
+      const V* src = row >= 0 && row < shape.source_rows ? x + (b * shape.source_rows + row) * x_units : nullptr;
+      CopyChunk(dst, src, chunk * kChunkUnits, take_units, lane);
     } else {
-      for (int64_t u = lane; u < take_units; u += 32) dst[u] = V{};
+      CopyChunk(dst + take_units, suffix + r * suffix_units, (chunk - take_chunks) * kChunkUnits, suffix_units,
+                lane);
     }
-    if (suffix != nullptr) WarpCopy(dst + take_units, suffix + r * suffix_units, suffix_units, lane);
   }
 }
 
@@ -60,8 +78,8 @@ bool FitsUnit(int64_t width, const TakeRowsShape& s, const void* x, const void* 
 template <typename V>
 cudaError_t Launch(const TakeRowsShape& shape, const void* x, const int32_t* index, const void* suffix, void* out,
                    cudaStream_t stream) {
-  const int64_t total = shape.batch * shape.rows;
-  const int64_t blocks = std::min((total + kWarpsPerBlock - 1) / kWarpsPerBlock, kMaxBlocks);
+  const int64_t items = shape.batch * shape.rows * RowChunks(shape, sizeof(V));
+  const int64_t blocks = std::min((items + kWarpsPerBlock - 1) / kWarpsPerBlock, kMaxBlocks);
   TakeRowsKernel<V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       shape, static_cast<const V*>(x), index, static_cast<const V*>(suffix), static_cast<V*>(out));
   return cudaGetLastError();
