@@ -69,18 +69,22 @@ def moe_plan_sends(ids, num_experts, num_members, capacity):
     num_rows = min(num_tokens * min(top_k, num_members), num_members * capacity)
     send_token = np.full(num_rows, num_tokens)
     tags = np.full(num_rows * top_k, -1)
+    rows_per_member = min(capacity, num_tokens)
+    return_row = np.full((num_tokens, num_members), num_members * rows_per_member)
     token_counts, row = [], 0
     for member, pairs in enumerate(taken):
         tokens = sorted({pair // top_k for pair in pairs})
         row_of = {token: r for r, token in enumerate(tokens)}
         send_token[row: row + len(tokens)] = tokens
+        for token, r in row_of.items():
+            return_row[token, member] = member * rows_per_member + r
         for i, pair in enumerate(pairs):
-            tags[row * top_k + i] = row_of[pair // top_k] * local + key[pair] % local
+            tags[row * top_k + i] = (row_of[pair // top_k] * top_k + pair % top_k) * local + key[pair] % local
         token_counts.append(len(tokens))
         row += len(tokens)
     send_counts = np.bincount(key, minlength=num_experts + 1)[:num_experts].reshape(num_members, local)
     result = dict(order=order, send_counts=send_counts, send_token=send_token, send_tags=tags.reshape(num_rows, top_k),
-                  token_counts=token_counts, return_slot=return_slot,
+                  token_counts=token_counts, return_slot=return_slot, return_row=return_row,
                   dropped=np.maximum(send_counts.sum(axis=1) - capacity, 0))
     return {name: np.asarray(value, np.int32) for name, value in result.items()}
 
@@ -97,7 +101,10 @@ def moe_place_received(tags, recv_tokens, local_experts, capacity):
         for j, tag in enumerate(entries):
             if j // top_k < recv_tokens[source] and tag >= 0:
                 counts[source, tag % local_experts] += 1
-    expand = np.full(num_rows, num_members * rows_per_source)
+    received = num_members * rows_per_source
+    expand = np.full(num_rows, received)
+    pair_entry = np.full(num_rows, received * top_k)
+    row_pairs = np.full(received * top_k, num_rows)
     to_expert_major = np.full(num_rows, num_rows)
     to_source_major = np.full(num_rows, num_rows)
     block_start, x = {}, 0
@@ -109,9 +116,11 @@ def moe_place_received(tags, recv_tokens, local_experts, capacity):
                 if x < num_rows:
                     if start + r < capacity:
                         to_expert_major[x] = source * capacity + start + r
-                    tag = lists[source, start + r]
-                    if tag >= 0 and tag // local_experts < rows_per_source:
-                        expand[x] = source * rows_per_source + tag // local_experts
+                    tag = lists[source, start + r]  # (row * k + choice) * E_local + local expert
+                    if tag >= 0 and tag // (top_k * local_experts) < rows_per_source:
+                        expand[x] = source * rows_per_source + tag // (top_k * local_experts)
+                        pair_entry[x] = expand[x] * top_k + tag // local_experts % top_k
+                        row_pairs[pair_entry[x]] = x
                 x += 1
     x = 0
     for source in range(num_members):
@@ -120,8 +129,12 @@ def moe_place_received(tags, recv_tokens, local_experts, capacity):
                 if x < num_rows:
                     to_source_major[x] = min(block_start[e, source] + r, num_rows)
                 x += 1
+    send_back_rows = [source * rows_per_source + r for source in range(num_members)
+                      for r in range(min(max(int(recv_tokens[source]), 0), rows_per_source))]
+    send_back_rows += [received] * (received - len(send_back_rows))
     result = dict(recv_counts=counts, group_sizes=counts.sum(axis=0), expand_rows=expand,
-                  to_expert_major=to_expert_major, to_source_major=to_source_major)
+                  to_expert_major=to_expert_major, to_source_major=to_source_major, pair_entry=pair_entry,
+                  row_pairs=row_pairs.reshape(received, top_k), send_back_rows=send_back_rows)
     return {name: np.asarray(value, np.int32) for name, value in result.items()}
 
 

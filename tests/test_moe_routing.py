@@ -79,10 +79,21 @@ def test_place_received_survives_corrupted_tags(backend, capacity):
         put(tags), put(recv_tokens))._asdict()
     expected = moe_place_received(tags, recv_tokens, local, capacity)
     for field, value in expected.items():
-        np.testing.assert_array_equal(actual[field], value, err_msg=field)
-    assert np.all((expected["expand_rows"] >= 0) & (expected["expand_rows"] <= num_members * rows_per_source))
+        if field != "row_pairs":  # tags that name one entry twice leave either row there (GPU: either thread)
+            np.testing.assert_array_equal(actual[field], value, err_msg=field)
+    received = num_members * rows_per_source
+    assert np.all((expected["expand_rows"] >= 0) & (expected["expand_rows"] <= received))
+    assert np.all((expected["pair_entry"] >= 0) & (expected["pair_entry"] <= received * top_k))
+    assert np.all((expected["send_back_rows"] >= 0) & (expected["send_back_rows"] <= received))
     for field in ("to_expert_major", "to_source_major"):
         assert np.all((expected[field] >= 0) & (expected[field] <= num_members * capacity)), field
+    row_pairs = np.asarray(actual["row_pairs"]).reshape(-1)
+    named = set(expected["pair_entry"].tolist()) - {received * top_k}
+    for entry, x in enumerate(row_pairs):  # each named entry holds one of the rows that name it
+        if entry in named:
+            assert expected["pair_entry"][x] == entry, entry
+        else:
+            assert x == num_members * capacity, entry
 
 
 def test_vmap_is_one_call(backend):

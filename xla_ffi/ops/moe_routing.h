@@ -3,7 +3,8 @@
 //   plan_sends       sender side: from the expert ids, what goes to which member, in which row, with which
 //                    tags, and where each pair's output comes back in combine;
 //   place_received   receiver side: from the received tags, where each pair's row goes in the expert-major
-//                    layout, and the gather indices that combine and the backward passes reuse.
+//                    layout, and the gather indices that combine and the backward passes reuse (per pair, and
+//                    per received row for the exchanges that send one row per token back).
 // The results are specified in jax_ncclx/_src/ops/moe_routing.py (and by the NumPy reference in tests/).
 // This header is plain C++: the CPU module, the CUDA handlers and the device code all include it.
 #pragma once
@@ -32,6 +33,9 @@ struct PlanSendsShape {
     const int64_t per_token = top_k < num_members ? top_k : num_members;
     return num_tokens * per_token < num_members * capacity ? num_tokens * per_token : num_members * capacity;
   }
+  // R: the most rows a member gets from this one (one per token, at most C), hence the rows per member of the
+  // exchanges that send them back.
+  NCCLX_HOST_DEVICE int64_t rows_per_member() const { return capacity < num_tokens ? capacity : num_tokens; }
 };
 
 // The results of plan_sends, int32, each with a leading batch dimension B.
@@ -39,9 +43,12 @@ struct PlanSendsResults {
   int32_t* order = nullptr;         // [T * k] the pairs sorted (stably) by expert, no-expert pairs last
   int32_t* send_counts = nullptr;   // [N, E / N] pairs for each expert
   int32_t* send_token = nullptr;    // [S] the token of each send row; T past the data
-  int32_t* send_tags = nullptr;     // [S, k] the pairs the rows carry (row * E_local + local expert, or -1)
+  int32_t* send_tags = nullptr;     // [S, k] the pairs the rows carry: (row * k + choice) * E_local + local
+                                    // expert, or -1
   int32_t* token_counts = nullptr;  // [N] send rows for each member
   int32_t* return_slot = nullptr;   // [T * k] where each pair's output returns in combine; N * C if nowhere
+  int32_t* return_row = nullptr;    // [T, N] where token t's row returns from member m when rows come back one
+                                    // per token: m * R + its row among m's; N * R if it was not sent there
   int32_t* dropped = nullptr;       // [N] pairs for each member past the capacity
 };
 
@@ -61,6 +68,9 @@ struct PlaceReceivedResults {
   int32_t* expand_rows = nullptr;      // [N * C] the received row of each expert-major row; N * R if none
   int32_t* to_expert_major = nullptr;  // [N * C] the same with one row per pair, C per source; N * C if none
   int32_t* to_source_major = nullptr;  // [N * C] the expert-major row of each row sent back; N * C if none
+  int32_t* pair_entry = nullptr;       // [N * C] received row * k + choice of each expert-major row; N * R * k if none
+  int32_t* row_pairs = nullptr;        // [N * R, k] the expert-major row of each received row's choice; N * C if none
+  int32_t* send_back_rows = nullptr;   // [N * R] the received rows of every source, packed from row 0; N * R after
 };
 
 // A pair's sort key: its expert, or E for an id outside [0, E) (no expert: sorts last, counted nowhere).

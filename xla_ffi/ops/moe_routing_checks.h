@@ -43,6 +43,8 @@ inline ffi::ErrorOr<PlanSendsShape> GetPlanSendsShape(const ffi::Buffer<ffi::S32
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "expert_ids", shape.num_pairs()));
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the (member, token) table", num_members * shape.num_tokens));
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "send_tags", shape.num_rows() * shape.top_k));
+  NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the tag values", shape.rows_per_member() * shape.top_k *
+                                                                 shape.local_experts()));
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the return slots", num_members * capacity));
   return shape;
 }
@@ -50,7 +52,8 @@ inline ffi::ErrorOr<PlanSendsShape> GetPlanSendsShape(const ffi::Buffer<ffi::S32
 inline ffi::Error CheckPlanSendsResults(const PlanSendsShape& s, const Int32Result& order,
                                         const Int32Result& send_counts, const Int32Result& send_token,
                                         const Int32Result& send_tags, const Int32Result& token_counts,
-                                        const Int32Result& return_slot, const Int32Result& dropped) {
+                                        const Int32Result& return_slot, const Int32Result& return_row,
+                                        const Int32Result& dropped) {
   constexpr std::string_view op = kPlanSendsOp;
   NCCLX_RETURN_IF_ERROR(CheckDims(op, "order", order->dimensions(), {s.batch, s.num_pairs()}));
   NCCLX_RETURN_IF_ERROR(
@@ -59,6 +62,8 @@ inline ffi::Error CheckPlanSendsResults(const PlanSendsShape& s, const Int32Resu
   NCCLX_RETURN_IF_ERROR(CheckDims(op, "send_tags", send_tags->dimensions(), {s.batch, s.num_rows(), s.top_k}));
   NCCLX_RETURN_IF_ERROR(CheckDims(op, "token_counts", token_counts->dimensions(), {s.batch, s.num_members}));
   NCCLX_RETURN_IF_ERROR(CheckDims(op, "return_slot", return_slot->dimensions(), {s.batch, s.num_pairs()}));
+  NCCLX_RETURN_IF_ERROR(
+      CheckDims(op, "return_row", return_row->dimensions(), {s.batch, s.num_tokens, s.num_members}));
   return CheckDims(op, "dropped", dropped->dimensions(), {s.batch, s.num_members});
 }
 
@@ -72,6 +77,7 @@ auto BindPlanSendsBuffers(Binding binding) {
       .template Ret<ffi::Buffer<ffi::S32>>()            // send_tags [B, S, k]
       .template Ret<ffi::Buffer<ffi::S32>>()            // token_counts [B, N]
       .template Ret<ffi::Buffer<ffi::S32>>()            // return_slot [B, T * k]
+      .template Ret<ffi::Buffer<ffi::S32>>()            // return_row [B, T, N]
       .template Ret<ffi::Buffer<ffi::S32>>();           // dropped [B, N]
 }
 
@@ -85,10 +91,10 @@ auto BindPlanSendsAttrs(Binding binding) {
 inline PlanSendsResults PlanSendsData(const Int32Result& order, const Int32Result& send_counts,
                                       const Int32Result& send_token, const Int32Result& send_tags,
                                       const Int32Result& token_counts, const Int32Result& return_slot,
-                                      const Int32Result& dropped) {
-  return {order->typed_data(),        send_counts->typed_data(), send_token->typed_data(),
+                                      const Int32Result& return_row, const Int32Result& dropped) {
+  return {order->typed_data(),        send_counts->typed_data(),  send_token->typed_data(),
           send_tags->typed_data(),    token_counts->typed_data(), return_slot->typed_data(),
-          dropped->typed_data()};
+          return_row->typed_data(),   dropped->typed_data()};
 }
 
 inline ffi::ErrorOr<PlaceReceivedShape> GetPlaceReceivedShape(const ffi::Buffer<ffi::S32>& tags,
@@ -113,13 +119,16 @@ inline ffi::ErrorOr<PlaceReceivedShape> GetPlaceReceivedShape(const ffi::Buffer<
   PlaceReceivedShape shape{token_dims[0], token_dims[1], tag_dims[1] / token_dims[1], tag_dims[2], local_experts,
                            capacity};
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "tags", tag_dims[1] * tag_dims[2]));
+  NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the tag values", shape.rows_per_source * shape.top_k * local_experts));
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the expert-major rows", shape.num_members * capacity));
   return shape;
 }
 
 inline ffi::Error CheckPlaceReceivedResults(const PlaceReceivedShape& s, const Int32Result& recv_counts,
                                             const Int32Result& group_sizes, const Int32Result& expand_rows,
-                                            const Int32Result& to_expert_major, const Int32Result& to_source_major) {
+                                            const Int32Result& to_expert_major, const Int32Result& to_source_major,
+                                            const Int32Result& pair_entry, const Int32Result& row_pairs,
+                                            const Int32Result& send_back_rows) {
   constexpr std::string_view op = kPlaceReceivedOp;
   const int64_t rows = s.num_members * s.capacity;
   NCCLX_RETURN_IF_ERROR(
@@ -127,7 +136,11 @@ inline ffi::Error CheckPlaceReceivedResults(const PlaceReceivedShape& s, const I
   NCCLX_RETURN_IF_ERROR(CheckDims(op, "group_sizes", group_sizes->dimensions(), {s.batch, s.local_experts}));
   NCCLX_RETURN_IF_ERROR(CheckDims(op, "expand_rows", expand_rows->dimensions(), {s.batch, rows}));
   NCCLX_RETURN_IF_ERROR(CheckDims(op, "to_expert_major", to_expert_major->dimensions(), {s.batch, rows}));
-  return CheckDims(op, "to_source_major", to_source_major->dimensions(), {s.batch, rows});
+  NCCLX_RETURN_IF_ERROR(CheckDims(op, "to_source_major", to_source_major->dimensions(), {s.batch, rows}));
+  NCCLX_RETURN_IF_ERROR(CheckDims(op, "pair_entry", pair_entry->dimensions(), {s.batch, rows}));
+  const int64_t received = s.num_members * s.rows_per_source;
+  NCCLX_RETURN_IF_ERROR(CheckDims(op, "row_pairs", row_pairs->dimensions(), {s.batch, received, s.top_k}));
+  return CheckDims(op, "send_back_rows", send_back_rows->dimensions(), {s.batch, received});
 }
 
 // The buffers and attributes both handlers of place_received bind (after any context).
@@ -140,15 +153,20 @@ auto BindPlaceReceived(Binding binding) {
       .template Ret<ffi::Buffer<ffi::S32>>()            // expand_rows [B, N * C]
       .template Ret<ffi::Buffer<ffi::S32>>()            // to_expert_major [B, N * C]
       .template Ret<ffi::Buffer<ffi::S32>>()            // to_source_major [B, N * C]
+      .template Ret<ffi::Buffer<ffi::S32>>()            // pair_entry [B, N * C]
+      .template Ret<ffi::Buffer<ffi::S32>>()            // row_pairs [B, N * R, k]
+      .template Ret<ffi::Buffer<ffi::S32>>()            // send_back_rows [B, N * R]
       .template Attr<int64_t>("local_experts")
       .template Attr<int64_t>("capacity");
 }
 
 inline PlaceReceivedResults PlaceReceivedData(const Int32Result& recv_counts, const Int32Result& group_sizes,
                                               const Int32Result& expand_rows, const Int32Result& to_expert_major,
-                                              const Int32Result& to_source_major) {
-  return {recv_counts->typed_data(), group_sizes->typed_data(), expand_rows->typed_data(),
-          to_expert_major->typed_data(), to_source_major->typed_data()};
+                                              const Int32Result& to_source_major, const Int32Result& pair_entry,
+                                              const Int32Result& row_pairs, const Int32Result& send_back_rows) {
+  return {recv_counts->typed_data(),     group_sizes->typed_data(),     expand_rows->typed_data(),
+          to_expert_major->typed_data(), to_source_major->typed_data(), pair_entry->typed_data(),
+          row_pairs->typed_data(),       send_back_rows->typed_data()};
 }
 
 }  // namespace jax_ncclx

@@ -57,11 +57,15 @@ void PlanSendsOne(const PlanSendsShape& shape, const int32_t* ids, const PlanSen
     out.token_counts[m] = 0;
     first_row[m] = row_of.empty() ? 0 : row_of[m * T];
   }
+  const int32_t R = shape.rows_per_member();
   for (int32_t i = 0; i < S; ++i) out.send_token[i] = T;
   for (int32_t i = 0; i < N * T; ++i) {
+    const int32_t member = i / T, token = i % T;
+    const bool sent = goes[i] && row_of[i] < S;
+    out.return_row[token * N + member] = sent ? member * R + row_of[i] - first_row[member] : N * R;
     if (!goes[i]) continue;
-    ++out.token_counts[i / T];
-    if (row_of[i] < S) out.send_token[row_of[i]] = i % T;
+    ++out.token_counts[member];
+    if (sent) out.send_token[row_of[i]] = token;
   }
   for (int32_t i = 0; i < S * k; ++i) out.send_tags[i] = -1;
   for (int32_t position = 0; position < P; ++position) {
@@ -71,28 +75,30 @@ void PlanSendsOne(const PlanSendsShape& shape, const int32_t* ids, const PlanSen
     const int32_t member = key / local, offset = position - key_start[member * local];
     const int32_t entry = first_row[member] * k + offset;
     if (offset < C && entry < S * k) {
-      out.send_tags[entry] = (row_of[member * T + pair / k] - first_row[member]) * local + key % local;
+      const int32_t row = row_of[member * T + pair / k] - first_row[member];
+      out.send_tags[entry] = (row * k + pair % k) * local + key % local;
     }
   }
 }
 
 ffi::Error PlanSendsImpl(ffi::Buffer<ffi::S32> expert_ids, Int32Result order, Int32Result send_counts,
                          Int32Result send_token, Int32Result send_tags, Int32Result token_counts,
-                         Int32Result return_slot, Int32Result dropped, int64_t num_experts, int64_t num_members,
-                         int64_t capacity) {
+                         Int32Result return_slot, Int32Result return_row, Int32Result dropped, int64_t num_experts,
+                         int64_t num_members, int64_t capacity) {
   ffi::ErrorOr<PlanSendsShape> shape = GetPlanSendsShape(expert_ids, num_experts, num_members, capacity);
   if (shape.has_error()) return shape.error();
   const PlanSendsShape& s = *shape;
   NCCLX_RETURN_IF_ERROR(
-      CheckPlanSendsResults(s, order, send_counts, send_token, send_tags, token_counts, return_slot, dropped));
+      CheckPlanSendsResults(s, order, send_counts, send_token, send_tags, token_counts, return_slot, return_row,
+                            dropped));
   const PlanSendsResults all = PlanSendsData(order, send_counts, send_token, send_tags, token_counts, return_slot,
-                                             dropped);
+                                             return_row, dropped);
   for (int64_t b = 0; b < s.batch; ++b) {
     const int64_t P = s.num_pairs(), S = s.num_rows(), N = s.num_members;
     PlanSendsOne(s, expert_ids.typed_data() + b * P,
                  {all.order + b * P, all.send_counts + b * s.num_experts, all.send_token + b * S,
                   all.send_tags + b * S * s.top_k, all.token_counts + b * N, all.return_slot + b * P,
-                  all.dropped + b * N});
+                  all.return_row + b * s.num_tokens * N, all.dropped + b * N});
   }
   return ffi::Error::Success();
 }
@@ -123,7 +129,9 @@ void PlaceReceivedOne(const PlaceReceivedShape& shape, const int32_t* tags, cons
     out.expand_rows[x] = N * R;
     out.to_expert_major[x] = rows;
     out.to_source_major[x] = rows;
+    out.pair_entry[x] = N * R * k;
   }
+  for (int32_t entry = 0; entry < N * R * k; ++entry) out.row_pairs[entry] = rows;
   // Walk the blocks in expert-major order, then in source-major order, filling their rows.
   for (int32_t e = 0; e < local; ++e) {
     for (int32_t source = 0; source < N; ++source) {
@@ -133,7 +141,12 @@ void PlaceReceivedOne(const PlaceReceivedShape& shape, const int32_t* tags, cons
         if (x >= rows) break;
         if (first + r < C) out.to_expert_major[x] = source * C + first + r;
         const int32_t tag = tags[source * per_source + first + r];
-        if (tag >= 0 && tag / local < R) out.expand_rows[x] = source * R + tag / local;
+        if (tag >= 0 && tag / (k * local) < R) {  // tag = (row * k + choice) * E_local + local expert
+          const int32_t row = source * R + tag / (k * local), entry = row * k + tag / local % k;
+          out.expand_rows[x] = row;
+          out.pair_entry[x] = entry;
+          out.row_pairs[entry] = x;
+        }
       }
     }
   }
@@ -145,24 +158,33 @@ void PlaceReceivedOne(const PlaceReceivedShape& shape, const int32_t* tags, cons
     }
   }
   for (int32_t i = 0; i < N * local; ++i) out.recv_counts[i] = counts[i];
+  int32_t packed = 0;
+  for (int32_t source = 0; source < N; ++source) {
+    for (int32_t r = 0; r < std::clamp(recv_tokens[source], 0, R); ++r) out.send_back_rows[packed++] = source * R + r;
+  }
+  for (; packed < N * R; ++packed) out.send_back_rows[packed] = N * R;
 }
 
 ffi::Error PlaceReceivedImpl(ffi::Buffer<ffi::S32> tags, ffi::Buffer<ffi::S32> recv_tokens, Int32Result recv_counts,
                              Int32Result group_sizes, Int32Result expand_rows, Int32Result to_expert_major,
-                             Int32Result to_source_major, int64_t local_experts, int64_t capacity) {
+                             Int32Result to_source_major, Int32Result pair_entry, Int32Result row_pairs,
+                             Int32Result send_back_rows, int64_t local_experts, int64_t capacity) {
   ffi::ErrorOr<PlaceReceivedShape> shape = GetPlaceReceivedShape(tags, recv_tokens, local_experts, capacity);
   if (shape.has_error()) return shape.error();
   const PlaceReceivedShape& s = *shape;
   NCCLX_RETURN_IF_ERROR(
-      CheckPlaceReceivedResults(s, recv_counts, group_sizes, expand_rows, to_expert_major, to_source_major));
-  const PlaceReceivedResults all =
-      PlaceReceivedData(recv_counts, group_sizes, expand_rows, to_expert_major, to_source_major);
+      CheckPlaceReceivedResults(s, recv_counts, group_sizes, expand_rows, to_expert_major, to_source_major,
+                                pair_entry, row_pairs, send_back_rows));
+  const PlaceReceivedResults all = PlaceReceivedData(recv_counts, group_sizes, expand_rows, to_expert_major,
+                                                     to_source_major, pair_entry, row_pairs, send_back_rows);
   const int64_t rows = s.num_members * s.capacity, blocks = s.num_members * s.local_experts;
+  const int64_t received = s.num_members * s.rows_per_source;
   for (int64_t b = 0; b < s.batch; ++b) {
     PlaceReceivedOne(s, tags.typed_data() + b * s.num_members * s.rows_per_source * s.top_k,
                      recv_tokens.typed_data() + b * s.num_members,
                      {all.recv_counts + b * blocks, all.group_sizes + b * s.local_experts, all.expand_rows + b * rows,
-                      all.to_expert_major + b * rows, all.to_source_major + b * rows});
+                      all.to_expert_major + b * rows, all.to_source_major + b * rows, all.pair_entry + b * rows,
+                      all.row_pairs + b * received * s.top_k, all.send_back_rows + b * received});
   }
   return ffi::Error::Success();
 }

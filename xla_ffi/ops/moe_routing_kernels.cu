@@ -242,23 +242,29 @@ __global__ void __launch_bounds__(kThreads)
   if (rank == 0) {
     for (int32_t m = tid; m < N; m += kThreads) out.token_counts[b * N + m] = first_row[m + 1] - first_row[m];
   }
+  const int32_t R = shape.rows_per_member();
   for (int32_t i = thread; i < NT; i += threads) {
-    const int32_t row = row_of[i];
-    if (row >= 0 && row < S) send_token[row] = i % T;
+    const int32_t row = row_of[i], member = i / T, token = i % T;
+    const bool sent = row >= 0 && row < S;
+    if (sent) send_token[row] = token;
+    out.return_row[(b * T + token) * N + member] = sent ? member * R + row - first_row[member] : N * R;
   }
   // Member m's tag entries, from row first_row[m]: its delivered pairs in the order (a pair's return slot
-  // is m * C + its place among them), each as the token's row (counted from m's first row) and local expert.
+  // is m * C + its place among them), each as the token's row (counted from m's first row), the pair's
+  // choice and its local expert.
   for (int32_t pair = thread; pair < P; pair += threads) {
     const int32_t slot = return_slot[pair];
     if (slot >= N * C) continue;
     const int32_t member = slot / C, entry = first_row[member] * k + slot % C;
-    if (entry < S * k) tags[entry] = (row_of[member * T + pair / k] - first_row[member]) * local + ids[pair] % local;
+    const int32_t row = row_of[member * T + pair / k] - first_row[member];
+    if (entry < S * k) tags[entry] = (row * k + pair % k) * local + ids[pair] % local;
   }
 }
 
 // Counts the valid tags per (source, local expert) (each block of the cluster a share, then summed through
 // distributed shared memory), scans the counts in source-major and expert-major order (every block for
-// itself), and walks the N * C expert-major rows, each finding its block by binary search.
+// itself), and walks the N * C expert-major rows, each finding its block by binary search and writing its
+// indices and its entry of the inverse table row_pairs; then the packed send-back rows.
 __global__ void __launch_bounds__(kThreads)
     PlaceReceivedKernel(PlaceReceivedShape shape, const int32_t* __restrict__ all_tags,
                         const int32_t* __restrict__ all_recv_tokens, PlaceReceivedResults out) {
@@ -273,17 +279,22 @@ __global__ void __launch_bounds__(kThreads)
   int32_t* __restrict__ expand_rows = out.expand_rows + b * rows;
   int32_t* __restrict__ to_expert_major = out.to_expert_major + b * rows;
   int32_t* __restrict__ to_source_major = out.to_source_major + b * rows;
+  int32_t* __restrict__ pair_entry = out.pair_entry + b * rows;
+  int32_t* __restrict__ row_pairs = out.row_pairs + b * entries;
+  int32_t* __restrict__ send_back_rows = out.send_back_rows + b * N * R;
 
   extern __shared__ int32_t shared[];
   int32_t* my_counts = shared;                      // [N][E_local] this block's share of the tags
   int32_t* cluster_counts = my_counts + blocks;     // [N][E_local] the cluster's, when it has several blocks
   int32_t* source_major = cluster_counts + blocks;  // [N][E_local] where block (i, e) starts, source-major
-  int32_t* expert_major = source_major + blocks;  // [E_local][N] where block (e, i) starts, expert-major
+  int32_t* expert_major = source_major + blocks;    // [E_local][N] where block (e, i) starts, expert-major
+  int32_t* packed_start = expert_major + blocks;    // [N] where source i's received rows start, packed
   __shared__ ScanShared scan;
 
   const int tid = threadIdx.x;
   const int32_t thread = rank * kThreads + tid, threads = cluster_blocks * kThreads;
   for (int32_t i = tid; i < blocks; i += kThreads) my_counts[i] = 0;
+  for (int32_t entry = thread; entry < entries; entry += threads) row_pairs[entry] = rows;  // before the barrier below
   __syncthreads();
   for (int32_t entry = thread; entry < entries; entry += threads) {
     const int32_t source = entry / per_source, tag = tags[entry];
@@ -307,6 +318,9 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t total = Scan(
       blocks, /*across_cluster=*/false, [&](int32_t j) { return counts[(j % N) * local + j / N]; },
       [&](int32_t j, int32_t start, int32_t) { expert_major[j] = start; }, scan);
+  const int32_t received = Scan(
+      N, /*across_cluster=*/false, [&](int32_t i) { return min(max(recv_tokens[i], 0), R); },
+      [&](int32_t i, int32_t start, int32_t) { packed_start[i] = start; }, scan);
 
   if (rank == 0) {
     for (int32_t i = tid; i < blocks; i += kThreads) out.recv_counts[b * blocks + i] = counts[i];
@@ -317,21 +331,34 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   for (int32_t x = thread; x < rows; x += threads) {
-    int32_t expand = N * R, expert_row = rows, source_row = rows;
+    int32_t expand = N * R, entry = entries, expert_row = rows, source_row = rows;
     if (x < total) {
       const int32_t j = BlockAt(expert_major, blocks, x);
       const int32_t e = j / N, source = j % N;
       // Source i's tags list its pairs sorted by expert: expert e's start after its earlier experts'.
       const int32_t in_list = source_major[source * local + e] - source_major[source * local] + x - expert_major[j];
       if (in_list < C) expert_row = source * C + in_list;
-      const int32_t tag = tags[source * per_source + in_list];
-      if (tag >= 0 && tag / local < R) expand = source * R + tag / local;
+      const int32_t tag = tags[source * per_source + in_list];  // (row * k + choice) * E_local + local expert
+      if (tag >= 0 && tag / (k * local) < R) {
+        expand = source * R + tag / (k * local);
+        entry = expand * k + tag / local % k;
+        row_pairs[entry] = x;
+      }
       const int32_t i = BlockAt(source_major, blocks, x);
       source_row = min(expert_major[(i % local) * N + i / local] + x - source_major[i], rows);
     }
     expand_rows[x] = expand;
+    pair_entry[x] = entry;
     to_expert_major[x] = expert_row;
     to_source_major[x] = source_row;
+  }
+  for (int32_t s = thread; s < N * R; s += threads) {
+    int32_t back = N * R;
+    if (s < received) {
+      const int32_t source = BlockAt(packed_start, N, s);
+      back = source * R + s - packed_start[source];
+    }
+    send_back_rows[s] = back;
   }
 }
 
@@ -383,7 +410,7 @@ cudaError_t LaunchPlanSends(const PlanSendsShape& shape, const int32_t* expert_i
 cudaError_t LaunchPlaceReceived(const PlaceReceivedShape& shape, const int32_t* tags, const int32_t* recv_tokens,
                                 const PlaceReceivedResults& results, cudaStream_t stream) {
   if (shape.batch == 0) return cudaSuccess;
-  const size_t bytes = 4 * shape.num_members * shape.local_experts * sizeof(int32_t);
+  const size_t bytes = (4 * shape.num_members * shape.local_experts + shape.num_members) * sizeof(int32_t);
   const int64_t work = shape.num_members * std::max(shape.rows_per_source * shape.top_k, shape.capacity);
   return LaunchClusters(PlaceReceivedKernel, shape.batch, ClusterBlocks(work), bytes, stream, shape, tags,
                         recv_tokens, results);

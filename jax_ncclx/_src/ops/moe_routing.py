@@ -34,6 +34,7 @@ class SendPlan(NamedTuple):
     send_tags: jax.Array     # [S, k] the pairs each row carries (see plan_sends)
     token_counts: jax.Array  # [N] send rows for each member
     return_slot: jax.Array   # [T * k] where each pair's output comes back in combine; N * C if nowhere
+    return_row: jax.Array    # [T, N] where each token's row comes back from each member, one row per token
     dropped: jax.Array       # [N] pairs for each member past the capacity
 
 
@@ -45,6 +46,9 @@ class Placement(NamedTuple):
     expand_rows: jax.Array      # [N * C] the received row of each expert-major row; N * R past the data
     to_expert_major: jax.Array  # [N * C] the same for the one-row-per-pair exchanges; N * C past the data
     to_source_major: jax.Array  # [N * C] the expert-major row of each row sent back; N * C past the data
+    pair_entry: jax.Array       # [N * C] received row * k + choice of each expert-major row; N * R * k past it
+    row_pairs: jax.Array        # [N * R, k] the inverse: expert-major row of each (received row, choice)
+    send_back_rows: jax.Array   # [N * R] every source's received rows, packed from row 0; N * R after them
 
 
 def num_send_rows(num_tokens: int, top_k: int, num_members: int, capacity: int) -> int:
@@ -65,8 +69,12 @@ def plan_sends(expert_ids, *, num_experts: int, num_members: int, capacity: int)
     Token t goes to member m when m takes at least one of its pairs. The send rows list the tokens going to
     member 0 in ascending order, then those going to member 1, and so on (``send_token``, ``token_counts``).
     The tags of member m's rows, read as one list of ``token_counts[m] * k`` entries, hold its delivered pairs
-    in order, each as ``row * E_local + local expert`` (``row`` counted from m's first row), then -1. A token
-    has at most k pairs per member, so the list fits.
+    in order, each as ``(row * k + j) * E_local + local expert`` for the pair t * k + j (``row`` counted from
+    m's first row), then -1. A token has at most k pairs per member, so the list fits.
+
+    When rows come back one per token (a reduced combine), member m returns its R = min(C, T) rows in the
+    order it got them: ``return_row[t, m] = m * R + row`` for token t's row among m's, and N * R where t was
+    not sent to m.
 
     Args:
       expert_ids: int32 ``[T, k]``.
@@ -92,13 +100,20 @@ def place_received(tags, recv_tokens, *, local_experts: int, capacity: int) -> P
     (e, i) is the r-th pair of the block, the entry ``start + r`` of source i's list, where start counts
     source i's pairs for experts before e:
 
-    * ``expand_rows[x] = i * R + tag // E_local``, the received row holding the pair's token (N * R when the
-      tag is negative or names a row >= R);
+    * ``expand_rows[x] = i * R + tag // (k * E_local)``, the received row holding the pair's token (N * R
+      when the tag is negative or names a row >= R);
     * ``to_expert_major[x] = i * C + start + r``: where the exchanges that carry one row per pair (combine,
       the backward passes) put the pair (N * C when ``start + r >= C``: more than a source can send);
     * ``to_source_major`` is the inverse regrouping: row x of the source-major packing of the same blocks
       ((0, 0), (0, 1) for experts, then source 1, ...) takes expert-major row ``to_source_major[x]`` (at most
       N * C).
+    * ``pair_entry[x] = (i * R + row) * k + j`` for the tag ``(row * k + j) * E_local + e`` (N * R * k where
+      ``expand_rows`` has N * R), and ``row_pairs`` is its inverse: ``row_pairs[i * R + row, j] = x``, N * C
+      where no row names that entry. (Tags that name one entry twice, which plan_sends never writes, leave one
+      of the rows there.)
+
+    ``send_back_rows`` packs the received rows for sending one row per token back: source 0's first
+    ``recv_tokens[0]`` rows (clamped to [0, R]), then source 1's, ..., then N * R.
 
     Args:
       tags: int32 ``[N * R, k]``.
@@ -139,14 +154,16 @@ def _plan_sends_abstract_eval(expert_ids, *, num_experts, num_members, capacity)
     return [_int32(expert_ids, batch, pairs), _int32(expert_ids, batch, num_members, num_experts // num_members),
             _int32(expert_ids, batch, rows), _int32(expert_ids, batch, rows, top_k),
             _int32(expert_ids, batch, num_members), _int32(expert_ids, batch, pairs),
-            _int32(expert_ids, batch, num_members)]
+            _int32(expert_ids, batch, num_tokens, num_members), _int32(expert_ids, batch, num_members)]
 
 
 def _place_received_abstract_eval(tags, recv_tokens, *, local_experts, capacity):
     batch, num_members = recv_tokens.shape
     rows = num_members * capacity
+    received, top_k = tags.shape[1:]
     return [_int32(tags, batch, num_members, local_experts), _int32(tags, batch, local_experts),
-            _int32(tags, batch, rows), _int32(tags, batch, rows), _int32(tags, batch, rows)]
+            _int32(tags, batch, rows), _int32(tags, batch, rows), _int32(tags, batch, rows),
+            _int32(tags, batch, rows), _int32(tags, batch, received, top_k), _int32(tags, batch, received)]
 
 
 def _plan_sends_scratch_bytes(avals_in, *, num_members, **params):
