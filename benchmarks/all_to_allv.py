@@ -65,13 +65,15 @@ VARIANTS = {  # key: (label, times the payload moves per op)
     "xla_ragged": ("lax.ragged_all_to_all (host sizes)", 1),
     "xla_ragged_counts": ("lax.ragged_all_to_all + count a2a", 1),
     "nx_moe": ("nx moe dispatch+combine", 2),
+    "nx_moe_pairs": ("nx moe dispatch+combine, weights at combine", 2),
     "nx_moe_dispatch": ("nx moe dispatch", 1),
     "nx_moe_combine": ("nx moe combine", 1),
     "nx_moe_fp8": ("nx moe dispatch+combine, fp8 dispatch wire", 2),
     "nx_moe_dispatch_fp8": ("nx moe dispatch, fp8 wire", 1),
 }
 LONG_OP_BYTES = 64 * 2**20  # padded buffers past this take ~0.2 ms per op or more: 10 ops per call
-MOE_VARIANTS = ("nx_moe", "nx_moe_dispatch", "nx_moe_combine", "nx_moe_fp8", "nx_moe_dispatch_fp8")
+MOE_VARIANTS = ("nx_moe", "nx_moe_pairs", "nx_moe_dispatch", "nx_moe_combine", "nx_moe_fp8",
+                "nx_moe_dispatch_fp8")
 FP8_WIRE = jnp.float8_e4m3fn  # the *_fp8 variants: moe.dispatch(wire_dtype=FP8_WIRE)
 # Largest round-trip error (relative to max |token|) accepted before timing, by dispatch wire: bf16 tokens
 # round once per op; e4m3 keeps each value within 2^-4 of itself, and the weights sum to 1.
@@ -243,16 +245,25 @@ def wire_of(variant):
     return FP8_WIRE if variant.endswith("_fp8") else None
 
 
-def moe_round_trip(tokens, expert_ids, weights, *, num_experts, capacity, wire_dtype=None):
-    rows, _, handle = moe.dispatch(tokens, expert_ids, num_experts=num_experts, axis_name=AXIS, capacity=capacity,
-                                   wire_dtype=wire_dtype)
+def weights_in_of(variant):
+    """Where a moe round trip gives the router weights: to dispatch (combine sums each token's pairs on the
+    expert side and sends one row per token and member back), or to combine (one row per pair comes back)."""
+    return "combine" if variant == "nx_moe_pairs" else "dispatch"
+
+
+def moe_round_trip(tokens, expert_ids, weights, *, num_experts, capacity, wire_dtype=None, weights_in="dispatch"):
+    kwargs = dict(num_experts=num_experts, axis_name=AXIS, capacity=capacity, wire_dtype=wire_dtype)
+    if weights_in == "dispatch":
+        rows, _, handle = moe.dispatch(tokens, expert_ids, weights=weights, **kwargs)
+        return moe.combine(rows, handle)
+    rows, _, handle = moe.dispatch(tokens, expert_ids, **kwargs)
     return moe.combine(rows, handle, weights)
 
 
-def moe_chain(tokens, expert_ids, weights, *, num_experts, capacity, wire_dtype, unroll):
+def moe_chain(tokens, expert_ids, weights, *, num_experts, capacity, wire_dtype, weights_in, unroll):
     for _ in range(unroll):  # the weights sum to 1 per token, so the tokens come back (about) unchanged
         tokens = moe_round_trip(tokens, expert_ids, weights, num_experts=num_experts, capacity=capacity,
-                                wire_dtype=wire_dtype).astype(tokens.dtype)
+                                wire_dtype=wire_dtype, weights_in=weights_in).astype(tokens.dtype)
         # Route again from ids tied to the result, as the next layer would: with the same ids every time,
         # XLA would compute the send plan once for the whole chain.
         expert_ids = tie(expert_ids, tokens)
@@ -267,20 +278,23 @@ def moe_dispatch_chain(tokens, expert_ids, *, num_experts, capacity, wire_dtype,
     return expert_ids
 
 
-def moe_combine_chain(expert_rows, handle, weights, *, unroll):
-    # One handle, made by a dispatch outside the timing. The next combine's gather indices are tied to this
-    # one's output: tying only the weights would leave the return exchange loop-invariant, and XLA runs it once.
+def moe_combine_chain(expert_rows, handle, *, unroll):
+    # One handle, made by a dispatch (with the weights) outside the timing. The next combine's gather indices
+    # are tied to this one's output, else the return exchange would be loop-invariant and XLA would run it once.
     for _ in range(unroll):
-        out = moe.combine(expert_rows, handle, weights)
-        handle = dataclasses.replace(handle, to_source_major=tie(handle.to_source_major, out))
-    return handle.to_source_major
+        out = moe.combine(expert_rows, handle)
+        handle = dataclasses.replace(handle, send_back_rows=tie(handle.send_back_rows, out))
+    return handle.send_back_rows
 
 
 def moe_handle(mesh, arrays, routing, args):
-    """dispatch's (expert_rows, handle) for the inputs, every leaf split over the axis, for the combine chain."""
-    fn = functools.partial(moe.dispatch, num_experts=routing.counts.shape[0] * args.experts_per_rank,
-                           axis_name=AXIS, capacity=routing.capacity)
-    rows, _, handle = per_rank(mesh, fn, 2)(arrays["tokens"], arrays["expert_ids"])
+    """dispatch's (expert_rows, handle) for the inputs, with the weights, every leaf split over the axis, for
+    the combine chain."""
+    def fn(tokens, expert_ids, weights):
+        return moe.dispatch(tokens, expert_ids, num_experts=routing.counts.shape[0] * args.experts_per_rank,
+                            axis_name=AXIS, capacity=routing.capacity, weights=weights)
+
+    rows, _, handle = per_rank(mesh, fn, 3)(arrays["tokens"], arrays["expert_ids"], arrays["weights"])
     return rows, handle
 
 
@@ -298,9 +312,10 @@ def chain_and_args(variant, mesh, arrays, routing, args):
         fn = functools.partial(ragged_chain, capacity=capacity, exchange_counts=variant == "xla_ragged_counts",
                                unroll=unroll)
         return per_rank(mesh, fn, 5), ("x", "in_offsets", "send_sizes", "out_offsets", "recv_sizes"), False
-    if variant in ("nx_moe", "nx_moe_fp8"):
+    if variant in ("nx_moe", "nx_moe_pairs", "nx_moe_fp8"):
         fn = functools.partial(moe_chain, num_experts=routing.counts.shape[0] * args.experts_per_rank,
-                               capacity=capacity, wire_dtype=wire_of(variant), unroll=unroll)
+                               capacity=capacity, wire_dtype=wire_of(variant), weights_in=weights_in_of(variant),
+                               unroll=unroll)
         return per_rank(mesh, fn, 3, donate_argnums=0), ("tokens", "expert_ids", "weights"), True
     if variant in ("nx_moe_dispatch", "nx_moe_dispatch_fp8"):
         fn = functools.partial(moe_dispatch_chain, num_experts=routing.counts.shape[0] * args.experts_per_rank,
@@ -308,7 +323,7 @@ def chain_and_args(variant, mesh, arrays, routing, args):
         return per_rank(mesh, fn, 2), ("tokens", "expert_ids"), False
     if variant == "nx_moe_combine":
         fn = functools.partial(moe_combine_chain, unroll=unroll)
-        return per_rank(mesh, fn, 3), ("expert_rows", "handle", "weights"), False
+        return per_rank(mesh, fn, 2), ("expert_rows", "handle"), False
     raise ValueError(variant)
 
 
@@ -408,10 +423,10 @@ def verify_ragged(mesh, arrays, routing):
     return np.asarray(per_rank(mesh, body, 6)(*(arrays[k] for k in names))).tolist()
 
 
-def verify_moe(mesh, arrays, routing, experts_per_rank, wire_dtype):
+def verify_moe(mesh, arrays, routing, experts_per_rank, wire_dtype, weights_in):
     """Largest |combine(dispatch(t)) - t * sum(weights)| relative to max |t| (the weights sum to 1)."""
     fn = functools.partial(moe_round_trip, num_experts=routing.counts.shape[0] * experts_per_rank,
-                           capacity=routing.capacity, wire_dtype=wire_dtype)
+                           capacity=routing.capacity, wire_dtype=wire_dtype, weights_in=weights_in)
 
     def body(tokens, expert_ids, weights):
         out = fn(tokens, expert_ids, weights).astype(jnp.float32)
@@ -612,11 +627,12 @@ def moe_rows(variants, mesh, arrays, routing, args, transport, size, log):
     """Rows for the requested moe variants, timed once the round trip is verified."""
     if not variants:
         return []
-    failed = {}  # variant -> its row when its wire's round trip failed or was wrong
-    for wire in {wire_of(v) for v in variants}:
-        mine = [v for v in variants if wire_of(v) == wire]
+    failed = {}  # variant -> its row when its round trip failed or was wrong
+    way = lambda v: (wire_of(v), weights_in_of(v))
+    for wire, weights_in in sorted({way(v) for v in variants}, key=str):
+        mine = [v for v in variants if way(v) == (wire, weights_in)]
         try:
-            error = verify_moe(mesh, arrays, routing, args.experts_per_rank, wire)
+            error = verify_moe(mesh, arrays, routing, args.experts_per_rank, wire, weights_in)
         except Exception as e:  # noqa: BLE001 - record the failure and go on
             log(f"WARNING: jax_ncclx.moe ({wire or 'full precision'}) failed: {short(e)}")
             failed.update({v: make_row(v, transport, size, args, status="error", message=short(e)) for v in mine})
@@ -684,9 +700,11 @@ def notes(config: dict, sizes: list) -> str:
         "- **payload** = T·k·H·bytes per rank (every routed row, its own included). **peer GB/s** = bytes each "
         "rank sends to other ranks (mean over ranks) / median time. **alg GB/s** = payload / median time. The "
         "moe round trip moves the payload twice (dispatch and combine) and counts it twice. moe dispatch sends "
-        "each token once to each rank that owns one of its experts (about 3.7 rows per token here, not 8) with "
-        "k int32 tags, so its GB/s count the rows the pairs stand for (effective rates); combine sends one row "
-        "per pair.",
+        "each token once to each rank that owns one of its experts (top-8 of 32 experts: about 3.7 rows per "
+        "token on 4 ranks, 2 on 2, not 8) with k int32 tags and k float32 router weights, so its GB/s count the "
+        "rows the pairs stand for (effective rates). combine, given the weights by dispatch, sums each token's "
+        "pairs on the expert side and sends one row per token and rank back (effective rates too); *weights at "
+        "combine* gives them to combine instead, which sends one row per pair back.",
         "- **speedup** = XLA median / jax_ncclx median (> 1: jax_ncclx is faster).",
         "- **fp8 wire** rows: `moe.dispatch(wire_dtype=float8_e4m3fn)`, each row travels as H + 4·H/128 bytes "
         "(0.52× bf16) and is dequantized on arrival; their GB/s columns still count bf16 bytes (effective rates). "

@@ -1,9 +1,9 @@
 """A small mixture-of-experts step with jax_ncclx.moe, checked against a dense reference.
 
 Every device holds T tokens and E/N experts. Each token picks its top-k experts. ``moe.dispatch`` sends the
-(token, choice) rows to the devices that own those experts (the counts never leave the device) and groups
-them by expert; ``jax.lax.ragged_dot`` runs the experts; ``moe.combine`` sends the outputs back and sums them
-with the router weights. Runs on all GPUs when there are at least two, otherwise on 8 virtual CPU devices:
+(token, choice) rows to the devices that own those experts (the counts never leave the device), with the
+router weights, and groups them by expert; ``jax.lax.ragged_dot`` runs the experts; ``moe.combine`` sums each
+token's weighted outputs on the expert side and sends them back. Runs on all GPUs when there are at least two, otherwise on 8 virtual CPU devices:
 
     python examples/moe_step.py [--tokens 64] [--hidden 32] [--experts 16] [--top-k 2]
 """
@@ -38,10 +38,10 @@ def moe_layer(tokens, router, expert_weights, *, num_experts, top_k, capacity):
     """Per device: tokens [T, H], router [H, E] (replicated), expert_weights [E/N, H, H] (this device's)."""
     experts, gates = route(tokens, router, top_k)
     rows, group_sizes, handle = moe.dispatch(tokens, experts, num_experts=num_experts, axis_name="ep",
-                                             capacity=capacity)
+                                             capacity=capacity, weights=gates)
     # HIGHEST: float32 without TF32 on GPUs, so the comparison with the dense reference stays tight.
     outputs = jnp.tanh(jax.lax.ragged_dot(rows, expert_weights, group_sizes, precision=jax.lax.Precision.HIGHEST))
-    return moe.combine(outputs, handle, gates), handle.dropped
+    return moe.combine(outputs, handle), handle.dropped
 
 
 def dense_reference(tokens, router, expert_weights, top_k):

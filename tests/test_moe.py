@@ -1,6 +1,8 @@
 """jax_ncclx.moe dispatch / combine against a dense per-device NumPy reference: expert-major rows and group
 sizes, drops over capacity, the round trip, ragged_dot experts, gradients against jax.grad of a dense layer,
-vmap, bf16 and argument errors; on CPU and, where present, GPUs."""
+vmap, bf16 and argument errors; on CPU and, where present, GPUs. The round trips run both ways of combining:
+with the weights given to combine (one row per pair comes back) and given to dispatch (each member sums a
+token's pairs and sends one row back)."""
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,17 @@ TOKENS, HIDDEN, TOP_K = 8, 4, 2  # per member
 AMPLE = TOKENS * TOP_K           # a capacity nothing can overflow
 TIGHT = 2                        # about the mean load per member pair: some rows drop
 HIGHEST = jax.lax.Precision.HIGHEST  # no TF32 on GPUs, so float32 compares tightly
+WEIGHTS_IN = ["combine", "dispatch"]  # where the round trips give the router weights
+
+
+def dispatch_and_combine(tokens, ids, weights, *, weights_in, expert=lambda rows, sizes: rows, **kwargs):
+    """dispatch, expert(rows, group_sizes), combine, with the weights given to combine or to dispatch:
+    (expert_rows, group_sizes, handle, out)."""
+    if weights_in == "dispatch":
+        rows, sizes, handle = moe.dispatch(tokens, ids, weights=weights, **kwargs)
+        return rows, sizes, handle, moe.combine(expert(rows, sizes), handle)
+    rows, sizes, handle = moe.dispatch(tokens, ids, **kwargs)
+    return rows, sizes, handle, moe.combine(expert(rows, sizes), handle, weights)
 
 
 def line_mesh(devices):
@@ -64,20 +77,21 @@ def reference_dispatch(tokens, ids, num_experts, capacity):
     return out, delivered
 
 
-def run_dispatch_combine(mesh, tokens, ids, weights, num_experts, capacity, expert=lambda rows: rows):
-    """Per member: dispatch, expert(rows), combine. Returns stacked (expert_rows, group_sizes, dropped, out)."""
+def run_dispatch_combine(mesh, tokens, ids, weights, num_experts, capacity, weights_in="combine"):
+    """Per member: dispatch, combine. Returns stacked (expert_rows, group_sizes, dropped, out)."""
 
     def body(t, i, w):
-        rows, sizes, handle = moe.dispatch(t[0], i[0], num_experts=num_experts, axis_name="x", capacity=capacity)
-        out = moe.combine(expert(rows), handle, w[0])
+        rows, sizes, handle, out = dispatch_and_combine(t[0], i[0], w[0], weights_in=weights_in,
+                                                        num_experts=num_experts, axis_name="x", capacity=capacity)
         return rows[None], sizes[None], handle.dropped[None], out[None]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x")))
     return [np.asarray(o) for o in f(tokens, ids, weights)]
 
 
+@pytest.mark.parametrize("weights_in", WEIGHTS_IN)
 @pytest.mark.parametrize("capacity", [AMPLE, TIGHT], ids=["ample", "tight"])
-def test_dispatch_and_round_trip(backend, capacity):
+def test_dispatch_and_round_trip(backend, capacity, weights_in):
     """Expert-major rows, group sizes and drops match the reference; identity experts give sum_j w * token over
     the delivered pairs."""
     n = len(backend)
@@ -85,7 +99,8 @@ def test_dispatch_and_round_trip(backend, capacity):
     tokens = random_array((n, TOKENS, HIDDEN), jnp.float32)
     ids = random_ids(n, num_experts, seed=capacity)
     weights = random_array((n, TOKENS, TOP_K), jnp.float32, seed=1)
-    rows, sizes, dropped, out = run_dispatch_combine(line_mesh(backend), tokens, ids, weights, num_experts, capacity)
+    rows, sizes, dropped, out = run_dispatch_combine(line_mesh(backend), tokens, ids, weights, num_experts, capacity,
+                                                     weights_in)
 
     expected, delivered = reference_dispatch(tokens, ids, num_experts, capacity)
     for member, (ref_rows, ref_sizes, ref_dropped) in enumerate(expected):
@@ -97,7 +112,8 @@ def test_dispatch_and_round_trip(backend, capacity):
     np.testing.assert_allclose(out, ref_out, rtol=1e-6, atol=1e-6)
 
 
-def test_dispatch_combine_and_grads_have_no_loops():
+@pytest.mark.parametrize("weights_in", WEIGHTS_IN)
+def test_dispatch_combine_and_grads_have_no_loops(weights_in):
     """The routing arithmetic around the two exchanges is straight-line code: a while loop (e.g. jnp's default
     binary search) would make XLA's GPU runtime read its predicate back to the host every iteration."""
     mesh = line_mesh(jax.devices("cpu")[:4])
@@ -105,8 +121,8 @@ def test_dispatch_combine_and_grads_have_no_loops():
     ids = jnp.asarray(random_ids(4, 8, seed=0).reshape(4 * TOKENS, TOP_K))
 
     def loss(t, i, w):
-        rows, _, handle = moe.dispatch(t, i, num_experts=8, axis_name="x", capacity=AMPLE)
-        return moe.combine(rows, handle, w).sum()
+        return dispatch_and_combine(t, i, w, weights_in=weights_in, num_experts=8, axis_name="x",
+                                    capacity=AMPLE)[3].sum()
 
     for fn in (loss, jax.grad(loss, argnums=(0, 2))):
         step = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P(), check_vma=False))
@@ -114,13 +130,14 @@ def test_dispatch_combine_and_grads_have_no_loops():
         assert "ncclx_all_to_allv_dynamic" in text and "stablehlo.while" not in text
 
 
-def test_dropped_pairs_contribute_zero(backend):
+@pytest.mark.parametrize("weights_in", WEIGHTS_IN)
+def test_dropped_pairs_contribute_zero(backend, weights_in):
     """All tokens pick expert 0: only `capacity` rows per member get through, the rest count as dropped."""
     n = len(backend)
     tokens = random_array((n, TOKENS, HIDDEN), jnp.float32)
     ids = np.zeros((n, TOKENS, TOP_K), np.int32)
     weights = np.ones((n, TOKENS, TOP_K), np.float32)
-    _, sizes, dropped, out = run_dispatch_combine(line_mesh(backend), tokens, ids, weights, n, TIGHT)
+    _, sizes, dropped, out = run_dispatch_combine(line_mesh(backend), tokens, ids, weights, n, TIGHT, weights_in)
     np.testing.assert_array_equal(sizes[:, 0], [n * TIGHT] + [0] * (n - 1))
     np.testing.assert_array_equal(dropped[:, 0], TOKENS * TOP_K - TIGHT)
     # The sorted pairs (0, 0), (0, 1) of each member arrive: token 0 comes back twice, the rest not at all.
@@ -182,8 +199,9 @@ def dense_layer(tokens, router, expert_weights, delivered):
     return (y * (gates * delivered)[..., None]).sum(axis=1)
 
 
+@pytest.mark.parametrize("weights_in", WEIGHTS_IN)
 @pytest.mark.parametrize("capacity", [AMPLE, TIGHT], ids=["ample", "tight"])
-def test_ragged_dot_layer_and_grads(backend, capacity):
+def test_ragged_dot_layer_and_grads(backend, capacity, weights_in):
     """A routed layer (top-k router, tanh(ragged_dot) experts with H' != H): output and gradients in tokens,
     router and expert weights match jax.grad of the dense layer (dropped pairs masked out)."""
     n = len(backend)
@@ -196,9 +214,10 @@ def test_ragged_dot_layer_and_grads(backend, capacity):
 
     def body(t, r, w):
         ids, gates = route(t, r)
-        rows, sizes, handle = moe.dispatch(t, ids, num_experts=num_experts, axis_name="x", capacity=capacity)
-        y = jnp.tanh(jax.lax.ragged_dot(rows, w, sizes, precision=HIGHEST))
-        return moe.combine(y, handle, gates), handle.dropped[None]
+        _, _, handle, out = dispatch_and_combine(
+            t, ids, gates, weights_in=weights_in, num_experts=num_experts, axis_name="x", capacity=capacity,
+            expert=lambda rows, sizes: jnp.tanh(jax.lax.ragged_dot(rows, w, sizes, precision=HIGHEST)))
+        return out, handle.dropped[None]
 
     layer = jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P("x")), out_specs=(P("x"), P("x")))
     loss = lambda *args: (layer(*args)[0] * cotangent).sum()
@@ -216,7 +235,8 @@ def test_ragged_dot_layer_and_grads(backend, capacity):
         np.testing.assert_allclose(grad, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_vmap_over_a_batch_axis(backend):
+@pytest.mark.parametrize("weights_in", WEIGHTS_IN)
+def test_vmap_over_a_batch_axis(backend, weights_in):
     """Two routings per member under vmap match the reference, with one exchange each way, and the gradient
     in the tokens under vmap is the weighted sum of delivered choices."""
     n, batch = len(backend), 2
@@ -227,8 +247,8 @@ def test_vmap_over_a_batch_axis(backend):
     weights = random_array((n, batch, TOKENS, TOP_K), jnp.float32, seed=5)
 
     def round_trip(t, i, w):
-        rows, _, handle = moe.dispatch(t, i, num_experts=num_experts, axis_name="x", capacity=TIGHT)
-        return moe.combine(rows, handle, w)
+        return dispatch_and_combine(t, i, w, weights_in=weights_in, num_experts=num_experts, axis_name="x",
+                                    capacity=TIGHT)[3]
 
     def body(t, i, w):
         out = jax.vmap(round_trip)(t[0], i[0], w[0])
@@ -249,7 +269,8 @@ def test_vmap_over_a_batch_axis(backend):
     assert str(forward).count("ncclx_all_to_allv_dynamic") == 2
 
 
-def test_one_axis_of_2d_mesh_with_replicated_routing(mesh):
+@pytest.mark.parametrize("weights_in", WEIGHTS_IN)
+def test_one_axis_of_2d_mesh_with_replicated_routing(mesh, weights_in):
     """Experts over axis "b" of an ("a", "b") mesh; the routing and the weights are replicated (invariant), so
     their gradient sums over the whole mesh."""
     num_members = mesh.size
@@ -260,8 +281,8 @@ def test_one_axis_of_2d_mesh_with_replicated_routing(mesh):
     cotangent = random_array((num_members * TOKENS, HIDDEN), jnp.float32, seed=10)
 
     def body(t, i, w):
-        rows, _, handle = moe.dispatch(t, i, num_experts=num_experts, axis_name="b", capacity=AMPLE)
-        return moe.combine(rows, handle, w)
+        return dispatch_and_combine(t, i, w, weights_in=weights_in, num_experts=num_experts, axis_name="b",
+                                    capacity=AMPLE)[3]
 
     layer = jax.shard_map(body, mesh=mesh, in_specs=(P(("a", "b")), P(), P()), out_specs=P(("a", "b")))
     chosen = jnp.asarray(ids >= 0, jnp.float32)
@@ -277,13 +298,14 @@ def test_one_axis_of_2d_mesh_with_replicated_routing(mesh):
         np.testing.assert_allclose(grad, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_bfloat16_tokens(backend):
+@pytest.mark.parametrize("weights_in", WEIGHTS_IN)
+def test_bfloat16_tokens(backend, weights_in):
     n = len(backend)
     num_experts = 2 * n
     tokens = random_array((n, TOKENS, HIDDEN), jnp.bfloat16)
     ids = random_ids(n, num_experts, seed=6)
     weights = random_array((n, TOKENS, TOP_K), jnp.float32, seed=7)
-    rows, _, _, out = run_dispatch_combine(line_mesh(backend), tokens, ids, weights, num_experts, AMPLE)
+    rows, _, _, out = run_dispatch_combine(line_mesh(backend), tokens, ids, weights, num_experts, AMPLE, weights_in)
     expected, delivered = reference_dispatch(tokens, ids, num_experts, AMPLE)
     assert rows.dtype == out.dtype == jnp.bfloat16
     for member, (ref_rows, _, _) in enumerate(expected):
@@ -319,6 +341,11 @@ def _combine(t, i, *, out=None, weights=None, handle=None):
      r"weights must be \[T, k\] = \[2, 2\]"),
     (lambda t, i: _combine(t, i, weights=lambda i: i), TypeError, "weights must have a float dtype"),
     (lambda t, i: _combine(t, i, handle=(1, 2)), TypeError, "handle must be the DispatchHandle"),
+    (lambda t, i: moe.combine(_dispatch(t, i)[0], _dispatch(t, i)[2]), ValueError,
+     r"no weights: pass weights \[T, k\] here, or pass them to dispatch"),
+    (lambda t, i: _dispatch(t, i, weights=i.astype(jnp.float32)[:, :1]), ValueError,
+     r"weights must be \[T, k\] = \[2, 2\] like expert_ids"),
+    (lambda t, i: _dispatch(t, i, weights=i), TypeError, "weights must have a float dtype"),
 ])
 def test_misuse(call, error, message):
     mesh = line_mesh(jax.devices("cpu")[:4])
@@ -386,3 +413,25 @@ def test_8bit_wire_gradient_is_straight_through(backend):
                                         probe.reshape(-1, hidden)))
 
     np.testing.assert_array_equal(grads(jnp.float8_e4m3fn), grads(None))
+
+
+def test_weights_in_dispatch_with_8bit_wire(backend):
+    """Weights that travel with 8-bit rows change neither the rows nor the combined result (up to the order
+    of the float32 sums)."""
+    n = len(backend)
+    num_experts, hidden = 2 * n, 256
+    tokens = fp8_tokens(n, hidden)
+    ids = random_ids(n, num_experts, seed=13)
+    weights = random_array((n, TOKENS, TOP_K), jnp.float32, seed=14)
+
+    def body(t, i, w):
+        kwargs = dict(num_experts=num_experts, axis_name="x", capacity=TIGHT, wire_dtype=jnp.float8_e4m3fn)
+        rows, _, handle = moe.dispatch(t[0], i[0], weights=w[0], **kwargs)
+        plain_rows, _, plain_handle = moe.dispatch(t[0], i[0], **kwargs)
+        return (rows[None], plain_rows[None], moe.combine(rows, handle)[None],
+                moe.combine(plain_rows, plain_handle, w[0])[None])
+
+    f = jax.jit(jax.shard_map(body, mesh=line_mesh(backend), in_specs=(P("x"),) * 3, out_specs=P("x")))
+    rows, plain_rows, out, plain_out = (np.asarray(o) for o in f(tokens, ids, weights))
+    np.testing.assert_array_equal(rows, plain_rows)
+    np.testing.assert_allclose(out, plain_out, rtol=1e-5, atol=1e-6)

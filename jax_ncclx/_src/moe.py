@@ -5,9 +5,11 @@ member e // E_local as its local expert e % E_local. ``dispatch`` gives every (t
 the member that owns the chosen expert and returns the received rows grouped by local expert, ready for
 ``jax.lax.ragged_dot``. On the wire a token crosses once per member, however many of that member's experts
 it chose (DeepEP's send-once; for top-8 of 32 experts on 4 members about 3.7 rows per token instead of 8),
-tagged with its pairs, and the receiver expands it into one row per pair. ``combine`` sends one row per
-pair back and sums them per token with the router weights. The counts stay on the device: ``dispatch``
-learns them from the exchange itself, and ``combine`` reuses them from the handle.
+tagged with its pairs, and the receiver expands it into one row per pair. ``combine`` sums each token's
+expert outputs with its router weights. When ``dispatch`` got the weights, they travel with the rows and
+``combine`` sums the pairs of each token on the expert side first, so it sends one row per token and member
+back, like dispatch; otherwise it sends one row per pair back and sums on the token side. The counts stay on
+the device: ``dispatch`` learns them from the exchange itself, and ``combine`` reuses them from the handle.
 
 Capacity: one member takes at most ``capacity`` pairs from any one member. The pairs for one destination
 are sorted by expert and it takes the first ``capacity`` of them, so drops hit the highest-numbered experts
@@ -19,10 +21,11 @@ elements, one float32 scale each, as DeepSeek-V3's FP8 activations), so the exch
 bytes of bf16; the receiver dequantizes. ``combine`` and every backward pass send full precision.
 
 AD: each function's backward pass is the other's exchange. The cotangent of ``dispatch``'s rows goes back to
-the tokens the way ``combine`` sends rows (unit weights, summed over the k choices). The cotangent of
-``combine``'s output goes out to the experts the way ``dispatch`` sends rows, scaled by the weights. Neither
-backward pass exchanges counts again. They are ``jax.custom_vjp`` rules, so there is no forward mode
-(``jax.jvp``, ``jax.jacfwd``).
+the tokens the way the reduced ``combine`` sends rows (summed over each token's pairs on the expert side,
+one row per token and member). The cotangent of ``combine``'s output goes out to the experts the way
+``dispatch`` (reduced combine) or the pairs (the other) sent rows, scaled by the weights. Neither backward
+pass exchanges counts again. They are ``jax.custom_vjp`` rules, so there is no forward mode (``jax.jvp``,
+``jax.jacfwd``).
 """
 
 import dataclasses
@@ -45,10 +48,11 @@ from jax_ncclx._src.ops.take_rows import take_rows
 class DispatchHandle:
     """The routing of one ``dispatch`` call, for ``combine`` and both backward passes.
 
-    A pytree whose leaves are int32 device arrays (N members, E_local local experts, C = capacity, T tokens,
-    k choices). ``axis_name``, ``capacity`` and ``top_k`` are static aux data.
+    A pytree whose leaves are device arrays, int32 but for ``recv_weights`` (N members, E_local local
+    experts, C = capacity, T tokens, k choices). ``axis_name``, ``capacity`` and ``top_k`` are static aux
+    data.
 
-    Attributes:
+    Token side (this member as the sender, S = send rows, R = min(C, T)):
       order: ``[T * k]`` the (token, choice) pairs (flattened row-major) sorted by expert, the send order.
       send_counts: ``[N, E_local]`` pairs this member asked to send to each local expert of each member.
       recv_counts: ``[N, E_local]`` rows each source delivered here, per local expert.
@@ -61,6 +65,20 @@ class DispatchHandle:
         receives back (member p's from row p * C). ``N * C`` marks a pair that was dropped or that chose no
         expert.
       dropped: ``[N]`` pairs this member had for each member that did not fit in ``capacity``.
+      send_token: ``[S]`` the token of each send row, members in order (T past the data).
+      token_counts: ``[N]`` send rows (tokens) for each member.
+      return_row: ``[T, N]`` where token t's row comes back from member m when rows return one per token
+        (member m's from row m * R); ``N * R`` where t was not sent to m.
+
+    Expert side (this member as the receiver):
+      recv_tokens: ``[N]`` token rows each source delivered (source i's at rows i * R of dispatch's exchange).
+      expand_rows: ``[N * C]`` the received row behind each expert-major row (``N * R`` past the data).
+      pair_entry: ``[N * C]`` ``received row * k + choice`` of each expert-major row (``N * R * k`` past it).
+      row_pairs: ``[N * R, k]`` the expert-major row of each received row's choice; ``N * C`` where the
+        choice went to another member or was dropped.
+      send_back_rows: ``[N * R]`` the received rows, packed source-major, as rows return one per token.
+      recv_weights: float32 ``[N * R, k]``, each received row's router weights (all k of its token), or
+        None when ``dispatch`` got no weights.
     """
 
     order: jax.Array
@@ -70,20 +88,31 @@ class DispatchHandle:
     to_source_major: jax.Array
     return_slot: jax.Array
     dropped: jax.Array
+    send_token: jax.Array
+    token_counts: jax.Array
+    return_row: jax.Array
+    recv_tokens: jax.Array
+    expand_rows: jax.Array
+    pair_entry: jax.Array
+    row_pairs: jax.Array
+    send_back_rows: jax.Array
+    recv_weights: jax.Array | None
     axis_name: Hashable = dataclasses.field(metadata=dict(static=True))
     capacity: int = dataclasses.field(metadata=dict(static=True))
     top_k: int = dataclasses.field(metadata=dict(static=True))
 
 
+_ARRAY_FIELDS = [f.name for f in dataclasses.fields(DispatchHandle) if not f.metadata.get("static")]
+
 WIRE_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 SCALE_BLOCK = 128  # elements per scale on an 8-bit wire (the whole row when H is not a multiple of it)
 
 
-def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, wire_dtype=None):
+def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, weights=None, wire_dtype=None):
     """Sends every (token, choice) pair's row to the member that owns its expert.
 
     Call it inside ``jax.shard_map`` over ``axis_name``. It runs under ``jax.jit``, ``jax.vmap`` (over a
-    non-mesh axis, still one exchange) and ``jax.grad`` (in ``tokens``).
+    non-mesh axis, still one exchange) and ``jax.grad`` (in ``tokens`` and ``weights``).
 
     Args:
       tokens: ``[T, H]`` any float dtype, this member's tokens.
@@ -93,6 +122,10 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
       axis_name: the expert-parallel mesh axis (static).
       capacity: C >= 1, the most (token, choice) pairs this member gives any one member, and takes from any
         one member (static). Pairs past it are dropped (see ``DispatchHandle.dropped``).
+      weights: None, or ``[T, k]`` any float dtype, the router weight of each pair. They travel with the rows
+        (as float32, k * 4 bytes per row) into ``handle.recv_weights``, so that ``combine(expert_out,
+        handle)`` can sum each token's pairs before sending them back: one row per token and member on the
+        wire instead of one per pair. Differentiable.
       wire_dtype: None (default): rows travel in tokens' dtype. ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``:
         each row travels as 8-bit floats, scaled per block of 128 elements (the whole row when H is not a
         multiple of 128) by a float32 scale that travels with it: H + 4 * H / 128 bytes per row instead of
@@ -127,32 +160,48 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
     if jnp.shape(expert_ids)[0] != jnp.shape(tokens)[0] or jnp.shape(expert_ids)[1] < 1:
         raise ValueError(f"jax_ncclx.moe.dispatch: expert_ids must be [T, k] with T = {jnp.shape(tokens)[0]} "
                          f"(the rows of tokens) and k >= 1, got shape {jnp.shape(expert_ids)}")
+    if weights is not None:
+        _check_matrix(weights, "weights", "dispatch", jnp.floating)
+        if jnp.shape(weights) != jnp.shape(expert_ids):
+            raise ValueError(f"jax_ncclx.moe.dispatch: weights must be [T, k] = {list(jnp.shape(expert_ids))} "
+                             f"like expert_ids, got shape {jnp.shape(weights)}")
     if wire_dtype is not None:
         if not any(np.dtype(wire_dtype) == np.dtype(d) for d in WIRE_DTYPES):
             raise ValueError(f"jax_ncclx.moe.dispatch: wire_dtype must be None, float8_e4m3fn or float8_e5m2, "
                              f"got {wire_dtype!r}")
         wire_dtype = np.dtype(wire_dtype)
-    tokens, expert_ids = _vary_together(axis_name, (tokens, jnp.asarray(expert_ids, jnp.int32)))
-    return _dispatch(tokens, expert_ids, int(num_experts), axis_name, int(capacity), wire_dtype)
+    arrays = (tokens, jnp.asarray(expert_ids, jnp.int32)) + (() if weights is None else (weights,))
+    tokens, expert_ids, *weights = _vary_together(axis_name, arrays)
+    return _dispatch(tokens, weights[0] if weights else None, expert_ids, int(num_experts), axis_name,
+                     int(capacity), wire_dtype)
 
 
-def combine(expert_out, handle: DispatchHandle, weights):
+def combine(expert_out, handle: DispatchHandle, weights=None):
     """Sends expert outputs back to their tokens and sums each token's outputs with its router weights.
 
     ``out[t] = sum_j weights[t, j] * row(t, j)``, where row(t, j) is the row of ``expert_out`` that came
     from pair (t, j). A pair that was dropped or that chose no expert contributes zero. Call it inside the
     same ``jax.shard_map`` as the ``dispatch`` that made ``handle``. It is differentiable in ``expert_out``
-    and ``weights``.
+    and the weights.
+
+    Two ways, by where the weights are:
+
+    * ``combine(expert_out, handle)``: the weights that ``dispatch`` got (``handle.recv_weights``). Each
+      member sums the weighted pairs of each token it holds in float32 and sends one row per token back,
+      rounded to expert_out's dtype; the token side adds the members' rows in float32. The same bytes on
+      the wire as dispatch (about 3.7 rows per token for top-8 of 32 experts on 4 members instead of 8).
+    * ``combine(expert_out, handle, weights)``: one row per pair comes back and the token side sums them.
 
     Args:
       expert_out: ``[N * C, H']`` any float dtype, in dispatch's expert-major layout. H' may differ from H.
         Rows past ``sum(group_sizes)`` are ignored.
       handle: the ``DispatchHandle`` from ``dispatch``.
-      weights: ``[T, k]`` any float dtype, the router weight of each (token, choice) pair.
+      weights: None (the weights given to ``dispatch``), or ``[T, k]`` any float dtype, the router weight of
+        each (token, choice) pair.
 
     Returns:
-      ``[T, H']`` with expert_out's dtype. The sum is accumulated in the promoted dtype of expert_out and
-      weights.
+      ``[T, H']`` with expert_out's dtype. With ``weights``, the sum is accumulated in the promoted dtype of
+      expert_out and weights; without, as described above.
 
     Raises:
       NameError: the handle's axis is not bound by an enclosing ``jax.shard_map``.
@@ -166,6 +215,12 @@ def combine(expert_out, handle: DispatchHandle, weights):
     if jnp.shape(expert_out)[0] != rows:
         raise ValueError(f"jax_ncclx.moe.combine: expert_out must be [N * capacity, H'] = [{rows}, H'] like "
                          f"dispatch's expert_rows, got shape {jnp.shape(expert_out)}")
+    if weights is None:
+        if handle.recv_weights is None:
+            raise ValueError("jax_ncclx.moe.combine: no weights: pass weights [T, k] here, or pass them to "
+                             "dispatch(..., weights=...)")
+        (expert_out,) = _vary_together(handle.axis_name, (expert_out,), jax.tree.leaves(handle))
+        return _combine_reduced(expert_out, handle)
     _check_matrix(weights, "weights", "combine", jnp.floating)
     pairs_shape = (handle.order.shape[0] // handle.top_k, handle.top_k)
     if jnp.shape(weights) != pairs_shape:
@@ -177,39 +232,55 @@ def combine(expert_out, handle: DispatchHandle, weights):
 
 # ---- dispatch ----------------------------------------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _dispatch(tokens, expert_ids, num_experts, axis_name, capacity, wire_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _dispatch(tokens, weights, expert_ids, num_experts, axis_name, capacity, wire_dtype):
     num_members = jax.lax.axis_size(axis_name)
     top_k = expert_ids.shape[1]
     plan = moe_routing.plan_sends(expert_ids, num_experts=num_experts, num_members=num_members, capacity=capacity)
     # Quantized before the copy into send rows: T rows to encode, not S.
     source = tokens if wire_dtype is None else _encode(tokens, wire_dtype)
     width = source.shape[1]
-    rows = take_rows(source, plan.send_token, suffix=_tag_columns(plan.send_tags, source.dtype))
-    # A member gets each token at most once: min(C, T) rows per source, so the padded layout's zero rows
+    columns = [plan.send_tags]
+    if weights is not None:  # each row's token's weights, as float32 bits
+        row_weights = jnp.take(weights.astype(jnp.float32), plan.send_token, axis=0, mode="fill", fill_value=0)
+        columns.append(jax.lax.bitcast_convert_type(row_weights, jnp.int32))
+    rows = take_rows(source, plan.send_token, suffix=_word_columns(columns, source.dtype))
+    # A member gets each token at most once: R = min(C, T) rows per source, so the padded layout's zero rows
     # after the data (written over NVLink too) stay few.
     received, recv_tokens, _ = _exchange(rows, plan.token_counts, axis_name, min(capacity, tokens.shape[0]))
-    placed = moe_routing.place_received(_detach_tags(received, width, top_k), recv_tokens,
-                                        local_experts=num_experts // num_members, capacity=capacity)
+    words = _read_word_columns(received, width, len(columns), top_k)
+    placed = moe_routing.place_received(words[0], recv_tokens, local_experts=num_experts // num_members,
+                                        capacity=capacity)
     expert_rows = take_rows(received, placed.expand_rows, width=width)
     if wire_dtype is not None:
         expert_rows = _decode(expert_rows, tokens.shape[1], wire_dtype, tokens.dtype)
     handle = DispatchHandle(
         order=plan.order, send_counts=plan.send_counts, recv_counts=placed.recv_counts,
         to_expert_major=placed.to_expert_major, to_source_major=placed.to_source_major,
-        return_slot=plan.return_slot, dropped=plan.dropped, axis_name=axis_name, capacity=capacity, top_k=top_k)
+        return_slot=plan.return_slot, dropped=plan.dropped, send_token=plan.send_token,
+        token_counts=plan.token_counts, return_row=plan.return_row, recv_tokens=recv_tokens,
+        expand_rows=placed.expand_rows, pair_entry=placed.pair_entry, row_pairs=placed.row_pairs,
+        send_back_rows=placed.send_back_rows,
+        recv_weights=None if weights is None else jax.lax.bitcast_convert_type(words[1], jnp.float32),
+        axis_name=axis_name, capacity=capacity, top_k=top_k)
     return expert_rows, placed.group_sizes, handle
 
 
-def _dispatch_fwd(tokens, expert_ids, num_experts, axis_name, capacity, wire_dtype):
-    outputs = _dispatch(tokens, expert_ids, num_experts, axis_name, capacity, wire_dtype)
-    return outputs, outputs[2]
+def _dispatch_fwd(tokens, weights, expert_ids, num_experts, axis_name, capacity, wire_dtype):
+    outputs = _dispatch(tokens, weights, expert_ids, num_experts, axis_name, capacity, wire_dtype)
+    return outputs, (outputs[2], weights)
 
 
-def _dispatch_bwd(num_experts, axis_name, capacity, wire_dtype, handle, cotangents):
-    ct_rows = cotangents[0]
-    per_pair = _send_back(ct_rows, handle)
-    return per_pair.reshape(-1, handle.top_k, ct_rows.shape[1]).sum(axis=1), None
+def _dispatch_bwd(num_experts, axis_name, capacity, wire_dtype, residuals, cotangents):
+    """The rows' cotangents go back summed per token on the expert side; the cotangents of recv_weights (from
+    the reduced combine's backward pass) go back as rows of k float32, summed over the members."""
+    handle, weights = residuals
+    ct_rows, _, ct_handle = cotangents
+    ct_tokens = _reduce_back(ct_rows, None, handle).astype(ct_rows.dtype)
+    ct_weights = None
+    if weights is not None:
+        ct_weights = _return_per_token(ct_handle.recv_weights, handle).astype(weights.dtype)
+    return ct_tokens, ct_weights, None
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
@@ -243,24 +314,25 @@ def _decode(wire_rows, hidden, wire_dtype, dtype):
     return (values.reshape(num_rows, -1, block) * scale[..., None]).reshape(num_rows, hidden).astype(dtype)
 
 
-def _tag_columns(tags, dtype):
-    """int32 ``[S, k]`` tags -> ``[S, w]`` dtype holding their bits, padded with -1 to a multiple of 16 bytes
-    so that rows of 16-byte multiples stay so (the copy kernels move 16 bytes per lane)."""
-    tags = jnp.pad(tags, ((0, 0), (0, -tags.shape[1] % 4)), constant_values=-1)
+def _word_columns(columns, dtype):
+    """int32 ``[S, k]`` arrays -> ``[S, w]`` dtype holding their bits one after the other, each padded to a
+    multiple of 16 bytes so that rows of 16-byte multiples stay so (the copy kernels move 16 bytes per lane)."""
+    words = jnp.concatenate([jnp.pad(c, ((0, 0), (0, -c.shape[1] % 4)), constant_values=-1) for c in columns],
+                            axis=1)
     if np.dtype(dtype).itemsize == 8:
-        tags = tags.reshape(tags.shape[0], -1, 2)
-    return jax.lax.bitcast_convert_type(tags, dtype).reshape(tags.shape[0], -1)
+        words = words.reshape(words.shape[0], -1, 2)
+    return jax.lax.bitcast_convert_type(words, dtype).reshape(words.shape[0], -1)
 
 
-def _detach_tags(wire_rows, width, top_k):
-    """The tags of received rows ``[R, W + w]`` (columns W on, as ``_tag_columns`` wrote them) -> int32
-    ``[R, k]``."""
+def _read_word_columns(wire_rows, width, count, top_k):
+    """The inverse of ``_word_columns`` on received rows ``[R, W + w]`` (its columns from W on) -> ``count``
+    int32 ``[R, k]`` arrays."""
     bits = wire_rows[:, width:]
     itemsize = bits.dtype.itemsize
     if itemsize < 4:
         bits = bits.reshape(bits.shape[0], -1, 4 // itemsize)
-    tags = jax.lax.bitcast_convert_type(bits, jnp.int32)
-    return tags.reshape(tags.shape[0], -1)[:, :top_k]
+    words = jax.lax.bitcast_convert_type(bits, jnp.int32).reshape(bits.shape[0], count, -1)
+    return [words[:, i, :top_k] for i in range(count)]
 
 
 # ---- combine -----------------------------------------------------------------------------------------------
@@ -289,6 +361,34 @@ def _combine_bwd(residuals, ct_out):
 _combine.defvjp(_combine_fwd, _combine_bwd)
 
 
+@jax.custom_vjp
+def _combine_reduced(expert_out, handle):
+    return _reduce_back(expert_out, _pair_weights(handle), handle).astype(expert_out.dtype)
+
+
+def _combine_reduced_fwd(expert_out, handle):
+    return _combine_reduced(expert_out, handle), (expert_out, handle)
+
+
+def _combine_reduced_bwd(residuals, ct_out):
+    """The output's cotangent goes out to the experts the way dispatch sent the tokens (one row per token
+    and member); each pair's row is scaled by its weight, and each weight's cotangent is the dot product of
+    its row with the pair's expert output."""
+    expert_out, handle = residuals
+    received, _, _ = _exchange(ct_out, handle.token_counts, handle.axis_name, _rows_per_member(handle),
+                               send_rows=handle.send_token)
+    weights = _pair_weights(handle)
+    per_row = jnp.take(weights.reshape(-1), handle.pair_entry, mode="fill", fill_value=0)
+    ct_expert_out = (take_rows(received, handle.expand_rows).astype(jnp.float32) * per_row[:, None])
+    picked = _gather_rows(expert_out, handle.row_pairs.reshape(-1)).reshape(*weights.shape, -1)
+    ct_weights = jnp.sum(picked.astype(jnp.float32) * received.astype(jnp.float32)[:, None, :], axis=2)
+    # Choices of other members (or dropped) picked zero rows, so their weights get zero cotangents.
+    ct_handle = dataclasses.replace(handle, **{**{f: None for f in _ARRAY_FIELDS}, "recv_weights": ct_weights})
+    return ct_expert_out.astype(expert_out.dtype), ct_handle
+
+
+_combine_reduced.defvjp(_combine_reduced_fwd, _combine_reduced_bwd)
+
 def _weighted_sum(returned, weights, dtype):
     """``[T * k, H']`` rows and ``[T, k]`` weights -> ``[T, H']``.
 
@@ -299,7 +399,7 @@ def _weighted_sum(returned, weights, dtype):
     return (per_pair * weights[:, :, None].astype(accumulate)).sum(axis=1).astype(dtype)
 
 
-# ---- the two exchanges, shared by the forward and backward passes -------------------------------------------
+# ---- the exchanges, shared by the forward and backward passes -----------------------------------------------
 
 def _exchange(rows, send_counts, axis_name, capacity, send_rows=None):
     """all_to_allv_dynamic into the padded layout, as ``[N * C, H]``: the NVLink kernel writes it without
@@ -331,6 +431,37 @@ def _send_back(expert_rows, handle):
     returned, _, _ = _exchange(expert_rows, handle.recv_counts, handle.axis_name, handle.capacity,
                                send_rows=handle.to_source_major)
     return _gather_rows(returned, handle.return_slot)
+
+
+def _rows_per_member(handle):
+    """R = min(C, T): the rows per member of the exchanges that carry one row per token."""
+    return handle.row_pairs.shape[0] // jax.lax.axis_size(handle.axis_name)
+
+
+def _pair_weights(handle):
+    """float32 ``[N * R, k]``: each received row's weight for each choice, zero where the choice is not
+    this member's (or was dropped)."""
+    return jnp.where(handle.row_pairs < handle.expand_rows.shape[0], handle.recv_weights, 0.0)
+
+
+def _reduce_back(expert_rows, weights, handle):
+    """``[N * C, H']`` expert-major rows -> float32 ``[T, H']`` on the token side: each member sums the rows
+    of each token's pairs in float32, weighted by ``weights`` (``[N * R, k]``, None: unit weights), and sends
+    one row per token back in expert_rows' dtype."""
+    picked = _gather_rows(expert_rows, handle.row_pairs.reshape(-1)).reshape(*handle.row_pairs.shape, -1)
+    picked = picked.astype(jnp.float32)
+    summed = picked.sum(axis=1) if weights is None else jnp.sum(picked * weights[:, :, None], axis=1)
+    return _return_per_token(summed.astype(expert_rows.dtype), handle)
+
+
+def _return_per_token(rows, handle):
+    """``[N * R, W]``, one row per received token row (source i's from row i * R) -> float32 ``[T, W]`` on
+    the token side: each member sends its rows back to their sources, which add up each token's rows."""
+    returned, _, _ = _exchange(rows, handle.recv_tokens, handle.axis_name, _rows_per_member(handle),
+                               send_rows=handle.send_back_rows)
+    num_tokens, num_members = handle.return_row.shape
+    per_member = _gather_rows(returned, handle.return_row.reshape(-1)).reshape(num_tokens, num_members, -1)
+    return per_member.astype(jnp.float32).sum(axis=1)
 
 
 # ---- argument checks ---------------------------------------------------------------------------------------

@@ -191,7 +191,8 @@ ffi::Error PlaceReceivedImpl(ffi::Buffer<ffi::S32> tags, ffi::Buffer<ffi::S32> r
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuMoePlanSends, PlanSendsImpl, BindPlanSendsAttrs(BindPlanSendsBuffers(ffi::Ffi::Bind())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuMoePlanSends, PlanSendsImpl,
+                              BindPlanSendsAttrs(BindPlanSendsBuffers(ffi::Ffi::Bind())));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuMoePlaceReceived, PlaceReceivedImpl, BindPlaceReceived(ffi::Ffi::Bind()));
 

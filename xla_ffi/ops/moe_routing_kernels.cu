@@ -298,7 +298,9 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   for (int32_t entry = thread; entry < entries; entry += threads) {
     const int32_t source = entry / per_source, tag = tags[entry];
-    if ((entry % per_source) / k < recv_tokens[source] && tag >= 0) atomicAdd(&my_counts[source * local + tag % local], 1);
+    if ((entry % per_source) / k < recv_tokens[source] && tag >= 0) {
+      atomicAdd(&my_counts[source * local + tag % local], 1);
+    }
   }
   cluster.Sync();
   const int32_t* counts = my_counts;
