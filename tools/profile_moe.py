@@ -3,7 +3,8 @@
     python tools/profile_moe.py [--tokens 16,128,4096] [--calls 10] [--out DIR]
 
 Runs dispatch, combine and the round trip at the all_to_allv benchmark's shapes (hidden 7168 bf16, top-8 of
-8 experts per rank on every local GPU), traces ``--calls`` calls of each under ``jax.profiler`` and sums the
+8 experts per rank on every local GPU; the router weights go with dispatch, so combine sums each token's
+pairs on the expert side), traces ``--calls`` calls of each under ``jax.profiler`` and sums the
 time of every kernel on GPU 0's streams per call: XLA's fusions by name and jax_ncclx's NVLink kernel. It
 prints one table per (T, function) and writes them to DIR/moe_profile.json. A diagnostic, not a benchmark:
 the profiler adds its own overhead, so compare kernels within a run, and time with benchmarks/all_to_allv.py.
@@ -37,13 +38,13 @@ def functions(routing, experts_per_rank):
     dispatch = functools.partial(moe.dispatch, num_experts=num_experts, axis_name=bench.AXIS,
                                  capacity=routing.capacity)
 
-    def round_trip(tokens, expert_ids, weights):
-        rows, _, handle = dispatch(tokens, expert_ids)
-        return moe.combine(rows, handle, weights)
+    def round_trip(tokens, expert_ids, weights):  # the weights go with dispatch, as the benchmark's nx_moe
+        rows, _, handle = dispatch(tokens, expert_ids, weights=weights)
+        return moe.combine(rows, handle)
 
     return {
-        "dispatch": (lambda t, i: dispatch(t, i)[0], ("tokens", "expert_ids")),
-        "combine": (lambda rows, handle, w: moe.combine(rows, handle, w), ("rows", "handle", "weights")),
+        "dispatch": (lambda t, i, w: dispatch(t, i, weights=w)[0], ("tokens", "expert_ids", "weights")),
+        "combine": (lambda rows, handle: moe.combine(rows, handle), ("rows", "handle")),
         "round trip": (round_trip, ("tokens", "expert_ids", "weights")),
     }
 
