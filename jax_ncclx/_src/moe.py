@@ -21,11 +21,10 @@ elements, one float32 scale each, as DeepSeek-V3's FP8 activations), so the exch
 bytes of bf16; the receiver dequantizes. ``combine`` and every backward pass send full precision.
 
 AD: each function's backward pass is the other's exchange. The cotangent of ``dispatch``'s rows goes back to
-the tokens the way the reduced ``combine`` sends rows (summed over each token's pairs on the expert side,
-one row per token and member). The cotangent of ``combine``'s output goes out to the experts the way
-``dispatch`` (reduced combine) or the pairs (the other) sent rows, scaled by the weights. Neither backward
-pass exchanges counts again. They are ``jax.custom_vjp`` rules, so there is no forward mode (``jax.jvp``,
-``jax.jacfwd``).
+the tokens summed over each token's pairs on the expert side, one row per token and member. The cotangent
+of ``combine``'s output goes out to the experts one row per token and member (weights given to dispatch) or
+one row per pair (weights given to combine), scaled by the weights. Neither backward pass exchanges counts
+again. They are ``jax.custom_vjp`` rules, so there is no forward mode (``jax.jvp``, ``jax.jacfwd``).
 """
 
 import dataclasses
@@ -388,6 +387,7 @@ def _combine_reduced_bwd(residuals, ct_out):
 
 
 _combine_reduced.defvjp(_combine_reduced_fwd, _combine_reduced_bwd)
+
 
 def _weighted_sum(returned, weights, dtype):
     """``[T * k, H']`` rows and ``[T, k]`` weights -> ``[T, H']``.
