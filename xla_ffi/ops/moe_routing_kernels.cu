@@ -41,15 +41,32 @@ __device__ inline unsigned LanesBelow() {
   return mask;
 }
 
+// Barriers and shared memory of a cluster that may be a single block, where the plain block-local forms serve.
+struct Cluster {
+  cg::cluster_group group = cg::this_cluster();
+  int32_t blocks = group.num_blocks();
+  int32_t rank = group.block_rank();
+  __device__ void Sync() {
+    if (blocks > 1) {
+      group.sync();
+    } else {
+      __syncthreads();
+    }
+  }
+  // Block r's copy of `local`, a pointer into this block's shared memory.
+  __device__ int32_t* Shared(int32_t* local, int r) { return blocks > 1 ? group.map_shared_rank(local, r) : local; }
+};
+
 // Exclusive prefix sums of value(0), ..., value(n - 1). Across the cluster: block r of Q takes the r-th of
 // Q contiguous ranges (then the call ends at a cluster barrier); otherwise every block scans all of them.
 // Each thread takes a contiguous run of its block's range and calls emit(i, sum of the values before i,
 // value(i)) along it, in order. value(i) is read twice; emit(i, ...) may overwrite what value(i) reads,
 // nothing else may change in between. Returns the total to every thread.
 template <typename Value, typename Emit>
-__device__ int32_t Scan(int32_t n, bool across_cluster, Value value, Emit emit, ScanShared& shared) {
-  cg::cluster_group cluster = cg::this_cluster();
-  const int32_t blocks = across_cluster ? cluster.num_blocks() : 1, rank = across_cluster ? cluster.block_rank() : 0;
+__device__ int32_t Scan(Cluster& cluster, int32_t n, bool across_cluster, Value value, Emit emit,
+                        ScanShared& shared) {
+  across_cluster = across_cluster && cluster.blocks > 1;
+  const int32_t blocks = across_cluster ? cluster.blocks : 1, rank = across_cluster ? cluster.rank : 0;
   const int32_t per_block = (n + blocks - 1) / blocks;
   const int32_t block_begin = Min(n, rank * per_block), block_end = Min(n, block_begin + per_block);
   const int32_t per_thread = (block_end - block_begin + kThreads - 1) / kThreads;
@@ -61,10 +78,10 @@ __device__ int32_t Scan(int32_t n, bool across_cluster, Value value, Emit emit, 
   BlockScan(shared.storage).ExclusiveSum(sum, running, total);
   if (across_cluster) {
     if (threadIdx.x == 0) shared.block_total = total;
-    cluster.sync();
+    cluster.Sync();
     total = 0;
     for (int r = 0; r < blocks; ++r) {
-      const int32_t block_total = *cluster.map_shared_rank(&shared.block_total, r);
+      const int32_t block_total = *cluster.Shared(&shared.block_total, r);
       running += r < rank ? block_total : 0;
       total += block_total;
     }
@@ -75,7 +92,7 @@ __device__ int32_t Scan(int32_t n, bool across_cluster, Value value, Emit emit, 
     running += v;
   }
   if (across_cluster) {
-    cluster.sync();  // emit's writes are visible, and nobody reads shared.block_total any more
+    cluster.Sync();  // emit's writes are visible, and nobody reads shared.block_total any more
   } else {
     __syncthreads();
   }
@@ -96,22 +113,6 @@ __device__ inline int32_t BlockAt(const int32_t* starts, int32_t n, int32_t x) {
   }
   return low;
 }
-
-// Barriers and shared memory of a cluster that may be a single block, where the plain block-local forms serve.
-struct Cluster {
-  cg::cluster_group group = cg::this_cluster();
-  int32_t blocks = group.num_blocks();
-  int32_t rank = group.block_rank();
-  __device__ void Sync() {
-    if (blocks > 1) {
-      group.sync();
-    } else {
-      __syncthreads();
-    }
-  }
-  // Block r's copy of `local`, a pointer into this block's shared memory.
-  __device__ int32_t* Shared(int32_t* local, int r) { return blocks > 1 ? group.map_shared_rank(local, r) : local; }
-};
 
 // Calls visit(pair, live, key, same) for the pairs of segment [begin, end), 32 at a time, where same is the
 // mask of the lanes with the same key. Lanes past the end are not live and get keys that match nobody.
@@ -182,7 +183,7 @@ __global__ void __launch_bounds__(kThreads)
 
   // (key, segment) in order: each segment's start goes to its block's `starts`, each key's to every block.
   Scan(
-      (E + 1) * segments, blocks > 1,
+      cluster, (E + 1) * segments, /*across_cluster=*/true,
       [&](int32_t j) {
         const int32_t key = j / segments, segment = j % segments;
         return cluster.Shared(counters, segment / sort_warps)[(segment % sort_warps) * (E + 1) + key];
@@ -227,7 +228,7 @@ __global__ void __launch_bounds__(kThreads)
 
   // Send rows: member-major, tokens ascending within a member. Each member's first row goes to every block.
   Scan(
-      NT, blocks > 1, [&](int32_t i) { return row_of[i]; },
+      cluster, NT, /*across_cluster=*/true, [&](int32_t i) { return row_of[i]; },
       [&](int32_t i, int32_t row, int32_t goes) {
         if (i % T == 0) {
           for (int r = 0; r < blocks; ++r) cluster.Shared(first_row, r)[i / T] = row;
@@ -315,13 +316,13 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   Scan(
-      blocks, /*across_cluster=*/false, [&](int32_t i) { return counts[i]; },
+      cluster, blocks, /*across_cluster=*/false, [&](int32_t i) { return counts[i]; },
       [&](int32_t i, int32_t start, int32_t) { source_major[i] = start; }, scan);
   const int32_t total = Scan(
-      blocks, /*across_cluster=*/false, [&](int32_t j) { return counts[(j % N) * local + j / N]; },
+      cluster, blocks, /*across_cluster=*/false, [&](int32_t j) { return counts[(j % N) * local + j / N]; },
       [&](int32_t j, int32_t start, int32_t) { expert_major[j] = start; }, scan);
   const int32_t received = Scan(
-      N, /*across_cluster=*/false, [&](int32_t i) { return min(max(recv_tokens[i], 0), R); },
+      cluster, N, /*across_cluster=*/false, [&](int32_t i) { return min(max(recv_tokens[i], 0), R); },
       [&](int32_t i, int32_t start, int32_t) { packed_start[i] = start; }, scan);
 
   if (rank == 0) {
