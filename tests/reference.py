@@ -50,7 +50,11 @@ def all_to_allv(xs, counts, capacity, layout):
     return out
 
 
-def moe_plan_sends(ids, num_experts, num_members, capacity):
+def padded_words(top_k):
+    return -(-top_k // 4) * 4
+
+
+def moe_plan_sends(ids, num_experts, num_members, capacity, weights=None):
     """jax_ncclx._src.ops.moe_routing.plan_sends for one member, pair by pair: a dict of its results."""
     num_tokens, top_k = ids.shape
     local = num_experts // num_members
@@ -83,17 +87,26 @@ def moe_plan_sends(ids, num_experts, num_members, capacity):
         token_counts.append(len(tokens))
         row += len(tokens)
     send_counts = np.bincount(key, minlength=num_experts + 1)[:num_experts].reshape(num_members, local)
-    result = dict(order=order, send_counts=send_counts, send_token=send_token, send_tags=tags.reshape(num_rows, top_k),
+    padded = padded_words(top_k)
+    suffix = np.full((num_rows, padded), -1)
+    suffix[:, :top_k] = tags.reshape(num_rows, top_k)
+    if weights is not None:  # the weights of each row's token, as float32 bits (zeros past the data)
+        bits = np.zeros((num_rows, padded), np.int32)
+        sent = send_token < num_tokens
+        bits[sent, :top_k] = np.asarray(weights, np.float32)[send_token[sent]].view(np.int32)
+        suffix = np.concatenate([suffix, bits], axis=1)
+    result = dict(order=order, send_counts=send_counts, send_token=send_token, send_suffix=suffix,
                   token_counts=token_counts, return_slot=return_slot, return_row=return_row,
                   dropped=np.maximum(send_counts.sum(axis=1) - capacity, 0))
     return {name: np.asarray(value, np.int32) for name, value in result.items()}
 
 
-def moe_place_received(tags, recv_tokens, local_experts, capacity):
-    """jax_ncclx._src.ops.moe_routing.place_received for one member, block by block: a dict of its results."""
+def moe_place_received(suffixes, recv_tokens, local_experts, capacity, top_k, with_weights=False):
+    """jax_ncclx._src.ops.moe_routing.place_received for one member, block by block, from the received rows'
+    suffixes (int32 [N * R, words]): a dict of its results."""
     num_members = len(recv_tokens)
-    rows_per_source = tags.shape[0] // num_members
-    top_k = tags.shape[1]
+    rows_per_source = suffixes.shape[0] // num_members
+    tags = suffixes[:, :top_k]
     num_rows = num_members * capacity
     lists = tags.reshape(num_members, -1)
     counts = np.zeros((num_members, local_experts), np.int64)
@@ -135,22 +148,26 @@ def moe_place_received(tags, recv_tokens, local_experts, capacity):
     result = dict(recv_counts=counts, group_sizes=counts.sum(axis=0), expand_rows=expand,
                   to_expert_major=to_expert_major, to_source_major=to_source_major, pair_entry=pair_entry,
                   row_pairs=row_pairs.reshape(received, top_k), send_back_rows=send_back_rows)
-    return {name: np.asarray(value, np.int32) for name, value in result.items()}
+    result = {name: np.asarray(value, np.int32) for name, value in result.items()}
+    padded = padded_words(top_k)
+    result["recv_weights"] = (np.ascontiguousarray(suffixes[:, padded: padded + top_k]).view(np.float32)
+                              if with_weights else np.zeros((received, 0), np.float32))
+    return result
 
 
-def moe_exchange_tags(plans, rows_per_source):
-    """What each member receives of the members' plan_sends tags through dispatch's padded exchange, R rows
-    per source: per member, (tags [N * R, k] with zero rows after each source's data, recv_tokens [N])."""
+def moe_exchange_suffixes(plans, rows_per_source):
+    """What each member receives of the members' plan_sends suffixes through dispatch's padded exchange, R rows
+    per source: per member, (suffixes [N * R, words] with zero rows after each source's data, recv_tokens [N])."""
     num_members = len(plans)
     out = []
     for me in range(num_members):
-        top_k = plans[me]["send_tags"].shape[1]
-        tags = np.zeros((num_members, rows_per_source, top_k), np.int32)
+        words = plans[me]["send_suffix"].shape[1]
+        suffixes = np.zeros((num_members, rows_per_source, words), np.int32)
         recv_tokens = np.zeros(num_members, np.int32)
         for source, plan in enumerate(plans):
             first = int(np.sum(plan["token_counts"][:me]))
-            rows = plan["send_tags"][first: first + plan["token_counts"][me]]
-            tags[source, : len(rows)] = rows
+            rows = plan["send_suffix"][first: first + plan["token_counts"][me]]
+            suffixes[source, : len(rows)] = rows
             recv_tokens[source] = len(rows)
-        out.append((tags.reshape(-1, top_k), recv_tokens))
+        out.append((suffixes.reshape(-1, words), recv_tokens))
     return out

@@ -1,7 +1,8 @@
 """The routing ops behind jax_ncclx.moe.dispatch (plan_sends, place_received) against the NumPy reference in
 reference.py, on CPU and on one GPU, for routings that stress them: ids outside [0, E), every pair on one
 expert, more choices than members, repeated experts within a token, many experts (few sorting warps), enough
-pairs for a cluster of several blocks, tags that were corrupted on the way, and a vmapped batch."""
+pairs for a cluster of several blocks, router weights in the suffixes, suffixes at unaligned offsets, tags
+that were corrupted on the way, and a vmapped batch."""
 
 import functools
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from jax_ncclx._src.ops import moe_routing
-from reference import moe_exchange_tags, moe_place_received, moe_plan_sends
+from reference import moe_exchange_suffixes, moe_place_received, moe_plan_sends
 
 
 def skewed_ids(rng, shape, num_experts):
@@ -37,32 +38,53 @@ def routings():
     yield "one_member", skewed_ids(rng, (1, 64, 4), 2048), 2048, 64
 
 ROUTINGS = {name: (ids, experts, capacity) for name, ids, experts, capacity in routings()}
+WEIGHTED = ("random_tight", "k_above_members", "one_token", "two_blocks")  # also run with router weights
 
 
 def on_device(backend):
     return functools.partial(jax.device_put, device=backend[0])
 
 
-@pytest.mark.parametrize("name", list(ROUTINGS))
-def test_plan_and_place_match_reference(backend, name):
-    """Each member plans its sends; the tags travel as the exchange would move them; each member places them."""
+@pytest.mark.parametrize("name, weighted", [(n, False) for n in ROUTINGS] + [(n, True) for n in WEIGHTED])
+def test_plan_and_place_match_reference(backend, name, weighted):
+    """Each member plans its sends; the suffixes travel as the exchange would move them; each member places
+    them."""
     ids, num_experts, capacity = ROUTINGS[name]
-    num_members, num_tokens, _ = ids.shape
+    num_members, num_tokens, top_k = ids.shape
+    weights = np.random.default_rng(3).standard_normal(ids.shape).astype(np.float32) if weighted else [None] * len(ids)
     put = on_device(backend)
     plan = jax.jit(functools.partial(moe_routing.plan_sends, num_experts=num_experts, num_members=num_members,
                                      capacity=capacity))
-    expected_plans = [moe_plan_sends(i, num_experts, num_members, capacity) for i in ids]
+    expected_plans = [moe_plan_sends(i, num_experts, num_members, capacity, w) for i, w in zip(ids, weights)]
     for member, expected in enumerate(expected_plans):
-        actual = plan(put(ids[member]))._asdict()
+        actual = plan(put(ids[member]), None if weights[member] is None else put(weights[member]))._asdict()
         for field, value in expected.items():
             np.testing.assert_array_equal(actual[field], value, err_msg=f"member {member}: {field}")
 
     local = num_experts // num_members
-    place = jax.jit(functools.partial(moe_routing.place_received, local_experts=local, capacity=capacity))
-    for member, (tags, recv_tokens) in enumerate(moe_exchange_tags(expected_plans, min(capacity, num_tokens))):
-        actual = place(put(tags), put(recv_tokens))._asdict()
-        for field, value in moe_place_received(tags, recv_tokens, local, capacity).items():
+    place = jax.jit(functools.partial(moe_routing.place_received, local_experts=local, capacity=capacity,
+                                      top_k=top_k, suffix_offset=0, with_weights=weighted))
+    received = moe_exchange_suffixes(expected_plans, min(capacity, num_tokens))
+    for member, (suffixes, recv_tokens) in enumerate(received):
+        actual = place(put(suffixes), put(recv_tokens))._asdict()
+        for field, value in moe_place_received(suffixes, recv_tokens, local, capacity, top_k, weighted).items():
             np.testing.assert_array_equal(actual[field], value, err_msg=f"member {member}: {field}")
+
+
+def test_place_received_reads_unaligned_suffixes(backend):
+    """Suffixes after a token of 3 bytes (uint8 rows): the same placement as aligned ones."""
+    ids, num_experts, capacity = ROUTINGS["random_tight"]
+    num_members, num_tokens, top_k = ids.shape
+    weights = np.random.default_rng(4).standard_normal(ids.shape).astype(np.float32)
+    plans = [moe_plan_sends(i, num_experts, num_members, capacity, w) for i, w in zip(ids, weights)]
+    suffixes, recv_tokens = moe_exchange_suffixes(plans, min(capacity, num_tokens))[0]
+    rows = np.concatenate([np.full((len(suffixes), 3), 7, np.uint8), suffixes.view(np.uint8)], axis=1)
+    local = num_experts // num_members
+    put = on_device(backend)
+    actual = jax.jit(functools.partial(moe_routing.place_received, local_experts=local, capacity=capacity,
+                                       top_k=top_k, suffix_offset=3, with_weights=True))(put(rows), put(recv_tokens))
+    for field, value in moe_place_received(suffixes, recv_tokens, local, capacity, top_k, True).items():
+        np.testing.assert_array_equal(getattr(actual, field), value, err_msg=field)
 
 
 @pytest.mark.parametrize("capacity", [3, 40])
@@ -71,13 +93,13 @@ def test_place_received_survives_corrupted_tags(backend, capacity):
     their documented ranges, the same on CPU and GPU."""
     rng = np.random.default_rng(1)
     num_members, rows_per_source, top_k, local = 4, 6, 3, 5
-    tags = rng.integers(-5, 40, size=(num_members * rows_per_source, top_k)).astype(np.int32)
+    tags = rng.integers(-5, 40, size=(num_members * rows_per_source, 4)).astype(np.int32)  # k = 3, padded
     tags[0, 0] = np.iinfo(np.int32).max
     recv_tokens = np.array([rows_per_source, 0, 2, rows_per_source + 9], np.int32)  # the last one lies
     put = on_device(backend)
-    actual = jax.jit(functools.partial(moe_routing.place_received, local_experts=local, capacity=capacity))(
-        put(tags), put(recv_tokens))._asdict()
-    expected = moe_place_received(tags, recv_tokens, local, capacity)
+    actual = jax.jit(functools.partial(moe_routing.place_received, local_experts=local, capacity=capacity,
+                                       top_k=top_k, suffix_offset=0))(put(tags), put(recv_tokens))._asdict()
+    expected = moe_place_received(tags, recv_tokens, local, capacity, top_k)
     for field, value in expected.items():
         if field != "row_pairs":  # tags that name one entry twice leave either row there (GPU: either thread)
             np.testing.assert_array_equal(actual[field], value, err_msg=field)
@@ -110,14 +132,16 @@ def test_vmap_is_one_call(backend):
             np.testing.assert_array_equal(getattr(batched, field)[member], value, err_msg=field)
 
     plans = [moe_plan_sends(i, num_experts, num_members, capacity) for i in ids]
-    received = moe_exchange_tags(plans, min(capacity, ids.shape[1]))
-    tags = np.stack([t for t, _ in received])
+    received = moe_exchange_suffixes(plans, min(capacity, ids.shape[1]))
+    suffixes = np.stack([t for t, _ in received])
     recv_tokens = np.stack([r for _, r in received])
+    top_k = ids.shape[2]
     place = functools.partial(moe_routing.place_received, local_experts=num_experts // num_members,
-                              capacity=capacity)
-    batched = jax.jit(jax.vmap(place))(on_device(backend)(tags), on_device(backend)(recv_tokens))
+                              capacity=capacity, top_k=top_k, suffix_offset=0)
+    batched = jax.jit(jax.vmap(place))(on_device(backend)(suffixes), on_device(backend)(recv_tokens))
     for member in range(num_members):
-        expected = moe_place_received(tags[member], recv_tokens[member], num_experts // num_members, capacity)
+        expected = moe_place_received(suffixes[member], recv_tokens[member], num_experts // num_members, capacity,
+                                      top_k)
         for field, value in expected.items():
             np.testing.assert_array_equal(getattr(batched, field)[member], value, err_msg=field)
 

@@ -235,21 +235,18 @@ def combine(expert_out, handle: DispatchHandle, weights=None):
 def _dispatch(tokens, weights, expert_ids, num_experts, axis_name, capacity, wire_dtype):
     num_members = jax.lax.axis_size(axis_name)
     top_k = expert_ids.shape[1]
-    plan = moe_routing.plan_sends(expert_ids, num_experts=num_experts, num_members=num_members, capacity=capacity)
+    plan = moe_routing.plan_sends(expert_ids, weights, num_experts=num_experts, num_members=num_members,
+                                  capacity=capacity)
     # Quantized before the copy into send rows: T rows to encode, not S.
     source = tokens if wire_dtype is None else _encode(tokens, wire_dtype)
     width = source.shape[1]
-    columns = [plan.send_tags]
-    if weights is not None:  # each row's token's weights, as float32 bits
-        row_weights = jnp.take(weights.astype(jnp.float32), plan.send_token, axis=0, mode="fill", fill_value=0)
-        columns.append(jax.lax.bitcast_convert_type(row_weights, jnp.int32))
-    rows = take_rows(source, plan.send_token, suffix=_word_columns(columns, source.dtype))
+    rows = take_rows(source, plan.send_token, suffix=_as_columns(plan.send_suffix, source.dtype))
     # A member gets each token at most once: R = min(C, T) rows per source, so the padded layout's zero rows
     # after the data (written over NVLink too) stay few.
     received, recv_tokens, _ = _exchange(rows, plan.token_counts, axis_name, min(capacity, tokens.shape[0]))
-    words = _read_word_columns(received, width, len(columns), top_k)
-    placed = moe_routing.place_received(words[0], recv_tokens, local_experts=num_experts // num_members,
-                                        capacity=capacity)
+    placed = moe_routing.place_received(received, recv_tokens, local_experts=num_experts // num_members,
+                                        capacity=capacity, top_k=top_k, suffix_offset=width * source.dtype.itemsize,
+                                        with_weights=weights is not None)
     expert_rows = take_rows(received, placed.expand_rows, width=width)
     if wire_dtype is not None:
         expert_rows = _decode(expert_rows, tokens.shape[1], wire_dtype, tokens.dtype)
@@ -260,7 +257,7 @@ def _dispatch(tokens, weights, expert_ids, num_experts, axis_name, capacity, wir
         token_counts=plan.token_counts, return_row=plan.return_row, recv_tokens=recv_tokens,
         expand_rows=placed.expand_rows, pair_entry=placed.pair_entry, row_pairs=placed.row_pairs,
         send_back_rows=placed.send_back_rows,
-        recv_weights=None if weights is None else jax.lax.bitcast_convert_type(words[1], jnp.float32),
+        recv_weights=None if weights is None else placed.recv_weights,
         axis_name=axis_name, capacity=capacity, top_k=top_k)
     return expert_rows, placed.group_sizes, handle
 
@@ -313,25 +310,12 @@ def _decode(wire_rows, hidden, wire_dtype, dtype):
     return (values.reshape(num_rows, -1, block) * scale[..., None]).reshape(num_rows, hidden).astype(dtype)
 
 
-def _word_columns(columns, dtype):
-    """int32 ``[S, k]`` arrays -> ``[S, w]`` dtype holding their bits one after the other, each padded to a
-    multiple of 16 bytes so that rows of 16-byte multiples stay so (the copy kernels move 16 bytes per lane)."""
-    words = jnp.concatenate([jnp.pad(c, ((0, 0), (0, -c.shape[1] % 4)), constant_values=-1) for c in columns],
-                            axis=1)
+def _as_columns(words, dtype):
+    """int32 ``[S, w]`` -> ``[S, w * 4 / itemsize]`` dtype with the same bits (w even for 8-byte dtypes: the
+    suffixes are multiples of 4 words)."""
     if np.dtype(dtype).itemsize == 8:
         words = words.reshape(words.shape[0], -1, 2)
     return jax.lax.bitcast_convert_type(words, dtype).reshape(words.shape[0], -1)
-
-
-def _read_word_columns(wire_rows, width, count, top_k):
-    """The inverse of ``_word_columns`` on received rows ``[R, W + w]`` (its columns from W on) -> ``count``
-    int32 ``[R, k]`` arrays."""
-    bits = wire_rows[:, width:]
-    itemsize = bits.dtype.itemsize
-    if itemsize < 4:
-        bits = bits.reshape(bits.shape[0], -1, 4 // itemsize)
-    words = jax.lax.bitcast_convert_type(bits, jnp.int32).reshape(bits.shape[0], count, -1)
-    return [words[:, i, :top_k] for i in range(count)]
 
 
 # ---- combine -----------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "common/host_device.h"
 
@@ -18,13 +19,29 @@ namespace jax_ncclx {
 // The most experts the routing handles: the CUDA kernels keep per-expert counters in shared memory.
 constexpr int64_t kMaxRoutingExperts = 2048;
 
+// Words of int32 that each of dispatch's send rows carries after its token (its suffix): the k tags, padded
+// with -1 to a multiple of 4 words (16 bytes, so that rows of 16-byte multiples stay so), then, when dispatch
+// has router weights, the k weights of the row's token as float32 bits, padded with zeros the same way.
+NCCLX_HOST_DEVICE inline int64_t PaddedWords(int64_t top_k) { return (top_k + 3) / 4 * 4; }
+NCCLX_HOST_DEVICE inline int64_t SuffixWords(int64_t top_k, bool with_weights) {
+  return PaddedWords(top_k) * (with_weights ? 2 : 1);
+}
+
+// Word `i` of a suffix at `p`, which need not be 4-byte aligned (rows of odd widths).
+NCCLX_HOST_DEVICE inline int32_t SuffixWord(const uint8_t* p, int64_t i) {
+  int32_t word;
+  memcpy(&word, p + 4 * i, sizeof(word));
+  return word;
+}
+
 struct PlanSendsShape {
-  int64_t batch = 0;        // B
-  int64_t num_tokens = 0;   // T
-  int64_t top_k = 0;        // k
-  int64_t num_experts = 0;  // E
-  int64_t num_members = 0;  // N, a divisor of E
-  int64_t capacity = 0;     // C: pairs any member takes from this one
+  int64_t batch = 0;          // B
+  int64_t num_tokens = 0;     // T
+  int64_t top_k = 0;          // k
+  int64_t num_experts = 0;    // E
+  int64_t num_members = 0;    // N, a divisor of E
+  int64_t capacity = 0;       // C: pairs any member takes from this one
+  bool with_weights = false;  // the send rows' suffixes carry the tokens' router weights
   NCCLX_HOST_DEVICE int64_t local_experts() const { return num_experts / num_members; }
   NCCLX_HOST_DEVICE int64_t num_pairs() const { return num_tokens * top_k; }
   // S: a member takes at most C pairs and at most one row per token, and a token goes to at most
@@ -36,6 +53,7 @@ struct PlanSendsShape {
   // R: the most rows a member gets from this one (one per token, at most C), hence the rows per member of the
   // exchanges that send them back.
   NCCLX_HOST_DEVICE int64_t rows_per_member() const { return capacity < num_tokens ? capacity : num_tokens; }
+  NCCLX_HOST_DEVICE int64_t suffix_words() const { return SuffixWords(top_k, with_weights); }
 };
 
 // The results of plan_sends, int32, each with a leading batch dimension B.
@@ -43,8 +61,8 @@ struct PlanSendsResults {
   int32_t* order = nullptr;         // [T * k] the pairs sorted (stably) by expert, no-expert pairs last
   int32_t* send_counts = nullptr;   // [N, E / N] pairs for each expert
   int32_t* send_token = nullptr;    // [S] the token of each send row; T past the data
-  int32_t* send_tags = nullptr;     // [S, k] the pairs the rows carry: (row * k + choice) * E_local + local
-                                    // expert, or -1
+  int32_t* send_suffix = nullptr;   // [S, SuffixWords] each row's suffix: its tags, the pairs it carries as
+                                    // (row * k + choice) * E_local + local expert (or -1), and its weights
   int32_t* token_counts = nullptr;  // [N] send rows for each member
   int32_t* return_slot = nullptr;   // [T * k] where each pair's output returns in combine; N * C if nowhere
   int32_t* return_row = nullptr;    // [T, N] where token t's row returns from member m when rows come back one
@@ -59,6 +77,9 @@ struct PlaceReceivedShape {
   int64_t top_k = 0;            // k
   int64_t local_experts = 0;    // E_local
   int64_t capacity = 0;         // C: the expert-major layout has N * C rows
+  int64_t row_bytes = 0;        // bytes of a received row
+  int64_t suffix_offset = 0;    // where its suffix starts (bytes; the suffix fits in the row)
+  bool with_weights = false;    // the suffixes carry router weights
 };
 
 // The results of place_received, int32, each with a leading batch dimension B.
@@ -71,6 +92,7 @@ struct PlaceReceivedResults {
   int32_t* pair_entry = nullptr;       // [N * C] received row * k + choice of each expert-major row; N * R * k if none
   int32_t* row_pairs = nullptr;        // [N * R, k] the expert-major row of each received row's choice; N * C if none
   int32_t* send_back_rows = nullptr;   // [N * R] the received rows of every source, packed from row 0; N * R after
+  float* recv_weights = nullptr;       // [N * R, k] the router weights in the suffixes (with_weights), else [N * R, 0]
 };
 
 // A pair's sort key: its expert, or E for an id outside [0, E) (no expert: sorts last, counted nowhere).

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -18,6 +19,7 @@ inline constexpr std::string_view kPlanSendsOp = "moe plan_sends";
 inline constexpr std::string_view kPlaceReceivedOp = "moe place_received";
 
 using Int32Result = ffi::Result<ffi::Buffer<ffi::S32>>;
+using Float32Result = ffi::Result<ffi::Buffer<ffi::F32>>;
 
 // The kernels index with int32: every array of one batch element must have fewer than 2^31 entries.
 inline ffi::Error CheckIndexable(std::string_view op, std::string_view what, int64_t entries) {
@@ -26,12 +28,16 @@ inline ffi::Error CheckIndexable(std::string_view op, std::string_view what, int
                                  " entries per batch element, more than int32 indices reach");
 }
 
-inline ffi::ErrorOr<PlanSendsShape> GetPlanSendsShape(const ffi::Buffer<ffi::S32>& expert_ids, int64_t num_experts,
-                                                      int64_t num_members, int64_t capacity) {
+inline ffi::ErrorOr<PlanSendsShape> GetPlanSendsShape(const ffi::Buffer<ffi::S32>& expert_ids,
+                                                      const std::optional<ffi::Buffer<ffi::F32>>& weights,
+                                                      int64_t num_experts, int64_t num_members, int64_t capacity) {
   constexpr std::string_view op = kPlanSendsOp;
   const auto dims = expert_ids.dimensions();
   if (dims.size() != 3 || dims[2] < 1) {
     return InvalidArgument(op, "expert_ids has shape " + DimsString(dims) + ", expected [batch, tokens, k >= 1]");
+  }
+  if (weights.has_value()) {
+    NCCLX_RETURN_IF_ERROR(CheckDims(op, "weights", weights->dimensions(), {dims[0], dims[1], dims[2]}));
   }
   if (num_members < 1 || num_experts < 1 || num_experts % num_members != 0 || num_experts > kMaxRoutingExperts) {
     return InvalidArgument(op, "num_experts " + std::to_string(num_experts) + " and num_members " +
@@ -39,10 +45,10 @@ inline ffi::ErrorOr<PlanSendsShape> GetPlanSendsShape(const ffi::Buffer<ffi::S32
                                    "at most " + std::to_string(kMaxRoutingExperts));
   }
   if (capacity < 1) return InvalidArgument(op, "capacity is " + std::to_string(capacity) + ", expected >= 1");
-  PlanSendsShape shape{dims[0], dims[1], dims[2], num_experts, num_members, capacity};
+  PlanSendsShape shape{dims[0], dims[1], dims[2], num_experts, num_members, capacity, weights.has_value()};
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "expert_ids", shape.num_pairs()));
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the (member, token) table", num_members * shape.num_tokens));
-  NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "send_tags", shape.num_rows() * shape.top_k));
+  NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "send_suffix", shape.num_rows() * shape.suffix_words()));
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the tag values", shape.rows_per_member() * shape.top_k *
                                                                  shape.local_experts()));
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the return slots", num_members * capacity));
@@ -51,7 +57,7 @@ inline ffi::ErrorOr<PlanSendsShape> GetPlanSendsShape(const ffi::Buffer<ffi::S32
 
 inline ffi::Error CheckPlanSendsResults(const PlanSendsShape& s, const Int32Result& order,
                                         const Int32Result& send_counts, const Int32Result& send_token,
-                                        const Int32Result& send_tags, const Int32Result& token_counts,
+                                        const Int32Result& send_suffix, const Int32Result& token_counts,
                                         const Int32Result& return_slot, const Int32Result& return_row,
                                         const Int32Result& dropped) {
   constexpr std::string_view op = kPlanSendsOp;
@@ -59,7 +65,8 @@ inline ffi::Error CheckPlanSendsResults(const PlanSendsShape& s, const Int32Resu
   NCCLX_RETURN_IF_ERROR(
       CheckDims(op, "send_counts", send_counts->dimensions(), {s.batch, s.num_members, s.local_experts()}));
   NCCLX_RETURN_IF_ERROR(CheckDims(op, "send_token", send_token->dimensions(), {s.batch, s.num_rows()}));
-  NCCLX_RETURN_IF_ERROR(CheckDims(op, "send_tags", send_tags->dimensions(), {s.batch, s.num_rows(), s.top_k}));
+  NCCLX_RETURN_IF_ERROR(
+      CheckDims(op, "send_suffix", send_suffix->dimensions(), {s.batch, s.num_rows(), s.suffix_words()}));
   NCCLX_RETURN_IF_ERROR(CheckDims(op, "token_counts", token_counts->dimensions(), {s.batch, s.num_members}));
   NCCLX_RETURN_IF_ERROR(CheckDims(op, "return_slot", return_slot->dimensions(), {s.batch, s.num_pairs()}));
   NCCLX_RETURN_IF_ERROR(
@@ -71,10 +78,11 @@ inline ffi::Error CheckPlanSendsResults(const PlanSendsShape& s, const Int32Resu
 template <typename Binding>
 auto BindPlanSendsBuffers(Binding binding) {
   return std::move(binding).template Arg<ffi::Buffer<ffi::S32>>()  // expert_ids [B, T, k]
+      .template OptionalArg<ffi::Buffer<ffi::F32>>()    // weights [B, T, k]
       .template Ret<ffi::Buffer<ffi::S32>>()            // order [B, T * k]
       .template Ret<ffi::Buffer<ffi::S32>>()            // send_counts [B, N, E / N]
       .template Ret<ffi::Buffer<ffi::S32>>()            // send_token [B, S]
-      .template Ret<ffi::Buffer<ffi::S32>>()            // send_tags [B, S, k]
+      .template Ret<ffi::Buffer<ffi::S32>>()            // send_suffix [B, S, SuffixWords]
       .template Ret<ffi::Buffer<ffi::S32>>()            // token_counts [B, N]
       .template Ret<ffi::Buffer<ffi::S32>>()            // return_slot [B, T * k]
       .template Ret<ffi::Buffer<ffi::S32>>()            // return_row [B, T, N]
@@ -89,36 +97,48 @@ auto BindPlanSendsAttrs(Binding binding) {
 }
 
 inline PlanSendsResults PlanSendsData(const Int32Result& order, const Int32Result& send_counts,
-                                      const Int32Result& send_token, const Int32Result& send_tags,
+                                      const Int32Result& send_token, const Int32Result& send_suffix,
                                       const Int32Result& token_counts, const Int32Result& return_slot,
                                       const Int32Result& return_row, const Int32Result& dropped) {
   return {order->typed_data(),        send_counts->typed_data(),  send_token->typed_data(),
-          send_tags->typed_data(),    token_counts->typed_data(), return_slot->typed_data(),
+          send_suffix->typed_data(),  token_counts->typed_data(), return_slot->typed_data(),
           return_row->typed_data(),   dropped->typed_data()};
 }
 
-inline ffi::ErrorOr<PlaceReceivedShape> GetPlaceReceivedShape(const ffi::Buffer<ffi::S32>& tags,
+// rows: [B, N * R, ...] any dtype, each row's suffix at byte suffix_offset (SuffixWords(top_k, with_weights)).
+inline ffi::ErrorOr<PlaceReceivedShape> GetPlaceReceivedShape(const ffi::AnyBuffer& rows,
                                                               const ffi::Buffer<ffi::S32>& recv_tokens,
-                                                              int64_t local_experts, int64_t capacity) {
+                                                              int64_t local_experts, int64_t capacity,
+                                                              int64_t top_k, int64_t suffix_offset,
+                                                              int64_t with_weights) {
   constexpr std::string_view op = kPlaceReceivedOp;
   const auto token_dims = recv_tokens.dimensions();
   if (token_dims.size() != 2 || token_dims[1] < 1) {
     return InvalidArgument(op, "recv_tokens has shape " + DimsString(token_dims) + ", expected [batch, members]");
   }
-  const auto tag_dims = tags.dimensions();
-  if (tag_dims.size() != 3 || tag_dims[0] != token_dims[0] || tag_dims[1] % token_dims[1] != 0 || tag_dims[2] < 1) {
-    return InvalidArgument(op, "tags has shape " + DimsString(tag_dims) + ", expected [" +
-                                   std::to_string(token_dims[0]) + ", members * rows, k >= 1] with " +
+  const auto row_dims = rows.dimensions();
+  if (row_dims.size() < 2 || row_dims[0] != token_dims[0] || row_dims[1] % token_dims[1] != 0) {
+    return InvalidArgument(op, "rows has shape " + DimsString(row_dims) + ", expected [" +
+                                   std::to_string(token_dims[0]) + ", members * rows, ...] with " +
                                    std::to_string(token_dims[1]) + " members (recv_tokens)");
+  }
+  int64_t row_bytes = static_cast<int64_t>(ffi::ByteWidth(rows.element_type()));
+  for (size_t i = 2; i < row_dims.size(); ++i) row_bytes *= row_dims[i];
+  if (top_k < 1 || (with_weights != 0 && with_weights != 1) || suffix_offset < 0 ||
+      suffix_offset + 4 * SuffixWords(top_k, with_weights == 1) > row_bytes) {
+    return InvalidArgument(op, "top_k " + std::to_string(top_k) + ", with_weights " + std::to_string(with_weights) +
+                                   " and suffix_offset " + std::to_string(suffix_offset) + ": expected top_k >= 1, " +
+                                   "with_weights 0 or 1, and the suffix inside the rows' " +
+                                   std::to_string(row_bytes) + " bytes");
   }
   if (local_experts < 1 || token_dims[1] * local_experts > kMaxRoutingExperts || capacity < 1) {
     return InvalidArgument(op, "local_experts " + std::to_string(local_experts) + " and capacity " +
                                    std::to_string(capacity) + ": expected both >= 1 and members * local_experts "
                                    "at most " + std::to_string(kMaxRoutingExperts));
   }
-  PlaceReceivedShape shape{token_dims[0], token_dims[1], tag_dims[1] / token_dims[1], tag_dims[2], local_experts,
-                           capacity};
-  NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "tags", tag_dims[1] * tag_dims[2]));
+  PlaceReceivedShape shape{token_dims[0], token_dims[1], row_dims[1] / token_dims[1], top_k,        local_experts,
+                           capacity,      row_bytes,     suffix_offset,               with_weights == 1};
+  NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the tags", row_dims[1] * top_k));
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the tag values", shape.rows_per_source * shape.top_k * local_experts));
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the expert-major rows", shape.num_members * capacity));
   return shape;
@@ -128,7 +148,7 @@ inline ffi::Error CheckPlaceReceivedResults(const PlaceReceivedShape& s, const I
                                             const Int32Result& group_sizes, const Int32Result& expand_rows,
                                             const Int32Result& to_expert_major, const Int32Result& to_source_major,
                                             const Int32Result& pair_entry, const Int32Result& row_pairs,
-                                            const Int32Result& send_back_rows) {
+                                            const Int32Result& send_back_rows, const Float32Result& recv_weights) {
   constexpr std::string_view op = kPlaceReceivedOp;
   const int64_t rows = s.num_members * s.capacity;
   NCCLX_RETURN_IF_ERROR(
@@ -140,13 +160,14 @@ inline ffi::Error CheckPlaceReceivedResults(const PlaceReceivedShape& s, const I
   NCCLX_RETURN_IF_ERROR(CheckDims(op, "pair_entry", pair_entry->dimensions(), {s.batch, rows}));
   const int64_t received = s.num_members * s.rows_per_source;
   NCCLX_RETURN_IF_ERROR(CheckDims(op, "row_pairs", row_pairs->dimensions(), {s.batch, received, s.top_k}));
-  return CheckDims(op, "send_back_rows", send_back_rows->dimensions(), {s.batch, received});
+  NCCLX_RETURN_IF_ERROR(CheckDims(op, "send_back_rows", send_back_rows->dimensions(), {s.batch, received}));
+  return CheckDims(op, "recv_weights", recv_weights->dimensions(), {s.batch, received, s.with_weights ? s.top_k : 0});
 }
 
 // The buffers and attributes both handlers of place_received bind (after any context).
 template <typename Binding>
 auto BindPlaceReceived(Binding binding) {
-  return std::move(binding).template Arg<ffi::Buffer<ffi::S32>>()  // tags [B, N * R, k]
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // rows [B, N * R, ...], with their suffixes
       .template Arg<ffi::Buffer<ffi::S32>>()            // recv_tokens [B, N]
       .template Ret<ffi::Buffer<ffi::S32>>()            // recv_counts [B, N, E_local]
       .template Ret<ffi::Buffer<ffi::S32>>()            // group_sizes [B, E_local]
@@ -156,17 +177,22 @@ auto BindPlaceReceived(Binding binding) {
       .template Ret<ffi::Buffer<ffi::S32>>()            // pair_entry [B, N * C]
       .template Ret<ffi::Buffer<ffi::S32>>()            // row_pairs [B, N * R, k]
       .template Ret<ffi::Buffer<ffi::S32>>()            // send_back_rows [B, N * R]
+      .template Ret<ffi::Buffer<ffi::F32>>()            // recv_weights [B, N * R, k or 0]
       .template Attr<int64_t>("local_experts")
-      .template Attr<int64_t>("capacity");
+      .template Attr<int64_t>("capacity")
+      .template Attr<int64_t>("top_k")
+      .template Attr<int64_t>("suffix_offset")
+      .template Attr<int64_t>("with_weights");
 }
 
 inline PlaceReceivedResults PlaceReceivedData(const Int32Result& recv_counts, const Int32Result& group_sizes,
                                               const Int32Result& expand_rows, const Int32Result& to_expert_major,
                                               const Int32Result& to_source_major, const Int32Result& pair_entry,
-                                              const Int32Result& row_pairs, const Int32Result& send_back_rows) {
+                                              const Int32Result& row_pairs, const Int32Result& send_back_rows,
+                                              const Float32Result& recv_weights) {
   return {recv_counts->typed_data(),     group_sizes->typed_data(),     expand_rows->typed_data(),
           to_expert_major->typed_data(), to_source_major->typed_data(), pair_entry->typed_data(),
-          row_pairs->typed_data(),       send_back_rows->typed_data()};
+          row_pairs->typed_data(),       send_back_rows->typed_data(),  recv_weights->typed_data()};
 }
 
 }  // namespace jax_ncclx

@@ -2,6 +2,8 @@
 // one element at a time. No communication: each device computes its own routing.
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <optional>
 #include <vector>
 
 #include "common/checks.h"
@@ -23,7 +25,7 @@ std::vector<int32_t> ExclusiveSums(const std::vector<int32_t>& sizes) {
   return starts;
 }
 
-void PlanSendsOne(const PlanSendsShape& shape, const int32_t* ids, const PlanSendsResults& out) {
+void PlanSendsOne(const PlanSendsShape& shape, const int32_t* ids, const float* weights, const PlanSendsResults& out) {
   const int32_t E = shape.num_experts, N = shape.num_members, local = shape.local_experts();
   const int32_t C = shape.capacity, T = shape.num_tokens, k = shape.top_k;
   const int32_t P = shape.num_pairs(), S = shape.num_rows();
@@ -67,7 +69,8 @@ void PlanSendsOne(const PlanSendsShape& shape, const int32_t* ids, const PlanSen
     ++out.token_counts[member];
     if (sent) out.send_token[row_of[i]] = token;
   }
-  for (int32_t i = 0; i < S * k; ++i) out.send_tags[i] = -1;
+  const int32_t words = shape.suffix_words(), padded = PaddedWords(k);
+  for (int32_t i = 0; i < S * words; ++i) out.send_suffix[i] = i % words < padded ? -1 : 0;
   for (int32_t position = 0; position < P; ++position) {
     const int32_t pair = out.order[position];
     const int32_t key = RoutingKey(ids[pair], E);
@@ -76,43 +79,50 @@ void PlanSendsOne(const PlanSendsShape& shape, const int32_t* ids, const PlanSen
     const int32_t entry = first_row[member] * k + offset;
     if (offset < C && entry < S * k) {
       const int32_t row = row_of[member * T + pair / k] - first_row[member];
-      out.send_tags[entry] = (row * k + pair % k) * local + key % local;
+      out.send_suffix[entry / k * words + entry % k] = (row * k + pair % k) * local + key % local;
+    }
+  }
+  for (int32_t row = 0; weights != nullptr && row < S; ++row) {
+    if (out.send_token[row] < T) {
+      std::memcpy(out.send_suffix + row * words + padded, weights + out.send_token[row] * k, k * sizeof(float));
     }
   }
 }
 
-ffi::Error PlanSendsImpl(ffi::Buffer<ffi::S32> expert_ids, Int32Result order, Int32Result send_counts,
-                         Int32Result send_token, Int32Result send_tags, Int32Result token_counts,
-                         Int32Result return_slot, Int32Result return_row, Int32Result dropped, int64_t num_experts,
-                         int64_t num_members, int64_t capacity) {
-  ffi::ErrorOr<PlanSendsShape> shape = GetPlanSendsShape(expert_ids, num_experts, num_members, capacity);
+ffi::Error PlanSendsImpl(ffi::Buffer<ffi::S32> expert_ids, std::optional<ffi::Buffer<ffi::F32>> weights,
+                         Int32Result order, Int32Result send_counts, Int32Result send_token, Int32Result send_suffix,
+                         Int32Result token_counts, Int32Result return_slot, Int32Result return_row,
+                         Int32Result dropped, int64_t num_experts, int64_t num_members, int64_t capacity) {
+  ffi::ErrorOr<PlanSendsShape> shape = GetPlanSendsShape(expert_ids, weights, num_experts, num_members, capacity);
   if (shape.has_error()) return shape.error();
   const PlanSendsShape& s = *shape;
   NCCLX_RETURN_IF_ERROR(
-      CheckPlanSendsResults(s, order, send_counts, send_token, send_tags, token_counts, return_slot, return_row,
+      CheckPlanSendsResults(s, order, send_counts, send_token, send_suffix, token_counts, return_slot, return_row,
                             dropped));
-  const PlanSendsResults all = PlanSendsData(order, send_counts, send_token, send_tags, token_counts, return_slot,
+  const PlanSendsResults all = PlanSendsData(order, send_counts, send_token, send_suffix, token_counts, return_slot,
                                              return_row, dropped);
   for (int64_t b = 0; b < s.batch; ++b) {
     const int64_t P = s.num_pairs(), S = s.num_rows(), N = s.num_members;
-    PlanSendsOne(s, expert_ids.typed_data() + b * P,
+    PlanSendsOne(s, expert_ids.typed_data() + b * P, weights.has_value() ? weights->typed_data() + b * P : nullptr,
                  {all.order + b * P, all.send_counts + b * s.num_experts, all.send_token + b * S,
-                  all.send_tags + b * S * s.top_k, all.token_counts + b * N, all.return_slot + b * P,
+                  all.send_suffix + b * S * s.suffix_words(), all.token_counts + b * N, all.return_slot + b * P,
                   all.return_row + b * s.num_tokens * N, all.dropped + b * N});
   }
   return ffi::Error::Success();
 }
 
-void PlaceReceivedOne(const PlaceReceivedShape& shape, const int32_t* tags, const int32_t* recv_tokens,
+void PlaceReceivedOne(const PlaceReceivedShape& shape, const uint8_t* received, const int32_t* recv_tokens,
                       const PlaceReceivedResults& out) {
   const int32_t N = shape.num_members, R = shape.rows_per_source, k = shape.top_k;
   const int32_t local = shape.local_experts, C = shape.capacity;
   const int32_t per_source = R * k, rows = N * C;
+  // Entry i of the tags, read as one list: tag i % k of received row i / k.
+  auto tag = [&](int32_t i) { return SuffixWord(received + i / k * shape.row_bytes + shape.suffix_offset, i % k); };
   std::vector<int32_t> counts(N * local, 0);  // [N][E_local]
   for (int32_t entry = 0; entry < N * per_source; ++entry) {
     const int32_t source = entry / per_source;
-    if ((entry % per_source) / k < recv_tokens[source] && tags[entry] >= 0) {
-      ++counts[source * local + tags[entry] % local];
+    if ((entry % per_source) / k < recv_tokens[source] && tag(entry) >= 0) {
+      ++counts[source * local + tag(entry) % local];
     }
   }
   std::vector<int32_t> by_expert(N * local);  // [E_local][N]
@@ -140,9 +150,9 @@ void PlaceReceivedOne(const PlaceReceivedShape& shape, const int32_t* tags, cons
         const int32_t x = expert_major[e * N + source] + r;
         if (x >= rows) break;
         if (first + r < C) out.to_expert_major[x] = source * C + first + r;
-        const int32_t tag = tags[source * per_source + first + r];
-        if (tag >= 0 && tag / (k * local) < R) {  // tag = (row * k + choice) * E_local + local expert
-          const int32_t row = source * R + tag / (k * local), entry = row * k + tag / local % k;
+        const int32_t value = tag(source * per_source + first + r);  // (row * k + choice) * E_local + expert
+        if (value >= 0 && value / (k * local) < R) {
+          const int32_t row = source * R + value / (k * local), entry = row * k + value / local % k;
           out.expand_rows[x] = row;
           out.pair_entry[x] = entry;
           out.row_pairs[entry] = x;
@@ -163,28 +173,40 @@ void PlaceReceivedOne(const PlaceReceivedShape& shape, const int32_t* tags, cons
     for (int32_t r = 0; r < std::clamp(recv_tokens[source], 0, R); ++r) out.send_back_rows[packed++] = source * R + r;
   }
   for (; packed < N * R; ++packed) out.send_back_rows[packed] = N * R;
+  for (int32_t r = 0; shape.with_weights && r < N * R; ++r) {
+    const uint8_t* suffix = received + r * shape.row_bytes + shape.suffix_offset;
+    for (int32_t j = 0; j < k; ++j) {
+      const int32_t bits = SuffixWord(suffix, PaddedWords(k) + j);
+      std::memcpy(out.recv_weights + r * k + j, &bits, sizeof(bits));
+    }
+  }
 }
 
-ffi::Error PlaceReceivedImpl(ffi::Buffer<ffi::S32> tags, ffi::Buffer<ffi::S32> recv_tokens, Int32Result recv_counts,
+ffi::Error PlaceReceivedImpl(ffi::AnyBuffer received, ffi::Buffer<ffi::S32> recv_tokens, Int32Result recv_counts,
                              Int32Result group_sizes, Int32Result expand_rows, Int32Result to_expert_major,
                              Int32Result to_source_major, Int32Result pair_entry, Int32Result row_pairs,
-                             Int32Result send_back_rows, int64_t local_experts, int64_t capacity) {
-  ffi::ErrorOr<PlaceReceivedShape> shape = GetPlaceReceivedShape(tags, recv_tokens, local_experts, capacity);
+                             Int32Result send_back_rows, Float32Result recv_weights, int64_t local_experts,
+                             int64_t capacity, int64_t top_k, int64_t suffix_offset, int64_t with_weights) {
+  ffi::ErrorOr<PlaceReceivedShape> shape = GetPlaceReceivedShape(received, recv_tokens, local_experts, capacity,
+                                                                 top_k, suffix_offset, with_weights);
   if (shape.has_error()) return shape.error();
   const PlaceReceivedShape& s = *shape;
   NCCLX_RETURN_IF_ERROR(
       CheckPlaceReceivedResults(s, recv_counts, group_sizes, expand_rows, to_expert_major, to_source_major,
-                                pair_entry, row_pairs, send_back_rows));
+                                pair_entry, row_pairs, send_back_rows, recv_weights));
   const PlaceReceivedResults all = PlaceReceivedData(recv_counts, group_sizes, expand_rows, to_expert_major,
-                                                     to_source_major, pair_entry, row_pairs, send_back_rows);
+                                                     to_source_major, pair_entry, row_pairs, send_back_rows,
+                                                     recv_weights);
   const int64_t rows = s.num_members * s.capacity, blocks = s.num_members * s.local_experts;
-  const int64_t received = s.num_members * s.rows_per_source;
+  const int64_t received_rows = s.num_members * s.rows_per_source;
+  const int64_t weight_columns = s.with_weights ? s.top_k : 0;
   for (int64_t b = 0; b < s.batch; ++b) {
-    PlaceReceivedOne(s, tags.typed_data() + b * s.num_members * s.rows_per_source * s.top_k,
+    PlaceReceivedOne(s, static_cast<const uint8_t*>(received.untyped_data()) + b * received_rows * s.row_bytes,
                      recv_tokens.typed_data() + b * s.num_members,
                      {all.recv_counts + b * blocks, all.group_sizes + b * s.local_experts, all.expand_rows + b * rows,
                       all.to_expert_major + b * rows, all.to_source_major + b * rows, all.pair_entry + b * rows,
-                      all.row_pairs + b * received * s.top_k, all.send_back_rows + b * received});
+                      all.row_pairs + b * received_rows * s.top_k, all.send_back_rows + b * received_rows,
+                      all.recv_weights + b * received_rows * weight_columns});
   }
   return ffi::Error::Success();
 }

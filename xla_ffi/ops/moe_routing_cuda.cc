@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <optional>
 
 #include "common/checks.h"
 #include "common/nccl_comms.h"
@@ -13,38 +14,43 @@
 namespace jax_ncclx {
 namespace {
 
-ffi::Error PlanSendsImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> expert_ids, Int32Result order,
-                         Int32Result send_counts, Int32Result send_token, Int32Result send_tags,
-                         Int32Result token_counts, Int32Result return_slot, Int32Result return_row,
-                         Int32Result dropped, ffi::Result<ffi::AnyBuffer> scratch, int64_t num_experts,
-                         int64_t num_members, int64_t capacity) {
-  ffi::ErrorOr<PlanSendsShape> shape = GetPlanSendsShape(expert_ids, num_experts, num_members, capacity);
+ffi::Error PlanSendsImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> expert_ids,
+                         std::optional<ffi::Buffer<ffi::F32>> weights, Int32Result order, Int32Result send_counts,
+                         Int32Result send_token, Int32Result send_suffix, Int32Result token_counts,
+                         Int32Result return_slot, Int32Result return_row, Int32Result dropped,
+                         ffi::Result<ffi::AnyBuffer> scratch, int64_t num_experts, int64_t num_members,
+                         int64_t capacity) {
+  ffi::ErrorOr<PlanSendsShape> shape = GetPlanSendsShape(expert_ids, weights, num_experts, num_members, capacity);
   if (shape.has_error()) return shape.error();
   NCCLX_RETURN_IF_ERROR(
-      CheckPlanSendsResults(*shape, order, send_counts, send_token, send_tags, token_counts, return_slot,
+      CheckPlanSendsResults(*shape, order, send_counts, send_token, send_suffix, token_counts, return_slot,
                             return_row, dropped));
   NCCLX_RETURN_IF_ERROR(CheckDims(kPlanSendsOp, "scratch", scratch->dimensions(), {PlanSendsScratchBytes(*shape)}));
   return CheckCuda(kPlanSendsOp, "kernel launch",
-                   LaunchPlanSends(*shape, expert_ids.typed_data(),
-                                   PlanSendsData(order, send_counts, send_token, send_tags, token_counts,
+                   LaunchPlanSends(*shape, expert_ids.typed_data(), weights ? weights->typed_data() : nullptr,
+                                   PlanSendsData(order, send_counts, send_token, send_suffix, token_counts,
                                                  return_slot, return_row, dropped),
                                    static_cast<int32_t*>(scratch->untyped_data()), stream));
 }
 
-ffi::Error PlaceReceivedImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> tags, ffi::Buffer<ffi::S32> recv_tokens,
+ffi::Error PlaceReceivedImpl(cudaStream_t stream, ffi::AnyBuffer received, ffi::Buffer<ffi::S32> recv_tokens,
                              Int32Result recv_counts, Int32Result group_sizes, Int32Result expand_rows,
                              Int32Result to_expert_major, Int32Result to_source_major, Int32Result pair_entry,
-                             Int32Result row_pairs, Int32Result send_back_rows, int64_t local_experts,
-                             int64_t capacity) {
-  ffi::ErrorOr<PlaceReceivedShape> shape = GetPlaceReceivedShape(tags, recv_tokens, local_experts, capacity);
+                             Int32Result row_pairs, Int32Result send_back_rows, Float32Result recv_weights,
+                             int64_t local_experts, int64_t capacity, int64_t top_k, int64_t suffix_offset,
+                             int64_t with_weights) {
+  ffi::ErrorOr<PlaceReceivedShape> shape = GetPlaceReceivedShape(received, recv_tokens, local_experts, capacity,
+                                                                 top_k, suffix_offset, with_weights);
   if (shape.has_error()) return shape.error();
   NCCLX_RETURN_IF_ERROR(
       CheckPlaceReceivedResults(*shape, recv_counts, group_sizes, expand_rows, to_expert_major, to_source_major,
-                                pair_entry, row_pairs, send_back_rows));
+                                pair_entry, row_pairs, send_back_rows, recv_weights));
   return CheckCuda(kPlaceReceivedOp, "kernel launch",
-                   LaunchPlaceReceived(*shape, tags.typed_data(), recv_tokens.typed_data(),
+                   LaunchPlaceReceived(*shape, static_cast<const uint8_t*>(received.untyped_data()),
+                                       recv_tokens.typed_data(),
                                        PlaceReceivedData(recv_counts, group_sizes, expand_rows, to_expert_major,
-                                                         to_source_major, pair_entry, row_pairs, send_back_rows),
+                                                         to_source_major, pair_entry, row_pairs, send_back_rows,
+                                                         recv_weights),
                                        stream));
 }
 

@@ -136,7 +136,7 @@ __device__ void WalkSegment(const int32_t* __restrict__ ids, int32_t num_experts
 // fewer warps sort when there are many experts.
 __global__ void __launch_bounds__(kThreads)
     PlanSendsKernel(PlanSendsShape shape, int sort_warps, const int32_t* __restrict__ expert_ids,
-                    PlanSendsResults out, int32_t* __restrict__ scratch) {
+                    const float* __restrict__ all_weights, PlanSendsResults out, int32_t* __restrict__ scratch) {
   Cluster cluster;
   const int32_t blocks = cluster.blocks, rank = cluster.rank;
   const int32_t E = shape.num_experts, N = shape.num_members, local = shape.local_experts();
@@ -147,7 +147,8 @@ __global__ void __launch_bounds__(kThreads)
   int32_t* __restrict__ order = out.order + b * P;
   int32_t* __restrict__ return_slot = out.return_slot + b * P;
   int32_t* __restrict__ send_token = out.send_token + b * S;
-  int32_t* __restrict__ tags = out.send_tags + b * S * k;
+  const int32_t words = shape.suffix_words(), padded = PaddedWords(k);
+  int32_t* __restrict__ suffix = out.send_suffix + b * S * words;
   // Per (member, token): first 1 if the token goes to the member, then its send row (or -1).
   int32_t* __restrict__ row_of = scratch + b * NT;
 
@@ -165,7 +166,7 @@ __global__ void __launch_bounds__(kThreads)
   if (tid == 0) key_start[E + 1] = P;
   for (int32_t i = thread; i < NT; i += threads) row_of[i] = 0;
   for (int32_t i = thread; i < S; i += threads) send_token[i] = T;
-  for (int32_t i = thread; i < S * k; i += threads) tags[i] = -1;
+  for (int32_t i = thread; i < S * words; i += threads) suffix[i] = i % words < padded ? -1 : 0;
   __syncthreads();
 
   const int32_t segments = blocks * sort_warps;
@@ -249,6 +250,9 @@ __global__ void __launch_bounds__(kThreads)
     const bool sent = row >= 0 && row < S;
     if (sent) send_token[row] = token;
     out.return_row[(b * T + token) * N + member] = sent ? member * R + row - first_row[member] : N * R;
+    for (int32_t j = 0; sent && all_weights != nullptr && j < k; ++j) {  // the token's weights, as bits
+      suffix[row * words + padded + j] = __float_as_int(all_weights[(b * T + token) * k + j]);
+    }
   }
   // Member m's tag entries, from row first_row[m]: its delivered pairs in the order (a pair's return slot
   // is m * C + its place among them), each as the token's row (counted from m's first row), the pair's
@@ -258,7 +262,7 @@ __global__ void __launch_bounds__(kThreads)
     if (slot >= N * C) continue;
     const int32_t member = slot / C, entry = first_row[member] * k + slot % C;
     const int32_t row = row_of[member * T + pair / k] - first_row[member];
-    if (entry < S * k) tags[entry] = (row * k + pair % k) * local + ids[pair] % local;
+    if (entry < S * k) suffix[entry / k * words + entry % k] = (row * k + pair % k) * local + ids[pair] % local;
   }
 }
 
@@ -267,7 +271,7 @@ __global__ void __launch_bounds__(kThreads)
 // itself), and walks the N * C expert-major rows, each finding its block by binary search and writing its
 // indices and its entry of the inverse table row_pairs; then the packed send-back rows.
 __global__ void __launch_bounds__(kThreads)
-    PlaceReceivedKernel(PlaceReceivedShape shape, const int32_t* __restrict__ all_tags,
+    PlaceReceivedKernel(PlaceReceivedShape shape, const uint8_t* __restrict__ all_received,
                         const int32_t* __restrict__ all_recv_tokens, PlaceReceivedResults out) {
   Cluster cluster;
   const int32_t cluster_blocks = cluster.blocks, rank = cluster.rank;
@@ -275,7 +279,11 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t local = shape.local_experts, C = shape.capacity;
   const int32_t blocks = N * local, per_source = R * k, rows = N * C, entries = N * per_source;
   const int64_t b = blockIdx.x;
-  const int32_t* __restrict__ tags = all_tags + b * entries;
+  const uint8_t* __restrict__ received = all_received + b * N * R * shape.row_bytes;
+  // Entry i of the tags, read as one list: tag i % k in the suffix of received row i / k.
+  auto tag_at = [&](int32_t i) {
+    return SuffixWord(received + i / k * shape.row_bytes + shape.suffix_offset, i % k);
+  };
   const int32_t* __restrict__ recv_tokens = all_recv_tokens + b * N;
   int32_t* __restrict__ expand_rows = out.expand_rows + b * rows;
   int32_t* __restrict__ to_expert_major = out.to_expert_major + b * rows;
@@ -298,7 +306,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int32_t entry = thread; entry < entries; entry += threads) row_pairs[entry] = rows;  // before the barrier below
   __syncthreads();
   for (int32_t entry = thread; entry < entries; entry += threads) {
-    const int32_t source = entry / per_source, tag = tags[entry];
+    const int32_t source = entry / per_source, tag = tag_at(entry);
     if ((entry % per_source) / k < recv_tokens[source] && tag >= 0) {
       atomicAdd(&my_counts[source * local + tag % local], 1);
     }
@@ -321,7 +329,7 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t total = Scan(
       cluster, blocks, /*across_cluster=*/false, [&](int32_t j) { return counts[(j % N) * local + j / N]; },
       [&](int32_t j, int32_t start, int32_t) { expert_major[j] = start; }, scan);
-  const int32_t received = Scan(
+  const int32_t delivered = Scan(
       cluster, N, /*across_cluster=*/false, [&](int32_t i) { return min(max(recv_tokens[i], 0), R); },
       [&](int32_t i, int32_t start, int32_t) { packed_start[i] = start; }, scan);
 
@@ -341,7 +349,7 @@ __global__ void __launch_bounds__(kThreads)
       // Source i's tags list its pairs sorted by expert: expert e's start after its earlier experts'.
       const int32_t in_list = source_major[source * local + e] - source_major[source * local] + x - expert_major[j];
       if (in_list < C) expert_row = source * C + in_list;
-      const int32_t tag = tags[source * per_source + in_list];  // (row * k + choice) * E_local + local expert
+      const int32_t tag = tag_at(source * per_source + in_list);  // (row * k + choice) * E_local + local expert
       if (tag >= 0 && tag / (k * local) < R) {
         expand = source * R + tag / (k * local);
         entry = expand * k + tag / local % k;
@@ -357,11 +365,15 @@ __global__ void __launch_bounds__(kThreads)
   }
   for (int32_t s = thread; s < N * R; s += threads) {
     int32_t back = N * R;
-    if (s < received) {
+    if (s < delivered) {
       const int32_t source = BlockAt(packed_start, N, s);
       back = source * R + s - packed_start[source];
     }
     send_back_rows[s] = back;
+  }
+  for (int32_t i = thread; shape.with_weights && i < N * R * k; i += threads) {  // the weights, as floats
+    const uint8_t* suffix = received + i / k * shape.row_bytes + shape.suffix_offset;
+    out.recv_weights[b * N * R * k + i] = __int_as_float(SuffixWord(suffix, PaddedWords(k) + i % k));
   }
 }
 
@@ -395,8 +407,8 @@ int64_t PlanSendsScratchBytes(const PlanSendsShape& shape) {
   return shape.batch * shape.num_members * shape.num_tokens * static_cast<int64_t>(sizeof(int32_t));
 }
 
-cudaError_t LaunchPlanSends(const PlanSendsShape& shape, const int32_t* expert_ids, const PlanSendsResults& results,
-                            int32_t* scratch, cudaStream_t stream) {
+cudaError_t LaunchPlanSends(const PlanSendsShape& shape, const int32_t* expert_ids, const float* weights,
+                            const PlanSendsResults& results, int32_t* scratch, cudaStream_t stream) {
   if (shape.batch == 0) return cudaSuccess;
   const int blocks = ClusterBlocks(shape.num_pairs());
   // As many sorting warps as shared memory allows, but no more than 32 pairs each fill: every warp costs
@@ -407,15 +419,15 @@ cudaError_t LaunchPlanSends(const PlanSendsShape& shape, const int32_t* expert_i
   const int64_t sort_warps = std::clamp<int64_t>(std::min(fit, needed), 1, kWarps);
   const size_t bytes = (2 * sort_warps * (shape.num_experts + 1) + fixed) * sizeof(int32_t);
   return LaunchClusters(PlanSendsKernel, shape.batch, blocks, bytes, stream, shape, static_cast<int>(sort_warps),
-                        expert_ids, results, scratch);
+                        expert_ids, weights, results, scratch);
 }
 
-cudaError_t LaunchPlaceReceived(const PlaceReceivedShape& shape, const int32_t* tags, const int32_t* recv_tokens,
+cudaError_t LaunchPlaceReceived(const PlaceReceivedShape& shape, const uint8_t* received, const int32_t* recv_tokens,
                                 const PlaceReceivedResults& results, cudaStream_t stream) {
   if (shape.batch == 0) return cudaSuccess;
   const size_t bytes = (4 * shape.num_members * shape.local_experts + shape.num_members) * sizeof(int32_t);
   const int64_t work = shape.num_members * std::max(shape.rows_per_source * shape.top_k, shape.capacity);
-  return LaunchClusters(PlaceReceivedKernel, shape.batch, ClusterBlocks(work), bytes, stream, shape, tags,
+  return LaunchClusters(PlaceReceivedKernel, shape.batch, ClusterBlocks(work), bytes, stream, shape, received,
                         recv_tokens, results);
 }
 

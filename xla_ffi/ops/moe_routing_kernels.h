@@ -14,12 +14,14 @@ namespace jax_ncclx {
 // Bytes of device scratch LaunchPlanSends needs: an int32 per (batch element, member, token).
 int64_t PlanSendsScratchBytes(const PlanSendsShape& shape);
 
-// expert_ids: [B, T, k] int32. Requires E <= kMaxRoutingExperts and every index below 2^31.
-cudaError_t LaunchPlanSends(const PlanSendsShape& shape, const int32_t* expert_ids, const PlanSendsResults& results,
-                            int32_t* scratch, cudaStream_t stream);
+// expert_ids: [B, T, k] int32; weights: [B, T, k] float32 when shape.with_weights, else null. Requires
+// E <= kMaxRoutingExperts and every index below 2^31.
+cudaError_t LaunchPlanSends(const PlanSendsShape& shape, const int32_t* expert_ids, const float* weights,
+                            const PlanSendsResults& results, int32_t* scratch, cudaStream_t stream);
 
-// tags: [B, N * R, k] int32, the received rows' tags; recv_tokens: [B, N] rows each source delivered.
-cudaError_t LaunchPlaceReceived(const PlaceReceivedShape& shape, const int32_t* tags, const int32_t* recv_tokens,
+// received: [B, N * R, row_bytes], the exchange's rows with their suffixes at shape.suffix_offset; recv_tokens:
+// [B, N] rows each source delivered.
+cudaError_t LaunchPlaceReceived(const PlaceReceivedShape& shape, const uint8_t* received, const int32_t* recv_tokens,
                                 const PlaceReceivedResults& results, cudaStream_t stream);
 
 }  // namespace jax_ncclx
