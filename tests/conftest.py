@@ -1,5 +1,6 @@
 """Test setup: 8 virtual CPU devices for the CPU backend, and a ``backend`` fixture that runs each test on
-CPU and, where GPUs and the CUDA build exist, on GPU (those params are marked ``gpu``)."""
+CPU and, where GPUs and the CUDA build exist, on GPU (those params are marked ``gpu``); ``one_device`` does
+the same with one device, for the local ops."""
 
 import os
 
@@ -23,11 +24,11 @@ def gpu_devices():
         return []
 
 
-def gpu_skip_reason():
+def gpu_skip_reason(minimum=2):
     import jax_ncclx
 
-    if len(gpu_devices()) < 2:
-        return "needs at least 2 GPUs"
+    if len(gpu_devices()) < minimum:
+        return f"needs at least {minimum} GPU{'s' if minimum > 1 else ''}"
     info = jax_ncclx.build_info()
     return None if info["cuda"] else f"jax_ncclx CUDA build unavailable: {info['cuda_status']}"
 
@@ -49,6 +50,18 @@ def backend(request):
             pytest.skip(reason)
         return gpu_devices()
     return jax.devices("cpu")
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def one_device(request):
+    """One device of a backend, for the local ops (no communication): CPU, or the first GPU of any machine
+    with one."""
+    if request.param == "gpu":
+        reason = gpu_skip_reason(minimum=1)
+        if reason:
+            pytest.skip(reason)
+        return gpu_devices()[0]
+    return jax.devices("cpu")[0]
 
 
 @pytest.fixture

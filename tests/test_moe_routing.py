@@ -41,18 +41,18 @@ ROUTINGS = {name: (ids, experts, capacity) for name, ids, experts, capacity in r
 WEIGHTED = ("random_tight", "k_above_members", "one_token", "two_blocks")  # also run with router weights
 
 
-def on_device(backend):
-    return functools.partial(jax.device_put, device=backend[0])
+def on_device(device):
+    return functools.partial(jax.device_put, device=device)
 
 
 @pytest.mark.parametrize("name, weighted", [(n, False) for n in ROUTINGS] + [(n, True) for n in WEIGHTED])
-def test_plan_and_place_match_reference(backend, name, weighted):
+def test_plan_and_place_match_reference(one_device, name, weighted):
     """Each member plans its sends; the suffixes travel as the exchange would move them; each member places
     them."""
     ids, num_experts, capacity = ROUTINGS[name]
     num_members, num_tokens, top_k = ids.shape
     weights = np.random.default_rng(3).standard_normal(ids.shape).astype(np.float32) if weighted else [None] * len(ids)
-    put = on_device(backend)
+    put = on_device(one_device)
     plan = jax.jit(functools.partial(moe_routing.plan_sends, num_experts=num_experts, num_members=num_members,
                                      capacity=capacity))
     expected_plans = [moe_plan_sends(i, num_experts, num_members, capacity, w) for i, w in zip(ids, weights)]
@@ -71,7 +71,7 @@ def test_plan_and_place_match_reference(backend, name, weighted):
             np.testing.assert_array_equal(actual[field], value, err_msg=f"member {member}: {field}")
 
 
-def test_place_received_reads_unaligned_suffixes(backend):
+def test_place_received_reads_unaligned_suffixes(one_device):
     """Suffixes after a token of 3 bytes (uint8 rows): the same placement as aligned ones."""
     ids, num_experts, capacity = ROUTINGS["random_tight"]
     num_members, num_tokens, top_k = ids.shape
@@ -80,7 +80,7 @@ def test_place_received_reads_unaligned_suffixes(backend):
     suffixes, recv_tokens = moe_exchange_suffixes(plans, min(capacity, num_tokens))[0]
     rows = np.concatenate([np.full((len(suffixes), 3), 7, np.uint8), suffixes.view(np.uint8)], axis=1)
     local = num_experts // num_members
-    put = on_device(backend)
+    put = on_device(one_device)
     actual = jax.jit(functools.partial(moe_routing.place_received, local_experts=local, capacity=capacity,
                                        top_k=top_k, suffix_offset=3, with_weights=True))(put(rows), put(recv_tokens))
     for field, value in moe_place_received(suffixes, recv_tokens, local, capacity, top_k, True).items():
@@ -88,7 +88,7 @@ def test_place_received_reads_unaligned_suffixes(backend):
 
 
 @pytest.mark.parametrize("capacity", [3, 40])
-def test_place_received_survives_corrupted_tags(backend, capacity):
+def test_place_received_survives_corrupted_tags(one_device, capacity):
     """Tags and counts that no sender wrote (negative, huge, unsorted, more than fit) still give indices within
     their documented ranges, the same on CPU and GPU."""
     rng = np.random.default_rng(1)
@@ -96,7 +96,7 @@ def test_place_received_survives_corrupted_tags(backend, capacity):
     tags = rng.integers(-5, 40, size=(num_members * rows_per_source, 4)).astype(np.int32)  # k = 3, padded
     tags[0, 0] = np.iinfo(np.int32).max
     recv_tokens = np.array([rows_per_source, 0, 2, rows_per_source + 9], np.int32)  # the last one lies
-    put = on_device(backend)
+    put = on_device(one_device)
     actual = jax.jit(functools.partial(moe_routing.place_received, local_experts=local, capacity=capacity,
                                        top_k=top_k, suffix_offset=0))(put(tags), put(recv_tokens))._asdict()
     expected = moe_place_received(tags, recv_tokens, local, capacity, top_k)
@@ -118,7 +118,7 @@ def test_place_received_survives_corrupted_tags(backend, capacity):
             assert x == num_members * capacity, entry
 
 
-def test_vmap_is_one_call(backend):
+def test_vmap_is_one_call(one_device):
     """vmap over a batch of routings: one custom call each, equal to the routings one by one."""
     ids, num_experts, capacity = ROUTINGS["random_tight"]
     num_members = ids.shape[0]
@@ -126,7 +126,7 @@ def test_vmap_is_one_call(backend):
                              capacity=capacity)
     text = jax.jit(jax.vmap(plan)).lower(ids).as_text()
     assert text.count("ncclx_moe_plan_sends") == 1
-    batched = jax.jit(jax.vmap(plan))(on_device(backend)(ids))
+    batched = jax.jit(jax.vmap(plan))(on_device(one_device)(ids))
     for member in range(num_members):
         for field, value in moe_plan_sends(ids[member], num_experts, num_members, capacity).items():
             np.testing.assert_array_equal(getattr(batched, field)[member], value, err_msg=field)
@@ -138,7 +138,7 @@ def test_vmap_is_one_call(backend):
     top_k = ids.shape[2]
     place = functools.partial(moe_routing.place_received, local_experts=num_experts // num_members,
                               capacity=capacity, top_k=top_k, suffix_offset=0)
-    batched = jax.jit(jax.vmap(place))(on_device(backend)(suffixes), on_device(backend)(recv_tokens))
+    batched = jax.jit(jax.vmap(place))(on_device(one_device)(suffixes), on_device(one_device)(recv_tokens))
     for member in range(num_members):
         expected = moe_place_received(suffixes[member], recv_tokens[member], num_experts // num_members, capacity,
                                       top_k)

@@ -25,8 +25,8 @@ def random_array(rng, shape, dtype):
     return np.asarray(jnp.asarray(rng.standard_normal(shape), dtype))
 
 
-def put(backend, *arrays):
-    return [jax.device_put(a, backend[0]) for a in arrays]
+def put(device, *arrays):
+    return [jax.device_put(a, device) for a in arrays]
 
 
 # (name, dtype, x columns, width, suffix columns): 16-byte rows, 4-byte rows, and odd bytes.
@@ -40,37 +40,37 @@ CASES = [
 
 
 @pytest.mark.parametrize("name, dtype, columns, width, suffix_columns", CASES, ids=[c[0] for c in CASES])
-def test_matches_numpy(backend, name, dtype, columns, width, suffix_columns):
+def test_matches_numpy(one_device, name, dtype, columns, width, suffix_columns):
     rng = np.random.default_rng(0)
     x = random_array(rng, (50, columns), dtype)
     index = rng.integers(-5, 60, size=300).astype(np.int32)  # about one in six outside [0, 50)
     index[:4] = [-1, 50, 2**31 - 1, -(2**31)]
     suffix = random_array(rng, (300, suffix_columns), dtype) if suffix_columns else None
     fn = jax.jit(functools.partial(take_rows, width=width))
-    args = put(backend, x, index) + ([] if suffix is None else put(backend, suffix))
+    args = put(one_device, x, index) + ([] if suffix is None else put(one_device, suffix))
     actual = fn(*args[:2], suffix=args[2] if suffix is not None else None)
     np.testing.assert_array_equal(np.asarray(actual), expected_rows(x, index, width, suffix))
 
 
-def test_vmap_is_one_call(backend):
+def test_vmap_is_one_call(one_device):
     rng = np.random.default_rng(1)
     x = random_array(rng, (3, 20, 64), jnp.bfloat16)
     index = rng.integers(-2, 22, size=(3, 40)).astype(np.int32)
     suffix = random_array(rng, (3, 40, 8), jnp.bfloat16)
     fn = jax.vmap(lambda x, index, suffix: take_rows(x, index, width=60, suffix=suffix))
     assert jax.jit(fn).lower(x, index, suffix).as_text().count("ncclx_take_rows") == 1
-    actual = jax.jit(fn)(*put(backend, x, index, suffix))
+    actual = jax.jit(fn)(*put(one_device, x, index, suffix))
     for b in range(3):
         np.testing.assert_array_equal(np.asarray(actual[b]), expected_rows(x[b], index[b], 60, suffix[b]))
 
 
-def test_gradient_adds_rows_back(backend):
+def test_gradient_adds_rows_back(one_device):
     """The VJP adds each output row's cotangent into the row it came from; the suffix gets its own columns."""
     rng = np.random.default_rng(2)
     x, suffix = rng.standard_normal((10, 6)).astype(np.float32), rng.standard_normal((7, 2)).astype(np.float32)
     index = np.array([3, 3, -1, 9, 10, 0, 3], np.int32)
     weights = rng.standard_normal((7, 6)).astype(np.float32)
-    x_d, index_d, suffix_d, weights_d = put(backend, x, index, suffix, weights)
+    x_d, index_d, suffix_d, weights_d = put(one_device, x, index, suffix, weights)
 
     def loss(x, suffix):
         return jnp.sum(take_rows(x, index_d, width=4, suffix=suffix) * weights_d)
