@@ -363,8 +363,7 @@ def _combine_reduced_bwd(residuals, ct_out):
     weights = _pair_weights(handle)
     per_row = jnp.take(weights.reshape(-1), handle.pair_entry, mode="fill", fill_value=0)
     ct_expert_out = (take_rows(received, handle.expand_rows).astype(jnp.float32) * per_row[:, None])
-    picked = _gather_rows(expert_out, handle.row_pairs.reshape(-1)).reshape(*weights.shape, -1)
-    ct_weights = jnp.sum(picked.astype(jnp.float32) * received.astype(jnp.float32)[:, None, :], axis=2)
+    ct_weights = jnp.sum(_pairs_of_rows(expert_out, handle) * received.astype(jnp.float32)[:, None, :], axis=2)
     # Choices of other members (or dropped) picked zero rows, so their weights get zero cotangents.
     ct_handle = dataclasses.replace(handle, **{**{f: None for f in _ARRAY_FIELDS}, "recv_weights": ct_weights})
     return ct_expert_out.astype(expert_out.dtype), ct_handle
@@ -428,12 +427,18 @@ def _pair_weights(handle):
     return jnp.where(handle.row_pairs < handle.expand_rows.shape[0], handle.recv_weights, 0.0)
 
 
+def _pairs_of_rows(expert_rows, handle):
+    """``[N * C, H']`` expert-major rows -> float32 ``[N * R, k, H']``: the rows of each received row's pairs,
+    zero where a choice is not this member's."""
+    picked = _gather_rows(expert_rows, handle.row_pairs.reshape(-1))
+    return picked.reshape(*handle.row_pairs.shape, -1).astype(jnp.float32)
+
+
 def _reduce_back(expert_rows, weights, handle):
     """``[N * C, H']`` expert-major rows -> float32 ``[T, H']`` on the token side: each member sums the rows
     of each token's pairs in float32, weighted by ``weights`` (``[N * R, k]``, None: unit weights), and sends
     one row per token back in expert_rows' dtype."""
-    picked = _gather_rows(expert_rows, handle.row_pairs.reshape(-1)).reshape(*handle.row_pairs.shape, -1)
-    picked = picked.astype(jnp.float32)
+    picked = _pairs_of_rows(expert_rows, handle)
     summed = picked.sum(axis=1) if weights is None else jnp.sum(picked * weights[:, :, None], axis=1)
     return _return_per_token(summed.astype(expert_rows.dtype), handle)
 

@@ -16,7 +16,6 @@ requested rows that did not reach peer j, with a negative count contributing its
 ``dropped`` flags overflow or bad counts.
 """
 
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +29,8 @@ from jax_ncclx._src import config
 from jax_ncclx._src import lib
 from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
+from jax_ncclx._src.ops.take_rows import add_rows
+from jax_ncclx._src.ops.take_rows import outside_to_end
 
 LAYOUTS = ("padded", "packed")
 
@@ -103,17 +104,11 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
         primitive.ensure_varying(x, axis_name)[None], counts, *index, axis_name=axis_name,
         capacity=int(max_recv_per_peer), packed=layout == "packed")
     if config.current().checksum:
-        sent = x if send_rows is None else jnp.take(x, _outside_to_end(index[0][0], x.shape[0]), axis=0,
+        sent = x if send_rows is None else jnp.take(x, outside_to_end(index[0][0], x.shape[0]), axis=0,
                                                       mode="fill", fill_value=0)
         checksum.verify_all_to_allv(axis_name, sent, counts[0], y[0], recv_counts[0], int(max_recv_per_peer),
                                     layout == "packed")
     return y[0], recv_counts.reshape(counts_shape), dropped[0]
-
-
-def _outside_to_end(index, num_rows):
-    """send_rows with every index outside ``[0, num_rows)`` moved to num_rows: jnp's gathers and scatters would
-    wrap a negative index, where send_rows sends a zero row."""
-    return jnp.where((index >= 0) & (index < num_rows), index, num_rows)
 
 
 all_to_allv_dynamic_p = primitive.make_collective("all_to_allv_dynamic", multiple_results=True)
@@ -162,11 +157,8 @@ def _cuda_route(ctx, comm_id, size, *, capacity, packed):
 
 def _batching(axis_data, args, dims, *, axis_name, capacity, packed):
     primitive.reject_collective_axis_vmap(axis_data, axis_name, "all_to_allv_dynamic")
-    args = [batching.bdim_at_front(a, d, axis_data.size) for a, d in zip(args, dims)]
-    vmapped, batch = args[0].shape[:2]
-    outs = all_to_allv_dynamic_p.bind(*(a.reshape(vmapped * batch, *a.shape[2:]) for a in args),
-                                      axis_name=axis_name, capacity=capacity, packed=packed)
-    return [out.reshape(vmapped, batch, *out.shape[1:]) for out in outs], [0, 0, 0]
+    return primitive.fold_vmap_into_batch(all_to_allv_dynamic_p, axis_data, args, dims, axis_name=axis_name,
+                                          capacity=capacity, packed=packed)
 
 
 def _jvp(primals, tangents, *, axis_name, capacity, packed):
@@ -220,9 +212,7 @@ def _transpose(cts, x, counts, *send_rows, axis_name, capacity, packed):
     ct_sent = jnp.where(mask, gathered, jnp.zeros((), ct_y.dtype))
     if not send_rows:
         return [ct_sent, None]
-    index = _outside_to_end(send_rows[0], source_rows)
-    ct_x = jnp.zeros(x.aval.shape, ct_y.dtype).at[jnp.arange(batch)[:, None], index].add(ct_sent, mode="drop")
-    return [ct_x, None, None]
+    return [add_rows(x.aval.shape, send_rows[0], ct_sent), None, None]
 
 
 all_to_allv_dynamic_p.def_effectful_abstract_eval(_abstract_eval)

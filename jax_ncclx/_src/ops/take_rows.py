@@ -58,6 +58,21 @@ def take_rows(x, index, *, width: int | None = None, suffix=None):
     return take_rows_p.bind(*operands, width=int(width))[0]
 
 
+def outside_to_end(index, num_rows):
+    """``index`` with every entry outside ``[0, num_rows)`` moved to num_rows: jnp's gathers and scatters would
+    wrap a negative index, where take_rows (and all_to_allv_dynamic's send_rows) reads a zero row."""
+    return jnp.where((index >= 0) & (index < num_rows), index, num_rows)
+
+
+def add_rows(shape, index, rows):
+    """zeros(shape) (``[B, X, ...]``) with ``rows[b, i]`` (``[B, M, ...]``, at most as wide) added into the
+    leading part of row ``index[b, i]``, dropped where the index is outside ``[0, X)``: the transpose of
+    reading rows by an index."""
+    batch, num_rows = shape[:2]
+    where = (jnp.arange(batch)[:, None], outside_to_end(index, num_rows), *(slice(0, n) for n in rows.shape[2:]))
+    return jnp.zeros(shape, rows.dtype).at[where].add(rows, mode="drop")
+
+
 take_rows_p = primitive.make_local("take_rows")
 
 
@@ -79,12 +94,7 @@ def _transpose(ct, x, index, *suffix, width):
     """Adds each cotangent row's first W columns into the row of x it was taken from (none for an index
     outside x); the rest of the row is the suffix's cotangent."""
     ct = ad.instantiate_zeros(ct)
-    ct_x = None
-    if ad.is_undefined_primal(x):
-        batch, source_rows, columns = x.aval.shape
-        rows = jnp.where((index >= 0) & (index < source_rows), index, source_rows)
-        ct_x = jnp.zeros((batch, source_rows, columns), ct.dtype).at[
-            jnp.arange(batch)[:, None], rows, :width].add(ct[:, :, :width], mode="drop")
+    ct_x = add_rows(x.aval.shape, index, ct[:, :, :width]) if ad.is_undefined_primal(x) else None
     ct_suffix = [ct[:, :, width:] if ad.is_undefined_primal(s) else None for s in suffix]
     return [ct_x, None, *ct_suffix]
 
