@@ -98,6 +98,38 @@ def test_nvlink_thresholds_by_gpu_count_and_op(monkeypatch):
     assert config.nvlink_thresholds(8, "all_gather") == (64, 1024)
 
 
+def test_nvlink_protocol_setting_and_its_slots(monkeypatch):
+    """JAX_NCCLX_NVLINK_PROTOCOL takes NCCL's protocol names; the slots a one-shot call needs follow it: LL128
+    lines (120 payload bytes per 128) take less than LL words (4 per 8), and a segment past 64 KiB or of
+    a size that is not whole 4-byte words goes simple whatever the setting."""
+    from jax_ncclx._src import config
+    from jax_ncclx._src import lib
+
+    monkeypatch.delenv("JAX_NCCLX_NVLINK_PROTOCOL", raising=False)
+    assert config.current().nvlink_protocol == "ll128"
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_PROTOCOL", "LL")
+    assert config.current().nvlink_protocol == "ll"
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_PROTOCOL", "ll64")
+    with pytest.raises(ValueError, match="JAX_NCCLX_NVLINK_PROTOCOL='ll64' is not valid: it must be one of "
+                                         "ll128, ll, simple"):
+        config.current()
+    cuda = lib.cuda_module_if_available()
+    if cuda is None:
+        return  # the slot sizes come from the CUDA module, built where nvcc is
+    ll128, ll, simple = (config.NVLINK_PROTOCOLS.index(p) for p in ("ll128", "ll", "simple"))
+
+    def slots(protocol, nbytes, op="all_reduce", size=4):
+        return cuda.nvlink_collective_bytes(op, 1, protocol, nbytes, size, 4)
+
+    assert slots(ll128, 65536) == 4 * 70144  # per source: 547 lines of 128 B (65536 / 120 up), 256-byte steps
+    assert slots(ll128, 65536) < slots(ll, 65536) < slots(simple, 65536)
+    assert slots(ll128, 8) == slots(ll128, 120) == 4 * 256
+    assert slots(ll128, 65540) == slots(ll, 65540) == slots(simple, 65540)
+    assert slots(ll128, 6, size=4) == slots(simple, 6, size=4)
+    with pytest.raises(ValueError, match="protocol 3"):
+        cuda.nvlink_collective_bytes("all_reduce", 1, 3, 8, 4, 4)
+
+
 def test_build_info():
     info = nx.build_info()
     assert info["cpu"] is True and info["jax_version"] == jax.__version__

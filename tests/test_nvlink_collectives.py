@@ -1,6 +1,7 @@
 """The NVLink kernels of all_reduce / all_gather / all_to_all (GPU only).
 
-Each algorithm (forced through the thresholds) against an exact NumPy reference for every size class and dtype:
+Each algorithm and one-shot protocol (LL128 lines, LL words, simple; forced through the thresholds and
+JAX_NCCLX_NVLINK_PROTOCOL) against an exact NumPy reference for every size class and dtype:
 all_reduce sums in rank order with 16-bit floats accumulated in float32 and rounded once, so the expected bits
 are known exactly, and every rank must hold the same bits. Flags and slots are reused over thousands of calls
 that mix ops and algorithms in one program, and the lowering picks the algorithm by size. Sub-communicators of a
@@ -22,12 +23,14 @@ from conftest import gpu_devices, gpu_skip_reason
 pytestmark = pytest.mark.gpu
 
 EVERYTHING = str(1 << 40)
-ALGORITHMS = {  # param -> (one-shot max bytes, NVLink max bytes)
-    "one-shot": (EVERYTHING, EVERYTHING),
-    "two-shot": ("0", EVERYTHING),
+PROTOCOLS = ("ll128", "ll", "simple")
+ALGORITHMS = {  # param -> (one-shot max bytes, NVLink max bytes, one-shot protocol)
+    **{f"one-shot-{protocol}": (EVERYTHING, EVERYTHING, protocol) for protocol in PROTOCOLS},
+    "two-shot": ("0", EVERYTHING, "ll128"),
 }
-# Elements per rank: one, odd counts (scalar path, short last chunks), 16 and 64 KiB of f32 (64 KiB: the largest
-# one-shot call sent as low-latency words), a few blocks, many blocks.
+# Elements per rank: one, odd counts (scalar path, short last chunks and lines; 16-bit odd counts are not
+# whole 4-byte words, so they go simple), 16 and 64 KiB of f32 (64 KiB: the largest one-shot call sent as LL128
+# lines or LL words), a few blocks, many blocks.
 ELEMENTS = [1, 3, 4096, 4099, 16384, 65544, 300001]
 REDUCE_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32]
 MOVE_DTYPES = [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn]
@@ -44,17 +47,20 @@ def gpus(monkeypatch):
 
 @pytest.fixture(params=ALGORITHMS)
 def algorithm(request, monkeypatch):
-    """all_reduce's algorithm, forced for every size."""
-    oneshot_max, nvlink_max = ALGORITHMS[request.param]
+    """all_reduce's algorithm (and one-shot protocol), forced for every size."""
+    oneshot_max, nvlink_max, protocol = ALGORITHMS[request.param]
     monkeypatch.setenv("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES", oneshot_max)
     monkeypatch.setenv("JAX_NCCLX_NVLINK_MAX_BYTES", nvlink_max)
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_PROTOCOL", protocol)
     return request.param
 
 
-@pytest.fixture
-def nvlink_any_size(monkeypatch):
-    """all_gather / all_to_all (one algorithm) take their NVLink kernel at every size."""
+@pytest.fixture(params=PROTOCOLS)
+def nvlink_any_size(request, monkeypatch):
+    """all_gather / all_to_all (one-shot only) take their NVLink kernel at every size, in each protocol."""
     monkeypatch.setenv("JAX_NCCLX_NVLINK_MAX_BYTES", EVERYTHING)
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_PROTOCOL", request.param)
+    return request.param
 
 
 def per_rank(devices, fn):
@@ -124,7 +130,7 @@ def test_all_gather(gpus, nvlink_any_size, dtype, elements):
         assert_bits_equal(out[rank], x.reshape(-1))
 
 
-@pytest.mark.parametrize("block", [1, 5, 1025, 16384, 16385])  # 16384 f32: 64 KiB per peer, the largest in words
+@pytest.mark.parametrize("block", [1, 5, 1025, 16384, 16385])  # 16384 f32: 64 KiB per peer, the largest in lines
 @pytest.mark.parametrize("dtype", MOVE_DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_all_to_all(gpus, nvlink_any_size, dtype, block):
     n = len(gpus)
@@ -226,19 +232,24 @@ def test_bf16_sum_accumulates_in_f32(gpus, algorithm):
         assert_bits_equal(out[rank], expected)
 
 
-def test_low_latency_words_ignore_other_calls_data(gpus, monkeypatch):
-    """Two-shot calls leave raw data in the same parity halves; data made of small integers looks exactly like
-    the tags of low-latency words. The one-shot calls that follow must still wait for their own words."""
-    monkeypatch.setenv("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES", "0")  # all_reduce: two-shot at every size
+@pytest.mark.parametrize("protocol", ["ll128", "ll"])
+@pytest.mark.parametrize("big_algorithm", ["two-shot", "one-shot"])
+def test_low_latency_flags_ignore_other_calls_data(gpus, monkeypatch, protocol, big_algorithm):
+    """Other calls leave their data in the same parity halves: two-shot calls raw data, one-shot calls of
+    another size their lines or words at other offsets. Data made of small integers looks exactly like the
+    tags of LL words and the epochs that flag LL128 lines. The small one-shot calls that follow must still
+    wait for their own lines or words."""
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES", "0" if big_algorithm == "two-shot" else EVERYTHING)
     monkeypatch.setenv("JAX_NCCLX_NVLINK_MAX_BYTES", EVERYTHING)
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_PROTOCOL", protocol)
     n, steps = len(gpus), 100
     mesh = jax.sharding.Mesh(np.asarray(gpus), ("x",))
 
     def program(big, small):
         def step(_, carry):
             big, small = carry
-            big = nx.all_reduce(big, "x") % 8191 + 1                 # two-shot: every value 1..8191 on the wire
-            small = nx.all_gather(small, "x", tiled=True)[: small.shape[0]] + big[:1]  # one-shot words
+            big = nx.all_reduce(big, "x") % 8191 + 1                 # every value 1..8191 on the wire
+            small = nx.all_gather(small, "x", tiled=True)[: small.shape[0]] + big[:1]  # one-shot, 256 B
             return big, small
         big, small = jax.lax.fori_loop(0, steps, step, (big[0], small[0]))
         return big[None], small[None]
@@ -255,3 +266,15 @@ def test_low_latency_words_ignore_other_calls_data(gpus, monkeypatch):
         rsmall = np.broadcast_to(rsmall.reshape(-1)[:64], rsmall.shape) + rbig[:, :1]
     np.testing.assert_array_equal(big, rbig)
     np.testing.assert_array_equal(small, rsmall)
+
+
+def test_protocol_reaches_the_kernel(gpus, monkeypatch):
+    """JAX_NCCLX_NVLINK_PROTOCOL becomes the one-shot call's protocol attribute (0 LL128, 1 LL, 2 simple)."""
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_MAX_BYTES", EVERYTHING)
+    n = len(gpus)
+    mesh = jax.sharding.Mesh(np.asarray(gpus), ("x",))
+    for protocol, attr in (("ll128", 0), ("ll", 1), ("simple", 2)):
+        monkeypatch.setenv("JAX_NCCLX_NVLINK_PROTOCOL", protocol)
+        f = jax.jit(jax.shard_map(lambda v: nx.all_to_all(v, "x", 0, 0, tiled=True), mesh=mesh,
+                                  in_specs=P("x"), out_specs=P("x")))
+        assert f"protocol = {attr}" in f.lower(jnp.zeros((n * n * 8,), jnp.float32)).as_text()

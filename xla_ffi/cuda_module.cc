@@ -325,7 +325,8 @@ int64_t AllToAllvStagingBytes(int64_t batch, int64_t num_peers, int64_t num_chun
   return LayOutNvlinkStaging(shape, direct).total;
 }
 
-int64_t NvlinkCollectiveBytes(const std::string& op, int algorithm, int64_t bytes, int size, int element_bytes) {
+int64_t NvlinkCollectiveBytes(const std::string& op, int algorithm, int protocol, int64_t bytes, int size,
+                              int element_bytes) {
   NvlinkCollective collective;
   if (op == "all_reduce") {
     collective = NvlinkCollective::kAllReduce;
@@ -340,10 +341,15 @@ int64_t NvlinkCollectiveBytes(const std::string& op, int algorithm, int64_t byte
     throw std::invalid_argument("nvlink_collective_bytes: algorithm " + std::to_string(algorithm) +
                                 " is not one of the op's (1 one-shot; 2 two-shot, all_reduce only)");
   }
+  if (protocol < 0 || protocol > 2) {
+    throw std::invalid_argument("nvlink_collective_bytes: protocol " + std::to_string(protocol) +
+                                " is not 0 (LL128), 1 (LL) or 2 (simple)");
+  }
   if (size < 1 || size > kMaxNvlinkRanks || element_bytes < 1 || bytes < 0) {
     throw std::invalid_argument("nvlink_collective_bytes: bad sizes");
   }
-  return NvlinkCollectiveSlotBytes(collective, static_cast<NvlinkAlgorithm>(algorithm), bytes, size, element_bytes);
+  return NvlinkCollectiveSlotBytes(collective, static_cast<NvlinkAlgorithm>(algorithm),
+                                   static_cast<NvlinkProtocol>(protocol), bytes, size, element_bytes);
 }
 
 int NcclVersion() {
@@ -437,9 +443,10 @@ NB_MODULE(_ncclx_cuda, m) {
       },
       "(host launches, launches recorded into CUDA graphs) of every NVLink handler.");
   m.def("nvlink_collective_bytes", &jn::NvlinkCollectiveBytes, nb::arg("op"), nb::arg("algorithm"),
-        nb::arg("bytes"), nb::arg("size"), nb::arg("element_bytes"),
+        nb::arg("protocol"), nb::arg("bytes"), nb::arg("size"), nb::arg("element_bytes"),
         "Low-latency slot bytes per call parity that the NVLink kernel of `op` ('all_reduce', 'all_gather',\n"
-        "'all_to_all') needs for `bytes` of input per rank on `size` ranks; algorithm 1 one-shot, 2 two-shot.");
+        "'all_to_all') needs for `bytes` of input per rank on `size` ranks; algorithm 1 one-shot, 2 two-shot;\n"
+        "protocol (one-shot) 0 LL128, 1 LL, 2 simple.");
   jn::DefineMonitorBindings(m, jn::ResolveCallRecord, jn::ResetTraceAnchors);
   m.def(
       "faults",

@@ -31,6 +31,12 @@ class Config:
       nvlink_max_bytes: all_reduce / all_gather / all_to_all inputs up to this many bytes per rank use NVLink
         kernels, larger ones NCCL (``JAX_NCCLX_NVLINK_MAX_BYTES``, every op); None (default): by GPU count
         and op. 0 sends every one of these ops to NCCL.
+      nvlink_protocol: how one-shot NVLink collectives (all_reduce, all_gather, all_to_all) move segments of up
+        to 64 KiB per peer (``JAX_NCCLX_NVLINK_PROTOCOL``, NCCL's names): ``"ll128"`` (default) 128-byte lines
+        of 120 payload bytes and a flag, which relies on NVLink delivering a warp's 128-byte store whole, as
+        NCCL's LL128 does; ``"ll"`` 8-byte words of 4 payload bytes and a tag (twice the bytes, relies only on
+        8-byte stores, for a platform where LL128 is not safe); ``"simple"`` the payload, then a flag per
+        thread block. Larger segments, and those not a multiple of 4 bytes, always use simple.
       nvlink_direct: when one process drives every GPU of the communicator, NVLink kernels write rows
         straight into the peers' outputs (``JAX_NCCLX_NVLINK_DIRECT=1``, default) instead of staging them in
         symmetric memory and copying them out (0; what one process per GPU always does).
@@ -61,6 +67,7 @@ class Config:
     nvlink_blocks: int = 0
     nvlink_oneshot_max_bytes: int | None = None
     nvlink_max_bytes: int | None = None
+    nvlink_protocol: str = "ll128"
     nvlink_direct: bool = True
     trace: bool = False
     trace_device: bool = False
@@ -128,6 +135,7 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
 
 
 TRANSPORTS = ("auto", "nvlink", "nccl")
+NVLINK_PROTOCOLS = ("ll128", "ll", "simple")  # in the order of the kernels' protocol attribute
 
 
 def _seconds(name: str, default: float) -> float:
@@ -208,6 +216,7 @@ def current() -> Config:
         nvlink_blocks=_non_negative_int("JAX_NCCLX_NVLINK_BLOCKS", Config.nvlink_blocks),
         nvlink_oneshot_max_bytes=_non_negative_int("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES", None),
         nvlink_max_bytes=_non_negative_int("JAX_NCCLX_NVLINK_MAX_BYTES", None),
+        nvlink_protocol=_choice("JAX_NCCLX_NVLINK_PROTOCOL", Config.nvlink_protocol, NVLINK_PROTOCOLS),
         nvlink_direct=_choice("JAX_NCCLX_NVLINK_DIRECT", "1", ("0", "1")) == "1",
         trace=_choice("JAX_NCCLX_TRACE", "0", ("0", "1", "device")) == "1",
         trace_device=_choice("JAX_NCCLX_TRACE", "0", ("0", "1", "device")) != "0",

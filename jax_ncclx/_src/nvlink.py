@@ -8,7 +8,8 @@ Decided while the program is lowered, from the static shapes, the communicator a
   uses NCCL, or raises with ``JAX_NCCLX_TRANSPORT=nvlink``);
 * the small-message collectives (all_reduce, all_gather, all_to_all) take their NVLink kernels only up to
   ``nvlink_max_bytes`` per rank (by GPU count and op), and all_reduce switches from one-shot to two-shot above
-  ``nvlink_oneshot_max_bytes`` (:func:`config.nvlink_thresholds`). Above that, and for reductions of dtypes
+  ``nvlink_oneshot_max_bytes`` (:func:`config.nvlink_thresholds`); one-shot segments travel in
+  ``nvlink_protocol`` (LL128 by default) where they are small enough. Above that, and for reductions of dtypes
   the kernels do not reduce, NCCL is the algorithm of choice, not a fallback: it is logged at debug level.
 """
 
@@ -49,7 +50,7 @@ def symmetric_memory_ready(op: str, comm_id: int, *, staging_bytes: int = 0, slo
 
 def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
     """The route of one all_reduce / all_gather / all_to_all call site: ``ctx`` is its lowering context, ``size``
-    its communicator's size. The NVLink handlers take the op's own attributes plus ``blocks`` and (all_reduce)
+    its communicator's size. The NVLink handlers take the op's own attributes plus ``protocol``, ``blocks`` and (all_reduce)
     ``algorithm``."""
     x = ctx.avals_in[0]
     nbytes = int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
@@ -63,10 +64,12 @@ def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
                      ", ".join(np.dtype(d).name for d in REDUCE_DTYPES))
         return nccl
     algorithm = ONE_SHOT if op != "all_reduce" or nbytes <= oneshot_max else TWO_SHOT
-    slots = lib.cuda_module().nvlink_collective_bytes(op, algorithm, nbytes, size, np.dtype(x.dtype).itemsize)
+    protocol = config.NVLINK_PROTOCOLS.index(settings.nvlink_protocol)
+    slots = lib.cuda_module().nvlink_collective_bytes(op, algorithm, protocol, nbytes, size,
+                                                      np.dtype(x.dtype).itemsize)
     if not symmetric_memory_ready(op, comm_id, slot_bytes=slots):
         return nccl
-    route_attrs = dict(blocks=np.int64(settings.nvlink_blocks))
+    route_attrs = dict(protocol=np.int64(protocol), blocks=np.int64(settings.nvlink_blocks))
     if op == "all_reduce":
         route_attrs["algorithm"] = np.int64(algorithm)
     return CudaRoute(f"ncclx_{op}_nvlink", route_attrs)

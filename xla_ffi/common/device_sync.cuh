@@ -28,6 +28,22 @@ __device__ __forceinline__ uint64_t LoadRelaxed(const uint64_t* word) {
   return value;
 }
 
+// 16 bytes as one vector access (a lane's part of an LL128 line). Volatile, as NCCL's LL128: neither cached in
+// L1 nor merged with other accesses by the compiler.
+struct Pair64 {
+  uint64_t lo, hi;
+};
+
+__device__ __forceinline__ void StoreVolatile(Pair64* to, Pair64 value) {
+  asm volatile("st.volatile.global.v2.u64 [%0], {%1, %2};" ::"l"(to), "l"(value.lo), "l"(value.hi) : "memory");
+}
+
+__device__ __forceinline__ Pair64 LoadVolatile(const Pair64* from) {
+  Pair64 value;
+  asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(value.lo), "=l"(value.hi) : "l"(from) : "memory");
+  return value;
+}
+
 __device__ __forceinline__ uint64_t GlobalTimerNs() {
   uint64_t now;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
@@ -67,6 +83,12 @@ class Patience {
       seen = LoadRelaxed(word);
     }
     return static_cast<uint32_t>(seen);
+  }
+
+  // For a wait that a whole warp polls in step (every lane calls this after each failed poll, `spins` counting
+  // them): whether to poll again, the same answer on every lane (false once any lane gave up on `peer`).
+  __device__ bool WarpKeepsWaiting(uint32_t spins, int peer) {
+    return __all_sync(0xffffffffu, spins % kSpinsPerCheck != 0 || KeepWaiting(peer));
   }
 
  private:

@@ -39,10 +39,21 @@ ffi::ErrorOr<ReduceType> GetReduceType(std::string_view op, ffi::DataType dtype)
   }
 }
 
+ffi::ErrorOr<NvlinkProtocol> GetProtocol(std::string_view op, int64_t protocol) {
+  if (protocol < 0 || protocol > 2) {
+    return InvalidArgument(op, "protocol is " + std::to_string(protocol) + ", expected 0 (LL128), 1 (LL) or 2 (simple)");
+  }
+  return static_cast<NvlinkProtocol>(protocol);
+}
+
 // The fields every op's call fills in the same way.
-NvlinkCollectiveArgs ArgsFor(NvlinkCollective op, const ffi::AnyBuffer& x, ffi::AnyBuffer& y, const CallAttrs& call) {
+ffi::ErrorOr<NvlinkCollectiveArgs> ArgsFor(std::string_view name, NvlinkCollective op, const ffi::AnyBuffer& x,
+                                           ffi::AnyBuffer& y, const CallAttrs& call, int64_t protocol) {
+  ffi::ErrorOr<NvlinkProtocol> chosen = GetProtocol(name, protocol);
+  if (chosen.has_error()) return chosen.error();
   NvlinkCollectiveArgs args;
   args.op = op;
+  args.protocol = *chosen;
   args.element_bytes = static_cast<int>(ffi::ByteWidth(x.element_type()));
   args.bytes = Bytes(x);
   args.trace = call.trace_device;
@@ -62,7 +73,8 @@ ffi::Error Launch(std::string_view op, cudaStream_t stream, int32_t device_ordin
   args.table = symmetric.table;
   args.control = symmetric.control;
   if (args.bytes == 0) return ffi::Error::Success();
-  const int64_t need = NvlinkCollectiveSlotBytes(args.op, args.algorithm, args.bytes, args.size, args.element_bytes);
+  const int64_t need =
+      NvlinkCollectiveSlotBytes(args.op, args.algorithm, args.protocol, args.bytes, args.size, args.element_bytes);
   if (need > symmetric.parity_half_bytes) {
     return Internal(op, "the symmetric low-latency slots hold " + std::to_string(symmetric.parity_half_bytes) +
                             " bytes per call parity but this call needs " + std::to_string(need) +
@@ -82,7 +94,7 @@ ffi::Error Launch(std::string_view op, cudaStream_t stream, int32_t device_ordin
 
 ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                         int64_t trace, int64_t reduce_op, int64_t algorithm, int64_t blocks) {
+                         int64_t trace, int64_t reduce_op, int64_t algorithm, int64_t protocol, int64_t blocks) {
   const CallAttrs call = MakeCallAttrs(site, timeout_ms, trace);
   constexpr std::string_view kOp = "all_reduce";
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
@@ -99,29 +111,31 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
       algorithm != static_cast<int64_t>(NvlinkAlgorithm::kTwoShot)) {
     return InvalidArgument(kOp, "algorithm is " + std::to_string(algorithm) + ", expected 1 (one-shot) or 2 (two-shot)");
   }
-  NvlinkCollectiveArgs args = ArgsFor(NvlinkCollective::kAllReduce, x, *y, call);
-  args.algorithm = static_cast<NvlinkAlgorithm>(algorithm);
-  args.reduce = static_cast<ReduceOp>(reduce_op);
-  args.reduce_type = *type;
-  return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, args, blocks);
+  ffi::ErrorOr<NvlinkCollectiveArgs> args = ArgsFor(kOp, NvlinkCollective::kAllReduce, x, *y, call, protocol);
+  if (args.has_error()) return args.error();
+  args->algorithm = static_cast<NvlinkAlgorithm>(algorithm);
+  args->reduce = static_cast<ReduceOp>(reduce_op);
+  args->reduce_type = *type;
+  return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, *args, blocks);
 }
 
 ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                         int64_t trace, int64_t blocks) {
+                         int64_t trace, int64_t protocol, int64_t blocks) {
   constexpr std::string_view kOp = "all_gather";
   const CallAttrs call = MakeCallAttrs(site, timeout_ms, trace);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), symmetric->size * Bytes(x),
                                    RanksTimes(symmetric->size, Bytes(x))));
-  NvlinkCollectiveArgs args = ArgsFor(NvlinkCollective::kAllGather, x, *y, call);
-  return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, args, blocks);
+  ffi::ErrorOr<NvlinkCollectiveArgs> args = ArgsFor(kOp, NvlinkCollective::kAllGather, x, *y, call, protocol);
+  if (args.has_error()) return args.error();
+  return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, *args, blocks);
 }
 
 ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                        int64_t trace, int64_t blocks) {
+                        int64_t trace, int64_t protocol, int64_t blocks) {
   constexpr std::string_view kOp = "all_to_all";
   const CallAttrs call = MakeCallAttrs(site, timeout_ms, trace);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
@@ -129,8 +143,9 @@ ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), symmetric->size));
   NCCLX_RETURN_IF_ERROR(
       CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
-  NvlinkCollectiveArgs args = ArgsFor(NvlinkCollective::kAllToAll, x, *y, call);
-  return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, args, blocks);
+  ffi::ErrorOr<NvlinkCollectiveArgs> args = ArgsFor(kOp, NvlinkCollective::kAllToAll, x, *y, call, protocol);
+  if (args.has_error()) return args.error();
+  return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, *args, blocks);
 }
 
 }  // namespace
@@ -139,16 +154,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllReduce, AllReduceImpl,
                               BindCudaCollective()
                                   .Attr<int64_t>("reduce_op")  // 0 sum, 1 max, 2 min
                                   .Attr<int64_t>("algorithm")  // 1 one-shot, 2 two-shot
+                                  .Attr<int64_t>("protocol")   // 0 LL128, 1 LL, 2 simple (one-shot)
                                   .Attr<int64_t>("blocks"),    // 0 = by size
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllGather, AllGatherImpl,
                               BindCudaCollective()
+                                  .Attr<int64_t>("protocol")
                                   .Attr<int64_t>("blocks"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllToAll, AllToAllImpl,
                               BindCudaCollective()
+                                  .Attr<int64_t>("protocol")
                                   .Attr<int64_t>("blocks"),
                               {ffi::Traits::kCmdBufferCompatible});
 

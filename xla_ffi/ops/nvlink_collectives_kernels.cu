@@ -1,17 +1,20 @@
-// NVLink kernels of the small-message collectives (see nvlink_collectives_kernels.h for the algorithms).
+// NVLink kernels of the small-message collectives (see nvlink_collectives_kernels.h for the algorithms and
+// protocols).
 //
 // Slots: in every rank's data region, the half of call parity p holds one slot per source rank, 256-byte
 // aligned and laid out the same on every rank (two-shot: N reduce-scatter slots, then N all-gather slots).
-// A block b of the grid owns the same byte range of every slot on every rank; it writes its range into the
-// peers, raises flag arrived[rank][b] on each, and waits for arrived[peer][b] from each before reading the
-// range it received. Blocks never wait for other blocks of their own rank.
+// A block b of the grid owns the same byte range of every slot on every rank; with the simple protocol it
+// writes its range into the peers, raises flag arrived[rank][b] on each, and waits for arrived[peer][b] from
+// each before reading the range it received. Blocks never wait for other blocks of their own rank.
 //
-// Small one-shot calls (segments up to kLowLatencyMaxBytes) skip the flags: every 4-byte word travels in one
-// 8-byte store together with the call's tag (low-latency words, as NCCL's LL protocol), so the receiver
-// polls the words themselves and no fence or separate flag sits on the critical path. The slot then holds
-// twice the payload. Words live in their own area at the start of each half, which no other call writes,
-// so a word's tag is always a tag: 1 + epoch mod (2^32 - 1), never 0, and never-written (zeroed) memory does
-// not match; a stale word matches only if it went unwritten for exactly a multiple of 2^32 - 1 calls.
+// LL128 and LL carry their own flags in the data, so the receiver polls the data itself: no fence or separate
+// flag sits on the critical path. Each protocol has its own area at the start of each half, which no other
+// protocol writes, so a flag position only ever holds a flag of that protocol:
+//   * LL128 lines: slots are multiples of 256 bytes, so every line is 128-byte aligned and its flag (bytes
+//     120..127) sits where no call's payload goes. The flag is the call's epoch; epochs only grow and are
+//     never 0, so a stale or never-written (zeroed) line never matches.
+//   * LL words: every 8-byte word is payload and tag, tag = 1 + epoch mod (2^32 - 1), never 0; a stale word
+//     matches only if it went unwritten for exactly a multiple of 2^32 - 1 calls.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -29,48 +32,78 @@ namespace {
 constexpr int kThreads = 512;
 // Bytes of one slot range that justify another block: below this, flags cost more than the copy.
 constexpr int64_t kBytesPerBlock = 8 * 1024;
-// Low-latency words need no flags, so blocks are sized to give each thread about one word per source.
+// LL words need no flags, so blocks are sized to give each thread about one word per source.
 constexpr int64_t kWordsPerBlock = kThreads;
 // Two-shot: the all-gather phase uses flags [kGatherFlag, kGatherFlag + blocks).
 constexpr int kGatherFlag = kMaxTwoShotBlocks;
-// One-shot segments up to this size travel as low-latency words: twice the bytes, but no fence and no flag
-// on the critical path, which is what a call of this size waits for.
+// One-shot segments up to this size may travel as LL128 lines or LL words: no fence and no flag on the
+// critical path, which is what a call of this size waits for.
 constexpr int64_t kLowLatencyMaxBytes = 64 * 1024;
+// LL128: a line is 8 lanes' 16-byte parts; the last lane's part holds 8 payload bytes and the flag. Smaller
+// blocks than the other kernels, so that a 64 KiB segment is pushed by many SMs with one part per lane.
+constexpr int kLineBytes = 128;
+constexpr int kLinePayloadWords = 30;  // 120 bytes
+constexpr int kLanesPerLine = 8;
+constexpr int kLineThreads = 128;
+constexpr int kLinesPerBlock = kLineThreads / kLanesPerLine;
 
 int64_t Align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+// LL128 lines that carry `segment_bytes` (a multiple of 4).
+__host__ __device__ int64_t LinesOf(int64_t segment_bytes) {
+  return (segment_bytes / 4 + kLinePayloadWords - 1) / kLinePayloadWords;
+}
 
-// The slots of one call, identical on every rank.
-// Bytes at the start of every parity half reserved for low-latency words on a communicator of `size`.
+// Bytes at the start of every parity half reserved for each protocol's slots on a communicator of `size`:
+// LL128 lines first (the default, so a small call reserves only what it uses), then LL words, then simple.
+int64_t LinesSlot(int64_t segment_bytes) { return Align256(LinesOf(segment_bytes) * kLineBytes); }
+int64_t LinesArea(int size) { return size * LinesSlot(kLowLatencyMaxBytes); }
 int64_t WordsArea(int size) { return size * 2 * kLowLatencyMaxBytes; }
 
+// The slots of one call, identical on every rank.
 struct SlotLayout {
-  bool low_latency = false;    // one-shot as tagged words (twice the bytes in the slots)
-  int64_t base = 0;            // where the call's slots start in the half: 0 for words, else WordsArea
+  NvlinkProtocol protocol = NvlinkProtocol::kSimple;  // one-shot: the one the segment travels in
+  int64_t base = 0;            // where the call's slots start in the half (its protocol's area)
   int64_t segment_bytes = 0;   // one-shot: what each source sends each rank
   int64_t chunk_bytes = 0;     // two-shot: bytes of chunk j (the last one may be shorter), a multiple of 16
-  int64_t slot_stride = 0;     // between the slots of consecutive sources
+  int64_t slot_stride = 0;     // between the slots of consecutive sources, a multiple of 256
   int64_t gather_offset = 0;   // two-shot: where the all-gather slots start
   int64_t half_bytes = 0;      // what the call needs of each parity half
 };
 
-SlotLayout LayOutSlots(NvlinkCollective op, NvlinkAlgorithm algorithm, int64_t bytes, int size, int element_bytes) {
+SlotLayout LayOutSlots(NvlinkCollective op, NvlinkAlgorithm algorithm, NvlinkProtocol protocol, int64_t bytes,
+                       int size, int element_bytes) {
   SlotLayout layout;
+  const int64_t simple_base = LinesArea(size) + WordsArea(size);
   if (algorithm == NvlinkAlgorithm::kTwoShot) {
     // Chunks of whole 16-byte packs, so every chunk boundary keeps the vector path aligned.
     const int64_t elements = bytes / element_bytes;
     const int64_t pack = std::max(1, 16 / element_bytes);
     const int64_t chunk_elements = ((elements + size - 1) / size + pack - 1) / pack * pack;
     layout.chunk_bytes = chunk_elements * element_bytes;
-    layout.base = WordsArea(size);
+    layout.base = simple_base;
     layout.slot_stride = Align256(layout.chunk_bytes);
     layout.gather_offset = size * layout.slot_stride;
     layout.half_bytes = layout.base + 2 * size * layout.slot_stride;
     return layout;
   }
-  layout.segment_bytes = op == NvlinkCollective::kAllToAll ? bytes / size : bytes;
-  layout.low_latency = layout.segment_bytes % 4 == 0 && layout.segment_bytes <= kLowLatencyMaxBytes;
-  layout.base = layout.low_latency ? 0 : WordsArea(size);
-  layout.slot_stride = Align256(layout.segment_bytes * (layout.low_latency ? 2 : 1));
+  const int64_t segment = op == NvlinkCollective::kAllToAll ? bytes / size : bytes;
+  const bool low_latency = segment % 4 == 0 && segment <= kLowLatencyMaxBytes;
+  layout.segment_bytes = segment;
+  layout.protocol = low_latency ? protocol : NvlinkProtocol::kSimple;
+  switch (layout.protocol) {
+    case NvlinkProtocol::kLL128:
+      layout.base = 0;
+      layout.slot_stride = LinesSlot(segment);
+      break;
+    case NvlinkProtocol::kLL:
+      layout.base = LinesArea(size);
+      layout.slot_stride = Align256(2 * segment);
+      break;
+    case NvlinkProtocol::kSimple:
+      layout.base = simple_base;
+      layout.slot_stride = Align256(segment);
+      break;
+  }
   layout.half_bytes = layout.base + size * layout.slot_stride;
   return layout;
 }
@@ -201,7 +234,9 @@ struct Reduce {
     const T* first = reinterpret_cast<const T*>(&words[0]);
 #pragma unroll
     for (int p = 0; p < kPack; ++p) acc[p] = Accumulate<T>::From(first[p]);
-    for (int s = 1; s < n; ++s) {
+#pragma unroll
+    for (int s = 1; s < kMaxNvlinkRanks; ++s) {  // unrolled, so that `words` stays in registers
+      if (s >= n) break;
       const T* values = reinterpret_cast<const T*>(&words[s]);
 #pragma unroll
       for (int p = 0; p < kPack; ++p) acc[p] = Combine<kOp>(acc[p], Accumulate<T>::From(values[p]));
@@ -298,7 +333,7 @@ __device__ __forceinline__ void ReadWords(const Call& call, Patience& patience, 
   }
 }
 
-// One-shot with low-latency words: x and y are read and written as 4-byte words.
+// One-shot with LL words: x and y are read and written as 4-byte words.
 template <typename Op>
 __global__ void __launch_bounds__(kThreads) OneShotWordsKernel(Call call, TraceKernel kernel) {
   const NvlinkCollectiveArgs& args = call.args;
@@ -337,6 +372,110 @@ __global__ void __launch_bounds__(kThreads) OneShotWordsKernel(Call call, TraceK
     } else {
       values[me] = x[i];
       y[i] = Op::Words(values, n);
+    }
+  }
+  if (args.trace) {
+    __syncthreads();
+    if (threadIdx.x == 0) trace.DataArrived();
+  }
+  FinishCall(args.control, epoch, trace, kernel);
+}
+
+// Words [first, first + count) of a 4-byte-word array of `words` words, zeros past its end.
+__device__ __forceinline__ void LoadWords(const uint32_t* x, int64_t words, int64_t first, int count, uint32_t* w) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) w[j] = j < count && first + j < words ? x[first + j] : 0u;
+}
+
+// Word j (0..3) of a lane's part of a line.
+__device__ __forceinline__ uint32_t WordOf(const Pair64& part, int j) {
+  const uint64_t half = j < 2 ? part.lo : part.hi;
+  return static_cast<uint32_t>(j % 2 == 0 ? half : half >> 32);
+}
+
+// One-shot with LL128 lines. Every warp takes 4 consecutive lines at a time (a lane: part lane % 8 of line
+// lane / 8), in step, so that the 8 lanes of a line store and load it with one instruction; x and y are read
+// and written as 4-byte words.
+template <typename Op>
+__global__ void __launch_bounds__(kLineThreads) OneShotLinesKernel(Call call, TraceKernel kernel) {
+  const NvlinkCollectiveArgs& args = call.args;
+  CallState state(args, kernel);
+  const uint64_t epoch = state.epoch;
+  const int parity = state.parity;
+  CallTrace& trace = state.trace;
+  const int n = args.size;
+  const int me = args.rank;
+  const bool scatter = args.op == NvlinkCollective::kAllToAll;
+  const int64_t words = call.slots.segment_bytes / 4;
+  const int64_t lines = LinesOf(call.slots.segment_bytes);
+  const int lane = threadIdx.x % 32;
+  const int part = lane % kLanesPerLine;
+  const bool flag_lane = part == kLanesPerLine - 1;
+  const int count = flag_lane ? 2 : 4;  // payload words of this lane's part
+  const int64_t warps = int64_t{gridDim.x} * (kLineThreads / 32);
+  const int64_t warp = int64_t{blockIdx.x} * (kLineThreads / 32) + threadIdx.x / 32;
+  const int64_t lines_per_step = 32 / kLanesPerLine;
+  const uint32_t* x = static_cast<const uint32_t*>(args.x);
+  uint32_t* y = static_cast<uint32_t*>(args.y);
+  auto part_of = [&](int owner, int source, int64_t line) {
+    return Slot<Pair64>(call, owner, parity, source) + line * kLanesPerLine + part;
+  };
+  auto pack = [&](const uint32_t* w) {
+    const uint64_t lo = w[0] | static_cast<uint64_t>(w[1]) << 32;
+    return Pair64{lo, flag_lane ? epoch : w[2] | static_cast<uint64_t>(w[3]) << 32};
+  };
+
+  for (int64_t step = warp * lines_per_step; step < lines; step += warps * lines_per_step) {
+    const int64_t line = step + lane / kLanesPerLine;
+    if (line >= lines) continue;
+    const int64_t first = line * kLinePayloadWords + part * 4;
+    uint32_t w[4];
+    if (!scatter) LoadWords(x, words, first, count, w);
+    for (int k = 1; k < n; ++k) {  // rotated, so the ranks start on different links
+      const int peer = (me + k) % n;
+      if (scatter) LoadWords(x + peer * words, words, first, count, w);
+      StoreVolatile(part_of(peer, me, line), pack(w));
+    }
+  }
+  if (threadIdx.x == 0) trace.Sent();
+
+  for (int64_t step = warp * lines_per_step; step < lines; step += warps * lines_per_step) {
+    const int64_t line = step + lane / kLanesPerLine;
+    const bool valid = line < lines;
+    const int64_t first = line * kLinePayloadWords + part * 4;
+    Pair64 got[kMaxNvlinkRanks];
+#pragma unroll
+    for (int s = 0; s < kMaxNvlinkRanks; ++s) {
+      if (s < n && s != me && valid) got[s] = LoadVolatile(part_of(me, s, line));
+    }
+    // A line is whole once its flag lane sees the epoch; the warp polls again until all 4 lines are.
+#pragma unroll
+    for (int s = 0; s < kMaxNvlinkRanks; ++s) {
+      if (s >= n || s == me) continue;
+      for (uint32_t spins = 1; !__all_sync(0xffffffffu, !valid || !flag_lane || got[s].hi == epoch); ++spins) {
+        if (!state.patience.WarpKeepsWaiting(spins, s)) break;
+        if (valid) got[s] = LoadVolatile(part_of(me, s, line));
+      }
+    }
+    if (!valid) continue;
+    uint32_t own[4];
+    LoadWords(x + (scatter ? me * words : 0), words, first, count, own);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (j >= count || first + j >= words) break;
+      if constexpr (Op::kMoves) {
+#pragma unroll
+        for (int s = 0; s < kMaxNvlinkRanks; ++s) {
+          if (s < n) y[s * words + first + j] = s == me ? own[j] : WordOf(got[s], j);
+        }
+      } else {
+        uint32_t values[kMaxNvlinkRanks];
+#pragma unroll
+        for (int s = 0; s < kMaxNvlinkRanks; ++s) {
+          if (s < n) values[s] = s == me ? own[j] : WordOf(got[s], j);
+        }
+        y[first + j] = Op::Words(values, n);
+      }
     }
   }
   if (args.trace) {
@@ -398,10 +537,14 @@ bool Aligned(const void* p, int64_t width) { return reinterpret_cast<uintptr_t>(
 template <typename V, typename Op>
 cudaError_t LaunchAs(const Call& call, int blocks, cudaStream_t stream) {
   const TraceKernel kernel = TraceKernelOf(call.args.op);
-  if (call.slots.low_latency) {
-    // XLA's buffers are always aligned; the words area must never hold anything but words.
+  if (call.slots.protocol != NvlinkProtocol::kSimple) {
+    // XLA's buffers are always aligned; the LL128 and LL areas must never hold anything but their lines / words.
     if (!Aligned(call.args.x, 4) || !Aligned(call.args.y, 4)) return cudaErrorMisalignedAddress;
-    OneShotWordsKernel<Op><<<blocks, kThreads, 0, stream>>>(call, kernel);
+    if (call.slots.protocol == NvlinkProtocol::kLL128) {
+      OneShotLinesKernel<Op><<<blocks, kLineThreads, 0, stream>>>(call, kernel);
+    } else {
+      OneShotWordsKernel<Op><<<blocks, kThreads, 0, stream>>>(call, kernel);
+    }
     return cudaGetLastError();
   }
   if constexpr (!Op::kMoves) {
@@ -442,23 +585,29 @@ cudaError_t LaunchReduceType(const Call& call, int blocks, cudaStream_t stream) 
 
 }  // namespace
 
-int64_t NvlinkCollectiveSlotBytes(NvlinkCollective op, NvlinkAlgorithm algorithm, int64_t bytes, int size,
-                                  int element_bytes) {
-  return LayOutSlots(op, algorithm, bytes, size, element_bytes).half_bytes;
+int64_t NvlinkCollectiveSlotBytes(NvlinkCollective op, NvlinkAlgorithm algorithm, NvlinkProtocol protocol,
+                                  int64_t bytes, int size, int element_bytes) {
+  return LayOutSlots(op, algorithm, protocol, bytes, size, element_bytes).half_bytes;
 }
 
 int ChooseNvlinkCollectiveBlocks(const NvlinkCollectiveArgs& args, int requested, int sm_count) {
-  const SlotLayout slots = LayOutSlots(args.op, args.algorithm, args.bytes, args.size, args.element_bytes);
+  const SlotLayout slots =
+      LayOutSlots(args.op, args.algorithm, args.protocol, args.bytes, args.size, args.element_bytes);
   const bool two_shot = args.algorithm == NvlinkAlgorithm::kTwoShot;
   const int64_t range_bytes = two_shot ? slots.chunk_bytes : slots.segment_bytes;
-  const int64_t by_size = slots.low_latency ? (range_bytes / 4 + kWordsPerBlock - 1) / kWordsPerBlock
-                                            : (range_bytes + kBytesPerBlock - 1) / kBytesPerBlock;
+  int64_t by_size = (range_bytes + kBytesPerBlock - 1) / kBytesPerBlock;
+  if (!two_shot && slots.protocol == NvlinkProtocol::kLL128) {
+    by_size = (LinesOf(range_bytes) + kLinesPerBlock - 1) / kLinesPerBlock;
+  } else if (!two_shot && slots.protocol == NvlinkProtocol::kLL) {
+    by_size = (range_bytes / 4 + kWordsPerBlock - 1) / kWordsPerBlock;
+  }
   const int64_t cap = std::min(two_shot ? kMaxTwoShotBlocks : kMaxOneShotBlocks, std::max(1, sm_count));
   return static_cast<int>(std::clamp<int64_t>(requested > 0 ? requested : by_size, 1, cap));
 }
 
 cudaError_t LaunchNvlinkCollective(const NvlinkCollectiveArgs& args, int blocks, cudaStream_t stream) {
-  const Call call{args, LayOutSlots(args.op, args.algorithm, args.bytes, args.size, args.element_bytes)};
+  const Call call{args, LayOutSlots(args.op, args.algorithm, args.protocol, args.bytes, args.size,
+                                    args.element_bytes)};
   if (args.op != NvlinkCollective::kAllReduce) {
     const int64_t segment = call.slots.segment_bytes;
     auto fits = [&](int64_t width) {

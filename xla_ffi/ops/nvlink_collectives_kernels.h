@@ -8,6 +8,14 @@
 //              (all_reduce: reduces them in rank order, so every rank gets the same bits);
 //   two-shot:  (all_reduce) reduce-scatter then all-gather through the slots: rank j reduces chunk j of all
 //              inputs and writes the result into every peer; half the traffic of one-shot per rank.
+//
+// One-shot segments (what one rank sends one peer) travel in one of three protocols, named as NCCL's:
+//   LL128:   128-byte lines of 120 payload bytes and an 8-byte flag (the call's epoch), each line stored by 8
+//            lanes of one warp at once; 1/16 of the bytes are flags, and no fence or separate flag.
+//   LL:      8-byte words of 4 payload bytes and a 4-byte tag: twice the bytes, but it relies only on 8-byte
+//            stores landing whole, which the PTX memory model guarantees.
+//   simple:  the payload as is, then one flag per thread block after a release.
+// LL128 and LL apply to segments up to 64 KiB of a multiple of 4 bytes; larger or odd ones use simple.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,6 +31,10 @@ enum class NvlinkAlgorithm : int { kOneShot = 1, kTwoShot = 2 };  // two-shot: a
 enum class ReduceOp : int { kSum = 0, kMax = 1, kMin = 2 };       // the reduce_op attribute's values
 // Element types the all_reduce kernels reduce. 16-bit floats accumulate in f32 and round once.
 enum class ReduceType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kS32 = 3 };
+// The protocol attribute: the one a one-shot call prefers (the segment may force simple). LL128 relies on
+// NVLink delivering a warp's aligned 128-byte store whole, as NCCL's LL128 does; LL is the fallback for a
+// platform where that does not hold.
+enum class NvlinkProtocol : int { kLL128 = 0, kLL = 1, kSimple = 2 };
 
 // The most thread blocks a call uses: one arrival flag per block and phase (kMaxFlagGroups in all).
 constexpr int kMaxOneShotBlocks = kMaxFlagGroups;
@@ -33,6 +45,7 @@ struct NvlinkCollectiveArgs {
   NvlinkAlgorithm algorithm = NvlinkAlgorithm::kOneShot;
   ReduceOp reduce = ReduceOp::kSum;        // all_reduce only
   ReduceType reduce_type = ReduceType::kF32;  // all_reduce only
+  NvlinkProtocol protocol = NvlinkProtocol::kLL128;  // one-shot only
   int element_bytes = 1;
   int rank = 0;
   int size = 1;
@@ -47,8 +60,8 @@ struct NvlinkCollectiveArgs {
 };
 
 // Bytes of low-latency slots per call parity (PeerTable::parity_half_bytes) a call needs, a multiple of 256.
-int64_t NvlinkCollectiveSlotBytes(NvlinkCollective op, NvlinkAlgorithm algorithm, int64_t bytes, int size,
-                                  int element_bytes);
+int64_t NvlinkCollectiveSlotBytes(NvlinkCollective op, NvlinkAlgorithm algorithm, NvlinkProtocol protocol,
+                                  int64_t bytes, int size, int element_bytes);
 
 // Thread blocks for a call: `requested` (0 = by size), capped by the flags and the SMs.
 int ChooseNvlinkCollectiveBlocks(const NvlinkCollectiveArgs& args, int requested, int sm_count);
