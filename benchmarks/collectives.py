@@ -7,8 +7,9 @@ each rank's input: all_reduce reduces that buffer, all_gather gathers N of them,
 blocks (rounded up to a multiple of N elements). Results go to <out>/collectives.{json,md,png}.
 
 Implementations: xla (jax.lax), nx (jax_ncclx with its default thresholds), nx-oneshot / nx-twoshot (the NVLink
-kernels forced at every size; two-shot is all_reduce only), nx-ll / nx-simple (one-shot segments up to 64 KiB in
-the LL or simple protocol instead of the default LL128: JAX_NCCLX_NVLINK_PROTOCOL), nx-nccl
+kernels forced at every size; two-shot is all_reduce only), nx-ll / nx-ll128 / nx-simple (one-shot segments up to
+64 KiB in that protocol at every size, instead of the default LL below 16 KiB and LL128 from there:
+JAX_NCCLX_NVLINK_PROTOCOL), nx-nccl
 (JAX_NCCLX_TRANSPORT=nccl); and what
 tracing and timeouts cost: nx-traced / nx-nccl-traced (JAX_NCCLX_TRACE=1), nx-nccl-nowatch (NCCL without the
 watchdog's two CUDA events per call: JAX_NCCLX_TIMEOUT_S=0).
@@ -16,7 +17,7 @@ watchdog's two CUDA events per call: JAX_NCCLX_TIMEOUT_S=0).
     python benchmarks/collectives.py                          # 8 B .. 64 MB on all GPUs: xla, nx, nx-nccl
     python benchmarks/collectives.py --impls xla,nx-oneshot,nx-twoshot,nx-nccl   # where the crossovers are
     python benchmarks/collectives.py --ops all_reduce --sizes 8,64K
-    python benchmarks/collectives.py --sizes 8,4K,16K,64K --impls xla,nx,nx-ll,nx-simple --unroll 200  # protocols
+    python benchmarks/collectives.py --sizes 8,4K,16K,64K --impls xla,nx,nx-ll,nx-ll128,nx-simple --unroll 200
     python benchmarks/collectives.py --ops all_reduce --sizes 8,64K,1M --impls xla,nx,nx-traced,nx-nccl,nx-nccl-nowatch,nx-nccl-traced
     python benchmarks/collectives.py --smoke --out /tmp/coll  # CPU, small sizes
     python benchmarks/collectives.py --from-json benchmarks/results/collectives.json  # redo the .md / .png
@@ -69,6 +70,7 @@ IMPLS = {  # name -> JAX_NCCLX_* settings while its programs compile (None: jax.
     "nx-twoshot": {"JAX_NCCLX_TRANSPORT": "nvlink", "JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES": "0",
                    "JAX_NCCLX_NVLINK_MAX_BYTES": EVERYTHING},
     "nx-ll": {"JAX_NCCLX_NVLINK_PROTOCOL": "ll"},
+    "nx-ll128": {"JAX_NCCLX_NVLINK_PROTOCOL": "ll128"},
     "nx-simple": {"JAX_NCCLX_NVLINK_PROTOCOL": "simple"},
     "nx-nccl": {"JAX_NCCLX_TRANSPORT": "nccl"},
     # What the reliability machinery costs: traced calls, and NCCL calls without the watchdog's events.
@@ -311,8 +313,8 @@ def notes(config: dict) -> str:
         "- **bus GB/s**: as nccl-tests: all_reduce moves 2(N-1)/N of the buffer per rank, all_gather (N-1)/N of "
         "the gathered buffer, all_to_all (N-1)/N of the input.",
         "- **impl**: xla = jax.lax; nx = jax_ncclx with its default thresholds; nx-oneshot / nx-twoshot = its "
-        "NVLink kernels forced at every size; nx-ll / nx-simple = one-shot segments up to 64 KiB in NCCL's LL or "
-        "simple protocol instead of LL128 (JAX_NCCLX_NVLINK_PROTOCOL); nx-nccl = JAX_NCCLX_TRANSPORT=nccl; nx-traced / nx-nccl-traced = "
+        "NVLink kernels forced at every size; nx-ll / nx-ll128 / nx-simple = one-shot segments up to 64 KiB in that "
+        "protocol at every size (JAX_NCCLX_NVLINK_PROTOCOL; nx: LL below 16 KiB, LL128 from there); nx-nccl = JAX_NCCLX_TRANSPORT=nccl; nx-traced / nx-nccl-traced = "
         "the same with JAX_NCCLX_TRACE=1 (every call recorded); nx-nccl-nowatch = NCCL without the watchdog's "
         "event per call (JAX_NCCLX_TIMEOUT_S=0).",
         "- **speedup** = jax.lax median / this row's median (> 1: faster than XLA). **path**: what the "

@@ -99,33 +99,46 @@ def test_nvlink_thresholds_by_gpu_count_and_op(monkeypatch):
 
 
 def test_nvlink_protocol_setting_and_its_slots(monkeypatch):
-    """JAX_NCCLX_NVLINK_PROTOCOL takes NCCL's protocol names; the slots a one-shot call needs follow it: LL128
-    lines (120 payload bytes per 128) take less than LL words (4 per 8), and a segment past 64 KiB or of
-    a size that is not whole 4-byte words goes simple whatever the setting."""
+    """JAX_NCCLX_NVLINK_PROTOCOL takes NCCL's protocol names or auto (LL below JAX_NCCLX_NVLINK_LL128_MIN_BYTES
+    per segment, LL128 from there); the slots a one-shot call needs follow the protocol: LL128 lines (120
+    payload bytes per 128) take less than LL words (4 per 8), and a segment past 64 KiB or of a size that is
+    not whole 4-byte words goes simple whatever the setting."""
     from jax_ncclx._src import config
     from jax_ncclx._src import lib
+    from jax_ncclx._src import nvlink
 
-    monkeypatch.delenv("JAX_NCCLX_NVLINK_PROTOCOL", raising=False)
-    assert config.current().nvlink_protocol == "ll128"
+    for name in ("JAX_NCCLX_NVLINK_PROTOCOL", "JAX_NCCLX_NVLINK_LL128_MIN_BYTES"):
+        monkeypatch.delenv(name, raising=False)
+    settings = config.current()
+    assert settings.nvlink_protocol == "auto" and settings.nvlink_ll128_min_bytes == 16 << 10
+    ll128, ll, simple = (config.NVLINK_PROTOCOLS.index(p) for p in ("ll128", "ll", "simple"))
+    assert nvlink.oneshot_protocol("all_reduce", (16 << 10) - 4, 4, settings) == ll
+    assert nvlink.oneshot_protocol("all_reduce", 16 << 10, 4, settings) == ll128
+    assert nvlink.oneshot_protocol("all_to_all", 32 << 10, 4, settings) == ll       # 8 KiB per peer
+    assert nvlink.oneshot_protocol("all_to_all", 64 << 10, 4, settings) == ll128
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_LL128_MIN_BYTES", "0")
+    assert nvlink.oneshot_protocol("all_gather", 8, 4, config.current()) == ll128
     monkeypatch.setenv("JAX_NCCLX_NVLINK_PROTOCOL", "LL")
     assert config.current().nvlink_protocol == "ll"
+    assert nvlink.oneshot_protocol("all_gather", 64 << 10, 4, config.current()) == ll
     monkeypatch.setenv("JAX_NCCLX_NVLINK_PROTOCOL", "ll64")
     with pytest.raises(ValueError, match="JAX_NCCLX_NVLINK_PROTOCOL='ll64' is not valid: it must be one of "
-                                         "ll128, ll, simple"):
+                                         "auto, ll128, ll, simple"):
         config.current()
     cuda = lib.cuda_module_if_available()
     if cuda is None:
         return  # the slot sizes come from the CUDA module, built where nvcc is
-    ll128, ll, simple = (config.NVLINK_PROTOCOLS.index(p) for p in ("ll128", "ll", "simple"))
 
     def slots(protocol, nbytes, op="all_reduce", size=4):
         return cuda.nvlink_collective_bytes(op, 1, protocol, nbytes, size, 4)
 
-    assert slots(ll128, 65536) == 4 * 70144  # per source: 547 lines of 128 B (65536 / 120 up), 256-byte steps
-    assert slots(ll128, 65536) < slots(ll, 65536) < slots(simple, 65536)
-    assert slots(ll128, 8) == slots(ll128, 120) == 4 * 256
-    assert slots(ll128, 65540) == slots(ll, 65540) == slots(simple, 65540)
-    assert slots(ll128, 6, size=4) == slots(simple, 6, size=4)
+    words_area, lines_area = 4 * 2 * 65536, 4 * 70144  # per source: 547 lines of 128 B (65536 / 120 up)
+    assert slots(ll, 8) == 4 * 256 and slots(ll, 65536) == words_area   # LL words come first
+    assert slots(ll128, 120) == words_area + 4 * 256
+    assert slots(ll128, 65536) == words_area + lines_area
+    assert slots(simple, 8) == words_area + lines_area + 4 * 256
+    assert slots(ll128, 65540) == slots(ll, 65540) == slots(simple, 65540) == words_area + lines_area + 4 * 65792
+    assert slots(ll128, 6) == slots(simple, 6)
     with pytest.raises(ValueError, match="protocol 3"):
         cuda.nvlink_collective_bytes("all_reduce", 1, 3, 8, 4, 4)
 

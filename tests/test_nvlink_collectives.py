@@ -269,12 +269,16 @@ def test_low_latency_flags_ignore_other_calls_data(gpus, monkeypatch, protocol, 
 
 
 def test_protocol_reaches_the_kernel(gpus, monkeypatch):
-    """JAX_NCCLX_NVLINK_PROTOCOL becomes the one-shot call's protocol attribute (0 LL128, 1 LL, 2 simple)."""
+    """JAX_NCCLX_NVLINK_PROTOCOL becomes the one-shot call's protocol attribute (0 LL128, 1 LL, 2 simple); auto
+    takes LL below JAX_NCCLX_NVLINK_LL128_MIN_BYTES per peer and LL128 from there."""
     monkeypatch.setenv("JAX_NCCLX_NVLINK_MAX_BYTES", EVERYTHING)
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_LL128_MIN_BYTES", "1024")
     n = len(gpus)
     mesh = jax.sharding.Mesh(np.asarray(gpus), ("x",))
-    for protocol, attr in (("ll128", 0), ("ll", 1), ("simple", 2)):
+    for protocol, per_peer, attr in (("ll128", 8, 0), ("ll", 8, 1), ("simple", 8, 2), ("auto", 255, 1),
+                                     ("auto", 256, 0)):
         monkeypatch.setenv("JAX_NCCLX_NVLINK_PROTOCOL", protocol)
         f = jax.jit(jax.shard_map(lambda v: nx.all_to_all(v, "x", 0, 0, tiled=True), mesh=mesh,
                                   in_specs=P("x"), out_specs=P("x")))
-        assert f"protocol = {attr}" in f.lower(jnp.zeros((n * n * 8,), jnp.float32)).as_text()
+        text = f.lower(jnp.zeros((n * n * per_peer,), jnp.float32)).as_text()
+        assert f"protocol = {attr}" in text, (protocol, per_peer)

@@ -15,7 +15,8 @@
 #                 send_rows indices on GPU (test_patterns, test_send_rows_gather_on_the_way), the moe
 #                 routing kernels (test_moe_routing) and the row copies (test_take_rows), with rows
 #                 written straight into the peers' outputs and, JAX_NCCLX_NVLINK_DIRECT=0, through the
-#                 staging slots. API errors are not
+#                 staging slots; and once the small-message all_to_all in every protocol and size class
+#                 (test_nvlink_collectives.py::test_all_to_all, float32). API errors are not
 #                 reported: cudaDeviceEnablePeerAccess answers "already enabled" once XLA has enabled it, by
 #                 design, and the sanitizer counts each of those
 #   startup | collectives | all_to_allv | launch_floor   benchmarks/<step>.py --out OUT_DIR $ARGS_<step>
@@ -62,7 +63,9 @@ run_step() {
       local cases=("${pytest[@]}" -q -m gpu "tests/test_all_to_allv.py::test_patterns"
                    "tests/test_all_to_allv.py::test_send_rows_gather_on_the_way" tests/test_moe_routing.py
                    tests/test_take_rows.py)
-      cmd=(bash -c "${sanitizer[*]} ${cases[*]} && JAX_NCCLX_NVLINK_DIRECT=0 ${sanitizer[*]} ${cases[*]}") ;;
+      local once=("${pytest[@]}" -q -m gpu tests/test_nvlink_collectives.py::test_all_to_all -k float32)
+      cmd=(bash -c "${sanitizer[*]} ${cases[*]} && JAX_NCCLX_NVLINK_DIRECT=0 ${sanitizer[*]} ${cases[*]} &&
+                    ${sanitizer[*]} ${once[*]}") ;;
     startup | collectives | all_to_allv | launch_floor)
       local args_var="ARGS_$step" extra
       read -ra extra <<< "${!args_var:-}"

@@ -31,12 +31,16 @@ class Config:
       nvlink_max_bytes: all_reduce / all_gather / all_to_all inputs up to this many bytes per rank use NVLink
         kernels, larger ones NCCL (``JAX_NCCLX_NVLINK_MAX_BYTES``, every op); None (default): by GPU count
         and op. 0 sends every one of these ops to NCCL.
-      nvlink_protocol: how one-shot NVLink collectives (all_reduce, all_gather, all_to_all) move segments of up
-        to 64 KiB per peer (``JAX_NCCLX_NVLINK_PROTOCOL``, NCCL's names): ``"ll128"`` (default) 128-byte lines
-        of 120 payload bytes and a flag, which relies on NVLink delivering a warp's 128-byte store whole, as
-        NCCL's LL128 does; ``"ll"`` 8-byte words of 4 payload bytes and a tag (twice the bytes, relies only on
-        8-byte stores, for a platform where LL128 is not safe); ``"simple"`` the payload, then a flag per
-        thread block. Larger segments, and those not a multiple of 4 bytes, always use simple.
+      nvlink_protocol: how one-shot NVLink collectives (all_reduce, all_gather, all_to_all) move segments (what
+        one rank sends one peer) of up to 64 KiB (``JAX_NCCLX_NVLINK_PROTOCOL``, NCCL's names): ``"ll"`` 8-byte
+        words of 4 payload bytes and a tag (twice the bytes; the lowest latency); ``"ll128"`` 128-byte lines of
+        120 payload bytes and a flag (1/16 flags; about 0.5 us more latency on H200, and it relies on NVLink
+        delivering a warp's 128-byte store whole, as NCCL's LL128 does); ``"simple"`` the payload, then a flag
+        per thread block; ``"auto"`` (default) LL below ``nvlink_ll128_min_bytes`` per segment, LL128 from there.
+        Larger segments, and those not a multiple of 4 bytes, always use simple.
+      nvlink_ll128_min_bytes: with ``"auto"``, the segment size from which LL128 replaces LL
+        (``JAX_NCCLX_NVLINK_LL128_MIN_BYTES``, default 16 KiB, measured on 2xH200:
+        ``benchmarks/results/collectives_2gpu_ll128*.md``).
       nvlink_direct: when one process drives every GPU of the communicator, NVLink kernels write rows
         straight into the peers' outputs (``JAX_NCCLX_NVLINK_DIRECT=1``, default) instead of staging them in
         symmetric memory and copying them out (0; what one process per GPU always does).
@@ -67,7 +71,8 @@ class Config:
     nvlink_blocks: int = 0
     nvlink_oneshot_max_bytes: int | None = None
     nvlink_max_bytes: int | None = None
-    nvlink_protocol: str = "ll128"
+    nvlink_protocol: str = "auto"
+    nvlink_ll128_min_bytes: int = 16 << 10
     nvlink_direct: bool = True
     trace: bool = False
     trace_device: bool = False
@@ -216,7 +221,8 @@ def current() -> Config:
         nvlink_blocks=_non_negative_int("JAX_NCCLX_NVLINK_BLOCKS", Config.nvlink_blocks),
         nvlink_oneshot_max_bytes=_non_negative_int("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES", None),
         nvlink_max_bytes=_non_negative_int("JAX_NCCLX_NVLINK_MAX_BYTES", None),
-        nvlink_protocol=_choice("JAX_NCCLX_NVLINK_PROTOCOL", Config.nvlink_protocol, NVLINK_PROTOCOLS),
+        nvlink_protocol=_choice("JAX_NCCLX_NVLINK_PROTOCOL", Config.nvlink_protocol, ("auto",) + NVLINK_PROTOCOLS),
+        nvlink_ll128_min_bytes=_non_negative_int("JAX_NCCLX_NVLINK_LL128_MIN_BYTES", Config.nvlink_ll128_min_bytes),
         nvlink_direct=_choice("JAX_NCCLX_NVLINK_DIRECT", "1", ("0", "1")) == "1",
         trace=_choice("JAX_NCCLX_TRACE", "0", ("0", "1", "device")) == "1",
         trace_device=_choice("JAX_NCCLX_TRACE", "0", ("0", "1", "device")) != "0",

@@ -8,8 +8,8 @@ Decided while the program is lowered, from the static shapes, the communicator a
   uses NCCL, or raises with ``JAX_NCCLX_TRANSPORT=nvlink``);
 * the small-message collectives (all_reduce, all_gather, all_to_all) take their NVLink kernels only up to
   ``nvlink_max_bytes`` per rank (by GPU count and op), and all_reduce switches from one-shot to two-shot above
-  ``nvlink_oneshot_max_bytes`` (:func:`config.nvlink_thresholds`); one-shot segments travel in
-  ``nvlink_protocol`` (LL128 by default) where they are small enough. Above that, and for reductions of dtypes
+  ``nvlink_oneshot_max_bytes`` (:func:`config.nvlink_thresholds`); small one-shot segments travel as LL words
+  or LL128 lines (:func:`oneshot_protocol`). Above that, and for reductions of dtypes
   the kernels do not reduce, NCCL is the algorithm of choice, not a fallback: it is logged at debug level.
 """
 
@@ -48,6 +48,17 @@ def symmetric_memory_ready(op: str, comm_id: int, *, staging_bytes: int = 0, slo
     return not reason
 
 
+def oneshot_protocol(op: str, nbytes: int, size: int, settings: config.Config) -> int:
+    """The protocol attribute of a one-shot call of ``nbytes`` per rank (0 LL128, 1 LL, 2 simple): the one
+    ``nvlink_protocol`` names, or with "auto" LL below ``nvlink_ll128_min_bytes`` per segment and LL128 from
+    there. The kernel takes simple anyway for segments it cannot send as words or lines."""
+    protocol = settings.nvlink_protocol
+    if protocol == "auto":
+        segment = nbytes // size if op == "all_to_all" else nbytes
+        protocol = "ll128" if segment >= settings.nvlink_ll128_min_bytes else "ll"
+    return config.NVLINK_PROTOCOLS.index(protocol)
+
+
 def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
     """The route of one all_reduce / all_gather / all_to_all call site: ``ctx`` is its lowering context, ``size``
     its communicator's size. The NVLink handlers take the op's own attributes plus ``protocol``, ``blocks`` and (all_reduce)
@@ -64,7 +75,7 @@ def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
                      ", ".join(np.dtype(d).name for d in REDUCE_DTYPES))
         return nccl
     algorithm = ONE_SHOT if op != "all_reduce" or nbytes <= oneshot_max else TWO_SHOT
-    protocol = config.NVLINK_PROTOCOLS.index(settings.nvlink_protocol)
+    protocol = oneshot_protocol(op, nbytes, size, settings)
     slots = lib.cuda_module().nvlink_collective_bytes(op, algorithm, protocol, nbytes, size,
                                                       np.dtype(x.dtype).itemsize)
     if not symmetric_memory_ready(op, comm_id, slot_bytes=slots):

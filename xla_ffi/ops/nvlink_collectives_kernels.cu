@@ -54,7 +54,8 @@ __host__ __device__ int64_t LinesOf(int64_t segment_bytes) {
 }
 
 // Bytes at the start of every parity half reserved for each protocol's slots on a communicator of `size`:
-// LL128 lines first (the default, so a small call reserves only what it uses), then LL words, then simple.
+// LL words first (what the smallest calls use by default, so they reserve only what they need), then LL128
+// lines, then simple.
 int64_t LinesSlot(int64_t segment_bytes) { return Align256(LinesOf(segment_bytes) * kLineBytes); }
 int64_t LinesArea(int size) { return size * LinesSlot(kLowLatencyMaxBytes); }
 int64_t WordsArea(int size) { return size * 2 * kLowLatencyMaxBytes; }
@@ -73,7 +74,7 @@ struct SlotLayout {
 SlotLayout LayOutSlots(NvlinkCollective op, NvlinkAlgorithm algorithm, NvlinkProtocol protocol, int64_t bytes,
                        int size, int element_bytes) {
   SlotLayout layout;
-  const int64_t simple_base = LinesArea(size) + WordsArea(size);
+  const int64_t simple_base = WordsArea(size) + LinesArea(size);
   if (algorithm == NvlinkAlgorithm::kTwoShot) {
     // Chunks of whole 16-byte packs, so every chunk boundary keeps the vector path aligned.
     const int64_t elements = bytes / element_bytes;
@@ -91,13 +92,13 @@ SlotLayout LayOutSlots(NvlinkCollective op, NvlinkAlgorithm algorithm, NvlinkPro
   layout.segment_bytes = segment;
   layout.protocol = low_latency ? protocol : NvlinkProtocol::kSimple;
   switch (layout.protocol) {
-    case NvlinkProtocol::kLL128:
-      layout.base = 0;
-      layout.slot_stride = LinesSlot(segment);
-      break;
     case NvlinkProtocol::kLL:
-      layout.base = LinesArea(size);
+      layout.base = 0;
       layout.slot_stride = Align256(2 * segment);
+      break;
+    case NvlinkProtocol::kLL128:
+      layout.base = WordsArea(size);
+      layout.slot_stride = LinesSlot(segment);
       break;
     case NvlinkProtocol::kSimple:
       layout.base = simple_base;
