@@ -110,12 +110,12 @@ def test_nvlink_protocol_setting_and_its_slots(monkeypatch):
     for name in ("JAX_NCCLX_NVLINK_PROTOCOL", "JAX_NCCLX_NVLINK_LL128_MIN_BYTES"):
         monkeypatch.delenv(name, raising=False)
     settings = config.current()
-    assert settings.nvlink_protocol == "auto" and settings.nvlink_ll128_min_bytes == 16 << 10
+    assert settings.nvlink_protocol == "auto" and settings.nvlink_ll128_min_bytes == 8 << 10
     ll128, ll, simple = (config.NVLINK_PROTOCOLS.index(p) for p in ("ll128", "ll", "simple"))
-    assert nvlink.oneshot_protocol("all_reduce", (16 << 10) - 4, 4, settings) == ll
-    assert nvlink.oneshot_protocol("all_reduce", 16 << 10, 4, settings) == ll128
-    assert nvlink.oneshot_protocol("all_to_all", 32 << 10, 4, settings) == ll       # 8 KiB per peer
-    assert nvlink.oneshot_protocol("all_to_all", 64 << 10, 4, settings) == ll128
+    assert nvlink.oneshot_protocol("all_reduce", (8 << 10) - 4, 4, settings) == ll
+    assert nvlink.oneshot_protocol("all_reduce", 8 << 10, 4, settings) == ll128
+    assert nvlink.oneshot_protocol("all_to_all", 16 << 10, 4, settings) == ll       # 4 KiB per peer
+    assert nvlink.oneshot_protocol("all_to_all", 32 << 10, 4, settings) == ll128
     monkeypatch.setenv("JAX_NCCLX_NVLINK_LL128_MIN_BYTES", "0")
     assert nvlink.oneshot_protocol("all_gather", 8, 4, config.current()) == ll128
     monkeypatch.setenv("JAX_NCCLX_NVLINK_PROTOCOL", "LL")

@@ -62,9 +62,7 @@ class Patience {
   __device__ Patience(const PeerTable* table, SymmetricControl* control, int rank, int size, uint64_t epoch,
                       TraceKernel kernel, int64_t site, uint64_t timeout_ns)
       : table_(table), control_(control), rank_(rank), size_(size), epoch_(epoch), kernel_(kernel), site_(site),
-        timeout_ns_(timeout_ns) {
-    if (AbortedBy() != 0) GiveUpAborted();
-  }
+        timeout_ns_(timeout_ns) {}  // an abort is seen at the first check: reading it here would stall the call
 
   // Waits until *flag >= value, a flag that `peer` raises.
   __device__ bool AtLeast(const uint64_t* flag, uint64_t value, int peer) {
@@ -205,10 +203,18 @@ __device__ __forceinline__ uint64_t CallEpoch(const SymmetricControl* control) {
   return *reinterpret_cast<const volatile uint64_t*>(&control->epoch) + 1;
 }
 
-// Ends the call: the last block to finish records the trace and publishes `epoch` for the next call.
-// Every thread of every block calls it.
-__device__ __forceinline__ void FinishCall(SymmetricControl* control, uint64_t epoch, CallTrace& trace,
-                                           TraceKernel kernel) {
+// Thread 0 of each block of a multi-block call takes a ticket once it has read `epoch` (the atomic waits for
+// the value), at the start, so that its round trip overlaps the call: the block that gets the last ticket
+// knows every block has read the epoch, and publishes the next one in FinishCall. Other threads get 0.
+__device__ __forceinline__ uint32_t TakeTicket(SymmetricControl* control, uint64_t epoch) {
+  if (gridDim.x == 1 || threadIdx.x != 0) return 0;
+  return atomicAdd(&control->blocks_started, static_cast<uint32_t>(epoch != 0));  // always 1, after the read
+}
+
+// Ends the call: publishes `epoch` for the next call (the block of the last ticket, or the only block) and,
+// when traced, the last block to finish records the timeline. Every thread of every block calls it.
+__device__ __forceinline__ void FinishCall(SymmetricControl* control, uint64_t epoch, uint32_t ticket,
+                                           CallTrace& trace, TraceKernel kernel) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   if (gridDim.x == 1) {  // no other block to count; the next kernel on the stream sees the store
@@ -216,15 +222,18 @@ __device__ __forceinline__ void FinishCall(SymmetricControl* control, uint64_t e
     control->epoch = epoch;
     return;
   }
-  // The count alone orders the blocks: each read the epoch when it started, so once all have counted none
-  // reads it again, and the next kernel on the stream sees the stores after this one ends. Only a traced
-  // call needs a fence, for the blocks' timestamps; untraced, it would wait for this thread's NVLink stores
-  // to be acknowledged (about a microsecond on every small call).
-  if (trace.Enabled()) __threadfence();
+  // No other block reads the epoch again, and the next kernel on the stream sees these stores after this
+  // one ends. No fence: it would wait for this thread's NVLink stores to be acknowledged (about a microsecond
+  // on every small call).
+  if (ticket == gridDim.x - 1) {
+    control->blocks_started = 0;
+    control->epoch = epoch;
+  }
+  if (!trace.Enabled()) return;
+  __threadfence();  // the blocks' timestamps, before the count that lets the last block read them
   if (atomicAdd(&control->blocks_done, 1u) == gridDim.x - 1) {
     control->blocks_done = 0;
     trace.End(epoch, kernel);
-    control->epoch = epoch;
   }
 }
 

@@ -72,7 +72,8 @@ struct alignas(128) SymmetricControl {
   uint64_t epoch;                                     // local: calls finished on this communicator
   uint32_t abort_by;                                  // set by rank r: 1 + r gave up waiting; the
                                                       // communicator is unusable, kernels wait no more
-  uint32_t blocks_done;                               // local: blocks of the current call that finished
+  uint32_t blocks_started;                            // local: blocks of the current call that read its epoch
+  uint32_t blocks_done;                               // local: blocks of the current traced call that finished
   uint32_t abort_missing;                             // bit p set (before abort_by) by a rank that gave up
                                                       // waiting for rank p, so aborted ranks can name p
   DeviceTraceRecord trace[kTraceSlots];               // local: timelines of the last calls (when traced)

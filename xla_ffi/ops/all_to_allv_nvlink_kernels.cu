@@ -344,6 +344,7 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
   const int num_peers = static_cast<int>(args.shape.num_peers);
   const int jobs = num_peers * args.groups;
   const uint64_t epoch = CallEpoch(args.control);
+  const uint32_t ticket = TakeTicket(args.control, epoch);
   const int parity = static_cast<int>(epoch & 1);
   const bool direct_packed = args.direct && args.packed;
   CallTrace trace(args.control, epoch, args.trace);
@@ -397,7 +398,7 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
     ReceivePiece<V>(args, shared, parity, source, g);
   }
 
-  FinishCall(args.control, epoch, trace, kTraceAllToAllv);
+  FinishCall(args.control, epoch, ticket, trace, kTraceAllToAllv);
 }
 
 bool AlignedTo(int64_t width, const NvlinkAllToAllvArgs& args) {

@@ -126,12 +126,14 @@ __device__ __forceinline__ V* Slot(const Call& call, int owner, int parity, int 
 // write into their peers without waiting for them, so "peers entered" is the start.
 struct CallState {
   uint64_t epoch;
+  uint32_t ticket;
   int parity;
   CallTrace trace;
   Patience patience;
 
   __device__ CallState(const NvlinkCollectiveArgs& args, TraceKernel kernel)
       : epoch(CallEpoch(args.control)),
+        ticket(TakeTicket(args.control, epoch)),
         parity(static_cast<int>(epoch & 1)),
         trace(args.control, epoch, args.trace),
         patience(args.table, args.control, args.rank, args.size, epoch, kernel, args.site, args.timeout_ns) {
@@ -307,7 +309,7 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(Call call, TraceKernel
     V* const outputs[1] = {y};
     Op::Range(sources, n, outputs, 1, lo, hi);
   }
-  FinishCall(args.control, epoch, trace, kernel);
+  FinishCall(args.control, epoch, state.ticket, trace, kernel);
 }
 
 __device__ __forceinline__ uint32_t Tag(uint64_t epoch) { return 1 + static_cast<uint32_t>(epoch % 0xffffffffull); }
@@ -379,7 +381,7 @@ __global__ void __launch_bounds__(kThreads) OneShotWordsKernel(Call call, TraceK
     __syncthreads();
     if (threadIdx.x == 0) trace.DataArrived();
   }
-  FinishCall(args.control, epoch, trace, kernel);
+  FinishCall(args.control, epoch, state.ticket, trace, kernel);
 }
 
 // Words [first, first + count) of a 4-byte-word array of `words` words, zeros past its end.
@@ -483,7 +485,7 @@ __global__ void __launch_bounds__(kLineThreads) OneShotLinesKernel(Call call, Tr
     __syncthreads();
     if (threadIdx.x == 0) trace.DataArrived();
   }
-  FinishCall(args.control, epoch, trace, kernel);
+  FinishCall(args.control, epoch, state.ticket, trace, kernel);
 }
 
 // Reduce-scatter then all-gather, both through the slots: rank j owns chunk j.
@@ -528,7 +530,7 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(Call call, TraceKernel
     BlockCopy<V, true, kThreads>(y + source * chunk, Slot<V>(call, me, parity, source, call.slots.gather_offset), lo,
                        end_in(source));
   }
-  FinishCall(args.control, epoch, trace, kernel);
+  FinishCall(args.control, epoch, state.ticket, trace, kernel);
 }
 
 // ---- launch ------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@
 //            relies only on 8-byte stores landing whole, which the PTX memory model guarantees.
 //   LL128:   128-byte lines of 120 payload bytes and an 8-byte flag (the call's epoch), each line stored by 8
 //            lanes of one warp at once: 1/16 of the bytes are flags, but a line takes about 0.5 us longer to
-//            be seen whole on H200 (as NCCL's latency model has it too), so it pays from ~16 KiB segments.
+//            be seen whole on H200 (as NCCL's latency model has it too), so it pays from ~8 KiB segments.
 //   simple:  the payload as is, then one flag per thread block after a release.
 // LL and LL128 apply to segments up to 64 KiB of a multiple of 4 bytes; larger or odd ones use simple.
 #pragma once
