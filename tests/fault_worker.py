@@ -25,7 +25,6 @@ logging.getLogger("jax_ncclx").setLevel(logging.DEBUG)
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id,
                            local_device_ids=[process_id])
 
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402

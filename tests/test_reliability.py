@@ -98,7 +98,7 @@ def test_message_names_op_sequence_and_axis(line, monkeypatch):
     if on_gpu(line):
         match = r"(NVLink call #\d+|call #\d+) on communicator \d+ \(all_gather, axis 'x', call site \d+\)"
     else:
-        match = rf"all_gather: call #\d+ \(axis 'x', call site \d+, replica group 0\): .*rank\(s\) 0\b"
+        match = r"all_gather: call #\d+ \(axis 'x', call site \d+, replica group 0\): .*rank\(s\) 0\b"
     expect_fault(line, f, (jnp.ones((line.size, 4)),), match)
 
 

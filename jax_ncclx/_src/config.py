@@ -39,8 +39,9 @@ class Config:
         per thread block; ``"auto"`` (default) LL below ``nvlink_ll128_min_bytes`` per segment, LL128 from there.
         Larger segments, and those not a multiple of 4 bytes, always use simple.
       nvlink_ll128_min_bytes: with ``"auto"``, the segment size from which LL128 replaces LL
-        (``JAX_NCCLX_NVLINK_LL128_MIN_BYTES``, default 8 KiB: on 2xH200 LL128 moves 8 KiB segments 0.4-0.5 us
-        faster than LL, level at 4 KiB and slower below, ``benchmarks/results/collectives_2gpu_protocols.md``).
+        (``JAX_NCCLX_NVLINK_LL128_MIN_BYTES``, default 8 KiB: on 2xH200 LL128 moves all_to_all's 8 KiB segments
+        0.4 us faster than LL, is level at 4 KiB and slower below: ``benchmarks/results/``
+        ``collectives_2gpu_protocols.md``).
       nvlink_direct: when one process drives every GPU of the communicator, NVLink kernels write rows
         straight into the peers' outputs (``JAX_NCCLX_NVLINK_DIRECT=1``, default) instead of staging them in
         symmetric memory and copying them out (0; what one process per GPU always does).

@@ -61,8 +61,8 @@ def oneshot_protocol(op: str, nbytes: int, size: int, settings: config.Config) -
 
 def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
     """The route of one all_reduce / all_gather / all_to_all call site: ``ctx`` is its lowering context, ``size``
-    its communicator's size. The NVLink handlers take the op's own attributes plus ``protocol``, ``blocks`` and (all_reduce)
-    ``algorithm``."""
+    its communicator's size. The NVLink handlers take the op's own attributes plus ``protocol``, ``blocks`` and
+    (all_reduce) ``algorithm``."""
     x = ctx.avals_in[0]
     nbytes = int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
     settings = config.current()

@@ -41,7 +41,8 @@ ffi::ErrorOr<ReduceType> GetReduceType(std::string_view op, ffi::DataType dtype)
 
 ffi::ErrorOr<NvlinkProtocol> GetProtocol(std::string_view op, int64_t protocol) {
   if (protocol < 0 || protocol > 2) {
-    return InvalidArgument(op, "protocol is " + std::to_string(protocol) + ", expected 0 (LL128), 1 (LL) or 2 (simple)");
+    return InvalidArgument(op,
+                           "protocol is " + std::to_string(protocol) + ", expected 0 (LL128), 1 (LL) or 2 (simple)");
   }
   return static_cast<NvlinkProtocol>(protocol);
 }
