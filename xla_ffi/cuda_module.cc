@@ -202,12 +202,12 @@ void InitComm(int64_t comm_id, const std::map<int, std::vector<nb::bytes>>& uniq
       return CheckNccl(kOp, "ncclCommInitRankScalable", result, *comm);
     });
   }();
-  std::map<int32_t, ncclComm_t> created = ValueOrThrow(std::move(comms));
-  std::map<int32_t, int64_t> init_bytes;
+  std::map<int32_t, NcclRank> created;
+  for (const auto& [device, comm] : ValueOrThrow(std::move(comms))) created[device].comm = comm;
   for (size_t i = 0; i < devices.size(); ++i) {
-    init_bytes[devices[i]] = std::max<int64_t>(0, DeviceMemoryUsed(devices[i]) - used_before[i]);
+    created[devices[i]].init_bytes = std::max<int64_t>(0, DeviceMemoryUsed(devices[i]) - used_before[i]);
   }
-  ThrowIfFailed(AttachNcclComms(kOp, comm_id, std::move(created), std::move(init_bytes)));
+  ThrowIfFailed(AttachNcclComms(kOp, comm_id, std::move(created)));
 }
 
 std::vector<std::tuple<int, int, int>> CommInfo(int64_t comm_id) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
@@ -112,6 +113,16 @@ inline ffi::Error CheckDims(std::string_view op, std::string_view name, ffi::Spa
   if (std::equal(dims.begin(), dims.end(), expected.begin(), expected.end())) return ffi::Error::Success();
   return InvalidArgument(op, std::string(name) + " has shape " + DimsString(dims) + ", expected " +
                                  DimsString(expected));
+}
+
+// A positive value that never changes in the process (a device attribute, an occupancy), asked of `query` (an
+// ffi::ErrorOr<int>) once and then read from `known` (0: not asked yet). Handlers of every device share it.
+template <typename Query>
+ffi::ErrorOr<int> AskOnce(std::atomic<int>& known, Query query) {
+  if (const int cached = known.load(std::memory_order_relaxed); cached > 0) return cached;
+  ffi::ErrorOr<int> value = query();
+  if (!value.has_error()) known.store(*value, std::memory_order_relaxed);
+  return value;
 }
 
 }  // namespace jax_ncclx

@@ -15,8 +15,7 @@ struct Registry {
   std::shared_mutex mu;  // handlers only read (shared); the module registers and destroys (exclusive)
   int64_t next_id = 1;
   std::map<int64_t, std::map<int32_t, CommMember>> members;
-  std::map<int64_t, std::map<int32_t, ncclComm_t>> comms;  // only communicators that NCCL ops needed
-  std::map<int64_t, std::map<int32_t, int64_t>> init_bytes;  // comm_id -> device -> bytes creation took
+  std::map<int64_t, std::map<int32_t, NcclRank>> comms;  // only communicators that NCCL ops needed
   std::map<int64_t, std::string> faults;  // communicators that stopped working, with why
   std::atomic<bool> any_fault{false};
 };
@@ -38,8 +37,7 @@ int64_t RegisterComm(std::map<int32_t, CommMember> members) {
   return comm_id;
 }
 
-ffi::Error AttachNcclComms(std::string_view op, int64_t comm_id, std::map<int32_t, ncclComm_t> comms,
-                           std::map<int32_t, int64_t> init_bytes) {
+ffi::Error AttachNcclComms(std::string_view op, int64_t comm_id, std::map<int32_t, NcclRank> comms) {
   Registry& registry = GetRegistry();
   std::unique_lock<std::shared_mutex> lock(registry.mu);
   if (!registry.members.count(comm_id)) {
@@ -48,7 +46,6 @@ ffi::Error AttachNcclComms(std::string_view op, int64_t comm_id, std::map<int32_
   if (!registry.comms.emplace(comm_id, std::move(comms)).second) {
     return InvalidArgument(op, "communicator " + std::to_string(comm_id) + " already has NCCL communicators");
   }
-  registry.init_bytes.emplace(comm_id, std::move(init_bytes));
   return ffi::Error::Success();
 }
 
@@ -76,8 +73,8 @@ std::vector<std::tuple<int64_t, int32_t, int64_t>> CommInitBytes() {
   Registry& registry = GetRegistry();
   std::shared_lock<std::shared_mutex> lock(registry.mu);
   std::vector<std::tuple<int64_t, int32_t, int64_t>> all;
-  for (const auto& [comm_id, by_device] : registry.init_bytes) {
-    for (const auto& [device, bytes] : by_device) all.emplace_back(comm_id, device, bytes);
+  for (const auto& [comm_id, by_device] : registry.comms) {
+    for (const auto& [device, nccl] : by_device) all.emplace_back(comm_id, device, nccl.init_bytes);
   }
   return all;
 }
@@ -119,7 +116,8 @@ std::vector<std::pair<int64_t, std::string>> CommAsyncErrors() {
   std::shared_lock<std::shared_mutex> lock(registry.mu);  // destroy unregisters (exclusively) before freeing
   std::vector<std::pair<int64_t, std::string>> failed;
   for (const auto& [comm_id, by_device] : registry.comms) {
-    for (const auto& [device, comm] : by_device) {
+    for (const auto& [device, nccl] : by_device) {
+      ncclComm_t comm = nccl.comm;
       ncclResult_t async = ncclSuccess;
       if (ncclCommGetAsyncError(comm, &async) != ncclSuccess || async == ncclSuccess || async == ncclInProgress) {
         continue;
@@ -143,7 +141,7 @@ void ClearCommFaults() {
 
 void AbortComm(int64_t comm_id, std::string message) {
   RecordCommFault(comm_id, std::move(message));
-  std::map<int32_t, ncclComm_t> doomed;
+  std::map<int32_t, NcclRank> doomed;
   {
     Registry& registry = GetRegistry();
     std::unique_lock<std::shared_mutex> lock(registry.mu);
@@ -151,9 +149,8 @@ void AbortComm(int64_t comm_id, std::string message) {
     if (it == registry.comms.end()) return;
     doomed.swap(it->second);
     registry.comms.erase(it);
-    registry.init_bytes.erase(comm_id);
   }
-  for (const auto& [device, comm] : doomed) ncclCommAbort(comm);  // best effort: the communicator is lost
+  for (const auto& [device, nccl] : doomed) ncclCommAbort(nccl.comm);  // best effort: the communicator is lost
 }
 
 ffi::ErrorOr<CommRank> LookupCommRank(std::string_view op, int64_t comm_id, int32_t device_ordinal) {
@@ -166,7 +163,7 @@ ffi::ErrorOr<CommRank> LookupCommRank(std::string_view op, int64_t comm_id, int3
     const auto comm = comms->second.find(device_ordinal);
     const auto member = members->second.find(device_ordinal);
     if (comm != comms->second.end() && member != members->second.end()) {
-      return CommRank{comm->second, member->second.rank, member->second.size};
+      return CommRank{member->second, comm->second.comm};
     }
   }
   if (members != registry.members.end() && comms == registry.comms.end()) {
@@ -179,14 +176,13 @@ ffi::ErrorOr<CommRank> LookupCommRank(std::string_view op, int64_t comm_id, int3
 }
 
 ffi::Error DestroyAllComms(std::string_view op) {
-  std::map<int64_t, std::map<int32_t, ncclComm_t>> doomed;
+  std::map<int64_t, std::map<int32_t, NcclRank>> doomed;
   {
     // Unregister first so that no handler can look a communicator up while it is being destroyed.
     Registry& registry = GetRegistry();
     std::unique_lock<std::shared_mutex> lock(registry.mu);
     doomed.swap(registry.comms);
     registry.members.clear();
-    registry.init_bytes.clear();
   }
   if (doomed.empty()) return ffi::Error::Success();
   // ncclCommDestroy does not wait for the other ranks (the last local rank frees shared resources), so one
@@ -194,8 +190,8 @@ ffi::Error DestroyAllComms(std::string_view op) {
   return KeepingCurrentDevice(op, [&] {
     ffi::Error first_failure;
     for (const auto& [comm_id, by_device] : doomed) {
-      for (const auto& [device, comm] : by_device) {
-        ffi::Error destroyed = CheckNccl(op, "ncclCommDestroy", ncclCommDestroy(comm), comm);
+      for (const auto& [device, nccl] : by_device) {
+        ffi::Error destroyed = CheckNccl(op, "ncclCommDestroy", ncclCommDestroy(nccl.comm), nccl.comm);
         if (destroyed.failure() && first_failure.success()) first_failure = std::move(destroyed);
       }
     }

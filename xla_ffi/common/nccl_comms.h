@@ -22,17 +22,21 @@
 
 namespace jax_ncclx {
 
-// A communicator together with the place of this device in it.
-struct CommRank {
-  ncclComm_t comm = nullptr;
-  int rank = -1;
-  int size = 0;
-};
-
 // A local rank of a communicator, known from the mesh before NCCL is involved.
 struct CommMember {
   int rank = -1;
   int size = 0;
+};
+
+// That rank's NCCL communicator, with the device bytes its creation took (nx.memory_stats).
+struct NcclRank {
+  ncclComm_t comm = nullptr;
+  int64_t init_bytes = 0;
+};
+
+// What a handler needs to call NCCL: the local rank and its communicator.
+struct CommRank : CommMember {
+  ncclComm_t comm = nullptr;
 };
 
 // Registers a communicator's local ranks (device ordinal -> rank and size; may be empty) under a new comm_id
@@ -41,10 +45,9 @@ struct CommMember {
 // communicator used only by the NVLink kernels never holds NCCL's memory.
 int64_t RegisterComm(std::map<int32_t, CommMember> members);
 
-// Gives `comm_id` its NCCL communicators, one per local member (`comms`), with the device bytes each took to
-// create (`init_bytes`, same keys). The registry owns them from then on.
-ffi::Error AttachNcclComms(std::string_view op, int64_t comm_id, std::map<int32_t, ncclComm_t> comms,
-                           std::map<int32_t, int64_t> init_bytes);
+// Gives `comm_id` its NCCL communicators, one per local member, by device ordinal. The registry owns them
+// from then on.
+ffi::Error AttachNcclComms(std::string_view op, int64_t comm_id, std::map<int32_t, NcclRank> comms);
 
 // The local members of `comm_id`, by device ordinal.
 ffi::ErrorOr<std::map<int32_t, CommMember>> CommMembers(std::string_view op, int64_t comm_id);

@@ -477,16 +477,15 @@ NvlinkLaunchCounts GetNvlinkLaunchCounts() {
 }
 
 ffi::ErrorOr<int> SmCount(std::string_view op, int32_t device_ordinal) {
-  static std::array<std::atomic<int>, 64> known{};
-  const bool cacheable = device_ordinal >= 0 && device_ordinal < static_cast<int32_t>(known.size());
-  if (cacheable && known[device_ordinal].load(std::memory_order_relaxed) > 0) {
-    return known[device_ordinal].load(std::memory_order_relaxed);
-  }
-  int sm_count = 0;
-  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaDeviceGetAttribute",
-                                  cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device_ordinal)));
-  if (cacheable) known[device_ordinal].store(sm_count, std::memory_order_relaxed);
-  return sm_count;
+  auto query = [&]() -> ffi::ErrorOr<int> {
+    int sm_count = 0;
+    NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaDeviceGetAttribute",
+                                    cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device_ordinal)));
+    return sm_count;
+  };
+  static std::array<std::atomic<int>, 64> known{};  // by device ordinal
+  if (device_ordinal < 0 || device_ordinal >= static_cast<int32_t>(known.size())) return query();
+  return AskOnce(known[device_ordinal], query);
 }
 
 }  // namespace jax_ncclx

@@ -145,20 +145,20 @@ ffi::Error ReleaseCounts(const GpuCall& call, const ffi::Buffer<ffi::S32>& count
   return CheckCuda(kOp, "cudaFreeAsync", cudaFreeAsync(const_cast<int32_t*>(sent), call.stream));
 }
 
-// The arguments both transports' handlers start with.
 // NvlinkAllToAllvBlocksPerSm, asked once: every GPU of a process runs the same kernels (the lent machines and
 // the clusters this targets have one GPU model per host).
 ffi::ErrorOr<int> KernelBlocksPerSm() {
   static std::atomic<int> known{0};
-  if (const int cached = known.load(std::memory_order_relaxed); cached > 0) return cached;
-  int per_sm = 0;
-  NCCLX_RETURN_IF_ERROR(CheckCuda(kOp, "cudaOccupancyMaxActiveBlocksPerMultiprocessor",
-                                  NvlinkAllToAllvBlocksPerSm(&per_sm)));
-  if (per_sm < 1) return Internal(kOp, "the NVLink kernel fits no block on an SM of this GPU");
-  known.store(per_sm, std::memory_order_relaxed);
-  return per_sm;
+  return AskOnce(known, []() -> ffi::ErrorOr<int> {
+    int per_sm = 0;
+    NCCLX_RETURN_IF_ERROR(CheckCuda(kOp, "cudaOccupancyMaxActiveBlocksPerMultiprocessor",
+                                    NvlinkAllToAllvBlocksPerSm(&per_sm)));
+    if (per_sm < 1) return Internal(kOp, "the NVLink kernel fits no block on an SM of this GPU");
+    return per_sm;
+  });
 }
 
+// The arguments both transports' handlers start with.
 auto BindAllToAllv() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
