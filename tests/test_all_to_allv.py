@@ -1,5 +1,5 @@
 """all_to_allv_dynamic against the NumPy reference: adversarial count patterns, both layouts, K chunks per
-peer, rows gathered through send_rows, dtypes, vmap (one call), grad, and both axes of a 2-D mesh; on CPU
+peer, rows gathered through send_rows and extended by a suffix, dtypes, vmap (one call), grad, and both axes of a 2-D mesh; on CPU
 and, where present, on GPUs through both transports (the NVLink kernel, required to be taken, and the NCCL
 path)."""
 
@@ -69,16 +69,17 @@ def line_mesh(backend):
     return jax.sharding.Mesh(np.asarray(backend), ("x",))
 
 
-def run(mesh, axis, xs, counts, layout, capacity=CAPACITY, prepare=lambda x: x, send_rows=None):
+def run(mesh, axis, xs, counts, layout, capacity=CAPACITY, prepare=lambda x: x, send_rows=None, suffix=None):
     n = len(xs)
+    optional = {name: jnp.asarray(v) for name, v in (("send_rows", send_rows), ("suffix", suffix)) if v is not None}
 
-    def body(x, c, *index):
+    def body(x, c, *values):
         y, recv, dropped = nx.all_to_allv_dynamic(prepare(x[0]), c[0], axis, max_recv_per_peer=capacity,
-                                                  layout=layout, send_rows=index[0][0] if index else None)
+                                                  layout=layout, **{k: v[0] for k, v in zip(optional, values)})
         return y[None], recv[None], dropped[None]
 
     spec = P(mesh.axis_names)
-    args = (jnp.asarray(xs), jnp.asarray(counts), *(() if send_rows is None else (jnp.asarray(send_rows),)))
+    args = (jnp.asarray(xs), jnp.asarray(counts), *optional.values())
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * len(args), out_specs=spec))
     out = f(*args)
     return [tuple(np.asarray(o[i]) for o in out) for i in range(n)]
@@ -135,6 +136,26 @@ def test_send_rows_gather_on_the_way(backend, pattern, layout):
     check(run(mesh, "x", xs, counts, layout, send_rows=send_rows), expected, jnp.float32)
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("indexed", [False, True], ids=["x", "send_rows"])
+@pytest.mark.parametrize("features, columns, dtype", [(5, 3, jnp.float32), (64, 8, jnp.bfloat16), (5, 3, jnp.int8)],
+                         ids=["4-byte", "16-byte", "1-byte"])  # the widest copy unit the row and suffix allow
+def test_suffix_travels_with_rows(backend, layout, indexed, features, columns, dtype):
+    """A suffix gives the result of sending concat(x[send_rows], suffix): the suffix follows its send row
+    even where the index falls outside x (a zero row with its suffix)."""
+    mesh = line_mesh(backend)
+    n = len(backend)
+    source_rows = ROWS - 5 if indexed else ROWS
+    xs = random_array((n, source_rows, features), dtype)
+    suffix = random_array((n, ROWS, columns), dtype, seed=3)
+    send_rows = random_send_rows(n, ROWS, source_rows, seed=13) if indexed else None
+    counts = counts_for("overflow", n, 2, seed=2)
+    rows = gather_rows(xs, send_rows) if indexed else list(xs)
+    sent = [np.concatenate([r, t], axis=1) for r, t in zip(rows, suffix)]
+    expected = reference.all_to_allv(sent, list(counts), CAPACITY, layout)
+    check(run(mesh, "x", xs, counts, layout, send_rows=send_rows, suffix=suffix), expected, dtype)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8, jnp.float8_e4m3fn],
                          ids=lambda d: jnp.dtype(d).name)
 def test_dtypes(backend, dtype):
@@ -188,25 +209,30 @@ def test_either_axis_of_2d_mesh(mesh, axis):
               jnp.float32)
 
 
-@pytest.mark.parametrize("indexed", [False, True], ids=["x", "send_rows"])
-def test_vmap_is_one_call(backend, indexed):
+@pytest.mark.parametrize("operands", ["x", "send_rows", "suffix"])
+def test_vmap_is_one_call(backend, operands):
     """Two routings at once under vmap: each matches the reference, and the jaxpr holds one collective."""
     n = len(backend)
     mesh = line_mesh(backend)
     xs = random_array((n, 2, ROWS, 3), jnp.float32)
+    suffix = random_array((n, 2, ROWS, 2), jnp.float32, seed=5)
     counts = np.stack([counts_for("overflow", n, 2, seed=s) for s in (7, 8)], axis=1)  # [n, 2, n, k]
     send_rows = np.stack([random_send_rows(n, ROWS, ROWS, seed=s) for s in (1, 2)], axis=1)  # [n, 2, S]
+    indexed = operands != "x"
 
-    def body(x, c, i):
-        f = jax.vmap(lambda u, v, w: nx.all_to_allv_dynamic(u, v, "x", max_recv_per_peer=CAPACITY, layout="packed",
-                                                             send_rows=w if indexed else None))
-        return tuple(o[None] for o in f(x[0], c[0], i[0]))
+    def body(x, c, i, t):
+        f = jax.vmap(lambda u, v, w, z: nx.all_to_allv_dynamic(
+            u, v, "x", max_recv_per_peer=CAPACITY, layout="packed", send_rows=w if indexed else None,
+            suffix=z if operands == "suffix" else None))
+        return tuple(o[None] for o in f(x[0], c[0], i[0], t[0]))
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x")))
-    args = jnp.asarray(xs), jnp.asarray(counts), jnp.asarray(send_rows)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 4, out_specs=P("x")))
+    args = jnp.asarray(xs), jnp.asarray(counts), jnp.asarray(send_rows), jnp.asarray(suffix)
     out = f(*args)
     for b in range(2):
         sent = gather_rows(xs[:, b], send_rows[:, b]) if indexed else list(xs[:, b])
+        if operands == "suffix":
+            sent = [np.concatenate([r, t], axis=1) for r, t in zip(sent, suffix[:, b])]
         expected = reference.all_to_allv(sent, list(counts[:, b]), CAPACITY, "packed")
         check([tuple(np.asarray(o[i, b]) for o in out) for i in range(n)], expected, jnp.float32)
     assert str(jax.make_jaxpr(f)(*args)).count("ncclx_all_to_allv_dynamic") == 1
@@ -263,6 +289,36 @@ def test_grad_through_send_rows(backend):
 
     grad = jax.jit(jax.grad(loss), static_argnums=1)
     np.testing.assert_allclose(np.asarray(grad(xs, True)), np.asarray(grad(xs, False)), rtol=1e-6, atol=1e-6)
+
+
+def test_grad_through_suffix(backend):
+    """The gradients of x and the suffix equal those of concatenating first."""
+    n = len(backend)
+    mesh = line_mesh(backend)
+    source_rows = ROWS - 4
+    xs = jnp.asarray(random_array((n, source_rows, 3), jnp.float32))
+    suffix = jnp.asarray(random_array((n, ROWS, 2), jnp.float32, seed=4))
+    send_rows = jnp.asarray(random_send_rows(n, ROWS, source_rows, seed=5))
+    counts = jnp.asarray(counts_for("overflow", n, 2, seed=9))
+    w = random_array((n * CAPACITY, 5), jnp.float32, seed=2)
+
+    def loss(x, tail, fused):
+        def body(v, t, c, i):
+            index = i[0]
+            outside = (index < 0) | (index >= source_rows)  # jnp.take wraps negative indices: move them out
+            taken = jnp.take(v[0], jnp.where(outside, source_rows, index), axis=0, mode="fill", fill_value=0)
+            y = (nx.all_to_allv_dynamic(v[0], c[0], "x", max_recv_per_peer=CAPACITY, layout="packed",
+                                        send_rows=index, suffix=t[0]) if fused else
+                 nx.all_to_allv_dynamic(jnp.concatenate([taken, t[0]], axis=1), c[0], "x",
+                                        max_recv_per_peer=CAPACITY, layout="packed"))[0]
+            return (y * w).sum()[None]
+        return jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 4, out_specs=P("x"))(
+            x, tail, counts, send_rows).sum()
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+    for fused, unfused in zip(grad(xs, suffix, True), grad(xs, suffix, False)):
+        assert np.abs(np.asarray(unfused)).sum() > 0
+        np.testing.assert_allclose(np.asarray(fused), np.asarray(unfused), rtol=1e-6, atol=1e-6)
 
 
 def test_check_grads_numerically(backend):

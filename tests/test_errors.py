@@ -50,6 +50,15 @@ def test_eager_primitive_outside_mapped_context():
      ValueError, "layout must be one of"),
     (lambda v: nx.all_to_allv_dynamic(v, jnp.ones(4, jnp.int32), "x", max_recv_per_peer=v.sum().astype(int)),
      TypeError, "static Python int"),
+    (lambda v: nx.all_to_allv_dynamic(v, jnp.ones(4, jnp.int32), "x", max_recv_per_peer=2, suffix=v[:, :2] > 0),
+     ValueError, r"suffix \[S, G\] with x's dtype and S = 2 \(the send rows\), got x float32\[2, 8\] and suffix "
+     r"bool\[2, 2\]"),
+    (lambda v: nx.all_to_allv_dynamic(v, jnp.ones(4, jnp.int32), "x", max_recv_per_peer=2, suffix=v[:1]),
+     ValueError, r"S = 2 \(the send rows\)"),
+    (lambda v: nx.all_to_allv_dynamic(v, jnp.ones(4, jnp.int32), "x", max_recv_per_peer=2, suffix=v,
+                                      send_rows=jnp.zeros(3, jnp.int32)), ValueError, r"S = 3 \(the send rows\)"),
+    (lambda v: nx.all_to_allv_dynamic(v[:, :, None], jnp.ones(4, jnp.int32), "x", max_recv_per_peer=2, suffix=v),
+     ValueError, r"needs x \[X, F\]"),
 ])
 def test_misuse_inside_shard_map(line, call, error, message):
     with pytest.raises(error, match=message):

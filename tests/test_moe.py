@@ -170,8 +170,13 @@ def test_each_token_crosses_once_per_member(backend):
         tokens.reshape(-1, HIDDEN), ids.reshape(-1, top_k))
     exchanges = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "ncclx_all_to_allv_dynamic"]
     assert len(exchanges) == 1
-    # T * min(k, N) rows (not T * k), each H values and the k int32 tags (4 float32 columns).
-    assert exchanges[0].invars[0].aval.shape == (1, TOKENS * n, HIDDEN + top_k)
+    # T * min(k, N) send rows (not T * k) read straight from the tokens, each H values followed by the k int32
+    # tags (4 float32 columns) from the suffix operand: no copy of the rows before the exchange.
+    tokens_in, _, send_rows, suffix = (v.aval.shape for v in exchanges[0].invars)
+    assert (tokens_in, send_rows, suffix) == ((1, TOKENS, HIDDEN), (1, TOKENS * n), (1, TOKENS * n, top_k))
+    assert exchanges[0].outvars[0].aval.shape[-1] == HIDDEN + top_k
+    assert not [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "ncclx_take_rows"
+                and e.invars[0].aval.shape == (1, TOKENS, HIDDEN)]
 
 
 def _equations(jaxpr):

@@ -11,8 +11,9 @@
 #                 installed, as on the GPU machines; a JUnit XML beside the log) over $ARGS_tests (default:
 #                 tests, all of them)
 #   multiprocess  pytest -m multiprocess (one process per GPU, fault injection)
-#   memcheck      compute-sanitizer --tool memcheck over the adversarial all_to_allv count patterns and
-#                 send_rows indices on GPU (test_patterns, test_send_rows_gather_on_the_way), the moe
+#   memcheck      compute-sanitizer --tool memcheck over the adversarial all_to_allv count patterns,
+#                 send_rows indices and suffixes on GPU (test_patterns, test_send_rows_gather_on_the_way,
+#                 test_suffix_travels_with_rows), the moe
 #                 routing kernels (test_moe_routing) and the row copies (test_take_rows), with rows
 #                 written straight into the peers' outputs and, JAX_NCCLX_NVLINK_DIRECT=0, through the
 #                 staging slots; and once the small-message all_to_all in every protocol and size class
@@ -61,7 +62,8 @@ run_step() {
     memcheck)
       local sanitizer=("$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)" --tool memcheck --report-api-errors no --error-exitcode 86 --print-limit 20)
       local cases=("${pytest[@]}" -q -m gpu "tests/test_all_to_allv.py::test_patterns"
-                   "tests/test_all_to_allv.py::test_send_rows_gather_on_the_way" tests/test_moe_routing.py
+                   "tests/test_all_to_allv.py::test_send_rows_gather_on_the_way"
+                   "tests/test_all_to_allv.py::test_suffix_travels_with_rows" tests/test_moe_routing.py
                    tests/test_take_rows.py)
       local once=("${pytest[@]}" -q -m gpu tests/test_nvlink_collectives.py::test_all_to_all -k float32)
       cmd=(bash -c "${sanitizer[*]} ${cases[*]} && JAX_NCCLX_NVLINK_DIRECT=0 ${sanitizer[*]} ${cases[*]} &&

@@ -240,10 +240,12 @@ def _dispatch(tokens, weights, expert_ids, num_experts, axis_name, capacity, wir
     # Quantized before the copy into send rows: T rows to encode, not S.
     source = tokens if wire_dtype is None else _encode(tokens, wire_dtype)
     width = source.shape[1]
-    rows = take_rows(source, plan.send_token, suffix=_as_columns(plan.send_suffix, source.dtype))
+    # The exchange reads each token row and appends its tags (and weights) as it sends them: no send-side copy.
     # A member gets each token at most once: R = min(C, T) rows per source, so the padded layout's zero rows
     # after the data (written over NVLink too) stay few.
-    received, recv_tokens, _ = _exchange(rows, plan.token_counts, axis_name, min(capacity, tokens.shape[0]))
+    received, recv_tokens, _ = _exchange(source, plan.token_counts, axis_name, min(capacity, tokens.shape[0]),
+                                         send_rows=plan.send_token,
+                                         suffix=_as_columns(plan.send_suffix, source.dtype))
     placed = moe_routing.place_received(received, recv_tokens, local_experts=num_experts // num_members,
                                         capacity=capacity, top_k=top_k, suffix_offset=width * source.dtype.itemsize,
                                         with_weights=weights is not None)
@@ -384,14 +386,15 @@ def _weighted_sum(returned, weights, dtype):
 
 # ---- the exchanges, shared by the forward and backward passes -----------------------------------------------
 
-def _exchange(rows, send_counts, axis_name, capacity, send_rows=None):
-    """all_to_allv_dynamic into the padded layout, as ``[N * C, H]``: the NVLink kernel writes it without
+def _exchange(rows, send_counts, axis_name, capacity, send_rows=None, suffix=None):
+    """all_to_allv_dynamic into the padded layout, as ``[N * C, H (+ G)]``: the NVLink kernel writes it without
     first sharing every member's counts, which the packed layout needs (6-7 µs less per exchange on 4×H200
     at T = 16 and 128, benchmarks/results/all_to_allv_4gpu). ``send_rows``: send ``rows[send_rows]``, gathered
-    by the exchange's kernel (no copy of its own)."""
+    by the exchange's kernel (no copy of its own); ``suffix``: ``[S, G]`` appended to the send rows."""
     received, recv_counts, dropped = all_to_allv_dynamic(rows, send_counts, axis_name, max_recv_per_peer=capacity,
-                                                         layout="padded", send_rows=send_rows)
-    return received.reshape(-1, rows.shape[1]), recv_counts, dropped
+                                                         layout="padded", send_rows=send_rows, suffix=suffix)
+    num_members, rows_per_member, columns = received.shape
+    return received.reshape(num_members * rows_per_member, columns), recv_counts, dropped
 
 
 def _gather_rows(rows, index):

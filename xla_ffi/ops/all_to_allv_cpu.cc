@@ -1,6 +1,6 @@
 // CPU handler of all_to_allv_dynamic. Every participant plans its own sends (PlanSends, the same code the
-// CUDA kernels run), reports its dropped rows, publishes its input, send_rows and plan, and then pulls from
-// every source the prefix of rows that source planned for it, in the padded or packed receive layout.
+// CUDA kernels run), reports its dropped rows, publishes its input, send_rows, suffix and plan, and then pulls
+// from every source the prefix of rows that source planned for it, in the padded or packed receive layout.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -10,18 +10,20 @@
 
 #include "common/all_to_allv_plan.h"
 #include "common/checks.h"
+#include "ops/all_to_allv_checks.h"
 #include "ops/cpu_collective.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {
 namespace {
 
-constexpr std::string_view kOp = "all_to_allv_dynamic";
+constexpr std::string_view kOp = kAllToAllvOp;
 
-// One participant's send plan for all batch elements, laid out [batch][peer] ([batch][peer][chunk]), and
-// its send_rows (null: x's rows in order).
+// One participant's send plan for all batch elements, laid out [batch][peer] ([batch][peer][chunk]), its
+// send_rows (null: x's rows in order) and its suffix (null: none).
 struct SendPlan {
   const int32_t* send_rows = nullptr;
+  const char* suffix = nullptr;
   std::vector<int32_t> delivered_chunks;
   std::vector<int64_t> first_row;
   std::vector<int64_t> delivered;
@@ -34,33 +36,28 @@ std::vector<int32_t> CorruptCounts(const int32_t* counts, int64_t n) {
 }
 
 ffi::Error AllToAllvImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts,
-                         std::optional<ffi::Buffer<ffi::S32>> send_rows, ffi::Result<ffi::AnyBuffer> y,
-                         ffi::Result<ffi::Buffer<ffi::S32>> recv_counts, ffi::Result<ffi::Buffer<ffi::S32>> dropped,
-                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t site, int64_t timeout_ms,
-                         int64_t trace, int64_t capacity, int64_t packed) {
-  const auto x_dims = x.dimensions();
+                         std::optional<ffi::Buffer<ffi::S32>> send_rows, std::optional<ffi::AnyBuffer> suffix,
+                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
+                         ffi::Result<ffi::Buffer<ffi::S32>> dropped, ffi::Span<const int64_t> groups,
+                         int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace, int64_t capacity,
+                         int64_t packed) {
+  ffi::ErrorOr<AllToAllvSendRows> sent = GetSendRows(x, send_rows, suffix);
+  if (sent.has_error()) return sent.error();
   const auto count_dims = counts.dimensions();
-  if (x_dims.size() < 2 || count_dims.size() != 3) {
-    return InvalidArgument(kOp, "x must be [batch, rows, ...] and send_counts [batch, peers, chunks]");
+  if (count_dims.size() != 3) {
+    return InvalidArgument(kOp, "send_counts has shape " + DimsString(count_dims) +
+                                    ", expected [batch, peers, chunks]");
   }
   const int64_t num_batch = count_dims[0], num_peers = count_dims[1], num_chunks = count_dims[2];
-  const int64_t source_rows = x_dims[1];
-  int64_t num_rows = source_rows;
-  if (send_rows.has_value()) {
-    const auto rows_dims = send_rows->dimensions();
-    if (rows_dims.size() != 2 || rows_dims[0] != num_batch) {
-      return InvalidArgument(kOp, "send_rows must be [batch, rows] with batch " + std::to_string(num_batch));
-    }
-    num_rows = rows_dims[1];
-  }
-  if (num_peers != group_size || x_dims[0] != num_batch) {
+  const int64_t source_rows = sent->source_rows, num_rows = sent->num_rows;
+  const int64_t row_bytes = sent->row_bytes, suffix_bytes = sent->suffix_bytes;
+  const int64_t x_row_bytes = row_bytes - suffix_bytes;
+  if (num_peers != group_size || sent->batch != num_batch) {
     return InvalidArgument(kOp, "send_counts has shape [" + std::to_string(num_batch) + ", " +
                                     std::to_string(num_peers) + ", K] but the axis has " +
                                     std::to_string(group_size) + " ranks and x a batch of " +
-                                    std::to_string(x_dims[0]));
+                                    std::to_string(sent->batch));
   }
-  int64_t row_bytes = ffi::ByteWidth(x.element_type());
-  for (size_t d = 2; d < x_dims.size(); ++d) row_bytes *= x_dims[d];
   const int64_t expected_y = num_batch * num_peers * capacity * row_bytes;
   if (static_cast<int64_t>(y->size_bytes()) != expected_y) {
     return InvalidArgument(kOp, "output has " + std::to_string(y->size_bytes()) + " bytes, expected " +
@@ -76,7 +73,7 @@ ffi::Error AllToAllvImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, f
     corrupted = CorruptCounts(send_counts, counts.element_count());
     send_counts = corrupted.data();
   }
-  SendPlan plan{send_rows.has_value() ? send_rows->typed_data() : nullptr,
+  SendPlan plan{OptionalData(send_rows), static_cast<const char*>(OptionalData(suffix)),
                 std::vector<int32_t>(num_batch * num_peers * num_chunks),
                 std::vector<int64_t>(num_batch * num_peers), std::vector<int64_t>(num_batch * num_peers)};
   for (int64_t b = 0; b < num_batch; ++b) {
@@ -99,13 +96,19 @@ ffi::Error AllToAllvImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, f
         const int64_t dst_row = packed ? packed_row : source * capacity;
         char* dst = out + (b * num_peers * capacity + dst_row) * row_bytes;
         const char* x_rows = static_cast<const char*>(peers[source].data);
-        if (theirs.send_rows == nullptr) {  // the rows are contiguous in x: one copy
+        if (theirs.send_rows == nullptr && theirs.suffix == nullptr) {  // the rows are contiguous in x: one copy
           const int64_t first = SourceRow(nullptr, num_rows, source_rows, b, theirs.first_row[slot]);
           if (rows > 0) std::memcpy(dst, x_rows + first * row_bytes, rows * row_bytes);
         } else {
           for (int64_t r = 0; r < rows; ++r) {  // y starts zeroed: rows outside x stay zero
-            const int64_t row = SourceRow(theirs.send_rows, num_rows, source_rows, b, theirs.first_row[slot] + r);
-            if (row >= 0) std::memcpy(dst + r * row_bytes, x_rows + row * row_bytes, row_bytes);
+            const int64_t send_row = theirs.first_row[slot] + r;
+            const int64_t row = SourceRow(theirs.send_rows, num_rows, source_rows, b, send_row);
+            char* out_row = dst + r * row_bytes;
+            if (row >= 0) std::memcpy(out_row, x_rows + row * x_row_bytes, x_row_bytes);
+            if (theirs.suffix != nullptr) {
+              std::memcpy(out_row + x_row_bytes, theirs.suffix + (b * num_rows + send_row) * suffix_bytes,
+                          suffix_bytes);
+            }
           }
         }
         packed_row += rows;
@@ -122,6 +125,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuAllToAllvDynamic, AllToAllvImpl,
                                                     .Arg<ffi::AnyBuffer>()          // x [B, X, ...]
                                                     .Arg<ffi::Buffer<ffi::S32>>()   // send_counts [B, N, K]
                                                     .OptionalArg<ffi::Buffer<ffi::S32>>()  // send_rows [B, S]
+                                                    .OptionalArg<ffi::AnyBuffer>()  // suffix [B, S, G]
                                                     .Ret<ffi::AnyBuffer>()          // y (padded or packed)
                                                     .Ret<ffi::Buffer<ffi::S32>>()   // recv_counts [B, N, K]
                                                     .Ret<ffi::Buffer<ffi::S32>>())  // dropped [B, N]

@@ -5,8 +5,9 @@
 //                     all-to-alls (rows and recv_counts) -> compact kernel (packed layout only);
 //   NVLink:           one kernel writing straight into the peers' symmetric memory
 //                     (all_to_allv_nvlink_kernels.cu); command-buffer compatible.
-// The optional send_rows [B, S] name the row of x that each send row takes; both transports gather through
-// it as they copy rows out (the pack kernel, the NVLink kernel; SourceRow in all_to_allv_plan.h).
+// The optional send_rows [B, S] name the row of x that each send row takes, and the optional suffix [B, S, G]
+// is appended to each send row; both transports gather through them as they copy rows out (the pack kernel,
+// the NVLink kernel; SourceRow in all_to_allv_plan.h).
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -22,18 +23,20 @@
 #include "common/nccl_comms.h"
 #include "common/symmetric.h"
 #include "common/watchdog.h"
+#include "ops/all_to_allv_checks.h"
 #include "ops/all_to_allv_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {
 namespace {
 
-constexpr std::string_view kOp = "all_to_allv_dynamic";
+constexpr std::string_view kOp = kAllToAllvOp;
 
 // Checks the operands against each other and the communicator size, and returns the kernels' sizes.
 ffi::ErrorOr<AllToAllvShape> GetShape(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& counts,
                                       const std::optional<ffi::Buffer<ffi::S32>>& send_rows,
-                                      const ffi::AnyBuffer& y, const ffi::Buffer<ffi::S32>& recv_counts,
+                                      const std::optional<ffi::AnyBuffer>& suffix, const ffi::AnyBuffer& y,
+                                      const ffi::Buffer<ffi::S32>& recv_counts,
                                       const ffi::Buffer<ffi::S32>& dropped, int num_ranks, int64_t capacity,
                                       int64_t packed) {
   if (capacity < 0) {
@@ -42,27 +45,16 @@ ffi::ErrorOr<AllToAllvShape> GetShape(const ffi::AnyBuffer& x, const ffi::Buffer
   if (packed != 0 && packed != 1) {
     return InvalidArgument(kOp, "packed is " + std::to_string(packed) + ", expected 0 or 1");
   }
-  const ffi::Span<const int64_t> x_dims = x.dimensions();
-  if (x_dims.size() < 2) {
-    return InvalidArgument(kOp,
-                           "x has shape " + DimsString(x_dims) + ", expected [batch, rows, features...]");
-  }
+  ffi::ErrorOr<AllToAllvSendRows> rows = GetSendRows(x, send_rows, suffix);
+  if (rows.has_error()) return rows.error();
   AllToAllvShape shape;
-  shape.batch = x_dims[0];
-  shape.source_rows = x_dims[1];
-  shape.num_rows = x_dims[1];
-  if (send_rows.has_value()) {
-    const ffi::Span<const int64_t> rows_dims = send_rows->dimensions();
-    if (rows_dims.size() != 2 || rows_dims[0] != shape.batch) {
-      return InvalidArgument(kOp, "send_rows has shape " + DimsString(rows_dims) + ", expected [" +
-                                      std::to_string(shape.batch) + ", rows] (x's batch)");
-    }
-    shape.num_rows = rows_dims[1];
-  }
+  shape.batch = rows->batch;
+  shape.source_rows = rows->source_rows;
+  shape.num_rows = rows->num_rows;
+  shape.row_bytes = rows->row_bytes;
+  shape.suffix_bytes = rows->suffix_bytes;
   shape.num_peers = num_ranks;
   shape.capacity = capacity;
-  shape.row_bytes = static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
-  for (size_t i = 2; i < x_dims.size(); ++i) shape.row_bytes *= x_dims[i];
 
   const ffi::Span<const int64_t> counts_dims = counts.dimensions();
   if (counts_dims.size() != 3 || counts_dims[0] != shape.batch || counts_dims[1] != shape.num_peers) {
@@ -87,10 +79,6 @@ ffi::ErrorOr<AllToAllvShape> GetShape(const ffi::AnyBuffer& x, const ffi::Buffer
                                     std::to_string(shape.row_bytes) + " bytes per row");
   }
   return shape;
-}
-
-const int32_t* SendRowsData(const std::optional<ffi::Buffer<ffi::S32>>& send_rows) {
-  return send_rows.has_value() ? send_rows->typed_data() : nullptr;
 }
 
 int64_t Align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
@@ -166,21 +154,22 @@ auto BindAllToAllv() {
       .Arg<ffi::AnyBuffer>()                     // x: [B, S, F...]
       .Arg<ffi::Buffer<ffi::S32>>()              // counts: [B, N, K]
       .OptionalArg<ffi::Buffer<ffi::S32>>()      // send_rows: [B, S], the row of x each send row takes
-      .Ret<ffi::AnyBuffer>()                     // y: [B, N, C, F...] / [B, N*C, F...]
+      .OptionalArg<ffi::AnyBuffer>()             // suffix: [B, S, G], appended to each send row
+      .Ret<ffi::AnyBuffer>()                     // y: [B, N, C, F... (+ G)] / [B, N*C, F... (+ G)]
       .Ret<ffi::Buffer<ffi::S32>>()              // recv_counts: [B, N, K]
       .Ret<ffi::Buffer<ffi::S32>>();             // dropped: [B, N]
 }
 
 ffi::Error AllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                                 ffi::Buffer<ffi::S32> counts, std::optional<ffi::Buffer<ffi::S32>> send_rows,
-                                ffi::Result<ffi::AnyBuffer> y,
+                                std::optional<ffi::AnyBuffer> suffix, ffi::Result<ffi::AnyBuffer> y,
                                 ffi::ResultBuffer<ffi::S32> recv_counts, ffi::ResultBuffer<ffi::S32> dropped,
                                 ffi::ResultBuffer<ffi::U8> workspace, int64_t comm_id, int64_t site,
                                 int64_t timeout_ms, int64_t trace, int64_t capacity, int64_t packed) {
   ffi::ErrorOr<CommRank> comm = LookupCommRank(kOp, comm_id, device_ordinal);
   if (comm.has_error()) return comm.error();
   ffi::ErrorOr<AllToAllvShape> shape =
-      GetShape(x, counts, send_rows, *y, *recv_counts, *dropped, comm->size, capacity, packed);
+      GetShape(x, counts, send_rows, suffix, *y, *recv_counts, *dropped, comm->size, capacity, packed);
   if (shape.has_error()) return shape.error();
   const WorkspaceLayout layout = LayOutWorkspace(*shape, packed == 1);
   NCCLX_RETURN_IF_ERROR(CheckDims(kOp, "workspace", workspace->dimensions(), {layout.total}));
@@ -209,8 +198,8 @@ ffi::Error AllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi
     NCCLX_RETURN_IF_ERROR(ReleaseCounts(*call, counts, *send_counts));
     NCCLX_RETURN_IF_ERROR(
         CheckCuda(kOp, "pack kernel launch",
-                  LaunchPackRows(*shape, x.untyped_data(), SendRowsData(send_rows), first_row, delivered,
-                                 send, stream)));
+                  LaunchPackRows(*shape, x.untyped_data(), OptionalData(send_rows), OptionalData(suffix),
+                                 first_row, delivered, send, stream)));
     NCCLX_RETURN_IF_ERROR(InNcclGroup(kOp, comm->comm, [&]() -> ffi::Error {
       for (int64_t b = 0; b < shape->batch; ++b) {
         if (peer_bytes > 0) {
@@ -238,7 +227,7 @@ ffi::Error AllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi
 ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                                       ffi::Buffer<ffi::S32> counts,
                                       std::optional<ffi::Buffer<ffi::S32>> send_rows,
-                                      ffi::Result<ffi::AnyBuffer> y,
+                                      std::optional<ffi::AnyBuffer> suffix, ffi::Result<ffi::AnyBuffer> y,
                                       ffi::ResultBuffer<ffi::S32> recv_counts,
                                       ffi::ResultBuffer<ffi::S32> dropped, int64_t comm_id, int64_t site,
                                       int64_t timeout_ms, int64_t trace, int64_t capacity, int64_t packed,
@@ -247,7 +236,7 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckNvlinkFault(kOp, comm_id, *symmetric));
   ffi::ErrorOr<AllToAllvShape> shape =
-      GetShape(x, counts, send_rows, *y, *recv_counts, *dropped, symmetric->size, capacity, packed);
+      GetShape(x, counts, send_rows, suffix, *y, *recv_counts, *dropped, symmetric->size, capacity, packed);
   if (shape.has_error()) return shape.error();
   if (direct == 1 && !symmetric->same_process) {
     return InvalidArgument(kOp, "direct is 1 but the communicator's ranks are not all in this process");
@@ -275,7 +264,8 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
   args.site = site;
   args.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000;
   args.x = x.untyped_data();
-  args.send_rows = SendRowsData(send_rows);
+  args.send_rows = OptionalData(send_rows);
+  args.suffix = OptionalData(suffix);
   args.y = y->untyped_data();
   args.recv_counts = recv_counts->typed_data();
   args.dropped = dropped->typed_data();

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 
 #include <cub/block/block_reduce.cuh>
 
@@ -37,11 +38,16 @@ __global__ void PlanSendsKernel(AllToAllvShape shape, const int32_t* __restrict_
 // Both copy kernels walk segments (b, peer) of C rows each: blockIdx.y strides over segments, the x
 // dimension over the segment's units (V-sized pieces of its rows).
 template <typename V>
-__global__ void PackRowsKernel(AllToAllvShape shape, int64_t units_per_row, const V* __restrict__ x,
-                               const int32_t* __restrict__ send_rows, const int64_t* __restrict__ first_row,
+__global__ void PackRowsKernel(AllToAllvShape shape, int64_t units_per_row, int64_t suffix_units,
+                               const V* __restrict__ x, const int32_t* __restrict__ send_rows,
+                               const V* __restrict__ suffix, const int64_t* __restrict__ first_row,
                                const int64_t* __restrict__ delivered, V* __restrict__ send) {
   const int64_t segments = shape.batch * shape.num_peers;
   const int64_t segment_units = shape.capacity * units_per_row;
+  const int64_t x_units = units_per_row - suffix_units;
+  // The rows for one peer are contiguous send rows (PlanSends); without an index or a suffix, contiguous in
+  // x too, and copied without working out each unit's row.
+  const bool contiguous = send_rows == nullptr && suffix == nullptr;
   for (int64_t segment = blockIdx.y; segment < segments; segment += gridDim.y) {
     const int64_t b = segment / shape.num_peers;
     V* dst = send + segment * segment_units;
@@ -52,11 +58,19 @@ __global__ void PackRowsKernel(AllToAllvShape shape, int64_t units_per_row, cons
         dst[i] = V{};
         continue;
       }
-      // The rows for one peer are contiguous send rows (PlanSends); without an index, contiguous in x too.
-      const int64_t row = send_rows == nullptr ? 0 : i / units_per_row;
-      const int64_t source =
-          SourceRow(send_rows, shape.num_rows, shape.source_rows, b, first_row[segment] + row);
-      dst[i] = source < 0 ? V{} : x[source * units_per_row + i - row * units_per_row];
+      if (contiguous) {
+        dst[i] = x[(b * shape.source_rows + first_row[segment]) * units_per_row + i];
+        continue;
+      }
+      const int64_t row = i / units_per_row;
+      const int64_t unit = i - row * units_per_row;
+      const int64_t send_row = first_row[segment] + row;
+      if (unit >= x_units) {
+        dst[i] = suffix[(b * shape.num_rows + send_row) * suffix_units + unit - x_units];
+        continue;
+      }
+      const int64_t source = SourceRow(send_rows, shape.num_rows, shape.source_rows, b, send_row);
+      dst[i] = source < 0 ? V{} : x[source * x_units + unit];
     }
   }
 }
@@ -130,16 +144,19 @@ dim3 SegmentGrid(int64_t segments, int64_t segment_units) {
               static_cast<unsigned>(y));
 }
 
-bool AlignedTo(int64_t width, int64_t row_bytes, const void* a, const void* b) {
-  return row_bytes % width == 0 && reinterpret_cast<uintptr_t>(a) % width == 0 &&
-         reinterpret_cast<uintptr_t>(b) % width == 0;
+bool AlignedTo(int64_t width, std::initializer_list<int64_t> sizes, std::initializer_list<const void*> buffers) {
+  return std::all_of(sizes.begin(), sizes.end(), [width](int64_t bytes) { return bytes % width == 0; }) &&
+         std::all_of(buffers.begin(), buffers.end(),
+                     [width](const void* p) { return reinterpret_cast<uintptr_t>(p) % width == 0; });
 }
 
-// Calls launch(V{}) with the widest copy unit (16, 4 or 1 bytes) that the row size and both buffers allow.
+// Calls launch(V{}) with the widest copy unit (16, 4 or 1 bytes) that divides every size and aligns every
+// buffer (a null buffer aligns to anything).
 template <typename Launch>
-cudaError_t WithWidestUnit(int64_t row_bytes, const void* a, const void* b, Launch launch) {
-  if (AlignedTo(16, row_bytes, a, b)) return launch(uint4{});
-  if (AlignedTo(4, row_bytes, a, b)) return launch(uint32_t{});
+cudaError_t WithWidestUnit(std::initializer_list<int64_t> sizes, std::initializer_list<const void*> buffers,
+                           Launch launch) {
+  if (AlignedTo(16, sizes, buffers)) return launch(uint4{});
+  if (AlignedTo(4, sizes, buffers)) return launch(uint32_t{});
   return launch(uint8_t{});
 }
 
@@ -163,14 +180,17 @@ cudaError_t LaunchPlanSends(const AllToAllvShape& shape, const int32_t* counts, 
 }
 
 cudaError_t LaunchPackRows(const AllToAllvShape& shape, const void* x, const int32_t* send_rows,
-                           const int64_t* first_row, const int64_t* delivered, void* send, cudaStream_t stream) {
+                           const void* suffix, const int64_t* first_row, const int64_t* delivered, void* send,
+                           cudaStream_t stream) {
   const int64_t segments = shape.batch * shape.num_peers;
   if (segments == 0 || shape.capacity == 0 || shape.row_bytes == 0) return cudaSuccess;
-  return WithWidestUnit(shape.row_bytes, x, send, [&](auto unit) {
+  return WithWidestUnit({shape.row_bytes, shape.suffix_bytes}, {x, suffix, send}, [&](auto unit) {
     using V = decltype(unit);
     const int64_t units_per_row = shape.row_bytes / static_cast<int64_t>(sizeof(V));
+    const int64_t suffix_units = shape.suffix_bytes / static_cast<int64_t>(sizeof(V));
     PackRowsKernel<V><<<SegmentGrid(segments, shape.capacity * units_per_row), kThreads, 0, stream>>>(
-        shape, units_per_row, static_cast<const V*>(x), send_rows, first_row, delivered, static_cast<V*>(send));
+        shape, units_per_row, suffix_units, static_cast<const V*>(x), send_rows, static_cast<const V*>(suffix),
+        first_row, delivered, static_cast<V*>(send));
     return cudaGetLastError();
   });
 }
@@ -179,7 +199,7 @@ cudaError_t LaunchCompactRows(const AllToAllvShape& shape, const void* recv, con
                               void* y, cudaStream_t stream) {
   const int64_t segments = shape.batch * shape.num_peers;
   if (segments == 0 || shape.capacity == 0 || shape.row_bytes == 0) return cudaSuccess;
-  return WithWidestUnit(shape.row_bytes, recv, y, [&](auto unit) {
+  return WithWidestUnit({shape.row_bytes}, {recv, y}, [&](auto unit) {
     using V = decltype(unit);
     const int64_t units_per_row = shape.row_bytes / static_cast<int64_t>(sizeof(V));
     CompactRowsKernel<V><<<SegmentGrid(segments, shape.capacity * units_per_row), kThreads, 0, stream>>>(

@@ -13,7 +13,8 @@
 
 namespace jax_ncclx {
 
-// Sizes shared by the three kernels. A row is the trailing feature dims of one input row, as raw bytes.
+// Sizes shared by the three kernels. A row is what travels: the trailing feature dims of one row of x, as raw
+// bytes, followed by the send row's suffix bytes when there is a suffix operand.
 struct AllToAllvShape {
   int64_t batch = 0;        // B
   int64_t num_peers = 0;    // N (communicator size)
@@ -21,7 +22,8 @@ struct AllToAllvShape {
   int64_t num_rows = 0;     // S (send rows per batch element: x's rows, or send_rows' length)
   int64_t source_rows = 0;  // rows of x per batch element (S without send_rows)
   int64_t capacity = 0;     // C (rows each peer can take)
-  int64_t row_bytes = 0;
+  int64_t row_bytes = 0;     // bytes of one row that travels, suffix included
+  int64_t suffix_bytes = 0;  // the trailing bytes of each row taken from the suffix [B, S, suffix_bytes]
 };
 
 // One thread per batch element runs PlanSends on counts[b] ([B, N, K] int32), writing delivered_chunks
@@ -30,10 +32,12 @@ cudaError_t LaunchPlanSends(const AllToAllvShape& shape, const int32_t* counts, 
                             int64_t* first_row, int64_t* delivered, int32_t* dropped, cudaStream_t stream);
 
 // Fills send [B, N, C, row_bytes]: row (b, j, c) is send row first_row[b, j] + c of batch element b when
-// c < delivered[b, j], else zero bytes. x is [B, X, row_bytes]; send row s is x[b, s], or x[b, send_rows[b, s]]
-// when send_rows ([B, S] int32) is not null (SourceRow).
+// c < delivered[b, j], else zero bytes. x is [B, X, row_bytes - suffix_bytes]; send row s is x[b, s], or
+// x[b, send_rows[b, s]] when send_rows ([B, S] int32) is not null (SourceRow), followed by suffix[b, s] when
+// the suffix is not null.
 cudaError_t LaunchPackRows(const AllToAllvShape& shape, const void* x, const int32_t* send_rows,
-                           const int64_t* first_row, const int64_t* delivered, void* send, cudaStream_t stream);
+                           const void* suffix, const int64_t* first_row, const int64_t* delivered, void* send,
+                           cudaStream_t stream);
 
 // Builds y [B, N * C, row_bytes] from recv [B, N, C, row_bytes], where source j sent
 // sum_k recv_counts[b, j, k] rows followed by zero rows: y[b] holds the rows of source 0, then those of
@@ -62,8 +66,9 @@ struct NvlinkAllToAllvArgs {
   bool trace = false;   // record the call's timeline in control->trace
   int64_t site = 0;         // call site, for the fault record
   uint64_t timeout_ns = 0;  // how long a wait for a peer may last (device_sync.cuh, Patience)
-  const void* x = nullptr;              // [B, X, row_bytes]
+  const void* x = nullptr;              // [B, X, row_bytes - suffix_bytes]
   const int32_t* send_rows = nullptr;   // [B, S]: the row of x each send row takes; null: x's rows in order
+  const void* suffix = nullptr;         // [B, S, suffix_bytes] appended to each send row; null: none
   const int32_t* counts = nullptr;      // [B, N, K]
   void* y = nullptr;                    // [B, N, C, row_bytes] or [B, N * C, row_bytes]
   int32_t* recv_counts = nullptr;       // [B, N, K]

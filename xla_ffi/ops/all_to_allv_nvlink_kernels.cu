@@ -170,32 +170,40 @@ __device__ void ShareCounts(const NvlinkAllToAllvArgs& args, Shared& shared, int
   }
 }
 
-// Copies send rows [lo, hi) of batch element b to dst through args.send_rows, a warp per row with kUnroll
-// loads in flight per lane; a row whose index falls outside x becomes zeros (SourceRow).
+// Copies send rows [lo, hi) of batch element b to dst, a warp per row with kUnroll loads in flight per lane:
+// each row's leading units come from x through args.send_rows (a row whose index falls outside x becomes
+// zeros, SourceRow), the rest from args.suffix.
 template <typename V>
 __device__ void GatherRows(V* dst, const NvlinkAllToAllvArgs& args, int64_t b, int64_t lo, int64_t hi,
                            int64_t units_per_row) {
   constexpr int kWarps = kThreads / 32;
   constexpr int kUnroll = 4;
   const int64_t lane = threadIdx.x % 32;
+  const int64_t suffix_units = args.shape.suffix_bytes / static_cast<int64_t>(sizeof(V));
+  const int64_t x_units = units_per_row - suffix_units;
   const V* x = static_cast<const V*>(args.x);
+  const V* suffix = static_cast<const V*>(args.suffix);
   for (int64_t r = lo + threadIdx.x / 32; r < hi; r += kWarps) {
     const int64_t source = SourceRow(args.send_rows, args.shape.num_rows, args.shape.source_rows, b, r);
     V* out = dst + (r - lo) * units_per_row;
+    if (suffix != nullptr) {
+      const V* tail = suffix + (b * args.shape.num_rows + r) * suffix_units;
+      for (int64_t u = lane; u < suffix_units; u += 32) out[x_units + u] = tail[u];
+    }
     if (source < 0) {
-      for (int64_t u = lane; u < units_per_row; u += 32) out[u] = V{};
+      for (int64_t u = lane; u < x_units; u += 32) out[u] = V{};
       continue;
     }
-    const V* in = x + source * units_per_row;
+    const V* in = x + source * x_units;
     int64_t u = lane;
-    for (; u + (kUnroll - 1) * 32 < units_per_row; u += kUnroll * 32) {
+    for (; u + (kUnroll - 1) * 32 < x_units; u += kUnroll * 32) {
       V v[kUnroll];
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) v[k] = in[u + k * 32];
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) out[u + k * 32] = v[k];
     }
-    for (; u < units_per_row; u += 32) out[u] = in[u];
+    for (; u < x_units; u += 32) out[u] = in[u];
   }
 }
 
@@ -256,7 +264,7 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
       const int64_t live_end = max(lo, min(delivered, hi));  // rows [lo, live_end) hold data, [live_end, hi) zeros
       V* out = base + bb * batch_stride;
       V* data = out + (shared.c[i] + lo) * units_per_row;
-      if (args.send_rows == nullptr) {
+      if (args.send_rows == nullptr && args.suffix == nullptr) {  // contiguous rows of x
         BlockCopy<V, false, kThreads>(data, x + (bb * s.source_rows + shared.a[i] + lo) * units_per_row, 0,
                                       (live_end - lo) * units_per_row);
       } else {
@@ -405,7 +413,8 @@ bool AlignedTo(int64_t width, const NvlinkAllToAllvArgs& args) {
   auto aligned = [width](const void* p) { return reinterpret_cast<uintptr_t>(p) % width == 0; };
   // In direct mode the peers' outputs are XLA allocations like ours: as aligned as y. Staging areas and
   // their slots are 256-byte aligned.
-  return args.shape.row_bytes % width == 0 && aligned(args.x) && aligned(args.y);
+  return args.shape.row_bytes % width == 0 && args.shape.suffix_bytes % width == 0 && aligned(args.x) &&
+         aligned(args.suffix) && aligned(args.y);
 }
 
 }  // namespace

@@ -67,8 +67,4 @@ auto BindTakeRows(Binding binding) {
       .template Ret<ffi::AnyBuffer>();                      // out [B, M, W + G]
 }
 
-inline const void* SuffixData(const std::optional<ffi::AnyBuffer>& suffix) {
-  return suffix.has_value() ? suffix->untyped_data() : nullptr;
-}
-
 }  // namespace jax_ncclx

@@ -16,7 +16,7 @@ ffi::Error TakeRowsImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, std::opti
   if (shape.has_error()) return shape.error();
   const TakeRowsShape& s = *shape;
   const auto* rows = static_cast<const uint8_t*>(x.untyped_data());
-  const auto* tails = static_cast<const uint8_t*>(SuffixData(suffix));
+  const auto* tails = static_cast<const uint8_t*>(OptionalData(suffix));
   auto* dst = static_cast<uint8_t*>(out->untyped_data());
   for (int64_t b = 0; b < s.batch; ++b) {
     for (int64_t i = 0; i < s.rows; ++i, dst += s.out_row_bytes()) {

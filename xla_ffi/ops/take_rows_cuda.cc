@@ -18,7 +18,7 @@ ffi::Error TakeRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   ffi::ErrorOr<TakeRowsShape> shape = GetTakeRowsShape(x, index, suffix, *out);
   if (shape.has_error()) return shape.error();
   return CheckCuda(kTakeRowsOp, "kernel launch",
-                   LaunchTakeRows(*shape, x.untyped_data(), index.typed_data(), SuffixData(suffix),
+                   LaunchTakeRows(*shape, x.untyped_data(), index.typed_data(), OptionalData(suffix),
                                   out->untyped_data(), stream));
 }
 

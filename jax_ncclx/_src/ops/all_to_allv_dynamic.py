@@ -4,10 +4,11 @@ Each member sends a variable number of rows to every peer; the counts are device
 travel with the data, and the receiver learns them from the result. Rows beyond a static per-source capacity
 are dropped and counted, so bad or unlucky counts never write out of bounds.
 
-The primitive is batched: x ``[B, X, ...]``, counts ``[B, N, K]`` and the optional send_rows ``[B, S]`` move
-in one collective call, which is how ``vmap`` over a non-mesh axis stays one call. Sharding model: varying in,
-varying out; outside ``shard_map`` the leading dimension of every global array (x, counts, send_rows and the
-three results) is sharded over the axis.
+The primitive is batched: x ``[B, X, ...]``, counts ``[B, N, K]`` and the optional send_rows ``[B, S]`` and
+suffix ``[B, S, G]`` move in one collective call, which is how ``vmap`` over a non-mesh axis stays one call (a
+suffix comes with send_rows: the FFI binds them as optional operands in that order). Sharding model: varying in,
+varying out; outside ``shard_map`` the leading dimension of every global array (x, counts, send_rows, suffix and
+the three results) is sharded over the axis.
 
 Clamping (the same code runs on CPU and GPU, ``xla_ffi/common/all_to_allv_plan.h``): counts are walked peer by
 peer, chunk by chunk; a negative count sends nothing; counts that run past the S send rows are cut at the end;
@@ -36,13 +37,14 @@ LAYOUTS = ("padded", "packed")
 
 
 def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, layout: str = "padded",
-                        send_rows=None):
+                        send_rows=None, suffix=None):
     """All-to-all-v with device-resident counts.
 
     Args:
       x: ``[S, ...]`` rows grouped by destination: the rows for peer 0 first, then peer 1, ...; with K chunks
         per peer, chunk (j, 0), (j, 1), ... in that order. Any fixed-width dtype (float8 included). With
-        ``send_rows``, x is ``[X, ...]`` with any X, and the send rows are gathered from it.
+        ``send_rows``, x is ``[X, ...]`` with any X, and the send rows are gathered from it. With ``suffix``,
+        x is ``[X, F]``.
       send_counts: int32 ``[N]`` (rows for each peer) or ``[N, K]`` (rows of each chunk, e.g. K local experts);
         N is the size of ``axis_name``. Other integer dtypes are converted to int32.
       axis_name: the mesh axis (static).
@@ -53,15 +55,18 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
       send_rows: None, or integer ``[S]``: send row s is ``x[send_rows[s]]`` (a zero row where the index is
         outside ``[0, X)``), read by the kernel that sends it, so the gather costs no copy of its own. It
         replaces ``all_to_allv_dynamic(x[send_rows], ...)``; the counts split the S send rows.
+      suffix: None, or ``[S, G]`` with x's dtype: send row s is ``concat(x[send_rows[s]], suffix[s])`` (or
+        ``concat(x[s], suffix[s])`` without send_rows), so y's rows have F + G columns. Per-row metadata
+        (tags, weights bitcast to x's dtype) travels with the rows without a copy that appends it first.
 
     Returns:
       ``(y, recv_counts, dropped)``: y as above with x's dtype; recv_counts int32 ``[N]`` or ``[N, K]`` (the
       shape of send_counts), the rows each source delivered to this member per chunk; dropped int32 ``[N]``,
       the rows this member asked to send to each peer that did not arrive (see the module docstring).
 
-    Differentiable in x (the VJP sends cotangents back to the rows they came from, at the cost of one extra
-    exchange of counts, and sums them over the send rows that read one row of x) and vmap-able over non-mesh
-    axes (one collective call for the whole batch).
+    Differentiable in x and the suffix (the VJP sends cotangents back to the rows they came from, at the cost
+    of one extra exchange of counts, and sums them over the send rows that read one row of x) and vmap-able
+    over non-mesh axes (one collective call for the whole batch).
     """
     axis_name = primitive.check_axis_name(axis_name, "all_to_allv_dynamic")
     if isinstance(max_recv_per_peer, jax.core.Tracer) or not isinstance(max_recv_per_peer, (int, np.integer)):
@@ -72,11 +77,12 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
         raise ValueError(f"jax_ncclx.all_to_allv_dynamic: max_recv_per_peer must be >= 0, got {max_recv_per_peer}")
     if layout not in LAYOUTS:
         raise ValueError(f"jax_ncclx.all_to_allv_dynamic: layout must be one of {LAYOUTS}, got {layout!r}")
+    optional = {name: value for name, value in (("send_rows", send_rows), ("suffix", suffix)) if value is not None}
     if not primitive.is_bound(axis_name):
-        def op(x, send_counts, *send_rows):
+        def op(x, send_counts, *values):
             return all_to_allv_dynamic(x, send_counts, axis_name, max_recv_per_peer=max_recv_per_peer,
-                                       layout=layout, send_rows=send_rows[0] if send_rows else None)
-        args = (x, send_counts) if send_rows is None else (x, send_counts, send_rows)
+                                       layout=layout, **dict(zip(optional, values)))
+        args = (x, send_counts, *optional.values())
         return primitive.global_view(op, args, axis_name, "all_to_allv_dynamic", (P(axis_name),) * len(args),
                                      (P(axis_name),) * 3)
 
@@ -92,20 +98,34 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
         raise ValueError(
             f"jax_ncclx.all_to_allv_dynamic: send_counts must be [N] or [N, K] with N = {size} (the size of "
             f"axis {axis_name!r}), got shape {counts_shape}")
-    index = ()
     if send_rows is not None:
         rows_dtype = jax.typeof(send_rows).dtype
         if not jnp.issubdtype(rows_dtype, jnp.integer) or jnp.ndim(send_rows) != 1:
             raise TypeError(f"jax_ncclx.all_to_allv_dynamic: send_rows must be a 1-D integer array, got "
                             f"{rows_dtype}{list(jnp.shape(send_rows))}")
-        index = (jnp.asarray(send_rows, jnp.int32)[None],)
+    if suffix is not None:
+        num_rows = jnp.shape(x)[0] if send_rows is None else jnp.shape(send_rows)[0]
+        suffix_shape, suffix_dtype = jnp.shape(suffix), jax.typeof(suffix).dtype
+        if jnp.ndim(x) != 2 or len(suffix_shape) != 2 or suffix_shape[0] != num_rows or \
+                suffix_dtype != jax.typeof(x).dtype:
+            raise ValueError(
+                f"jax_ncclx.all_to_allv_dynamic: a suffix needs x [X, F] and suffix [S, G] with x's dtype and "
+                f"S = {num_rows} (the send rows), got x {jax.typeof(x).dtype}{list(jnp.shape(x))} and suffix "
+                f"{suffix_dtype}{list(suffix_shape)}")
+        if send_rows is None:  # the kernels take a suffix only after send_rows
+            send_rows = jnp.arange(num_rows, dtype=jnp.int32)
+    extra = () if send_rows is None else (jnp.asarray(send_rows, jnp.int32)[None],)
+    if suffix is not None:
+        extra += (primitive.ensure_varying(suffix, axis_name)[None],)
     counts = jnp.asarray(send_counts, jnp.int32).reshape(1, size, -1)
     y, recv_counts, dropped = all_to_allv_dynamic_p.bind(
-        primitive.ensure_varying(x, axis_name)[None], counts, *index, axis_name=axis_name,
+        primitive.ensure_varying(x, axis_name)[None], counts, *extra, axis_name=axis_name,
         capacity=int(max_recv_per_peer), packed=layout == "packed")
     if config.current().checksum:
-        sent = x if send_rows is None else jnp.take(x, outside_to_end(index[0][0], x.shape[0]), axis=0,
+        sent = x if send_rows is None else jnp.take(x, outside_to_end(extra[0][0], x.shape[0]), axis=0,
                                                       mode="fill", fill_value=0)
+        if suffix is not None:
+            sent = jnp.concatenate([sent, suffix], axis=1)
         checksum.verify_all_to_allv(axis_name, sent, counts[0], y[0], recv_counts[0], int(max_recv_per_peer),
                                     layout == "packed")
     return y[0], recv_counts.reshape(counts_shape), dropped[0]
@@ -114,18 +134,25 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
 all_to_allv_dynamic_p = primitive.make_collective("all_to_allv_dynamic", multiple_results=True)
 
 
-def _out_shapes(x_shape, counts_shape, size, capacity, packed):
-    batch, features = x_shape[0], tuple(x_shape[2:])
+def _row_features(x_shape, suffix):
+    """The trailing dims of a row that travels: x's, with the suffix's G columns appended to F."""
+    features = tuple(x_shape[2:])
+    return (features[0] + suffix[0].shape[2],) if suffix else features
+
+
+def _out_shapes(x_shape, counts_shape, size, capacity, packed, suffix=()):
+    batch, features = x_shape[0], _row_features(x_shape, suffix)
     y = (batch, size * capacity, *features) if packed else (batch, size, capacity, *features)
     return y, tuple(counts_shape), (batch, size)
 
 
-def _abstract_eval(x, counts, *send_rows, axis_name, capacity, packed):
+def _abstract_eval(x, counts, *send_rows_and_suffix, axis_name, capacity, packed):
     size = jax.lax.axis_size(axis_name)
-    y, recv, dropped = _out_shapes(x.shape, counts.shape, size, capacity, packed)
-    outs = [primitive.output_aval(x, axis_name, counts, *send_rows, shape=y),
-            primitive.output_aval(counts, axis_name, x, *send_rows, shape=recv, dtype=jnp.int32),
-            primitive.output_aval(counts, axis_name, x, *send_rows, shape=dropped, dtype=jnp.int32)]
+    others = send_rows_and_suffix
+    y, recv, dropped = _out_shapes(x.shape, counts.shape, size, capacity, packed, others[1:])
+    outs = [primitive.output_aval(x, axis_name, counts, *others, shape=y),
+            primitive.output_aval(counts, axis_name, x, *others, shape=recv, dtype=jnp.int32),
+            primitive.output_aval(counts, axis_name, x, *others, shape=dropped, dtype=jnp.int32)]
     return outs, primitive.effects(axis_name)
 
 
@@ -139,9 +166,10 @@ def _align(nbytes: int) -> int:
 
 def _cuda_route(ctx, comm_id, size, *, capacity, packed):
     """The NVLink kernel when the communicator's ranks reach each other over NVLink, else the NCCL path."""
-    x, counts = ctx.avals_in[:2]
+    x, counts, *send_rows_and_suffix = ctx.avals_in
     batch, _, chunks = counts.shape
-    row_bytes = int(np.prod(x.shape[2:], dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    features = _row_features(x.shape, send_rows_and_suffix[1:])
+    row_bytes = int(np.prod(features, dtype=np.int64)) * np.dtype(x.dtype).itemsize
     settings = config.current()
     direct = settings.nvlink_direct and jax.process_count() == 1
     if settings.transport != "nccl":
@@ -162,10 +190,11 @@ def _batching(axis_data, args, dims, *, axis_name, capacity, packed):
 
 
 def _jvp(primals, tangents, *, axis_name, capacity, packed):
-    (x, *integer_args), tx = primals, tangents[0]
+    """Linear in x and the suffix; counts and send_rows are integers."""
     params = dict(axis_name=axis_name, capacity=capacity, packed=packed)
-    y, recv_counts, dropped = all_to_allv_dynamic_p.bind(x, *integer_args, **params)
-    ty, _, _ = all_to_allv_dynamic_p.bind(ad.instantiate_zeros(tx), *integer_args, **params)
+    y, recv_counts, dropped = all_to_allv_dynamic_p.bind(*primals, **params)
+    linear = [ad.instantiate_zeros(t) for t in (tangents[0], *tangents[3:])]
+    ty, _, _ = all_to_allv_dynamic_p.bind(linear[0], *primals[1:3], *linear[1:], **params)
     integer_zeros = [ad.Zero(jax.typeof(v).to_tangent_aval()) for v in (recv_counts, dropped)]
     return [y, recv_counts, dropped], [ty, *integer_zeros]
 
@@ -178,13 +207,16 @@ def _first_rows(counts, num_rows):
     return jnp.concatenate([jnp.zeros((batch, 1), peer_ends.dtype), peer_ends[:, :-1]], axis=1)
 
 
-def _transpose(cts, x, counts, *send_rows, axis_name, capacity, packed):
+def _transpose(cts, x, counts, *send_rows_and_suffix, axis_name, capacity, packed):
     """Sends each received row's cotangent back to the send row it came from (dropped rows get zeros), then,
-    with send_rows, sums the send rows' cotangents into the rows of x they read."""
+    with send_rows, sums the send rows' cotangents into the rows of x they read; the suffix's columns of each
+    send row's cotangent are the suffix's cotangent."""
+    send_rows, suffix = send_rows_and_suffix[:1], send_rows_and_suffix[1:]
+    x_shape = x.aval.shape if ad.is_undefined_primal(x) else jnp.shape(x)
     ct_y = ad.instantiate_zeros(cts[0])
-    batch, source_rows = x.aval.shape[:2]
+    batch, source_rows = x_shape[:2]
     num_rows = send_rows[0].shape[1] if send_rows else source_rows
-    features = x.aval.shape[2:]
+    features = ct_y.shape[2:] if packed else ct_y.shape[3:]
     params = dict(axis_name=axis_name, capacity=capacity)
     # What each source delivered here (the forward's recv_counts), exchanged again with one-byte rows (not
     # zero-size ones: XLA 0.11.2's Shardy pass crashes on zero-size values crossing a shard_map boundary).
@@ -212,7 +244,10 @@ def _transpose(cts, x, counts, *send_rows, axis_name, capacity, packed):
     ct_sent = jnp.where(mask, gathered, jnp.zeros((), ct_y.dtype))
     if not send_rows:
         return [ct_sent, None]
-    return [add_rows(x.aval.shape, send_rows[0], ct_sent), None, None]
+    width = x_shape[2] if suffix else None  # the columns of a send row that came from x
+    ct_x = add_rows(x_shape, send_rows[0], ct_sent[..., :width]) if ad.is_undefined_primal(x) else None
+    ct_suffix = [ct_sent[..., width:] if ad.is_undefined_primal(s) else None for s in suffix]
+    return [ct_x, None, None, *ct_suffix]
 
 
 all_to_allv_dynamic_p.def_effectful_abstract_eval(_abstract_eval)
