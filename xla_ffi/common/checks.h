@@ -108,7 +108,6 @@ std::string DimsString(const Dims& dims) {
   return text + "]";
 }
 
-// InvalidArgument naming the operand `name` unless its dimensions are `expected`.
 // The data of an optional buffer argument, or null when the call did not pass it.
 inline const void* OptionalData(const std::optional<ffi::AnyBuffer>& buffer) {
   return buffer.has_value() ? buffer->untyped_data() : nullptr;
@@ -118,6 +117,7 @@ const ffi::NativeType<dtype>* OptionalData(const std::optional<ffi::Buffer<dtype
   return buffer.has_value() ? buffer->typed_data() : nullptr;
 }
 
+// InvalidArgument naming the operand `name` unless its dimensions are `expected`.
 inline ffi::Error CheckDims(std::string_view op, std::string_view name, ffi::Span<const int64_t> dims,
                             std::initializer_list<int64_t> expected) {
   if (std::equal(dims.begin(), dims.end(), expected.begin(), expected.end())) return ffi::Error::Success();

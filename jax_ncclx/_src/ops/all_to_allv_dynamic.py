@@ -146,9 +146,9 @@ def _out_shapes(x_shape, counts_shape, size, capacity, packed, suffix=()):
     return y, tuple(counts_shape), (batch, size)
 
 
-def _abstract_eval(x, counts, *send_rows_and_suffix, axis_name, capacity, packed):
+def _abstract_eval(x, counts, *others, axis_name, capacity, packed):
+    """``others``: send_rows and the suffix, where given."""
     size = jax.lax.axis_size(axis_name)
-    others = send_rows_and_suffix
     y, recv, dropped = _out_shapes(x.shape, counts.shape, size, capacity, packed, others[1:])
     outs = [primitive.output_aval(x, axis_name, counts, *others, shape=y),
             primitive.output_aval(counts, axis_name, x, *others, shape=recv, dtype=jnp.int32),
