@@ -60,7 +60,8 @@ pairs = {
 for name, (ours, ref) in pairs.items():
     np.testing.assert_allclose(run(ours, x)[0], run(ref, x)[0], rtol=1e-5, atol=1e-5, err_msg=name)
     print(f"[{process_id}] {name} ok", flush=True)
-# The same small calls in LL128 lines over CUDA IPC (auto takes LL words at these sizes); read at lowering.
+# The same small calls in LL128 lines over CUDA IPC (on 2 GPUs auto takes LL words at these sizes); read at
+# lowering.
 os.environ["JAX_NCCLX_NVLINK_PROTOCOL"] = "ll128"
 jax.clear_caches()
 for name in ("all_reduce", "all_gather", "all_to_all"):

@@ -337,7 +337,8 @@ def test_check_grads_numerically(backend):
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_large_random_rows(backend, layout):
-    """Many rows of an odd width (4-byte copies) and bf16 rows of 16-byte multiples, several pieces per peer."""
+    """Many rows of an odd width (4-byte copies) and bf16 rows of 16-byte multiples, several pieces per peer;
+    rows gathered through send_rows; rows wider than one slice."""
     n = len(backend)
     rows, capacity = 600, 220
     rng = np.random.default_rng(11)
@@ -351,6 +352,13 @@ def test_large_random_rows(backend, layout):
     send_rows = random_send_rows(n, rows, rows // 2, seed=6)
     check(run(line_mesh(backend), "x", xs, counts, layout, capacity=capacity, send_rows=send_rows),
           reference.all_to_allv(gather_rows(xs, send_rows), list(counts), capacity, layout), jnp.bfloat16)
+    # Rows wider than the NVLink kernel's slices of 1024 copy units: 16-byte units (the last slice one unit
+    # wide) and 1-byte units (three slices).
+    counts = rng.integers(0, 17, size=(n, n, 2)).astype(np.int32)
+    for features, dtype in (((4100,), jnp.float32), ((2051,), jnp.int8)):
+        xs = random_array((n, 40, *features), dtype, seed=5)
+        check(run(line_mesh(backend), "x", xs, counts, layout, capacity=24),
+              reference.all_to_allv(list(xs), list(counts), 24, layout), dtype)
 
 
 def test_repeated_calls_reuse_flags(backend):

@@ -108,10 +108,10 @@ def test_nvlink_thresholds_by_gpu_count_and_op(monkeypatch):
 
 
 def test_nvlink_protocol_setting_and_its_slots(monkeypatch):
-    """JAX_NCCLX_NVLINK_PROTOCOL takes NCCL's protocol names or auto (LL below JAX_NCCLX_NVLINK_LL128_MIN_BYTES
-    per segment, LL128 from there); the slots a one-shot call needs follow the protocol: LL128 lines (120
-    payload bytes per 128) take less than LL words (4 per 8), and a segment past 64 KiB or of a size that is
-    not whole 4-byte words goes simple whatever the setting."""
+    """JAX_NCCLX_NVLINK_PROTOCOL takes NCCL's protocol names or auto (LL below the measured crossover for the
+    GPU count and op, or JAX_NCCLX_NVLINK_LL128_MIN_BYTES, per segment; LL128 from there); the slots a one-shot
+    call needs follow the protocol: LL128 lines (120 payload bytes per 128) take less than LL words (4 per 8),
+    and a segment past 64 KiB or of a size that is not whole 4-byte words goes simple whatever the setting."""
     from jax_ncclx._src import config
     from jax_ncclx._src import lib
     from jax_ncclx._src import nvlink
@@ -119,14 +119,22 @@ def test_nvlink_protocol_setting_and_its_slots(monkeypatch):
     for name in ("JAX_NCCLX_NVLINK_PROTOCOL", "JAX_NCCLX_NVLINK_LL128_MIN_BYTES"):
         monkeypatch.delenv(name, raising=False)
     settings = config.current()
-    assert settings.nvlink_protocol == "auto" and settings.nvlink_ll128_min_bytes == 8 << 10
+    assert settings.nvlink_protocol == "auto" and settings.nvlink_ll128_min_bytes is None
     ll128, ll, simple = (config.NVLINK_PROTOCOLS.index(p) for p in ("ll128", "ll", "simple"))
-    assert nvlink.oneshot_protocol("all_reduce", (8 << 10) - 4, 4, settings) == ll
-    assert nvlink.oneshot_protocol("all_reduce", 8 << 10, 4, settings) == ll128
-    assert nvlink.oneshot_protocol("all_to_all", 16 << 10, 4, settings) == ll       # 4 KiB per peer
-    assert nvlink.oneshot_protocol("all_to_all", 32 << 10, 4, settings) == ll128
+    for size in (2, 4, 8):  # all_reduce: LL128 from 8 KiB on every GPU count
+        assert nvlink.oneshot_protocol("all_reduce", (8 << 10) - 4, size, settings) == ll
+        assert nvlink.oneshot_protocol("all_reduce", 8 << 10, size, settings) == ll128
+    assert nvlink.oneshot_protocol("all_to_all", 8 << 10, 2, settings) == ll       # 4 KiB per peer
+    assert nvlink.oneshot_protocol("all_to_all", 16 << 10, 2, settings) == ll128
+    assert nvlink.oneshot_protocol("all_gather", 4 << 10, 2, settings) == ll
+    for size in (3, 4, 8):  # all_gather and all_to_all: LL128 at every size from 3 GPUs on
+        assert nvlink.oneshot_protocol("all_to_all", 4 * size, size, settings) == ll128
+        assert nvlink.oneshot_protocol("all_gather", 4, size, settings) == ll128
     monkeypatch.setenv("JAX_NCCLX_NVLINK_LL128_MIN_BYTES", "0")
-    assert nvlink.oneshot_protocol("all_gather", 8, 4, config.current()) == ll128
+    assert nvlink.oneshot_protocol("all_gather", 8, 2, config.current()) == ll128
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_LL128_MIN_BYTES", "1024")
+    assert config.ll128_min_bytes(4, "all_to_all") == 1024
+    assert nvlink.oneshot_protocol("all_to_all", 4 * 1020, 4, config.current()) == ll
     monkeypatch.setenv("JAX_NCCLX_NVLINK_PROTOCOL", "LL")
     assert config.current().nvlink_protocol == "ll"
     assert nvlink.oneshot_protocol("all_gather", 64 << 10, 4, config.current()) == ll

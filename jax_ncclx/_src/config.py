@@ -38,10 +38,9 @@ class Config:
         delivering a warp's 128-byte store whole, as NCCL's LL128 does); ``"simple"`` the payload, then a flag
         per thread block; ``"auto"`` (default) LL below ``nvlink_ll128_min_bytes`` per segment, LL128 from there.
         Larger segments, and those not a multiple of 4 bytes, always use simple.
-      nvlink_ll128_min_bytes: with ``"auto"``, the segment size from which LL128 replaces LL
-        (``JAX_NCCLX_NVLINK_LL128_MIN_BYTES``, default 8 KiB: on 2xH200 LL128 moves all_to_all's 8 KiB segments
-        0.4 us faster than LL, is level at 4 KiB and slower below: ``benchmarks/results/``
-        ``collectives_2gpu_protocols.md``).
+      nvlink_ll128_min_bytes: with ``"auto"``, the segment size from which LL128 replaces LL, every op
+        (``JAX_NCCLX_NVLINK_LL128_MIN_BYTES``); None (default): the measured crossover for the GPU count and
+        op, :func:`ll128_min_bytes`.
       nvlink_direct: when one process drives every GPU of the communicator, NVLink kernels write rows
         straight into the peers' outputs (``JAX_NCCLX_NVLINK_DIRECT=1``, default) instead of staging them in
         symmetric memory and copying them out (0; what one process per GPU always does).
@@ -73,7 +72,7 @@ class Config:
     nvlink_oneshot_max_bytes: int | None = None
     nvlink_max_bytes: int | None = None
     nvlink_protocol: str = "auto"
-    nvlink_ll128_min_bytes: int = 8 << 10
+    nvlink_ll128_min_bytes: int | None = None
     nvlink_direct: bool = True
     trace: bool = False
     trace_device: bool = False
@@ -193,19 +192,46 @@ NVLINK_THRESHOLDS = {
     8: (256 << 10, {"all_reduce": 16 << 20, "all_gather": 4 << 20, "all_to_all": 16 << 20}),
 }
 
+# GPU count -> {op: segment bytes (what one rank sends one peer) from which "auto" takes LL128 over LL}, by
+# the same nearest-count rule; counts above 4 take the 4-GPU entry (protocols not measured on 8).
+# 2xH200 (collectives_2gpu_protocols.md): LL is 0.1-0.3 us faster at 8 B, level at 4 KiB, and LL128 moves
+# all_to_all's 8 KiB segments 0.4 us faster. 4xH200 (collectives_4gpu_protocols*.md, plain and in command
+# buffers): LL128 is 0.3-0.8 us faster for all_gather and all_to_all at every size from 8 B, while all_reduce
+# keeps LL up to 4 KiB (0.1-0.2 us faster) and is faster in LL128 from 16 KiB.
+_LL128_FROM_8_KIB = {"all_reduce": 8 << 10, "all_gather": 8 << 10, "all_to_all": 8 << 10}
+NVLINK_LL128_MIN_BYTES = {
+    2: _LL128_FROM_8_KIB,
+    4: {"all_reduce": 8 << 10, "all_gather": 0, "all_to_all": 0},
+}
+
+
+def _for_gpu_count(table: dict, size: int):
+    """The entry of ``table`` (GPU count -> value) for ``size`` GPUs: the nearest count above, else the largest."""
+    counts = sorted(table)
+    return table[next((c for c in counts if c >= size), counts[-1])]
+
 
 def nvlink_thresholds(size: int, op: str, settings: "Config | None" = None) -> tuple[int, int]:
     """(one-shot all_reduce max, NVLink max for ``op``) bytes per rank for a communicator of ``size`` GPUs:
     the environment's values where set, else the measured defaults of :data:`NVLINK_THRESHOLDS`."""
     settings = settings or current()
-    counts = sorted(NVLINK_THRESHOLDS)
-    oneshot, largest = NVLINK_THRESHOLDS[next((c for c in counts if c >= size), counts[-1])]
+    oneshot, largest = _for_gpu_count(NVLINK_THRESHOLDS, size)
     largest = largest[op]
     if settings.nvlink_oneshot_max_bytes is not None:
         oneshot = settings.nvlink_oneshot_max_bytes
     if settings.nvlink_max_bytes is not None:
         largest = settings.nvlink_max_bytes
     return oneshot, largest
+
+
+def ll128_min_bytes(size: int, op: str, settings: "Config | None" = None) -> int:
+    """The segment bytes from which "auto" sends ``op``'s one-shot segments as LL128 lines rather than LL
+    words on a communicator of ``size`` GPUs: ``JAX_NCCLX_NVLINK_LL128_MIN_BYTES`` where set, else the
+    measured default of :data:`NVLINK_LL128_MIN_BYTES`."""
+    settings = settings or current()
+    if settings.nvlink_ll128_min_bytes is not None:
+        return settings.nvlink_ll128_min_bytes
+    return _for_gpu_count(NVLINK_LL128_MIN_BYTES, size)[op]
 
 
 _TIMEOUT_PREFIX = "JAX_NCCLX_TIMEOUT_S_"
@@ -223,7 +249,7 @@ def current() -> Config:
         nvlink_oneshot_max_bytes=_non_negative_int("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES", None),
         nvlink_max_bytes=_non_negative_int("JAX_NCCLX_NVLINK_MAX_BYTES", None),
         nvlink_protocol=_choice("JAX_NCCLX_NVLINK_PROTOCOL", Config.nvlink_protocol, ("auto",) + NVLINK_PROTOCOLS),
-        nvlink_ll128_min_bytes=_non_negative_int("JAX_NCCLX_NVLINK_LL128_MIN_BYTES", Config.nvlink_ll128_min_bytes),
+        nvlink_ll128_min_bytes=_non_negative_int("JAX_NCCLX_NVLINK_LL128_MIN_BYTES", None),
         nvlink_direct=_choice("JAX_NCCLX_NVLINK_DIRECT", "1", ("0", "1")) == "1",
         trace=_choice("JAX_NCCLX_TRACE", "0", ("0", "1", "device")) == "1",
         trace_device=_choice("JAX_NCCLX_TRACE", "0", ("0", "1", "device")) != "0",

@@ -49,13 +49,14 @@ def symmetric_memory_ready(op: str, comm_id: int, *, staging_bytes: int = 0, slo
 
 
 def oneshot_protocol(op: str, nbytes: int, size: int, settings: config.Config) -> int:
-    """The protocol attribute of a one-shot call of ``nbytes`` per rank (0 LL128, 1 LL, 2 simple): the one
-    ``nvlink_protocol`` names, or with "auto" LL below ``nvlink_ll128_min_bytes`` per segment and LL128 from
-    there. The kernel takes simple anyway for segments it cannot send as words or lines."""
+    """The protocol attribute of a one-shot call of ``nbytes`` per rank on ``size`` GPUs (0 LL128, 1 LL,
+    2 simple): the one ``nvlink_protocol`` names, or with "auto" LL below :func:`config.ll128_min_bytes` per
+    segment and LL128 from there. The kernel takes simple anyway for segments it cannot send as words or
+    lines."""
     protocol = settings.nvlink_protocol
     if protocol == "auto":
         segment = nbytes // size if op == "all_to_all" else nbytes
-        protocol = "ll128" if segment >= settings.nvlink_ll128_min_bytes else "ll"
+        protocol = "ll128" if segment >= config.ll128_min_bytes(size, op, settings) else "ll"
     return config.NVLINK_PROTOCOLS.index(protocol)
 
 

@@ -1,7 +1,7 @@
 // The NVLink kernel of all_to_allv_dynamic: one launch, no host involvement, counts never leave the GPUs.
 //
-// Every rank runs the same grid. Each peer's capacity rows are cut into `groups` pieces; a block takes
-// pieces to send, then pieces to receive:
+// Every rank runs the same grid. Each peer's capacity rows are cut into `groups` interleaved pieces
+// (ForEachSlice); a block takes pieces to send, then pieces to receive:
 //   send (peer, g):    wait until the peer has entered this call (its buffers are free again), write the
 //                      rows of piece g into the peer, then raise the peer's arrived[this rank][g] flag;
 //   receive (src, g):  wait for arrived[src][g], then finish the piece: recv_counts, and in staged mode the
@@ -35,14 +35,44 @@ __device__ __forceinline__ V LoadStaged(const V* p) {
   return __ldcg(p);
 }
 
-template <typename V>
-__device__ __forceinline__ void ZeroUnits(V* dst, int64_t n) {
-  for (int64_t i = threadIdx.x; i < n; i += kThreads) dst[i] = V{};
+// Rows are moved in slices of at most this many units, a warp per slice, so that a few wide rows still spread
+// over many warps.
+constexpr int64_t kSliceUnits = 1024;
+
+// Copies n units with one warp, four loads in flight per lane. `kFromPeers`: src is staged (LoadStaged).
+template <typename V, bool kFromPeers>
+__device__ __forceinline__ void WarpCopy(V* dst, const V* src, int64_t n) {
+  constexpr int kUnroll = 4;
+  int64_t u = threadIdx.x % 32;
+  for (; u + (kUnroll - 1) * 32 < n; u += kUnroll * 32) {
+    V v[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) v[k] = kFromPeers ? LoadStaged(src + u + k * 32) : src[u + k * 32];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) dst[u + k * 32] = v[k];
+  }
+  for (; u < n; u += 32) dst[u] = kFromPeers ? LoadStaged(src + u) : src[u];
 }
 
-// Rows [lo, hi) of the capacity axis: piece g of `groups`.
-__device__ __forceinline__ int64_t PieceStart(int64_t capacity, int g, int groups) {
-  return capacity * g / groups;
+template <typename V>
+__device__ __forceinline__ void WarpZero(V* dst, int64_t n) {
+  for (int64_t u = threadIdx.x % 32; u < n; u += 32) dst[u] = V{};
+}
+
+// Piece g of `groups` of `rows` rows of `units` units: the slices w with w % groups == g, where slice w is
+// units [lo, hi) of row w / (slices per row). `move(row, lo, hi)` moves one slice with the calling warp.
+// The pieces interleave, rather than each taking a contiguous range of rows, so that the blocks writing one
+// peer write neighbouring addresses at any moment, which NVLink turns into more bandwidth
+// (benchmarks/results/all_to_allv_4gpu_interleaved.md).
+template <typename Move>
+__device__ __forceinline__ void ForEachSlice(int64_t rows, int64_t units, int g, int groups, Move&& move) {
+  constexpr int kWarps = kThreads / 32;
+  const int64_t per_row = max(int64_t{1}, (units + kSliceUnits - 1) / kSliceUnits);
+  const int64_t stride = int64_t{groups} * kWarps;
+  for (int64_t w = g + int64_t{groups} * (threadIdx.x / 32); w < rows * per_row; w += stride) {
+    const int64_t lo = w % per_row * kSliceUnits;
+    move(w / per_row, lo, min(lo + kSliceUnits, units));
+  }
 }
 
 // Count arrays are tiny, but a thread that walks one in global memory pays a memory latency per element
@@ -170,51 +200,16 @@ __device__ void ShareCounts(const NvlinkAllToAllvArgs& args, Shared& shared, int
   }
 }
 
-// Copies send rows [lo, hi) of batch element b to dst, a warp per row with kUnroll loads in flight per lane:
-// each row's leading units come from x through args.send_rows (a row whose index falls outside x becomes
-// zeros, SourceRow), the rest from args.suffix.
-template <typename V>
-__device__ void GatherRows(V* dst, const NvlinkAllToAllvArgs& args, int64_t b, int64_t lo, int64_t hi,
-                           int64_t units_per_row) {
-  constexpr int kWarps = kThreads / 32;
-  constexpr int kUnroll = 4;
-  const int64_t lane = threadIdx.x % 32;
-  const int64_t suffix_units = args.shape.suffix_bytes / static_cast<int64_t>(sizeof(V));
-  const int64_t x_units = units_per_row - suffix_units;
-  const V* x = static_cast<const V*>(args.x);
-  const V* suffix = static_cast<const V*>(args.suffix);
-  for (int64_t r = lo + threadIdx.x / 32; r < hi; r += kWarps) {
-    const int64_t source = SourceRow(args.send_rows, args.shape.num_rows, args.shape.source_rows, b, r);
-    V* out = dst + (r - lo) * units_per_row;
-    if (suffix != nullptr) {
-      const V* tail = suffix + (b * args.shape.num_rows + r) * suffix_units;
-      for (int64_t u = lane; u < suffix_units; u += 32) out[x_units + u] = tail[u];
-    }
-    if (source < 0) {
-      for (int64_t u = lane; u < x_units; u += 32) out[u] = V{};
-      continue;
-    }
-    const V* in = x + source * x_units;
-    int64_t u = lane;
-    for (; u + (kUnroll - 1) * 32 < x_units; u += kUnroll * 32) {
-      V v[kUnroll];
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k) v[k] = in[u + k * 32];
-#pragma unroll
-      for (int k = 0; k < kUnroll; ++k) out[u + k * 32] = v[k];
-    }
-    for (; u < x_units; u += 32) out[u] = in[u];
-  }
-}
-
-// Writes piece g of this rank's rows for `peer`. Direct mode also writes the zero rows of the piece, so the
-// peer's output is complete when the piece's flag is raised.
+// Writes piece g of this rank's rows for `peer` (ForEachSlice). Send row s of batch element b takes its
+// leading units from x through args.send_rows (a row whose index falls outside x becomes zeros, SourceRow),
+// the rest from args.suffix. Direct mode also writes the zero rows of the piece, so the peer's output is
+// complete when the piece's flag is raised.
 template <typename V>
 __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int g) {
   const AllToAllvShape& s = args.shape;
   const int64_t units_per_row = s.row_bytes / static_cast<int64_t>(sizeof(V));
-  const int64_t lo = PieceStart(s.capacity, g, args.groups);
-  const int64_t hi = PieceStart(s.capacity, g + 1, args.groups);
+  const int64_t suffix_units = s.suffix_bytes / static_cast<int64_t>(sizeof(V));
+  const int64_t x_units = units_per_row - suffix_units;
   const bool first_piece = g == 0;
   const bool direct_packed = args.direct && args.packed;
   // Row (b, c) for the peer goes to base + b * batch_stride + (shared.c[b] + c) rows.
@@ -232,6 +227,7 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
   const bool send_counts = first_piece && !direct_packed;
   int32_t* peer_counts = CountSlot(args, peer, parity, args.rank);
   const V* x = static_cast<const V*>(args.x);
+  const V* suffix = static_cast<const V*>(args.suffix);
   const int64_t tile_size = TileCounts::TileSize(s);
   for (int64_t tile = 0; tile < s.batch; tile += tile_size) {
     const int64_t size = min(tile_size, s.batch - tile);
@@ -253,46 +249,51 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
         total += rows;
       }
       shared.a[i] = plan.first_row;
-      shared.b[i] = plan.delivered;
+      shared.b[i] = min(plan.delivered, s.capacity);
       shared.c[i] = before;
       shared.d[i] = total;
     }
     __syncthreads();
     for (int64_t i = 0; i < size; ++i) {
       const int64_t bb = tile + i;
+      const int64_t first = shared.a[i];
       const int64_t delivered = shared.b[i];
-      const int64_t live_end = max(lo, min(delivered, hi));  // rows [lo, live_end) hold data, [live_end, hi) zeros
       V* out = base + bb * batch_stride;
-      V* data = out + (shared.c[i] + lo) * units_per_row;
-      if (args.send_rows == nullptr && args.suffix == nullptr) {  // contiguous rows of x
-        BlockCopy<V, false, kThreads>(data, x + (bb * s.source_rows + shared.a[i] + lo) * units_per_row, 0,
-                                      (live_end - lo) * units_per_row);
-      } else {
-        GatherRows<V>(data, args, bb, shared.a[i] + lo, shared.a[i] + live_end, units_per_row);
-      }
-      if (args.direct) {
-        // Padded: the rest of this rank's segment. Packed: this rank's share of the zero tail after all
-        // sources' rows (the shares of all sources tile rows [total, N * C), see ReceivePiece).
-        V* zeros = args.packed
-                       ? out + (shared.d[i] + args.rank * s.capacity - shared.c[i] + (live_end - delivered)) *
-                                   units_per_row
-                       : out + live_end * units_per_row;
-        ZeroUnits(zeros, (hi - live_end) * units_per_row);
-      }
+      V* data = out + shared.c[i] * units_per_row;  // row r at data + r rows
+      // Zero row r (direct mode, r >= delivered) at zeros + (r - delivered) rows. Padded: the rest of this
+      // rank's segment. Packed: this rank's share of the zero tail after all sources' rows (the shares of all
+      // sources tile rows [total, N * C), see ReceivePiece).
+      V* zeros = args.packed ? out + (shared.d[i] + args.rank * s.capacity - shared.c[i]) * units_per_row
+                             : data + delivered * units_per_row;
+      ForEachSlice(args.direct ? s.capacity : delivered, units_per_row, g, args.groups,
+                   [&](int64_t r, int64_t lo, int64_t hi) {
+                     if (r >= delivered) return WarpZero(zeros + (r - delivered) * units_per_row + lo, hi - lo);
+                     V* row = data + r * units_per_row;
+                     const int64_t send_row = first + r;
+                     const int64_t source = SourceRow(args.send_rows, s.num_rows, s.source_rows, bb, send_row);
+                     const int64_t x_hi = min(hi, x_units);
+                     if (lo < x_hi && source < 0) WarpZero(row + lo, x_hi - lo);
+                     if (lo < x_hi && source >= 0) WarpCopy<V, false>(row + lo, x + source * x_units + lo, x_hi - lo);
+                     const int64_t suffix_lo = max(lo, x_units);
+                     if (suffix_lo < hi) {
+                       WarpCopy<V, false>(row + suffix_lo,
+                                          suffix + (bb * s.num_rows + send_row) * suffix_units + suffix_lo - x_units,
+                                          hi - suffix_lo);
+                     }
+                   });
     }
     __syncthreads();
   }
 }
 
-// Finishes piece g of `source`'s rows here: recv_counts (piece 0), and in staged mode the copy out of the
-// staging slot plus the zero rows (direct mode's senders wrote both into y already).
+// Finishes piece g of `source`'s rows here: recv_counts (piece 0), and in staged mode the copy of the
+// piece's slices out of the staging slot plus its zero rows (direct mode's senders wrote both into y
+// already).
 template <typename V>
 __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int source, int g) {
   const AllToAllvShape& s = args.shape;
   if (args.direct && g != 0) return;
   const int64_t units_per_row = s.row_bytes / static_cast<int64_t>(sizeof(V));
-  const int64_t lo = PieceStart(s.capacity, g, args.groups);
-  const int64_t hi = PieceStart(s.capacity, g + 1, args.groups);
   const V* slot =
       reinterpret_cast<const V*>(Staging(args, args.rank) + args.rows_offset + source * args.rows_slot_bytes);
   V* y = static_cast<V*>(args.y);
@@ -317,7 +318,7 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
         mine += rows;
         if (g == 0) recv_counts[k] = rows;
       }
-      shared.a[i] = mine;
+      shared.a[i] = min(mine, s.capacity);
       shared.b[i] = before;
       shared.c[i] = total;
     }
@@ -325,22 +326,17 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
     for (int64_t i = 0; !args.direct && i < size; ++i) {
       const int64_t bb = tile + i;
       const int64_t mine = shared.a[i];
-      const int64_t live_end = max(lo, min(mine, hi));  // rows [lo, live_end) hold data, [live_end, hi) zeros
-      V* data;
-      V* zeros;
-      if (args.packed) {
-        // Data rows go after those of the earlier sources; the zero rows take this source's share of the
-        // zero tail (the shares of all sources tile rows [total, N * C)).
-        V* out = y + bb * s.num_peers * segment_units;
-        data = out + (shared.b[i] + lo) * units_per_row;
-        zeros = out + (shared.c[i] + source * s.capacity - shared.b[i] + (live_end - mine)) * units_per_row;
-      } else {
-        data = y + ((bb * s.num_peers + source) * s.capacity + lo) * units_per_row;
-        zeros = data + (live_end - lo) * units_per_row;
-      }
-      BlockCopy<V, true, kThreads>(data, slot + (bb * s.capacity + lo) * units_per_row, 0,
-                                   (live_end - lo) * units_per_row);
-      ZeroUnits(zeros, (hi - live_end) * units_per_row);
+      // Packed: the source's rows go after those of the earlier sources, and its zero rows take its share of
+      // the zero tail (the shares of all sources tile rows [total, N * C)). Padded: the source's segment.
+      V* out = y + (args.packed ? bb * s.num_peers : bb * s.num_peers + source) * segment_units;
+      V* data = out + shared.b[i] * units_per_row;
+      V* zeros = args.packed ? out + (shared.c[i] + source * s.capacity - shared.b[i]) * units_per_row
+                             : data + mine * units_per_row;
+      const V* rows = slot + bb * segment_units;
+      ForEachSlice(s.capacity, units_per_row, g, args.groups, [&](int64_t r, int64_t lo, int64_t hi) {
+        if (r >= mine) return WarpZero(zeros + (r - mine) * units_per_row + lo, hi - lo);
+        WarpCopy<V, true>(data + r * units_per_row + lo, rows + r * units_per_row + lo, hi - lo);
+      });
     }
     __syncthreads();
   }
