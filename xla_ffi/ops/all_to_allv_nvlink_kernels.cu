@@ -365,10 +365,12 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
       StoreRelease(&peer->entered[args.rank], epoch);
     }
   }
-  // Rotate the peers so that the ranks start on different links.
+  // Consecutive blocks serve different peers: blocks of neighbouring indices share parts of the chip, and
+  // when they all wrote one peer (or copied locally) the rows moved ~10% slower at large sizes
+  // (all_to_allv_4gpu_slices_peer_major.md). Peers rotate by rank so that the ranks start on different links.
   for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
-    const int peer = (args.rank + job / args.groups) % num_peers;
-    const int g = job % args.groups;
+    const int peer = (args.rank + job % num_peers) % num_peers;
+    const int g = job / num_peers;
     bool entered = true;
     if (threadIdx.x == 0) {
       // The direct packed layout places rows after the earlier sources' and zeros after all: every
@@ -387,8 +389,8 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
     }
   }
   for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
-    const int source = (args.rank - job / args.groups + num_peers) % num_peers;
-    const int g = job % args.groups;
+    const int source = (args.rank - job % num_peers + num_peers) % num_peers;
+    const int g = job / num_peers;
     if (threadIdx.x == 0) {
       // The counts come with piece 0 of each source (or with `entered`); the staged packed layout needs
       // them all.
