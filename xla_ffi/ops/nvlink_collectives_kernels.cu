@@ -354,33 +354,26 @@ __global__ void __launch_bounds__(kThreads) OneShotWordsKernel(Call call, TraceK
   const uint32_t* x = static_cast<const uint32_t*>(args.x);
   uint32_t* y = static_cast<uint32_t*>(args.y);
 
-  // Every word a thread sends is loaded before its first store, and its own word before it polls: the
-  // stores and polls are asm with a memory clobber, so a load after one would wait a memory latency of its own.
-  // Peer k is (me + k) % n, rotated so that the ranks start on different links.
-  for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
-    uint32_t out[kMaxNvlinkRanks];
-#pragma unroll
-    for (int k = 1; k < kMaxNvlinkRanks; ++k) {
-      if (k < n) out[k] = x[(scatter ? (me + k) % n * words : 0) + i];
-    }
-#pragma unroll
-    for (int k = 1; k < kMaxNvlinkRanks; ++k) {
-      if (k < n) StoreRelaxed(Slot<uint64_t>(call, (me + k) % n, parity, me) + i, uint64_t{tag} << 32 | out[k]);
+  for (int k = 1; k < n; ++k) {
+    const int peer = (me + k) % n;
+    uint64_t* slot = Slot<uint64_t>(call, peer, parity, me);
+    const uint32_t* source = x + (scatter ? peer * words : 0);
+    for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
+      StoreRelaxed(slot + i, static_cast<uint64_t>(tag) << 32 | source[i]);
     }
   }
   if (threadIdx.x == 0) trace.Sent();
   for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
     uint32_t values[kMaxNvlinkRanks];
-    const uint32_t own = x[(scatter ? me * words : 0) + i];
     ReadWords(call, state.patience, parity, tag, i, values);
     if constexpr (Op::kMoves) {
-      y[me * words + i] = own;
+      y[me * words + i] = x[(scatter ? me * words : 0) + i];
       for (int k = 1; k < n; ++k) {
         const int source = (me + k) % n;
         y[source * words + i] = values[source];
       }
     } else {
-      values[me] = own;
+      values[me] = x[i];
       y[i] = Op::Words(values, n);
     }
   }
@@ -439,16 +432,12 @@ __global__ void __launch_bounds__(kLineThreads) OneShotLinesKernel(Call call, Tr
     const int64_t line = step + lane / kLanesPerLine;
     if (line >= lines) continue;
     const int64_t first = line * kLinePayloadWords + part * 4;
-    // Every part is loaded before the first store (see OneShotWordsKernel); peer k is (me + k) % n, rotated
-    // so that the ranks start on different links.
-    uint32_t w[kMaxNvlinkRanks][4];
-#pragma unroll
-    for (int k = 1; k < kMaxNvlinkRanks; ++k) {
-      if (k < n) LoadWords(x + (scatter ? (me + k) % n * words : 0), words, first, count, w[k]);
-    }
-#pragma unroll
-    for (int k = 1; k < kMaxNvlinkRanks; ++k) {
-      if (k < n) StoreVolatile(part_of((me + k) % n, me, line), pack(w[k]));
+    uint32_t w[4];
+    if (!scatter) LoadWords(x, words, first, count, w);
+    for (int k = 1; k < n; ++k) {  // rotated, so the ranks start on different links
+      const int peer = (me + k) % n;
+      if (scatter) LoadWords(x + peer * words, words, first, count, w);
+      StoreVolatile(part_of(peer, me, line), pack(w));
     }
   }
   if (threadIdx.x == 0) trace.Sent();
@@ -457,8 +446,6 @@ __global__ void __launch_bounds__(kLineThreads) OneShotLinesKernel(Call call, Tr
     const int64_t line = step + lane / kLanesPerLine;
     const bool valid = line < lines;
     const int64_t first = line * kLinePayloadWords + part * 4;
-    uint32_t own[4];
-    if (valid) LoadWords(x + (scatter ? me * words : 0), words, first, count, own);  // before the polls
     Pair64 got[kMaxNvlinkRanks];
 #pragma unroll
     for (int s = 0; s < kMaxNvlinkRanks; ++s) {
@@ -474,6 +461,8 @@ __global__ void __launch_bounds__(kLineThreads) OneShotLinesKernel(Call call, Tr
       }
     }
     if (!valid) continue;
+    uint32_t own[4];
+    LoadWords(x + (scatter ? me * words : 0), words, first, count, own);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       if (j >= count || first + j >= words) break;
