@@ -62,8 +62,8 @@ __device__ __forceinline__ void WarpZero(V* dst, int64_t n) {
 // Piece g of `groups` of `rows` rows of `units` units: the slices w with w % groups == g, where slice w is
 // units [lo, hi) of row w / (slices per row). `move(row, lo, hi)` moves one slice with the calling warp.
 // The pieces interleave, rather than each taking a contiguous range of rows, so that the blocks writing one
-// peer write neighbouring addresses at any moment, which NVLink turns into more bandwidth
-// (benchmarks/results/all_to_allv_4gpu_interleaved.md).
+// peer write neighbouring addresses at any moment: in a stand-alone push test on 4xH200 that moved rows a
+// few percent faster. The order of the blocks matters more (see NvlinkAllToAllvKernel).
 template <typename Move>
 __device__ __forceinline__ void ForEachSlice(int64_t rows, int64_t units, int g, int groups, Move&& move) {
   constexpr int kWarps = kThreads / 32;
@@ -365,9 +365,10 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
       StoreRelease(&peer->entered[args.rank], epoch);
     }
   }
-  // Consecutive blocks serve different peers: blocks of neighbouring indices share parts of the chip, and
-  // when they all wrote one peer (or copied locally) the rows moved ~10% slower at large sizes
-  // (all_to_allv_4gpu_slices_peer_major.md). Peers rotate by rank so that the ranks start on different links.
+  // Consecutive blocks serve different peers. Blocks of neighbouring indices share parts of the chip, and
+  // when each run of them served one peer (or the local copy) the exchange took 16% longer at T = 4096 on
+  // 4xH200 (benchmarks/results/all_to_allv_4gpu_slices_peer_major.md against all_to_allv_4gpu_interleaved.md).
+  // Peers rotate by rank so that the ranks start on different links.
   for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
     const int peer = (args.rank + job % num_peers) % num_peers;
     const int g = job / num_peers;
