@@ -199,9 +199,8 @@ NVLINK_THRESHOLDS = {
 # buffers): LL128 is 0.3-0.8 us faster for all_gather and all_to_all at every size from 8 B, while all_reduce
 # keeps LL up to 4 KiB (0.1-0.2 us faster) and is faster in LL128 from 16 KiB (8 KiB, between the two, was
 # not measured: it keeps the 2-GPU value).
-_LL128_FROM_8_KIB = {"all_reduce": 8 << 10, "all_gather": 8 << 10, "all_to_all": 8 << 10}
 NVLINK_LL128_MIN_BYTES = {
-    2: _LL128_FROM_8_KIB,
+    2: {"all_reduce": 8 << 10, "all_gather": 8 << 10, "all_to_all": 8 << 10},
     4: {"all_reduce": 8 << 10, "all_gather": 0, "all_to_all": 0},
 }
 

@@ -62,8 +62,9 @@ __device__ __forceinline__ void WarpZero(V* dst, int64_t n) {
 // Piece g of `groups` of `rows` rows of `units` units: the slices w with w % groups == g, where slice w is
 // units [lo, hi) of row w / (slices per row). `move(row, lo, hi)` moves one slice with the calling warp.
 // The pieces interleave, rather than each taking a contiguous range of rows, so that the blocks writing one
-// peer write neighbouring addresses at any moment: in a stand-alone push test on 4xH200 that moved rows a
-// few percent faster. The order of the blocks matters more (see NvlinkAllToAllvKernel).
+// peer write neighbouring addresses at any moment, and one warp-per-slice path serves x rows, gathered rows,
+// suffixes and zero rows alike. What made the exchange faster is the order of the blocks
+// (NvlinkAllToAllvKernel); the interleaving alone was not measured faster.
 template <typename Move>
 __device__ __forceinline__ void ForEachSlice(int64_t rows, int64_t units, int g, int groups, Move&& move) {
   constexpr int kWarps = kThreads / 32;
