@@ -381,6 +381,36 @@ def test_repeated_calls_reuse_flags(backend):
                   reference.all_to_allv(list(xs), list(counts), CAPACITY, "packed"), jnp.float32)
 
 
+def test_calls_of_other_shapes_back_to_back(backend):
+    """Packed calls with 1 and with 64 chunks per peer, alternating in one program: their count slots differ in
+    size, and a rank shares its counts for one call while its peers may still read theirs of the call before,
+    so the two calls' count slots must not overlap whatever their sizes."""
+    n = len(backend)
+    mesh = line_mesh(backend)
+    xs = random_array((n, ROWS, FEATURES), jnp.float32)
+    rng = np.random.default_rng(21)
+    counts = [rng.integers(0, ROWS // n + 1, size=(n, n, 1)).astype(np.int32),
+              rng.integers(0, 2, size=(n, n, 64)).astype(np.int32)]
+    steps = 8
+
+    def body(x, one_chunk, many_chunks):
+        outs = []
+        for step in range(steps):
+            c = (one_chunk, many_chunks)[step % 2]
+            outs += [o[None] for o in nx.all_to_allv_dynamic(x[0], c[0], "x", max_recv_per_peer=CAPACITY,
+                                                              layout="packed")]
+        return outs
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x")))
+    expected = [reference.all_to_allv(list(xs), list(c), CAPACITY, "packed") for c in counts]
+    for _ in range(5):
+        out = f(*(jnp.asarray(a) for a in (xs, *counts)))
+        for step in range(steps):
+            y, recv, dropped = out[3 * step:3 * step + 3]
+            check([(np.asarray(y[i]), np.asarray(recv[i]), np.asarray(dropped[i])) for i in range(n)],
+                  expected[step % 2], jnp.float32)
+
+
 def test_lowering_picks_the_transport(backend):
     n = len(backend)
     mesh = line_mesh(backend)

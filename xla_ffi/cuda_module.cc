@@ -314,15 +314,16 @@ std::vector<std::tuple<int, int, std::vector<TraceTuple>>> DeviceTrace(int64_t c
   return result;
 }
 
-int64_t AllToAllvStagingBytes(int64_t batch, int64_t num_peers, int64_t num_chunks, int64_t capacity,
-                              int64_t row_bytes, bool direct) {
+std::tuple<int64_t, int64_t> AllToAllvSymmetricBytes(int64_t batch, int64_t num_peers, int64_t num_chunks,
+                                                      int64_t capacity, int64_t row_bytes, bool direct) {
   AllToAllvShape shape;
   shape.batch = batch;
   shape.num_peers = num_peers;
   shape.num_chunks = num_chunks;
   shape.capacity = capacity;
   shape.row_bytes = row_bytes;
-  return LayOutNvlinkStaging(shape, direct).total;
+  const NvlinkStagingLayout layout = LayOutNvlinkStaging(shape, direct);
+  return {layout.staging_bytes, layout.counts_bytes};
 }
 
 int64_t NvlinkCollectiveBytes(const std::string& op, int algorithm, int protocol, int64_t bytes, int size,
@@ -492,8 +493,9 @@ NB_MODULE(_ncclx_cuda, m) {
         jn::StopWatchdog();
       },
       "Stops the watchdog thread (at interpreter exit); it restarts with the next watched call.");
-  m.def("all_to_allv_staging_bytes", &jn::AllToAllvStagingBytes, nb::arg("batch"), nb::arg("num_peers"),
+  m.def("all_to_allv_symmetric_bytes", &jn::AllToAllvSymmetricBytes, nb::arg("batch"), nb::arg("num_peers"),
         nb::arg("num_chunks"), nb::arg("capacity"), nb::arg("row_bytes"), nb::arg("direct"),
-        "Symmetric data bytes the NVLink all_to_allv_dynamic kernel needs for these static sizes; `direct`:\n"
-        "ranks write into each other's outputs (one process), so only the counts are staged.");
+        "(staging bytes, low-latency bytes per call parity) the NVLink all_to_allv_dynamic kernel needs for\n"
+        "these static sizes: the rows' staging slots (none when `direct`: ranks write into each other's\n"
+        "outputs, one process) and the count slots.");
 }

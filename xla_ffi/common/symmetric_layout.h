@@ -11,7 +11,8 @@
 //       - the low-latency slots: two halves of PeerTable::parity_half_bytes, one per call parity. A
 //         collective writes into a peer's half of its call's parity without asking whether the peer is
 //         ready: the peer cannot still be reading that half, because it finished the call two before
-//         (whose half it was) before it sent its rows of the previous call, which this rank needed;
+//         (whose half it was) before it sent its rows of the previous call, which this rank needed.
+//         all_to_allv_dynamic keeps its count slots there too;
 //       - the staging area of all_to_allv_dynamic (at 2 * parity_half_bytes), written only after the peer
 //         entered the call (SymmetricControl::entered).
 // Kernels do not take region pointers or sizes as arguments: they read them from a PeerTable in device

@@ -242,10 +242,12 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
     return InvalidArgument(kOp, "direct is 1 but the communicator's ranks are not all in this process");
   }
   const NvlinkStagingLayout layout = LayOutNvlinkStaging(*shape, direct == 1);
-  if (layout.total > symmetric->staging_bytes) {
-    return Internal(kOp, "the symmetric staging area holds " + std::to_string(symmetric->staging_bytes) +
-                             " bytes but this call needs " + std::to_string(layout.total) +
-                             "; it is sized when the program is lowered by jax_ncclx");
+  if (layout.staging_bytes > symmetric->staging_bytes || layout.counts_bytes > symmetric->parity_half_bytes) {
+    return Internal(kOp, "the symmetric memory holds " + std::to_string(symmetric->staging_bytes) +
+                             " staging bytes and " + std::to_string(symmetric->parity_half_bytes) +
+                             " low-latency bytes per parity, but this call needs " +
+                             std::to_string(layout.staging_bytes) + " and " + std::to_string(layout.counts_bytes) +
+                             "; they are sized when the program is lowered by jax_ncclx");
   }
   if (shape->batch == 0) return ffi::Error::Success();
   ffi::ErrorOr<int> sm_count = SmCount(kOp, device_ordinal);
@@ -272,7 +274,6 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
   args.table = symmetric->table;
   args.control = symmetric->control;
   args.counts_slot_bytes = layout.counts_slot_bytes;
-  args.rows_offset = layout.rows_offset;
   args.rows_slot_bytes = layout.rows_slot_bytes;
   ffi::ErrorOr<GpuCall> call = BeginGpuCall(kOp, MakeCallAttrs(site, timeout_ms, trace), comm_id, symmetric->rank,
                                             symmetric->size, device_ordinal, stream);

@@ -45,15 +45,16 @@ cudaError_t LaunchPackRows(const AllToAllvShape& shape, const void* x, const int
 cudaError_t LaunchCompactRows(const AllToAllvShape& shape, const void* recv, const int32_t* recv_counts,
                               void* y, cudaStream_t stream);
 
-// The NVLink kernel's layout of each rank's staging area (symmetric_layout.h): 2 x N count slots, one per
-// call parity and source rank (int32 [B, N, K]: the source's delivered counts, indexed by destination), then,
-// unless ranks write straight into each other's outputs ("direct", all ranks in one process), N row slots
-// ([B, C, row_bytes] each) where sources stage their rows. Slots are 256-byte aligned.
+// What the NVLink kernel keeps in each rank's symmetric data region (symmetric_layout.h): at the start of
+// the low-latency half of the call's parity, N count slots, one per source rank (int32 [B, N, K]: the
+// source's delivered counts, indexed by destination); in the staging area, unless ranks write straight into
+// each other's outputs ("direct", all ranks in one process), N row slots ([B, C, row_bytes] each) where
+// sources stage their rows. Slots are 256-byte aligned.
 struct NvlinkStagingLayout {
   int64_t counts_slot_bytes = 0;
-  int64_t rows_offset = 0;
+  int64_t counts_bytes = 0;  // bytes of each low-latency half the call needs
   int64_t rows_slot_bytes = 0;
-  int64_t total = 0;  // bytes of staging area the call needs
+  int64_t staging_bytes = 0;  // bytes of staging area the call needs
 };
 NvlinkStagingLayout LayOutNvlinkStaging(const AllToAllvShape& shape, bool direct);
 
@@ -75,8 +76,7 @@ struct NvlinkAllToAllvArgs {
   int32_t* dropped = nullptr;           // [B, N]
   const PeerTable* table = nullptr;     // every rank's symmetric memory, as this rank maps it
   SymmetricControl* control = nullptr;  // this rank's control block
-  int64_t counts_slot_bytes = 0;        // from NvlinkStagingLayout (offsets into the staging area)
-  int64_t rows_offset = 0;
+  int64_t counts_slot_bytes = 0;        // from NvlinkStagingLayout
   int64_t rows_slot_bytes = 0;
 };
 

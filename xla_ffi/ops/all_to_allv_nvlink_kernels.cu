@@ -96,12 +96,14 @@ __device__ __forceinline__ uint8_t* Staging(const NvlinkAllToAllvArgs& args, int
   return args.table->data[rank] + 2 * args.table->parity_half_bytes;
 }
 
-// The count slot that `source` fills in `owner`'s staging area in calls of `parity`: int32 [B, N, K]. Two
-// sets of slots, by call parity, because in the direct packed layout a rank shares its counts before its
-// peers have finished the previous call (see ShareCounts).
+// The count slot that `source` fills in `owner`'s data region in calls of `parity`: int32 [B, N, K], in the
+// low-latency half of the call's parity. Two sets of slots, by call parity, because in the direct packed
+// layout a rank shares its counts before its peers have finished the previous call (see ShareCounts); the
+// halves' places do not depend on the call's shape, so a call cannot write over the counts that a peer still
+// reads for a previous call of another shape.
 __device__ __forceinline__ int32_t* CountSlot(const NvlinkAllToAllvArgs& args, int owner, int parity, int source) {
-  return reinterpret_cast<int32_t*>(Staging(args, owner) +
-                                    (parity * args.shape.num_peers + source) * args.counts_slot_bytes);
+  return reinterpret_cast<int32_t*>(args.table->data[owner] + parity * args.table->parity_half_bytes +
+                                    source * args.counts_slot_bytes);
 }
 
 __device__ __forceinline__ const int32_t* LocalCountSlot(const NvlinkAllToAllvArgs& args, int parity,
@@ -221,7 +223,7 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
     batch_stride = s.num_peers * s.capacity * units_per_row;
     if (!args.packed) base += args.rank * s.capacity * units_per_row;
   } else {
-    base = reinterpret_cast<V*>(Staging(args, peer) + args.rows_offset + args.rank * args.rows_slot_bytes);
+    base = reinterpret_cast<V*>(Staging(args, peer) + args.rank * args.rows_slot_bytes);
     batch_stride = s.capacity * units_per_row;
   }
   // Counts travel with piece 0, except in the direct packed layout, which shared them already.
@@ -295,8 +297,7 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
   const AllToAllvShape& s = args.shape;
   if (args.direct && g != 0) return;
   const int64_t units_per_row = s.row_bytes / static_cast<int64_t>(sizeof(V));
-  const V* slot =
-      reinterpret_cast<const V*>(Staging(args, args.rank) + args.rows_offset + source * args.rows_slot_bytes);
+  const V* slot = reinterpret_cast<const V*>(Staging(args, args.rank) + source * args.rows_slot_bytes);
   V* y = static_cast<V*>(args.y);
   const int64_t segment_units = s.capacity * units_per_row;
   const int64_t tile_size = TileCounts::TileSize(s);
@@ -424,9 +425,9 @@ NvlinkStagingLayout LayOutNvlinkStaging(const AllToAllvShape& shape, bool direct
   NvlinkStagingLayout layout;
   layout.counts_slot_bytes =
       align(shape.batch * shape.num_peers * shape.num_chunks * static_cast<int64_t>(sizeof(int32_t)));
+  layout.counts_bytes = shape.num_peers * layout.counts_slot_bytes;
   layout.rows_slot_bytes = direct ? 0 : align(shape.batch * shape.capacity * shape.row_bytes);
-  layout.rows_offset = 2 * shape.num_peers * layout.counts_slot_bytes;  // two sets, by call parity
-  layout.total = layout.rows_offset + shape.num_peers * layout.rows_slot_bytes;
+  layout.staging_bytes = shape.num_peers * layout.rows_slot_bytes;
   return layout;
 }
 

@@ -173,8 +173,9 @@ def _cuda_route(ctx, comm_id, size, *, capacity, packed):
     settings = config.current()
     direct = settings.nvlink_direct and jax.process_count() == 1
     if settings.transport != "nccl":
-        staging = lib.cuda_module().all_to_allv_staging_bytes(batch, size, chunks, capacity, row_bytes, direct)
-        if nvlink.symmetric_memory_ready("all_to_allv_dynamic", comm_id, staging_bytes=staging):
+        staging, slots = lib.cuda_module().all_to_allv_symmetric_bytes(batch, size, chunks, capacity, row_bytes,
+                                                                       direct)
+        if nvlink.symmetric_memory_ready("all_to_allv_dynamic", comm_id, staging_bytes=staging, slot_bytes=slots):
             return primitive.CudaRoute("ncclx_all_to_allv_dynamic_nvlink",
                                        {"blocks": np.int64(settings.nvlink_blocks), "direct": np.int64(direct)})
     # NCCL path workspace; must match the layout checked by xla_ffi/ops/all_to_allv_cuda.cc.
