@@ -4,13 +4,14 @@
 // (ForEachSlice); a block takes pieces to send, then pieces to receive:
 //   send (peer, g):    wait until the peer has entered this call (its buffers are free again), write the
 //                      rows of piece g into the peer, then raise the peer's arrived[this rank][g] flag;
-//   receive (src, g):  wait for arrived[src][g], then finish the piece: recv_counts, and in staged mode the
-//                      copy out of the staging slot and the zero rows.
-// Where rows land: "direct" mode (every rank in this process) writes them, and the zero rows after them,
-// straight into the peer's output, whose address the peer publishes when it enters the call, already in the
-// requested layout; the packed layout needs the counts of the other sources, so there every rank shares its
-// counts with all ranks as it enters. Staged mode (ranks in other processes, reached through CUDA IPC)
-// writes into the peer's symmetric staging slot, and the receiver copies the rows out.
+//   receive (src, g):  wait for arrived[src][g]; in staged mode then finish the piece: recv_counts, the copy
+//                      out of the staging slot and the zero rows.
+// Where rows land: "direct" mode (every rank in this process) writes them, the zero rows after them and the
+// peer's recv_counts straight into the peer's outputs, whose addresses the peer publishes when it enters the
+// call, already in the requested layout, so that a receiver has nothing left to do once its flags are up;
+// the packed layout needs the counts of the other sources, so there every rank shares its counts with all
+// ranks as it enters. Staged mode (ranks in other processes, reached through CUDA IPC) writes into the
+// peer's symmetric staging slot, and the receiver copies the rows out.
 // Flags hold the call's epoch, kept on the device, so the kernel needs no reset and replays inside CUDA
 // graphs. A peer raises `entered` only after its previous call finished, so one set of row buffers is enough.
 #include <algorithm>
@@ -226,9 +227,11 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
     base = reinterpret_cast<V*>(Staging(args, peer) + args.rank * args.rows_slot_bytes);
     batch_stride = s.capacity * units_per_row;
   }
-  // Counts travel with piece 0, except in the direct packed layout, which shared them already.
-  const bool send_counts = first_piece && !direct_packed;
-  int32_t* peer_counts = CountSlot(args, peer, parity, args.rank);
+  // Counts travel with piece 0: in direct mode into the peer's recv_counts [B, N, K], in staged mode into the
+  // peer's count slot for this rank, indexed by destination.
+  int32_t* counts_out = args.direct ? reinterpret_cast<int32_t*>(args.control->recv_counts[peer])
+                                    : CountSlot(args, peer, parity, args.rank);
+  const int counts_column = args.direct ? args.rank : peer;
   const V* x = static_cast<const V*>(args.x);
   const V* suffix = static_cast<const V*>(args.suffix);
   const int64_t tile_size = TileCounts::TileSize(s);
@@ -239,10 +242,10 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
     if (threadIdx.x < size) {
       const int64_t i = threadIdx.x;
       const int64_t b = tile + i;
-      int32_t* delivered_chunks = peer_counts + (b * s.num_peers + peer) * s.num_chunks;
+      int32_t* delivered_chunks = counts_out + (b * s.num_peers + counts_column) * s.num_chunks;
       const PeerPlan plan = PlanPeer(counts.Send(i), s.num_chunks, s.num_rows, s.capacity, peer,
                                      [&](int64_t chunk, int32_t rows) {
-                                       if (send_counts) delivered_chunks[chunk] = rows;
+                                       if (first_piece) delivered_chunks[chunk] = rows;
                                      });
       if (first_piece) args.dropped[b * s.num_peers + peer] = plan.dropped;
       int64_t before = 0, total = 0;
@@ -289,13 +292,11 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
   }
 }
 
-// Finishes piece g of `source`'s rows here: recv_counts (piece 0), and in staged mode the copy of the
-// piece's slices out of the staging slot plus its zero rows (direct mode's senders wrote both into y
-// already).
+// Staged mode: finishes piece g of `source`'s rows here: recv_counts (piece 0), the copy of the piece's
+// slices out of the staging slot and its zero rows.
 template <typename V>
 __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int source, int g) {
   const AllToAllvShape& s = args.shape;
-  if (args.direct && g != 0) return;
   const int64_t units_per_row = s.row_bytes / static_cast<int64_t>(sizeof(V));
   const V* slot = reinterpret_cast<const V*>(Staging(args, args.rank) + source * args.rows_slot_bytes);
   V* y = static_cast<V*>(args.y);
@@ -308,7 +309,7 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
     if (threadIdx.x < size) {
       const int64_t i = threadIdx.x;
       int64_t before = 0, total = 0;
-      for (int q = 0; args.packed && !args.direct && q < s.num_peers; ++q) {
+      for (int q = 0; args.packed && q < s.num_peers; ++q) {
         const int64_t rows = counts.RowsFrom(q, i);
         if (q < source) before += rows;
         total += rows;
@@ -325,7 +326,7 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
       shared.c[i] = total;
     }
     __syncthreads();
-    for (int64_t i = 0; !args.direct && i < size; ++i) {
+    for (int64_t i = 0; i < size; ++i) {
       const int64_t bb = tile + i;
       const int64_t mine = shared.a[i];
       // Packed: the source's rows go after those of the earlier sources, and its zero rows take its share of
@@ -363,6 +364,7 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
     if (threadIdx.x < num_peers) {
       SymmetricControl* peer = args.table->control[threadIdx.x];
       peer->output[args.rank] = reinterpret_cast<uint64_t>(args.y);  // published by the release below
+      peer->recv_counts[args.rank] = reinterpret_cast<uint64_t>(args.recv_counts);
       if (direct_packed) __threadfence_system();
       StoreRelease(&peer->entered[args.rank], epoch);
     }
@@ -394,17 +396,24 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
   for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
     const int source = (args.rank - job % num_peers + num_peers) % num_peers;
     const int g = job / num_peers;
+    bool arrived = true;
     if (threadIdx.x == 0) {
-      // The counts come with piece 0 of each source (or with `entered`); the staged packed layout needs
-      // them all.
+      // The counts come with piece 0 of each source; the staged packed layout needs them all.
       for (int q = 0; args.packed && !args.direct && q < num_peers; ++q) {
         patience.AtLeast(&args.control->arrived[q][0], epoch, q);
       }
-      patience.AtLeast(&args.control->arrived[source][g], epoch, source);
+      arrived = patience.AtLeast(&args.control->arrived[source][g], epoch, source);
       trace.DataArrived();
     }
-    __syncthreads();
-    ReceivePiece<V>(args, shared, parity, source, g);
+    // Direct mode: the senders wrote everything. A source that never sent its piece 0 wrote no recv_counts:
+    // it delivered nothing.
+    if (__syncthreads_or(!arrived) && args.direct && g == 0) {
+      for (int64_t i = threadIdx.x; i < args.shape.batch * args.shape.num_chunks; i += kThreads) {
+        const int64_t b = i / args.shape.num_chunks;
+        args.recv_counts[(b * num_peers + source) * args.shape.num_chunks + i % args.shape.num_chunks] = 0;
+      }
+    }
+    if (!args.direct) ReceivePiece<V>(args, shared, parity, source, g);
   }
 
   FinishCall(args.control, epoch, ticket, trace, kTraceAllToAllv);
