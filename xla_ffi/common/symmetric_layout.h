@@ -5,7 +5,8 @@
 // Each rank owns two allocations that all its peers map (same process: peer access; other processes:
 // CUDA IPC):
 //   * a SymmetricControl block, allocated once with the communicator and never moved: the flags peers
-//     write to say "I entered call e" and "my rows of group g for call e have landed", plus local state;
+//     write to say "I entered call e" and "my rows of group g for call e have landed", the output addresses
+//     they publish for call e (one process: peers write into each other's outputs), plus local state;
 //   * a data region that grows (never shrinks) to what the largest program lowered so far needs. Its size
 //     comes from the ops' static shapes at lowering time. It holds, in this order:
 //       - the low-latency slots: two halves of PeerTable::parity_half_bytes, one per call parity. A
