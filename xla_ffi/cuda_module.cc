@@ -322,7 +322,7 @@ std::tuple<int64_t, int64_t> AllToAllvSymmetricBytes(int64_t batch, int64_t num_
   shape.num_chunks = num_chunks;
   shape.capacity = capacity;
   shape.row_bytes = row_bytes;
-  const NvlinkStagingLayout layout = LayOutNvlinkStaging(shape, direct);
+  const NvlinkAllToAllvLayout layout = LayOutNvlinkAllToAllv(shape, direct);
   return {layout.staging_bytes, layout.counts_bytes};
 }
 

@@ -241,7 +241,7 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
   if (direct == 1 && !symmetric->same_process) {
     return InvalidArgument(kOp, "direct is 1 but the communicator's ranks are not all in this process");
   }
-  const NvlinkStagingLayout layout = LayOutNvlinkStaging(*shape, direct == 1);
+  const NvlinkAllToAllvLayout layout = LayOutNvlinkAllToAllv(*shape, direct == 1);
   if (layout.staging_bytes > symmetric->staging_bytes || layout.counts_bytes > symmetric->parity_half_bytes) {
     return Internal(kOp, "the symmetric memory holds " + std::to_string(symmetric->staging_bytes) +
                              " staging bytes and " + std::to_string(symmetric->parity_half_bytes) +

@@ -50,13 +50,13 @@ cudaError_t LaunchCompactRows(const AllToAllvShape& shape, const void* recv, con
 // source's delivered counts, indexed by destination); in the staging area, unless ranks write straight into
 // each other's outputs ("direct", all ranks in one process), N row slots ([B, C, row_bytes] each) where
 // sources stage their rows. Slots are 256-byte aligned.
-struct NvlinkStagingLayout {
+struct NvlinkAllToAllvLayout {
   int64_t counts_slot_bytes = 0;
   int64_t counts_bytes = 0;  // bytes of each low-latency half the call needs
   int64_t rows_slot_bytes = 0;
   int64_t staging_bytes = 0;  // bytes of staging area the call needs
 };
-NvlinkStagingLayout LayOutNvlinkStaging(const AllToAllvShape& shape, bool direct);
+NvlinkAllToAllvLayout LayOutNvlinkAllToAllv(const AllToAllvShape& shape, bool direct);
 
 struct NvlinkAllToAllvArgs {
   AllToAllvShape shape;
@@ -76,7 +76,7 @@ struct NvlinkAllToAllvArgs {
   int32_t* dropped = nullptr;           // [B, N]
   const PeerTable* table = nullptr;     // every rank's symmetric memory, as this rank maps it
   SymmetricControl* control = nullptr;  // this rank's control block
-  int64_t counts_slot_bytes = 0;        // from NvlinkStagingLayout
+  int64_t counts_slot_bytes = 0;        // from NvlinkAllToAllvLayout
   int64_t rows_slot_bytes = 0;
 };
 

@@ -429,9 +429,9 @@ bool AlignedTo(int64_t width, const NvlinkAllToAllvArgs& args) {
 
 }  // namespace
 
-NvlinkStagingLayout LayOutNvlinkStaging(const AllToAllvShape& shape, bool direct) {
+NvlinkAllToAllvLayout LayOutNvlinkAllToAllv(const AllToAllvShape& shape, bool direct) {
   auto align = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
-  NvlinkStagingLayout layout;
+  NvlinkAllToAllvLayout layout;
   layout.counts_slot_bytes =
       align(shape.batch * shape.num_peers * shape.num_chunks * static_cast<int64_t>(sizeof(int32_t)));
   layout.counts_bytes = shape.num_peers * layout.counts_slot_bytes;
