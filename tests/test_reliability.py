@@ -207,6 +207,29 @@ def test_corrupt_counts_are_clamped_and_reported(line, monkeypatch):
                 np.testing.assert_array_equal(y[dest, source, :got, 0], np.asarray(x)[source * rows + dest, 0])
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_counts_stay_bounded_after_a_skipped_rank(line, monkeypatch, layout):
+    """NVLink path: the senders write recv_counts into their peers, so a source that never joins a call wrote
+    nothing there. After a call where every source sent capacity rows, the timed-out call's recv_counts must
+    not keep those: the missing source's counts are zero and every count stays within [0, C]."""
+    if line.devices.flat[0].platform != "gpu" or config.current().transport != "nvlink":
+        pytest.skip("a property of the NVLink all_to_allv kernel (CPU raises; NCCL outputs are undefined)")
+    n, capacity, skipped = line.size, 3, line.size - 1
+    f = per_shard(line, lambda v, c: nx.all_to_allv_dynamic(v, c, "x", max_recv_per_peer=capacity,
+                                                            layout=layout)[:2], n_in=2, n_out=2)
+    x = jnp.ones((n * n * capacity, 2), jnp.float32)
+    full = jnp.full((n * n,), capacity, jnp.int32)
+    assert (np.asarray(f(x, full)[1]) == capacity).all()
+    seq = next_seq(line, skipped)
+    monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", "2")
+    monkeypatch.setenv("JAX_NCCLX_FAULT", f"skip:rank={skipped},seq={seq}")
+    recv = np.asarray(f(x, full)[1]).reshape(n, n)[:skipped]  # the skipped rank's outputs were never written
+    assert ((0 <= recv) & (recv <= capacity)).all(), recv
+    assert (recv[:, skipped] == 0).all(), recv
+    with pytest.raises(nx.CollectiveError, match=rf"rank\(s\) {skipped}\b"):
+        nx.check_errors()
+
+
 CHECKSUMMED = {
     "all_gather": (lambda v: nx.all_gather(v, "x"), (4, 8)),
     "all_to_all": (lambda v: nx.all_to_all(v, "x", 0, 0, tiled=True), (16, 8)),
