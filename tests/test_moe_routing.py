@@ -1,8 +1,8 @@
 """The routing ops behind jax_ncclx.moe.dispatch (plan_sends, place_received) against the NumPy reference in
 reference.py, on CPU and on one GPU, for routings that stress them: ids outside [0, E), every pair on one
-expert, more choices than members, repeated experts within a token, many experts (few sorting warps), enough
-pairs for a cluster of several blocks, router weights in the suffixes, suffixes at unaligned offsets, tags
-that were corrupted on the way, and a vmapped batch."""
+expert, more choices than members, repeated experts within a token, many experts (few sorting warps), blocks
+of 256, 512 and 1024 threads, enough pairs for a cluster of several blocks, router weights in the suffixes,
+suffixes at unaligned offsets, tags that were corrupted on the way, and a vmapped batch."""
 
 import functools
 
@@ -31,6 +31,7 @@ def routings():
     yield "k_above_members", skewed_ids(rng, (2, 10, 8), 6), 6, 40         # repeated experts in a token
     yield "one_expert_per_member", skewed_ids(rng, (4, 9, 2), 4), 4, 3
     yield "one_token", skewed_ids(rng, (3, 1, 5), 9), 9, 2
+    yield "decode_128", skewed_ids(rng, (2, 128, 8), 16), 16, 600          # 512 threads per block on GPU
     yield "many_pairs", skewed_ids(rng, (4, 300, 8), 64), 64, 500          # many warp segments
     yield "two_blocks", skewed_ids(rng, (4, 700, 8), 32), 32, 600          # a cluster of 2 blocks on GPU
     yield "prefill", skewed_ids(rng, (4, 4096, 8), 32), 32, 9000           # a cluster of 8 blocks on GPU
@@ -38,7 +39,7 @@ def routings():
     yield "one_member", skewed_ids(rng, (1, 64, 4), 2048), 2048, 64
 
 ROUTINGS = {name: (ids, experts, capacity) for name, ids, experts, capacity in routings()}
-WEIGHTED = ("random_tight", "k_above_members", "one_token", "two_blocks")  # also run with router weights
+WEIGHTED = ("random_tight", "k_above_members", "one_token", "decode_128", "two_blocks")  # also run with router weights
 
 
 def on_device(device):
