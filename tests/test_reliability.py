@@ -215,15 +215,15 @@ def test_counts_stay_bounded_after_a_skipped_rank(line, monkeypatch, layout):
     if line.devices.flat[0].platform != "gpu" or config.current().transport != "nvlink":
         pytest.skip("a property of the NVLink all_to_allv kernel (CPU raises; NCCL outputs are undefined)")
     n, capacity, skipped = line.size, 3, line.size - 1
-    f = per_shard(line, lambda v, c: nx.all_to_allv_dynamic(v, c, "x", max_recv_per_peer=capacity,
-                                                            layout=layout)[:2], n_in=2, n_out=2)
+    exchange = lambda v, c: nx.all_to_allv_dynamic(v, c, "x", max_recv_per_peer=capacity, layout=layout)[:2]
     x = jnp.ones((n * n * capacity, 2), jnp.float32)
     full = jnp.full((n * n,), capacity, jnp.int32)
-    assert (np.asarray(f(x, full)[1]) == capacity).all()
+    assert (np.asarray(per_shard(line, exchange, n_in=2, n_out=2)(x, full)[1]) == capacity).all()
     seq = next_seq(line, skipped)
     monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", "2")
     monkeypatch.setenv("JAX_NCCLX_FAULT", f"skip:rank={skipped},seq={seq}")
-    recv = np.asarray(f(x, full)[1]).reshape(n, n)[:skipped]  # the skipped rank's outputs were never written
+    faulted = per_shard(line, exchange, n_in=2, n_out=2)  # faults apply to programs compiled from now on
+    recv = np.asarray(faulted(x, full)[1]).reshape(n, n)[:skipped]  # the skipped rank wrote no outputs
     assert ((0 <= recv) & (recv <= capacity)).all(), recv
     assert (recv[:, skipped] == 0).all(), recv
     with pytest.raises(nx.CollectiveError, match=rf"rank\(s\) {skipped}\b"):
