@@ -364,7 +364,8 @@ __global__ void __launch_bounds__(kThreads)
       cluster, blocks, /*across_cluster=*/false, [&](int32_t i) { return counts[i]; },
       [&](int32_t i, int32_t start, int32_t) { source_major[i] = start; }, scan);
   const int32_t total = Scan(
-      cluster, blocks, /*across_cluster=*/false, [&](int32_t j) { return counts[by.members.Mod(j) * local + by.members.Div(j)]; },
+      cluster, blocks, /*across_cluster=*/false,
+      [&](int32_t j) { return counts[by.members.Mod(j) * local + by.members.Div(j)]; },
       [&](int32_t j, int32_t start, int32_t) { expert_major[j] = start; }, scan);
   const int32_t delivered = Scan(
       cluster, N, /*across_cluster=*/false, [&](int32_t i) { return min(max(recv_tokens[i], 0), R); },
