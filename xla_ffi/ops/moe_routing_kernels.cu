@@ -9,8 +9,9 @@
 // Blocks have 256, 512 or 1024 threads, more for more work per block (BlockThreads). At decode sizes a
 // phase costs each warp its index arithmetic whether it has items or not, and the SM issues it for every
 // warp: plan_sends at T = 16 (128 pairs) took 8.4 µs with 1024 threads and 6.6 with 256, place_received
-// 7.0 and 5.8 (kernel-only timing on one H200, 2 members, 16 experts, top-8). At prefill sizes 1024 threads
-// are fastest (plan_sends at T = 4096: 32.8 µs against 42.4 with 256).
+// 7.0 and 5.8 (tools/time_routing_kernels.cu on one H200, builds with one block size forced, 2 members, 16
+// experts, top-8). At prefill sizes 1024 threads are fastest (plan_sends at T = 4096: 32.8 µs against 42.4
+// with 256).
 #include "ops/moe_routing_kernels.h"
 
 #include <cooperative_groups.h>
