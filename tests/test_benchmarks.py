@@ -1,10 +1,13 @@
 """The benchmark scripts run end to end on CPU (--smoke) and write results whose jax_ncclx rows were checked
-against XLA; timings are not judged here."""
+against XLA; timings are not judged here. The routing kernels' timer (a CUDA program) compiles."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
@@ -42,3 +45,16 @@ def test_launch_floor_smoke(tmp_path):
     rows = run_smoke("launch_floor.py", tmp_path, "--bytes", "8")["rows"]
     assert [r["impl"] for r in rows] == ["xla-kernel", "nx", "psum"]  # ffi-kernel is CUDA only
     assert all(r["median_us"] > 0 and r["x_psum"] > 0 for r in rows)
+
+
+def test_routing_kernel_timer_compiles(tmp_path):
+    """tools/time_routing_kernels.cu includes the routing kernels' source and calls their launchers: it must
+    keep compiling as they change (it runs only on a GPU machine)."""
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+    if nvcc is None:
+        pytest.skip("nvcc not found (PATH, /usr/local/cuda/bin)")
+    root = os.path.dirname(BENCHMARKS)
+    done = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-I", os.path.join(root, "xla_ffi"),
+                           os.path.join(root, "tools", "time_routing_kernels.cu"), "-o", str(tmp_path / "timer")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
