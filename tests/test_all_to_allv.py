@@ -1,7 +1,7 @@
 """all_to_allv_dynamic against the NumPy reference: adversarial count patterns, both layouts, K chunks per
-peer, rows gathered through send_rows and extended by a suffix, dtypes, vmap (one call), grad, and both axes of a 2-D mesh; on CPU
-and, where present, on GPUs through both transports (the NVLink kernel, required to be taken, and the NCCL
-path)."""
+peer, rows gathered through send_rows and extended by a suffix, dtypes, vmap (one call), grad, and both axes
+of a 2-D mesh; on CPU and, where present, on GPUs through both transports (the NVLink kernel, required to be
+taken, and the NCCL path)."""
 
 import os
 import subprocess
