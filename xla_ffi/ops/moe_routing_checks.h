@@ -138,7 +138,8 @@ inline ffi::ErrorOr<PlaceReceivedShape> GetPlaceReceivedShape(const ffi::AnyBuff
   }
   PlaceReceivedShape shape{token_dims[0], token_dims[1], row_dims[1] / token_dims[1], top_k,        local_experts,
                            capacity,      row_bytes,     suffix_offset,               with_weights == 1};
-  NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the tags", row_dims[1] * top_k));
+  // The kernel scans the tag counts twice and the rows once, in one int32 scan.
+  NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the tags (scanned as 2 * tags + rows)", (2 * top_k + 1) * row_dims[1]));
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the tag values", shape.rows_per_source * shape.top_k * local_experts));
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the expert-major rows", shape.num_members * capacity));
   return shape;

@@ -333,9 +333,11 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ int32_t shared[];
   int32_t* my_counts = shared;                      // [N][E_local] this block's share of the tags
   int32_t* cluster_counts = my_counts + blocks;     // [N][E_local] the cluster's, when it has several blocks
+  // One scan fills the next three arrays (see below), so the second and third hold their starts plus the
+  // totals of the arrays before them.
   int32_t* source_major = cluster_counts + blocks;  // [N][E_local] where block (i, e) starts, source-major
-  int32_t* expert_major = source_major + blocks;    // [E_local][N] where block (e, i) starts, expert-major
-  int32_t* packed_start = expert_major + blocks;    // [N] where source i's received rows start, packed
+  int32_t* expert_major = source_major + blocks;    // [E_local][N] total + where block (e, i) starts, expert-major
+  int32_t* packed_start = expert_major + blocks;    // [N] 2 * total + where source i's received rows start, packed
   __shared__ ScanShared<kThreads> scan;
 
   const int tid = threadIdx.x;
@@ -361,16 +363,17 @@ __global__ void __launch_bounds__(kThreads)
     counts = cluster_counts;
   }
 
-  Scan(
-      cluster, blocks, /*across_cluster=*/false, [&](int32_t i) { return counts[i]; },
+  // One scan over the counts source-major, the same counts expert-major and the rows delivered by each source,
+  // rather than three: a scan costs ~0.3 µs at any of these lengths. `total` = valid tags = each count array's sum.
+  const int32_t scanned = Scan(
+      cluster, 2 * blocks + N, /*across_cluster=*/false,
+      [&](int32_t i) {
+        if (i < blocks) return counts[i];
+        if (i < 2 * blocks) return counts[by.members.Mod(i - blocks) * local + by.members.Div(i - blocks)];
+        return min(max(recv_tokens[i - 2 * blocks], 0), R);
+      },
       [&](int32_t i, int32_t start, int32_t) { source_major[i] = start; }, scan);
-  const int32_t total = Scan(
-      cluster, blocks, /*across_cluster=*/false,
-      [&](int32_t j) { return counts[by.members.Mod(j) * local + by.members.Div(j)]; },
-      [&](int32_t j, int32_t start, int32_t) { expert_major[j] = start; }, scan);
-  const int32_t delivered = Scan(
-      cluster, N, /*across_cluster=*/false, [&](int32_t i) { return min(max(recv_tokens[i], 0), R); },
-      [&](int32_t i, int32_t start, int32_t) { packed_start[i] = start; }, scan);
+  const int32_t total = expert_major[0], delivered = scanned - 2 * total;
 
   if (rank == 0) {
     for (int32_t i = tid; i < blocks; i += kThreads) out.recv_counts[b * blocks + i] = counts[i];
@@ -383,10 +386,11 @@ __global__ void __launch_bounds__(kThreads)
   for (int32_t x = thread; x < rows; x += threads) {
     int32_t expand = N * R, entry = entries, expert_row = rows, source_row = rows;
     if (x < total) {
-      const int32_t j = BlockAt(expert_major, blocks, x);
+      const int32_t j = BlockAt(expert_major, blocks, x + total);
       const int32_t e = by.members.Div(j), source = by.members.Mod(j);
       // Source i's tags list its pairs sorted by expert: expert e's start after its earlier experts'.
-      const int32_t in_list = source_major[source * local + e] - source_major[source * local] + x - expert_major[j];
+      const int32_t in_list =
+          source_major[source * local + e] - source_major[source * local] + x + total - expert_major[j];
       if (in_list < C) expert_row = source * C + in_list;
       const int32_t tag = tag_at(source * per_source + in_list);  // (row * k + choice) * E_local + local expert
       if (tag >= 0 && by.tags_per_row.Div(tag) < R) {
@@ -395,7 +399,8 @@ __global__ void __launch_bounds__(kThreads)
         row_pairs[entry] = x;
       }
       const int32_t i = BlockAt(source_major, blocks, x);
-      source_row = min(expert_major[by.local_experts.Mod(i) * N + by.local_experts.Div(i)] + x - source_major[i], rows);
+      source_row =
+          min(expert_major[by.local_experts.Mod(i) * N + by.local_experts.Div(i)] - total + x - source_major[i], rows);
     }
     expand_rows[x] = expand;
     pair_entry[x] = entry;
@@ -405,8 +410,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int32_t s = thread; s < N * R; s += threads) {
     int32_t back = N * R;
     if (s < delivered) {
-      const int32_t source = BlockAt(packed_start, N, s);
-      back = source * R + s - packed_start[source];
+      const int32_t source = BlockAt(packed_start, N, s + 2 * total);
+      back = source * R + s + 2 * total - packed_start[source];
     }
     send_back_rows[s] = back;
   }
