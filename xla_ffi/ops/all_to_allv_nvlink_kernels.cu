@@ -36,9 +36,10 @@ __device__ __forceinline__ V LoadStaged(const V* p) {
   return __ldcg(p);
 }
 
-// Rows are moved in slices of at most this many units, a warp per slice, so that a few wide rows still spread
-// over many warps.
-constexpr int64_t kSliceUnits = 1024;
+// Rows are moved in slices of 2^k units, a warp per slice, so that a few wide rows still spread over many
+// warps: at least one pass of WarpCopy's loop (32 lanes x 4 units), at most 1024 units.
+constexpr int kMinSliceShift = 7;
+constexpr int kMaxSliceShift = 10;
 
 // Copies n units with one warp, four loads in flight per lane. `kFromPeers`: src is staged (LoadStaged).
 template <typename V, bool kFromPeers>
@@ -60,20 +61,38 @@ __device__ __forceinline__ void WarpZero(V* dst, int64_t n) {
   for (int64_t u = threadIdx.x % 32; u < n; u += 32) dst[u] = V{};
 }
 
+// log2 of the units per slice for rows of `units` units: the smallest slice with which the warps of a peer's
+// pieces cover a full slot of C rows one slice each, so that a small call is not left to a few warps each
+// walking whole rows, one memory round trip after another (the MoE dispatch at T = 16 sends ~16 rows to a
+// peer). It depends on the static shape only, so the sender's piece g and the receiver's (staged mode) cover
+// the same slices.
+__device__ __forceinline__ int SliceShift(const NvlinkAllToAllvArgs& args, int64_t units) {
+  const int64_t warps = int64_t{args.groups} * (kThreads / 32);
+  const int64_t per_warp = (args.shape.capacity * units + warps - 1) / warps;
+  int shift = kMinSliceShift;
+  while (shift < kMaxSliceShift && (int64_t{1} << shift) < per_warp) ++shift;
+  return shift;
+}
+
 // Piece g of `groups` of `rows` rows of `units` units: the slices w with w % groups == g, where slice w is
-// units [lo, hi) of row w / (slices per row). `move(row, lo, hi)` moves one slice with the calling warp.
+// units [lo, hi) of row w / (slices per row) (SliceShift gives their size). `move(row, lo, hi)` moves one
+// slice with the calling warp.
 // The pieces interleave, rather than each taking a contiguous range of rows, so that the blocks writing one
 // peer write neighbouring addresses at any moment, and one warp-per-slice path serves x rows, gathered rows,
 // suffixes and zero rows alike. What made the exchange faster is the order of the blocks
 // (NvlinkAllToAllvKernel); the interleaving alone was not measured faster.
 template <typename Move>
-__device__ __forceinline__ void ForEachSlice(int64_t rows, int64_t units, int g, int groups, Move&& move) {
+__device__ __forceinline__ void ForEachSlice(const NvlinkAllToAllvArgs& args, int64_t rows, int64_t units, int g,
+                                             Move&& move) {
   constexpr int kWarps = kThreads / 32;
-  const int64_t per_row = max(int64_t{1}, (units + kSliceUnits - 1) / kSliceUnits);
+  const int groups = args.groups;
+  const int shift = SliceShift(args, units);
+  const int64_t slice = int64_t{1} << shift;
+  const int64_t per_row = max(int64_t{1}, (units + slice - 1) >> shift);
   const int64_t stride = int64_t{groups} * kWarps;
   for (int64_t w = g + int64_t{groups} * (threadIdx.x / 32); w < rows * per_row; w += stride) {
-    const int64_t lo = w % per_row * kSliceUnits;
-    move(w / per_row, lo, min(lo + kSliceUnits, units));
+    const int64_t lo = w % per_row * slice;
+    move(w / per_row, lo, min(lo + slice, units));
   }
 }
 
@@ -271,7 +290,7 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
       // sources tile rows [total, N * C), see ReceivePiece).
       V* zeros = args.packed ? out + (shared.d[i] + args.rank * s.capacity - shared.c[i]) * units_per_row
                              : data + delivered * units_per_row;
-      ForEachSlice(args.direct ? s.capacity : delivered, units_per_row, g, args.groups,
+      ForEachSlice(args, args.direct ? s.capacity : delivered, units_per_row, g,
                    [&](int64_t r, int64_t lo, int64_t hi) {
                      if (r >= delivered) return WarpZero(zeros + (r - delivered) * units_per_row + lo, hi - lo);
                      V* row = data + r * units_per_row;
@@ -336,7 +355,7 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
       V* zeros = args.packed ? out + (shared.c[i] + source * s.capacity - shared.b[i]) * units_per_row
                              : data + mine * units_per_row;
       const V* rows = slot + bb * segment_units;
-      ForEachSlice(s.capacity, units_per_row, g, args.groups, [&](int64_t r, int64_t lo, int64_t hi) {
+      ForEachSlice(args, s.capacity, units_per_row, g, [&](int64_t r, int64_t lo, int64_t hi) {
         if (r >= mine) return WarpZero(zeros + (r - mine) * units_per_row + lo, hi - lo);
         WarpCopy<V, true>(data + r * units_per_row + lo, rows + r * units_per_row + lo, hi - lo);
       });
