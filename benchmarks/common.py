@@ -396,6 +396,8 @@ def write_results(name: str, rows: list, meta: dict, plot_fn=None, *, out_dir=RE
 def _meta_line(meta: dict) -> str:
     git = meta.get("git") or {}
     commit = (git.get("commit") or "?")[:12] + (" (dirty)" if git.get("dirty") else "") if git else "unknown"
+    if git.get("note"):  # what the commit alone does not say, e.g. a tree built with a changed file
+        commit += f" ({git['note']})"
     env = meta.get("env") or {}
     return (f"{meta.get('num_devices')} × {meta.get('device_kind')} ({meta.get('platform')}), "
             f"{meta.get('process_count')} process(es), jax {meta.get('jax')}, NCCL {meta.get('nccl_version')}, "

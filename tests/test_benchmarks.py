@@ -41,6 +41,18 @@ def test_all_to_allv_smoke(tmp_path):
     assert rows["nx_padded"]["verified"] and rows["nx_packed"]["verified"]
 
 
+def test_results_header_names_the_commit_and_its_note():
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        import common
+    finally:
+        sys.path.remove(BENCHMARKS)
+    meta = {"num_devices": 2, "git": {"commit": "0123456789abcdef", "dirty": False}}
+    assert "commit 0123456789ab," in common._meta_line(meta)
+    meta["git"]["note"] = "a scratch build"
+    assert "commit 0123456789ab (a scratch build)," in common._meta_line(meta)
+
+
 def test_launch_floor_smoke(tmp_path):
     rows = run_smoke("launch_floor.py", tmp_path, "--bytes", "8")["rows"]
     assert [r["impl"] for r in rows] == ["xla-kernel", "nx", "psum"]  # ffi-kernel is CUDA only
