@@ -2,8 +2,10 @@
 //
 // Every rank runs the same grid. Each peer's capacity rows are cut into `groups` interleaved pieces
 // (ForEachSlice); a block takes pieces to send, then pieces to receive:
-//   send (peer, g):    wait until the peer has entered this call (its buffers are free again), write the
-//                      rows of piece g into the peer, then raise the peer's arrived[this rank][g] flag;
+//   send (peer, g):    plan the piece (where its rows start, how many reach the peer; for a block's first
+//                      piece while the peers enter), wait until the peer has entered this call (its buffers
+//                      are free again), write the rows of piece g into the peer, then raise the peer's
+//                      arrived[this rank][g] flag;
 //   receive (src, g):  wait for arrived[src][g]; in staged mode then finish the piece: recv_counts, the copy
 //                      out of the staging slot and the zero rows.
 // Where rows land: "direct" mode (every rank in this process) writes them, the zero rows after them and the
@@ -142,8 +144,9 @@ class TileCounts {
   }
 
   // Stages the tile (the caller synchronizes the block before reading). `with_slots`: also the count slots.
+  // `staged`: the send counts are already in shared memory (a plan made before the peer entered).
   __device__ TileCounts(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int64_t first, int64_t size,
-                        int dest, bool with_slots)
+                        int dest, bool with_slots, bool staged = false)
       : num_peers_(args.shape.num_peers),
         num_chunks_(args.shape.num_chunks),
         capacity_(static_cast<int32_t>(min(args.shape.capacity, int64_t{INT32_MAX}))) {
@@ -156,7 +159,7 @@ class TileCounts {
       element_stride_ = per_element;
       return;
     }
-    for (int64_t i = threadIdx.x; i < size * per_element; i += kThreads) {
+    for (int64_t i = threadIdx.x; !staged && i < size * per_element; i += kThreads) {
       shared.send[i] = args.counts[first * per_element + i];
     }
     const int64_t per_source = size * num_chunks_;
@@ -223,18 +226,59 @@ __device__ void ShareCounts(const NvlinkAllToAllvArgs& args, Shared& shared, int
   }
 }
 
+// Plans tile [tile, tile + size) of this rank's sends to `peer` into shared.a-d, one thread per batch element:
+// the first input row and the rows delivered, and in the direct packed layout the rows from earlier sources and
+// from all sources at the peer. `emit` (piece 0): also writes what reaches the peer, in direct mode into the
+// peer's recv_counts [B, N, K], in staged mode into the peer's count slot for this rank (indexed by
+// destination), and the dropped rows. `staged`: the tile's send counts are in shared memory already.
+__device__ void PlanTile(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int64_t tile,
+                         int64_t size, bool emit, bool staged) {
+  const AllToAllvShape& s = args.shape;
+  const bool direct_packed = args.direct && args.packed;
+  const TileCounts counts(args, shared, parity, tile, size, peer, /*with_slots=*/direct_packed, staged);
+  __syncthreads();
+  if (threadIdx.x < size) {
+    const int64_t i = threadIdx.x;
+    const int64_t b = tile + i;
+    int32_t* delivered_chunks = nullptr;  // row b of the peer's recv_counts, or of its count slot for this rank
+    if (emit && args.direct) {
+      delivered_chunks = reinterpret_cast<int32_t*>(args.control->recv_counts[peer]) +
+                         (b * s.num_peers + args.rank) * s.num_chunks;
+    } else if (emit) {
+      delivered_chunks = CountSlot(args, peer, parity, args.rank) + (b * s.num_peers + peer) * s.num_chunks;
+    }
+    const PeerPlan plan = PlanPeer(counts.Send(i), s.num_chunks, s.num_rows, s.capacity, peer,
+                                   [&](int64_t chunk, int32_t rows) {
+                                     if (emit) delivered_chunks[chunk] = rows;
+                                   });
+    if (emit) args.dropped[b * s.num_peers + peer] = plan.dropped;
+    int64_t before = 0, total = 0;
+    for (int q = 0; direct_packed && q < s.num_peers; ++q) {
+      const int64_t rows = counts.RowsFrom(q, i);
+      if (q < args.rank) before += rows;
+      total += rows;
+    }
+    shared.a[i] = plan.first_row;
+    shared.b[i] = min(plan.delivered, s.capacity);
+    shared.c[i] = before;
+    shared.d[i] = total;
+  }
+  __syncthreads();
+}
+
 // Writes piece g of this rank's rows for `peer` (ForEachSlice). Send row s of batch element b takes its
 // leading units from x through args.send_rows (a row whose index falls outside x becomes zeros, SourceRow),
 // the rest from args.suffix. Direct mode also writes the zero rows of the piece, so the peer's output is
-// complete when the piece's flag is raised.
+// complete when the piece's flag is raised. `planned`: PlanTile ran for the first tile before the peer
+// entered, without what needs the peer (piece 0 plans it again from the staged counts to write those).
 template <typename V>
-__device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int g) {
+__device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int g,
+                          bool planned) {
   const AllToAllvShape& s = args.shape;
   const int64_t units_per_row = s.row_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t suffix_units = s.suffix_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t x_units = units_per_row - suffix_units;
   const bool first_piece = g == 0;
-  const bool direct_packed = args.direct && args.packed;
   // Row (b, c) for the peer goes to base + b * batch_stride + (shared.c[b] + c) rows.
   V* base;
   int64_t batch_stride;
@@ -246,39 +290,13 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
     base = reinterpret_cast<V*>(Staging(args, peer) + args.rank * args.rows_slot_bytes);
     batch_stride = s.capacity * units_per_row;
   }
-  // Counts travel with piece 0: in direct mode into the peer's recv_counts [B, N, K], in staged mode into the
-  // peer's count slot for this rank, indexed by destination.
-  int32_t* counts_out = args.direct ? reinterpret_cast<int32_t*>(args.control->recv_counts[peer])
-                                    : CountSlot(args, peer, parity, args.rank);
-  const int counts_column = args.direct ? args.rank : peer;
   const V* x = static_cast<const V*>(args.x);
   const V* suffix = static_cast<const V*>(args.suffix);
   const int64_t tile_size = TileCounts::TileSize(s);
   for (int64_t tile = 0; tile < s.batch; tile += tile_size) {
     const int64_t size = min(tile_size, s.batch - tile);
-    const TileCounts counts(args, shared, parity, tile, size, peer, /*with_slots=*/direct_packed);
-    __syncthreads();
-    if (threadIdx.x < size) {
-      const int64_t i = threadIdx.x;
-      const int64_t b = tile + i;
-      int32_t* delivered_chunks = counts_out + (b * s.num_peers + counts_column) * s.num_chunks;
-      const PeerPlan plan = PlanPeer(counts.Send(i), s.num_chunks, s.num_rows, s.capacity, peer,
-                                     [&](int64_t chunk, int32_t rows) {
-                                       if (first_piece) delivered_chunks[chunk] = rows;
-                                     });
-      if (first_piece) args.dropped[b * s.num_peers + peer] = plan.dropped;
-      int64_t before = 0, total = 0;
-      for (int q = 0; direct_packed && q < s.num_peers; ++q) {
-        const int64_t rows = counts.RowsFrom(q, i);
-        if (q < args.rank) before += rows;
-        total += rows;
-      }
-      shared.a[i] = plan.first_row;
-      shared.b[i] = min(plan.delivered, s.capacity);
-      shared.c[i] = before;
-      shared.d[i] = total;
-    }
-    __syncthreads();
+    const bool staged = planned && tile == 0;
+    if (!staged || first_piece) PlanTile(args, shared, parity, peer, tile, size, first_piece, staged);
     for (int64_t i = 0; i < size; ++i) {
       const int64_t bb = tile + i;
       const int64_t first = shared.a[i];
@@ -388,6 +406,13 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
       StoreRelease(&peer->entered[args.rank], epoch);
     }
   }
+  // The plan of a block's first piece needs nothing from its peer except in the direct packed layout (the
+  // peers' counts): make it while the peers enter. Calls of one tile only, as the MoE exchanges.
+  const bool plan_early = !direct_packed && TileCounts::TileSize(args.shape) >= args.shape.batch;
+  if (plan_early && static_cast<int>(blockIdx.x) < jobs) {
+    PlanTile(args, shared, parity, (args.rank + static_cast<int>(blockIdx.x) % num_peers) % num_peers, 0,
+             args.shape.batch, /*emit=*/false, /*staged=*/false);
+  }
   // Consecutive blocks serve different peers. Blocks of neighbouring indices share parts of the chip, and
   // when each run of them served one peer (or the local copy) the exchange took 16% longer at T = 4096 on
   // 4xH200 (benchmarks/results/all_to_allv_4gpu_slices_peer_major.md against all_to_allv_4gpu_interleaved.md).
@@ -406,7 +431,7 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
     }
     // A peer that never entered has not published its output address (direct mode): send nothing to it.
     if (__syncthreads_or(!entered)) continue;
-    SendPiece<V>(args, shared, parity, peer, g);
+    SendPiece<V>(args, shared, parity, peer, g, plan_early && job == static_cast<int>(blockIdx.x));
     if (threadIdx.x == 0) {  // the block's rows are ordered before the release by SendPiece's final barrier
       StoreRelease(&args.table->control[peer]->arrived[args.rank][g], epoch);
       trace.Sent();
