@@ -382,6 +382,13 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
   }
 }
 
+// The peer that send job `job` (piece job / N) writes to: consecutive jobs serve different peers, job 0 this
+// rank's own rows (see the send loop). Receive job j takes what its source's send job j wrote here.
+__device__ __forceinline__ int SendPeer(const NvlinkAllToAllvArgs& args, int job) {
+  const int num_peers = static_cast<int>(args.shape.num_peers);
+  return (args.rank + job % num_peers) % num_peers;
+}
+
 template <typename V>
 __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAllvArgs args) {
   __shared__ Shared shared;
@@ -410,15 +417,15 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
   // peers' counts): make it while the peers enter. Calls of one tile only, as the MoE exchanges.
   const bool plan_early = !direct_packed && TileCounts::TileSize(args.shape) >= args.shape.batch;
   if (plan_early && static_cast<int>(blockIdx.x) < jobs) {
-    PlanTile(args, shared, parity, (args.rank + static_cast<int>(blockIdx.x) % num_peers) % num_peers, 0,
-             args.shape.batch, /*emit=*/false, /*staged=*/false);
+    PlanTile(args, shared, parity, SendPeer(args, static_cast<int>(blockIdx.x)), 0, args.shape.batch,
+             /*emit=*/false, /*staged=*/false);
   }
   // Consecutive blocks serve different peers. Blocks of neighbouring indices share parts of the chip, and
   // when each run of them served one peer (or the local copy) the exchange took 16% longer at T = 4096 on
   // 4xH200 (benchmarks/results/all_to_allv_4gpu_slices_peer_major.md against all_to_allv_4gpu_interleaved.md).
   // Peers rotate by rank so that the ranks start on different links.
   for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
-    const int peer = (args.rank + job % num_peers) % num_peers;
+    const int peer = SendPeer(args, job);
     const int g = job / num_peers;
     bool entered = true;
     if (threadIdx.x == 0) {
