@@ -4,7 +4,8 @@ One process drives every local GPU on one mesh axis "ep" (with --smoke: 8 virtua
 shapes). For each T (tokens per rank) the routing is that of an MoE layer: each token picks top-k of
 E = experts_per_rank * N experts at random (fixed seed), its T*k rows are sorted by expert (so grouped by the
 rank that owns the expert), and send_counts is [N, E/N]. The capacity C is the most rows any rank sends any
-peer in that routing, so nothing is dropped. Every op is timed per op inside jax.jit(jax.shard_map(...)) as a
+peer in that routing, so nothing is dropped (--capacity-factor F: at least F times the mean rows per peer, the
+headroom of an MoE layer with capacity factor F). Every op is timed per op inside jax.jit(jax.shard_map(...)) as a
 chain of dependent ops per call (--unroll; by default 50, or 10 where the padded buffer passes 64 MB, so that
 the host's dispatch of a call, ~100 µs on 4 GPUs, hides behind the GPUs' work on the previous call); results
 go to <out>/all_to_allv.{json,md,png}.
@@ -23,6 +24,7 @@ import dataclasses
 import functools
 import gc
 import json
+import math
 import os
 import re
 import sys
@@ -108,7 +110,7 @@ class Routing:
       weights: float32 [N, T, k], positive, summing to 1 per token.
       order: int32 [N, T*k]: sorted row r of a rank is its (token, choice) ``order[r]`` (token ``order[r] // k``).
       counts: int32 [N src, N dst, E/N]: rows each rank sends to each expert.
-      capacity: the most rows any rank sends any peer.
+      capacity: the most rows any rank sends any peer, or more (make_routing's capacity_factor).
     """
 
     experts: np.ndarray
@@ -126,7 +128,9 @@ class Routing:
         return np.cumsum(self.per_peer, axis=1) - self.per_peer
 
 
-def make_routing(n: int, tokens: int, top_k: int, experts_per_rank: int, seed: int) -> Routing:
+def make_routing(n: int, tokens: int, top_k: int, experts_per_rank: int, seed: int,
+                 capacity_factor: float = 0.0) -> Routing:
+    """capacity_factor F: the capacity is at least ceil(F * T * k / N), the headroom an MoE layer reserves."""
     rng = np.random.default_rng([seed, tokens])
     num_experts = n * experts_per_rank
     scores = rng.random((n, tokens, num_experts), dtype=np.float32)
@@ -136,7 +140,8 @@ def make_routing(n: int, tokens: int, top_k: int, experts_per_rank: int, seed: i
     flat = experts.reshape(n, -1)
     order = np.argsort(flat, axis=1, kind="stable").astype(np.int32)
     counts = np.stack([np.bincount(f, minlength=num_experts) for f in flat]).reshape(n, n, experts_per_rank)
-    return Routing(experts, weights, order, counts.astype(np.int32), int(counts.sum(axis=2).max()))
+    capacity = max(int(counts.sum(axis=2).max()), math.ceil(capacity_factor * tokens * top_k / n))
+    return Routing(experts, weights, order, counts.astype(np.int32), capacity)
 
 
 def sizes_of(routing: Routing, tokens: int, hidden: int, top_k: int, itemsize: int) -> dict:
@@ -451,6 +456,9 @@ def parse_args(argv=None):
     parser.add_argument("--experts-per-rank", type=int, help="local experts, K of send_counts [N, K] (default 8; "
                         "smoke 2)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--capacity-factor", type=float, default=0.0,
+                        help="capacity C at least F * T * k / N, the mean rows per peer, as an MoE layer with "
+                        "capacity factor F reserves (default 0: C = the most rows any rank sends any peer)")
     parser.add_argument("--iters", type=int, help="the most timed calls per variant (default 20; smoke 3)")
     parser.add_argument("--unroll", type=int, help="dependent ops per jitted call (default 50, or 10 where the "
                         "padded buffer passes 64 MB; smoke 3)")
@@ -554,7 +562,7 @@ def default_unroll(size, smoke):
 
 def run_size(tokens, mesh, args, log, table, rows, sizes):
     n = args.num_devices
-    routing = make_routing(n, tokens, args.top_k, args.experts_per_rank, args.seed)
+    routing = make_routing(n, tokens, args.top_k, args.experts_per_rank, args.seed, args.capacity_factor)
     size = sizes_of(routing, tokens, args.hidden, args.top_k, np.dtype(DTYPES[args.dtype]).itemsize)
     sizes.append(size)
     args = argparse.Namespace(**{**vars(args), "unroll": args.unroll or default_unroll(size, args.smoke)})
@@ -675,6 +683,11 @@ def ops_per_call(config: dict, sizes: list) -> str:
     return config["unroll"] or " or ".join(map(str, counts)) or "?"
 
 
+def capacity_note(config: dict) -> str:
+    factor = config.get("capacity_factor") or 0
+    return f", or {factor:g} times the mean rows per peer where that is more" if factor else ""
+
+
 def notes(config: dict, sizes: list) -> str:
     unroll = ops_per_call(config, sizes)
     lines = [
@@ -682,7 +695,7 @@ def notes(config: dict, sizes: list) -> str:
         f"{config['hidden']} {config['dtype']}, top-{config['top_k']} over "
         f"{config['num_devices'] * config['experts_per_rank']} experts ({config['experts_per_rank']} per rank, "
         f"send_counts [N, {config['experts_per_rank']}]), random routing (seed {config['seed']}). C = the most "
-        "rows any rank sends any peer, so nothing is dropped.",
+        "rows any rank sends any peer, so nothing is dropped" + capacity_note(config) + ".",
         "",
         f"- **µs/op**: one jitted call runs {unroll} dependent ops (see *ops/call* below) and a timed sample "
         "dispatches "

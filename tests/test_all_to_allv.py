@@ -361,6 +361,40 @@ def test_large_random_rows(backend, layout):
               reference.all_to_allv(list(xs), list(counts), 24, layout), dtype)
 
 
+@pytest.mark.parametrize("blocks", ["by_size", "one_per_peer"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("pattern", ["zero", "one_peer", "random"])
+def test_zero_rows_over_a_stale_buffer(backend, monkeypatch, pattern, layout, blocks):
+    """The rows after the data are zeros even where y's buffer held NaNs: y takes a donated NaN buffer. The
+    NVLink kernel writes them at the sender when a peer's rows come in small pieces (by size: 8 KiB) and at the
+    receiver when they come in pieces of 64 KiB or more (JAX_NCCLX_NVLINK_BLOCKS = N: one 80 KiB piece)."""
+    n = len(backend)
+    if blocks == "one_per_peer":
+        monkeypatch.setenv("JAX_NCCLX_NVLINK_BLOCKS", str(n))
+    capacity, rows, features = 160, 200, 256  # bf16 rows of 512 bytes: 80 KiB per peer
+    xs = random_array((n, rows, features), jnp.bfloat16, seed=7)
+    scale = capacity // CAPACITY  # counts_for's patterns, scaled to this capacity
+    counts = counts_for(pattern, n, 2, seed=8) * scale
+    y_shape = (n, capacity, features) if layout == "padded" else (n * capacity, features)
+    mesh = line_mesh(backend)
+    spec = P("x")
+
+    def body(x, c, stale):
+        del stale  # its buffer becomes y's
+        y, recv, dropped = nx.all_to_allv_dynamic(x[0], c[0], "x", max_recv_per_peer=capacity, layout=layout)
+        return y[None], recv[None], dropped[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec), donate_argnums=2,
+                keep_unused=True)
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    stale = jax.jit(lambda: jnp.full((n, *y_shape), jnp.nan, jnp.bfloat16), out_shardings=sharding)()
+    stale_buffers = [shard.data.unsafe_buffer_pointer() for shard in stale.addressable_shards]
+    out = f(jnp.asarray(xs), jnp.asarray(counts), stale)
+    assert [shard.data.unsafe_buffer_pointer() for shard in out[0].addressable_shards] == stale_buffers
+    check([tuple(np.asarray(o[i]) for o in out) for i in range(n)],
+          reference.all_to_allv(list(xs), list(counts), capacity, layout), jnp.bfloat16)
+
+
 def test_repeated_calls_reuse_flags(backend):
     """One compiled program run many times with changing counts: the epochs on the device keep the peers in
     step without any reset."""

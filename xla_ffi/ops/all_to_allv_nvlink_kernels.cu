@@ -7,13 +7,16 @@
 //                      are free again), write the rows of piece g into the peer, then raise the peer's
 //                      arrived[this rank][g] flag;
 //   receive (src, g):  wait for arrived[src][g]; in staged mode then finish the piece: recv_counts, the copy
-//                      out of the staging slot and the zero rows.
-// Where rows land: "direct" mode (every rank in this process) writes them, the zero rows after them and the
-// peer's recv_counts straight into the peer's outputs, whose addresses the peer publishes when it enters the
-// call, already in the requested layout, so that a receiver has nothing left to do once its flags are up;
-// the packed layout needs the counts of the other sources, so there every rank shares its counts with all
-// ranks as it enters. Staged mode (ranks in other processes, reached through CUDA IPC) writes into the
-// peer's symmetric staging slot, and the receiver copies the rows out.
+//                      out of the staging slot and the zero rows; in direct mode with large pieces, its zero
+//                      rows.
+// Where rows land: "direct" mode (every rank in this process) writes them and the peer's recv_counts straight
+// into the peer's outputs, whose addresses the peer publishes when it enters the call, already in the
+// requested layout; the packed layout needs the counts of the other sources, so there every rank shares its
+// counts with all ranks as it enters. The zero rows after the data are written by the sender when pieces are
+// small, so that a receiver has nothing left to do once its flags are up, and by the receiver when they are
+// large, where the exchange is bound by the links and zero rows sent over them cost as much as data
+// (ChooseNvlinkGrid). Staged mode (ranks in other processes, reached through CUDA IPC) writes into the peer's
+// symmetric staging slot, and the receiver copies the rows out.
 // Flags hold the call's epoch, kept on the device, so the kernel needs no reset and replays inside CUDA
 // graphs. A peer raises `entered` only after its previous call finished, so one set of row buffers is enough.
 #include <algorithm>
@@ -31,6 +34,8 @@ constexpr int kThreads = 512;
 // One SM pushes ~10 GB/s into NVLink, so small messages need many blocks; pieces below this size cost more in
 // flags than they gain.
 constexpr int64_t kMinBytesPerPiece = 8 * 1024;
+// Direct mode: from this many bytes of a peer's slot per piece up, receivers write their own zero rows.
+constexpr int64_t kMinBytesPerPieceForReceiverZeros = 64 * 1024;
 
 // Staged data is written by other GPUs during this kernel: read it past L1 (ld.global.cg).
 template <typename V>
@@ -143,10 +148,11 @@ class TileCounts {
     return per_element == 0 ? kThreads : max(int64_t{1}, min(int64_t{kThreads}, kStagedCounts / per_element));
   }
 
-  // Stages the tile (the caller synchronizes the block before reading). `with_slots`: also the count slots.
-  // `staged`: the send counts are already in shared memory (a plan made before the peer entered).
+  // Stages the tile (the caller synchronizes the block before reading): `with_send`, this rank's send counts
+  // (off when a plan made before the peer entered left them in shared memory already, or when only the count
+  // slots are read); `with_slots`, the count slots.
   __device__ TileCounts(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int64_t first, int64_t size,
-                        int dest, bool with_slots, bool staged = false)
+                        int dest, bool with_send, bool with_slots)
       : num_peers_(args.shape.num_peers),
         num_chunks_(args.shape.num_chunks),
         capacity_(static_cast<int32_t>(min(args.shape.capacity, int64_t{INT32_MAX}))) {
@@ -159,7 +165,7 @@ class TileCounts {
       element_stride_ = per_element;
       return;
     }
-    for (int64_t i = threadIdx.x; !staged && i < size * per_element; i += kThreads) {
+    for (int64_t i = threadIdx.x; with_send && i < size * per_element; i += kThreads) {
       shared.send[i] = args.counts[first * per_element + i];
     }
     const int64_t per_source = size * num_chunks_;
@@ -210,7 +216,7 @@ __device__ void ShareCounts(const NvlinkAllToAllvArgs& args, Shared& shared, int
   const int64_t tile_size = TileCounts::TileSize(s);
   for (int64_t tile = 0; tile < s.batch; tile += tile_size) {
     const int64_t size = min(tile_size, s.batch - tile);
-    const TileCounts counts(args, shared, parity, tile, size, args.rank, /*with_slots=*/false);
+    const TileCounts counts(args, shared, parity, tile, size, args.rank, /*with_send=*/true, /*with_slots=*/false);
     __syncthreads();
     for (int64_t pair = threadIdx.x; pair < size * s.num_peers; pair += kThreads) {
       const int64_t i = pair / s.num_peers;
@@ -235,7 +241,7 @@ __device__ void PlanTile(const NvlinkAllToAllvArgs& args, Shared& shared, int pa
                          int64_t size, bool emit, bool staged) {
   const AllToAllvShape& s = args.shape;
   const bool direct_packed = args.direct && args.packed;
-  const TileCounts counts(args, shared, parity, tile, size, peer, /*with_slots=*/direct_packed, staged);
+  const TileCounts counts(args, shared, parity, tile, size, peer, !staged, /*with_slots=*/direct_packed);
   __syncthreads();
   if (threadIdx.x < size) {
     const int64_t i = threadIdx.x;
@@ -268,9 +274,10 @@ __device__ void PlanTile(const NvlinkAllToAllvArgs& args, Shared& shared, int pa
 
 // Writes piece g of this rank's rows for `peer` (ForEachSlice). Send row s of batch element b takes its
 // leading units from x through args.send_rows (a row whose index falls outside x becomes zeros, SourceRow),
-// the rest from args.suffix. Direct mode also writes the zero rows of the piece, so the peer's output is
-// complete when the piece's flag is raised. `planned`: PlanTile ran for the first tile before the peer
-// entered, without what needs the peer (piece 0 plans it again from the staged counts to write those).
+// the rest from args.suffix. In direct mode with small pieces (args.zeros_by_receiver off) it also writes the
+// zero rows of the piece, so the peer's output is complete when the piece's flag is raised. `planned`:
+// PlanTile ran for the first tile before the peer entered, without what needs the peer (piece 0 plans it
+// again from the staged counts to write those).
 template <typename V>
 __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int g,
                           bool planned) {
@@ -279,6 +286,7 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
   const int64_t suffix_units = s.suffix_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t x_units = units_per_row - suffix_units;
   const bool first_piece = g == 0;
+  const bool with_zeros = args.direct && !args.zeros_by_receiver;
   // Row (b, c) for the peer goes to base + b * batch_stride + (shared.c[b] + c) rows.
   V* base;
   int64_t batch_stride;
@@ -303,12 +311,12 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
       const int64_t delivered = shared.b[i];
       V* out = base + bb * batch_stride;
       V* data = out + shared.c[i] * units_per_row;  // row r at data + r rows
-      // Zero row r (direct mode, r >= delivered) at zeros + (r - delivered) rows. Padded: the rest of this
+      // Zero row r (with_zeros, r >= delivered) at zeros + (r - delivered) rows. Padded: the rest of this
       // rank's segment. Packed: this rank's share of the zero tail after all sources' rows (the shares of all
       // sources tile rows [total, N * C), see ReceivePiece).
       V* zeros = args.packed ? out + (shared.d[i] + args.rank * s.capacity - shared.c[i]) * units_per_row
                              : data + delivered * units_per_row;
-      ForEachSlice(args, args.direct ? s.capacity : delivered, units_per_row, g,
+      ForEachSlice(args, with_zeros ? s.capacity : delivered, units_per_row, g,
                    [&](int64_t r, int64_t lo, int64_t hi) {
                      if (r >= delivered) return WarpZero(zeros + (r - delivered) * units_per_row + lo, hi - lo);
                      V* row = data + r * units_per_row;
@@ -329,40 +337,50 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
   }
 }
 
-// Staged mode: finishes piece g of `source`'s rows here: recv_counts (piece 0), the copy of the piece's
-// slices out of the staging slot and its zero rows.
+// Finishes piece g of `source`'s rows here. Staged mode: recv_counts (piece 0), the copy of the piece's
+// slices out of the staging slot and its zero rows. Direct mode with large pieces (args.zeros_by_receiver):
+// the zero rows only, after the rows that the source wrote itself. `arrived`: false when the wait for the
+// piece gave up (Patience); in direct padded mode the piece is then all zeros.
 template <typename V>
-__device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int source, int g) {
+__device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int source, int g,
+                             bool arrived) {
   const AllToAllvShape& s = args.shape;
   const int64_t units_per_row = s.row_bytes / static_cast<int64_t>(sizeof(V));
   const V* slot = reinterpret_cast<const V*>(Staging(args, args.rank) + source * args.rows_slot_bytes);
   V* y = static_cast<V*>(args.y);
   const int64_t segment_units = s.capacity * units_per_row;
+  // Direct padded mode shares no count slots: the source wrote its counts into recv_counts with its piece 0.
+  const bool from_slots = !args.direct || args.packed;
   const int64_t tile_size = TileCounts::TileSize(s);
   for (int64_t tile = 0; tile < s.batch; tile += tile_size) {
     const int64_t size = min(tile_size, s.batch - tile);
-    const TileCounts counts(args, shared, parity, tile, size, args.rank, /*with_slots=*/true);
+    const TileCounts counts(args, shared, parity, tile, size, args.rank, /*with_send=*/false, from_slots);
     __syncthreads();
     if (threadIdx.x < size) {
       const int64_t i = threadIdx.x;
-      int64_t before = 0, total = 0;
-      for (int q = 0; args.packed && q < s.num_peers; ++q) {
+      int32_t* recv_counts = args.recv_counts + ((tile + i) * s.num_peers + source) * s.num_chunks;
+      // Each count is read once, so that the rows placed from them stay inside y even when a call that gave
+      // up waiting reads counts that a late peer is still writing.
+      int64_t mine = 0, before = 0, total = 0;
+      for (int q = 0; from_slots && q < s.num_peers; ++q) {
         const int64_t rows = counts.RowsFrom(q, i);
         if (q < source) before += rows;
+        if (q == source) mine = rows;
         total += rows;
       }
-      int32_t* recv_counts = args.recv_counts + ((tile + i) * s.num_peers + source) * s.num_chunks;
-      int64_t mine = 0;
-      for (int64_t k = 0; k < s.num_chunks; ++k) {
-        const int32_t rows = counts.Delivered(source, i, k);
-        mine += rows;
-        if (g == 0) recv_counts[k] = rows;
+      for (int64_t k = 0; !from_slots && arrived && k < s.num_chunks; ++k) {
+        mine += max(LoadStaged(recv_counts + k), 0);
+      }
+      for (int64_t k = 0; !args.direct && g == 0 && k < s.num_chunks; ++k) {
+        recv_counts[k] = counts.Delivered(source, i, k);
       }
       shared.a[i] = min(mine, s.capacity);
       shared.b[i] = before;
       shared.c[i] = total;
     }
     __syncthreads();
+    // Staged mode copies the rows and writes the zeros; direct mode writes only the zeros.
+    const bool copy = !args.direct;
     for (int64_t i = 0; i < size; ++i) {
       const int64_t bb = tile + i;
       const int64_t mine = shared.a[i];
@@ -373,7 +391,9 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
       V* zeros = args.packed ? out + (shared.c[i] + source * s.capacity - shared.b[i]) * units_per_row
                              : data + mine * units_per_row;
       const V* rows = slot + bb * segment_units;
-      ForEachSlice(args, s.capacity, units_per_row, g, [&](int64_t r, int64_t lo, int64_t hi) {
+      const int64_t first = copy ? 0 : mine;
+      ForEachSlice(args, s.capacity - first, units_per_row, g, [&](int64_t r, int64_t lo, int64_t hi) {
+        r += first;
         if (r >= mine) return WarpZero(zeros + (r - mine) * units_per_row + lo, hi - lo);
         WarpCopy<V, true>(data + r * units_per_row + lo, rows + r * units_per_row + lo, hi - lo);
       });
@@ -447,24 +467,26 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
   for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
     const int source = (args.rank - job % num_peers + num_peers) % num_peers;
     const int g = job / num_peers;
+    const bool finish = !args.direct || args.zeros_by_receiver;  // else the senders wrote everything
     bool arrived = true;
     if (threadIdx.x == 0) {
-      // The counts come with piece 0 of each source; the staged packed layout needs them all.
-      for (int q = 0; args.packed && !args.direct && q < num_peers; ++q) {
-        patience.AtLeast(&args.control->arrived[q][0], epoch, q);
+      // The counts that place the piece come with piece 0 of its source (of every source in the staged packed
+      // layout); in the direct packed layout they came with `entered`, awaited in the send loop.
+      for (int q = 0; finish && !direct_packed && q < num_peers; ++q) {
+        if (q == source || args.packed) patience.AtLeast(&args.control->arrived[q][0], epoch, q);
       }
       arrived = patience.AtLeast(&args.control->arrived[source][g], epoch, source);
       trace.DataArrived();
     }
-    // Direct mode: the senders wrote everything. A source that never sent its piece 0 wrote no recv_counts:
-    // it delivered nothing.
-    if (__syncthreads_or(!arrived) && args.direct && g == 0) {
+    // Direct mode: a source that never sent its piece 0 wrote no recv_counts: it delivered nothing.
+    arrived = !__syncthreads_or(!arrived);
+    if (!arrived && args.direct && g == 0) {
       for (int64_t i = threadIdx.x; i < args.shape.batch * args.shape.num_chunks; i += kThreads) {
         const int64_t b = i / args.shape.num_chunks;
         args.recv_counts[(b * num_peers + source) * args.shape.num_chunks + i % args.shape.num_chunks] = 0;
       }
     }
-    if (!args.direct) ReceivePiece<V>(args, shared, parity, source, g);
+    if (finish) ReceivePiece<V>(args, shared, parity, source, g, arrived);
   }
 
   FinishCall(args.control, epoch, ticket, trace, kTraceAllToAllv);
@@ -504,6 +526,7 @@ NvlinkGrid ChooseNvlinkGrid(const AllToAllvShape& shape, int requested_blocks, i
   NvlinkGrid grid;
   grid.groups = static_cast<int>(std::clamp<int64_t>((blocks + peers - 1) / peers, 1, kMaxFlagGroups));
   grid.blocks = static_cast<int>(blocks);
+  grid.zeros_by_receiver = slot_bytes >= kMinBytesPerPieceForReceiverZeros * grid.groups;
   return grid;
 }
 
