@@ -232,13 +232,27 @@ __device__ void ShareCounts(const NvlinkAllToAllvArgs& args, Shared& shared, int
   }
 }
 
+// Whether the receivers finish pieces (ReceivePiece): staged mode, and direct mode when receivers write the
+// zero rows. They then place a piece by the counts in their count slots and write their own recv_counts.
+__device__ __forceinline__ bool ReceiversFinish(const NvlinkAllToAllvArgs& args) {
+  return !args.direct || args.zeros_by_receiver;
+}
+
+// Whether every piece's sender writes what reaches the peer into the peer's count slot for this rank, for the
+// receiver: when receivers finish pieces, except in the direct packed layout, which fills the slots as it
+// enters (ShareCounts). Every piece writes them, so that a receiver waits for no other piece than its own.
+__device__ __forceinline__ bool PlansFillSlots(const NvlinkAllToAllvArgs& args) {
+  return ReceiversFinish(args) && !(args.direct && args.packed);
+}
+
 // Plans tile [tile, tile + size) of this rank's sends to `peer` into shared.a-d, one thread per batch element:
 // the first input row and the rows delivered, and in the direct packed layout the rows from earlier sources and
-// from all sources at the peer. `emit` (piece 0): also writes what reaches the peer, in direct mode into the
-// peer's recv_counts [B, N, K], in staged mode into the peer's count slot for this rank (indexed by
-// destination), and the dropped rows. `staged`: the tile's send counts are in shared memory already.
+// from all sources at the peer. `emit`: also writes what reaches the peer, into the peer's count slot for this
+// rank (indexed by destination) when PlansFillSlots, else into the peer's recv_counts [B, N, K] (piece 0 in
+// direct mode, once the peer has entered and published their address). `dropped` (piece 0): writes this
+// rank's dropped rows for the peer. `staged`: the tile's send counts are in shared memory already.
 __device__ void PlanTile(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int64_t tile,
-                         int64_t size, bool emit, bool staged) {
+                         int64_t size, bool emit, bool dropped, bool staged) {
   const AllToAllvShape& s = args.shape;
   const bool direct_packed = args.direct && args.packed;
   const TileCounts counts(args, shared, parity, tile, size, peer, !staged, /*with_slots=*/direct_packed);
@@ -246,18 +260,18 @@ __device__ void PlanTile(const NvlinkAllToAllvArgs& args, Shared& shared, int pa
   if (threadIdx.x < size) {
     const int64_t i = threadIdx.x;
     const int64_t b = tile + i;
-    int32_t* delivered_chunks = nullptr;  // row b of the peer's recv_counts, or of its count slot for this rank
-    if (emit && args.direct) {
+    int32_t* delivered_chunks = nullptr;  // row b of the peer's count slot for this rank, or of its recv_counts
+    if (emit && PlansFillSlots(args)) {
+      delivered_chunks = CountSlot(args, peer, parity, args.rank) + (b * s.num_peers + peer) * s.num_chunks;
+    } else if (emit) {
       delivered_chunks = reinterpret_cast<int32_t*>(args.control->recv_counts[peer]) +
                          (b * s.num_peers + args.rank) * s.num_chunks;
-    } else if (emit) {
-      delivered_chunks = CountSlot(args, peer, parity, args.rank) + (b * s.num_peers + peer) * s.num_chunks;
     }
     const PeerPlan plan = PlanPeer(counts.Send(i), s.num_chunks, s.num_rows, s.capacity, peer,
                                    [&](int64_t chunk, int32_t rows) {
                                      if (emit) delivered_chunks[chunk] = rows;
                                    });
-    if (emit) args.dropped[b * s.num_peers + peer] = plan.dropped;
+    if (dropped) args.dropped[b * s.num_peers + peer] = plan.dropped;
     int64_t before = 0, total = 0;
     for (int q = 0; direct_packed && q < s.num_peers; ++q) {
       const int64_t rows = counts.RowsFrom(q, i);
@@ -276,8 +290,9 @@ __device__ void PlanTile(const NvlinkAllToAllvArgs& args, Shared& shared, int pa
 // leading units from x through args.send_rows (a row whose index falls outside x becomes zeros, SourceRow),
 // the rest from args.suffix. In direct mode with small pieces (args.zeros_by_receiver off) it also writes the
 // zero rows of the piece, so the peer's output is complete when the piece's flag is raised. `planned`:
-// PlanTile ran for the first tile before the peer entered, without what needs the peer (piece 0 plans it
-// again from the staged counts to write those).
+// PlanTile ran for the first tile before the peer entered, with every write but the peer's recv_counts, whose
+// address the peer publishes when it enters (when the sender writes them, piece 0 plans again from the staged
+// counts).
 template <typename V>
 __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int g,
                           bool planned) {
@@ -304,7 +319,11 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
   for (int64_t tile = 0; tile < s.batch; tile += tile_size) {
     const int64_t size = min(tile_size, s.batch - tile);
     const bool staged = planned && tile == 0;
-    if (!staged || first_piece) PlanTile(args, shared, parity, peer, tile, size, first_piece, staged);
+    const bool recv_counts = first_piece && args.direct && !ReceiversFinish(args);
+    if (!staged || recv_counts) {
+      PlanTile(args, shared, parity, peer, tile, size, recv_counts || (!staged && PlansFillSlots(args)),
+               first_piece && !staged, staged);
+    }
     for (int64_t i = 0; i < size; ++i) {
       const int64_t bb = tile + i;
       const int64_t first = shared.a[i];
@@ -337,10 +356,11 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
   }
 }
 
-// Finishes piece g of `source`'s rows here. Staged mode: recv_counts (piece 0), the copy of the piece's
-// slices out of the staging slot and its zero rows. Direct mode with large pieces (args.zeros_by_receiver):
-// the zero rows only, after the rows that the source wrote itself. `arrived`: false when the wait for the
-// piece gave up (Patience); in direct padded mode the piece is then all zeros.
+// Finishes piece g of `source`'s rows here, placed by the counts in the count slots (PlansFillSlots,
+// ShareCounts). Staged mode: recv_counts (piece 0), the copy of the piece's slices out of the staging slot and
+// its zero rows. Direct mode with large pieces (args.zeros_by_receiver): the zero rows after the rows that the
+// source wrote itself. `arrived`: false when the wait for the piece gave up (Patience); the piece's rows are
+// then zeros, and so are its recv_counts.
 template <typename V>
 __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int source, int g,
                              bool arrived) {
@@ -349,38 +369,31 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
   const V* slot = reinterpret_cast<const V*>(Staging(args, args.rank) + source * args.rows_slot_bytes);
   V* y = static_cast<V*>(args.y);
   const int64_t segment_units = s.capacity * units_per_row;
-  // Direct padded mode shares no count slots: the source wrote its counts into recv_counts with its piece 0.
-  const bool from_slots = !args.direct || args.packed;
   const int64_t tile_size = TileCounts::TileSize(s);
   for (int64_t tile = 0; tile < s.batch; tile += tile_size) {
     const int64_t size = min(tile_size, s.batch - tile);
-    const TileCounts counts(args, shared, parity, tile, size, args.rank, /*with_send=*/false, from_slots);
+    const TileCounts counts(args, shared, parity, tile, size, args.rank, /*with_send=*/false, /*with_slots=*/true);
     __syncthreads();
     if (threadIdx.x < size) {
       const int64_t i = threadIdx.x;
-      int32_t* recv_counts = args.recv_counts + ((tile + i) * s.num_peers + source) * s.num_chunks;
-      // Each count is read once, so that the rows placed from them stay inside y even when a call that gave
-      // up waiting reads counts that a late peer is still writing.
-      int64_t mine = 0, before = 0, total = 0;
-      for (int q = 0; from_slots && q < s.num_peers; ++q) {
+      // Packed: rows from the earlier sources and from all. Each count is read once, so that the rows placed
+      // from them stay inside y even when a call that gave up waiting reads counts a late peer is writing.
+      int64_t mine = args.packed ? 0 : counts.RowsFrom(source, i), before = 0, total = 0;
+      for (int q = 0; args.packed && q < s.num_peers; ++q) {
         const int64_t rows = counts.RowsFrom(q, i);
         if (q < source) before += rows;
         if (q == source) mine = rows;
         total += rows;
       }
-      for (int64_t k = 0; !from_slots && arrived && k < s.num_chunks; ++k) {
-        mine += max(LoadStaged(recv_counts + k), 0);
+      int32_t* recv_counts = args.recv_counts + ((tile + i) * s.num_peers + source) * s.num_chunks;
+      for (int64_t k = 0; g == 0 && k < s.num_chunks; ++k) {
+        recv_counts[k] = arrived ? counts.Delivered(source, i, k) : 0;
       }
-      for (int64_t k = 0; !args.direct && g == 0 && k < s.num_chunks; ++k) {
-        recv_counts[k] = counts.Delivered(source, i, k);
-      }
-      shared.a[i] = min(mine, s.capacity);
+      shared.a[i] = mine;
       shared.b[i] = before;
       shared.c[i] = total;
     }
     __syncthreads();
-    // Staged mode copies the rows and writes the zeros; direct mode writes only the zeros.
-    const bool copy = !args.direct;
     for (int64_t i = 0; i < size; ++i) {
       const int64_t bb = tile + i;
       const int64_t mine = shared.a[i];
@@ -391,11 +404,13 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
       V* zeros = args.packed ? out + (shared.c[i] + source * s.capacity - shared.b[i]) * units_per_row
                              : data + mine * units_per_row;
       const V* rows = slot + bb * segment_units;
-      const int64_t first = copy ? 0 : mine;
+      // Direct mode: the source wrote rows [0, mine) itself.
+      const int64_t first = args.direct && arrived ? mine : 0;
       ForEachSlice(args, s.capacity - first, units_per_row, g, [&](int64_t r, int64_t lo, int64_t hi) {
         r += first;
-        if (r >= mine) return WarpZero(zeros + (r - mine) * units_per_row + lo, hi - lo);
-        WarpCopy<V, true>(data + r * units_per_row + lo, rows + r * units_per_row + lo, hi - lo);
+        V* row = r < mine ? data + r * units_per_row : zeros + (r - mine) * units_per_row;
+        if (r < mine && arrived) return WarpCopy<V, true>(row + lo, rows + r * units_per_row + lo, hi - lo);
+        WarpZero(row + lo, hi - lo);
       });
     }
     __syncthreads();
@@ -434,11 +449,13 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
     }
   }
   // The plan of a block's first piece needs nothing from its peer except in the direct packed layout (the
-  // peers' counts): make it while the peers enter. Calls of one tile only, as the MoE exchanges.
+  // peers' counts): make it while the peers enter. Calls of one tile only, as the MoE exchanges. Its count slot
+  // in the peer is free: the peer finished the last call of this parity before it entered the one in between,
+  // whose rows this rank has received.
   const bool plan_early = !direct_packed && TileCounts::TileSize(args.shape) >= args.shape.batch;
   if (plan_early && static_cast<int>(blockIdx.x) < jobs) {
     PlanTile(args, shared, parity, SendPeer(args, static_cast<int>(blockIdx.x)), 0, args.shape.batch,
-             /*emit=*/false, /*staged=*/false);
+             PlansFillSlots(args), /*dropped=*/static_cast<int>(blockIdx.x) < num_peers, /*staged=*/false);
   }
   // Consecutive blocks serve different peers. Blocks of neighbouring indices share parts of the chip, and
   // when each run of them served one peer (or the local copy) the exchange took 16% longer at T = 4096 on
@@ -467,20 +484,22 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
   for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
     const int source = (args.rank - job % num_peers + num_peers) % num_peers;
     const int g = job / num_peers;
-    const bool finish = !args.direct || args.zeros_by_receiver;  // else the senders wrote everything
+    const bool finish = ReceiversFinish(args);  // else the senders wrote everything
     bool arrived = true;
     if (threadIdx.x == 0) {
-      // The counts that place the piece come with piece 0 of its source (of every source in the staged packed
-      // layout); in the direct packed layout they came with `entered`, awaited in the send loop.
-      for (int q = 0; finish && !direct_packed && q < num_peers; ++q) {
-        if (q == source || args.packed) patience.AtLeast(&args.control->arrived[q][0], epoch, q);
+      // The counts that place the piece come with it (PlansFillSlots); the staged packed layout needs every
+      // source's, which come with their pieces g. The direct packed layout's came with `entered`, awaited in
+      // the send loop.
+      for (int q = 0; finish && args.packed && !args.direct && q < num_peers; ++q) {
+        patience.AtLeast(&args.control->arrived[q][g], epoch, q);
       }
       arrived = patience.AtLeast(&args.control->arrived[source][g], epoch, source);
       trace.DataArrived();
     }
-    // Direct mode: a source that never sent its piece 0 wrote no recv_counts: it delivered nothing.
+    // A source that never sent its piece 0 wrote no recv_counts (senders write them when receivers do not
+    // finish pieces): it delivered nothing.
     arrived = !__syncthreads_or(!arrived);
-    if (!arrived && args.direct && g == 0) {
+    if (!arrived && !finish && g == 0) {
       for (int64_t i = threadIdx.x; i < args.shape.batch * args.shape.num_chunks; i += kThreads) {
         const int64_t b = i / args.shape.num_chunks;
         args.recv_counts[(b * num_peers + source) * args.shape.num_chunks + i % args.shape.num_chunks] = 0;
