@@ -361,17 +361,15 @@ def test_large_random_rows(backend, layout):
               reference.all_to_allv(list(xs), list(counts), 24, layout), dtype)
 
 
-@pytest.mark.parametrize("blocks", ["by_size", "one_per_peer"])
+@pytest.mark.parametrize("capacity", [160, 2304], ids=["few_zeros", "many_zeros"])
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("pattern", ["zero", "one_peer", "random"])
-def test_zero_rows_over_a_stale_buffer(backend, monkeypatch, pattern, layout, blocks):
+def test_zero_rows_over_a_stale_buffer(backend, pattern, layout, capacity):
     """The rows after the data are zeros even where y's buffer held NaNs: y takes a donated NaN buffer. The
-    NVLink kernel writes them at the sender when a peer's rows come in small pieces (by size: 8 KiB) and at the
-    receiver when they come in pieces of 64 KiB or more (JAX_NCCLX_NVLINK_BLOCKS = N: one 80 KiB piece)."""
+    NVLink kernel in one process writes a peer's zero rows at the sender when they are few, and leaves them to
+    the receiver from 1 MiB per peer up (here: a peer that gets nothing at capacity 2304, 1.1 MiB of rows)."""
     n = len(backend)
-    if blocks == "one_per_peer":
-        monkeypatch.setenv("JAX_NCCLX_NVLINK_BLOCKS", str(n))
-    capacity, rows, features = 160, 200, 256  # bf16 rows of 512 bytes: 80 KiB per peer
+    rows, features = capacity * 5 // 4, 256  # bf16 rows of 512 bytes
     xs = random_array((n, rows, features), jnp.bfloat16, seed=7)
     scale = capacity // CAPACITY  # counts_for's patterns, scaled to this capacity
     counts = counts_for(pattern, n, 2, seed=8) * scale

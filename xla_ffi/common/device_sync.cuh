@@ -8,6 +8,10 @@
 
 namespace jax_ncclx {
 
+// A flag holds an epoch, the number of the call that raised it; its writer may set this bit besides, a note
+// for the reader (all_to_allv_dynamic: zero rows left to the receiver). Waits compare the epoch alone.
+constexpr uint64_t kFlagNote = uint64_t{1} << 63;
+
 __device__ __forceinline__ void StoreRelease(uint64_t* flag, uint64_t value) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
 }
@@ -64,11 +68,18 @@ class Patience {
       : table_(table), control_(control), rank_(rank), size_(size), epoch_(epoch), kernel_(kernel), site_(site),
         timeout_ns_(timeout_ns) {}  // an abort is seen at the first check: reading it here would stall the call
 
-  // Waits until *flag >= value, a flag that `peer` raises.
-  __device__ bool AtLeast(const uint64_t* flag, uint64_t value, int peer) {
-    for (uint32_t spins = 1; LoadAcquire(flag) < value; ++spins) {
-      if (spins % kSpinsPerCheck == 0 && !KeepWaiting(peer)) return false;
+  // Waits until the epoch in *flag (kFlagNote aside) is at least `value`, a flag that `peer` raises; `seen`
+  // (when not null) receives the flag's last value, note included.
+  __device__ bool AtLeast(const uint64_t* flag, uint64_t value, int peer, uint64_t* seen = nullptr) {
+    uint64_t flag_value = LoadAcquire(flag);
+    for (uint32_t spins = 1; (flag_value & ~kFlagNote) < value; ++spins) {
+      if (spins % kSpinsPerCheck == 0 && !KeepWaiting(peer)) {
+        if (seen != nullptr) *seen = flag_value;
+        return false;
+      }
+      flag_value = LoadAcquire(flag);
     }
+    if (seen != nullptr) *seen = flag_value;
     return true;
   }
 

@@ -262,7 +262,6 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
   args.groups = grid.groups;
   args.packed = packed == 1;
   args.direct = direct == 1;
-  args.zeros_by_receiver = grid.zeros_by_receiver;
   args.trace = trace == 1 || trace == 2;
   args.site = site;
   args.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000;

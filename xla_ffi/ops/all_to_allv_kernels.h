@@ -64,7 +64,6 @@ struct NvlinkAllToAllvArgs {
   int groups = 1;  // pieces per peer slot, each with its own arrival flag (<= kMaxFlagGroups)
   bool packed = false;
   bool direct = false;  // write rows into the peers' outputs (same process) instead of their staging slots
-  bool zeros_by_receiver = false;  // direct mode: receivers write the zero rows after the data (NvlinkGrid)
   bool trace = false;   // record the call's timeline in control->trace
   int64_t site = 0;         // call site, for the fault record
   uint64_t timeout_ns = 0;  // how long a wait for a peer may last (device_sync.cuh, Patience)
@@ -91,9 +90,6 @@ cudaError_t LaunchCorruptCounts(const int32_t* counts, int32_t* out, int64_t n, 
 struct NvlinkGrid {
   int blocks = 1;
   int groups = 1;
-  // Direct mode: the zero rows after a source's data are written by the receiver, not sent over NVLink by the
-  // source (pieces of at least 64 KiB, where the exchange is bound by the links).
-  bool zeros_by_receiver = false;
 };
 NvlinkGrid ChooseNvlinkGrid(const AllToAllvShape& shape, int requested_blocks, int sm_count, int resident_blocks);
 

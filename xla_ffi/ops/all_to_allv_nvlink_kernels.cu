@@ -7,16 +7,16 @@
 //                      are free again), write the rows of piece g into the peer, then raise the peer's
 //                      arrived[this rank][g] flag;
 //   receive (src, g):  wait for arrived[src][g]; in staged mode then finish the piece: recv_counts, the copy
-//                      out of the staging slot and the zero rows; in direct mode with large pieces, its zero
-//                      rows.
-// Where rows land: "direct" mode (every rank in this process) writes them and the peer's recv_counts straight
-// into the peer's outputs, whose addresses the peer publishes when it enters the call, already in the
-// requested layout; the packed layout needs the counts of the other sources, so there every rank shares its
-// counts with all ranks as it enters. The zero rows after the data are written by the sender when pieces are
-// small, so that a receiver has nothing left to do once its flags are up, and by the receiver when they are
-// large, where the exchange is bound by the links and zero rows sent over them cost as much as data
-// (ChooseNvlinkGrid). Staged mode (ranks in other processes, reached through CUDA IPC) writes into the peer's
-// symmetric staging slot, and the receiver copies the rows out.
+//                      out of the staging slot and the zero rows; in direct mode, the zero rows if the
+//                      source left them (LeavesZeros).
+// Where rows land: "direct" mode (every rank in this process) writes them, the zero rows after them and the
+// peer's recv_counts straight into the peer's outputs, whose addresses the peer publishes when it enters the
+// call, already in the requested layout, so that a receiver has nothing left to do once its flags are up;
+// the packed layout needs the counts of the other sources, so there every rank shares its counts with all
+// ranks as it enters. Where a peer's zero rows are many, sending them over NVLink costs more than the work
+// they leave the receiver: the sender then leaves them, and says so in the pieces' flags. Staged mode (ranks
+// in other processes, reached through CUDA IPC) writes into the peer's symmetric staging slot, and the
+// receiver copies the rows out.
 // Flags hold the call's epoch, kept on the device, so the kernel needs no reset and replays inside CUDA
 // graphs. A peer raises `entered` only after its previous call finished, so one set of row buffers is enough.
 #include <algorithm>
@@ -34,8 +34,10 @@ constexpr int kThreads = 512;
 // One SM pushes ~10 GB/s into NVLink, so small messages need many blocks; pieces below this size cost more in
 // flags than they gain.
 constexpr int64_t kMinBytesPerPiece = 8 * 1024;
-// Direct mode: from this many bytes of a peer's slot per piece up, receivers write their own zero rows.
-constexpr int64_t kMinBytesPerPieceForReceiverZeros = 64 * 1024;
+// Direct mode: from this many bytes of zero rows for one peer up, the sender leaves them to the receiver. Below,
+// the receiver's work after its last piece arrives (~2.5 µs) costs more than sending them takes (2xH200,
+// benchmarks/results/all_to_allv_2gpu_zeros_left.md).
+constexpr int64_t kMinZeroBytesLeftToReceiver = 1 << 20;
 
 // Staged data is written by other GPUs during this kernel: read it past L1 (ld.global.cg).
 template <typename V>
@@ -114,6 +116,7 @@ struct Shared {
   int64_t b[kThreads];  // rows delivered to the peer (send) / rows from earlier sources (receive, packed)
   int64_t c[kThreads];  // rows from earlier sources at the peer (send) / from all sources (receive, packed)
   int64_t d[kThreads];  // rows from all sources at the peer (send, direct packed)
+  unsigned long long zero_rows;  // the zero rows after the planned tile's rows at the peer (send)
   int32_t send[kStagedCounts];   // this rank's send counts of the tile's batch elements
   int32_t slots[kStagedCounts];  // what every source delivered to one rank, from the count slots
 };
@@ -232,44 +235,50 @@ __device__ void ShareCounts(const NvlinkAllToAllvArgs& args, Shared& shared, int
   }
 }
 
-// Whether the receivers finish pieces (ReceivePiece): staged mode, and direct mode when receivers write the
-// zero rows. They then place a piece by the counts in their count slots and write their own recv_counts.
-__device__ __forceinline__ bool ReceiversFinish(const NvlinkAllToAllvArgs& args) {
-  return !args.direct || args.zeros_by_receiver;
+// Whether the call is one tile of batch elements (TileCounts), as the MoE exchanges: the blocks then plan
+// their first piece while the peers enter, and in direct mode a sender may leave zero rows to the receiver.
+__device__ __forceinline__ bool OneTile(const NvlinkAllToAllvArgs& args) {
+  return TileCounts::TileSize(args.shape) >= args.shape.batch;
 }
 
-// Whether every piece's sender writes what reaches the peer into the peer's count slot for this rank, for the
-// receiver: when receivers finish pieces, except in the direct packed layout, which fills the slots as it
-// enters (ShareCounts). Every piece writes them, so that a receiver waits for no other piece than its own.
+// Whether every piece's sender writes what reaches the peer into the peer's count slot for this rank, where
+// a receiver that finishes the piece (ReceivePiece) finds it: staged mode, and direct padded calls of one
+// tile, whose senders may leave zero rows (the direct packed layout fills the slots as it enters,
+// ShareCounts). Every piece writes them, so that a receiver waits for no other piece than its own.
 __device__ __forceinline__ bool PlansFillSlots(const NvlinkAllToAllvArgs& args) {
-  return ReceiversFinish(args) && !(args.direct && args.packed);
+  return !args.direct || (!args.packed && OneTile(args));
 }
 
-// Plans tile [tile, tile + size) of this rank's sends to `peer` into shared.a-d, one thread per batch element:
-// the first input row and the rows delivered, and in the direct packed layout the rows from earlier sources and
-// from all sources at the peer. `emit`: also writes what reaches the peer, into the peer's count slot for this
-// rank (indexed by destination) when PlansFillSlots, else into the peer's recv_counts [B, N, K] (piece 0 in
-// direct mode, once the peer has entered and published their address). `dropped` (piece 0): writes this
-// rank's dropped rows for the peer. `staged`: the tile's send counts are in shared memory already.
+// Where a plan writes what reaches the peer: nowhere, the peer's count slot for this rank (indexed by
+// destination, PlansFillSlots), or the peer's recv_counts [B, N, K] (piece 0 in direct mode, once the peer has
+// entered and published their address).
+enum class Emit { kNone, kSlot, kRecvCounts };
+
+// Plans tile [tile, tile + size) of this rank's sends to `peer` into shared, one thread per batch element: the
+// first input row and the rows delivered, in the direct packed layout the rows from earlier sources and from all
+// sources at the peer, and the zero rows after the tile's rows. Writes what reaches the peer where `emit` says,
+// and with `dropped` (piece 0) this rank's dropped rows for the peer. `staged`: the tile's send counts are in
+// shared memory already.
 __device__ void PlanTile(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int64_t tile,
-                         int64_t size, bool emit, bool dropped, bool staged) {
+                         int64_t size, Emit emit, bool dropped, bool staged) {
   const AllToAllvShape& s = args.shape;
   const bool direct_packed = args.direct && args.packed;
   const TileCounts counts(args, shared, parity, tile, size, peer, !staged, /*with_slots=*/direct_packed);
+  if (threadIdx.x == 0) shared.zero_rows = 0;
   __syncthreads();
   if (threadIdx.x < size) {
     const int64_t i = threadIdx.x;
     const int64_t b = tile + i;
     int32_t* delivered_chunks = nullptr;  // row b of the peer's count slot for this rank, or of its recv_counts
-    if (emit && PlansFillSlots(args)) {
+    if (emit == Emit::kSlot) {
       delivered_chunks = CountSlot(args, peer, parity, args.rank) + (b * s.num_peers + peer) * s.num_chunks;
-    } else if (emit) {
+    } else if (emit == Emit::kRecvCounts) {
       delivered_chunks = reinterpret_cast<int32_t*>(args.control->recv_counts[peer]) +
                          (b * s.num_peers + args.rank) * s.num_chunks;
     }
     const PeerPlan plan = PlanPeer(counts.Send(i), s.num_chunks, s.num_rows, s.capacity, peer,
                                    [&](int64_t chunk, int32_t rows) {
-                                     if (emit) delivered_chunks[chunk] = rows;
+                                     if (delivered_chunks != nullptr) delivered_chunks[chunk] = rows;
                                    });
     if (dropped) args.dropped[b * s.num_peers + peer] = plan.dropped;
     int64_t before = 0, total = 0;
@@ -282,26 +291,34 @@ __device__ void PlanTile(const NvlinkAllToAllvArgs& args, Shared& shared, int pa
     shared.b[i] = min(plan.delivered, s.capacity);
     shared.c[i] = before;
     shared.d[i] = total;
+    atomicAdd(&shared.zero_rows, static_cast<unsigned long long>(s.capacity - shared.b[i]));
   }
   __syncthreads();
 }
 
+// Whether this rank leaves the zero rows after its rows at `peer` to the peer (direct mode, calls of one tile,
+// other ranks): when they are many, kMinZeroBytesLeftToReceiver. Read after PlanTile planned the tile.
+__device__ __forceinline__ bool LeavesZeros(const NvlinkAllToAllvArgs& args, const Shared& shared, int peer) {
+  return args.direct && OneTile(args) && peer != args.rank &&
+         static_cast<int64_t>(shared.zero_rows) * args.shape.row_bytes >= kMinZeroBytesLeftToReceiver;
+}
+
 // Writes piece g of this rank's rows for `peer` (ForEachSlice). Send row s of batch element b takes its
 // leading units from x through args.send_rows (a row whose index falls outside x becomes zeros, SourceRow),
-// the rest from args.suffix. In direct mode with small pieces (args.zeros_by_receiver off) it also writes the
-// zero rows of the piece, so the peer's output is complete when the piece's flag is raised. `planned`:
-// PlanTile ran for the first tile before the peer entered, with every write but the peer's recv_counts, whose
-// address the peer publishes when it enters (when the sender writes them, piece 0 plans again from the staged
-// counts).
+// the rest from args.suffix. Direct mode also writes the zero rows of the piece, so the peer's output is
+// complete when the piece's flag is raised, unless it leaves them to the peer (LeavesZeros): returns whether
+// it did. `planned`: PlanTile ran for the first tile before the peer entered, with every write but the peer's
+// recv_counts, whose address the peer publishes when it enters (piece 0 in direct mode plans again from the
+// staged counts to write them).
 template <typename V>
-__device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int g,
+__device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int g,
                           bool planned) {
   const AllToAllvShape& s = args.shape;
   const int64_t units_per_row = s.row_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t suffix_units = s.suffix_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t x_units = units_per_row - suffix_units;
   const bool first_piece = g == 0;
-  const bool with_zeros = args.direct && !args.zeros_by_receiver;
+  bool leaves_zeros = false;
   // Row (b, c) for the peer goes to base + b * batch_stride + (shared.c[b] + c) rows.
   V* base;
   int64_t batch_stride;
@@ -318,12 +335,17 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
   const int64_t tile_size = TileCounts::TileSize(s);
   for (int64_t tile = 0; tile < s.batch; tile += tile_size) {
     const int64_t size = min(tile_size, s.batch - tile);
+    // Piece 0 writes recv_counts in direct mode. Where PlansFillSlots in direct mode (calls of one tile), piece
+    // 0 is a block's first job, planned early (the kernel's early plan wrote its slot).
     const bool staged = planned && tile == 0;
-    const bool recv_counts = first_piece && args.direct && !ReceiversFinish(args);
-    if (!staged || recv_counts) {
-      PlanTile(args, shared, parity, peer, tile, size, recv_counts || (!staged && PlansFillSlots(args)),
-               first_piece && !staged, staged);
+    const Emit emit = first_piece && args.direct ? Emit::kRecvCounts
+                      : !staged && PlansFillSlots(args) ? Emit::kSlot
+                                                        : Emit::kNone;
+    if (!staged || emit == Emit::kRecvCounts) {
+      PlanTile(args, shared, parity, peer, tile, size, emit, first_piece && !staged, staged);
     }
+    leaves_zeros = LeavesZeros(args, shared, peer);
+    const bool with_zeros = args.direct && !leaves_zeros;
     for (int64_t i = 0; i < size; ++i) {
       const int64_t bb = tile + i;
       const int64_t first = shared.a[i];
@@ -354,13 +376,13 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
     }
     __syncthreads();
   }
+  return leaves_zeros;
 }
 
 // Finishes piece g of `source`'s rows here, placed by the counts in the count slots (PlansFillSlots,
 // ShareCounts). Staged mode: recv_counts (piece 0), the copy of the piece's slices out of the staging slot and
-// its zero rows. Direct mode with large pieces (args.zeros_by_receiver): the zero rows after the rows that the
-// source wrote itself. `arrived`: false when the wait for the piece gave up (Patience); the piece's rows are
-// then zeros, and so are its recv_counts.
+// its zero rows; `arrived` false (the wait for the piece gave up, Patience): the piece's rows are zeros, and so
+// are its recv_counts. Direct mode, when the source left its zero rows (LeavesZeros): those zero rows.
 template <typename V>
 __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int source, int g,
                              bool arrived) {
@@ -386,7 +408,7 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
         total += rows;
       }
       int32_t* recv_counts = args.recv_counts + ((tile + i) * s.num_peers + source) * s.num_chunks;
-      for (int64_t k = 0; g == 0 && k < s.num_chunks; ++k) {
+      for (int64_t k = 0; !args.direct && g == 0 && k < s.num_chunks; ++k) {
         recv_counts[k] = arrived ? counts.Delivered(source, i, k) : 0;
       }
       shared.a[i] = mine;
@@ -405,7 +427,7 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
                              : data + mine * units_per_row;
       const V* rows = slot + bb * segment_units;
       // Direct mode: the source wrote rows [0, mine) itself.
-      const int64_t first = args.direct && arrived ? mine : 0;
+      const int64_t first = args.direct ? mine : 0;
       ForEachSlice(args, s.capacity - first, units_per_row, g, [&](int64_t r, int64_t lo, int64_t hi) {
         r += first;
         V* row = r < mine ? data + r * units_per_row : zeros + (r - mine) * units_per_row;
@@ -452,10 +474,11 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
   // peers' counts): make it while the peers enter. Calls of one tile only, as the MoE exchanges. Its count slot
   // in the peer is free: the peer finished the last call of this parity before it entered the one in between,
   // whose rows this rank has received.
-  const bool plan_early = !direct_packed && TileCounts::TileSize(args.shape) >= args.shape.batch;
+  const bool plan_early = !direct_packed && OneTile(args);
   if (plan_early && static_cast<int>(blockIdx.x) < jobs) {
     PlanTile(args, shared, parity, SendPeer(args, static_cast<int>(blockIdx.x)), 0, args.shape.batch,
-             PlansFillSlots(args), /*dropped=*/static_cast<int>(blockIdx.x) < num_peers, /*staged=*/false);
+             PlansFillSlots(args) ? Emit::kSlot : Emit::kNone, /*dropped=*/static_cast<int>(blockIdx.x) < num_peers,
+             /*staged=*/false);
   }
   // Consecutive blocks serve different peers. Blocks of neighbouring indices share parts of the chip, and
   // when each run of them served one peer (or the local copy) the exchange took 16% longer at T = 4096 on
@@ -475,37 +498,38 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
     }
     // A peer that never entered has not published its output address (direct mode): send nothing to it.
     if (__syncthreads_or(!entered)) continue;
-    SendPiece<V>(args, shared, parity, peer, g, plan_early && job == static_cast<int>(blockIdx.x));
+    const bool planned = plan_early && job == static_cast<int>(blockIdx.x);
+    const bool zeros_left = SendPiece<V>(args, shared, parity, peer, g, planned);
     if (threadIdx.x == 0) {  // the block's rows are ordered before the release by SendPiece's final barrier
-      StoreRelease(&args.table->control[peer]->arrived[args.rank][g], epoch);
+      StoreRelease(&args.table->control[peer]->arrived[args.rank][g], epoch | (zeros_left ? kFlagNote : 0));
       trace.Sent();
     }
   }
   for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
     const int source = (args.rank - job % num_peers + num_peers) % num_peers;
     const int g = job / num_peers;
-    const bool finish = ReceiversFinish(args);  // else the senders wrote everything
     bool arrived = true;
+    uint64_t flag = 0;
     if (threadIdx.x == 0) {
       // The counts that place the piece come with it (PlansFillSlots); the staged packed layout needs every
       // source's, which come with their pieces g. The direct packed layout's came with `entered`, awaited in
       // the send loop.
-      for (int q = 0; finish && args.packed && !args.direct && q < num_peers; ++q) {
+      for (int q = 0; args.packed && !args.direct && q < num_peers; ++q) {
         patience.AtLeast(&args.control->arrived[q][g], epoch, q);
       }
-      arrived = patience.AtLeast(&args.control->arrived[source][g], epoch, source);
+      arrived = patience.AtLeast(&args.control->arrived[source][g], epoch, source, &flag);
       trace.DataArrived();
     }
-    // A source that never sent its piece 0 wrote no recv_counts (senders write them when receivers do not
-    // finish pieces): it delivered nothing.
     arrived = !__syncthreads_or(!arrived);
-    if (!arrived && !finish && g == 0) {
+    const bool zeros_left = __syncthreads_or(arrived && (flag & kFlagNote) != 0);
+    // Direct mode: a source that never sent its piece 0 wrote no recv_counts: it delivered nothing.
+    if (!arrived && args.direct && g == 0) {
       for (int64_t i = threadIdx.x; i < args.shape.batch * args.shape.num_chunks; i += kThreads) {
         const int64_t b = i / args.shape.num_chunks;
         args.recv_counts[(b * num_peers + source) * args.shape.num_chunks + i % args.shape.num_chunks] = 0;
       }
     }
-    if (finish) ReceivePiece<V>(args, shared, parity, source, g, arrived);
+    if (!args.direct || zeros_left) ReceivePiece<V>(args, shared, parity, source, g, arrived);
   }
 
   FinishCall(args.control, epoch, ticket, trace, kTraceAllToAllv);
@@ -545,7 +569,6 @@ NvlinkGrid ChooseNvlinkGrid(const AllToAllvShape& shape, int requested_blocks, i
   NvlinkGrid grid;
   grid.groups = static_cast<int>(std::clamp<int64_t>((blocks + peers - 1) / peers, 1, kMaxFlagGroups));
   grid.blocks = static_cast<int>(blocks);
-  grid.zeros_by_receiver = slot_bytes >= kMinBytesPerPieceForReceiverZeros * grid.groups;
   return grid;
 }
 
