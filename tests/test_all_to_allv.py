@@ -361,15 +361,17 @@ def test_large_random_rows(backend, layout):
               reference.all_to_allv(list(xs), list(counts), 24, layout), dtype)
 
 
-@pytest.mark.parametrize("capacity", [160, 2304], ids=["few_zeros", "many_zeros"])
+@pytest.mark.parametrize("capacity, features", [(160, 256), (1152, 1024)], ids=["few_zeros", "many_zeros"])
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("pattern", ["zero", "one_peer", "random"])
-def test_zero_rows_over_a_stale_buffer(backend, pattern, layout, capacity):
+def test_zero_rows_over_a_stale_buffer(backend, pattern, layout, capacity, features):
     """The rows after the data are zeros even where y's buffer held NaNs: y takes a donated NaN buffer. The
     NVLink kernel in one process writes a peer's zero rows at the sender when they are few, and leaves them to
-    the receiver from 1 MiB per peer up (here: a peer that gets nothing at capacity 2304, 1.1 MiB of rows)."""
+    the receiver from 2 MiB per peer up (many_zeros: a peer that gets nothing, 1152 bf16 rows of 2 KiB)."""
+    if backend[0].platform == "cpu" and capacity > 160:
+        pytest.skip("a case of the NVLink kernel (zero rows left to the receiver); on CPU few_zeros covers it")
     n = len(backend)
-    rows, features = capacity * 5 // 4, 256  # bf16 rows of 512 bytes
+    rows = capacity * 5 // 4
     xs = random_array((n, rows, features), jnp.bfloat16, seed=7)
     scale = capacity // CAPACITY  # counts_for's patterns, scaled to this capacity
     counts = counts_for(pattern, n, 2, seed=8) * scale

@@ -34,10 +34,10 @@ constexpr int kThreads = 512;
 // One SM pushes ~10 GB/s into NVLink, so small messages need many blocks; pieces below this size cost more in
 // flags than they gain.
 constexpr int64_t kMinBytesPerPiece = 8 * 1024;
-// Direct mode: from this many bytes of zero rows for one peer up, the sender leaves them to the receiver. Below,
-// the receiver's work after its last piece arrives (~2.5 µs) costs more than sending them takes (2xH200,
-// benchmarks/results/all_to_allv_2gpu_zeros_left.md).
-constexpr int64_t kMinZeroBytesLeftToReceiver = 1 << 20;
+// Direct mode: from this many bytes of zero rows for one peer up, the sender leaves them to the receiver. The
+// receiver's work after its piece arrives costs ~2.5 µs more at the end of the call: with ~1 MiB of zero rows
+// per peer that was slower than sending them on 2xH200 (benchmarks/results/all_to_allv_2gpu_zeros_left.md).
+constexpr int64_t kMinZeroBytesLeftToReceiver = 2 << 20;
 
 // Staged data is written by other GPUs during this kernel: read it past L1 (ld.global.cg).
 template <typename V>
@@ -241,17 +241,10 @@ __device__ __forceinline__ bool OneTile(const NvlinkAllToAllvArgs& args) {
   return TileCounts::TileSize(args.shape) >= args.shape.batch;
 }
 
-// Whether every piece's sender writes what reaches the peer into the peer's count slot for this rank, where
-// a receiver that finishes the piece (ReceivePiece) finds it: staged mode, and direct padded calls of one
-// tile, whose senders may leave zero rows (the direct packed layout fills the slots as it enters,
-// ShareCounts). Every piece writes them, so that a receiver waits for no other piece than its own.
-__device__ __forceinline__ bool PlansFillSlots(const NvlinkAllToAllvArgs& args) {
-  return !args.direct || (!args.packed && OneTile(args));
-}
-
 // Where a plan writes what reaches the peer: nowhere, the peer's count slot for this rank (indexed by
-// destination, PlansFillSlots), or the peer's recv_counts [B, N, K] (piece 0 in direct mode, once the peer has
-// entered and published their address).
+// destination; staged mode, where the receiver places the piece by it, every piece so that a receiver waits
+// for no other piece than its own), or the peer's recv_counts [B, N, K] (piece 0 in direct mode, once the peer
+// has entered and published their address).
 enum class Emit { kNone, kSlot, kRecvCounts };
 
 // Plans tile [tile, tile + size) of this rank's sends to `peer` into shared, one thread per batch element: the
@@ -335,12 +328,10 @@ __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
   const int64_t tile_size = TileCounts::TileSize(s);
   for (int64_t tile = 0; tile < s.batch; tile += tile_size) {
     const int64_t size = min(tile_size, s.batch - tile);
-    // Piece 0 writes recv_counts in direct mode. Where PlansFillSlots in direct mode (calls of one tile), piece
-    // 0 is a block's first job, planned early (the kernel's early plan wrote its slot).
     const bool staged = planned && tile == 0;
     const Emit emit = first_piece && args.direct ? Emit::kRecvCounts
-                      : !staged && PlansFillSlots(args) ? Emit::kSlot
-                                                        : Emit::kNone;
+                      : !staged && !args.direct  ? Emit::kSlot
+                                                 : Emit::kNone;
     if (!staged || emit == Emit::kRecvCounts) {
       PlanTile(args, shared, parity, peer, tile, size, emit, first_piece && !staged, staged);
     }
@@ -379,10 +370,12 @@ __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
   return leaves_zeros;
 }
 
-// Finishes piece g of `source`'s rows here, placed by the counts in the count slots (PlansFillSlots,
-// ShareCounts). Staged mode: recv_counts (piece 0), the copy of the piece's slices out of the staging slot and
-// its zero rows; `arrived` false (the wait for the piece gave up, Patience): the piece's rows are zeros, and so
-// are its recv_counts. Direct mode, when the source left its zero rows (LeavesZeros): those zero rows.
+// Finishes piece g of `source`'s rows here. Staged mode: recv_counts (piece 0), the copy of the piece's slices
+// out of the staging slot and its zero rows; `arrived` false (the wait for the piece gave up, Patience): the
+// piece's rows are zeros, and so are its recv_counts. Direct mode, when the source left its zero rows
+// (LeavesZeros): those zero rows. The counts that place the piece are in the count slots (staged mode,
+// Emit::kSlot; the direct packed layout, ShareCounts), or in the direct padded layout in recv_counts, which
+// the source's piece 0 wrote.
 template <typename V>
 __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int source, int g,
                              bool arrived) {
@@ -391,23 +384,27 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
   const V* slot = reinterpret_cast<const V*>(Staging(args, args.rank) + source * args.rows_slot_bytes);
   V* y = static_cast<V*>(args.y);
   const int64_t segment_units = s.capacity * units_per_row;
+  const bool from_slots = !args.direct || args.packed;
   const int64_t tile_size = TileCounts::TileSize(s);
   for (int64_t tile = 0; tile < s.batch; tile += tile_size) {
     const int64_t size = min(tile_size, s.batch - tile);
-    const TileCounts counts(args, shared, parity, tile, size, args.rank, /*with_send=*/false, /*with_slots=*/true);
+    const TileCounts counts(args, shared, parity, tile, size, args.rank, /*with_send=*/false, from_slots);
     __syncthreads();
     if (threadIdx.x < size) {
       const int64_t i = threadIdx.x;
+      int32_t* recv_counts = args.recv_counts + ((tile + i) * s.num_peers + source) * s.num_chunks;
       // Packed: rows from the earlier sources and from all. Each count is read once, so that the rows placed
       // from them stay inside y even when a call that gave up waiting reads counts a late peer is writing.
-      int64_t mine = args.packed ? 0 : counts.RowsFrom(source, i), before = 0, total = 0;
+      int64_t mine = 0, before = 0, total = 0;
+      for (int64_t k = 0; !from_slots && k < s.num_chunks; ++k) mine += max(LoadStaged(recv_counts + k), 0);
+      if (from_slots && !args.packed) mine = counts.RowsFrom(source, i);
       for (int q = 0; args.packed && q < s.num_peers; ++q) {
         const int64_t rows = counts.RowsFrom(q, i);
         if (q < source) before += rows;
         if (q == source) mine = rows;
         total += rows;
       }
-      int32_t* recv_counts = args.recv_counts + ((tile + i) * s.num_peers + source) * s.num_chunks;
+      mine = min(mine, s.capacity);
       for (int64_t k = 0; !args.direct && g == 0 && k < s.num_chunks; ++k) {
         recv_counts[k] = arrived ? counts.Delivered(source, i, k) : 0;
       }
@@ -477,7 +474,7 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
   const bool plan_early = !direct_packed && OneTile(args);
   if (plan_early && static_cast<int>(blockIdx.x) < jobs) {
     PlanTile(args, shared, parity, SendPeer(args, static_cast<int>(blockIdx.x)), 0, args.shape.batch,
-             PlansFillSlots(args) ? Emit::kSlot : Emit::kNone, /*dropped=*/static_cast<int>(blockIdx.x) < num_peers,
+             args.direct ? Emit::kNone : Emit::kSlot, /*dropped=*/static_cast<int>(blockIdx.x) < num_peers,
              /*staged=*/false);
   }
   // Consecutive blocks serve different peers. Blocks of neighbouring indices share parts of the chip, and
@@ -511,13 +508,16 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
     bool arrived = true;
     uint64_t flag = 0;
     if (threadIdx.x == 0) {
-      // The counts that place the piece come with it (PlansFillSlots); the staged packed layout needs every
-      // source's, which come with their pieces g. The direct packed layout's came with `entered`, awaited in
-      // the send loop.
+      // The counts that place the piece: staged mode, with it (Emit::kSlot; the packed layout needs every
+      // source's, which come with their pieces g); the direct packed layout, with `entered`, awaited in the send
+      // loop; the direct padded layout, where the source left zero rows, with its piece 0 (recv_counts).
       for (int q = 0; args.packed && !args.direct && q < num_peers; ++q) {
         patience.AtLeast(&args.control->arrived[q][g], epoch, q);
       }
       arrived = patience.AtLeast(&args.control->arrived[source][g], epoch, source, &flag);
+      if (arrived && (flag & kFlagNote) != 0 && !args.packed) {
+        arrived = patience.AtLeast(&args.control->arrived[source][0], epoch, source);
+      }
       trace.DataArrived();
     }
     arrived = !__syncthreads_or(!arrived);
