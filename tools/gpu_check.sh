@@ -17,7 +17,8 @@
 #                 routing kernels (test_moe_routing) and the row copies (test_take_rows), with rows
 #                 written straight into the peers' outputs and, JAX_NCCLX_NVLINK_DIRECT=0, through the
 #                 staging slots; and once the small-message all_to_all in every protocol and size class
-#                 (test_nvlink_collectives.py::test_all_to_all, float32). API errors are not
+#                 (test_nvlink_collectives.py::test_all_to_all, float32), and the zero rows left to the
+#                 receiver (test_zero_rows_over_a_stale_buffer, many_zeros). API errors are not
 #                 reported: cudaDeviceEnablePeerAccess answers "already enabled" once XLA has enabled it, by
 #                 design, and the sanitizer counts each of those
 #   startup | collectives | all_to_allv | launch_floor   benchmarks/<step>.py --out OUT_DIR $ARGS_<step>
@@ -66,8 +67,10 @@ run_step() {
                    "tests/test_all_to_allv.py::test_suffix_travels_with_rows" tests/test_moe_routing.py
                    tests/test_take_rows.py)
       local once=("${pytest[@]}" -q -m gpu tests/test_nvlink_collectives.py::test_all_to_all -k float32)
+      local zeros=("${pytest[@]}" -q -m gpu tests/test_all_to_allv.py::test_zero_rows_over_a_stale_buffer
+                   -k many_zeros)
       cmd=(bash -c "${sanitizer[*]} ${cases[*]} && JAX_NCCLX_NVLINK_DIRECT=0 ${sanitizer[*]} ${cases[*]} &&
-                    ${sanitizer[*]} ${once[*]}") ;;
+                    ${sanitizer[*]} ${once[*]} && ${sanitizer[*]} ${zeros[*]}") ;;
     startup | collectives | all_to_allv | launch_floor)
       local args_var="ARGS_$step" extra
       read -ra extra <<< "${!args_var:-}"
