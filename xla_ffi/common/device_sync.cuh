@@ -8,6 +8,10 @@
 
 namespace jax_ncclx {
 
+// A flag holds an epoch, the number of the call that raised it; its writer may set this bit besides, a note
+// for the reader (all_to_allv_dynamic: zero rows left to the receiver). Waits compare the epoch alone.
+constexpr uint64_t kFlagNote = uint64_t{1} << 63;
+
 __device__ __forceinline__ void StoreRelease(uint64_t* flag, uint64_t value) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
 }
@@ -27,18 +31,6 @@ __device__ __forceinline__ uint64_t LoadRelaxed(const uint64_t* word) {
   asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(word) : "memory");
   return value;
 }
-
-// Low-latency words (LL, as NCCL's): 8 bytes that land whole, a 4-byte payload and the tag of the call that
-// wrote them, so a reader polls the data itself and needs no flag. tag = 1 + epoch mod (2^32 - 1), never 0: a
-// stale word matches only if it went unwritten for exactly a multiple of 2^32 - 1 calls, a zeroed one never.
-__device__ __forceinline__ uint32_t WordTag(uint64_t epoch) {
-  return 1 + static_cast<uint32_t>(epoch % 0xffffffffull);
-}
-__device__ __forceinline__ uint64_t MakeWord(uint32_t tag, uint32_t payload) {
-  return static_cast<uint64_t>(tag) << 32 | payload;
-}
-__device__ __forceinline__ uint32_t WordTagOf(uint64_t word) { return static_cast<uint32_t>(word >> 32); }
-__device__ __forceinline__ uint32_t WordPayload(uint64_t word) { return static_cast<uint32_t>(word); }
 
 // 16 bytes as one vector access (a lane's part of an LL128 line). Volatile, as NCCL's LL128: neither cached in
 // L1 nor merged with other accesses by the compiler.
@@ -76,23 +68,30 @@ class Patience {
       : table_(table), control_(control), rank_(rank), size_(size), epoch_(epoch), kernel_(kernel), site_(site),
         timeout_ns_(timeout_ns) {}  // an abort is seen at the first check: reading it here would stall the call
 
-  // Waits until *flag >= value, a flag that `peer` raises.
-  __device__ bool AtLeast(const uint64_t* flag, uint64_t value, int peer) {
-    for (uint32_t spins = 1; LoadAcquire(flag) < value; ++spins) {
-      if (spins % kSpinsPerCheck == 0 && !KeepWaiting(peer)) return false;
+  // Waits until the epoch in *flag (kFlagNote aside) is at least `value`, a flag that `peer` raises; `seen`
+  // (when not null) receives the flag's last value, note included.
+  __device__ bool AtLeast(const uint64_t* flag, uint64_t value, int peer, uint64_t* seen = nullptr) {
+    uint64_t flag_value = LoadAcquire(flag);
+    for (uint32_t spins = 1; (flag_value & ~kFlagNote) < value; ++spins) {
+      if (spins % kSpinsPerCheck == 0 && !KeepWaiting(peer)) {
+        if (seen != nullptr) *seen = flag_value;
+        return false;
+      }
+      flag_value = LoadAcquire(flag);
     }
+    if (seen != nullptr) *seen = flag_value;
     return true;
   }
 
-  // Waits until the low-latency word at `word` (written by `peer`) carries `tag` (WordTag), and returns it
-  // whole; on giving up, whatever the word holds (its payload counts only if its tag matches).
-  __device__ uint64_t Word(const uint64_t* word, uint32_t tag, int peer) {
+  // Waits until the low-latency word at `word` (written by `peer`) carries `tag`, and returns its payload
+  // (on giving up, whatever the word holds).
+  __device__ uint32_t Word(const uint64_t* word, uint32_t tag, int peer) {
     uint64_t seen = LoadRelaxed(word);
-    for (uint32_t spins = 1; WordTagOf(seen) != tag; ++spins) {
+    for (uint32_t spins = 1; static_cast<uint32_t>(seen >> 32) != tag; ++spins) {
       if (spins % kSpinsPerCheck == 0 && !KeepWaiting(peer)) break;
       seen = LoadRelaxed(word);
     }
-    return seen;
+    return static_cast<uint32_t>(seen);
   }
 
   // For a wait that a whole warp polls in step (every lane calls this after each failed poll, `spins` counting

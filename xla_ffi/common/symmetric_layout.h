@@ -69,8 +69,10 @@ struct NvlinkFault {
 struct alignas(128) SymmetricControl {
   uint64_t entered[kMaxNvlinkRanks];                  // set by rank r: r has entered call e (and finished e-1)
   uint64_t arrived[kMaxNvlinkRanks][kMaxFlagGroups];  // set by rank r: r's rows of group g for call e landed
+                                                      // (bit 63: a note, device_sync.cuh kFlagNote)
   uint64_t output[kMaxNvlinkRanks];                   // set by rank r before `entered`: its output address
                                                       // for call e (same-process ranks write there directly)
+  uint64_t recv_counts[kMaxNvlinkRanks];              // the same for its recv_counts output
   uint64_t epoch;                                     // local: calls finished on this communicator
   uint32_t abort_by;                                  // set by rank r: 1 + r gave up waiting; the
                                                       // communicator is unusable, kernels wait no more

@@ -46,10 +46,10 @@ cudaError_t LaunchCompactRows(const AllToAllvShape& shape, const void* recv, con
                               void* y, cudaStream_t stream);
 
 // What the NVLink kernel keeps in each rank's symmetric data region (symmetric_layout.h): at the start of
-// the low-latency half of the call's parity, N count slots, one per source rank (the source's delivered
-// counts [B, N, K], indexed by destination: int32, in direct mode 8 bytes each for tagged words); in the
-// staging area, unless ranks write straight into each other's outputs ("direct", all ranks in one process),
-// N row slots ([B, C, row_bytes] each) where sources stage their rows. Slots are 256-byte aligned.
+// the low-latency half of the call's parity, N count slots, one per source rank (int32 [B, N, K]: the
+// source's delivered counts, indexed by destination); in the staging area, unless ranks write straight into
+// each other's outputs ("direct", all ranks in one process), N row slots ([B, C, row_bytes] each) where
+// sources stage their rows. Slots are 256-byte aligned.
 struct NvlinkAllToAllvLayout {
   int64_t counts_slot_bytes = 0;
   int64_t counts_bytes = 0;  // bytes of each low-latency half the call needs

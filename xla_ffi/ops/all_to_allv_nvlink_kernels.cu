@@ -6,18 +6,17 @@
 //                      piece while the peers enter), wait until the peer has entered this call (its buffers
 //                      are free again), write the rows of piece g into the peer, then raise the peer's
 //                      arrived[this rank][g] flag;
-//   receive (src, g):  finish the piece: recv_counts, the zero rows after the source's rows and, in staged
-//                      mode, the copy out of the staging slot; wait for arrived[src][g] before (staged mode)
-//                      or after (direct mode) that.
-// Where rows land: "direct" mode (every rank in this process) writes them straight into the peer's output,
-// whose address the peer publishes when it enters the call, already in the requested layout. The receiver
-// writes its recv_counts and the zero rows after each source's rows in its own memory while the rows are on
-// their way, so zeros never cross NVLink: it knows the counts before the rows land, in the packed layout
-// (which needs the counts of the other sources to place rows) because every rank shares its counts with all
-// ranks as it enters, in the padded layout because each sender writes its counts for the peer as tagged
-// low-latency words (device_sync.cuh) when it plans, before its rows. Staged mode (ranks in other processes,
-// reached through CUDA IPC) writes into the peer's symmetric staging slot, and the receiver copies the rows
-// out once they arrived.
+//   receive (src, g):  wait for arrived[src][g]; in staged mode then finish the piece: recv_counts, the copy
+//                      out of the staging slot and the zero rows; in direct mode, the zero rows if the
+//                      source left them (LeavesZeros).
+// Where rows land: "direct" mode (every rank in this process) writes them, the zero rows after them and the
+// peer's recv_counts straight into the peer's outputs, whose addresses the peer publishes when it enters the
+// call, already in the requested layout, so that a receiver has nothing left to do once its flags are up;
+// the packed layout needs the counts of the other sources, so there every rank shares its counts with all
+// ranks as it enters. Where a peer's zero rows are many, sending them over NVLink costs more than the work
+// they leave the receiver: the sender then leaves them, and says so in the pieces' flags. Staged mode (ranks
+// in other processes, reached through CUDA IPC) writes into the peer's symmetric staging slot, and the
+// receiver copies the rows out.
 // Flags hold the call's epoch, kept on the device, so the kernel needs no reset and replays inside CUDA
 // graphs. A peer raises `entered` only after its previous call finished, so one set of row buffers is enough.
 #include <algorithm>
@@ -35,6 +34,10 @@ constexpr int kThreads = 512;
 // One SM pushes ~10 GB/s into NVLink, so small messages need many blocks; pieces below this size cost more in
 // flags than they gain.
 constexpr int64_t kMinBytesPerPiece = 8 * 1024;
+// Direct mode: from this many bytes of zero rows for one peer up, the sender leaves them to the receiver. The
+// receiver's work after its piece arrives costs ~2.5 µs more at the end of the call: with ~1 MiB of zero rows
+// per peer that was slower than sending them on 2xH200 (benchmarks/results/all_to_allv_2gpu_zeros_left.md).
+constexpr int64_t kMinZeroBytesLeftToReceiver = 2 << 20;
 
 // Staged data is written by other GPUs during this kernel: read it past L1 (ld.global.cg).
 template <typename V>
@@ -112,6 +115,8 @@ struct Shared {
   int64_t a[kThreads];  // per batch element of the tile: first input row (send) / rows from the source
   int64_t b[kThreads];  // rows delivered to the peer (send) / rows from earlier sources (receive, packed)
   int64_t c[kThreads];  // rows from earlier sources at the peer (send) / from all sources (receive, packed)
+  int64_t d[kThreads];  // rows from all sources at the peer (send, direct packed)
+  unsigned long long zero_rows;  // the zero rows after the planned tile's rows at the peer (send)
   int32_t send[kStagedCounts];   // this rank's send counts of the tile's batch elements
   int32_t slots[kStagedCounts];  // what every source delivered to one rank, from the count slots
 };
@@ -134,13 +139,6 @@ __device__ __forceinline__ int32_t* CountSlot(const NvlinkAllToAllvArgs& args, i
 __device__ __forceinline__ const int32_t* LocalCountSlot(const NvlinkAllToAllvArgs& args, int parity,
                                                          int source) {
   return CountSlot(args, args.rank, parity, source);
-}
-
-// The direct padded layout's count slot: the same place as CountSlot, as uint64 [B, N, K] low-latency words
-// (MakeWord) of the call's tag, so that the receiver reads each count as soon as it lands, with no flag.
-__device__ __forceinline__ uint64_t* TaggedCountSlot(const NvlinkAllToAllvArgs& args, int owner, int parity,
-                                                     int source) {
-  return reinterpret_cast<uint64_t*>(CountSlot(args, owner, parity, source));
 }
 
 // The counts of one tile of batch elements [first, first + size): this rank's send counts, and the rows
@@ -238,60 +236,82 @@ __device__ void ShareCounts(const NvlinkAllToAllvArgs& args, Shared& shared, int
 }
 
 // Whether the call is one tile of batch elements (TileCounts), as the MoE exchanges: the blocks then plan
-// their first piece while the peers enter.
+// their first piece while the peers enter, and in direct mode a sender may leave zero rows to the receiver.
 __device__ __forceinline__ bool OneTile(const NvlinkAllToAllvArgs& args) {
   return TileCounts::TileSize(args.shape) >= args.shape.batch;
 }
 
-// Where a plan writes the rows that reach the peer, per chunk: nowhere, the peer's count slot for this rank
-// (indexed by destination; staged mode, where the receiver places the piece by it: every piece, so that a
-// receiver waits for no other piece than its own), or its tagged count slot (direct padded layout: piece 0).
-enum class Emit { kNone, kSlot, kTaggedSlot };
+// Where a plan writes what reaches the peer: nowhere, the peer's count slot for this rank (indexed by
+// destination; staged mode, where the receiver places the piece by it, every piece so that a receiver waits
+// for no other piece than its own), or the peer's recv_counts [B, N, K] (piece 0 in direct mode, once the peer
+// has entered and published their address).
+enum class Emit { kNone, kSlot, kRecvCounts };
 
 // Plans tile [tile, tile + size) of this rank's sends to `peer` into shared, one thread per batch element: the
-// first input row, the rows delivered and, in the direct packed layout, the rows from earlier sources at the
-// peer. Writes what reaches the peer where `emit` says (words of `tag`), and with `dropped` (piece 0) this
-// rank's dropped rows for the peer. Out of line (the kernel's argument is a __grid_constant__, so no copy):
-// inlined at both its call sites, it made ptxas spill the kernel's registers.
-__device__ __noinline__ void PlanTile(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, uint32_t tag,
-                                      int peer, int64_t tile, int64_t size, Emit emit, bool dropped) {
+// first input row and the rows delivered, in the direct packed layout the rows from earlier sources and from all
+// sources at the peer, and the zero rows after the tile's rows. Writes what reaches the peer where `emit` says,
+// and with `dropped` (piece 0) this rank's dropped rows for the peer. `staged`: the tile's send counts are in
+// shared memory already.
+__device__ void PlanTile(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int64_t tile,
+                         int64_t size, Emit emit, bool dropped, bool staged) {
   const AllToAllvShape& s = args.shape;
   const bool direct_packed = args.direct && args.packed;
-  const TileCounts counts(args, shared, parity, tile, size, peer, /*with_send=*/true, /*with_slots=*/direct_packed);
+  const TileCounts counts(args, shared, parity, tile, size, peer, !staged, /*with_slots=*/direct_packed);
+  if (threadIdx.x == 0) shared.zero_rows = 0;
   __syncthreads();
   if (threadIdx.x < size) {
     const int64_t i = threadIdx.x;
     const int64_t b = tile + i;
-    const int64_t at = (b * s.num_peers + peer) * s.num_chunks;  // row b of a slot for this rank, by destination
-    int32_t* slot = emit == Emit::kSlot ? CountSlot(args, peer, parity, args.rank) + at : nullptr;
-    uint64_t* words = emit == Emit::kTaggedSlot ? TaggedCountSlot(args, peer, parity, args.rank) + at : nullptr;
+    int32_t* delivered_chunks = nullptr;  // row b of the peer's count slot for this rank, or of its recv_counts
+    if (emit == Emit::kSlot) {
+      delivered_chunks = CountSlot(args, peer, parity, args.rank) + (b * s.num_peers + peer) * s.num_chunks;
+    } else if (emit == Emit::kRecvCounts) {
+      delivered_chunks = reinterpret_cast<int32_t*>(args.control->recv_counts[peer]) +
+                         (b * s.num_peers + args.rank) * s.num_chunks;
+    }
     const PeerPlan plan = PlanPeer(counts.Send(i), s.num_chunks, s.num_rows, s.capacity, peer,
                                    [&](int64_t chunk, int32_t rows) {
-                                     if (slot != nullptr) slot[chunk] = rows;
-                                     if (words != nullptr) StoreRelaxed(words + chunk, MakeWord(tag, rows));
+                                     if (delivered_chunks != nullptr) delivered_chunks[chunk] = rows;
                                    });
     if (dropped) args.dropped[b * s.num_peers + peer] = plan.dropped;
-    int64_t before = 0;
-    for (int q = 0; direct_packed && q < args.rank; ++q) before += counts.RowsFrom(q, i);
+    int64_t before = 0, total = 0;
+    for (int q = 0; direct_packed && q < s.num_peers; ++q) {
+      const int64_t rows = counts.RowsFrom(q, i);
+      if (q < args.rank) before += rows;
+      total += rows;
+    }
     shared.a[i] = plan.first_row;
     shared.b[i] = min(plan.delivered, s.capacity);
     shared.c[i] = before;
+    shared.d[i] = total;
+    atomicAdd(&shared.zero_rows, static_cast<unsigned long long>(s.capacity - shared.b[i]));
   }
   __syncthreads();
 }
 
-// Writes piece g of this rank's rows for `peer` (ForEachSlice), without the zero rows after them (the
-// receiver's, ReceivePiece). Send row s of batch element b takes its leading units from x through
-// args.send_rows (a row whose index falls outside x becomes zeros, SourceRow), the rest from args.suffix.
-// `planned`: PlanTile ran for the first tile before the peer entered.
+// Whether this rank leaves the zero rows after its rows at `peer` to the peer (direct mode, calls of one tile,
+// other ranks): when they are many, kMinZeroBytesLeftToReceiver. Read after PlanTile planned the tile.
+__device__ __forceinline__ bool LeavesZeros(const NvlinkAllToAllvArgs& args, const Shared& shared, int peer) {
+  return args.direct && OneTile(args) && peer != args.rank &&
+         static_cast<int64_t>(shared.zero_rows) * args.shape.row_bytes >= kMinZeroBytesLeftToReceiver;
+}
+
+// Writes piece g of this rank's rows for `peer` (ForEachSlice). Send row s of batch element b takes its
+// leading units from x through args.send_rows (a row whose index falls outside x becomes zeros, SourceRow),
+// the rest from args.suffix. Direct mode also writes the zero rows of the piece, so the peer's output is
+// complete when the piece's flag is raised, unless it leaves them to the peer (LeavesZeros): returns whether
+// it did. `planned`: PlanTile ran for the first tile before the peer entered, with every write but the peer's
+// recv_counts, whose address the peer publishes when it enters (piece 0 in direct mode plans again from the
+// staged counts to write them).
 template <typename V>
-__device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, uint32_t tag, int peer,
-                          int g, bool planned) {
+__device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int g,
+                          bool planned) {
   const AllToAllvShape& s = args.shape;
   const int64_t units_per_row = s.row_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t suffix_units = s.suffix_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t x_units = units_per_row - suffix_units;
   const bool first_piece = g == 0;
+  bool leaves_zeros = false;
   // Row (b, c) for the peer goes to base + b * batch_stride + (shared.c[b] + c) rows.
   V* base;
   int64_t batch_stride;
@@ -308,16 +328,29 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
   const int64_t tile_size = TileCounts::TileSize(s);
   for (int64_t tile = 0; tile < s.batch; tile += tile_size) {
     const int64_t size = min(tile_size, s.batch - tile);
-    if (!planned || tile != 0) {
-      const Emit emit = !args.direct ? Emit::kSlot : !args.packed && first_piece ? Emit::kTaggedSlot : Emit::kNone;
-      PlanTile(args, shared, parity, tag, peer, tile, size, emit, /*dropped=*/first_piece);
+    const bool staged = planned && tile == 0;
+    const Emit emit = first_piece && args.direct ? Emit::kRecvCounts
+                      : !staged && !args.direct  ? Emit::kSlot
+                                                 : Emit::kNone;
+    if (!staged || emit == Emit::kRecvCounts) {
+      PlanTile(args, shared, parity, peer, tile, size, emit, first_piece && !staged, staged);
     }
+    leaves_zeros = LeavesZeros(args, shared, peer);
+    const bool with_zeros = args.direct && !leaves_zeros;
     for (int64_t i = 0; i < size; ++i) {
       const int64_t bb = tile + i;
       const int64_t first = shared.a[i];
-      V* data = base + bb * batch_stride + shared.c[i] * units_per_row;  // row r at data + r rows
-      ForEachSlice(args, shared.b[i], units_per_row, g,
+      const int64_t delivered = shared.b[i];
+      V* out = base + bb * batch_stride;
+      V* data = out + shared.c[i] * units_per_row;  // row r at data + r rows
+      // Zero row r (with_zeros, r >= delivered) at zeros + (r - delivered) rows. Padded: the rest of this
+      // rank's segment. Packed: this rank's share of the zero tail after all sources' rows (the shares of all
+      // sources tile rows [total, N * C), see ReceivePiece).
+      V* zeros = args.packed ? out + (shared.d[i] + args.rank * s.capacity - shared.c[i]) * units_per_row
+                             : data + delivered * units_per_row;
+      ForEachSlice(args, with_zeros ? s.capacity : delivered, units_per_row, g,
                    [&](int64_t r, int64_t lo, int64_t hi) {
+                     if (r >= delivered) return WarpZero(zeros + (r - delivered) * units_per_row + lo, hi - lo);
                      V* row = data + r * units_per_row;
                      const int64_t send_row = first + r;
                      const int64_t source = SourceRow(args.send_rows, s.num_rows, s.source_rows, bb, send_row);
@@ -334,70 +367,37 @@ __device__ void SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
     }
     __syncthreads();
   }
+  return leaves_zeros;
 }
 
-// Direct padded layout: the rows `source` delivers here for each batch element of tile [tile, tile + size),
-// into shared.a, from the tagged words that its piece 0 wrote when it planned (a count whose wait gave up reads
-// as 0); with `recv_counts`, also the counts into recv_counts. A word per thread, so that the block pays one
-// memory latency, not one per count; they have usually landed long before, and when one has not, thread 0
-// waits for them all (Patience).
-__device__ __forceinline__ void ReadTaggedCounts(const NvlinkAllToAllvArgs& args, Shared& shared, Patience& patience,
-                                                 uint64_t epoch, int source, int64_t tile, int64_t size,
-                                                 bool recv_counts) {
-  const AllToAllvShape& s = args.shape;
-  const int32_t capacity = static_cast<int32_t>(min(s.capacity, int64_t{INT32_MAX}));
-  const uint32_t tag = WordTag(epoch);
-  const uint64_t* words = TaggedCountSlot(args, args.rank, static_cast<int>(epoch & 1), source);
-  auto word_at = [&](int64_t j) {  // word j of the tile: batch element tile + j / K, chunk j % K
-    return words + ((tile + j / s.num_chunks) * s.num_peers + args.rank) * s.num_chunks + j % s.num_chunks;
-  };
-  const int64_t n = size * s.num_chunks;
-  bool missing = false;
-  for (int64_t j = threadIdx.x; j < n; j += kThreads) missing |= WordTagOf(LoadRelaxed(word_at(j))) != tag;
-  for (int64_t i = threadIdx.x; i < size; i += kThreads) shared.a[i] = 0;
-  if (__syncthreads_or(missing) && threadIdx.x == 0) {
-    for (int64_t j = 0; j < n; ++j) patience.Word(word_at(j), tag, source);
-  }
-  __syncthreads();
-  for (int64_t j = threadIdx.x; j < n; j += kThreads) {
-    const uint64_t word = LoadRelaxed(word_at(j));
-    const int32_t rows = WordTagOf(word) == tag ? min(max(static_cast<int32_t>(WordPayload(word)), 0), capacity) : 0;
-    if (recv_counts) {
-      args.recv_counts[((tile + j / s.num_chunks) * s.num_peers + source) * s.num_chunks + j % s.num_chunks] = rows;
-    }
-    atomicAdd(reinterpret_cast<unsigned long long*>(&shared.a[j / s.num_chunks]), rows);
-  }
-}
-
-// Finishes piece g of `source`'s rows here: recv_counts (piece 0), the zero rows after the source's rows and,
-// in staged mode, the copy of the piece's slices out of the staging slot. Direct mode calls it before the piece
-// arrives (the source writes its rows itself, and the counts are here first): the packed layout reads them from
-// the count slots (ShareCounts), the padded layout polls the tagged words that the source's piece 0 wrote when
-// it planned (a count whose wait gave up reads as 0). Staged mode calls it once the piece arrived, with the
-// count slots (Emit::kSlot); `arrived` false (the wait gave up, Patience): the piece's rows are zeros, and so
-// are its recv_counts.
+// Finishes piece g of `source`'s rows here. Staged mode: recv_counts (piece 0), the copy of the piece's slices
+// out of the staging slot and its zero rows; `arrived` false (the wait for the piece gave up, Patience): the
+// piece's rows are zeros, and so are its recv_counts. Direct mode, when the source left its zero rows
+// (LeavesZeros): those zero rows. The counts that place the piece are in the count slots (staged mode,
+// Emit::kSlot; the direct packed layout, ShareCounts), or in the direct padded layout in recv_counts, which
+// the source's piece 0 wrote.
 template <typename V>
-__device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, Patience& patience, uint64_t epoch,
-                             int source, int g, bool arrived) {
-  const int parity = static_cast<int>(epoch & 1);
+__device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int source, int g,
+                             bool arrived) {
   const AllToAllvShape& s = args.shape;
   const int64_t units_per_row = s.row_bytes / static_cast<int64_t>(sizeof(V));
   const V* slot = reinterpret_cast<const V*>(Staging(args, args.rank) + source * args.rows_slot_bytes);
   V* y = static_cast<V*>(args.y);
   const int64_t segment_units = s.capacity * units_per_row;
-  const bool tagged = args.direct && !args.packed;
+  const bool from_slots = !args.direct || args.packed;
   const int64_t tile_size = TileCounts::TileSize(s);
   for (int64_t tile = 0; tile < s.batch; tile += tile_size) {
     const int64_t size = min(tile_size, s.batch - tile);
-    const TileCounts counts(args, shared, parity, tile, size, args.rank, /*with_send=*/false, !tagged);
-    if (tagged) ReadTaggedCounts(args, shared, patience, epoch, source, tile, size, /*recv_counts=*/g == 0);
+    const TileCounts counts(args, shared, parity, tile, size, args.rank, /*with_send=*/false, from_slots);
     __syncthreads();
     if (threadIdx.x < size) {
       const int64_t i = threadIdx.x;
+      int32_t* recv_counts = args.recv_counts + ((tile + i) * s.num_peers + source) * s.num_chunks;
       // Packed: rows from the earlier sources and from all. Each count is read once, so that the rows placed
       // from them stay inside y even when a call that gave up waiting reads counts a late peer is writing.
-      int64_t mine = tagged ? shared.a[i] : 0, before = 0, total = 0;
-      if (!tagged && !args.packed) mine = counts.RowsFrom(source, i);
+      int64_t mine = 0, before = 0, total = 0;
+      for (int64_t k = 0; !from_slots && k < s.num_chunks; ++k) mine += max(LoadStaged(recv_counts + k), 0);
+      if (from_slots && !args.packed) mine = counts.RowsFrom(source, i);
       for (int q = 0; args.packed && q < s.num_peers; ++q) {
         const int64_t rows = counts.RowsFrom(q, i);
         if (q < source) before += rows;
@@ -405,8 +405,7 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, Pa
         total += rows;
       }
       mine = min(mine, s.capacity);
-      int32_t* recv_counts = args.recv_counts + ((tile + i) * s.num_peers + source) * s.num_chunks;
-      for (int64_t k = 0; !tagged && g == 0 && k < s.num_chunks; ++k) {
+      for (int64_t k = 0; !args.direct && g == 0 && k < s.num_chunks; ++k) {
         recv_counts[k] = arrived ? counts.Delivered(source, i, k) : 0;
       }
       shared.a[i] = mine;
@@ -445,14 +444,13 @@ __device__ __forceinline__ int SendPeer(const NvlinkAllToAllvArgs& args, int job
 }
 
 template <typename V>
-__global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(const __grid_constant__ NvlinkAllToAllvArgs args) {
+__global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAllvArgs args) {
   __shared__ Shared shared;
   const int num_peers = static_cast<int>(args.shape.num_peers);
   const int jobs = num_peers * args.groups;
   const uint64_t epoch = CallEpoch(args.control);
   const uint32_t ticket = TakeTicket(args.control, epoch);
   const int parity = static_cast<int>(epoch & 1);
-  const uint32_t tag = WordTag(epoch);
   const bool direct_packed = args.direct && args.packed;
   CallTrace trace(args.control, epoch, args.trace);
   Patience patience(args.table, args.control, args.rank, num_peers, epoch, kTraceAllToAllv, args.site,
@@ -464,20 +462,20 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(const __grid_c
     if (threadIdx.x < num_peers) {
       SymmetricControl* peer = args.table->control[threadIdx.x];
       peer->output[args.rank] = reinterpret_cast<uint64_t>(args.y);  // published by the release below
+      peer->recv_counts[args.rank] = reinterpret_cast<uint64_t>(args.recv_counts);
       if (direct_packed) __threadfence_system();
       StoreRelease(&peer->entered[args.rank], epoch);
     }
   }
   // The plan of a block's first piece needs nothing from its peer except in the direct packed layout (the
-  // peers' counts): make it while the peers enter, so that its counts reach the peer before any row. Calls of
-  // one tile only, as the MoE exchanges. Its count slot in the peer is free: the peer finished the last call of
-  // this parity before it entered the one in between, whose rows this rank has received.
+  // peers' counts): make it while the peers enter. Calls of one tile only, as the MoE exchanges. Its count slot
+  // in the peer is free: the peer finished the last call of this parity before it entered the one in between,
+  // whose rows this rank has received.
   const bool plan_early = !direct_packed && OneTile(args);
   if (plan_early && static_cast<int>(blockIdx.x) < jobs) {
-    const bool first_piece = static_cast<int>(blockIdx.x) < num_peers;
-    const Emit emit = !args.direct ? Emit::kSlot : first_piece ? Emit::kTaggedSlot : Emit::kNone;
-    PlanTile(args, shared, parity, tag, SendPeer(args, static_cast<int>(blockIdx.x)), 0, args.shape.batch, emit,
-             /*dropped=*/first_piece);
+    PlanTile(args, shared, parity, SendPeer(args, static_cast<int>(blockIdx.x)), 0, args.shape.batch,
+             args.direct ? Emit::kNone : Emit::kSlot, /*dropped=*/static_cast<int>(blockIdx.x) < num_peers,
+             /*staged=*/false);
   }
   // Consecutive blocks serve different peers. Blocks of neighbouring indices share parts of the chip, and
   // when each run of them served one peer (or the local copy) the exchange took 16% longer at T = 4096 on
@@ -497,39 +495,41 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(const __grid_c
     }
     // A peer that never entered has not published its output address (direct mode): send nothing to it.
     if (__syncthreads_or(!entered)) continue;
-    SendPiece<V>(args, shared, parity, tag, peer, g, plan_early && job == static_cast<int>(blockIdx.x));
+    const bool planned = plan_early && job == static_cast<int>(blockIdx.x);
+    const bool zeros_left = SendPiece<V>(args, shared, parity, peer, g, planned);
     if (threadIdx.x == 0) {  // the block's rows are ordered before the release by SendPiece's final barrier
-      StoreRelease(&args.table->control[peer]->arrived[args.rank][g], epoch);
+      StoreRelease(&args.table->control[peer]->arrived[args.rank][g], epoch | (zeros_left ? kFlagNote : 0));
       trace.Sent();
     }
   }
   for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
     const int source = (args.rank - job % num_peers + num_peers) % num_peers;
     const int g = job / num_peers;
-    // Whether the piece arrived, the same on every thread.
-    auto wait_for_piece = [&] {
-      bool arrived = true;
-      if (threadIdx.x == 0) {
-        // Staged mode: the counts that place the piece come with it (Emit::kSlot); the packed layout needs
-        // every source's, which come with their pieces g.
-        for (int q = 0; args.packed && !args.direct && q < num_peers; ++q) {
-          patience.AtLeast(&args.control->arrived[q][g], epoch, q);
-        }
-        arrived = patience.AtLeast(&args.control->arrived[source][g], epoch, source);
-        trace.DataArrived();
+    bool arrived = true;
+    uint64_t flag = 0;
+    if (threadIdx.x == 0) {
+      // The counts that place the piece: staged mode, with it (Emit::kSlot; the packed layout needs every
+      // source's, which come with their pieces g); the direct packed layout, with `entered`, awaited in the send
+      // loop; the direct padded layout, where the source left zero rows, with its piece 0 (recv_counts).
+      for (int q = 0; args.packed && !args.direct && q < num_peers; ++q) {
+        patience.AtLeast(&args.control->arrived[q][g], epoch, q);
       }
-      return !__syncthreads_or(!arrived);
-    };
-    // Staged mode: once the piece arrived. Direct mode: the source writes its rows itself, and the recv_counts
-    // and zero rows are written here while those rows are on their way.
-    ReceivePiece<V>(args, shared, patience, epoch, source, g, /*arrived=*/args.direct || wait_for_piece());
-    // Direct mode: a source whose piece 0 never arrived delivered nothing.
-    if (args.direct && !wait_for_piece() && g == 0) {
+      arrived = patience.AtLeast(&args.control->arrived[source][g], epoch, source, &flag);
+      if (arrived && (flag & kFlagNote) != 0 && !args.packed) {
+        arrived = patience.AtLeast(&args.control->arrived[source][0], epoch, source);
+      }
+      trace.DataArrived();
+    }
+    arrived = !__syncthreads_or(!arrived);
+    const bool zeros_left = __syncthreads_or(arrived && (flag & kFlagNote) != 0);
+    // Direct mode: a source that never sent its piece 0 wrote no recv_counts: it delivered nothing.
+    if (!arrived && args.direct && g == 0) {
       for (int64_t i = threadIdx.x; i < args.shape.batch * args.shape.num_chunks; i += kThreads) {
         const int64_t b = i / args.shape.num_chunks;
         args.recv_counts[(b * num_peers + source) * args.shape.num_chunks + i % args.shape.num_chunks] = 0;
       }
     }
+    if (!args.direct || zeros_left) ReceivePiece<V>(args, shared, parity, source, g, arrived);
   }
 
   FinishCall(args.control, epoch, ticket, trace, kTraceAllToAllv);
@@ -548,9 +548,8 @@ bool AlignedTo(int64_t width, const NvlinkAllToAllvArgs& args) {
 NvlinkAllToAllvLayout LayOutNvlinkAllToAllv(const AllToAllvShape& shape, bool direct) {
   auto align = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
   NvlinkAllToAllvLayout layout;
-  // Direct mode: room for the padded layout's tagged words (TaggedCountSlot).
-  const int64_t count_bytes = direct ? sizeof(uint64_t) : sizeof(int32_t);
-  layout.counts_slot_bytes = align(shape.batch * shape.num_peers * shape.num_chunks * count_bytes);
+  layout.counts_slot_bytes =
+      align(shape.batch * shape.num_peers * shape.num_chunks * static_cast<int64_t>(sizeof(int32_t)));
   layout.counts_bytes = shape.num_peers * layout.counts_slot_bytes;
   layout.rows_slot_bytes = direct ? 0 : align(shape.batch * shape.capacity * shape.row_bytes);
   layout.staging_bytes = shape.num_peers * layout.rows_slot_bytes;

@@ -13,7 +13,8 @@
 //   * LL128 lines: slots are multiples of 256 bytes, so every line is 128-byte aligned and its flag (bytes
 //     120..127) sits where no call's payload goes. The flag is the call's epoch; epochs only grow and are
 //     never 0, so a stale or never-written (zeroed) line never matches.
-//   * LL words: every 8-byte word is payload and tag (WordTag in device_sync.cuh).
+//   * LL words: every 8-byte word is payload and tag, tag = 1 + epoch mod (2^32 - 1), never 0; a stale word
+//     matches only if it went unwritten for exactly a multiple of 2^32 - 1 calls.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -311,6 +312,8 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(Call call, TraceKernel
   FinishCall(args.control, epoch, state.ticket, trace, kernel);
 }
 
+__device__ __forceinline__ uint32_t Tag(uint64_t epoch) { return 1 + static_cast<uint32_t>(epoch % 0xffffffffull); }
+
 // Word i of every peer's slot on this rank, into values[peer] (values[me] is left alone). The loads of all
 // peers go out together, so a thread pays one memory latency, not one per peer; only words that had not
 // landed yet are polled again.
@@ -326,8 +329,9 @@ __device__ __forceinline__ void ReadWords(const Call& call, Patience& patience, 
 #pragma unroll
   for (int s = 0; s < kMaxNvlinkRanks; ++s) {
     if (s < n && s != me) {
-      if (WordTagOf(seen[s]) != tag) seen[s] = patience.Word(Slot<uint64_t>(call, me, parity, s) + i, tag, s);
-      values[s] = WordPayload(seen[s]);
+      values[s] = static_cast<uint32_t>(seen[s] >> 32) == tag
+                      ? static_cast<uint32_t>(seen[s])
+                      : patience.Word(Slot<uint64_t>(call, me, parity, s) + i, tag, s);
     }
   }
 }
@@ -340,7 +344,7 @@ __global__ void __launch_bounds__(kThreads) OneShotWordsKernel(Call call, TraceK
   const uint64_t epoch = state.epoch;
   const int parity = state.parity;
   CallTrace& trace = state.trace;
-  const uint32_t tag = WordTag(epoch);
+  const uint32_t tag = Tag(epoch);
   const int n = args.size;
   const int me = args.rank;
   const bool scatter = args.op == NvlinkCollective::kAllToAll;
@@ -355,7 +359,7 @@ __global__ void __launch_bounds__(kThreads) OneShotWordsKernel(Call call, TraceK
     uint64_t* slot = Slot<uint64_t>(call, peer, parity, me);
     const uint32_t* source = x + (scatter ? peer * words : 0);
     for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
-      StoreRelaxed(slot + i, MakeWord(tag, source[i]));
+      StoreRelaxed(slot + i, static_cast<uint64_t>(tag) << 32 | source[i]);
     }
   }
   if (threadIdx.x == 0) trace.Sent();
