@@ -23,6 +23,9 @@
 #                 design, and the sanitizer counts each of those
 #   startup | collectives | all_to_allv | launch_floor   benchmarks/<step>.py --out OUT_DIR $ARGS_<step>
 #                 (e.g. ARGS_all_to_allv="--experts-per-rank 32 --name all_to_allv_8gpu")
+#   collectives_cmdbuf | all_to_allv_cmdbuf | launch_floor_cmdbuf   the same benchmark with custom calls
+#                 captured in command buffers (XLA_FLAGS below), $ARGS_<step> (give it its own --name)
+# The issues' targets on 4 GPUs in one call (see benchmarks/README.md, "The targets in one call").
 # Every step writes OUT_DIR/<step>.log (and OUT_DIR/topology.log the GPU links); the last lines of each and the pass/fail counts are printed at the end.
 # With TAR=1 the folder is packed into OUT_DIR.tgz (a lent machine returns only a few files).
 # NVLink multicast stays off in every process this starts (NCCL_NVLS_ENABLE=0 and its siblings).
@@ -75,6 +78,11 @@ run_step() {
       local args_var="ARGS_$step" extra
       read -ra extra <<< "${!args_var:-}"
       cmd=("$python" "benchmarks/$step.py" --out "$out" "${extra[@]}") ;;
+    collectives_cmdbuf | all_to_allv_cmdbuf | launch_floor_cmdbuf)
+      local args_var="ARGS_$step" extra
+      read -ra extra <<< "${!args_var:-}"
+      cmd=(env "XLA_FLAGS=--xla_gpu_enable_command_buffer=+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+           "$python" "benchmarks/${step%_cmdbuf}.py" --out "$out" "${extra[@]}") ;;
     *) echo "== $step: unknown step" | tee "$out/$step.log"; return ;;
   esac
   echo "== $step (limit ${limit} s): ${cmd[*]}"
