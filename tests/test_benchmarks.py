@@ -71,3 +71,26 @@ def test_routing_kernel_timer_compiles(tmp_path):
                            os.path.join(root, "tools", "time_routing_kernels.cu"), "-o", str(tmp_path / "timer")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_ab_summary_lines_up_rows_across_runs(tmp_path):
+    """tools/ab_summary.py (the end of tools/ab_trees.sh) pairs each row of A's runs with B's by its name, in
+    run order, and leaves a row that did not finish out of the means."""
+    def write(name, medians):
+        xla_status = "ok" if medians[1] is not None else "timeout"
+        rows = [{"tokens": 16, "variant": "nx_padded", "transport": "auto", "status": "ok", "median_us": medians[0]},
+                {"tokens": 16, "variant": "xla_all_to_all", "transport": "xla", "status": xla_status,
+                 "median_us": medians[1]}]
+        (tmp_path / f"all_to_allv_{name}.json").write_text(json.dumps({"rows": rows}))
+
+    write("a1", (10.0, 20.0))
+    write("b1", (12.0, 21.0))
+    write("a2", (11.0, 22.0))
+    write("b2", (13.0, None))
+    tool = os.path.join(os.path.dirname(BENCHMARKS), "tools", "ab_summary.py")
+    done = subprocess.run([sys.executable, tool, str(tmp_path), "all_to_allv"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lines = {line.split(" | ")[0]: line for line in done.stdout.splitlines() if line.startswith("| 16")}
+    assert lines["| 16, nx_padded, auto"] == "| 16, nx_padded, auto | 10.0 / 11.0 | 12.0 / 13.0 | 10.5 | 12.5 | 1.190 |"
+    assert lines["| 16, xla_all_to_all, xla"] == ("| 16, xla_all_to_all, xla | 20.0 / 22.0 | 21.0 / - | 21.0 | 21.0 "
+                                                  "| 1.000 |")
