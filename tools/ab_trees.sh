@@ -48,7 +48,7 @@ for round in $(seq 1 "$rounds"); do
   for side in a b; do
     commit_var="${side^^}_COMMIT"
     name="${benchmark}_${side}${round}"
-    imported=$(PYTHONPATH="$work/$side" "$python" -c "import jax_ncclx, os; print(os.path.dirname(jax_ncclx.__file__))")
+    imported=$(PYTHONPATH="$work/$side" "$python" -P -c "import jax_ncclx, os; print(os.path.dirname(jax_ncclx.__file__))")
     if [ "$imported" != "$work/$side/jax_ncclx" ]; then
       echo "== $name would import $imported, not $work/$side/jax_ncclx: stopping" >&2
       exit 1
