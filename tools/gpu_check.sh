@@ -74,15 +74,13 @@ run_step() {
                    -k many_zeros)
       cmd=(bash -c "${sanitizer[*]} ${cases[*]} && JAX_NCCLX_NVLINK_DIRECT=0 ${sanitizer[*]} ${cases[*]} &&
                     ${sanitizer[*]} ${once[*]} && ${sanitizer[*]} ${zeros[*]}") ;;
-    startup | collectives | all_to_allv | launch_floor)
+    startup | collectives | all_to_allv | launch_floor | collectives_cmdbuf | all_to_allv_cmdbuf | launch_floor_cmdbuf)
       local args_var="ARGS_$step" extra
       read -ra extra <<< "${!args_var:-}"
-      cmd=("$python" "benchmarks/$step.py" --out "$out" "${extra[@]}") ;;
-    collectives_cmdbuf | all_to_allv_cmdbuf | launch_floor_cmdbuf)
-      local args_var="ARGS_$step" extra
-      read -ra extra <<< "${!args_var:-}"
-      cmd=(env "XLA_FLAGS=--xla_gpu_enable_command_buffer=+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
-           "$python" "benchmarks/${step%_cmdbuf}.py" --out "$out" "${extra[@]}") ;;
+      cmd=("$python" "benchmarks/${step%_cmdbuf}.py" --out "$out" "${extra[@]}")
+      if [ "$step" != "${step%_cmdbuf}" ]; then  # XLA reads its flags when JAX starts: set them for the process
+        cmd=(env "XLA_FLAGS=--xla_gpu_enable_command_buffer=+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1" "${cmd[@]}")
+      fi ;;
     *) echo "== $step: unknown step" | tee "$out/$step.log"; return ;;
   esac
   echo "== $step (limit ${limit} s): ${cmd[*]}"
