@@ -72,15 +72,16 @@ class Patience {
   // (when not null) receives the flag's last value, note included.
   __device__ bool AtLeast(const uint64_t* flag, uint64_t value, int peer, uint64_t* seen = nullptr) {
     uint64_t flag_value = LoadAcquire(flag);
+    bool reached = true;
     for (uint32_t spins = 1; (flag_value & ~kFlagNote) < value; ++spins) {
       if (spins % kSpinsPerCheck == 0 && !KeepWaiting(peer)) {
-        if (seen != nullptr) *seen = flag_value;
-        return false;
+        reached = false;
+        break;
       }
       flag_value = LoadAcquire(flag);
     }
     if (seen != nullptr) *seen = flag_value;
-    return true;
+    return reached;
   }
 
   // Waits until the low-latency word at `word` (written by `peer`) carries `tag`, and returns its payload

@@ -250,13 +250,13 @@ enum class Emit { kNone, kSlot, kRecvCounts };
 // Plans tile [tile, tile + size) of this rank's sends to `peer` into shared, one thread per batch element: the
 // first input row and the rows delivered, in the direct packed layout the rows from earlier sources and from all
 // sources at the peer, and the zero rows after the tile's rows. Writes what reaches the peer where `emit` says,
-// and with `dropped` (piece 0) this rank's dropped rows for the peer. `staged`: the tile's send counts are in
+// and with `dropped` (piece 0) this rank's dropped rows for the peer. `counts_in_shared`: the tile's send counts are in
 // shared memory already.
 __device__ void PlanTile(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int64_t tile,
-                         int64_t size, Emit emit, bool dropped, bool staged) {
+                         int64_t size, Emit emit, bool dropped, bool counts_in_shared) {
   const AllToAllvShape& s = args.shape;
   const bool direct_packed = args.direct && args.packed;
-  const TileCounts counts(args, shared, parity, tile, size, peer, !staged, /*with_slots=*/direct_packed);
+  const TileCounts counts(args, shared, parity, tile, size, peer, !counts_in_shared, /*with_slots=*/direct_packed);
   if (threadIdx.x == 0) shared.zero_rows = 0;
   __syncthreads();
   if (threadIdx.x < size) {
@@ -328,12 +328,12 @@ __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
   const int64_t tile_size = TileCounts::TileSize(s);
   for (int64_t tile = 0; tile < s.batch; tile += tile_size) {
     const int64_t size = min(tile_size, s.batch - tile);
-    const bool staged = planned && tile == 0;
-    const Emit emit = first_piece && args.direct ? Emit::kRecvCounts
-                      : !staged && !args.direct  ? Emit::kSlot
-                                                 : Emit::kNone;
-    if (!staged || emit == Emit::kRecvCounts) {
-      PlanTile(args, shared, parity, peer, tile, size, emit, first_piece && !staged, staged);
+    const bool planned_tile = planned && tile == 0;
+    const Emit emit = first_piece && args.direct     ? Emit::kRecvCounts
+                      : !planned_tile && !args.direct ? Emit::kSlot
+                                                      : Emit::kNone;
+    if (!planned_tile || emit == Emit::kRecvCounts) {
+      PlanTile(args, shared, parity, peer, tile, size, emit, first_piece && !planned_tile, planned_tile);
     }
     leaves_zeros = LeavesZeros(args, shared, peer);
     const bool with_zeros = args.direct && !leaves_zeros;
@@ -475,7 +475,7 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
   if (plan_early && static_cast<int>(blockIdx.x) < jobs) {
     PlanTile(args, shared, parity, SendPeer(args, static_cast<int>(blockIdx.x)), 0, args.shape.batch,
              args.direct ? Emit::kNone : Emit::kSlot, /*dropped=*/static_cast<int>(blockIdx.x) < num_peers,
-             /*staged=*/false);
+             /*counts_in_shared=*/false);
   }
   // Consecutive blocks serve different peers. Blocks of neighbouring indices share parts of the chip, and
   // when each run of them served one peer (or the local copy) the exchange took 16% longer at T = 4096 on
