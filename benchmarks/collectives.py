@@ -7,10 +7,11 @@ each rank's input: all_reduce reduces that buffer, all_gather gathers N of them,
 blocks (rounded up to a multiple of N elements). Results go to <out>/collectives.{json,md,png}.
 
 Implementations: xla (jax.lax), nx (jax_ncclx with its default thresholds), nx-oneshot / nx-twoshot (the NVLink
-kernels forced at every size; two-shot is all_reduce only), nx-ll / nx-ll128 / nx-simple (one-shot segments up to
-64 KiB in that protocol at every size, instead of the default LL below 8 KiB and LL128 from there:
-JAX_NCCLX_NVLINK_PROTOCOL), nx-nccl
-(JAX_NCCLX_TRANSPORT=nccl); and what
+kernels forced at every size; two-shot is all_reduce only), nx-staged / nx-twoshot-staged (the same as nx /
+nx-twoshot with JAX_NCCLX_NVLINK_DIRECT=0: data goes through the peers' symmetric slots, as one process per GPU
+does, not straight into their outputs), nx-ll / nx-ll128 / nx-simple (one-shot segments up to 64 KiB in that
+protocol at every size, instead of the default LL below 8 KiB and LL128 from there: JAX_NCCLX_NVLINK_PROTOCOL),
+nx-nccl (JAX_NCCLX_TRANSPORT=nccl); and what
 tracing and timeouts cost: nx-traced / nx-nccl-traced (JAX_NCCLX_TRACE=1), nx-nccl-nowatch (NCCL without the
 watchdog's two CUDA events per call: JAX_NCCLX_TIMEOUT_S=0).
 
@@ -69,6 +70,9 @@ IMPLS = {  # name -> JAX_NCCLX_* settings while its programs compile (None: jax.
                    "JAX_NCCLX_NVLINK_MAX_BYTES": EVERYTHING},
     "nx-twoshot": {"JAX_NCCLX_TRANSPORT": "nvlink", "JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES": "0",
                    "JAX_NCCLX_NVLINK_MAX_BYTES": EVERYTHING},
+    "nx-staged": {"JAX_NCCLX_NVLINK_DIRECT": "0"},
+    "nx-twoshot-staged": {"JAX_NCCLX_TRANSPORT": "nvlink", "JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES": "0",
+                          "JAX_NCCLX_NVLINK_MAX_BYTES": EVERYTHING, "JAX_NCCLX_NVLINK_DIRECT": "0"},
     "nx-ll": {"JAX_NCCLX_NVLINK_PROTOCOL": "ll"},
     "nx-ll128": {"JAX_NCCLX_NVLINK_PROTOCOL": "ll128"},
     "nx-simple": {"JAX_NCCLX_NVLINK_PROTOCOL": "simple"},
@@ -119,7 +123,7 @@ def one_op(op: str, impl: str, x):
 
 
 def applies(impl: str, op: str) -> bool:
-    return impl != "nx-twoshot" or op == "all_reduce"
+    return not impl.startswith("nx-twoshot") or op == "all_reduce"
 
 
 @contextlib.contextmanager
@@ -313,7 +317,8 @@ def notes(config: dict) -> str:
         "- **bus GB/s**: as nccl-tests: all_reduce moves 2(N-1)/N of the buffer per rank, all_gather (N-1)/N of "
         "the gathered buffer, all_to_all (N-1)/N of the input.",
         "- **impl**: xla = jax.lax; nx = jax_ncclx with its default thresholds; nx-oneshot / nx-twoshot = its "
-        "NVLink kernels forced at every size; nx-ll / nx-ll128 / nx-simple = one-shot segments up to 64 KiB in that "
+        "NVLink kernels forced at every size; nx-staged / nx-twoshot-staged = the same through the peers' "
+        "symmetric slots, not into their outputs (JAX_NCCLX_NVLINK_DIRECT=0); nx-ll / nx-ll128 / nx-simple = one-shot segments up to 64 KiB in that "
         "protocol at every size (JAX_NCCLX_NVLINK_PROTOCOL; nx: LL below 8 KiB, LL128 from there); "
         "nx-nccl = JAX_NCCLX_TRANSPORT=nccl; nx-traced / nx-nccl-traced = "
         "the same with JAX_NCCLX_TRACE=1 (every call recorded); nx-nccl-nowatch = NCCL without the watchdog's "

@@ -147,7 +147,7 @@ def test_nvlink_protocol_setting_and_its_slots(monkeypatch):
         return  # the slot sizes come from the CUDA module, built where nvcc is
 
     def slots(protocol, nbytes, op="all_reduce", size=4):
-        return cuda.nvlink_collective_bytes(op, 1, protocol, nbytes, size, 4)
+        return cuda.nvlink_collective_bytes(op, 1, protocol, nbytes, size, 4, False)
 
     words_area, lines_area = 4 * 2 * 65536, 4 * 70144  # per source: 547 lines of 128 B (65536 / 120 up)
     assert slots(ll, 8) == 4 * 256 and slots(ll, 65536) == words_area   # LL words come first
@@ -156,8 +156,11 @@ def test_nvlink_protocol_setting_and_its_slots(monkeypatch):
     assert slots(simple, 8) == words_area + lines_area + 4 * 256
     assert slots(ll128, 65540) == slots(ll, 65540) == slots(simple, 65540) == words_area + lines_area + 4 * 65792
     assert slots(ll128, 6) == slots(simple, 6)
+    # two-shot: 4 reduce-scatter slots of a quarter of 1 MiB each, and as many all-gather slots unless direct
+    two_shot = [cuda.nvlink_collective_bytes("all_reduce", 2, simple, 1 << 20, 4, 4, d) for d in (False, True)]
+    assert two_shot == [words_area + lines_area + 8 * (1 << 18), words_area + lines_area + 4 * (1 << 18)]
     with pytest.raises(ValueError, match="protocol 3"):
-        cuda.nvlink_collective_bytes("all_reduce", 1, 3, 8, 4, 4)
+        cuda.nvlink_collective_bytes("all_reduce", 1, 3, 8, 4, 4, False)
 
 
 def test_build_info():

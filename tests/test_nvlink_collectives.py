@@ -1,7 +1,7 @@
 """The NVLink kernels of all_reduce / all_gather / all_to_all (GPU only).
 
 Each algorithm and one-shot protocol (LL128 lines, LL words, simple; forced through the thresholds and
-JAX_NCCLX_NVLINK_PROTOCOL) against an exact NumPy reference for every size class and dtype:
+JAX_NCCLX_NVLINK_PROTOCOL; two-shot's all-gather into the peers' outputs and through slots) against an exact NumPy reference for every size class and dtype:
 all_reduce sums in rank order with 16-bit floats accumulated in float32 and rounded once, so the expected bits
 are known exactly, and every rank must hold the same bits. Flags and slots are reused over thousands of calls
 that mix ops and algorithms in one program, and the lowering picks the algorithm by size. Sub-communicators of a
@@ -24,9 +24,10 @@ pytestmark = pytest.mark.gpu
 
 EVERYTHING = str(1 << 40)
 PROTOCOLS = ("ll128", "ll", "simple")
-ALGORITHMS = {  # param -> (one-shot max bytes, NVLink max bytes, one-shot protocol)
-    **{f"one-shot-{protocol}": (EVERYTHING, EVERYTHING, protocol) for protocol in PROTOCOLS},
-    "two-shot": ("0", EVERYTHING, "ll128"),
+ALGORITHMS = {  # param -> (one-shot max bytes, NVLink max bytes, one-shot protocol, JAX_NCCLX_NVLINK_DIRECT)
+    **{f"one-shot-{protocol}": (EVERYTHING, EVERYTHING, protocol, "1") for protocol in PROTOCOLS},
+    "two-shot": ("0", EVERYTHING, "ll128", "1"),            # the all-gather writes into the peers' outputs
+    "two-shot-staged": ("0", EVERYTHING, "ll128", "0"),     # through slots, as one process per GPU does
 }
 # Elements per rank: one, odd counts (scalar path, short last chunks and lines; 16-bit odd counts are not
 # whole 4-byte words, so they go simple), 16 and 64 KiB of f32 (64 KiB: the largest one-shot call sent as LL128
@@ -47,8 +48,9 @@ def gpus(monkeypatch):
 
 @pytest.fixture(params=ALGORITHMS)
 def algorithm(request, monkeypatch):
-    """all_reduce's algorithm (and one-shot protocol), forced for every size."""
-    oneshot_max, nvlink_max, protocol = ALGORITHMS[request.param]
+    """all_reduce's algorithm (and one-shot protocol, or two-shot's all-gather), forced for every size."""
+    oneshot_max, nvlink_max, protocol, direct = ALGORITHMS[request.param]
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_DIRECT", direct)
     monkeypatch.setenv("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES", oneshot_max)
     monkeypatch.setenv("JAX_NCCLX_NVLINK_MAX_BYTES", nvlink_max)
     monkeypatch.setenv("JAX_NCCLX_NVLINK_PROTOCOL", protocol)

@@ -327,7 +327,7 @@ std::tuple<int64_t, int64_t> AllToAllvSymmetricBytes(int64_t batch, int64_t num_
 }
 
 int64_t NvlinkCollectiveBytes(const std::string& op, int algorithm, int protocol, int64_t bytes, int size,
-                              int element_bytes) {
+                              int element_bytes, bool direct) {
   NvlinkCollective collective;
   if (op == "all_reduce") {
     collective = NvlinkCollective::kAllReduce;
@@ -350,7 +350,7 @@ int64_t NvlinkCollectiveBytes(const std::string& op, int algorithm, int protocol
     throw std::invalid_argument("nvlink_collective_bytes: bad sizes");
   }
   return NvlinkCollectiveSlotBytes(collective, static_cast<NvlinkAlgorithm>(algorithm),
-                                   static_cast<NvlinkProtocol>(protocol), bytes, size, element_bytes);
+                                   static_cast<NvlinkProtocol>(protocol), bytes, size, element_bytes, direct);
 }
 
 int NcclVersion() {
@@ -444,10 +444,11 @@ NB_MODULE(_ncclx_cuda, m) {
       },
       "(host launches, launches recorded into CUDA graphs) of every NVLink handler.");
   m.def("nvlink_collective_bytes", &jn::NvlinkCollectiveBytes, nb::arg("op"), nb::arg("algorithm"),
-        nb::arg("protocol"), nb::arg("bytes"), nb::arg("size"), nb::arg("element_bytes"),
+        nb::arg("protocol"), nb::arg("bytes"), nb::arg("size"), nb::arg("element_bytes"), nb::arg("direct"),
         "Low-latency slot bytes per call parity that the NVLink kernel of `op` ('all_reduce', 'all_gather',\n"
         "'all_to_all') needs for `bytes` of input per rank on `size` ranks; algorithm 1 one-shot, 2 two-shot;\n"
-        "protocol (one-shot) 0 LL128, 1 LL, 2 simple.");
+        "protocol (one-shot) 0 LL128, 1 LL, 2 simple; direct: the two-shot all-gather writes into the peers'\n"
+        "outputs (no all-gather slots).");
   jn::DefineMonitorBindings(m, jn::ResolveCallRecord, jn::ResetTraceAnchors);
   m.def(
       "faults",

@@ -15,6 +15,7 @@ Decided while the program is lowered, from the static shapes, the communicator a
 
 import logging
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -48,6 +49,12 @@ def symmetric_memory_ready(op: str, comm_id: int, *, staging_bytes: int = 0, slo
     return not reason
 
 
+def writes_direct(settings: config.Config) -> bool:
+    """Whether NVLink kernels write straight into the peers' outputs: ``nvlink_direct`` is on and one process
+    drives every GPU (peers in other processes are reached through their symmetric memory only)."""
+    return settings.nvlink_direct and jax.process_count() == 1
+
+
 def oneshot_protocol(op: str, nbytes: int, size: int, settings: config.Config) -> int:
     """The protocol attribute of a one-shot call of ``nbytes`` per rank on ``size`` GPUs (0 LL128, 1 LL,
     2 simple): the one ``nvlink_protocol`` names, or with "auto" LL below :func:`config.ll128_min_bytes` per
@@ -63,7 +70,7 @@ def oneshot_protocol(op: str, nbytes: int, size: int, settings: config.Config) -
 def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
     """The route of one all_reduce / all_gather / all_to_all call site: ``ctx`` is its lowering context, ``size``
     its communicator's size. The NVLink handlers take the op's own attributes plus ``protocol``, ``blocks`` and
-    (all_reduce) ``algorithm``."""
+    (all_reduce) ``algorithm`` and ``direct``."""
     x = ctx.avals_in[0]
     nbytes = int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
     settings = config.current()
@@ -77,12 +84,13 @@ def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
         return nccl
     algorithm = ONE_SHOT if op != "all_reduce" or nbytes <= oneshot_max else TWO_SHOT
     protocol = oneshot_protocol(op, nbytes, size, settings)
+    direct = writes_direct(settings)
     slots = lib.cuda_module().nvlink_collective_bytes(op, algorithm, protocol, nbytes, size,
-                                                      np.dtype(x.dtype).itemsize)
+                                                      np.dtype(x.dtype).itemsize, direct)
     if not symmetric_memory_ready(op, comm_id, slot_bytes=slots):
         return nccl
     route_attrs = dict(protocol=np.int64(protocol), blocks=np.int64(settings.nvlink_blocks))
     if op == "all_reduce":
-        route_attrs["algorithm"] = np.int64(algorithm)
+        route_attrs.update(algorithm=np.int64(algorithm), direct=np.int64(direct))
     return CudaRoute(f"ncclx_{op}_nvlink", route_attrs)
 

@@ -74,8 +74,8 @@ ffi::Error Launch(std::string_view op, cudaStream_t stream, int32_t device_ordin
   args.table = symmetric.table;
   args.control = symmetric.control;
   if (args.bytes == 0) return ffi::Error::Success();
-  const int64_t need =
-      NvlinkCollectiveSlotBytes(args.op, args.algorithm, args.protocol, args.bytes, args.size, args.element_bytes);
+  const int64_t need = NvlinkCollectiveSlotBytes(args.op, args.algorithm, args.protocol, args.bytes, args.size,
+                                                 args.element_bytes, args.direct);
   if (need > symmetric.parity_half_bytes) {
     return Internal(op, "the symmetric low-latency slots hold " + std::to_string(symmetric.parity_half_bytes) +
                             " bytes per call parity but this call needs " + std::to_string(need) +
@@ -95,7 +95,8 @@ ffi::Error Launch(std::string_view op, cudaStream_t stream, int32_t device_ordin
 
 ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                         int64_t trace, int64_t reduce_op, int64_t algorithm, int64_t protocol, int64_t blocks) {
+                         int64_t trace, int64_t reduce_op, int64_t algorithm, int64_t protocol, int64_t blocks,
+                         int64_t direct) {
   const CallAttrs call = MakeCallAttrs(site, timeout_ms, trace);
   constexpr std::string_view kOp = "all_reduce";
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
@@ -112,11 +113,15 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
       algorithm != static_cast<int64_t>(NvlinkAlgorithm::kTwoShot)) {
     return InvalidArgument(kOp, "algorithm is " + std::to_string(algorithm) + ", expected 1 (one-shot) or 2 (two-shot)");
   }
+  if (direct == 1 && !symmetric->same_process) {
+    return InvalidArgument(kOp, "direct is 1 but the communicator's ranks are not all in this process");
+  }
   ffi::ErrorOr<NvlinkCollectiveArgs> args = ArgsFor(kOp, NvlinkCollective::kAllReduce, x, *y, call, protocol);
   if (args.has_error()) return args.error();
   args->algorithm = static_cast<NvlinkAlgorithm>(algorithm);
   args->reduce = static_cast<ReduceOp>(reduce_op);
   args->reduce_type = *type;
+  args->direct = direct == 1;
   return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, *args, blocks);
 }
 
@@ -156,7 +161,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllReduce, AllReduceImpl,
                                   .Attr<int64_t>("reduce_op")  // 0 sum, 1 max, 2 min
                                   .Attr<int64_t>("algorithm")  // 1 one-shot, 2 two-shot
                                   .Attr<int64_t>("protocol")   // 0 LL128, 1 LL, 2 simple (one-shot)
-                                  .Attr<int64_t>("blocks"),    // 0 = by size
+                                  .Attr<int64_t>("blocks")     // 0 = by size
+                                  .Attr<int64_t>("direct"),    // 1 = two-shot writes into the peers' outputs
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllGather, AllGatherImpl,

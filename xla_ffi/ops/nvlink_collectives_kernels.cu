@@ -2,7 +2,8 @@
 // protocols).
 //
 // Slots: in every rank's data region, the half of call parity p holds one slot per source rank, 256-byte
-// aligned and laid out the same on every rank (two-shot: N reduce-scatter slots, then N all-gather slots).
+// aligned and laid out the same on every rank (two-shot: N reduce-scatter slots, then, unless the all-gather
+// writes into the peers' outputs (direct), N all-gather slots).
 // A block b of the grid owns the same byte range of every slot on every rank; with the simple protocol it
 // writes its range into the peers, raises flag arrived[rank][b] on each, and waits for arrived[peer][b] from
 // each before reading the range it received. Blocks never wait for other blocks of their own rank.
@@ -67,12 +68,12 @@ struct SlotLayout {
   int64_t segment_bytes = 0;   // one-shot: what each source sends each rank
   int64_t chunk_bytes = 0;     // two-shot: bytes of chunk j (the last one may be shorter), a multiple of 16
   int64_t slot_stride = 0;     // between the slots of consecutive sources, a multiple of 256
-  int64_t gather_offset = 0;   // two-shot: where the all-gather slots start
+  int64_t gather_offset = 0;   // two-shot, not direct: where the all-gather slots start
   int64_t half_bytes = 0;      // what the call needs of each parity half
 };
 
 SlotLayout LayOutSlots(NvlinkCollective op, NvlinkAlgorithm algorithm, NvlinkProtocol protocol, int64_t bytes,
-                       int size, int element_bytes) {
+                       int size, int element_bytes, bool direct) {
   SlotLayout layout;
   const int64_t simple_base = WordsArea(size) + LinesArea(size);
   if (algorithm == NvlinkAlgorithm::kTwoShot) {
@@ -84,7 +85,7 @@ SlotLayout LayOutSlots(NvlinkCollective op, NvlinkAlgorithm algorithm, NvlinkPro
     layout.base = simple_base;
     layout.slot_stride = Align256(layout.chunk_bytes);
     layout.gather_offset = size * layout.slot_stride;
-    layout.half_bytes = layout.base + 2 * size * layout.slot_stride;
+    layout.half_bytes = layout.base + (direct ? 1 : 2) * size * layout.slot_stride;
     return layout;
   }
   const int64_t segment = op == NvlinkCollective::kAllToAll ? bytes / size : bytes;
@@ -159,13 +160,24 @@ __device__ __forceinline__ void RaiseFlags(const Call& call, int flag, uint64_t 
   }
 }
 
-// A flag that never comes makes the wait give up (Patience); the block then goes on with stale slots.
-__device__ __forceinline__ void WaitFlags(const Call& call, int flag, uint64_t epoch, Patience& patience) {
+// Whether every peer's flag came. One that never comes makes the wait give up (Patience); the block then goes
+// on with stale slots.
+__device__ __forceinline__ bool WaitFlags(const Call& call, int flag, uint64_t epoch, Patience& patience) {
+  const int peer = threadIdx.x;
+  bool came = true;
+  if (peer < call.args.size && peer != call.args.rank) {
+    came = patience.AtLeast(&call.args.control->arrived[peer][flag], epoch, peer);
+  }
+  return !__syncthreads_or(!came);
+}
+
+// Direct two-shot: tells every peer where this rank's output is. The thread that writes a peer's entry raises
+// the block's flags on that peer (RaiseFlags), so the address is there before the flag.
+__device__ __forceinline__ void PublishOutput(const Call& call) {
   const int peer = threadIdx.x;
   if (peer < call.args.size && peer != call.args.rank) {
-    patience.AtLeast(&call.args.control->arrived[peer][flag], epoch, peer);
+    call.args.table->control[peer]->output[call.args.rank] = reinterpret_cast<uint64_t>(call.args.y);
   }
-  __syncthreads();
 }
 
 // ---- reductions --------------------------------------------------------------------------------------------
@@ -488,7 +500,9 @@ __global__ void __launch_bounds__(kLineThreads) OneShotLinesKernel(Call call, Tr
   FinishCall(args.control, epoch, state.ticket, trace, kernel);
 }
 
-// Reduce-scatter then all-gather, both through the slots: rank j owns chunk j.
+// Reduce-scatter through the slots, then all-gather: rank j owns chunk j. Direct: rank j writes its reduced
+// chunk straight into every peer's output; a peer's address comes with its reduce-scatter flag, which this
+// block has seen before it writes (the address is that of the peer's output in this call).
 template <typename V, typename Op>
 __global__ void __launch_bounds__(kThreads) TwoShotKernel(Call call, TraceKernel kernel) {
   const NvlinkCollectiveArgs& args = call.args;
@@ -507,25 +521,34 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(Call call, TraceKernel
   const V* x = static_cast<const V*>(args.x);
   V* y = static_cast<V*>(args.y);
 
+  if (args.direct) PublishOutput(call);
   for (int k = 1; k < n; ++k) {
     const int peer = (me + k) % n;
     BlockCopy<V, false, kThreads>(Slot<V>(call, peer, parity, me), x + peer * chunk, lo, end_in(peer));
   }
   RaiseFlags(call, blockIdx.x, epoch);
-  WaitFlags(call, blockIdx.x, epoch, state.patience);
+  const bool peers_sent = WaitFlags(call, blockIdx.x, epoch, state.patience);
 
   const V* sources[kMaxNvlinkRanks];
   for (int s = 0; s < n; ++s) sources[s] = s == me ? x + me * chunk : Slot<V>(call, me, parity, s);
   V* outputs[kMaxNvlinkRanks];
-  outputs[0] = y + me * chunk;
-  for (int k = 1; k < n; ++k) outputs[k] = Slot<V>(call, (me + k) % n, parity, me, call.slots.gather_offset);
-  Op::Range(sources, n, outputs, n, lo, end_in(me));
+  int num_outputs = 0;
+  outputs[num_outputs++] = y + me * chunk;
+  for (int k = 1; k < n; ++k) {
+    const int peer = (me + k) % n;
+    if (!args.direct) {
+      outputs[num_outputs++] = Slot<V>(call, peer, parity, me, call.slots.gather_offset);
+    } else if (peers_sent) {  // after a wait that gave up, an address may be a past call's: write no peer
+      outputs[num_outputs++] = reinterpret_cast<V*>(args.control->output[peer]) + me * chunk;
+    }
+  }
+  Op::Range(sources, n, outputs, num_outputs, lo, end_in(me));
   RaiseFlags(call, kGatherFlag + blockIdx.x, epoch);
   if (threadIdx.x == 0) trace.Sent();
   WaitFlags(call, kGatherFlag + blockIdx.x, epoch, state.patience);
   if (threadIdx.x == 0) trace.DataArrived();
 
-  for (int k = 1; k < n; ++k) {
+  for (int k = 1; !args.direct && k < n; ++k) {
     const int source = (me + k) % n;
     BlockCopy<V, true, kThreads>(y + source * chunk, Slot<V>(call, me, parity, source, call.slots.gather_offset), lo,
                        end_in(source));
@@ -589,13 +612,13 @@ cudaError_t LaunchReduceType(const Call& call, int blocks, cudaStream_t stream) 
 }  // namespace
 
 int64_t NvlinkCollectiveSlotBytes(NvlinkCollective op, NvlinkAlgorithm algorithm, NvlinkProtocol protocol,
-                                  int64_t bytes, int size, int element_bytes) {
-  return LayOutSlots(op, algorithm, protocol, bytes, size, element_bytes).half_bytes;
+                                  int64_t bytes, int size, int element_bytes, bool direct) {
+  return LayOutSlots(op, algorithm, protocol, bytes, size, element_bytes, direct).half_bytes;
 }
 
 int ChooseNvlinkCollectiveBlocks(const NvlinkCollectiveArgs& args, int requested, int sm_count) {
   const SlotLayout slots =
-      LayOutSlots(args.op, args.algorithm, args.protocol, args.bytes, args.size, args.element_bytes);
+      LayOutSlots(args.op, args.algorithm, args.protocol, args.bytes, args.size, args.element_bytes, args.direct);
   const bool two_shot = args.algorithm == NvlinkAlgorithm::kTwoShot;
   const int64_t range_bytes = two_shot ? slots.chunk_bytes : slots.segment_bytes;
   int64_t by_size = (range_bytes + kBytesPerBlock - 1) / kBytesPerBlock;
@@ -610,7 +633,7 @@ int ChooseNvlinkCollectiveBlocks(const NvlinkCollectiveArgs& args, int requested
 
 cudaError_t LaunchNvlinkCollective(const NvlinkCollectiveArgs& args, int blocks, cudaStream_t stream) {
   const Call call{args, LayOutSlots(args.op, args.algorithm, args.protocol, args.bytes, args.size,
-                                    args.element_bytes)};
+                                    args.element_bytes, args.direct)};
   if (args.op != NvlinkCollective::kAllReduce) {
     const int64_t segment = call.slots.segment_bytes;
     auto fits = [&](int64_t width) {

@@ -6,8 +6,10 @@
 //   one-shot:  every rank writes its input (all_to_all: block j of it) into slot `rank` of every peer, raises
 //              its flag there, waits for all peers' flags, and builds its output from the slots it received
 //              (all_reduce: reduces them in rank order, so every rank gets the same bits);
-//   two-shot:  (all_reduce) reduce-scatter then all-gather through the slots: rank j reduces chunk j of all
-//              inputs and writes the result into every peer; half the traffic of one-shot per rank.
+//   two-shot:  (all_reduce) reduce-scatter then all-gather: rank j reduces chunk j of all inputs (sent to it
+//              through the slots) and writes the result into every peer; half the traffic of one-shot per
+//              rank. With every rank in this process ("direct") the result goes straight into the peers'
+//              outputs, whose addresses they publish as they send; otherwise into slots, copied out after.
 //
 // One-shot segments (what one rank sends one peer) travel in one of three protocols, named as NCCL's:
 //   LL:      8-byte words of 4 payload bytes and a 4-byte tag: twice the bytes, the lowest latency, and it
@@ -51,6 +53,7 @@ struct NvlinkCollectiveArgs {
   int rank = 0;
   int size = 1;
   int64_t bytes = 0;  // of x on each rank (all_to_all: N blocks of bytes / N)
+  bool direct = false;  // two-shot: write the all-gather into the peers' outputs (every rank in this process)
   bool trace = false;
   int64_t site = 0;         // call site, for the fault record
   uint64_t timeout_ns = 0;  // how long a wait for a peer may last (device_sync.cuh, Patience)
@@ -62,7 +65,7 @@ struct NvlinkCollectiveArgs {
 
 // Bytes of low-latency slots per call parity (PeerTable::parity_half_bytes) a call needs, a multiple of 256.
 int64_t NvlinkCollectiveSlotBytes(NvlinkCollective op, NvlinkAlgorithm algorithm, NvlinkProtocol protocol,
-                                  int64_t bytes, int size, int element_bytes);
+                                  int64_t bytes, int size, int element_bytes, bool direct);
 
 // Thread blocks for a call: `requested` (0 = by size), capped by the flags and the SMs.
 int ChooseNvlinkCollectiveBlocks(const NvlinkCollectiveArgs& args, int requested, int sm_count);

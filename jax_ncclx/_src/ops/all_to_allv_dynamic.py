@@ -171,7 +171,7 @@ def _cuda_route(ctx, comm_id, size, *, capacity, packed):
     features = _row_features(x.shape, send_rows_and_suffix[1:])
     row_bytes = int(np.prod(features, dtype=np.int64)) * np.dtype(x.dtype).itemsize
     settings = config.current()
-    direct = settings.nvlink_direct and jax.process_count() == 1
+    direct = nvlink.writes_direct(settings)
     if settings.transport != "nccl":
         staging, slots = lib.cuda_module().all_to_allv_symmetric_bytes(batch, size, chunks, capacity, row_bytes,
                                                                        direct)
