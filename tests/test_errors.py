@@ -156,9 +156,17 @@ def test_nvlink_protocol_setting_and_its_slots(monkeypatch):
     assert slots(simple, 8) == words_area + lines_area + 4 * 256
     assert slots(ll128, 65540) == slots(ll, 65540) == slots(simple, 65540) == words_area + lines_area + 4 * 65792
     assert slots(ll128, 6) == slots(simple, 6)
-    # two-shot: 4 reduce-scatter slots of a quarter of 1 MiB each, and as many all-gather slots unless direct
-    two_shot = [cuda.nvlink_collective_bytes("all_reduce", 2, simple, 1 << 20, 4, 4, d) for d in (False, True)]
-    assert two_shot == [words_area + lines_area + 8 * (1 << 18), words_area + lines_area + 4 * (1 << 18)]
+    # Direct (into the peers' outputs): two-shot keeps its 4 reduce-scatter slots (a quarter of 1 MiB each) but
+    # needs no all-gather slots; simple moves need none; one-shot all_reduce reduces from its slots.
+    def direct_and_not(op, algorithm, protocol, nbytes):
+        return [cuda.nvlink_collective_bytes(op, algorithm, protocol, nbytes, 4, 4, d) for d in (True, False)]
+
+    assert direct_and_not("all_reduce", 2, simple, 1 << 20) == [words_area + lines_area + 4 * (1 << 18),
+                                                                 words_area + lines_area + 8 * (1 << 18)]
+    for op in ("all_gather", "all_to_all"):
+        assert direct_and_not(op, 1, simple, 1 << 22) == [words_area + lines_area, slots(simple, 1 << 22, op)]
+        assert direct_and_not(op, 1, ll128, 4096) == [slots(ll128, 4096, op)] * 2
+    assert direct_and_not("all_reduce", 1, simple, 1 << 20) == [slots(simple, 1 << 20)] * 2
     with pytest.raises(ValueError, match="protocol 3"):
         cuda.nvlink_collective_bytes("all_reduce", 1, 3, 8, 4, 4, False)
 

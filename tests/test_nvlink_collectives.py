@@ -1,9 +1,10 @@
 """The NVLink kernels of all_reduce / all_gather / all_to_all (GPU only).
 
 Each algorithm and one-shot protocol (LL128 lines, LL words, simple; forced through the thresholds and
-JAX_NCCLX_NVLINK_PROTOCOL; two-shot's all-gather into the peers' outputs and through slots) against an exact NumPy reference for every size class and dtype:
-all_reduce sums in rank order with 16-bit floats accumulated in float32 and rounded once, so the expected bits
-are known exactly, and every rank must hold the same bits. Flags and slots are reused over thousands of calls
+JAX_NCCLX_NVLINK_PROTOCOL), with data written into the peers' outputs and through slots
+(JAX_NCCLX_NVLINK_DIRECT), against an exact NumPy reference for every size class and dtype: all_reduce sums
+in rank order with 16-bit floats accumulated in float32 and rounded once, so the expected bits are known
+exactly, and every rank must hold the same bits. Flags and slots are reused over thousands of calls
 that mix ops and algorithms in one program, and the lowering picks the algorithm by size. Sub-communicators of a
 2-D mesh go through these kernels in test_collectives.py; command buffers and one process per GPU in
 test_all_to_allv.py / test_multiprocess.py (their workers cover these ops too).
@@ -57,11 +58,20 @@ def algorithm(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=PROTOCOLS)
+MOVE_PROTOCOLS = {  # param -> (one-shot protocol, JAX_NCCLX_NVLINK_DIRECT); simple writes into the peers' outputs
+    **{protocol: (protocol, "1") for protocol in PROTOCOLS},
+    "simple-staged": ("simple", "0"),
+}
+
+
+@pytest.fixture(params=MOVE_PROTOCOLS)
 def nvlink_any_size(request, monkeypatch):
-    """all_gather / all_to_all (one-shot only) take their NVLink kernel at every size, in each protocol."""
+    """all_gather / all_to_all (one-shot only) take their NVLink kernel at every size, in each protocol, and
+    simple calls both into the peers' outputs and through slots."""
+    protocol, direct = MOVE_PROTOCOLS[request.param]
     monkeypatch.setenv("JAX_NCCLX_NVLINK_MAX_BYTES", EVERYTHING)
-    monkeypatch.setenv("JAX_NCCLX_NVLINK_PROTOCOL", request.param)
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_PROTOCOL", protocol)
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_DIRECT", direct)
     return request.param
 
 
@@ -184,11 +194,14 @@ def test_lowering_picks_the_algorithm_by_size(gpus, monkeypatch):
     assert stats and all(s["low_latency_bytes"] <= s["symmetric_data_bytes"] for s in stats)
 
 
-def test_flags_survive_thousands_of_mixed_calls(gpus, monkeypatch):
+@pytest.mark.parametrize("protocol", ["auto", "simple"])
+def test_flags_survive_thousands_of_mixed_calls(gpus, monkeypatch, protocol):
     """One program: 2000 steps, each a one-shot all_reduce, a two-shot all_reduce, an all_gather and an
-    all_to_all on the same communicator (8000 calls), checked against NumPy at the end."""
+    all_to_all on the same communicator (8000 calls), checked against NumPy at the end. In simple, the moves
+    and the two-shot all-gather write into the peers' outputs, between one-shot all_reduces through slots."""
     monkeypatch.setenv("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES", "512")
     monkeypatch.setenv("JAX_NCCLX_NVLINK_MAX_BYTES", EVERYTHING)
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_PROTOCOL", protocol)
     n, steps, k = len(gpus), 2000, 3
     mesh = jax.sharding.Mesh(np.asarray(gpus), ("x",))
 

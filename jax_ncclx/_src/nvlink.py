@@ -69,8 +69,8 @@ def oneshot_protocol(op: str, nbytes: int, size: int, settings: config.Config) -
 
 def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
     """The route of one all_reduce / all_gather / all_to_all call site: ``ctx`` is its lowering context, ``size``
-    its communicator's size. The NVLink handlers take the op's own attributes plus ``protocol``, ``blocks`` and
-    (all_reduce) ``algorithm`` and ``direct``."""
+    its communicator's size. The NVLink handlers take the op's own attributes plus ``protocol``, ``blocks``,
+    ``direct`` and (all_reduce) ``algorithm``."""
     x = ctx.avals_in[0]
     nbytes = int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
     settings = config.current()
@@ -89,8 +89,8 @@ def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
                                                       np.dtype(x.dtype).itemsize, direct)
     if not symmetric_memory_ready(op, comm_id, slot_bytes=slots):
         return nccl
-    route_attrs = dict(protocol=np.int64(protocol), blocks=np.int64(settings.nvlink_blocks))
+    route_attrs = dict(protocol=np.int64(protocol), blocks=np.int64(settings.nvlink_blocks), direct=np.int64(direct))
     if op == "all_reduce":
-        route_attrs.update(algorithm=np.int64(algorithm), direct=np.int64(direct))
+        route_attrs["algorithm"] = np.int64(algorithm)
     return CudaRoute(f"ncclx_{op}_nvlink", route_attrs)
 

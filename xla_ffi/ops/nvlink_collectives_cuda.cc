@@ -49,10 +49,15 @@ ffi::ErrorOr<NvlinkProtocol> GetProtocol(std::string_view op, int64_t protocol) 
 
 // The fields every op's call fills in the same way.
 ffi::ErrorOr<NvlinkCollectiveArgs> ArgsFor(std::string_view name, NvlinkCollective op, const ffi::AnyBuffer& x,
-                                           ffi::AnyBuffer& y, const CallAttrs& call, int64_t protocol) {
+                                           ffi::AnyBuffer& y, const CallAttrs& call, const SymmetricRank& symmetric,
+                                           int64_t protocol, int64_t direct) {
   ffi::ErrorOr<NvlinkProtocol> chosen = GetProtocol(name, protocol);
   if (chosen.has_error()) return chosen.error();
+  if (direct == 1 && !symmetric.same_process) {
+    return InvalidArgument(name, "direct is 1 but the communicator's ranks are not all in this process");
+  }
   NvlinkCollectiveArgs args;
+  args.direct = direct == 1;
   args.op = op;
   args.protocol = *chosen;
   args.element_bytes = static_cast<int>(ffi::ByteWidth(x.element_type()));
@@ -113,35 +118,33 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
       algorithm != static_cast<int64_t>(NvlinkAlgorithm::kTwoShot)) {
     return InvalidArgument(kOp, "algorithm is " + std::to_string(algorithm) + ", expected 1 (one-shot) or 2 (two-shot)");
   }
-  if (direct == 1 && !symmetric->same_process) {
-    return InvalidArgument(kOp, "direct is 1 but the communicator's ranks are not all in this process");
-  }
-  ffi::ErrorOr<NvlinkCollectiveArgs> args = ArgsFor(kOp, NvlinkCollective::kAllReduce, x, *y, call, protocol);
+  ffi::ErrorOr<NvlinkCollectiveArgs> args =
+      ArgsFor(kOp, NvlinkCollective::kAllReduce, x, *y, call, *symmetric, protocol, direct);
   if (args.has_error()) return args.error();
   args->algorithm = static_cast<NvlinkAlgorithm>(algorithm);
   args->reduce = static_cast<ReduceOp>(reduce_op);
   args->reduce_type = *type;
-  args->direct = direct == 1;
   return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, *args, blocks);
 }
 
 ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                         int64_t trace, int64_t protocol, int64_t blocks) {
+                         int64_t trace, int64_t protocol, int64_t blocks, int64_t direct) {
   constexpr std::string_view kOp = "all_gather";
   const CallAttrs call = MakeCallAttrs(site, timeout_ms, trace);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), symmetric->size * Bytes(x),
                                    RanksTimes(symmetric->size, Bytes(x))));
-  ffi::ErrorOr<NvlinkCollectiveArgs> args = ArgsFor(kOp, NvlinkCollective::kAllGather, x, *y, call, protocol);
+  ffi::ErrorOr<NvlinkCollectiveArgs> args =
+      ArgsFor(kOp, NvlinkCollective::kAllGather, x, *y, call, *symmetric, protocol, direct);
   if (args.has_error()) return args.error();
   return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, *args, blocks);
 }
 
 ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                        int64_t trace, int64_t protocol, int64_t blocks) {
+                        int64_t trace, int64_t protocol, int64_t blocks, int64_t direct) {
   constexpr std::string_view kOp = "all_to_all";
   const CallAttrs call = MakeCallAttrs(site, timeout_ms, trace);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
@@ -149,7 +152,8 @@ ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), symmetric->size));
   NCCLX_RETURN_IF_ERROR(
       CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
-  ffi::ErrorOr<NvlinkCollectiveArgs> args = ArgsFor(kOp, NvlinkCollective::kAllToAll, x, *y, call, protocol);
+  ffi::ErrorOr<NvlinkCollectiveArgs> args =
+      ArgsFor(kOp, NvlinkCollective::kAllToAll, x, *y, call, *symmetric, protocol, direct);
   if (args.has_error()) return args.error();
   return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, *args, blocks);
 }
@@ -162,19 +166,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllReduce, AllReduceImpl,
                                   .Attr<int64_t>("algorithm")  // 1 one-shot, 2 two-shot
                                   .Attr<int64_t>("protocol")   // 0 LL128, 1 LL, 2 simple (one-shot)
                                   .Attr<int64_t>("blocks")     // 0 = by size
-                                  .Attr<int64_t>("direct"),    // 1 = two-shot writes into the peers' outputs
+                                  .Attr<int64_t>("direct"),    // 1 = write into the peers' outputs where it can
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllGather, AllGatherImpl,
                               BindCudaCollective()
                                   .Attr<int64_t>("protocol")
-                                  .Attr<int64_t>("blocks"),
+                                  .Attr<int64_t>("blocks")
+                                  .Attr<int64_t>("direct"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllToAll, AllToAllImpl,
                               BindCudaCollective()
                                   .Attr<int64_t>("protocol")
-                                  .Attr<int64_t>("blocks"),
+                                  .Attr<int64_t>("blocks")
+                                  .Attr<int64_t>("direct"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_ncclx

@@ -2,8 +2,9 @@
 // protocols).
 //
 // Slots: in every rank's data region, the half of call parity p holds one slot per source rank, 256-byte
-// aligned and laid out the same on every rank (two-shot: N reduce-scatter slots, then, unless the all-gather
-// writes into the peers' outputs (direct), N all-gather slots).
+// aligned and laid out the same on every rank (two-shot: N reduce-scatter slots, then N all-gather slots).
+// Direct calls (every rank in this process) write into the peers' outputs instead where they can: the
+// two-shot all-gather, and all_gather / all_to_all in simple; those need no slots.
 // A block b of the grid owns the same byte range of every slot on every rank; with the simple protocol it
 // writes its range into the peers, raises flag arrived[rank][b] on each, and waits for arrived[peer][b] from
 // each before reading the range it received. Blocks never wait for other blocks of their own rank.
@@ -106,7 +107,8 @@ SlotLayout LayOutSlots(NvlinkCollective op, NvlinkAlgorithm algorithm, NvlinkPro
       layout.slot_stride = Align256(segment);
       break;
   }
-  layout.half_bytes = layout.base + size * layout.slot_stride;
+  const bool into_outputs = direct && layout.protocol == NvlinkProtocol::kSimple && op != NvlinkCollective::kAllReduce;
+  layout.half_bytes = layout.base + (into_outputs ? 0 : size * layout.slot_stride);
   return layout;
 }
 
@@ -123,8 +125,9 @@ __device__ __forceinline__ V* Slot(const Call& call, int owner, int parity, int 
                               source * call.slots.slot_stride);
 }
 
-// The call a kernel runs: its epoch, the parity half it uses, and its timeline (started here). The kernels
-// write into their peers without waiting for them, so "peers entered" is the start.
+// The call a kernel runs: its epoch, the parity half it uses, and its timeline (started here). Calls through
+// slots write into their peers without waiting for them, so "peers entered" is the start (direct moves stamp
+// it again after their wait; the record keeps the latest).
 struct CallState {
   uint64_t epoch;
   uint32_t ticket;
@@ -160,24 +163,36 @@ __device__ __forceinline__ void RaiseFlags(const Call& call, int flag, uint64_t 
   }
 }
 
-// Whether every peer's flag came. One that never comes makes the wait give up (Patience); the block then goes
-// on with stale slots.
-__device__ __forceinline__ bool WaitFlags(const Call& call, int flag, uint64_t epoch, Patience& patience) {
+// Whether the flag `flag_of(peer)` of every peer reached `epoch`. One that never does makes the wait give up
+// (Patience); the block then goes on with stale slots.
+template <typename FlagOf>
+__device__ __forceinline__ bool WaitForPeers(const Call& call, uint64_t epoch, Patience& patience, FlagOf&& flag_of) {
   const int peer = threadIdx.x;
   bool came = true;
-  if (peer < call.args.size && peer != call.args.rank) {
-    came = patience.AtLeast(&call.args.control->arrived[peer][flag], epoch, peer);
-  }
+  if (peer < call.args.size && peer != call.args.rank) came = patience.AtLeast(flag_of(peer), epoch, peer);
   return !__syncthreads_or(!came);
 }
 
-// Direct two-shot: tells every peer where this rank's output is. The thread that writes a peer's entry raises
-// the block's flags on that peer (RaiseFlags), so the address is there before the flag.
-__device__ __forceinline__ void PublishOutput(const Call& call) {
+__device__ __forceinline__ bool WaitFlags(const Call& call, int flag, uint64_t epoch, Patience& patience) {
+  return WaitForPeers(call, epoch, patience, [&](int peer) { return &call.args.control->arrived[peer][flag]; });
+}
+
+// Direct calls: tells every peer where this rank's output is and, with `enter`, raises `entered` there (the
+// output is free for the peers' writes from then on). The thread that writes a peer's address releases the
+// flags on that peer, so the address is there before any flag that tells the peer to read it.
+__device__ __forceinline__ void PublishOutput(const Call& call, uint64_t epoch, bool enter) {
   const int peer = threadIdx.x;
   if (peer < call.args.size && peer != call.args.rank) {
-    call.args.table->control[peer]->output[call.args.rank] = reinterpret_cast<uint64_t>(call.args.y);
+    SymmetricControl* control = call.args.table->control[peer];
+    control->output[call.args.rank] = reinterpret_cast<uint64_t>(call.args.y);
+    if (enter) StoreRelease(&control->entered[call.args.rank], epoch);
   }
+}
+
+// Where `peer` published its output for this call (PublishOutput), read once its flag was seen.
+template <typename V>
+__device__ __forceinline__ V* PeerOutput(const Call& call, int peer) {
+  return reinterpret_cast<V*>(call.args.control->output[peer]);
 }
 
 // ---- reductions --------------------------------------------------------------------------------------------
@@ -297,10 +312,21 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(Call call, TraceKernel
   BlockRange(units, &lo, &hi);
   const V* x = static_cast<const V*>(args.x);
   V* y = static_cast<V*>(args.y);
+  // Direct moves: this rank's block goes straight into each peer's output, once the peer has entered the call
+  // and published it; nothing is left to copy out of slots.
+  const bool direct = Op::kMoves && args.direct;
+  bool send = true;
+  if (direct) {
+    if (blockIdx.x == 0) PublishOutput(call, epoch, /*enter=*/true);
+    // After a wait that gave up, an address may be a past call's: write no peer.
+    send = WaitForPeers(call, epoch, state.patience, [&](int peer) { return &args.control->entered[peer]; });
+    if (threadIdx.x == 0) trace.PeersEntered();
+  }
 
-  for (int k = 1; k < n; ++k) {  // rotated, so the ranks start on different links
+  for (int k = 1; send && k < n; ++k) {  // rotated, so the ranks start on different links
     const int peer = (me + k) % n;
-    BlockCopy<V, false, kThreads>(Slot<V>(call, peer, parity, me), x + (scatter ? peer * units : 0), lo, hi);
+    V* to = direct ? PeerOutput<V>(call, peer) + me * units : Slot<V>(call, peer, parity, me);
+    BlockCopy<V, false, kThreads>(to, x + (scatter ? peer * units : 0), lo, hi);
   }
   RaiseFlags(call, blockIdx.x, epoch);
   if (threadIdx.x == 0) trace.Sent();
@@ -311,7 +337,7 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(Call call, TraceKernel
   if (threadIdx.x == 0) trace.DataArrived();
 
   if constexpr (Op::kMoves) {
-    for (int k = 1; k < n; ++k) {
+    for (int k = 1; !direct && k < n; ++k) {
       const int source = (me + k) % n;
       BlockCopy<V, true, kThreads>(y + source * units, Slot<V>(call, me, parity, source), lo, hi);
     }
@@ -521,7 +547,7 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(Call call, TraceKernel
   const V* x = static_cast<const V*>(args.x);
   V* y = static_cast<V*>(args.y);
 
-  if (args.direct) PublishOutput(call);
+  if (args.direct) PublishOutput(call, epoch, /*enter=*/false);  // the reduce-scatter flags bring it
   for (int k = 1; k < n; ++k) {
     const int peer = (me + k) % n;
     BlockCopy<V, false, kThreads>(Slot<V>(call, peer, parity, me), x + peer * chunk, lo, end_in(peer));
@@ -539,7 +565,7 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(Call call, TraceKernel
     if (!args.direct) {
       outputs[num_outputs++] = Slot<V>(call, peer, parity, me, call.slots.gather_offset);
     } else if (peers_sent) {  // after a wait that gave up, an address may be a past call's: write no peer
-      outputs[num_outputs++] = reinterpret_cast<V*>(args.control->output[peer]) + me * chunk;
+      outputs[num_outputs++] = PeerOutput<V>(call, peer) + me * chunk;
     }
   }
   Op::Range(sources, n, outputs, num_outputs, lo, end_in(me));

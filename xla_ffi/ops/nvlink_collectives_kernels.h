@@ -8,8 +8,11 @@
 //              (all_reduce: reduces them in rank order, so every rank gets the same bits);
 //   two-shot:  (all_reduce) reduce-scatter then all-gather: rank j reduces chunk j of all inputs (sent to it
 //              through the slots) and writes the result into every peer; half the traffic of one-shot per
-//              rank. With every rank in this process ("direct") the result goes straight into the peers'
-//              outputs, whose addresses they publish as they send; otherwise into slots, copied out after.
+//              rank.
+// Direct calls (every rank in this process) write into the peers' outputs where no reduction needs the data
+// in slots: the two-shot all-gather (a peer's address comes with its reduce-scatter flag) and simple one-shot
+// all_gather / all_to_all (a peer's address comes with its `entered` flag, which costs a wait at the start).
+// Calls through slots leave the receiver a copy out of them.
 //
 // One-shot segments (what one rank sends one peer) travel in one of three protocols, named as NCCL's:
 //   LL:      8-byte words of 4 payload bytes and a 4-byte tag: twice the bytes, the lowest latency, and it
@@ -53,7 +56,7 @@ struct NvlinkCollectiveArgs {
   int rank = 0;
   int size = 1;
   int64_t bytes = 0;  // of x on each rank (all_to_all: N blocks of bytes / N)
-  bool direct = false;  // two-shot: write the all-gather into the peers' outputs (every rank in this process)
+  bool direct = false;  // write into the peers' outputs where the algorithm can (every rank in this process)
   bool trace = false;
   int64_t site = 0;         // call site, for the fault record
   uint64_t timeout_ns = 0;  // how long a wait for a peer may last (device_sync.cuh, Patience)
