@@ -171,6 +171,32 @@ def test_nvlink_protocol_setting_and_its_slots(monkeypatch):
         cuda.nvlink_collective_bytes("all_reduce", 1, 3, 8, 4, 4, False)
 
 
+def test_nvlink_direct_setting(monkeypatch):
+    """Which calls write into the peers' outputs: the two-shot all-gather always, simple moves once a receiver
+    would copy JAX_NCCLX_NVLINK_DIRECT_MIN_BYTES out of slots ((N - 1) segments), nothing with DIRECT=0."""
+    from jax_ncclx._src import config
+    from jax_ncclx._src import nvlink
+
+    for name in ("JAX_NCCLX_NVLINK_DIRECT", "JAX_NCCLX_NVLINK_DIRECT_MIN_BYTES"):
+        monkeypatch.delenv(name, raising=False)
+    settings = config.current()
+    assert settings.nvlink_direct and settings.nvlink_direct_min_bytes == 4 << 20
+    one, two = nvlink.ONE_SHOT, nvlink.TWO_SHOT
+
+    def direct(op, nbytes, size, algorithm=one, settings=settings):
+        return nvlink.collective_direct(op, algorithm, nbytes, size, settings)
+
+    assert direct("all_reduce", 1 << 20, 4, two) and not direct("all_reduce", 1 << 20, 4, one)
+    assert direct("all_gather", 4 << 20, 2) and not direct("all_gather", (4 << 20) - 4, 2)
+    assert direct("all_gather", 2 << 20, 4) and not direct("all_gather", 1 << 20, 4)      # 6 / 3 MiB copied out
+    assert direct("all_to_all", 8 << 20, 2) and not direct("all_to_all", 4 << 20, 2)      # 4 / 2 MiB per peer
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_DIRECT_MIN_BYTES", "0")
+    assert direct("all_to_all", 16, 2, settings=config.current())
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_DIRECT", "0")
+    assert not direct("all_reduce", 1 << 20, 4, two, settings=config.current())
+    assert not direct("all_gather", 64 << 20, 4, settings=config.current())
+
+
 def test_build_info():
     info = nx.build_info()
     assert info["cpu"] is True and info["jax_version"] == jax.__version__

@@ -62,6 +62,7 @@ MOVE_PROTOCOLS = {  # param -> (one-shot protocol, JAX_NCCLX_NVLINK_DIRECT); sim
     **{protocol: (protocol, "1") for protocol in PROTOCOLS},
     "simple-staged": ("simple", "0"),
 }
+FROM_ANY_SIZE = "0"  # JAX_NCCLX_NVLINK_DIRECT_MIN_BYTES: moves write into the peers' outputs at every size
 
 
 @pytest.fixture(params=MOVE_PROTOCOLS)
@@ -72,6 +73,7 @@ def nvlink_any_size(request, monkeypatch):
     monkeypatch.setenv("JAX_NCCLX_NVLINK_MAX_BYTES", EVERYTHING)
     monkeypatch.setenv("JAX_NCCLX_NVLINK_PROTOCOL", protocol)
     monkeypatch.setenv("JAX_NCCLX_NVLINK_DIRECT", direct)
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_DIRECT_MIN_BYTES", FROM_ANY_SIZE)
     return request.param
 
 
@@ -202,6 +204,7 @@ def test_flags_survive_thousands_of_mixed_calls(gpus, monkeypatch, protocol):
     monkeypatch.setenv("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES", "512")
     monkeypatch.setenv("JAX_NCCLX_NVLINK_MAX_BYTES", EVERYTHING)
     monkeypatch.setenv("JAX_NCCLX_NVLINK_PROTOCOL", protocol)
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_DIRECT_MIN_BYTES", FROM_ANY_SIZE)
     n, steps, k = len(gpus), 2000, 3
     mesh = jax.sharding.Mesh(np.asarray(gpus), ("x",))
 

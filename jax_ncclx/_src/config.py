@@ -43,7 +43,12 @@ class Config:
         op, :func:`ll128_min_bytes`.
       nvlink_direct: when one process drives every GPU of the communicator, NVLink kernels write rows
         straight into the peers' outputs (``JAX_NCCLX_NVLINK_DIRECT=1``, default) instead of staging them in
-        symmetric memory and copying them out (0; what one process per GPU always does).
+        symmetric memory and copying them out (0; what one process per GPU always does): all_to_allv_dynamic,
+        the two-shot all_reduce's all-gather, and all_gather / all_to_all from ``nvlink_direct_min_bytes``.
+      nvlink_direct_min_bytes: all_gather / all_to_all write into the peers' outputs (with ``nvlink_direct``)
+        once a receiver would copy at least this many bytes out of the slots, (N - 1) times the segment
+        (``JAX_NCCLX_NVLINK_DIRECT_MIN_BYTES``, default 4 MiB): below that the wait for the peers to enter the
+        call, which writes into their outputs must await, costs more than the copy it saves.
       trace: programs compiled from now on record every collective call (``JAX_NCCLX_TRACE=1``; default 0,
         and then they record nothing): op, sequence number, axis, bytes, algorithm and per-rank times, read
         with :mod:`jax_ncclx.trace`; NVLink kernels also stamp their device timeline.
@@ -74,6 +79,7 @@ class Config:
     nvlink_protocol: str = "auto"
     nvlink_ll128_min_bytes: int | None = None
     nvlink_direct: bool = True
+    nvlink_direct_min_bytes: int = 4 << 20
     trace: bool = False
     trace_device: bool = False
     faults: tuple["Fault", ...] = ()
@@ -251,6 +257,8 @@ def current() -> Config:
         nvlink_protocol=_choice("JAX_NCCLX_NVLINK_PROTOCOL", Config.nvlink_protocol, ("auto",) + NVLINK_PROTOCOLS),
         nvlink_ll128_min_bytes=_non_negative_int("JAX_NCCLX_NVLINK_LL128_MIN_BYTES", None),
         nvlink_direct=_choice("JAX_NCCLX_NVLINK_DIRECT", "1", ("0", "1")) == "1",
+        nvlink_direct_min_bytes=_non_negative_int("JAX_NCCLX_NVLINK_DIRECT_MIN_BYTES",
+                                                  Config.nvlink_direct_min_bytes),
         trace=_choice("JAX_NCCLX_TRACE", "0", ("0", "1", "device")) == "1",
         trace_device=_choice("JAX_NCCLX_TRACE", "0", ("0", "1", "device")) != "0",
         faults=parse_faults(os.environ.get("JAX_NCCLX_FAULT", "")),

@@ -10,7 +10,9 @@ Decided while the program is lowered, from the static shapes, the communicator a
   ``nvlink_max_bytes`` per rank (by GPU count and op), and all_reduce switches from one-shot to two-shot above
   ``nvlink_oneshot_max_bytes`` (:func:`config.nvlink_thresholds`); small one-shot segments travel as LL words
   or LL128 lines (:func:`oneshot_protocol`). Above that, and for reductions of dtypes
-  the kernels do not reduce, NCCL is the algorithm of choice, not a fallback: it is logged at debug level.
+  the kernels do not reduce, NCCL is the algorithm of choice, not a fallback: it is logged at debug level;
+* with one process for every GPU, kernels write into the peers' outputs where that saves a copy
+  (:func:`collective_direct`).
 """
 
 import logging
@@ -55,6 +57,20 @@ def writes_direct(settings: config.Config) -> bool:
     return settings.nvlink_direct and jax.process_count() == 1
 
 
+def collective_direct(op: str, algorithm: int, nbytes: int, size: int, settings: config.Config) -> bool:
+    """The ``direct`` attribute of an all_reduce / all_gather / all_to_all call of ``nbytes`` per rank on ``size``
+    GPUs: whether it writes into the peers' outputs rather than their slots. The two-shot all_reduce's
+    all-gather does whenever :func:`writes_direct` (its reduce-scatter flags bring the addresses); simple moves
+    do from ``nvlink_direct_min_bytes`` copied out per receiver, since they must first wait for the peers to
+    enter the call; the kernels ignore it where the data must sit in slots (one-shot all_reduce, LL, LL128)."""
+    if not writes_direct(settings):
+        return False
+    if op == "all_reduce":
+        return algorithm == TWO_SHOT
+    segment = nbytes // size if op == "all_to_all" else nbytes
+    return (size - 1) * segment >= settings.nvlink_direct_min_bytes
+
+
 def oneshot_protocol(op: str, nbytes: int, size: int, settings: config.Config) -> int:
     """The protocol attribute of a one-shot call of ``nbytes`` per rank on ``size`` GPUs (0 LL128, 1 LL,
     2 simple): the one ``nvlink_protocol`` names, or with "auto" LL below :func:`config.ll128_min_bytes` per
@@ -84,7 +100,7 @@ def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
         return nccl
     algorithm = ONE_SHOT if op != "all_reduce" or nbytes <= oneshot_max else TWO_SHOT
     protocol = oneshot_protocol(op, nbytes, size, settings)
-    direct = writes_direct(settings)
+    direct = collective_direct(op, algorithm, nbytes, size, settings)
     slots = lib.cuda_module().nvlink_collective_bytes(op, algorithm, protocol, nbytes, size,
                                                       np.dtype(x.dtype).itemsize, direct)
     if not symmetric_memory_ready(op, comm_id, slot_bytes=slots):
