@@ -26,8 +26,9 @@ namespace jax_ncclx {
 
 // Ranks one NVLink communicator may have (one host's NVLink domain).
 constexpr int kMaxNvlinkRanks = 8;
-// The most pieces ("groups") a kernel splits one peer's rows into; each has its own arrival flag.
-constexpr int kMaxFlagGroups = 64;
+// Arrival flags per source rank: the pieces ("groups") a kernel splits one peer's rows into, or the blocks
+// of a collective times its phases.
+constexpr int kMaxFlagGroups = 128;
 
 // Calls whose device-side timeline a communicator remembers (a ring: call e lives in slot e % kTraceSlots).
 constexpr int kTraceSlots = 1024;

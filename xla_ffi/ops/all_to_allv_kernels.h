@@ -61,7 +61,7 @@ NvlinkAllToAllvLayout LayOutNvlinkAllToAllv(const AllToAllvShape& shape, bool di
 struct NvlinkAllToAllvArgs {
   AllToAllvShape shape;
   int rank = 0;
-  int groups = 1;  // pieces per peer slot, each with its own arrival flag (<= kMaxFlagGroups)
+  int groups = 1;  // pieces per peer slot, each with its own arrival flag (<= kMaxPiecesPerPeer)
   bool packed = false;
   bool direct = false;  // write rows into the peers' outputs (same process) instead of their staging slots
   bool trace = false;   // record the call's timeline in control->trace

@@ -34,6 +34,8 @@ constexpr int kThreads = 512;
 // One SM pushes ~10 GB/s into NVLink, so small messages need many blocks; pieces below this size cost more in
 // flags than they gain.
 constexpr int64_t kMinBytesPerPiece = 8 * 1024;
+// Pieces per peer, each with its own flag (<= kMaxFlagGroups); the block sweeps were measured with this many.
+constexpr int kMaxPiecesPerPeer = 64;
 // Direct mode: from this many bytes of zero rows for one peer up, the sender leaves them to the receiver. The
 // receiver's work after its piece arrives costs ~2.5 µs more at the end of the call: with ~1 MiB of zero rows
 // per peer that was slower than sending them on 2xH200 (benchmarks/results/all_to_allv_2gpu_zeros_left.md).
@@ -562,12 +564,12 @@ NvlinkGrid ChooseNvlinkGrid(const AllToAllvShape& shape, int requested_blocks, i
   int64_t blocks = requested_blocks > 0
                        ? requested_blocks
                        : peers * std::clamp<int64_t>((slot_bytes + kMinBytesPerPiece - 1) / kMinBytesPerPiece, 1,
-                                                     kMaxFlagGroups);
+                                                     kMaxPiecesPerPeer);
   // Every block must be resident at once (blocks wait on each other's peers). By size, one per SM: more did
   // not move the rows faster in the block sweeps (benchmarks/results/nvlink_blocks_4gpu).
   blocks = std::clamp<int64_t>(blocks, 1, std::max(1, requested_blocks > 0 ? resident_blocks : sm_count));
   NvlinkGrid grid;
-  grid.groups = static_cast<int>(std::clamp<int64_t>((blocks + peers - 1) / peers, 1, kMaxFlagGroups));
+  grid.groups = static_cast<int>(std::clamp<int64_t>((blocks + peers - 1) / peers, 1, kMaxPiecesPerPeer));
   grid.blocks = static_cast<int>(blocks);
   return grid;
 }
