@@ -42,8 +42,9 @@ enum class ReduceType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kS32 = 3 };
 // platform where that does not hold.
 enum class NvlinkProtocol : int { kLL128 = 0, kLL = 1, kSimple = 2 };
 
-// The most thread blocks a call uses: one arrival flag per block and phase (kMaxFlagGroups in all).
-constexpr int kMaxOneShotBlocks = kMaxFlagGroups;
+// The most thread blocks a call uses, one arrival flag per block and phase (kMaxFlagGroups in all): two-shot
+// has two phases; one-shot keeps the cap its block counts were measured with.
+constexpr int kMaxOneShotBlocks = 64;
 constexpr int kMaxTwoShotBlocks = kMaxFlagGroups / 2;
 
 struct NvlinkCollectiveArgs {
