@@ -23,8 +23,8 @@ class Config:
         NVLink peer access and NCCL otherwise, logging why; ``"nvlink"`` makes the fallback an error;
         ``"nccl"`` always uses NCCL.
       nvlink_blocks: thread blocks per NVLink kernel launch (``JAX_NCCLX_NVLINK_BLOCKS``); 0 (default) picks
-        by message size. Capped at 64 (32 for two-shot all_reduce) and one block per SM; all_to_allv_dynamic
-        takes up to 64 per peer and as many as fit on the GPU at once.
+        by message size. Capped at 64 and one block per SM; all_to_allv_dynamic takes up to 64 per peer and
+        as many as fit on the GPU at once.
       nvlink_oneshot_max_bytes: all_reduce inputs up to this many bytes per rank use the one-shot NVLink
         kernel, larger ones two-shot (``JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES``); None (default): the
         measured crossover for the GPU count, :func:`nvlink_thresholds`.

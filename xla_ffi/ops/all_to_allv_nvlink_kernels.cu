@@ -36,6 +36,7 @@ constexpr int kThreads = 512;
 constexpr int64_t kMinBytesPerPiece = 8 * 1024;
 // Pieces per peer, each with its own flag (<= kMaxFlagGroups); the block sweeps were measured with this many.
 constexpr int kMaxPiecesPerPeer = 64;
+static_assert(kMaxPiecesPerPeer <= kMaxFlagGroups);
 // Direct mode: from this many bytes of zero rows for one peer up, the sender leaves them to the receiver. The
 // receiver's work after its piece arrives costs ~2.5 µs more at the end of the call: with ~1 MiB of zero rows
 // per peer that was slower than sending them on 2xH200 (benchmarks/results/all_to_allv_2gpu_zeros_left.md).

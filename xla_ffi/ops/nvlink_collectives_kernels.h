@@ -46,6 +46,7 @@ enum class NvlinkProtocol : int { kLL128 = 0, kLL = 1, kSimple = 2 };
 // has two phases; one-shot keeps the cap its block counts were measured with.
 constexpr int kMaxOneShotBlocks = 64;
 constexpr int kMaxTwoShotBlocks = kMaxFlagGroups / 2;
+static_assert(kMaxOneShotBlocks <= kMaxFlagGroups);
 
 struct NvlinkCollectiveArgs {
   NvlinkCollective op = NvlinkCollective::kAllReduce;
