@@ -319,7 +319,8 @@ def notes(config: dict) -> str:
         "- **impl**: xla = jax.lax; nx = jax_ncclx with its default thresholds; nx-oneshot / nx-twoshot = its "
         "NVLink kernels forced at every size; nx-staged / nx-twoshot-staged = the same through the peers' "
         "symmetric slots, not into their outputs (JAX_NCCLX_NVLINK_DIRECT=0); nx-ll / nx-ll128 / nx-simple = "
-        "one-shot segments up to 64 KiB in that protocol at every size (JAX_NCCLX_NVLINK_PROTOCOL; nx: LL below 8 KiB, LL128 from there); "
+        "one-shot segments up to 64 KiB in that protocol at every size (JAX_NCCLX_NVLINK_PROTOCOL; nx: LL below "
+        "8 KiB, LL128 from there); "
         "nx-nccl = JAX_NCCLX_TRANSPORT=nccl; nx-traced / nx-nccl-traced = "
         "the same with JAX_NCCLX_TRACE=1 (every call recorded); nx-nccl-nowatch = NCCL without the watchdog's "
         "event per call (JAX_NCCLX_TIMEOUT_S=0).",

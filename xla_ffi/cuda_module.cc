@@ -447,8 +447,8 @@ NB_MODULE(_ncclx_cuda, m) {
         nb::arg("protocol"), nb::arg("bytes"), nb::arg("size"), nb::arg("element_bytes"), nb::arg("direct"),
         "Low-latency slot bytes per call parity that the NVLink kernel of `op` ('all_reduce', 'all_gather',\n"
         "'all_to_all') needs for `bytes` of input per rank on `size` ranks; algorithm 1 one-shot, 2 two-shot;\n"
-        "protocol (one-shot) 0 LL128, 1 LL, 2 simple; direct: the two-shot all-gather writes into the peers'\n"
-        "outputs (no all-gather slots).");
+        "protocol (one-shot) 0 LL128, 1 LL, 2 simple; direct: the call writes into the peers' outputs where it\n"
+        "can (two-shot: no all-gather slots; simple all_gather / all_to_all: no slots).");
   jn::DefineMonitorBindings(m, jn::ResolveCallRecord, jn::ResetTraceAnchors);
   m.def(
       "faults",

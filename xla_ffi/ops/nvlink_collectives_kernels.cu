@@ -4,7 +4,7 @@
 // Slots: in every rank's data region, the half of call parity p holds one slot per source rank, 256-byte
 // aligned and laid out the same on every rank (two-shot: N reduce-scatter slots, then N all-gather slots).
 // Direct calls (every rank in this process) write into the peers' outputs instead where they can: the
-// two-shot all-gather, and all_gather / all_to_all in simple; those need no slots.
+// two-shot all-gather (no all-gather slots) and all_gather / all_to_all in simple (no slots at all).
 // A block b of the grid owns the same byte range of every slot on every rank; with the simple protocol it
 // writes its range into the peers, raises flag arrived[rank][b] on each, and waits for arrived[peer][b] from
 // each before reading the range it received. Blocks never wait for other blocks of their own rank.
