@@ -251,10 +251,10 @@ __device__ __forceinline__ bool OneTile(const NvlinkAllToAllvArgs& args) {
 enum class Emit { kNone, kSlot, kRecvCounts };
 
 // Plans tile [tile, tile + size) of this rank's sends to `peer` into shared, one thread per batch element: the
-// first input row and the rows delivered, in the direct packed layout the rows from earlier sources and from all
-// sources at the peer, and the zero rows after the tile's rows. Writes what reaches the peer where `emit` says,
-// and with `dropped` (piece 0) this rank's dropped rows for the peer. `counts_in_shared`: the tile's send counts are in
-// shared memory already.
+// first input row and the rows delivered, in the direct packed layout the rows from earlier sources and from
+// all sources at the peer, and the zero rows after the tile's rows. Writes what reaches the peer where `emit`
+// says, and with `dropped` (piece 0) this rank's dropped rows for the peer. `counts_in_shared`: the tile's send
+// counts are in shared memory already.
 __device__ void PlanTile(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int64_t tile,
                          int64_t size, Emit emit, bool dropped, bool counts_in_shared) {
   const AllToAllvShape& s = args.shape;
