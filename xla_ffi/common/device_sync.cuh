@@ -209,6 +209,22 @@ class CallTrace {
   DeviceTraceRecord* record_;
 };
 
+// One process: peers write into each other's outputs. Tells the owner of `peer_control` where this rank's
+// output for call `epoch` is and, with `enter`, raises `entered` there (the output is free for its writes
+// from then on). The release orders the address, and this thread's earlier writes, before the flag; without
+// `enter`, a later release of this thread to the same peer (a data flag) brings the address.
+__device__ __forceinline__ void PublishOutput(SymmetricControl* peer_control, int rank, const void* output,
+                                              uint64_t epoch, bool enter) {
+  peer_control->output[rank] = reinterpret_cast<uint64_t>(output);
+  if (enter) StoreRelease(&peer_control->entered[rank], epoch);
+}
+
+// Where `peer` published its output for this call (PublishOutput), read once one of its flags was seen.
+template <typename V>
+__device__ __forceinline__ V* PeerOutput(const SymmetricControl* control, int peer) {
+  return reinterpret_cast<V*>(control->output[peer]);
+}
+
 // The epoch of the call this kernel runs: one more than the calls finished on the communicator. Kernels on
 // one stream run one after another, so every block of a call reads the same value.
 __device__ __forceinline__ uint64_t CallEpoch(const SymmetricControl* control) {

@@ -319,7 +319,7 @@ __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
   V* base;
   int64_t batch_stride;
   if (args.direct) {
-    base = reinterpret_cast<V*>(args.control->output[peer]);
+    base = PeerOutput<V>(args.control, peer);
     batch_stride = s.num_peers * s.capacity * units_per_row;
     if (!args.packed) base += args.rank * s.capacity * units_per_row;
   } else {
@@ -464,10 +464,9 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
     if (direct_packed) ShareCounts(args, shared, parity);
     if (threadIdx.x < num_peers) {
       SymmetricControl* peer = args.table->control[threadIdx.x];
-      peer->output[args.rank] = reinterpret_cast<uint64_t>(args.y);  // published by the release below
-      peer->recv_counts[args.rank] = reinterpret_cast<uint64_t>(args.recv_counts);
+      peer->recv_counts[args.rank] = reinterpret_cast<uint64_t>(args.recv_counts);  // published with `entered`
       if (direct_packed) __threadfence_system();
-      StoreRelease(&peer->entered[args.rank], epoch);
+      PublishOutput(peer, args.rank, args.y, epoch, /*enter=*/true);
     }
   }
   // The plan of a block's first piece needs nothing from its peer except in the direct packed layout (the

@@ -69,8 +69,11 @@ struct SlotLayout {
   int64_t segment_bytes = 0;   // one-shot: what each source sends each rank
   int64_t chunk_bytes = 0;     // two-shot: bytes of chunk j (the last one may be shorter), a multiple of 16
   int64_t slot_stride = 0;     // between the slots of consecutive sources, a multiple of 256
-  int64_t gather_offset = 0;   // two-shot, not direct: where the all-gather slots start
+  int64_t gather_offset = 0;   // two-shot, not into_outputs: where the all-gather slots start
   int64_t half_bytes = 0;      // what the call needs of each parity half
+  // Direct calls where the algorithm allows it: two-shot's all-gather and simple one-shot moves write into the
+  // peers' outputs, and take no slots for that step.
+  bool into_outputs = false;
 };
 
 SlotLayout LayOutSlots(NvlinkCollective op, NvlinkAlgorithm algorithm, NvlinkProtocol protocol, int64_t bytes,
@@ -86,7 +89,8 @@ SlotLayout LayOutSlots(NvlinkCollective op, NvlinkAlgorithm algorithm, NvlinkPro
     layout.base = simple_base;
     layout.slot_stride = Align256(layout.chunk_bytes);
     layout.gather_offset = size * layout.slot_stride;
-    layout.half_bytes = layout.base + (direct ? 1 : 2) * size * layout.slot_stride;
+    layout.into_outputs = direct;
+    layout.half_bytes = layout.base + (layout.into_outputs ? 1 : 2) * size * layout.slot_stride;
     return layout;
   }
   const int64_t segment = op == NvlinkCollective::kAllToAll ? bytes / size : bytes;
@@ -107,8 +111,8 @@ SlotLayout LayOutSlots(NvlinkCollective op, NvlinkAlgorithm algorithm, NvlinkPro
       layout.slot_stride = Align256(segment);
       break;
   }
-  const bool into_outputs = direct && layout.protocol == NvlinkProtocol::kSimple && op != NvlinkCollective::kAllReduce;
-  layout.half_bytes = layout.base + (into_outputs ? 0 : size * layout.slot_stride);
+  layout.into_outputs = direct && layout.protocol == NvlinkProtocol::kSimple && op != NvlinkCollective::kAllReduce;
+  layout.half_bytes = layout.base + (layout.into_outputs ? 0 : size * layout.slot_stride);
   return layout;
 }
 
@@ -177,22 +181,14 @@ __device__ __forceinline__ bool WaitFlags(const Call& call, int flag, uint64_t e
   return WaitForPeers(call, epoch, patience, [&](int peer) { return &call.args.control->arrived[peer][flag]; });
 }
 
-// Direct calls: tells every peer where this rank's output is and, with `enter`, raises `entered` there (the
-// output is free for the peers' writes from then on). The thread that writes a peer's address releases the
-// flags on that peer, so the address is there before any flag that tells the peer to read it.
-__device__ __forceinline__ void PublishOutput(const Call& call, uint64_t epoch, bool enter) {
+// Direct calls: publishes this rank's output to every peer (PublishOutput), one thread per peer. The thread
+// that writes a peer's address releases the flags on that peer, so the address is there before any flag that
+// tells the peer to read it.
+__device__ __forceinline__ void PublishOutputToPeers(const Call& call, uint64_t epoch, bool enter) {
   const int peer = threadIdx.x;
   if (peer < call.args.size && peer != call.args.rank) {
-    SymmetricControl* control = call.args.table->control[peer];
-    control->output[call.args.rank] = reinterpret_cast<uint64_t>(call.args.y);
-    if (enter) StoreRelease(&control->entered[call.args.rank], epoch);
+    PublishOutput(call.args.table->control[peer], call.args.rank, call.args.y, epoch, enter);
   }
-}
-
-// Where `peer` published its output for this call (PublishOutput), read once its flag was seen.
-template <typename V>
-__device__ __forceinline__ V* PeerOutput(const Call& call, int peer) {
-  return reinterpret_cast<V*>(call.args.control->output[peer]);
 }
 
 // ---- reductions --------------------------------------------------------------------------------------------
@@ -314,10 +310,10 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(Call call, TraceKernel
   V* y = static_cast<V*>(args.y);
   // Direct moves: this rank's block goes straight into each peer's output, once the peer has entered the call
   // and published it; nothing is left to copy out of slots.
-  const bool direct = Op::kMoves && args.direct;
+  const bool direct = Op::kMoves && call.slots.into_outputs;
   bool send = true;
   if (direct) {
-    if (blockIdx.x == 0) PublishOutput(call, epoch, /*enter=*/true);
+    if (blockIdx.x == 0) PublishOutputToPeers(call, epoch, /*enter=*/true);
     // After a wait that gave up, an address may be a past call's: write no peer.
     send = WaitForPeers(call, epoch, state.patience, [&](int peer) { return &args.control->entered[peer]; });
     if (threadIdx.x == 0) trace.PeersEntered();
@@ -325,7 +321,7 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(Call call, TraceKernel
 
   for (int k = 1; send && k < n; ++k) {  // rotated, so the ranks start on different links
     const int peer = (me + k) % n;
-    V* to = direct ? PeerOutput<V>(call, peer) + me * units : Slot<V>(call, peer, parity, me);
+    V* to = direct ? PeerOutput<V>(call.args.control, peer) + me * units : Slot<V>(call, peer, parity, me);
     BlockCopy<V, false, kThreads>(to, x + (scatter ? peer * units : 0), lo, hi);
   }
   RaiseFlags(call, blockIdx.x, epoch);
@@ -547,7 +543,8 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(Call call, TraceKernel
   const V* x = static_cast<const V*>(args.x);
   V* y = static_cast<V*>(args.y);
 
-  if (args.direct) PublishOutput(call, epoch, /*enter=*/false);  // the reduce-scatter flags bring it
+  const bool direct = call.slots.into_outputs;
+  if (direct) PublishOutputToPeers(call, epoch, /*enter=*/false);  // the reduce-scatter flags bring it
   for (int k = 1; k < n; ++k) {
     const int peer = (me + k) % n;
     BlockCopy<V, false, kThreads>(Slot<V>(call, peer, parity, me), x + peer * chunk, lo, end_in(peer));
@@ -562,10 +559,10 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(Call call, TraceKernel
   outputs[num_outputs++] = y + me * chunk;
   for (int k = 1; k < n; ++k) {
     const int peer = (me + k) % n;
-    if (!args.direct) {
+    if (!direct) {
       outputs[num_outputs++] = Slot<V>(call, peer, parity, me, call.slots.gather_offset);
     } else if (peers_sent) {  // after a wait that gave up, an address may be a past call's: write no peer
-      outputs[num_outputs++] = PeerOutput<V>(call, peer) + me * chunk;
+      outputs[num_outputs++] = PeerOutput<V>(call.args.control, peer) + me * chunk;
     }
   }
   Op::Range(sources, n, outputs, num_outputs, lo, end_in(me));
@@ -574,7 +571,7 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(Call call, TraceKernel
   WaitFlags(call, kGatherFlag + blockIdx.x, epoch, state.patience);
   if (threadIdx.x == 0) trace.DataArrived();
 
-  for (int k = 1; !args.direct && k < n; ++k) {
+  for (int k = 1; !direct && k < n; ++k) {
     const int source = (me + k) % n;
     BlockCopy<V, true, kThreads>(y + source * chunk, Slot<V>(call, me, parity, source, call.slots.gather_offset), lo,
                        end_in(source));
