@@ -23,11 +23,10 @@ ROWS, FEATURES, CAPACITY = 12, 5, 4
 NVLINK_TARGET = "ncclx_all_to_allv_dynamic_nvlink"
 
 
-GPU_TRANSPORTS = {  # param -> (JAX_NCCLX_TRANSPORT, JAX_NCCLX_NVLINK_DIRECT, JAX_NCCLX_NVLINK_DIRECT_MIN_BYTES)
-    "gpu-nvlink": ("nvlink", "1", "0"),           # rows written straight into the peers' outputs
-    "gpu-nvlink-slots": ("nvlink", "1", None),    # small calls: rows staged in parity-half slots, no wait
-    "gpu-nvlink-staged": ("nvlink", "0", "0"),    # rows in the staging area, as large calls between processes
-    "gpu-nccl": ("nccl", "1", None),
+GPU_TRANSPORTS = {  # param -> (JAX_NCCLX_TRANSPORT, JAX_NCCLX_NVLINK_DIRECT)
+    "gpu-nvlink": ("nvlink", "1"),         # rows written straight into the peers' outputs
+    "gpu-nvlink-staged": ("nvlink", "0"),  # rows staged in symmetric memory, as with one process per GPU
+    "gpu-nccl": ("nccl", "1"),
 }
 
 
@@ -40,13 +39,9 @@ def backend(request, monkeypatch):
     reason = gpu_skip_reason()
     if reason:
         pytest.skip(reason)
-    transport, direct, direct_min_bytes = GPU_TRANSPORTS[request.param]
+    transport, direct = GPU_TRANSPORTS[request.param]
     monkeypatch.setenv("JAX_NCCLX_TRANSPORT", transport)
     monkeypatch.setenv("JAX_NCCLX_NVLINK_DIRECT", direct)
-    if direct_min_bytes is None:
-        monkeypatch.delenv("JAX_NCCLX_NVLINK_DIRECT_MIN_BYTES", raising=False)
-    else:
-        monkeypatch.setenv("JAX_NCCLX_NVLINK_DIRECT_MIN_BYTES", direct_min_bytes)
     return gpu_devices()
 
 

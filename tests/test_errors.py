@@ -197,42 +197,6 @@ def test_nvlink_direct_setting(monkeypatch):
     assert not direct("all_gather", 64 << 20, 4, settings=config.current())
 
 
-def test_all_to_allv_rows_to(monkeypatch):
-    """Where all_to_allv_dynamic's rows go: parity-half slots below JAX_NCCLX_NVLINK_DIRECT_MIN_BYTES copied
-    out per receiver ((N - 1) slots), in either process mode; from there the peers' outputs, or the staging
-    area with JAX_NCCLX_NVLINK_DIRECT=0. The symmetric bytes follow the choice."""
-    from jax_ncclx._src import config
-    from jax_ncclx._src import lib
-    from jax_ncclx._src import nvlink
-
-    for name in ("JAX_NCCLX_NVLINK_DIRECT", "JAX_NCCLX_NVLINK_DIRECT_MIN_BYTES"):
-        monkeypatch.delenv(name, raising=False)
-    slots, outputs, staging = nvlink.ROWS_TO_SLOTS, nvlink.ROWS_TO_OUTPUTS, nvlink.ROWS_TO_STAGING
-
-    def rows_to(size, slot_bytes):
-        return nvlink.all_to_allv_rows_to(size, slot_bytes, config.current())
-
-    assert rows_to(2, (4 << 20) - 1) == slots and rows_to(2, 4 << 20) == outputs
-    assert rows_to(4, (4 << 20) // 3) == slots and rows_to(4, (4 << 20) // 3 + 1) == outputs
-    monkeypatch.setenv("JAX_NCCLX_NVLINK_DIRECT", "0")
-    assert rows_to(2, 1 << 20) == slots and rows_to(2, 8 << 20) == staging
-    monkeypatch.setenv("JAX_NCCLX_NVLINK_DIRECT_MIN_BYTES", "0")
-    assert rows_to(2, 256) == staging
-    cuda = lib.cuda_module_if_available()
-    if cuda is None:
-        return  # the sizes come from the CUDA module, built where nvcc is
-
-    # 4 ranks, B = 1, K = 2 chunks: 32-byte count slots (256 aligned); C = 3 rows of 100 bytes (300 -> 512).
-    def symmetric_bytes(rows_to):
-        return cuda.all_to_allv_symmetric_bytes(1, 4, 2, 3, 100, rows_to)
-
-    assert symmetric_bytes(slots) == (0, 4 * 256 + 4 * 512)
-    assert symmetric_bytes(outputs) == (0, 4 * 256)
-    assert symmetric_bytes(staging) == (4 * 512, 4 * 256)
-    with pytest.raises(ValueError, match="rows_to 3"):
-        cuda.all_to_allv_symmetric_bytes(1, 4, 2, 3, 100, 3)
-
-
 def test_build_info():
     info = nx.build_info()
     assert info["cpu"] is True and info["jax_version"] == jax.__version__

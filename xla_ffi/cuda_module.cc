@@ -315,19 +315,15 @@ std::vector<std::tuple<int, int, std::vector<TraceTuple>>> DeviceTrace(int64_t c
 }
 
 std::tuple<int64_t, int64_t> AllToAllvSymmetricBytes(int64_t batch, int64_t num_peers, int64_t num_chunks,
-                                                      int64_t capacity, int64_t row_bytes, int rows_to) {
-  if (rows_to < 0 || rows_to > 2) {
-    throw std::invalid_argument("all_to_allv_symmetric_bytes: rows_to " + std::to_string(rows_to) +
-                                " is not 0 (staging area), 1 (the peers' outputs) or 2 (parity-half slots)");
-  }
+                                                      int64_t capacity, int64_t row_bytes, bool direct) {
   AllToAllvShape shape;
   shape.batch = batch;
   shape.num_peers = num_peers;
   shape.num_chunks = num_chunks;
   shape.capacity = capacity;
   shape.row_bytes = row_bytes;
-  const NvlinkAllToAllvLayout layout = LayOutNvlinkAllToAllv(shape, static_cast<NvlinkRowsTo>(rows_to));
-  return {layout.staging_bytes, layout.half_bytes};
+  const NvlinkAllToAllvLayout layout = LayOutNvlinkAllToAllv(shape, direct);
+  return {layout.staging_bytes, layout.counts_bytes};
 }
 
 int64_t NvlinkCollectiveBytes(const std::string& op, int algorithm, int protocol, int64_t bytes, int size,
@@ -499,8 +495,8 @@ NB_MODULE(_ncclx_cuda, m) {
       },
       "Stops the watchdog thread (at interpreter exit); it restarts with the next watched call.");
   m.def("all_to_allv_symmetric_bytes", &jn::AllToAllvSymmetricBytes, nb::arg("batch"), nb::arg("num_peers"),
-        nb::arg("num_chunks"), nb::arg("capacity"), nb::arg("row_bytes"), nb::arg("rows_to"),
+        nb::arg("num_chunks"), nb::arg("capacity"), nb::arg("row_bytes"), nb::arg("direct"),
         "(staging bytes, low-latency bytes per call parity) the NVLink all_to_allv_dynamic kernel needs for\n"
-        "these static sizes: the count slots, and the row slots where `rows_to` puts them (0: the staging\n"
-        "area; 1: none, ranks write into each other's outputs; 2: the parity halves, after the count slots).");
+        "these static sizes: the rows' staging slots (none when `direct`: ranks write into each other's\n"
+        "outputs, one process) and the count slots.");
 }

@@ -43,17 +43,12 @@ class Config:
         op, :func:`ll128_min_bytes`.
       nvlink_direct: when one process drives every GPU of the communicator, NVLink kernels write rows
         straight into the peers' outputs (``JAX_NCCLX_NVLINK_DIRECT=1``, default) instead of staging them in
-        symmetric memory and copying them out (0; what one process per GPU always does): the two-shot
-        all_reduce's all-gather, and all_to_allv_dynamic and all_gather / all_to_all from
-        ``nvlink_direct_min_bytes``.
-      nvlink_direct_min_bytes: all_to_allv_dynamic, all_gather and all_to_all write into the peers' outputs
-        (with ``nvlink_direct``) once a receiver would copy at least this many bytes out of the slots, (N - 1)
-        times the segment (all_to_allv_dynamic: the capacity rows one source may send)
+        symmetric memory and copying them out (0; what one process per GPU always does): all_to_allv_dynamic,
+        the two-shot all_reduce's all-gather, and all_gather / all_to_all from ``nvlink_direct_min_bytes``.
+      nvlink_direct_min_bytes: all_gather / all_to_all write into the peers' outputs (with ``nvlink_direct``)
+        once a receiver would copy at least this many bytes out of the slots, (N - 1) times the segment
         (``JAX_NCCLX_NVLINK_DIRECT_MIN_BYTES``, default 4 MiB): below that the wait for the peers to enter the
-        call, which writes into their outputs must await, costs more than the copy it saves. Below it,
-        all_to_allv_dynamic stages its rows in double-buffered slots that need no such wait, also between
-        processes; larger calls between processes use one set of staging slots, written once the peer has
-        entered.
+        call, which writes into their outputs must await, costs more than the copy it saves.
       trace: programs compiled from now on record every collective call (``JAX_NCCLX_TRACE=1``; default 0,
         and then they record nothing): op, sequence number, axis, bytes, algorithm and per-rank times, read
         with :mod:`jax_ncclx.trace`; NVLink kernels also stamp their device timeline.

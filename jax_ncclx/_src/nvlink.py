@@ -12,7 +12,7 @@ Decided while the program is lowered, from the static shapes, the communicator a
   or LL128 lines (:func:`oneshot_protocol`). Above that, and for reductions of dtypes
   the kernels do not reduce, NCCL is the algorithm of choice, not a fallback: it is logged at debug level;
 * with one process for every GPU, kernels write into the peers' outputs where that saves a copy
-  (:func:`collective_direct`, :func:`all_to_allv_rows_to`).
+  (:func:`collective_direct`).
 """
 
 import logging
@@ -29,8 +29,6 @@ from jax_ncclx._src.primitive import CudaRoute
 logger = logging.getLogger("jax_ncclx")
 
 ONE_SHOT, TWO_SHOT = 1, 2
-# Where all_to_allv_dynamic's senders write their rows (NvlinkRowsTo, xla_ffi/ops/all_to_allv_kernels.h).
-ROWS_TO_STAGING, ROWS_TO_OUTPUTS, ROWS_TO_SLOTS = 0, 1, 2
 # What the all_reduce kernels reduce (xla_ffi/ops/nvlink_collectives_cuda.cc checks the same list).
 REDUCE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32)
 
@@ -71,22 +69,6 @@ def collective_direct(op: str, algorithm: int, nbytes: int, size: int, settings:
         return algorithm == TWO_SHOT
     segment = nbytes // size if op == "all_to_all" else nbytes
     return (size - 1) * segment >= settings.nvlink_direct_min_bytes
-
-
-def all_to_allv_rows_to(size: int, slot_bytes: int, settings: config.Config) -> int:
-    """The ``rows_to`` attribute of an all_to_allv_dynamic call on ``size`` GPUs whose sources may each send a
-    rank ``slot_bytes`` (its capacity rows, every batch element): where the senders write their rows.
-
-    Writing into a peer's outputs must wait until the peer is seen entering the call (~3 µs of the 8.7 µs
-    kernel at T = 16 on 2×H200); rows staged in slots cost the receiver a copy. Like the collectives' moves
-    (:func:`collective_direct`), a call whose receiver would copy less than ``nvlink_direct_min_bytes``,
-    (N - 1) · slot_bytes, stages them, in slots of the call's parity half that need no wait
-    (``ROWS_TO_SLOTS``, in either process mode). Larger calls write into the outputs (``ROWS_TO_OUTPUTS``,
-    :func:`writes_direct`) or, between processes, into the staging area (``ROWS_TO_STAGING``: one set of
-    slots, written once the peer has entered; double buffers would double a large area)."""
-    if (size - 1) * slot_bytes < settings.nvlink_direct_min_bytes:
-        return ROWS_TO_SLOTS
-    return ROWS_TO_OUTPUTS if writes_direct(settings) else ROWS_TO_STAGING
 
 
 def oneshot_protocol(op: str, nbytes: int, size: int, settings: config.Config) -> int:

@@ -231,28 +231,22 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
                                       ffi::ResultBuffer<ffi::S32> recv_counts,
                                       ffi::ResultBuffer<ffi::S32> dropped, int64_t comm_id, int64_t site,
                                       int64_t timeout_ms, int64_t trace, int64_t capacity, int64_t packed,
-                                      int64_t blocks, int64_t rows_to) {
+                                      int64_t blocks, int64_t direct) {
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckNvlinkFault(kOp, comm_id, *symmetric));
   ffi::ErrorOr<AllToAllvShape> shape =
       GetShape(x, counts, send_rows, suffix, *y, *recv_counts, *dropped, symmetric->size, capacity, packed);
   if (shape.has_error()) return shape.error();
-  if (rows_to < 0 || rows_to > 2) {
-    return InvalidArgument(kOp, "rows_to is " + std::to_string(rows_to) +
-                                    ", not 0 (staging area), 1 (the peers' outputs) or 2 (parity-half slots)");
+  if (direct == 1 && !symmetric->same_process) {
+    return InvalidArgument(kOp, "direct is 1 but the communicator's ranks are not all in this process");
   }
-  const NvlinkRowsTo destination = static_cast<NvlinkRowsTo>(rows_to);
-  if (destination == NvlinkRowsTo::kOutputs && !symmetric->same_process) {
-    return InvalidArgument(kOp, "rows_to is 1 (the peers' outputs) but the communicator's ranks are not all in "
-                                "this process");
-  }
-  const NvlinkAllToAllvLayout layout = LayOutNvlinkAllToAllv(*shape, destination);
-  if (layout.staging_bytes > symmetric->staging_bytes || layout.half_bytes > symmetric->parity_half_bytes) {
+  const NvlinkAllToAllvLayout layout = LayOutNvlinkAllToAllv(*shape, direct == 1);
+  if (layout.staging_bytes > symmetric->staging_bytes || layout.counts_bytes > symmetric->parity_half_bytes) {
     return Internal(kOp, "the symmetric memory holds " + std::to_string(symmetric->staging_bytes) +
                              " staging bytes and " + std::to_string(symmetric->parity_half_bytes) +
                              " low-latency bytes per parity, but this call needs " +
-                             std::to_string(layout.staging_bytes) + " and " + std::to_string(layout.half_bytes) +
+                             std::to_string(layout.staging_bytes) + " and " + std::to_string(layout.counts_bytes) +
                              "; they are sized when the program is lowered by jax_ncclx");
   }
   if (shape->batch == 0) return ffi::Error::Success();
@@ -267,8 +261,7 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
   args.rank = symmetric->rank;
   args.groups = grid.groups;
   args.packed = packed == 1;
-  args.direct = destination == NvlinkRowsTo::kOutputs;
-  args.rows_in_half = destination == NvlinkRowsTo::kSlots;
+  args.direct = direct == 1;
   args.trace = trace == 1 || trace == 2;
   args.site = site;
   args.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000;
@@ -314,7 +307,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("capacity")                 // capacity
         .Attr<int64_t>("packed")                   // packed
         .Attr<int64_t>("blocks")                   // blocks (0 = chosen by size)
-        .Attr<int64_t>("rows_to"),                 // rows_to: NvlinkRowsTo
+        .Attr<int64_t>("direct"),                  // direct: 1 = write into the peers' outputs
     {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_ncclx

@@ -45,36 +45,25 @@ cudaError_t LaunchPackRows(const AllToAllvShape& shape, const void* x, const int
 cudaError_t LaunchCompactRows(const AllToAllvShape& shape, const void* recv, const int32_t* recv_counts,
                               void* y, cudaStream_t stream);
 
-// Where the NVLink kernel's senders write their rows (the handler's `rows_to` attribute, chosen from the
-// call's static shapes in jax_ncclx/_src/nvlink.py, all_to_allv_rows_to).
-enum class NvlinkRowsTo : int {
-  kStaging = 0,  // the peer's staging area, once the peer has entered the call; it copies them out
-  kOutputs = 1,  // straight into the peer's outputs, once it has entered and published them (same process)
-  kSlots = 2,    // the peer's row slots in the call's parity half, without waiting; it copies them out
-};
-
 // What the NVLink kernel keeps in each rank's symmetric data region (symmetric_layout.h): at the start of
 // the low-latency half of the call's parity, N count slots, one per source rank (int32 [B, N, K]: the
-// source's delivered counts, indexed by destination); then, with kSlots, N row slots ([B, C, row_bytes]
-// each) where sources stage their rows; with kStaging, the N row slots are in the staging area instead.
-// Slots are 256-byte aligned. Row slots in the parity half need no wait for the peer: it finished the last
-// call of this parity before it entered the one in between, whose rows this rank has received. They cost
-// twice the memory, hence the staging area (one set, written once the peer has entered) for large calls.
+// source's delivered counts, indexed by destination); in the staging area, unless ranks write straight into
+// each other's outputs ("direct", all ranks in one process), N row slots ([B, C, row_bytes] each) where
+// sources stage their rows. Slots are 256-byte aligned.
 struct NvlinkAllToAllvLayout {
   int64_t counts_slot_bytes = 0;
-  int64_t rows_slot_bytes = 0;  // 0 with kOutputs
-  int64_t half_bytes = 0;       // bytes of each low-latency half the call needs: count slots, row slots
-  int64_t staging_bytes = 0;    // bytes of staging area the call needs
+  int64_t counts_bytes = 0;  // bytes of each low-latency half the call needs
+  int64_t rows_slot_bytes = 0;
+  int64_t staging_bytes = 0;  // bytes of staging area the call needs
 };
-NvlinkAllToAllvLayout LayOutNvlinkAllToAllv(const AllToAllvShape& shape, NvlinkRowsTo rows_to);
+NvlinkAllToAllvLayout LayOutNvlinkAllToAllv(const AllToAllvShape& shape, bool direct);
 
 struct NvlinkAllToAllvArgs {
   AllToAllvShape shape;
   int rank = 0;
   int groups = 1;  // pieces per peer slot, each with its own arrival flag (<= kMaxPiecesPerPeer)
   bool packed = false;
-  bool direct = false;        // kOutputs: write rows into the peers' outputs instead of their row slots
-  bool rows_in_half = false;  // kSlots: the row slots are in the parity half, written without waiting
+  bool direct = false;  // write rows into the peers' outputs (same process) instead of their staging slots
   bool trace = false;   // record the call's timeline in control->trace
   int64_t site = 0;         // call site, for the fault record
   uint64_t timeout_ns = 0;  // how long a wait for a peer may last (device_sync.cuh, Patience)

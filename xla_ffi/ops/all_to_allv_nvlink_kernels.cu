@@ -4,26 +4,21 @@
 // (ForEachSlice); a block takes pieces to send, then pieces to receive:
 //   send (peer, g):    plan the piece (where its rows start, how many reach the peer; for a block's first
 //                      piece while the peers enter), wait until the peer has entered this call (its buffers
-//                      are free again; not for row slots in the parity half), write the rows of piece g
-//                      into the peer, then raise the peer's arrived[this rank][g] flag;
-//   receive (src, g):  wait for arrived[src][g]; in staged modes then finish the piece: recv_counts, the copy
-//                      out of the row slot and the zero rows; in direct mode, the zero rows if the source
-//                      left them (LeavesZeros).
-// Where rows land (NvlinkRowsTo, chosen per call from its static shapes):
-//   - direct mode (kOutputs, every rank in this process, large calls) writes them, the zero rows after them
-//     and the peer's recv_counts straight into the peer's outputs, whose addresses the peer publishes when
-//     it enters the call, already in the requested layout, so that a receiver has nothing left to do once
-//     its flags are up; the packed layout needs the counts of the other sources, so there every rank shares
-//     its counts with all ranks as it enters. Where a peer's zero rows are many, sending them over NVLink
-//     costs more than the work they leave the receiver: the sender then leaves them, and says so in the
-//     pieces' flags;
-//   - staged modes write into the peer's symmetric row slots, and the receiver copies the rows out: small
-//     calls (kSlots) into slots in the call's parity half, at once, without the ~3 µs wait for the peer to
-//     be seen entering; large calls between processes (kStaging, reached through CUDA IPC) into one set of
-//     slots in the staging area, once the peer has entered.
+//                      are free again), write the rows of piece g into the peer, then raise the peer's
+//                      arrived[this rank][g] flag;
+//   receive (src, g):  wait for arrived[src][g]; in staged mode then finish the piece: recv_counts, the copy
+//                      out of the staging slot and the zero rows; in direct mode, the zero rows if the
+//                      source left them (LeavesZeros).
+// Where rows land: "direct" mode (every rank in this process) writes them, the zero rows after them and the
+// peer's recv_counts straight into the peer's outputs, whose addresses the peer publishes when it enters the
+// call, already in the requested layout, so that a receiver has nothing left to do once its flags are up;
+// the packed layout needs the counts of the other sources, so there every rank shares its counts with all
+// ranks as it enters. Where a peer's zero rows are many, sending them over NVLink costs more than the work
+// they leave the receiver: the sender then leaves them, and says so in the pieces' flags. Staged mode (ranks
+// in other processes, reached through CUDA IPC) writes into the peer's symmetric staging slot, and the
+// receiver copies the rows out.
 // Flags hold the call's epoch, kept on the device, so the kernel needs no reset and replays inside CUDA
-// graphs. A peer raises `entered` only after its previous call finished, so one set of staging slots is
-// enough.
+// graphs. A peer raises `entered` only after its previous call finished, so one set of row buffers is enough.
 #include <algorithm>
 #include <cstdint>
 
@@ -129,16 +124,9 @@ struct Shared {
   int32_t slots[kStagedCounts];  // what every source delivered to one rank, from the count slots
 };
 
-// The row slot that `source` fills in `owner`'s data region in calls of `parity` (staged modes): in the
-// parity half after the count slots (kSlots), or in the staging area (symmetric_layout.h). Read from the
-// peer table at run time.
-__device__ __forceinline__ uint8_t* RowSlot(const NvlinkAllToAllvArgs& args, int owner, int parity, int source) {
-  const PeerTable* table = args.table;
-  uint8_t* rows = args.rows_in_half
-                      ? table->data[owner] + parity * table->parity_half_bytes +
-                            args.shape.num_peers * args.counts_slot_bytes
-                      : table->data[owner] + 2 * table->parity_half_bytes;
-  return rows + source * args.rows_slot_bytes;
+// The staging area of `rank`'s data region (symmetric_layout.h), read from the peer table at run time.
+__device__ __forceinline__ uint8_t* Staging(const NvlinkAllToAllvArgs& args, int rank) {
+  return args.table->data[rank] + 2 * args.table->parity_half_bytes;
 }
 
 // The count slot that `source` fills in `owner`'s data region in calls of `parity`: int32 [B, N, K], in the
@@ -335,7 +323,7 @@ __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
     batch_stride = s.num_peers * s.capacity * units_per_row;
     if (!args.packed) base += args.rank * s.capacity * units_per_row;
   } else {
-    base = reinterpret_cast<V*>(RowSlot(args, peer, parity, args.rank));
+    base = reinterpret_cast<V*>(Staging(args, peer) + args.rank * args.rows_slot_bytes);
     batch_stride = s.capacity * units_per_row;
   }
   const V* x = static_cast<const V*>(args.x);
@@ -396,7 +384,7 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
                              bool arrived) {
   const AllToAllvShape& s = args.shape;
   const int64_t units_per_row = s.row_bytes / static_cast<int64_t>(sizeof(V));
-  const V* slot = reinterpret_cast<const V*>(RowSlot(args, args.rank, parity, source));
+  const V* slot = reinterpret_cast<const V*>(Staging(args, args.rank) + source * args.rows_slot_bytes);
   V* y = static_cast<V*>(args.y);
   const int64_t segment_units = s.capacity * units_per_row;
   const bool from_slots = !args.direct || args.packed;
@@ -501,9 +489,8 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
     bool entered = true;
     if (threadIdx.x == 0) {
       // The direct packed layout places rows after the earlier sources' and zeros after all: every
-      // rank's counts are needed, and they come with `entered`. Row slots in the parity half are free
-      // without a wait (NvlinkAllToAllvLayout).
-      for (int q = 0; !args.rows_in_half && q < num_peers; ++q) {
+      // rank's counts are needed, and they come with `entered`.
+      for (int q = 0; q < num_peers; ++q) {
         if (q == peer || direct_packed) entered &= patience.AtLeast(&args.control->entered[q], epoch, q);
       }
       trace.PeersEntered();
@@ -560,16 +547,14 @@ bool AlignedTo(int64_t width, const NvlinkAllToAllvArgs& args) {
 
 }  // namespace
 
-NvlinkAllToAllvLayout LayOutNvlinkAllToAllv(const AllToAllvShape& shape, NvlinkRowsTo rows_to) {
+NvlinkAllToAllvLayout LayOutNvlinkAllToAllv(const AllToAllvShape& shape, bool direct) {
   auto align = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
   NvlinkAllToAllvLayout layout;
   layout.counts_slot_bytes =
       align(shape.batch * shape.num_peers * shape.num_chunks * static_cast<int64_t>(sizeof(int32_t)));
-  layout.rows_slot_bytes =
-      rows_to == NvlinkRowsTo::kOutputs ? 0 : align(shape.batch * shape.capacity * shape.row_bytes);
-  const int64_t rows_bytes = shape.num_peers * layout.rows_slot_bytes;
-  layout.half_bytes = shape.num_peers * layout.counts_slot_bytes + (rows_to == NvlinkRowsTo::kSlots ? rows_bytes : 0);
-  layout.staging_bytes = rows_to == NvlinkRowsTo::kStaging ? rows_bytes : 0;
+  layout.counts_bytes = shape.num_peers * layout.counts_slot_bytes;
+  layout.rows_slot_bytes = direct ? 0 : align(shape.batch * shape.capacity * shape.row_bytes);
+  layout.staging_bytes = shape.num_peers * layout.rows_slot_bytes;
   return layout;
 }
 

@@ -171,13 +171,13 @@ def _cuda_route(ctx, comm_id, size, *, capacity, packed):
     features = _row_features(x.shape, send_rows_and_suffix[1:])
     row_bytes = int(np.prod(features, dtype=np.int64)) * np.dtype(x.dtype).itemsize
     settings = config.current()
+    direct = nvlink.writes_direct(settings)
     if settings.transport != "nccl":
-        rows_to = nvlink.all_to_allv_rows_to(size, batch * capacity * row_bytes, settings)
         staging, slots = lib.cuda_module().all_to_allv_symmetric_bytes(batch, size, chunks, capacity, row_bytes,
-                                                                       rows_to)
+                                                                       direct)
         if nvlink.symmetric_memory_ready("all_to_allv_dynamic", comm_id, staging_bytes=staging, slot_bytes=slots):
             return primitive.CudaRoute("ncclx_all_to_allv_dynamic_nvlink",
-                                       {"blocks": np.int64(settings.nvlink_blocks), "rows_to": np.int64(rows_to)})
+                                       {"blocks": np.int64(settings.nvlink_blocks), "direct": np.int64(direct)})
     # NCCL path workspace; must match the layout checked by xla_ffi/ops/all_to_allv_cuda.cc.
     exchange = _align(batch * size * capacity * row_bytes)
     workspace = exchange * (2 if packed else 1) + _align(batch * size * chunks * 4) + 2 * _align(batch * size * 8)
