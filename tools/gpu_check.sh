@@ -13,10 +13,10 @@
 #   multiprocess  pytest -m multiprocess (one process per GPU, fault injection)
 #   memcheck      compute-sanitizer --tool memcheck over the adversarial all_to_allv count patterns,
 #                 send_rows indices and suffixes on GPU (test_patterns, test_send_rows_gather_on_the_way,
-#                 test_suffix_travels_with_rows), the moe
-#                 routing kernels (test_moe_routing) and the row copies (test_take_rows), with rows
-#                 written straight into the peers' outputs and, JAX_NCCLX_NVLINK_DIRECT=0, through the
-#                 staging slots; and once the small-message all_to_all in every protocol and size class
+#                 test_suffix_travels_with_rows; each with rows written straight into the peers' outputs
+#                 and through the staging slots, test_all_to_allv.py's GPU_TRANSPORTS), the moe routing
+#                 kernels (test_moe_routing) and the row copies (test_take_rows); the small-message
+#                 all_to_all in every protocol and size class
 #                 (test_nvlink_collectives.py::test_all_to_all, float32), and the zero rows left to the
 #                 receiver (test_zero_rows_over_a_stale_buffer, many_zeros), and the plain run of
 #                 tests/command_buffer_worker.py (every NVLink kernel in one program, the two-shot
@@ -74,8 +74,7 @@ run_step() {
       local once=("${pytest[@]}" -q -m gpu tests/test_nvlink_collectives.py::test_all_to_all -k float32)
       local zeros=("${pytest[@]}" -q -m gpu tests/test_all_to_allv.py::test_zero_rows_over_a_stale_buffer
                    -k many_zeros)
-      cmd=(bash -c "${sanitizer[*]} ${cases[*]} && JAX_NCCLX_NVLINK_DIRECT=0 ${sanitizer[*]} ${cases[*]} &&
-                    ${sanitizer[*]} ${once[*]} && ${sanitizer[*]} ${zeros[*]} &&
+      cmd=(bash -c "${sanitizer[*]} ${cases[*]} && ${sanitizer[*]} ${once[*]} && ${sanitizer[*]} ${zeros[*]} &&
                     JAX_NCCLX_TRANSPORT=nvlink ${sanitizer[*]} $python tests/command_buffer_worker.py") ;;
     startup | collectives | all_to_allv | launch_floor | collectives_cmdbuf | all_to_allv_cmdbuf | launch_floor_cmdbuf)
       local args_var="ARGS_$step" extra
