@@ -62,6 +62,7 @@ DEFAULTS = {  # (GPU run, --smoke); a flag given on the command line wins
 }
 VARIANTS = {  # key: (label, times the payload moves per op)
     "nx_padded": ("nx all_to_allv_dynamic padded", 1),
+    "nx_padded_recv": ("nx padded, chained by recv_counts", 1),
     "nx_packed": ("nx all_to_allv_dynamic packed", 1),
     "xla_all_to_all": ("lax.all_to_all (pre-padded)", 1),
     "xla_ragged": ("lax.ragged_all_to_all (host sizes)", 1),
@@ -221,6 +222,18 @@ def nx_chain(x, counts, *, capacity, layout, unroll):
     return counts
 
 
+def nx_recv_counts_chain(x, counts, *, capacity, unroll):
+    """Each op sends what the last one received: its recv_counts [N, K] are the next op's send counts, a
+    dependency with no kernel of its own, as in lax.all_to_all's chain. A peer's rows go one way in one op and
+    the other way in the next, so every op moves the routing's bytes between ranks in all. x gets N·C rows
+    (zeros after the routing's), so that no op's counts run past its end."""
+    rows = jax.lax.axis_size(AXIS) * capacity
+    x = jnp.pad(x, ((0, max(0, rows - x.shape[0])), (0, 0)))
+    for _ in range(unroll):
+        _, counts, _ = nx.all_to_allv_dynamic(x, counts, AXIS, max_recv_per_peer=capacity, layout="padded")
+    return counts
+
+
 def a2a_chain(padded, *, unroll):
     for _ in range(unroll):  # the output is the next input: XLA's own chain, no extra kernel
         padded = jax.lax.all_to_all(padded, AXIS, 0, 0, tiled=True)
@@ -309,6 +322,9 @@ def chain_and_args(variant, mesh, arrays, routing, args):
     capacity, unroll = routing.capacity, args.unroll
     if variant in ("nx_padded", "nx_packed"):
         fn = functools.partial(nx_chain, capacity=capacity, layout=variant[3:], unroll=unroll)
+        return per_rank(mesh, fn, 2), ("x", "counts"), False
+    if variant == "nx_padded_recv":
+        fn = functools.partial(nx_recv_counts_chain, capacity=capacity, unroll=unroll)
         return per_rank(mesh, fn, 2), ("x", "counts"), False
     if variant == "xla_all_to_all":
         fn = functools.partial(a2a_chain, unroll=unroll)
@@ -607,7 +623,7 @@ def run_size(tokens, mesh, args, log, table, rows, sizes):
 
     for transport in args.transports:
         transport = set_transport(transport)
-        nx_variants = [v for v in ("nx_padded", "nx_packed") if v in wanted]
+        nx_variants = [v for v in ("nx_padded", "nx_padded_recv", "nx_packed") if v in wanted]
         verified = None
         for variant in nx_variants:
             try:
@@ -704,7 +720,9 @@ def notes(config: dict, sizes: list) -> str:
         f"median and min over `reps` samples (at most {config['iters']}, fewer once a variant has spent "
         f"{config['max_seconds']} s). Chaining: jax_ncclx and ragged_all_to_all take their next send counts from "
         "one element of the op's output (+ 0, one tiny integer kernel per op, included in their time), read "
-        "behind an optimization barrier so that XLA computes the whole output; "
+        "behind an optimization barrier so that XLA computes the whole output; *chained by recv_counts*: the "
+        "op's recv_counts are the next op's send counts (no extra kernel; each op moves the routing's bytes "
+        "between ranks in all, each rank's share alternating with the transposed routing); "
         "`lax.all_to_all` takes its output as its next input (no extra kernel); the moe round trip takes its "
         "combined tokens as the next tokens and routes again from expert ids tied to them; moe dispatch alone "
         "ties its next expert ids to its rows (+ 0), and moe combine alone reuses one dispatch's handle and ties "
