@@ -47,7 +47,8 @@ inline ffi::ErrorOr<PlanSendsShape> GetPlanSendsShape(const ffi::Buffer<ffi::S32
   if (capacity < 1) return InvalidArgument(op, "capacity is " + std::to_string(capacity) + ", expected >= 1");
   PlanSendsShape shape{dims[0], dims[1], dims[2], num_experts, num_members, capacity, weights.has_value()};
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "expert_ids", shape.num_pairs()));
-  NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the (member, token) table", num_members * shape.num_tokens));
+  NCCLX_RETURN_IF_ERROR(
+      CheckIndexable(op, "the (member, token, choice) table", num_members * shape.num_tokens * shape.top_k));
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "send_suffix", shape.num_rows() * shape.suffix_words()));
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the tag values", shape.rows_per_member() * shape.top_k *
                                                                  shape.local_experts()));

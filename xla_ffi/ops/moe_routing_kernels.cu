@@ -147,16 +147,38 @@ __device__ inline int32_t BlockAt(const int32_t* starts, int32_t n, int32_t x) {
   return low;
 }
 
+// Calls apply(i, load(i)) for i = first, first + stride, ... below n, the loads of kBatch of them issued
+// before their applies: a loop whose body stores waits a memory round trip per iteration otherwise, as the
+// compiler does not move loads above stores it cannot prove disjoint.
+template <int kBatch = 4, typename Load, typename Apply>
+__device__ void Strided(int32_t first, int32_t n, int32_t stride, Load load, Apply apply) {
+  for (int64_t base = first; base < n; base += kBatch * stride) {
+    decltype(load(0)) loaded[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (base + u * stride < n) loaded[u] = load(static_cast<int32_t>(base + u * stride));
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (base + u * stride < n) apply(static_cast<int32_t>(base + u * stride), loaded[u]);
+    }
+  }
+}
+
 // Calls visit(pair, live, key, same) for the pairs of segment [begin, end), 32 at a time, where same is the
-// mask of the lanes with the same key. Lanes past the end are not live and get keys that match nobody.
+// mask of the lanes with the same key. Lanes past the end are not live and get keys that match nobody. Each
+// chunk's ids are loaded while the chunk before it is visited, so a segment's loads do not wait in turn.
 template <typename Visit>
 __device__ void WalkSegment(const int32_t* __restrict__ ids, int32_t num_experts, int32_t begin, int32_t end,
                             Visit visit) {
   const int lane = threadIdx.x % 32;
+  auto load = [&](int32_t pair) { return pair < end ? ids[pair] : 0; };
+  int32_t next = load(begin + lane);
   for (int32_t base = begin; base < end; base += 32) {
-    const int32_t pair = base + lane;
+    const int32_t pair = base + lane, id = next;
+    next = load(pair + 32);
     const bool live = pair < end;
-    const int32_t key = live ? RoutingKey(ids[pair], num_experts) : num_experts + 1 + lane;
+    const int32_t key = live ? RoutingKey(id, num_experts) : num_experts + 1 + lane;
     visit(pair, live, key, __match_any_sync(0xffffffffu, key));
   }
 }
@@ -169,8 +191,9 @@ __device__ void WalkSegment(const int32_t* __restrict__ ids, int32_t num_experts
 // fewer warps sort when there are many experts.
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads)
-    PlanSendsKernel(PlanSendsShape shape, int sort_warps, PlanSendsDivisors by, const int32_t* __restrict__ expert_ids,
-                    const float* __restrict__ all_weights, PlanSendsResults out, int32_t* __restrict__ scratch) {
+    PlanSendsKernel(PlanSendsShape shape, int sort_warps, bool row_of_in_shared, PlanSendsDivisors by,
+                    const int32_t* __restrict__ expert_ids, const float* __restrict__ all_weights, PlanSendsResults out,
+                    int32_t* __restrict__ scratch) {
   Cluster cluster;
   const int32_t blocks = cluster.blocks, rank = cluster.rank;
   const int32_t E = shape.num_experts, N = shape.num_members, local = shape.local_experts();
@@ -183,14 +206,14 @@ __global__ void __launch_bounds__(kThreads)
   int32_t* __restrict__ send_token = out.send_token + b * S;
   const int32_t words = shape.suffix_words(), padded = PaddedWords(k);
   int32_t* __restrict__ suffix = out.send_suffix + b * S * words;
-  // Per (member, token): first 1 if the token goes to the member, then its send row (or -1).
-  int32_t* __restrict__ row_of = scratch + b * NT;
-
   extern __shared__ int32_t shared[];
   int32_t* counters = shared;                            // [sort_warps][E + 1] this block's warps' counts
   int32_t* starts = counters + sort_warps * (E + 1);     // [sort_warps][E + 1] where they go in the order
   int32_t* key_start = starts + sort_warps * (E + 1);    // [E + 2] where each key starts in the order
   int32_t* first_row = key_start + E + 2;                // [N + 1] each member's first send row
+  // Per (member, token): first 1 if the token goes to the member, then its send row (or -1). In shared memory
+  // when one block does the call and it fits (decode sizes), which saves three phases a global round trip.
+  int32_t* __restrict__ row_of = row_of_in_shared ? first_row + N + 1 : scratch + b * NT;
   __shared__ ScanShared<kThreads> scan;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -200,7 +223,16 @@ __global__ void __launch_bounds__(kThreads)
   if (tid == 0) key_start[E + 1] = P;
   for (int32_t i = thread; i < NT; i += threads) row_of[i] = 0;
   for (int32_t i = thread; i < S; i += threads) send_token[i] = T;
-  for (int32_t i = thread; i < S * words; i += threads) suffix[i] = by.suffix_words.Mod(i) < padded ? -1 : 0;
+  // The suffixes' tag words -1, their weight words 0, 16 bytes per store where the buffer allows (suffix_words
+  // and padded are multiples of 4, so each 16 bytes are all tags or all weights).
+  if (reinterpret_cast<uintptr_t>(suffix) % sizeof(int4) == 0) {
+    for (int32_t i = thread; i < S * words / 4; i += threads) {
+      const int32_t word = by.suffix_words.Mod(4 * i) < padded ? -1 : 0;
+      reinterpret_cast<int4*>(suffix)[i] = make_int4(word, word, word, word);
+    }
+  } else {
+    for (int32_t i = thread; i < S * words; i += threads) suffix[i] = by.suffix_words.Mod(i) < padded ? -1 : 0;
+  }
   __syncthreads();
 
   const int32_t segments = blocks * sort_warps;
@@ -284,9 +316,20 @@ __global__ void __launch_bounds__(kThreads)
     const bool sent = row >= 0 && row < S;
     if (sent) send_token[row] = token;
     out.return_row[(b * T + token) * N + member] = sent ? member * R + row - first_row[member] : N * R;
-    for (int32_t j = 0; sent && all_weights != nullptr && j < k; ++j) {  // the token's weights, as bits
-      suffix[row * words + padded + j] = __float_as_int(all_weights[(b * T + token) * k + j]);
-    }
+  }
+  // The sent rows' tokens' weights, as bits: word j of row i's weights is thread i * k + j's, so that a warp's
+  // stores fill whole suffixes (a thread per row storing its k words took ~3.2 of plan_sends' 10.5 µs at
+  // T = 128 with 4 members, clock stamps on one H200).
+  if (all_weights != nullptr) {
+    Strided(
+        thread, NT * k, threads,
+        [&](int32_t w) {
+          const int32_t i = by.top_k.Div(w);
+          return make_int2(row_of[i], __float_as_int(all_weights[(b * T + by.tokens.Mod(i)) * k + w - i * k]));
+        },
+        [&](int32_t w, int2 loaded) {
+          if (loaded.x >= 0 && loaded.x < S) suffix[loaded.x * words + padded + by.top_k.Mod(w)] = loaded.y;
+        });
   }
   // Member m's tag entries, from row first_row[m]: its delivered pairs in the order (a pair's return slot
   // is m * C + its place among them), each as the token's row (counted from m's first row), the pair's
@@ -473,13 +516,16 @@ cudaError_t LaunchPlanSends(const PlanSendsShape& shape, const int32_t* expert_i
   const int64_t fit = (kSharedInts - fixed) / (2 * (shape.num_experts + 1));
   const int64_t needed = (shape.num_pairs() + 32 * blocks - 1) / (32 * blocks);
   const int64_t sort_warps = std::clamp<int64_t>(std::min(fit, needed), 1, threads / 32);
-  const size_t bytes = (2 * sort_warps * (shape.num_experts + 1) + fixed) * sizeof(int32_t);
+  const int64_t sort_ints = 2 * sort_warps * (shape.num_experts + 1) + fixed;
+  const int64_t member_tokens = shape.num_members * shape.num_tokens;
+  const bool row_of_in_shared = blocks == 1 && sort_ints + member_tokens <= kSharedInts;
+  const size_t bytes = (sort_ints + (row_of_in_shared ? member_tokens : 0)) * sizeof(int32_t);
   auto kernel = ForThreads(threads, PlanSendsKernel<256>, PlanSendsKernel<512>, PlanSendsKernel<kMaxThreads>);
   const PlanSendsDivisors by{Divisor(shape.top_k), Divisor(shape.local_experts()), Divisor(shape.num_tokens),
                              Divisor(shape.capacity), Divisor(shape.suffix_words()), Divisor(blocks * sort_warps),
                              Divisor(sort_warps)};
-  return LaunchClusters(kernel, shape.batch, blocks, threads, bytes, stream, shape, static_cast<int>(sort_warps), by,
-                        expert_ids, weights, results, scratch);
+  return LaunchClusters(kernel, shape.batch, blocks, threads, bytes, stream, shape, static_cast<int>(sort_warps),
+                        row_of_in_shared, by, expert_ids, weights, results, scratch);
 }
 
 cudaError_t LaunchPlaceReceived(const PlaceReceivedShape& shape, const uint8_t* received, const int32_t* recv_tokens,
