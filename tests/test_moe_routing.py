@@ -37,6 +37,9 @@ def routings():
     yield "prefill", skewed_ids(rng, (4, 4096, 8), 32), 32, 9000           # a cluster of 8 blocks on GPU
     yield "many_experts", skewed_ids(rng, (8, 200, 8), 2048), 2048, 150    # few sorting warps
     yield "one_member", skewed_ids(rng, (1, 64, 4), 2048), 2048, 64
+    # DeepSeek-V3's 256 experts at a prefill size: 1024-thread blocks whose sorting warps fill shared memory
+    # (once too full for the kernel's static shared memory beside it: a failed launch)
+    yield "many_experts_prefill", skewed_ids(rng, (2, 600, 8), 256), 256, 2500
 
 ROUTINGS = {name: (ids, experts, capacity) for name, ids, experts, capacity in routings()}
 WEIGHTED = ("random_tight", "k_above_members", "one_token", "decode_128", "two_blocks")  # also run with router weights

@@ -29,7 +29,7 @@ namespace cg = cooperative_groups;
 constexpr int kMaxThreads = 1024;
 constexpr int kMaxClusterBlocks = 8;            // the portable cluster size
 constexpr int64_t kWorkPerBlock = 4096;         // pairs (or tag entries) per block before a call takes another
-constexpr int64_t kSharedInts = 48 * 1024 / 4;  // dynamic shared memory without an opt-in
+constexpr int64_t kSharedBytes = 48 * 1024;     // a block's shared memory, static and dynamic, without an opt-in
 
 template <int kThreads>
 struct ScanShared {
@@ -481,7 +481,8 @@ cudaError_t LaunchClusters(void (*kernel)(Params...), int64_t batch, int cluster
   cluster.val.clusterDim.z = 1;
   config.attrs = &cluster;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, args...);
+  cudaLaunchKernelEx(&config, kernel, args...);
+  return cudaGetLastError();  // which also clears a failed launch's error, so that no later op reports it
 }
 
 // Blocks per cluster for `work` items: one per kWorkPerBlock, at most kMaxClusterBlocks.
@@ -510,17 +511,21 @@ cudaError_t LaunchPlanSends(const PlanSendsShape& shape, const int32_t* expert_i
   if (shape.batch == 0) return cudaSuccess;
   const int blocks = ClusterBlocks(shape.num_pairs());
   const int threads = BlockThreads((shape.num_pairs() + blocks - 1) / blocks);
+  auto kernel = ForThreads(threads, PlanSendsKernel<256>, PlanSendsKernel<512>, PlanSendsKernel<kMaxThreads>);
+  // The dynamic shared memory must leave room for the kernel's static ScanShared (up to 4.2 KiB).
+  cudaFuncAttributes attributes;
+  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) return cudaGetLastError();
+  const int64_t shared_ints = (kSharedBytes - static_cast<int64_t>(attributes.sharedSizeBytes)) / 4;  // int32s
   // As many sorting warps as shared memory allows, but no more than 32 pairs each fill: every warp costs
   // one __match_any_sync per 32 pairs or fewer, and the SM issues them one warp at a time.
   const int64_t fixed = (shape.num_experts + 2) + (shape.num_members + 1);
-  const int64_t fit = (kSharedInts - fixed) / (2 * (shape.num_experts + 1));
+  const int64_t fit = (shared_ints - fixed) / (2 * (shape.num_experts + 1));
   const int64_t needed = (shape.num_pairs() + 32 * blocks - 1) / (32 * blocks);
   const int64_t sort_warps = std::clamp<int64_t>(std::min(fit, needed), 1, threads / 32);
   const int64_t sort_ints = 2 * sort_warps * (shape.num_experts + 1) + fixed;
   const int64_t member_tokens = shape.num_members * shape.num_tokens;
-  const bool row_of_in_shared = blocks == 1 && sort_ints + member_tokens <= kSharedInts;
+  const bool row_of_in_shared = blocks == 1 && sort_ints + member_tokens <= shared_ints;
   const size_t bytes = (sort_ints + (row_of_in_shared ? member_tokens : 0)) * sizeof(int32_t);
-  auto kernel = ForThreads(threads, PlanSendsKernel<256>, PlanSendsKernel<512>, PlanSendsKernel<kMaxThreads>);
   const PlanSendsDivisors by{Divisor(shape.top_k), Divisor(shape.local_experts()), Divisor(shape.num_tokens),
                              Divisor(shape.capacity), Divisor(shape.suffix_words()), Divisor(blocks * sort_warps),
                              Divisor(sort_warps)};
