@@ -20,7 +20,8 @@
 #                 (test_nvlink_collectives.py::test_all_to_all, float32), and the zero rows left to the
 #                 receiver (test_zero_rows_over_a_stale_buffer, many_zeros), and the plain run of
 #                 tests/command_buffer_worker.py (every NVLink kernel in one program, the two-shot
-#                 all-gather and large moves written into the peers' outputs). API errors are not
+#                 all-gather and large moves written into the peers' outputs; 180 s at most, exit 124 past
+#                 that, so that a hang leaves the later steps their time). API errors are not
 #                 reported: cudaDeviceEnablePeerAccess answers "already enabled" once XLA has enabled it, by
 #                 design, and the sanitizer counts each of those
 #   startup | collectives | all_to_allv | launch_floor   benchmarks/<step>.py --out OUT_DIR $ARGS_<step>
@@ -75,7 +76,7 @@ run_step() {
       local zeros=("${pytest[@]}" -q -m gpu tests/test_all_to_allv.py::test_zero_rows_over_a_stale_buffer
                    -k many_zeros)
       cmd=(bash -c "${sanitizer[*]} ${cases[*]} && ${sanitizer[*]} ${once[*]} && ${sanitizer[*]} ${zeros[*]} &&
-                    JAX_NCCLX_TRANSPORT=nvlink ${sanitizer[*]} $python tests/command_buffer_worker.py") ;;
+                    JAX_NCCLX_TRANSPORT=nvlink timeout 180 ${sanitizer[*]} $python tests/command_buffer_worker.py") ;;
     startup | collectives | all_to_allv | launch_floor | collectives_cmdbuf | all_to_allv_cmdbuf | launch_floor_cmdbuf)
       local args_var="ARGS_$step" extra
       read -ra extra <<< "${!args_var:-}"
