@@ -389,7 +389,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int32_t i = tid; i < blocks; i += kThreads) my_counts[i] = 0;
   __syncthreads();
   // The count pass also copies the router weights out of the same suffixes and initializes row_pairs: as a
-  // loop of their own after the rows, they cost place_received 0.6-0.85 µs more (kernel-only, one H200).
+  // loop of their own after the rows, they cost place_received 0.5-0.85 µs more (kernel-only, one H200).
   for (int32_t entry = thread; entry < entries; entry += threads) {
     const uint8_t* suffix = received + by.top_k.Div(entry) * shape.row_bytes + shape.suffix_offset;
     const int32_t source = by.per_source.Div(entry), tag = SuffixWord(suffix, by.top_k.Mod(entry));
