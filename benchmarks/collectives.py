@@ -11,7 +11,8 @@ kernels forced at every size; two-shot is all_reduce only), nx-staged / nx-twosh
 nx-twoshot with JAX_NCCLX_NVLINK_DIRECT=0: data goes through the peers' symmetric slots, as one process per GPU
 does, not straight into their outputs), nx-ll / nx-ll128 / nx-simple (one-shot segments up to 64 KiB in that
 protocol at every size, instead of the default LL below 8 KiB and LL128 from there: JAX_NCCLX_NVLINK_PROTOCOL),
-nx-nccl (JAX_NCCLX_TRANSPORT=nccl); and what
+nx-nccl (JAX_NCCLX_TRANSPORT=nccl), nx-nccl-cmdbuf (the same, with the NCCL handlers recorded into XLA's
+command buffers: JAX_NCCLX_NCCL_COMMAND_BUFFERS=1); and what
 tracing and timeouts cost: nx-traced / nx-nccl-traced (JAX_NCCLX_TRACE=1), nx-nccl-nowatch (NCCL without the
 watchdog's two CUDA events per call: JAX_NCCLX_TIMEOUT_S=0).
 
@@ -77,6 +78,7 @@ IMPLS = {  # name -> JAX_NCCLX_* settings while its programs compile (None: jax.
     "nx-ll128": {"JAX_NCCLX_NVLINK_PROTOCOL": "ll128"},
     "nx-simple": {"JAX_NCCLX_NVLINK_PROTOCOL": "simple"},
     "nx-nccl": {"JAX_NCCLX_TRANSPORT": "nccl"},
+    "nx-nccl-cmdbuf": {"JAX_NCCLX_TRANSPORT": "nccl", "JAX_NCCLX_NCCL_COMMAND_BUFFERS": "1"},
     # What the reliability machinery costs: traced calls, and NCCL calls without the watchdog's events.
     "nx-traced": {"JAX_NCCLX_TRACE": "1"},
     "nx-nccl-traced": {"JAX_NCCLX_TRANSPORT": "nccl", "JAX_NCCLX_TRACE": "1"},
@@ -321,7 +323,8 @@ def notes(config: dict) -> str:
         "symmetric slots, not into their outputs (JAX_NCCLX_NVLINK_DIRECT=0); nx-ll / nx-ll128 / nx-simple = "
         "one-shot segments up to 64 KiB in that protocol at every size (JAX_NCCLX_NVLINK_PROTOCOL; nx: LL below "
         "8 KiB, LL128 from there); "
-        "nx-nccl = JAX_NCCLX_TRANSPORT=nccl; nx-traced / nx-nccl-traced = "
+        "nx-nccl = JAX_NCCLX_TRANSPORT=nccl; nx-nccl-cmdbuf = the same, recorded into XLA's command buffers "
+        "(JAX_NCCLX_NCCL_COMMAND_BUFFERS=1); nx-traced / nx-nccl-traced = "
         "the same with JAX_NCCLX_TRACE=1 (every call recorded); nx-nccl-nowatch = NCCL without the watchdog's "
         "event per call (JAX_NCCLX_TIMEOUT_S=0).",
         "- **speedup** = jax.lax median / this row's median (> 1: faster than XLA). **path**: what the "

@@ -188,6 +188,9 @@ def test_lowering_picks_the_algorithm_by_size(gpus, monkeypatch):
     assert lowered(all_gather, 16385) == [("ncclx_all_gather", None)]
     monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nccl")
     assert lowered(all_reduce, 2) == [("ncclx_all_reduce", None)]
+    monkeypatch.setenv("JAX_NCCLX_NCCL_COMMAND_BUFFERS", "1")  # NCCL, recorded into command buffers; NVLink as is
+    assert lowered(all_reduce, 2) == [("ncclx_all_reduce_cmdbuf", None)]
+    assert lowered(all_gather, 2) == [("ncclx_all_gather_cmdbuf", None)]
     monkeypatch.delenv("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES")
     monkeypatch.delenv("JAX_NCCLX_NVLINK_MAX_BYTES")
     monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "auto")

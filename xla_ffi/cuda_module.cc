@@ -34,10 +34,15 @@ namespace nb = nanobind;
 namespace jax_ncclx {
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllReduce);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllReduceCmdbuf);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllGather);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllGatherCmdbuf);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclReduceScatter);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclReduceScatterCmdbuf);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllToAll);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllToAllCmdbuf);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclPpermute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclPpermuteCmdbuf);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllToAllvDynamic);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LaunchProbe);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllToAllvDynamic);
@@ -375,10 +380,15 @@ NB_MODULE(_ncclx_cuda, m) {
       [] {
         nb::dict targets;
         targets["ncclx_all_reduce"] = jn::Capsule(jn::NcclAllReduce);
+        targets["ncclx_all_reduce_cmdbuf"] = jn::Capsule(jn::NcclAllReduceCmdbuf);
         targets["ncclx_all_gather"] = jn::Capsule(jn::NcclAllGather);
+        targets["ncclx_all_gather_cmdbuf"] = jn::Capsule(jn::NcclAllGatherCmdbuf);
         targets["ncclx_reduce_scatter"] = jn::Capsule(jn::NcclReduceScatter);
+        targets["ncclx_reduce_scatter_cmdbuf"] = jn::Capsule(jn::NcclReduceScatterCmdbuf);
         targets["ncclx_all_to_all"] = jn::Capsule(jn::NcclAllToAll);
+        targets["ncclx_all_to_all_cmdbuf"] = jn::Capsule(jn::NcclAllToAllCmdbuf);
         targets["ncclx_ppermute"] = jn::Capsule(jn::NcclPpermute);
+        targets["ncclx_ppermute_cmdbuf"] = jn::Capsule(jn::NcclPpermuteCmdbuf);
         targets["ncclx_all_to_allv_dynamic"] = jn::Capsule(jn::NcclAllToAllvDynamic);
         targets["ncclx_all_to_allv_dynamic_nvlink"] = jn::Capsule(jn::NvlinkAllToAllvDynamic);
         targets["ncclx_all_reduce_nvlink"] = jn::Capsule(jn::NvlinkAllReduce);

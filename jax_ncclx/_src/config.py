@@ -63,6 +63,14 @@ class Config:
         (``JAX_NCCLX_INIT_RANKS_PER_ROOT``, default 1024; 0 always uses one root).
       init_max_roots: the most roots of one communicator (``JAX_NCCLX_INIT_MAX_ROOTS``, default 32): every
         member reads every root's id, so this bounds each process's key-value reads per communicator.
+      nccl_command_buffers: the NCCL path of all_reduce, all_gather, reduce_scatter, all_to_all and ppermute
+        (not all_to_allv_dynamic's) lowers to handlers marked command-buffer compatible
+        (``JAX_NCCLX_NCCL_COMMAND_BUFFERS=1``; default 0), so that XLA records their NCCL launches into the
+        CUDA graphs of its command buffers with the rest of the program (XLA records custom calls there by
+        default), which took 2.4-2.9x off small calls on 2xH200 (README, "Configuration"). The cost: a
+        replayed graph does not come back to the host, so the watchdog does not time those calls, and a peer
+        that never arrives hangs them instead of failing with its name. The NVLink kernels bound their own
+        waits and are recorded either way.
       nccl_max_ctas: the most thread blocks (channels) NCCL may use per call on communicators created from
         now on (``JAX_NCCLX_NCCL_MAX_CTAS``, NCCL's ``ncclConfig_t.maxCTAs``; default 0: NCCL's choice, 24-32
         on H200). NCCL allocates a few KiB per channel at init, each in its own 2 MiB cuMem granule, so an idle
@@ -86,6 +94,7 @@ class Config:
     checksum: bool = False
     init_ranks_per_root: int = 1024
     init_max_roots: int = 32
+    nccl_command_buffers: bool = False
     nccl_max_ctas: int = 0
 
     def init_roots(self, size: int) -> int:
@@ -265,5 +274,6 @@ def current() -> Config:
         checksum=_choice("JAX_NCCLX_CHECKSUM", "0", ("0", "1")) == "1",
         init_ranks_per_root=_non_negative_int("JAX_NCCLX_INIT_RANKS_PER_ROOT", Config.init_ranks_per_root),
         init_max_roots=_non_negative_int("JAX_NCCLX_INIT_MAX_ROOTS", Config.init_max_roots),
+        nccl_command_buffers=_choice("JAX_NCCLX_NCCL_COMMAND_BUFFERS", "0", ("0", "1")) == "1",
         nccl_max_ctas=_non_negative_int("JAX_NCCLX_NCCL_MAX_CTAS", Config.nccl_max_ctas),
     )

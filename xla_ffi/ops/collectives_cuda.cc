@@ -209,14 +209,21 @@ ffi::Error PpermuteImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclAllReduce, AllReduceImpl, BindCudaCollective().Attr<int64_t>("reduce_op"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclAllGather, AllGatherImpl, BindCudaCollective());  // y: [N, *x.shape]
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclReduceScatter, ReduceScatterImpl,
-                              BindCudaCollective().Attr<int64_t>("reduce_op"));  // x: [N, *y.shape]
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclAllToAll, AllToAllImpl, BindCudaCollective());  // x, y: [N, ...]
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclPpermute, PpermuteImpl,
-                              BindCudaCollective()
-                                  .Attr<ffi::Span<const int64_t>>("sources")    // sources
-                                  .Attr<ffi::Span<const int64_t>>("targets"));  // targets
+// Each handler twice: as is, and (name + Cmdbuf) marked command-buffer compatible, which the lowering takes
+// under JAX_NCCLX_NCCL_COMMAND_BUFFERS=1 so that XLA records the NCCL launch into its CUDA graphs. Replays do
+// not come back to the host, so the watchdog does not time them (OpenCall skips a captured call).
+#define NCCLX_DEFINE_NCCL_HANDLER(name, impl, binding) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl, binding);  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Cmdbuf, impl, binding, {ffi::Traits::kCmdBufferCompatible})
+
+NCCLX_DEFINE_NCCL_HANDLER(NcclAllReduce, AllReduceImpl, BindCudaCollective().Attr<int64_t>("reduce_op"));
+NCCLX_DEFINE_NCCL_HANDLER(NcclAllGather, AllGatherImpl, BindCudaCollective());  // y: [N, *x.shape]
+NCCLX_DEFINE_NCCL_HANDLER(NcclReduceScatter, ReduceScatterImpl,
+                          BindCudaCollective().Attr<int64_t>("reduce_op"));  // x: [N, *y.shape]
+NCCLX_DEFINE_NCCL_HANDLER(NcclAllToAll, AllToAllImpl, BindCudaCollective());  // x, y: [N, ...]
+NCCLX_DEFINE_NCCL_HANDLER(NcclPpermute, PpermuteImpl,
+                          BindCudaCollective()
+                              .Attr<ffi::Span<const int64_t>>("sources")    // sources
+                              .Attr<ffi::Span<const int64_t>>("targets"));  // targets
 
 }  // namespace jax_ncclx
