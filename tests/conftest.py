@@ -3,6 +3,8 @@ CPU and, where GPUs and the CUDA build exist, on GPU (those params are marked ``
 the same with one device, for the local ops."""
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 for _var in ("NCCL_NVLS_ENABLE", "NCCL_NVLINK_MULTICAST_ENABLE"):
@@ -32,6 +34,19 @@ def gpu_skip_reason(minimum=2):
     info = jax_ncclx.build_info()
     return None if info["cuda"] else f"jax_ncclx CUDA build unavailable: {info['cuda_status']}"
 
+
+
+def run_command_buffer_worker(script, **env):
+    """Runs tests/<script> in its own process with custom calls captured into CUDA graphs (XLA reads the flags
+    when JAX starts) and ``env`` set; fails unless it prints CAPTURE OK. Skips where the GPUs are missing."""
+    reason = gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", **env,
+               XLA_FLAGS="--xla_gpu_enable_command_buffer=+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
+    done = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), script)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "CAPTURE OK" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
 
 def mesh_2d(devices):
     """A ("a", "b") mesh: 2 x n/2 (or 1 x n for fewer than 4 devices), Auto axis types."""

@@ -4,8 +4,6 @@ of a 2-D mesh; on CPU and, where present, on GPUs through both transports (the N
 taken, and the NCCL path)."""
 
 import os
-import subprocess
-import sys
 
 import jax
 import jax.test_util
@@ -16,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ncclx as nx
 import reference
-from conftest import gpu_devices, gpu_skip_reason
+from conftest import gpu_devices, gpu_skip_reason, run_command_buffer_worker
 from helpers import assert_same, random_array
 
 ROWS, FEATURES, CAPACITY = 12, 5, 4
@@ -498,17 +496,8 @@ def test_device_trace_records_every_call(backend, monkeypatch):
     assert summary["calls"] == len(records) and summary["kernel_us"] > 0
 
 
-CAPTURE_SCRIPT = os.path.join(os.path.dirname(__file__), "command_buffer_worker.py")
-
-
 @pytest.mark.gpu
 def test_nvlink_kernel_inside_command_buffers():
     """With custom calls captured into CUDA graphs, the NVLink kernel gives the reference results call after
     call (the worker checks the compiled program really holds a command buffer)."""
-    reason = gpu_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    env = dict(os.environ, JAX_NCCLX_TRANSPORT="nvlink", NCCL_NVLS_ENABLE="0",
-               XLA_FLAGS="--xla_gpu_enable_command_buffer=+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
-    done = subprocess.run([sys.executable, CAPTURE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "CAPTURE OK" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    run_command_buffer_worker("command_buffer_worker.py", JAX_NCCLX_TRANSPORT="nvlink")

@@ -2,10 +2,6 @@
 a 2-D mesh. Each test runs on the CPU backend and, where present, on GPUs (``-m gpu``)."""
 
 
-import os
-import subprocess
-import sys
-
 import jax
 import jax.test_util
 import jax.numpy as jnp
@@ -13,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_ncclx as nx
-from conftest import gpu_skip_reason
+from conftest import run_command_buffer_worker
 from helpers import FLOAT_DTYPES, INT_DTYPES, MOVE_ONLY_DTYPES, assert_same, put, random_array, smap
 
 
@@ -127,19 +123,10 @@ def test_check_grads_numerically(mesh):
     jax.test_util.check_grads(f, (x,), order=2, modes=["fwd", "rev"], atol=1e-2, rtol=1e-2)
 
 
-NCCL_CAPTURE_SCRIPT = os.path.join(os.path.dirname(__file__), "nccl_command_buffer_worker.py")
-
 
 @pytest.mark.gpu
 def test_nccl_path_inside_command_buffers():
     """With JAX_NCCLX_NCCL_COMMAND_BUFFERS=1 and custom calls captured into CUDA graphs, the NCCL path of every
     fixed-size collective lowers to its command-buffer handler and gives the reference results call after
     call, replayed from a graph (the worker checks that fewer calls reached the host than ran)."""
-    reason = gpu_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0",
-               XLA_FLAGS="--xla_gpu_enable_command_buffer=+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
-    done = subprocess.run([sys.executable, NCCL_CAPTURE_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0 and "CAPTURE OK" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    run_command_buffer_worker("nccl_command_buffer_worker.py")
