@@ -6,9 +6,12 @@ Started by test_all_to_allv.py with XLA_FLAGS=--xla_gpu_enable_command_buffer=+C
 --xla_gpu_graph_min_graph_size=1 (the flags must be set before JAX starts). One compiled program runs many
 times with new inputs; every result must match the NumPy reference, and the handlers must have been recorded
 into a graph at least once and replayed without being called (fewer host launches than kernel executions).
-Without the flags it is a small plain run, which is what compute-sanitizer checks.
+Without the flags it is a small plain run, which is what compute-sanitizer checks. WORKER_STACKS_AFTER_S=S prints
+every thread's Python stack after S seconds and every S seconds after (tools/gpu_check.sh sets it under
+compute-sanitizer, whose rare hangs should at least say where they stopped).
 """
 
+import faulthandler
 import os
 import sys
 
@@ -16,6 +19,8 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ["JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES"] = "256"  # x's first row (132 B): one-shot; all of x: two-shot
 os.environ["JAX_NCCLX_NVLINK_DIRECT_MIN_BYTES"] = "0"  # simple moves (segments above 64 KiB) into the outputs
 sys.path.insert(0, os.path.dirname(__file__))
+if "WORKER_STACKS_AFTER_S" in os.environ:
+    faulthandler.dump_traceback_later(float(os.environ["WORKER_STACKS_AFTER_S"]), repeat=True)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -73,6 +78,7 @@ for step in range(steps):
         np.testing.assert_array_equal(big_gathered[member], tiled.reshape(-1, 33), err_msg=where)
         np.testing.assert_array_equal(big_exchanged[member],
                                       tiled[:, member * block:(member + 1) * block].reshape(-1, 33), err_msg=where)
+    print(f"step {step} matches", flush=True)
 launches, captured = (end - begin for end, begin in zip(lib.cuda_module().nvlink_launch_counts(), start))
 print(f"{steps} executions x {n} devices: {launches} host launches, {captured} recorded into graphs", flush=True)
 if "+CUSTOM_CALL" in os.environ.get("XLA_FLAGS", ""):  # without the flags this is a plain correctness run

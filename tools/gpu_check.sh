@@ -21,9 +21,10 @@
 #                 receiver (test_zero_rows_over_a_stale_buffer, many_zeros), and the plain run of
 #                 tests/command_buffer_worker.py (every NVLink kernel in one program, the two-shot
 #                 all-gather and large moves written into the peers' outputs; 180 s at most, exit 124 past
-#                 that, so that a hang leaves the later steps their time). API errors are not
-#                 reported: cudaDeviceEnablePeerAccess answers "already enabled" once XLA has enabled it, by
-#                 design, and the sanitizer counts each of those
+#                 that, so that a hang leaves the later steps their time; a wait for a peer gives up after
+#                 60 s with the error that names it, and the Python stacks are printed at 120 s). API
+#                 errors are not reported: cudaDeviceEnablePeerAccess answers "already enabled" once XLA has
+#                 enabled it, by design, and the sanitizer counts each of those
 #   startup | collectives | all_to_allv | launch_floor   benchmarks/<step>.py --out OUT_DIR $ARGS_<step>
 #                 (e.g. ARGS_all_to_allv="--experts-per-rank 32 --name all_to_allv_8gpu")
 #   collectives_cmdbuf | all_to_allv_cmdbuf | launch_floor_cmdbuf   the same benchmark with custom calls
@@ -76,7 +77,8 @@ run_step() {
       local zeros=("${pytest[@]}" -q -m gpu tests/test_all_to_allv.py::test_zero_rows_over_a_stale_buffer
                    -k many_zeros)
       cmd=(bash -c "${sanitizer[*]} ${cases[*]} && ${sanitizer[*]} ${once[*]} && ${sanitizer[*]} ${zeros[*]} &&
-                    JAX_NCCLX_TRANSPORT=nvlink timeout 180 ${sanitizer[*]} $python tests/command_buffer_worker.py") ;;
+                    JAX_NCCLX_TRANSPORT=nvlink JAX_NCCLX_TIMEOUT_S=60 WORKER_STACKS_AFTER_S=120 \
+                    timeout 180 ${sanitizer[*]} $python tests/command_buffer_worker.py") ;;
     startup | collectives | all_to_allv | launch_floor | collectives_cmdbuf | all_to_allv_cmdbuf | launch_floor_cmdbuf)
       local args_var="ARGS_$step" extra
       read -ra extra <<< "${!args_var:-}"
