@@ -35,6 +35,9 @@ def gpu_skip_reason(minimum=2):
     return None if info["cuda"] else f"jax_ncclx CUDA build unavailable: {info['cuda_status']}"
 
 
+# XLA_FLAGS that record custom calls into XLA's command buffers (CUDA graphs), even programs of one call.
+CAPTURE_FLAGS = "--xla_gpu_enable_command_buffer=+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+
 
 def run_command_buffer_worker(script, **env):
     """Runs tests/<script> in its own process with custom calls captured into CUDA graphs (XLA reads the flags
@@ -42,11 +45,11 @@ def run_command_buffer_worker(script, **env):
     reason = gpu_skip_reason()
     if reason:
         pytest.skip(reason)
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", **env,
-               XLA_FLAGS="--xla_gpu_enable_command_buffer=+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", **env, XLA_FLAGS=CAPTURE_FLAGS)
     done = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), script)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "CAPTURE OK" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+
 
 def mesh_2d(devices):
     """A ("a", "b") mesh: 2 x n/2 (or 1 x n for fewer than 4 devices), Auto axis types."""

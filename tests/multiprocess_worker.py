@@ -5,7 +5,9 @@ Each process drives one GPU; the communicators bootstrap through JAX's distribut
 "one" means the launcher hid the other GPUs (CUDA_VISIBLE_DEVICES), so all_to_allv_dynamic cannot map its
 peers and must fall back to NCCL; "all" means every GPU is visible and JAX uses only GPU PROCESS_ID
 (local_device_ids), so the NVLink kernels run over CUDA IPC. Checks every op against jax.lax / the NumPy
-reference, and the transport all_to_allv_dynamic and all_reduce lowered to, and prints WORKER OK.
+reference, and the transport all_to_allv_dynamic and all_reduce lowered to, then the NCCL path under
+JAX_NCCLX_NCCL_COMMAND_BUFFERS=1, and prints WORKER OK. The launcher may set XLA_FLAGS to capture custom calls
+into command buffers; the NCCL part then checks that XLA replayed them (fewer traced calls than executions).
 """
 
 import os
@@ -111,6 +113,27 @@ for oneshot_max in ("1073741824", "0"):
     assert ("ncclx_all_reduce_nvlink" in text) == (visibility == "all"), text[-2000:]
     print(f"[{process_id}] all_reduce with one-shot max {oneshot_max} ok", flush=True)
 os.environ.pop("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES")
+
+# The NCCL path's command-buffer handlers, each op a few times with new inputs (replays, when captured).
+os.environ.update(JAX_NCCLX_TRANSPORT="nccl", JAX_NCCLX_NCCL_COMMAND_BUFFERS="1", JAX_NCCLX_TRACE="1")
+jax.clear_caches()
+captured = "+CUSTOM_CALL" in os.environ.get("XLA_FLAGS", "")
+executions = 4
+for name, (ours, ref) in pairs.items():
+    f = jax.jit(jax.shard_map(ours, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    assert f"ncclx_{name}_cmdbuf" in f.lower(global_array(x)).as_text(), f"{name} did not lower to its _cmdbuf handler"
+    nx.trace.reset()
+    for step in range(executions):
+        v = rng.normal(size=x.shape).astype(np.float32)
+        got = np.asarray(multihost_utils.process_allgather(f(global_array(v)), tiled=True))
+        np.testing.assert_allclose(got, run(ref, v)[0], rtol=1e-5, atol=1e-5, err_msg=f"{name} cmdbuf step {step}")
+    host_calls = sum(call["op"] == name for call in nx.trace.records())
+    assert host_calls < executions if captured else host_calls == executions, (name, host_calls, captured)
+    print(f"[{process_id}] {name} through NCCL in command buffers ok ({host_calls} of {executions} calls "
+          f"reached the host)", flush=True)
+for key in ("JAX_NCCLX_TRANSPORT", "JAX_NCCLX_NCCL_COMMAND_BUFFERS", "JAX_NCCLX_TRACE"):
+    os.environ.pop(key)
+jax.clear_caches()
 
 grad = jax.jit(jax.grad(lambda v: jax.shard_map(lambda u: jnp.sin(nx.all_reduce(u, "x")).sum()[None], mesh=mesh,
                                                 in_specs=P("x"), out_specs=P("x"))(v).sum()))(global_array(x))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import gpu_devices, gpu_skip_reason
+from conftest import CAPTURE_FLAGS, gpu_devices, gpu_skip_reason
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
 
@@ -21,10 +21,11 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("visibility", ["one", "all"])
-def test_one_process_per_gpu(visibility):
+@pytest.mark.parametrize("visibility,captured", [("one", False), ("all", False), ("all", True)])
+def test_one_process_per_gpu(visibility, captured):
     """visibility "one": each process sees only its GPU (NVLink kernels fall back to NCCL); "all": every GPU is
-    visible, JAX uses one per process, and all_to_allv_dynamic's NVLink kernel maps its peers via CUDA IPC."""
+    visible, JAX uses one per process, and all_to_allv_dynamic's NVLink kernel maps its peers via CUDA IPC.
+    captured: XLA records the custom calls into command buffers (CUDA graphs), NVLink and NCCL handlers alike."""
     reason = gpu_skip_reason()
     if reason:
         pytest.skip(reason)
@@ -35,6 +36,8 @@ def test_one_process_per_gpu(visibility):
         env.pop("JAX_NCCLX_TRANSPORT", None)
         if visibility == "one":
             env["CUDA_VISIBLE_DEVICES"] = str(pid)
+        if captured:
+            env["XLA_FLAGS"] = CAPTURE_FLAGS
         procs.append(subprocess.Popen([sys.executable, WORKER, str(pid), str(n), str(port), visibility], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
