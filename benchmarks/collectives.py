@@ -1,10 +1,11 @@
 """Small and large collectives: jax_ncclx's all_reduce / all_gather / all_to_all against jax.lax's.
 
 One process drives every local GPU on one mesh axis "x" (with --smoke: 8 virtual CPU devices and small
-sizes). For each op and size, every implementation (--impls) runs the same chain of --unroll dependent ops
-inside one jax.jit(jax.shard_map(...)), after a check that it gives exactly jax.lax's result. Size = bytes of
-each rank's input: all_reduce reduces that buffer, all_gather gathers N of them, all_to_all splits it into N
-blocks (rounded up to a multiple of N elements). Results go to <out>/collectives.{json,md,png}.
+sizes; with --processes N: N processes, one per GPU, through jax.distributed). For each op and size, every
+implementation (--impls) runs the same chain of --unroll dependent ops inside one jax.jit(jax.shard_map(...)),
+after a check that it gives exactly jax.lax's result. Size = bytes of each rank's input: all_reduce reduces
+that buffer, all_gather gathers N of them, all_to_all splits it into N blocks (rounded up to a multiple of N
+elements). Results go to <out>/collectives.{json,md,png}.
 
 Implementations: xla (jax.lax), nx (jax_ncclx with its default thresholds), nx-oneshot / nx-twoshot (the NVLink
 kernels forced at every size; two-shot is all_reduce only), nx-staged / nx-twoshot-staged (the same as nx /
@@ -21,6 +22,7 @@ watchdog's two CUDA events per call: JAX_NCCLX_TIMEOUT_S=0).
     python benchmarks/collectives.py --ops all_reduce --sizes 8,64K
     python benchmarks/collectives.py --sizes 8,4K,16K,64K --impls xla,nx,nx-ll,nx-ll128,nx-simple --unroll 200
     python benchmarks/collectives.py --ops all_reduce --sizes 8,64K,1M --impls xla,nx,nx-traced,nx-nccl,nx-nccl-nowatch,nx-nccl-traced
+    python benchmarks/collectives.py --processes 2 --sizes 8,64K --impls xla,nx,nx-nccl-cmdbuf  # a process per GPU
     python benchmarks/collectives.py --smoke --out /tmp/coll  # CPU, small sizes
     python benchmarks/collectives.py --from-json benchmarks/results/collectives.json  # redo the .md / .png
 
@@ -46,6 +48,7 @@ jax.config.update("jax_num_cpu_devices", 8)  # only used by --smoke
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -178,16 +181,18 @@ def per_rank(mesh, fn, **kwargs):
 
 
 def make_input(mesh, elements: int, dtype, seed: int):
-    """[N * elements] small integers (exact in every dtype and under a few sums), split over the axis."""
+    """[N * elements] small integers (exact in every dtype and under a few sums), split over the axis (every
+    process draws the same values and places its own devices' parts)."""
     n = mesh.devices.size
-    values = np.random.default_rng(seed).integers(-3, 4, size=n * elements).astype(np.float32)
-    return jax.device_put(jnp.asarray(values, dtype), NamedSharding(mesh, P(AXIS)))
+    values = np.random.default_rng(seed).integers(-3, 4, size=n * elements).astype(dtype)
+    return jax.make_array_from_callback(values.shape, NamedSharding(mesh, P(AXIS)), lambda index: values[index])
 
 
 def verify(mesh, op, impl, x, want):
-    """One op of ``impl`` (under its settings); raises VerificationError unless it gives exactly ``want``."""
+    """One op of ``impl`` (under its settings); raises VerificationError unless it gives exactly ``want`` (this
+    process's part of the result, :func:`common.local_values`)."""
     with settings_of(impl):
-        got = np.asarray(per_rank(mesh, functools.partial(one_op, op, impl))(x).astype(jnp.float32))
+        got = common.local_values(per_rank(mesh, functools.partial(one_op, op, impl))(x))
     if not np.array_equal(got, want):
         bad = int(np.sum(got != want))
         raise VerificationError(f"{impl} {op} differs from jax.lax in {bad} of {got.size} elements")
@@ -226,17 +231,21 @@ def time_chain(mesh, op, impl, x, args) -> dict:
     with settings_of(impl, trace=args.device_trace):
         timing = common.time_jitted(fn, jnp.zeros_like(x), ops_per_call=args.unroll, feedback=True,
                                     reps=args.iters, pipeline=args.pipeline, max_seconds=args.max_seconds,
-                                    on_compile=lambda c: ffi_path(c.as_text(), mesh.devices.flat[0].platform))
+                                    on_compile=lambda c: ffi_path(c.as_text(), mesh.devices.flat[0].platform),
+                                    fixed=jax.process_count() > 1)
     timing["path"] = timing.pop("compiled_info")
     for array in jax.tree.leaves(timing.pop("final")):
         array.delete()
     if traced:
         timing.update(common.device_breakdown(before))
     runs_after = nvlink_handler_runs()
+    if jax.process_count() > 1:  # each process timed its own calls; the row's median is process 0's
+        timing["median_us_by_process"] = multihost_utils.process_allgather(np.float64(timing["median_us"])).tolist()
     if runs_before is not None and timing["path"].startswith("nvlink"):
         # Host work per op: 1 when the handler runs for every op on every GPU (plain launches, or command
         # buffers re-recorded every call); near 0 when recorded command buffers are replayed.
-        ops_run = (len(timing["warmup_s"]) + timing["reps"] * timing["pipeline"]) * args.unroll * mesh.devices.size
+        calls = len(timing["warmup_s"]) + timing["reps"] * timing["pipeline"]
+        ops_run = calls * args.unroll * len(mesh.local_devices)
         timing["handler_runs_per_op"] = (runs_after[0] - runs_before[0]) / ops_run
         timing["captured_runs_per_op"] = (runs_after[1] - runs_before[1]) / ops_run
     return timing
@@ -254,7 +263,7 @@ def run(args, mesh, log, table, rows: list):
                 elements = -(-elements // n) * n
             nbytes = elements * itemsize
             x = make_input(mesh, elements, dtype, args.seed)
-            want = np.asarray(per_rank(mesh, functools.partial(one_op, op, "xla"))(x).astype(jnp.float32))
+            want = common.local_values(per_rank(mesh, functools.partial(one_op, op, "xla"))(x))
             results = {}
             for impl in ("xla", *(i for i in args.impls if i != "xla" and applies(i, op))):
                 row = {"op": op, "impl": impl, "bytes": nbytes, "dtype": args.dtype, "num_devices": n,
@@ -301,8 +310,9 @@ def plotter(meta: dict, config: dict):
             ax.set_ylabel("µs per op (median)")
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
-        figure.suptitle(f"{meta.get('num_devices')} × {meta.get('device_kind')}, {config['dtype']}, chains of "
-                        f"{config['unroll']} dependent ops, {config['pipeline']} calls per sample")
+        processes = f", {config['processes']} processes" if config.get("processes") else ""
+        figure.suptitle(f"{meta.get('num_devices')} × {meta.get('device_kind')}{processes}, {config['dtype']}, "
+                        f"chains of {config['unroll']} dependent ops, {config['pipeline']} calls per sample")
         figure.tight_layout(rect=(0, 0, 1, 0.94))
         return figure
     return plot
@@ -334,6 +344,9 @@ def notes(config: dict) -> str:
         "every call), near 0 when XLA replays recorded command buffers.",
         "- Every (op, size, impl) is first checked: one op must give exactly jax.lax's result (inputs are small "
         "integers, so every summation order is exact).",
+        *([f"- **One process per GPU** ({config['processes']} processes through jax.distributed, every GPU visible "
+           "to each): each measurement is exactly `reps` samples in every process; the medians are process 0's, "
+           "the JSON's `median_us_by_process` has every process's."] if config.get("processes") else []),
     ])
 
 
@@ -368,7 +381,9 @@ def parse_args(argv=None):
                         "folder; --from-json: the JSON's folder)")
     parser.add_argument("--name", default=NAME, help=f"file stem of the results (default {NAME})")
     parser.add_argument("--from-json", type=Path, help="rewrite the .md and .png of an earlier run's JSON")
+    common.add_process_arguments(parser)
     args = parser.parse_args(argv)
+    common.check_processes(parser, args)
     for key, (full, smoke) in DEFAULTS.items():
         if getattr(args, key, None) is None:
             setattr(args, key, smoke if args.smoke else full)
@@ -383,11 +398,17 @@ def parse_args(argv=None):
 
 def main(argv=None):
     parser, args = parse_args(argv)
+    if args.processes and args.process_id is None:
+        return common.run_processes(args, sys.argv[1:] if argv is None else argv)
+    if args.process_id is not None:
+        common.join_distributed(args)
     log = common.Progress()
     if args.from_json:
         document = json.loads(args.from_json.read_text())
-        return write(args, document["meta"], document["config"], document["rows"], log)
-    devices, mesh, meta, config = common.start(parser, args, AXIS)
+        write(args, document["meta"], document["config"], document["rows"], log)
+        return 0
+    devices, mesh, meta, config = common.start(parser, args, AXIS, skip=("process_id", "coordinator_port"))
+    writer = jax.process_index() == 0
     log(f"{len(devices)} × {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}, ops {args.ops}, "
         f"sizes {args.sizes}, {args.dtype}, unroll {args.unroll}, pipeline {args.pipeline}")
     table = common.TablePrinter(TABLE + ([(k, head, 9, f) for k, _, head, f in TRACE_COLUMNS]
@@ -397,10 +418,12 @@ def main(argv=None):
         run(args, mesh, log, table, rows)
     except BaseException as e:
         log(f"ABORTED: {type(e).__name__}: {e}; writing the rows so far")
-        write(args, meta, config, rows, log, aborted=f"{type(e).__name__}: {e}")
+        if writer:
+            write(args, meta, config, rows, log, aborted=f"{type(e).__name__}: {e}")
         raise
     meta["elapsed_s"] = round(log.elapsed(), 1)
-    write(args, meta, config, rows, log)
+    if writer:
+        write(args, meta, config, rows, log)
     log(f"done in {meta['elapsed_s']} s")
     failed = [f"{r['impl']} {r['op']} {r['bytes']} B" for r in rows if r["impl"] != "xla" and r["status"] != "ok"]
     if failed:
@@ -409,6 +432,6 @@ def main(argv=None):
 
 if __name__ == "__main__":
     try:
-        main()
+        sys.exit(main())
     except VerificationError as e:
         sys.exit(f"FAILED: {e}")

@@ -8,6 +8,7 @@ before ``jax``); a value already in the environment wins:
 - ``NCCL_NVLS_ENABLE=0``, ``NCCL_NVLINK_MULTICAST_ENABLE=0``: NVLink multicast stays off on the shared machines.
 """
 
+import argparse
 import datetime
 import json
 import math
@@ -184,7 +185,8 @@ def pick_devices(parser, smoke: bool) -> list:
 # ---- timing ------------------------------------------------------------------------------------------------
 
 def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup: int = 2, reps: int = 20,
-                min_reps: int = 3, max_seconds: float = 2.0, pipeline: int = 1, on_compile=None) -> dict:
+                min_reps: int = 3, max_seconds: float = 2.0, pipeline: int = 1, on_compile=None,
+                fixed: bool = False) -> dict:
     """Times a jitted function: compile, warm up, then timed samples, each ended by ``block_until_ready``.
 
     A sample is ``pipeline`` calls dispatched back to back and waited for once. With ``pipeline`` > 1 the host
@@ -207,6 +209,9 @@ def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup
         ``min_reps`` samples of that many calls would take over ``max_seconds`` (judged by the last warm-up
         call). The number used is returned as ``pipeline``.
       on_compile: called with the compiled executable (e.g. to read its HLO); its result is ``compiled_info``.
+      fixed: make exactly ``warmup`` warm-up calls and ``reps`` samples of ``pipeline`` calls, whatever they
+        take (``max_seconds`` and ``min_reps`` are ignored): with one process per GPU every process must make
+        the same calls, and clocks that differ between processes would make them choose differently.
 
     Returns:
       A dict: ``median_us`` and ``min_us`` per op, ``samples_us`` (every timed call, per op), ``reps``,
@@ -235,18 +240,18 @@ def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup
         start = time.perf_counter()
         call()
         warmup_s.append(time.perf_counter() - start)
-        if warmup_s[-1] > max_seconds / 4:
+        if not fixed and warmup_s[-1] > max_seconds / 4:
             break
-    if warmup_s:
+    if warmup_s and not fixed:
         pipeline = max(1, min(pipeline, int(max_seconds / (min_reps * warmup_s[-1]))))
     samples = []
     spent = 0.0
-    while len(samples) < max(reps, min_reps):
+    while len(samples) < (reps if fixed else max(reps, min_reps)):
         start = time.perf_counter()
         out = call(pipeline)
         samples.append(time.perf_counter() - start)
         spent += samples[-1]
-        if len(samples) >= min_reps and spent >= max_seconds:
+        if not fixed and len(samples) >= min_reps and spent >= max_seconds:
             break
     per_op_us = [s / (ops_per_call * pipeline) * 1e6 for s in samples]
     return {
@@ -261,6 +266,74 @@ def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup
         "warmup_s": warmup_s,
         "final": out,
     }
+
+
+# ---- one process per GPU -----------------------------------------------------------------------------------
+
+def add_process_arguments(parser):
+    """``--processes N``, and the two hidden arguments :func:`run_processes` gives each process it starts."""
+    parser.add_argument("--processes", type=int,
+                        help="one process per GPU: start N processes on this host, each driving one GPU (the first "
+                        "N) through jax.distributed, every GPU visible to each (as CUDA IPC needs). GPU only. Every "
+                        "process makes the same calls, so each measurement takes exactly --iters samples of "
+                        "--pipeline calls; process 0 prints and writes the results")
+    parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--coordinator-port", type=int, help=argparse.SUPPRESS)
+
+
+def run_processes(args, argv) -> int:
+    """Starts ``args.processes`` copies of this script with ``argv`` plus their process id and a coordinator
+    port, and waits for them. Process 0 writes to this terminal, the others to temporary files, whose last lines
+    are printed if they fail. Returns 0, or the exit code of the first process that failed (the others are then
+    stopped: they would wait for it until jax.distributed gave up)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    logs, procs = [], []
+    for pid in range(args.processes):
+        command = [sys.executable, sys.argv[0], *argv, "--process-id", str(pid), "--coordinator-port", str(port)]
+        log = None if pid == 0 else tempfile.TemporaryFile("w+")
+        logs.append(log)
+        procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None, text=True))
+    failed = None
+    while failed is None and any(p.poll() is None for p in procs):
+        failed = next((pid for pid, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+        time.sleep(0.2)
+    failed = next((pid for pid, p in enumerate(procs) if p.poll() not in (None, 0)), failed)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    for pid, log in enumerate(logs):
+        if log is not None and procs[pid].returncode != 0:
+            log.seek(0)
+            print(f"---- process {pid} (exit {procs[pid].returncode}), last lines:\n" + "".join(log.readlines()[-40:]),
+                  flush=True)
+    return 0 if failed is None else procs[failed].returncode or 1
+
+
+def join_distributed(args):
+    """In a process that :func:`run_processes` started: ``jax.distributed.initialize`` for its one GPU (before
+    anything else touches JAX's backends)."""
+    import jax
+
+    jax.distributed.initialize(f"127.0.0.1:{args.coordinator_port}", num_processes=args.processes,
+                               process_id=args.process_id, local_device_ids=[args.process_id])
+
+
+def check_processes(parser, args):
+    """Ends the script through ``parser.error`` where ``--processes`` cannot apply."""
+    if args.processes is not None and (args.processes < 2 or args.smoke):
+        parser.error("--processes needs at least 2 (GPU) processes, and not --smoke")
+
+
+def local_values(array):
+    """This process's shards of ``array`` as one float32 NumPy array, in the order of their indices (a whole
+    array when one process drives every device)."""
+    import numpy as np
+
+    shards = sorted(array.addressable_shards, key=lambda s: tuple(i.start or 0 for i in s.index))
+    return np.concatenate([np.asarray(s.data, dtype=np.float32).reshape(-1) for s in shards])
 
 
 def choices(parser, text, allowed, flag: str) -> list:

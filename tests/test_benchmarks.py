@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from conftest import gpu_devices, gpu_skip_reason
+
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
@@ -94,3 +96,28 @@ def test_ab_summary_lines_up_rows_across_runs(tmp_path):
     assert lines["| 16, nx_padded, auto"] == "| 16, nx_padded, auto | 10.0 / 11.0 | 12.0 / 13.0 | 10.5 | 12.5 | 1.190 |"
     assert lines["| 16, xla_all_to_all, xla"] == ("| 16, xla_all_to_all, xla | 20.0 / 22.0 | 21.0 / - | 21.0 | 21.0 "
                                                   "| 1.000 |")
+
+
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+def test_collectives_one_process_per_gpu(tmp_path):
+    """collectives.py --processes N: N processes, one GPU each, measure the same chains (NVLink kernels over CUDA
+    IPC, the NCCL path plain and in command buffers) after checking each against jax.lax; process 0 writes."""
+    reason = gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    n = len(gpu_devices())
+    done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "collectives.py"), "--processes", str(n),
+                           "--ops", "all_reduce,all_to_all", "--sizes", "8,64K",
+                           "--impls", "xla,nx,nx-nccl,nx-nccl-cmdbuf",
+                           "--unroll", "2", "--pipeline", "2", "--iters", "2", "--out", str(tmp_path)],
+                          env=dict(os.environ, NCCL_NVLS_ENABLE="0"), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    document = json.loads((tmp_path / "collectives.json").read_text())
+    assert document["meta"]["process_count"] == n and document["config"]["processes"] == n
+    rows = document["rows"]
+    assert len(rows) == 2 * 2 * 4
+    assert all(r["status"] == "ok" and r["verified"] and r["reps"] == 2 for r in rows)
+    assert all(len(r["median_us_by_process"]) == n and min(r["median_us_by_process"]) > 0 for r in rows)
+    paths = {r["impl"]: r["path"] for r in rows if r["bytes"] == 8}
+    assert paths == {"xla": "xla", "nx": "nvlink-1shot", "nx-nccl": "nccl", "nx-nccl-cmdbuf": "nccl"}, paths
