@@ -319,9 +319,10 @@ def plotter(meta: dict, config: dict):
 
 
 def notes(config: dict) -> str:
+    fewer = "" if config.get("processes") else " (fewer for slow sizes, see the JSON's `pipeline`)"
     return "\n".join([
         f"Chains of {config['unroll']} dependent ops per jitted call; a timed sample dispatches "
-        f"{config['pipeline']} calls back to back and waits once (fewer for slow sizes, see the JSON's `pipeline`); "
+        f"{config['pipeline']} calls back to back and waits once{fewer}; "
         "µs/op = sample time / (calls · unroll), median and min over `reps` samples.",
         "",
         "- **bytes/rank**: each rank's input. all_reduce reduces it; all_gather gathers N of them (each op then "
