@@ -1,9 +1,10 @@
 """MoE token shuffle: jax_ncclx.all_to_allv_dynamic against XLA's all_to_all and ragged_all_to_all.
 
 One process drives every local GPU on one mesh axis "ep" (with --smoke: 8 virtual CPU devices and tiny
-shapes). For each T (tokens per rank) the routing is that of an MoE layer: each token picks top-k of
-E = experts_per_rank * N experts at random (fixed seed), its T*k rows are sorted by expert (so grouped by the
-rank that owns the expert), and send_counts is [N, E/N]. The capacity C is the most rows any rank sends any
+shapes; with --processes N: N processes, one per GPU, through jax.distributed). For each T (tokens per rank)
+the routing is that of an MoE layer: each token picks top-k of E = experts_per_rank * N experts at random
+(fixed seed), its T*k rows are sorted by expert (so grouped by the rank that owns the expert), and
+send_counts is [N, E/N]. The capacity C is the most rows any rank sends any
 peer in that routing, so nothing is dropped (--capacity-factor F: at least F times the mean rows per peer, the
 headroom of an MoE layer with capacity factor F). Every op is timed per op inside jax.jit(jax.shard_map(...)) as a
 chain of dependent ops per call (--unroll; by default 50, or 10 where the padded buffer passes 64 MB, so that
@@ -13,6 +14,7 @@ go to <out>/all_to_allv.{json,md,png}.
     python benchmarks/all_to_allv.py                        # T = 16, 128, 4096 on all GPUs
     python benchmarks/all_to_allv.py --sweep                # plus T = 16 .. 8192, powers of 2
     python benchmarks/all_to_allv.py --transports auto,nccl # both jax_ncclx transports, one after the other
+    python benchmarks/all_to_allv.py --processes 2 --tokens 16,128  # one process per GPU
     python benchmarks/all_to_allv.py --smoke --out /tmp/bench_smoke   # CPU, tiny shapes
     python benchmarks/all_to_allv.py --from-json benchmarks/results/all_to_allv.json  # redo the .md / .png
 
@@ -173,7 +175,9 @@ def make_inputs(mesh, routing: Routing, tokens: int, hidden: int, dtype, seed: i
     n, top_k = routing.experts.shape[0], routing.experts.shape[2]
     capacity = routing.capacity
     sharding = NamedSharding(mesh, P(AXIS))
-    put = lambda a: jax.device_put(np.ascontiguousarray(a), sharding)  # noqa: E731
+
+    def put(a):  # every process holds the whole array and places its own devices' parts
+        return jax.make_array_from_callback(a.shape, sharding, lambda index: np.ascontiguousarray(a[index]))
 
     @functools.partial(jax.jit, out_shardings=sharding)
     def random_tokens(key):
@@ -422,16 +426,21 @@ def verify_nx(mesh, arrays, routing):
         return stats[None], recv_pad, recv_pack
 
     stats, recv_pad, recv_pack = per_rank(mesh, body, 3)(arrays["x"], arrays["counts"], arrays["padded"])
-    stats = np.asarray(stats)
-    expected = routing.counts.transpose(1, 0, 2)  # [dst, src, chunk]
+    local = [rank for rank, device in enumerate(mesh.devices.flat) if device.process_index == jax.process_index()]
+    expected = routing.counts.transpose(1, 0, 2)[local]  # [dst, src, chunk], this process's ranks
+    wrong_recv = [not np.array_equal(common.local_values(recv).reshape(expected.shape), expected)
+                  for recv in (recv_pad, recv_pack)]
+    # Every process checks its own ranks; all see every rank's verdict, so that they stop (or go on) together.
+    stats = common.gathered(common.local_values(stats).reshape(-1, 4)).astype(np.int64)  # [N, 4]
+    wrong_recv = common.gathered(np.asarray([wrong_recv])).any(axis=0)
     problems = []
     for i, what in enumerate(("padded y differs from lax.all_to_all in {} elements per rank",
                               "packed y differs from the packed lax.all_to_all rows in {} elements per rank",
                               "padded layout dropped {} rows per rank", "packed layout dropped {} rows per rank")):
         if stats[:, i].any():
             problems.append(what.format(stats[:, i].tolist()))
-    for name, recv in (("padded", recv_pad), ("packed", recv_pack)):
-        if not np.array_equal(np.asarray(recv).reshape(expected.shape), expected):
+    for name, wrong in zip(("padded", "packed"), wrong_recv):
+        if wrong:
             problems.append(f"{name} recv_counts differ from the routing's counts")
     del recv_pad, recv_pack
     if problems:
@@ -447,7 +456,8 @@ def verify_ragged(mesh, arrays, routing):
         return jnp.sum(bits(op(x, *sizes)) != bits(ref)).astype(jnp.int32)[None]
 
     names = ("x", "padded", "in_offsets", "send_sizes", "out_offsets", "recv_sizes")
-    return np.asarray(per_rank(mesh, body, 6)(*(arrays[k] for k in names))).tolist()
+    mismatches = common.local_values(per_rank(mesh, body, 6)(*(arrays[k] for k in names)))
+    return common.gathered(mismatches).astype(np.int64).tolist()
 
 
 def verify_moe(mesh, arrays, routing, experts_per_rank, wire_dtype, weights_in):
@@ -460,7 +470,8 @@ def verify_moe(mesh, arrays, routing, experts_per_rank, wire_dtype, weights_in):
         expected = tokens.astype(jnp.float32) * weights.sum(axis=1, keepdims=True)
         return (jnp.max(jnp.abs(out - expected)) / jnp.maximum(jnp.max(jnp.abs(expected)), 1e-6))[None]
 
-    return float(np.max(per_rank(mesh, body, 3)(arrays["tokens"], arrays["expert_ids"], arrays["weights"])))
+    errors = common.local_values(per_rank(mesh, body, 3)(arrays["tokens"], arrays["expert_ids"], arrays["weights"]))
+    return float(np.max(common.gathered(errors)))  # every process's ranks: all decide alike
 
 
 # ---- the run -----------------------------------------------------------------------------------------------
@@ -502,7 +513,9 @@ def parse_args(argv=None):
     parser.add_argument("--name", default=NAME, help=f"file stem of the results (default {NAME})")
     parser.add_argument("--from-json", type=Path, help="rewrite the .md and .png of an earlier run's JSON, "
                         "without running anything")
+    common.add_process_arguments(parser)
     args = parser.parse_args(argv)
+    common.check_processes(parser, args)
 
     for key, (full, smoke) in DEFAULTS.items():
         if getattr(args, key, None) is None:
@@ -751,6 +764,10 @@ def notes(config: dict, sizes: list) -> str:
         "`lax.ragged_all_to_all` writes into a zeroed [N·C, H] buffer per op; *host sizes*: offsets and receive "
         "sizes come from the host, *+ count a2a*: the receive sizes come from a `lax.all_to_all` of the send "
         "sizes in every op (what a layer that knows only its own counts must do).",
+        *([f"- **One process per GPU** ({config['processes']} processes through jax.distributed, every GPU "
+           "visible to each): every measurement is exactly `iters` samples of `pipeline` calls in every process "
+           "(no cut for slow variants); the medians are process 0's, the JSON's `median_us_by_process` has every "
+           "process's."] if config.get("processes") else []),
         "",
         "| T | rows/rank | C | payload MB/rank | to peers MB/rank | padded buffer MB/rank | ops/call |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -789,7 +806,8 @@ def plotter(meta, config, sizes):
             axes.set_xlabel("tokens per rank")
             axes.grid(True, which="both", alpha=0.3)
         latency.legend(fontsize=8)
-        figure.suptitle(f"MoE token shuffle, {meta.get('num_devices')} × {meta.get('device_kind')}: hidden "
+        processes = f" ({config['processes']} processes)" if config.get("processes") else ""
+        figure.suptitle(f"MoE token shuffle, {meta.get('num_devices')} × {meta.get('device_kind')}{processes}: hidden "
                         f"{config['hidden']} {config['dtype']}, top-{config['top_k']} of "
                         f"{meta.get('num_devices', 0) * config['experts_per_rank']} experts, "
                         f"{ops_per_call(config, sizes)} dependent ops per call")
@@ -815,10 +833,17 @@ def replot(args, log):
 
 def main(argv=None):
     parser, args = parse_args(argv)
+    if args.processes and args.process_id is None:
+        return common.run_processes(args, sys.argv[1:] if argv is None else argv)
+    if args.process_id is not None:
+        common.join_distributed(args)
     log = common.Progress()
     if args.from_json:
-        return replot(args, log)
-    devices, mesh, meta, config = common.start(parser, args, AXIS, skip=("sweep_range",))
+        replot(args, log)
+        return 0
+    devices, mesh, meta, config = common.start(parser, args, AXIS,
+                                               skip=("sweep_range", "process_id", "coordinator_port"))
+    writer = jax.process_index() == 0
     args.num_devices = n = config["num_devices"] = len(devices)
     if args.top_k > n * args.experts_per_rank:
         parser.error(f"--top-k {args.top_k} is more than the {n * args.experts_per_rank} experts")
@@ -844,13 +869,15 @@ def main(argv=None):
             run_size(tokens, mesh, args, log, table, rows, sizes)
     except BaseException as e:
         log(f"ABORTED at T={sizes[-1]['tokens'] if sizes else '?'}: {short(e)}; writing the rows so far")
-        write(args, meta, config, rows, sizes, log, aborted=short(e))
+        if writer:
+            write(args, meta, config, rows, sizes, log, aborted=short(e))
         raise
     finally:
         set_transport(original_transport or "default")
     meta["elapsed_s"] = round(log.elapsed(), 1)
-    meta["jax_ncclx_state"] = {"memory": nx.memory_stats()}
-    write(args, meta, config, rows, sizes, log)
+    meta["jax_ncclx_state"] = {"memory": nx.memory_stats()}  # process 0's communicators with --processes
+    if writer:
+        write(args, meta, config, rows, sizes, log)
     log(f"done in {meta['elapsed_s']} s")
     failed = [f"{r['variant']} [{r['transport']}] T={r['tokens']}" for r in rows
               if r["status"] == "error" and r["variant"] in ("nx_padded", "nx_packed")]
@@ -860,6 +887,6 @@ def main(argv=None):
 
 if __name__ == "__main__":
     try:
-        main()
+        sys.exit(main())
     except (VerificationError, RunError) as e:
         sys.exit(f"FAILED: {e}")

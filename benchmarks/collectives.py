@@ -48,7 +48,6 @@ jax.config.update("jax_num_cpu_devices", 8)  # only used by --smoke
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -231,16 +230,13 @@ def time_chain(mesh, op, impl, x, args) -> dict:
     with settings_of(impl, trace=args.device_trace):
         timing = common.time_jitted(fn, jnp.zeros_like(x), ops_per_call=args.unroll, feedback=True,
                                     reps=args.iters, pipeline=args.pipeline, max_seconds=args.max_seconds,
-                                    on_compile=lambda c: ffi_path(c.as_text(), mesh.devices.flat[0].platform),
-                                    fixed=jax.process_count() > 1)
+                                    on_compile=lambda c: ffi_path(c.as_text(), mesh.devices.flat[0].platform))
     timing["path"] = timing.pop("compiled_info")
     for array in jax.tree.leaves(timing.pop("final")):
         array.delete()
     if traced:
         timing.update(common.device_breakdown(before))
     runs_after = nvlink_handler_runs()
-    if jax.process_count() > 1:  # each process timed its own calls; the row's median is process 0's
-        timing["median_us_by_process"] = multihost_utils.process_allgather(np.float64(timing["median_us"])).tolist()
     if runs_before is not None and timing["path"].startswith("nvlink"):
         # Host work per op: 1 when the handler runs for every op on every GPU (plain launches, or command
         # buffers re-recorded every call); near 0 when recorded command buffers are replayed.

@@ -185,8 +185,7 @@ def pick_devices(parser, smoke: bool) -> list:
 # ---- timing ------------------------------------------------------------------------------------------------
 
 def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup: int = 2, reps: int = 20,
-                min_reps: int = 3, max_seconds: float = 2.0, pipeline: int = 1, on_compile=None,
-                fixed: bool = False) -> dict:
+                min_reps: int = 3, max_seconds: float = 2.0, pipeline: int = 1, on_compile=None) -> dict:
     """Times a jitted function: compile, warm up, then timed samples, each ended by ``block_until_ready``.
 
     A sample is ``pipeline`` calls dispatched back to back and waited for once. With ``pipeline`` > 1 the host
@@ -209,17 +208,19 @@ def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup
         ``min_reps`` samples of that many calls would take over ``max_seconds`` (judged by the last warm-up
         call). The number used is returned as ``pipeline``.
       on_compile: called with the compiled executable (e.g. to read its HLO); its result is ``compiled_info``.
-      fixed: make exactly ``warmup`` warm-up calls and ``reps`` samples of ``pipeline`` calls, whatever they
-        take (``max_seconds`` and ``min_reps`` are ignored): with one process per GPU every process must make
-        the same calls, and clocks that differ between processes would make them choose differently.
 
     Returns:
       A dict: ``median_us`` and ``min_us`` per op, ``samples_us`` (every timed call, per op), ``reps``,
       ``ops_per_call``, ``pipeline``, ``compile_s`` (None when fn was not a jit function), ``compiled_info``, ``warmup_s``
       (the warm-up calls, whole calls) and ``final``, the last call's output (delete it to free its memory at once).
+      With several processes (one per GPU, :func:`run_processes`) every process must make the same calls, and
+      clocks that differ would make them choose differently: exactly ``warmup`` warm-up calls and ``reps``
+      samples of ``pipeline`` calls are made (``max_seconds`` and ``min_reps`` are ignored), the medians are
+      this process's, and ``median_us_by_process`` has every process's.
     """
     import jax
 
+    fixed = jax.process_count() > 1
     args = list(args)
     compile_s = None
     if hasattr(fn, "lower"):
@@ -254,7 +255,9 @@ def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup
         if not fixed and len(samples) >= min_reps and spent >= max_seconds:
             break
     per_op_us = [s / (ops_per_call * pipeline) * 1e6 for s in samples]
+    by_process = {"median_us_by_process": gathered([statistics.median(per_op_us)]).tolist()} if fixed else {}
     return {
+        **by_process,
         "median_us": statistics.median(per_op_us),
         "min_us": min(per_op_us),
         "samples_us": per_op_us,
@@ -325,6 +328,20 @@ def check_processes(parser, args):
     """Ends the script through ``parser.error`` where ``--processes`` cannot apply."""
     if args.processes is not None and (args.processes < 2 or args.smoke):
         parser.error("--processes needs at least 2 (GPU) processes, and not --smoke")
+
+
+def gathered(values):
+    """Every process's ``values`` (a sequence or NumPy array), concatenated along the first axis in process order;
+    ``values`` as a NumPy array where one process runs everything."""
+    import jax
+    import numpy as np
+
+    values = np.asarray(values)
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(values, tiled=True))
 
 
 def local_values(array):

@@ -98,26 +98,44 @@ def test_ab_summary_lines_up_rows_across_runs(tmp_path):
                                                   "| 1.000 |")
 
 
+def run_processes(script, out_dir, *extra):
+    """benchmarks/<script> --processes N (one process per GPU) with few samples; the JSON process 0 wrote."""
+    reason = gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    n = len(gpu_devices())
+    done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, script), "--processes", str(n), "--unroll", "2",
+                           "--pipeline", "2", "--iters", "2", "--out", str(out_dir), *extra],
+                          env=dict(os.environ, NCCL_NVLS_ENABLE="0"), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    document = json.loads((out_dir / (os.path.splitext(script)[0] + ".json")).read_text())
+    assert document["meta"]["process_count"] == n and document["config"]["processes"] == n
+    assert all(len(r["median_us_by_process"]) == n and min(r["median_us_by_process"]) > 0
+               for r in document["rows"] if r["status"] == "ok")
+    return document
+
+
 @pytest.mark.gpu
 @pytest.mark.multiprocess
 def test_collectives_one_process_per_gpu(tmp_path):
     """collectives.py --processes N: N processes, one GPU each, measure the same chains (NVLink kernels over CUDA
     IPC, the NCCL path plain and in command buffers) after checking each against jax.lax; process 0 writes."""
-    reason = gpu_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    n = len(gpu_devices())
-    done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "collectives.py"), "--processes", str(n),
-                           "--ops", "all_reduce,all_to_all", "--sizes", "8,64K",
-                           "--impls", "xla,nx,nx-nccl,nx-nccl-cmdbuf",
-                           "--unroll", "2", "--pipeline", "2", "--iters", "2", "--out", str(tmp_path)],
-                          env=dict(os.environ, NCCL_NVLS_ENABLE="0"), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    document = json.loads((tmp_path / "collectives.json").read_text())
-    assert document["meta"]["process_count"] == n and document["config"]["processes"] == n
-    rows = document["rows"]
+    rows = run_processes("collectives.py", tmp_path, "--ops", "all_reduce,all_to_all", "--sizes", "8,64K",
+                         "--impls", "xla,nx,nx-nccl,nx-nccl-cmdbuf")["rows"]
     assert len(rows) == 2 * 2 * 4
     assert all(r["status"] == "ok" and r["verified"] and r["reps"] == 2 for r in rows)
-    assert all(len(r["median_us_by_process"]) == n and min(r["median_us_by_process"]) > 0 for r in rows)
     paths = {r["impl"]: r["path"] for r in rows if r["bytes"] == 8}
     assert paths == {"xla": "xla", "nx": "nvlink-1shot", "nx-nccl": "nccl", "nx-nccl-cmdbuf": "nccl"}, paths
+
+
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+def test_all_to_allv_one_process_per_gpu(tmp_path):
+    """all_to_allv.py --processes N: each process checks its own ranks' results, and all stop or go on together;
+    the NVLink kernel reaches its peers through CUDA IPC."""
+    rows = run_processes("all_to_allv.py", tmp_path, "--tokens", "16", "--hidden", "256",
+                         "--variants", "nx_padded,nx_packed,xla_all_to_all,xla_ragged,nx_moe")["rows"]
+    assert {r["variant"]: (r["status"], r["path"]) for r in rows} == {
+        "nx_padded": ("ok", "nvlink"), "nx_packed": ("ok", "nvlink"), "xla_all_to_all": ("ok", "xla"),
+        "xla_ragged": ("ok", "xla"), "nx_moe": ("ok", "nvlink")}, rows
+    assert all(r["verified"] for r in rows if r["variant"] != "xla_all_to_all")
