@@ -364,7 +364,7 @@ def time_variant(variant, mesh, arrays, routing, args) -> dict:
     fn, names, donates = chain_and_args(variant, mesh, arrays, routing, args)
     inputs = [arrays[k] for k in names]
     if donates:
-        inputs[0] = jax.device_put(inputs[0], may_alias=False)  # a copy: each call consumes its first argument
+        inputs[0] = jax.device_put(inputs[0], inputs[0].sharding, may_alias=False)  # a copy: calls consume it
     timing = common.time_jitted(fn, *inputs, ops_per_call=args.unroll, feedback=donates, reps=args.iters,
                                 pipeline=args.pipeline,
                                 max_seconds=args.max_seconds, on_compile=lambda c: ffi_targets(c.as_text()))
