@@ -298,11 +298,12 @@ def run_processes(args, argv) -> int:
         log = None if pid == 0 else tempfile.TemporaryFile("w+")
         logs.append(log)
         procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None, text=True))
-    failed = None
-    while failed is None and any(p.poll() is None for p in procs):
-        failed = next((pid for pid, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+    def first_failed():
+        return next((pid for pid, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+
+    while first_failed() is None and any(p.poll() is None for p in procs):
         time.sleep(0.2)
-    failed = next((pid for pid, p in enumerate(procs) if p.poll() not in (None, 0)), failed)
+    failed = first_failed()
     for p in procs:
         if p.poll() is None:
             p.kill()

@@ -98,7 +98,7 @@ def test_ab_summary_lines_up_rows_across_runs(tmp_path):
                                                   "| 1.000 |")
 
 
-def run_processes(script, out_dir, *extra):
+def run_one_process_per_gpu(script, out_dir, *extra):
     """benchmarks/<script> --processes N (one process per GPU) with few samples; the JSON process 0 wrote."""
     reason = gpu_skip_reason()
     if reason:
@@ -120,8 +120,8 @@ def run_processes(script, out_dir, *extra):
 def test_collectives_one_process_per_gpu(tmp_path):
     """collectives.py --processes N: N processes, one GPU each, measure the same chains (NVLink kernels over CUDA
     IPC, the NCCL path plain and in command buffers) after checking each against jax.lax; process 0 writes."""
-    rows = run_processes("collectives.py", tmp_path, "--ops", "all_reduce,all_to_all", "--sizes", "8,64K",
-                         "--impls", "xla,nx,nx-nccl,nx-nccl-cmdbuf")["rows"]
+    rows = run_one_process_per_gpu("collectives.py", tmp_path, "--ops", "all_reduce,all_to_all", "--sizes", "8,64K",
+                                   "--impls", "xla,nx,nx-nccl,nx-nccl-cmdbuf")["rows"]
     assert len(rows) == 2 * 2 * 4
     assert all(r["status"] == "ok" and r["verified"] and r["reps"] == 2 for r in rows)
     paths = {r["impl"]: r["path"] for r in rows if r["bytes"] == 8}
@@ -133,8 +133,8 @@ def test_collectives_one_process_per_gpu(tmp_path):
 def test_all_to_allv_one_process_per_gpu(tmp_path):
     """all_to_allv.py --processes N: each process checks its own ranks' results, and all stop or go on together;
     the NVLink kernel reaches its peers through CUDA IPC."""
-    rows = run_processes("all_to_allv.py", tmp_path, "--tokens", "16", "--hidden", "256",
-                         "--variants", "nx_padded,nx_packed,xla_all_to_all,nx_moe")["rows"]
+    rows = run_one_process_per_gpu("all_to_allv.py", tmp_path, "--tokens", "16", "--hidden", "256",
+                                   "--variants", "nx_padded,nx_packed,xla_all_to_all,nx_moe")["rows"]
     outcome = {r["variant"]: (r["status"], r.get("path"), r.get("message")) for r in rows}
     assert outcome == {"nx_padded": ("ok", "nvlink", None), "nx_packed": ("ok", "nvlink", None),
                        "xla_all_to_all": ("ok", "xla", None), "nx_moe": ("ok", "nvlink", None)}, outcome
