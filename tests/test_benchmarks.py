@@ -139,3 +139,17 @@ def test_all_to_allv_one_process_per_gpu(tmp_path):
     assert outcome == {"nx_padded": ("ok", "nvlink", None), "nx_packed": ("ok", "nvlink", None),
                        "xla_all_to_all": ("ok", "xla", None), "nx_moe": ("ok", "nvlink", None)}, outcome
     assert all(r["verified"] for r in rows if r["variant"] != "xla_all_to_all")
+
+
+def test_processes_launcher_reports_a_failing_process(tmp_path):
+    """--processes N starts N copies and ends with the first failure's exit code, printing the other processes'
+    last lines: here on CPU every copy stops at once, as the run needs GPUs."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "collectives.py"), "--processes", "2",
+                           "--sizes", "8", "--out", str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output[-3000:]  # whichever failed first: both exit 2
+    assert "needs at least 2 GPUs" in output
+    assert "---- process 1 (exit " in done.stdout  # its log, whether it failed or was stopped after process 0
+    assert not list(tmp_path.iterdir())
