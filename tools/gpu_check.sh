@@ -76,7 +76,10 @@ run_step() {
       local once=("${pytest[@]}" -q -m gpu tests/test_nvlink_collectives.py::test_all_to_all -k float32)
       local zeros=("${pytest[@]}" -q -m gpu tests/test_all_to_allv.py::test_zero_rows_over_a_stale_buffer
                    -k many_zeros)
+      # Before the worker, which GPU processes are left over (its rare hang may come from one still running).
+      local apps="nvidia-smi --query-compute-apps=pid,process_name,used_gpu_memory --format=csv,noheader"
       cmd=(bash -c "${sanitizer[*]} ${cases[*]} && ${sanitizer[*]} ${once[*]} && ${sanitizer[*]} ${zeros[*]} &&
+                    { echo '== GPU processes before the worker:'; $apps || true; } &&
                     JAX_NCCLX_TRANSPORT=nvlink JAX_NCCLX_TIMEOUT_S=60 WORKER_STACKS_AFTER_S=120 \
                     timeout 180 ${sanitizer[*]} $python tests/command_buffer_worker.py") ;;
     startup | collectives | all_to_allv | launch_floor | collectives_cmdbuf | all_to_allv_cmdbuf | launch_floor_cmdbuf)
