@@ -67,7 +67,7 @@ class Config:
         (not all_to_allv_dynamic's) lowers to handlers marked command-buffer compatible
         (``JAX_NCCLX_NCCL_COMMAND_BUFFERS=1``; default 0), so that XLA records their NCCL launches into the
         CUDA graphs of its command buffers with the rest of the program (XLA records custom calls there by
-        default, in programs long enough for a command buffer): 1.3-2.9x faster than XLA's own collectives on
+        default, in runs of at least 5 recordable ops): 1.3-2.9x faster than XLA's own collectives on
         2xH200 with one process, 1.05-2.7x with one per GPU (README, "Small-message collectives").
         The cost: a replayed graph does not come back to the host, so the watchdog does not time those calls,
         and a peer that never arrives hangs them instead of failing with its name. The NVLink kernels bound their own
