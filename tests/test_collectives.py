@@ -123,7 +123,6 @@ def test_check_grads_numerically(mesh):
     jax.test_util.check_grads(f, (x,), order=2, modes=["fwd", "rev"], atol=1e-2, rtol=1e-2)
 
 
-
 @pytest.mark.gpu
 def test_nccl_path_inside_command_buffers():
     """With JAX_NCCLX_NCCL_COMMAND_BUFFERS=1 and custom calls captured into CUDA graphs, the NCCL path of every

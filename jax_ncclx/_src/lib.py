@@ -59,6 +59,13 @@ def cuda_module_if_available():
     return _load_cuda()[0]
 
 
+@functools.cache
+def cuda_target_names() -> frozenset:
+    """The names of the FFI targets the CUDA module registers (none when this build or machine lacks it)."""
+    module = cuda_module_if_available()
+    return frozenset(module.registrations()) if module is not None else frozenset()
+
+
 def build_info() -> dict:
     """What this installation of jax_ncclx can do.
 

@@ -170,12 +170,6 @@ def register_lowerings(prim: Primitive, target: str, attrs: Callable[..., dict] 
         )
 
 
-# The NCCL handlers that also come marked command-buffer compatible (xla_ffi/ops/collectives_cuda.cc), as
-# "<target>_cmdbuf": all_to_allv_dynamic's NCCL path is not among them.
-NCCL_COMMAND_BUFFER_TARGETS = frozenset(
-    f"ncclx_{op}" for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute"))
-
-
 def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **params):
     axis_context = ctx.module_context.axis_context
     if not compat.is_spmd_axis_context(axis_context):
@@ -211,7 +205,9 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **par
         nvlink = target.endswith("_nvlink")
         if not nvlink:
             comm.ensure_nccl(comm_id)
-            if settings.nccl_command_buffers and target in NCCL_COMMAND_BUFFER_TARGETS:
+            # The NCCL handlers registered twice, the second "<target>_cmdbuf" marked command-buffer compatible
+            # (xla_ffi/ops/collectives_cuda.cc; all_to_allv_dynamic's is not among them).
+            if settings.nccl_command_buffers and f"{target}_cmdbuf" in lib.cuda_target_names():
                 target += "_cmdbuf"
         algorithm = {1: "one_shot", 2: "two_shot"}.get(int(route.attrs.get("algorithm", 1))) if nvlink else "nccl"
         site_info.update(groups=[[mesh_devices[p].id for p in g] for g in groups], comm_id=comm_id,
