@@ -393,6 +393,47 @@ def test_zero_rows_over_a_stale_buffer(backend, pattern, layout, capacity, featu
           reference.all_to_allv(list(xs), list(counts), capacity, layout), jnp.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra_block", [False, True], ids=["one_job_per_block", "a_block_with_two_jobs"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("pattern", ["one_peer", "overflow", "random"])
+def test_staged_pieces_in_rounds(monkeypatch, pattern, layout, extra_block):
+    """Staged calls (as with one process per GPU) whose pieces of several MiB are sent in rounds: N blocks
+    give one piece per peer (eight rounds), N + 1 blocks two pieces per peer (four rounds) and one block two
+    send jobs. The blocks that sent a rank's own rows copy out every source's rows round by round. Two calls of
+    one program and two runs of it reuse the progress flags under new epochs; a vmap of two batch elements
+    is one call of one tile."""
+    reason = gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    devices = gpu_devices()
+    n = len(devices)
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nvlink")
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_DIRECT", "0")
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_BLOCKS", str(n + 1 if extra_block else n))
+    capacity, features = 1152, 1024  # 2.25 MiB of bf16 rows per peer slot and batch element
+    rows = capacity * 5 // 4
+    scale = capacity // CAPACITY  # counts_for's patterns, scaled to this capacity
+    xs = random_array((n, 2, rows, features), jnp.bfloat16, seed=12)
+    counts = np.stack([counts_for(pattern, n, 2, seed=s) * scale for s in (13, 14)], axis=1)  # [n, 2, n, k]
+
+    def body(x, c):
+        call = jax.vmap(lambda u, v: nx.all_to_allv_dynamic(u, v, "x", max_recv_per_peer=capacity, layout=layout))
+        first = call(x[0], c[0])
+        second = call(x[0], c[0, ::-1])  # the batch elements' counts swapped
+        return tuple(o[None] for o in (*first, *second))
+
+    mesh = line_mesh(devices)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x")))
+    for _ in range(2):
+        out = f(jnp.asarray(xs), jnp.asarray(counts))
+        for call, order in enumerate(((0, 1), (1, 0))):
+            for b, routing in enumerate(order):
+                expected = reference.all_to_allv(list(xs[:, b]), list(counts[:, routing]), capacity, layout)
+                check([tuple(np.asarray(o[i, b]) for o in out[3 * call:3 * call + 3]) for i in range(n)],
+                      expected, jnp.bfloat16)
+
+
 def test_repeated_calls_reuse_flags(backend):
     """One compiled program run many times with changing counts: the epochs on the device keep the peers in
     step without any reset."""

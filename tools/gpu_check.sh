@@ -14,7 +14,8 @@
 #   memcheck      compute-sanitizer --tool memcheck over the adversarial all_to_allv count patterns,
 #                 send_rows indices and suffixes on GPU (test_patterns, test_send_rows_gather_on_the_way,
 #                 test_suffix_travels_with_rows; each with rows written straight into the peers' outputs
-#                 and through the staging slots, test_all_to_allv.py's GPU_TRANSPORTS), the moe routing
+#                 and through the staging slots, test_all_to_allv.py's GPU_TRANSPORTS; staged pieces sent
+#                 in rounds, test_staged_pieces_in_rounds), the moe routing
 #                 kernels (test_moe_routing) and the row copies (test_take_rows); the small-message
 #                 all_to_all in every protocol and size class
 #                 (test_nvlink_collectives.py::test_all_to_all, float32), and the zero rows left to the
@@ -71,7 +72,8 @@ run_step() {
       local sanitizer=("$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)" --tool memcheck --report-api-errors no --error-exitcode 86 --print-limit 20)
       local cases=("${pytest[@]}" -q -m gpu "tests/test_all_to_allv.py::test_patterns"
                    "tests/test_all_to_allv.py::test_send_rows_gather_on_the_way"
-                   "tests/test_all_to_allv.py::test_suffix_travels_with_rows" tests/test_moe_routing.py
+                   "tests/test_all_to_allv.py::test_suffix_travels_with_rows"
+                   "tests/test_all_to_allv.py::test_staged_pieces_in_rounds" tests/test_moe_routing.py
                    tests/test_take_rows.py)
       local once=("${pytest[@]}" -q -m gpu tests/test_nvlink_collectives.py::test_all_to_all -k float32)
       local zeros=("${pytest[@]}" -q -m gpu tests/test_all_to_allv.py::test_zero_rows_over_a_stale_buffer

@@ -65,12 +65,18 @@ struct NvlinkFault {
                                      // waited for in vain
 };
 
+// Rounds of one group are counted in the low bits of a progress flag, below the epoch.
+constexpr int kRoundBits = 8;
+
 // Flags hold epochs: the number of the call (1, 2, ...) on this communicator that set them. They only grow,
 // so no kernel ever resets them and a recorded CUDA graph can replay forever.
 struct alignas(128) SymmetricControl {
   uint64_t entered[kMaxNvlinkRanks];                  // set by rank r: r has entered call e (and finished e-1)
   uint64_t arrived[kMaxNvlinkRanks][kMaxFlagGroups];  // set by rank r: r's rows of group g for call e landed
                                                       // (bit 63: a note, device_sync.cuh kFlagNote)
+  uint64_t progress[kMaxNvlinkRanks][kMaxFlagGroups];  // set by rank r: (e << kRoundBits) + the rounds of its
+                                                       // group g for call e that landed, where a call sends
+                                                       // its groups in rounds (staged all_to_allv_dynamic)
   uint64_t output[kMaxNvlinkRanks];                   // set by rank r before `entered`: its output address
                                                       // for call e (same-process ranks write there directly)
   uint64_t recv_counts[kMaxNvlinkRanks];              // the same for its recv_counts output

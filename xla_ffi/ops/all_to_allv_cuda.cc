@@ -254,12 +254,14 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
   if (sm_count.has_error()) return sm_count.error();
   ffi::ErrorOr<int> per_sm = KernelBlocksPerSm();
   if (per_sm.has_error()) return per_sm.error();
-  const NvlinkGrid grid = ChooseNvlinkGrid(*shape, static_cast<int>(blocks), *sm_count, *sm_count * *per_sm);
+  const NvlinkGrid grid = ChooseNvlinkGrid(*shape, direct == 1, static_cast<int>(blocks), *sm_count,
+                                          *sm_count * *per_sm);
 
   NvlinkAllToAllvArgs args;
   args.shape = *shape;
   args.rank = symmetric->rank;
   args.groups = grid.groups;
+  args.rounds = grid.rounds;
   args.packed = packed == 1;
   args.direct = direct == 1;
   args.trace = trace == 1 || trace == 2;

@@ -62,6 +62,7 @@ struct NvlinkAllToAllvArgs {
   AllToAllvShape shape;
   int rank = 0;
   int groups = 1;  // pieces per peer slot, each with its own arrival flag (<= kMaxPiecesPerPeer)
+  int rounds = 1;  // staged calls of one tile: each piece is sent, and copied out, in this many rounds
   bool packed = false;
   bool direct = false;  // write rows into the peers' outputs (same process) instead of their staging slots
   bool trace = false;   // record the call's timeline in control->trace
@@ -84,19 +85,22 @@ struct NvlinkAllToAllvArgs {
 // fault (monitor.h).
 cudaError_t LaunchCorruptCounts(const int32_t* counts, int32_t* out, int64_t n, cudaStream_t stream);
 
-// Blocks and pieces per peer for a call. By size (requested_blocks = 0) at most one block per SM; a request
-// may use up to `resident_blocks`, the most that fit on the GPU at once (every block must be resident, since
-// blocks wait on each other's peers).
+// Blocks, pieces per peer and rounds per piece for a call. By size (requested_blocks = 0) at most one block
+// per SM; a request may use up to `resident_blocks`, the most that fit on the GPU at once (every block must be
+// resident, since blocks wait on each other's peers). Rounds: staged calls (not `direct`) of large pieces.
 struct NvlinkGrid {
   int blocks = 1;
   int groups = 1;
+  int rounds = 1;
 };
-NvlinkGrid ChooseNvlinkGrid(const AllToAllvShape& shape, int requested_blocks, int sm_count, int resident_blocks);
+NvlinkGrid ChooseNvlinkGrid(const AllToAllvShape& shape, bool direct, int requested_blocks, int sm_count,
+                            int resident_blocks);
 
 // How many blocks of the NVLink kernel fit on one SM of the current device (the fewest over its variants).
 cudaError_t NvlinkAllToAllvBlocksPerSm(int* blocks);
 
-// Launches the NVLink kernel with `blocks` blocks (from ChooseNvlinkGrid, whose groups must be in args).
+// Launches the NVLink kernel with `blocks` blocks (from ChooseNvlinkGrid, whose groups and rounds must be in
+// args).
 cudaError_t LaunchNvlinkAllToAllv(const NvlinkAllToAllvArgs& args, int blocks, cudaStream_t stream);
 
 }  // namespace jax_ncclx

@@ -41,6 +41,12 @@ static_assert(kMaxPiecesPerPeer <= kMaxFlagGroups);
 // receiver's work after its piece arrives costs ~2.5 µs more at the end of the call: with ~1 MiB of zero rows
 // per peer that was slower than sending them on 2xH200 (benchmarks/results/all_to_allv_2gpu_zeros_left.md).
 constexpr int64_t kMinZeroBytesLeftToReceiver = 2 << 20;
+// Staged mode: pieces of at least this many bytes per round are sent, and copied out of the staging slot, in
+// rounds (at most kMaxRounds), so that the copy out runs while later rounds are still on the wire instead of
+// after the last of them (see the receive loop of NvlinkAllToAllvKernel).
+constexpr int64_t kMinBytesPerRound = 512 * 1024;
+constexpr int kMaxRounds = 8;
+static_assert(kMaxRounds < (1 << kRoundBits));
 
 // Staged data is written by other GPUs during this kernel: read it past L1 (ld.global.cg).
 template <typename V>
@@ -86,23 +92,34 @@ __device__ __forceinline__ int SliceShift(const NvlinkAllToAllvArgs& args, int64
   return shift;
 }
 
+// Round `index` of `count` of a piece: the piece's slices among the index-th count-th of all slices.
+struct Round {
+  int index = 0;
+  int count = 1;
+};
+
 // Piece g of `groups` of `rows` rows of `units` units: the slices w with w % groups == g, where slice w is
-// units [lo, hi) of row w / (slices per row) (SliceShift gives their size). `move(row, lo, hi)` moves one
-// slice with the calling warp.
+// units [lo, hi) of row w / (slices per row) (SliceShift gives their size), those of `round` alone.
+// `move(row, lo, hi)` moves one slice with the calling warp.
 // The pieces interleave, rather than each taking a contiguous range of rows, so that the blocks writing one
 // peer write neighbouring addresses at any moment, and one warp-per-slice path serves x rows, gathered rows,
 // suffixes and zero rows alike. What made the exchange faster is the order of the blocks
 // (NvlinkAllToAllvKernel); the interleaving alone was not measured faster.
 template <typename Move>
 __device__ __forceinline__ void ForEachSlice(const NvlinkAllToAllvArgs& args, int64_t rows, int64_t units, int g,
-                                             Move&& move) {
+                                             Move&& move, Round round = {}) {
   constexpr int kWarps = kThreads / 32;
   const int groups = args.groups;
   const int shift = SliceShift(args, units);
   const int64_t slice = int64_t{1} << shift;
   const int64_t per_row = max(int64_t{1}, (units + slice - 1) >> shift);
   const int64_t stride = int64_t{groups} * kWarps;
-  for (int64_t w = g + int64_t{groups} * (threadIdx.x / 32); w < rows * per_row; w += stride) {
+  const int64_t slices = rows * per_row;
+  const int64_t first = slices * round.index / round.count;
+  const int64_t end = slices * (round.index + 1) / round.count;
+  int64_t w = g + int64_t{groups} * (threadIdx.x / 32);
+  if (w < first) w += (first - w + stride - 1) / stride * stride;  // this warp's first slice of the round
+  for (; w < end; w += stride) {
     const int64_t lo = w % per_row * slice;
     move(w / per_row, lo, min(lo + slice, units));
   }
@@ -305,10 +322,11 @@ __device__ __forceinline__ bool LeavesZeros(const NvlinkAllToAllvArgs& args, con
 // complete when the piece's flag is raised, unless it leaves them to the peer (LeavesZeros): returns whether
 // it did. `planned`: PlanTile ran for the first tile before the peer entered, with every write but the peer's
 // recv_counts, whose address the peer publishes when it enters (piece 0 in direct mode plans again from the
-// staged counts to write them).
+// staged counts to write them). `round`: the part of the piece to write (calls of one tile, whose plan the
+// first round leaves in shared memory for the others).
 template <typename V>
 __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int g,
-                          bool planned) {
+                          bool planned, Round round) {
   const AllToAllvShape& s = args.shape;
   const int64_t units_per_row = s.row_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t suffix_units = s.suffix_bytes / static_cast<int64_t>(sizeof(V));
@@ -335,7 +353,7 @@ __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
     const Emit emit = first_piece && args.direct     ? Emit::kRecvCounts
                       : !planned_tile && !args.direct ? Emit::kSlot
                                                       : Emit::kNone;
-    if (!planned_tile || emit == Emit::kRecvCounts) {
+    if (round.index == 0 && (!planned_tile || emit == Emit::kRecvCounts)) {
       PlanTile(args, shared, parity, peer, tile, size, emit, first_piece && !planned_tile, planned_tile);
     }
     leaves_zeros = LeavesZeros(args, shared, peer);
@@ -366,7 +384,8 @@ __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
                                           suffix + (bb * s.num_rows + send_row) * suffix_units + suffix_lo - x_units,
                                           hi - suffix_lo);
                      }
-                   });
+                   },
+                   round);
     }
     __syncthreads();
   }
@@ -378,10 +397,11 @@ __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
 // piece's rows are zeros, and so are its recv_counts. Direct mode, when the source left its zero rows
 // (LeavesZeros): those zero rows. The counts that place the piece are in the count slots (staged mode,
 // Emit::kSlot; the direct packed layout, ShareCounts), or in the direct padded layout in recv_counts, which
-// the source's piece 0 wrote.
+// the source's piece 0 wrote. `round`: the part of the piece's rows to copy out (the same part as the source's
+// SendPiece wrote); the first round also writes the zero rows and recv_counts.
 template <typename V>
 __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int source, int g,
-                             bool arrived) {
+                             bool arrived, Round round) {
   const AllToAllvShape& s = args.shape;
   const int64_t units_per_row = s.row_bytes / static_cast<int64_t>(sizeof(V));
   const V* slot = reinterpret_cast<const V*>(Staging(args, args.rank) + source * args.rows_slot_bytes);
@@ -408,7 +428,7 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
         total += rows;
       }
       mine = min(mine, s.capacity);
-      for (int64_t k = 0; !args.direct && g == 0 && k < s.num_chunks; ++k) {
+      for (int64_t k = 0; !args.direct && g == 0 && round.index == 0 && k < s.num_chunks; ++k) {
         recv_counts[k] = arrived ? counts.Delivered(source, i, k) : 0;
       }
       shared.a[i] = mine;
@@ -426,14 +446,21 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
       V* zeros = args.packed ? out + (shared.c[i] + source * s.capacity - shared.b[i]) * units_per_row
                              : data + mine * units_per_row;
       const V* rows = slot + bb * segment_units;
-      // Direct mode: the source wrote rows [0, mine) itself.
-      const int64_t first = args.direct ? mine : 0;
-      ForEachSlice(args, s.capacity - first, units_per_row, g, [&](int64_t r, int64_t lo, int64_t hi) {
-        r += first;
-        V* row = r < mine ? data + r * units_per_row : zeros + (r - mine) * units_per_row;
-        if (r < mine && arrived) return WarpCopy<V, true>(row + lo, rows + r * units_per_row + lo, hi - lo);
-        WarpZero(row + lo, hi - lo);
-      });
+      if (!args.direct) {  // direct mode: the source wrote rows [0, mine) itself
+        ForEachSlice(
+            args, mine, units_per_row, g,
+            [&](int64_t r, int64_t lo, int64_t hi) {
+              V* row = data + r * units_per_row;
+              if (!arrived) return WarpZero(row + lo, hi - lo);
+              WarpCopy<V, true>(row + lo, rows + r * units_per_row + lo, hi - lo);
+            },
+            round);
+      }
+      if (round.index == 0) {
+        ForEachSlice(args, s.capacity - mine, units_per_row, g, [&](int64_t r, int64_t lo, int64_t hi) {
+          WarpZero(zeros + r * units_per_row + lo, hi - lo);
+        });
+      }
     }
     __syncthreads();
   }
@@ -455,6 +482,9 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
   const uint32_t ticket = TakeTicket(args.control, epoch);
   const int parity = static_cast<int>(epoch & 1);
   const bool direct_packed = args.direct && args.packed;
+  // Staged calls of one tile send large pieces in rounds (ChooseNvlinkGrid); SendPiece keeps a tile's plan
+  // from its first round.
+  const int rounds = !args.direct && OneTile(args) ? args.rounds : 1;
   CallTrace trace(args.control, epoch, args.trace);
   Patience patience(args.table, args.control, args.rank, num_peers, epoch, kTraceAllToAllv, args.site,
                     args.timeout_ns);
@@ -498,40 +528,63 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
     // A peer that never entered has not published its output address (direct mode): send nothing to it.
     if (__syncthreads_or(!entered)) continue;
     const bool planned = plan_early && job == static_cast<int>(blockIdx.x);
-    const bool zeros_left = SendPiece<V>(args, shared, parity, peer, g, planned);
-    if (threadIdx.x == 0) {  // the block's rows are ordered before the release by SendPiece's final barrier
+    bool zeros_left = false;
+    for (int r = 0; r < rounds; ++r) {
+      zeros_left = SendPiece<V>(args, shared, parity, peer, g, planned, Round{r, rounds});
+      // The block's rows are ordered before each release by SendPiece's final barrier.
+      if (threadIdx.x == 0 && r + 1 < rounds) {
+        StoreRelease(&args.table->control[peer]->progress[args.rank][g], (epoch << kRoundBits) + r + 1);
+      }
+    }
+    if (threadIdx.x == 0) {
       StoreRelease(&args.table->control[peer]->arrived[args.rank][g], epoch | (zeros_left ? kFlagNote : 0));
       trace.Sent();
     }
   }
+  // Receive job j takes piece j / N of source rank - j. In rounds, the blocks that sent this rank's own
+  // pieces (job j % N == 0), which end long before those sending to other GPUs, take every source's piece
+  // j / N instead, and copy out each round as it lands while later rounds are still on the wire; otherwise
+  // the copies out would all start once the last rows had landed. Those blocks send nothing after this, so
+  // no sender waits for a receiver.
   for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
-    const int source = (args.rank - job % num_peers + num_peers) % num_peers;
+    if (rounds > 1 && job % num_peers != 0) continue;
     const int g = job / num_peers;
-    bool arrived = true;
-    uint64_t flag = 0;
-    if (threadIdx.x == 0) {
-      // The counts that place the piece: staged mode, with it (Emit::kSlot; the packed layout needs every
-      // source's, which come with their pieces g); the direct packed layout, with `entered`, awaited in the send
-      // loop; the direct padded layout, where the source left zero rows, with its piece 0 (recv_counts).
-      for (int q = 0; args.packed && !args.direct && q < num_peers; ++q) {
-        patience.AtLeast(&args.control->arrived[q][g], epoch, q);
+    const int first_source = (args.rank - job % num_peers + num_peers) % num_peers;
+    for (int r = 0; r < rounds; ++r) {
+      // Round r of a piece has landed once its progress flag counts r + 1 rounds, the last once it arrived.
+      auto landed = [&](int q, uint64_t* seen = nullptr) {
+        return r + 1 == rounds ? patience.AtLeast(&args.control->arrived[q][g], epoch, q, seen)
+                               : patience.AtLeast(&args.control->progress[q][g], (epoch << kRoundBits) + r + 1,
+                                                  q, seen);
+      };
+      for (int k = 0; k < (rounds > 1 ? num_peers : 1); ++k) {
+        const int source = (first_source - k + num_peers) % num_peers;
+        bool arrived = true;
+        uint64_t flag = 0;
+        if (threadIdx.x == 0) {
+          // The counts that place the piece: staged mode, with it (Emit::kSlot; the packed layout needs every
+          // source's, which come with their pieces g); the direct packed layout, with `entered`, awaited in the
+          // send loop; the direct padded layout, where the source left zero rows, with its piece 0
+          // (recv_counts).
+          for (int q = 0; args.packed && !args.direct && r == 0 && k == 0 && q < num_peers; ++q) landed(q);
+          arrived = landed(source, &flag);
+          if (arrived && (flag & kFlagNote) != 0 && !args.packed) {
+            arrived = patience.AtLeast(&args.control->arrived[source][0], epoch, source);
+          }
+          if (r + 1 == rounds) trace.DataArrived();
+        }
+        arrived = !__syncthreads_or(!arrived);
+        const bool zeros_left = __syncthreads_or(arrived && (flag & kFlagNote) != 0);
+        // Direct mode: a source that never sent its piece 0 wrote no recv_counts: it delivered nothing.
+        if (!arrived && args.direct && g == 0) {
+          for (int64_t i = threadIdx.x; i < args.shape.batch * args.shape.num_chunks; i += kThreads) {
+            const int64_t b = i / args.shape.num_chunks;
+            args.recv_counts[(b * num_peers + source) * args.shape.num_chunks + i % args.shape.num_chunks] = 0;
+          }
+        }
+        if (!args.direct || zeros_left) ReceivePiece<V>(args, shared, parity, source, g, arrived, Round{r, rounds});
       }
-      arrived = patience.AtLeast(&args.control->arrived[source][g], epoch, source, &flag);
-      if (arrived && (flag & kFlagNote) != 0 && !args.packed) {
-        arrived = patience.AtLeast(&args.control->arrived[source][0], epoch, source);
-      }
-      trace.DataArrived();
     }
-    arrived = !__syncthreads_or(!arrived);
-    const bool zeros_left = __syncthreads_or(arrived && (flag & kFlagNote) != 0);
-    // Direct mode: a source that never sent its piece 0 wrote no recv_counts: it delivered nothing.
-    if (!arrived && args.direct && g == 0) {
-      for (int64_t i = threadIdx.x; i < args.shape.batch * args.shape.num_chunks; i += kThreads) {
-        const int64_t b = i / args.shape.num_chunks;
-        args.recv_counts[(b * num_peers + source) * args.shape.num_chunks + i % args.shape.num_chunks] = 0;
-      }
-    }
-    if (!args.direct || zeros_left) ReceivePiece<V>(args, shared, parity, source, g, arrived);
   }
 
   FinishCall(args.control, epoch, ticket, trace, kTraceAllToAllv);
@@ -558,7 +611,8 @@ NvlinkAllToAllvLayout LayOutNvlinkAllToAllv(const AllToAllvShape& shape, bool di
   return layout;
 }
 
-NvlinkGrid ChooseNvlinkGrid(const AllToAllvShape& shape, int requested_blocks, int sm_count, int resident_blocks) {
+NvlinkGrid ChooseNvlinkGrid(const AllToAllvShape& shape, bool direct, int requested_blocks, int sm_count,
+                            int resident_blocks) {
   const int64_t slot_bytes = shape.batch * shape.capacity * shape.row_bytes;
   const int64_t peers = std::max<int64_t>(1, shape.num_peers);
   int64_t blocks = requested_blocks > 0
@@ -571,6 +625,8 @@ NvlinkGrid ChooseNvlinkGrid(const AllToAllvShape& shape, int requested_blocks, i
   NvlinkGrid grid;
   grid.groups = static_cast<int>(std::clamp<int64_t>((blocks + peers - 1) / peers, 1, kMaxPiecesPerPeer));
   grid.blocks = static_cast<int>(blocks);
+  const int64_t piece_bytes = slot_bytes / grid.groups;
+  grid.rounds = direct ? 1 : static_cast<int>(std::clamp<int64_t>(piece_bytes / kMinBytesPerRound, 1, kMaxRounds));
   return grid;
 }
 
