@@ -166,7 +166,7 @@ __device__ __forceinline__ const int32_t* LocalCountSlot(const NvlinkAllToAllvAr
 class TileCounts {
  public:
   // Batch elements per tile: as many as fit in the staging arrays (at most one per thread), else 1.
-  __device__ static int64_t TileSize(const AllToAllvShape& s) {
+  __host__ __device__ static int64_t TileSize(const AllToAllvShape& s) {
     const int64_t per_element = s.num_peers * s.num_chunks;
     return per_element == 0 ? kThreads : max(int64_t{1}, min(int64_t{kThreads}, kStagedCounts / per_element));
   }
@@ -473,7 +473,10 @@ __device__ __forceinline__ int SendPeer(const NvlinkAllToAllvArgs& args, int job
   return (args.rank + job % num_peers) % num_peers;
 }
 
-template <typename V>
+// kInRounds: a staged call of one tile whose pieces go in args.rounds rounds (ChooseNvlinkGrid). A variant of
+// its own, because the rounds' loop state spills registers of the copy loops, which cost the calls of one
+// round 2-4 us (2xH200, T = 16 and 128).
+template <typename V, bool kInRounds>
 __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAllvArgs args) {
   __shared__ Shared shared;
   const int num_peers = static_cast<int>(args.shape.num_peers);
@@ -482,9 +485,7 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
   const uint32_t ticket = TakeTicket(args.control, epoch);
   const int parity = static_cast<int>(epoch & 1);
   const bool direct_packed = args.direct && args.packed;
-  // Staged calls of one tile send large pieces in rounds (ChooseNvlinkGrid); SendPiece keeps a tile's plan
-  // from its first round.
-  const int rounds = !args.direct && OneTile(args) ? args.rounds : 1;
+  const int rounds = kInRounds ? args.rounds : 1;  // SendPiece keeps the tile's plan from its first round
   CallTrace trace(args.control, epoch, args.trace);
   Patience patience(args.table, args.control, args.rank, num_peers, epoch, kTraceAllToAllv, args.site,
                     args.timeout_ns);
@@ -598,6 +599,17 @@ bool AlignedTo(int64_t width, const NvlinkAllToAllvArgs& args) {
          aligned(args.suffix) && aligned(args.y);
 }
 
+template <bool kInRounds>
+void Launch(const NvlinkAllToAllvArgs& args, int blocks, cudaStream_t stream) {
+  if (AlignedTo(16, args)) {
+    NvlinkAllToAllvKernel<uint4, kInRounds><<<blocks, kThreads, 0, stream>>>(args);
+  } else if (AlignedTo(4, args)) {
+    NvlinkAllToAllvKernel<uint32_t, kInRounds><<<blocks, kThreads, 0, stream>>>(args);
+  } else {
+    NvlinkAllToAllvKernel<uint8_t, kInRounds><<<blocks, kThreads, 0, stream>>>(args);
+  }
+}
+
 }  // namespace
 
 NvlinkAllToAllvLayout LayOutNvlinkAllToAllv(const AllToAllvShape& shape, bool direct) {
@@ -625,16 +637,22 @@ NvlinkGrid ChooseNvlinkGrid(const AllToAllvShape& shape, bool direct, int reques
   NvlinkGrid grid;
   grid.groups = static_cast<int>(std::clamp<int64_t>((blocks + peers - 1) / peers, 1, kMaxPiecesPerPeer));
   grid.blocks = static_cast<int>(blocks);
+  const bool one_tile = TileCounts::TileSize(shape) >= shape.batch;
   const int64_t piece_bytes = slot_bytes / grid.groups;
-  grid.rounds = direct ? 1 : static_cast<int>(std::clamp<int64_t>(piece_bytes / kMinBytesPerRound, 1, kMaxRounds));
+  grid.rounds = direct || !one_tile
+                    ? 1
+                    : static_cast<int>(std::clamp<int64_t>(piece_bytes / kMinBytesPerRound, 1, kMaxRounds));
   return grid;
 }
 
 cudaError_t NvlinkAllToAllvBlocksPerSm(int* blocks) {
   int fewest = 0;
-  for (const void* kernel : {reinterpret_cast<const void*>(NvlinkAllToAllvKernel<uint4>),
-                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<uint32_t>),
-                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<uint8_t>)}) {
+  for (const void* kernel : {reinterpret_cast<const void*>(NvlinkAllToAllvKernel<uint4, false>),
+                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<uint32_t, false>),
+                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<uint8_t, false>),
+                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<uint4, true>),
+                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<uint32_t, true>),
+                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<uint8_t, true>)}) {
     int fit = 0;
     const cudaError_t status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, kThreads, 0);
     if (status != cudaSuccess) return status;
@@ -645,12 +663,10 @@ cudaError_t NvlinkAllToAllvBlocksPerSm(int* blocks) {
 }
 
 cudaError_t LaunchNvlinkAllToAllv(const NvlinkAllToAllvArgs& args, int blocks, cudaStream_t stream) {
-  if (AlignedTo(16, args)) {
-    NvlinkAllToAllvKernel<uint4><<<blocks, kThreads, 0, stream>>>(args);
-  } else if (AlignedTo(4, args)) {
-    NvlinkAllToAllvKernel<uint32_t><<<blocks, kThreads, 0, stream>>>(args);
+  if (args.rounds > 1) {
+    Launch<true>(args, blocks, stream);
   } else {
-    NvlinkAllToAllvKernel<uint8_t><<<blocks, kThreads, 0, stream>>>(args);
+    Launch<false>(args, blocks, stream);
   }
   return cudaGetLastError();
 }
