@@ -5,8 +5,8 @@ Each process drives one GPU; the communicators bootstrap through JAX's distribut
 "one" means the launcher hid the other GPUs (CUDA_VISIBLE_DEVICES), so all_to_allv_dynamic cannot map its
 peers and must fall back to NCCL; "all" means every GPU is visible and JAX uses only GPU PROCESS_ID
 (local_device_ids), so the NVLink kernels run over CUDA IPC. Checks every op against jax.lax / the NumPy
-reference, and the transport all_to_allv_dynamic and all_reduce lowered to, then the NCCL path under
-JAX_NCCLX_NCCL_COMMAND_BUFFERS=1, and prints WORKER OK. The launcher may set XLA_FLAGS to capture custom calls
+reference (all_to_allv_dynamic also with pieces sent in rounds), and the transport all_to_allv_dynamic and
+all_reduce lowered to, then the NCCL path under JAX_NCCLX_NCCL_COMMAND_BUFFERS=1, and prints WORKER OK. The launcher may set XLA_FLAGS to capture custom calls
 into command buffers; the NCCL part then checks that XLA replayed them (fewer traced calls than executions).
 """
 
@@ -73,19 +73,34 @@ for name in ("all_reduce", "all_gather", "all_to_all"):
 os.environ.pop("JAX_NCCLX_NVLINK_PROTOCOL")
 jax.clear_caches()
 
+
+def check_all_to_allv(xs, counts, capacity, label):
+    for layout in ("padded", "packed"):
+        def body(v, c):
+            return tuple(o[None] for o in nx.all_to_allv_dynamic(v[0], c[0], "x", max_recv_per_peer=capacity,
+                                                                  layout=layout))
+        y, recv, dropped = run(body, xs, counts)
+        expected = reference.all_to_allv(list(xs), list(counts), capacity, layout)
+        for member, (ry, rrecv, rdropped) in enumerate(expected):
+            np.testing.assert_array_equal(y[member], ry)
+            np.testing.assert_array_equal(recv[member], rrecv)
+            np.testing.assert_array_equal(dropped[member], rdropped)
+        print(f"[{process_id}] all_to_allv_dynamic {layout}{label} ok", flush=True)
+
+
 rows, capacity = 12, 4
 xs = rng.normal(size=(n, rows, 5)).astype(np.float32)
 counts = rng.integers(-1, rows, size=(n, n, 2)).astype(np.int32)
-for layout in ("padded", "packed"):
-    def body(v, c):
-        return tuple(o[None] for o in nx.all_to_allv_dynamic(v[0], c[0], "x", max_recv_per_peer=capacity,
-                                                              layout=layout))
-    y, recv, dropped = run(body, xs, counts)
-    for member, (ry, rrecv, rdropped) in enumerate(reference.all_to_allv(list(xs), list(counts), capacity, layout)):
-        np.testing.assert_array_equal(y[member], ry)
-        np.testing.assert_array_equal(recv[member], rrecv)
-        np.testing.assert_array_equal(dropped[member], rdropped)
-    print(f"[{process_id}] all_to_allv_dynamic {layout} ok", flush=True)
+check_all_to_allv(xs, counts, capacity, "")
+# Pieces large enough to go in rounds, staged through the peers' slots over CUDA IPC: one block per peer makes
+# one piece of 2.25 MiB per peer slot, sent and copied out in four rounds (read at lowering). Some counts run
+# past the capacity and past the end of x.
+os.environ["JAX_NCCLX_NVLINK_BLOCKS"] = str(n)
+jax.clear_caches()
+check_all_to_allv(rng.normal(size=(n, 1500, 512)).astype(np.float32),
+                  rng.integers(0, 700, size=(n, n, 2)).astype(np.int32), 1152, " in rounds")
+os.environ.pop("JAX_NCCLX_NVLINK_BLOCKS")
+jax.clear_caches()
 
 lowered = jax.jit(jax.shard_map(lambda v, c: nx.all_to_allv_dynamic(v[0], c[0], "x", max_recv_per_peer=2)[0][None],
                                 mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x"))).lower(
