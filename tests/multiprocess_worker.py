@@ -6,8 +6,9 @@ Each process drives one GPU; the communicators bootstrap through JAX's distribut
 peers and must fall back to NCCL; "all" means every GPU is visible and JAX uses only GPU PROCESS_ID
 (local_device_ids), so the NVLink kernels run over CUDA IPC. Checks every op against jax.lax / the NumPy
 reference (all_to_allv_dynamic also with pieces sent in rounds), and the transport all_to_allv_dynamic and
-all_reduce lowered to, then the NCCL path under JAX_NCCLX_NCCL_COMMAND_BUFFERS=1, and prints WORKER OK. The launcher may set XLA_FLAGS to capture custom calls
-into command buffers; the NCCL part then checks that XLA replayed them (fewer traced calls than executions).
+all_reduce lowered to, then the NCCL path under JAX_NCCLX_NCCL_COMMAND_BUFFERS=1, and prints WORKER OK. The
+launcher may set XLA_FLAGS to capture custom calls into command buffers; the NCCL part then checks that XLA
+replayed them (fewer traced calls than executions).
 """
 
 import os
