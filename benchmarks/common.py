@@ -298,6 +298,7 @@ def run_processes(args, argv) -> int:
         log = None if pid == 0 else tempfile.TemporaryFile("w+")
         logs.append(log)
         procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None, text=True))
+
     def first_failed():
         return next((pid for pid, p in enumerate(procs) if p.poll() not in (None, 0)), None)
 

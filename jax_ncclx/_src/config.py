@@ -68,10 +68,10 @@ class Config:
         (``JAX_NCCLX_NCCL_COMMAND_BUFFERS=1``; default 0), so that XLA records their NCCL launches into the
         CUDA graphs of its command buffers with the rest of the program (XLA records custom calls there by
         default, in runs of at least 5 recordable ops): 1.3-2.9x faster than XLA's own collectives on
-        2xH200 with one process, 1.05-2.7x with one per GPU (README, "Small-message collectives").
-        The cost: a replayed graph does not come back to the host, so the watchdog does not time those calls,
-        and a peer that never arrives hangs them instead of failing with its name. The NVLink kernels bound their own
-        waits and are recorded either way.
+        2xH200 with one process, 1.05-2.7x with one per GPU (README, "Small-message collectives"). The cost:
+        a replayed graph does not come back to the host, so the watchdog does not time those calls, and a
+        peer that never arrives hangs them instead of failing with its name. The NVLink kernels bound their
+        own waits and are recorded either way.
       nccl_max_ctas: the most thread blocks (channels) NCCL may use per call on communicators created from
         now on (``JAX_NCCLX_NCCL_MAX_CTAS``, NCCL's ``ncclConfig_t.maxCTAs``; default 0: NCCL's choice, 24-32
         on H200). NCCL allocates a few KiB per channel at init, each in its own 2 MiB cuMem granule, so an idle
