@@ -74,9 +74,6 @@ struct alignas(128) SymmetricControl {
   uint64_t entered[kMaxNvlinkRanks];                  // set by rank r: r has entered call e (and finished e-1)
   uint64_t arrived[kMaxNvlinkRanks][kMaxFlagGroups];  // set by rank r: r's rows of group g for call e landed
                                                       // (bit 63: a note, device_sync.cuh kFlagNote)
-  uint64_t progress[kMaxNvlinkRanks][kMaxFlagGroups];  // set by rank r: (e << kRoundBits) + the rounds of its
-                                                       // group g for call e that landed, where a call sends
-                                                       // its groups in rounds (staged all_to_allv_dynamic)
   uint64_t output[kMaxNvlinkRanks];                   // set by rank r before `entered`: its output address
                                                       // for call e (same-process ranks write there directly)
   uint64_t recv_counts[kMaxNvlinkRanks];              // the same for its recv_counts output
@@ -88,6 +85,9 @@ struct alignas(128) SymmetricControl {
   uint32_t abort_missing;                             // bit p set (before abort_by) by a rank that gave up
                                                       // waiting for rank p, so aborted ranks can name p
   DeviceTraceRecord trace[kTraceSlots];               // local: timelines of the last calls (when traced)
+  uint64_t progress[kMaxNvlinkRanks][kMaxFlagGroups];  // set by rank r: (e << kRoundBits) + the rounds of its
+                                                       // group g for call e that landed, where a call sends
+                                                       // its groups in rounds (staged all_to_allv_dynamic)
 };
 
 // One rank's view of every rank's symmetric memory (its own included), indexed by rank.

@@ -398,8 +398,8 @@ __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
 // (LeavesZeros): those zero rows. The counts that place the piece are in the count slots (staged mode,
 // Emit::kSlot; the direct packed layout, ShareCounts), or in the direct padded layout in recv_counts, which
 // the source's piece 0 wrote. `round`: the part of the piece's rows to copy out (the same part as the source's
-// SendPiece wrote); the first round also writes the zero rows and recv_counts.
-template <typename V>
+// SendPiece wrote); the first round also writes the zero rows and recv_counts. kInRounds: as the kernel's.
+template <typename V, bool kInRounds>
 __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int source, int g,
                              bool arrived, Round round) {
   const AllToAllvShape& s = args.shape;
@@ -446,6 +446,16 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
       V* zeros = args.packed ? out + (shared.c[i] + source * s.capacity - shared.b[i]) * units_per_row
                              : data + mine * units_per_row;
       const V* rows = slot + bb * segment_units;
+      if constexpr (!kInRounds) {  // one pass: every row left to this rank, data rows then zero rows
+        const int64_t first = args.direct ? mine : 0;  // direct mode: the source wrote rows [0, mine) itself
+        ForEachSlice(args, s.capacity - first, units_per_row, g, [&](int64_t r, int64_t lo, int64_t hi) {
+          r += first;
+          V* row = r < mine ? data + r * units_per_row : zeros + (r - mine) * units_per_row;
+          if (r < mine && arrived) return WarpCopy<V, true>(row + lo, rows + r * units_per_row + lo, hi - lo);
+          WarpZero(row + lo, hi - lo);
+        });
+        continue;
+      }
       if (!args.direct) {  // direct mode: the source wrote rows [0, mine) itself
         ForEachSlice(
             args, mine, units_per_row, g,
@@ -583,7 +593,9 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
             args.recv_counts[(b * num_peers + source) * args.shape.num_chunks + i % args.shape.num_chunks] = 0;
           }
         }
-        if (!args.direct || zeros_left) ReceivePiece<V>(args, shared, parity, source, g, arrived, Round{r, rounds});
+        if (!args.direct || zeros_left) {
+          ReceivePiece<V, kInRounds>(args, shared, parity, source, g, arrived, Round{r, rounds});
+        }
       }
     }
   }
