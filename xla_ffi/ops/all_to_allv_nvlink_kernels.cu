@@ -44,7 +44,7 @@ constexpr int64_t kMinZeroBytesLeftToReceiver = 2 << 20;
 // Staged mode: pieces of at least this many bytes per round are sent, and copied out of the staging slot, in
 // rounds (at most kMaxRounds), so that the copy out runs while later rounds are still on the wire instead of
 // after the last of them (see the receive loop of NvlinkAllToAllvKernel).
-constexpr int64_t kMinBytesPerRound = 512 * 1024;
+constexpr int64_t kMinBytesPerRound = 256 * 1024;
 constexpr int kMaxRounds = 8;
 static_assert(kMaxRounds < (1 << kRoundBits));
 
