@@ -93,10 +93,10 @@ rows, capacity = 12, 4
 xs = rng.normal(size=(n, rows, 5)).astype(np.float32)
 counts = rng.integers(-1, rows, size=(n, n, 2)).astype(np.int32)
 check_all_to_allv(xs, counts, capacity, "")
-# Pieces large enough to go in rounds, staged through the peers' slots over CUDA IPC: one block per peer makes
-# one piece of 2.25 MiB per peer slot, sent and copied out in four rounds (read at lowering). Some counts run
-# past the capacity and past the end of x.
-os.environ["JAX_NCCLX_NVLINK_BLOCKS"] = str(n)
+# Pieces large enough to go in rounds, staged through the peers' slots over CUDA IPC: two blocks per peer make
+# two pieces of 1.125 MiB per 2.25 MiB peer slot, each sent and copied out in four rounds (read at lowering).
+# Some counts run past the capacity and past the end of x.
+os.environ["JAX_NCCLX_NVLINK_BLOCKS"] = str(2 * n)
 jax.clear_caches()
 check_all_to_allv(rng.normal(size=(n, 1500, 512)).astype(np.float32),
                   rng.integers(0, 700, size=(n, n, 2)).astype(np.int32), 1152, " in rounds")

@@ -394,15 +394,15 @@ def test_zero_rows_over_a_stale_buffer(backend, pattern, layout, capacity, featu
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("extra_block", [False, True], ids=["one_job_per_block", "a_block_with_two_jobs"])
+@pytest.mark.parametrize("extra_block", [False, True], ids=["one_job_per_block", "blocks_with_two_jobs"])
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("pattern", ["one_peer", "overflow", "random"])
 def test_staged_pieces_in_rounds(monkeypatch, pattern, layout, extra_block):
-    """Staged calls (as with one process per GPU) whose pieces of several MiB are sent in rounds: N blocks
-    give one piece per peer (eight rounds), N + 1 blocks two pieces per peer (four rounds) and one block two
-    send jobs. The blocks that sent a rank's own rows copy out every source's rows round by round. Two calls of
-    one program and two runs of it reuse the progress flags under new epochs; a vmap of two batch elements
-    is one call of one tile."""
+    """Staged calls (as with one process per GPU) whose pieces of a MiB or more are sent in rounds of at least
+    256 KiB: N blocks give one 4.5 MiB piece per peer (eight rounds, the most), 3N + 1 blocks four 1.125 MiB
+    pieces per peer (four rounds) and some blocks two send jobs. The blocks that sent a rank's own rows copy
+    out every source's rows round by round. Two calls of one program and two runs of it reuse the progress
+    flags under new epochs; a vmap of two batch elements is one call of one tile."""
     reason = gpu_skip_reason()
     if reason:
         pytest.skip(reason)
@@ -410,7 +410,7 @@ def test_staged_pieces_in_rounds(monkeypatch, pattern, layout, extra_block):
     n = len(devices)
     monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nvlink")
     monkeypatch.setenv("JAX_NCCLX_NVLINK_DIRECT", "0")
-    monkeypatch.setenv("JAX_NCCLX_NVLINK_BLOCKS", str(n + 1 if extra_block else n))
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_BLOCKS", str(3 * n + 1 if extra_block else n))
     capacity, features = 1152, 1024  # 2.25 MiB of bf16 rows per peer slot and batch element
     rows = capacity * 5 // 4
     scale = capacity // CAPACITY  # counts_for's patterns, scaled to this capacity

@@ -43,7 +43,9 @@ static_assert(kMaxPiecesPerPeer <= kMaxFlagGroups);
 constexpr int64_t kMinZeroBytesLeftToReceiver = 2 << 20;
 // Staged mode: pieces of at least this many bytes per round are sent, and copied out of the staging slot, in
 // rounds (at most kMaxRounds), so that the copy out runs while later rounds are still on the wire instead of
-// after the last of them (see the receive loop of NvlinkAllToAllvKernel).
+// after the last of them (see the receive loop of NvlinkAllToAllvKernel). 256 KiB rather than 512 gives the
+// MoE exchanges at T = 4096 (~0.92 MB pieces) three rounds: their round trip took 2% less on 2xH200 with a
+// process per GPU (benchmarks/results/ab_rounds_256k_2gpu).
 constexpr int64_t kMinBytesPerRound = 256 * 1024;
 constexpr int kMaxRounds = 8;
 static_assert(kMaxRounds < (1 << kRoundBits));
