@@ -7,7 +7,8 @@
 // an external event record after each op (cudaEventRecordExternal, an event record node); a memop after each
 // op only. Prints µs per op for each form (best of 3). Then what a watchdog thread would see of an external
 // event in a graph: its cudaEventQuery while a replay runs a 200 ms kernel before it, after that replay, and
-// right after a second replay is enqueued.
+// right after a second replay is enqueued; the same with that graph nested as a child graph node (as XLA
+// nests a custom call's captured launches in its command buffer).
 //
 //   N=$(python3 -c "import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])")
 //   nvcc -O2 -std=c++17 -arch=sm_90 -I$N/include tools/graph_watch_cost.cu -o /tmp/graph_watch_cost \
@@ -153,15 +154,35 @@ int main() {
   CHECK_CUDA(cudaStreamEndCapture(streams[0], &graph));
   CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
   auto state = [&] { return cudaGetErrorName(cudaEventQuery(events[0][0])); };
-  std::printf("event before any replay: %s\n", state());
-  CHECK_CUDA(cudaGraphLaunch(exec, streams[0]));
-  std::printf("event while replay 1 spins: %s\n", state());
-  CHECK_CUDA(cudaStreamSynchronize(streams[0]));
-  std::printf("event after replay 1: %s\n", state());
-  CHECK_CUDA(cudaGraphLaunch(exec, streams[0]));
-  std::printf("event right after replay 2 is enqueued: %s\n", state());
-  CHECK_CUDA(cudaStreamSynchronize(streams[0]));
-  std::printf("event after replay 2: %s\n", state());
+  auto replay_twice = [&](cudaGraphExec_t replayed, const char* what) {
+    CHECK_CUDA(cudaStreamSynchronize(streams[0]));
+    std::printf("%s: event before replay 1: %s\n", what, state());
+    CHECK_CUDA(cudaGraphLaunch(replayed, streams[0]));
+    std::printf("%s: event while replay 1 spins: %s\n", what, state());
+    CHECK_CUDA(cudaStreamSynchronize(streams[0]));
+    std::printf("%s: event after replay 1: %s\n", what, state());
+    CHECK_CUDA(cudaGraphLaunch(replayed, streams[0]));
+    std::printf("%s: event right after replay 2 is enqueued: %s\n", what, state());
+    CHECK_CUDA(cudaStreamSynchronize(streams[0]));
+    std::printf("%s: event after replay 2: %s\n", what, state());
+  };
+  replay_twice(exec, "top-level graph");
+  cudaGraph_t parent;
+  cudaGraphNode_t child;
+  cudaGraphExec_t parent_exec;
+  CHECK_CUDA(cudaGraphCreate(&parent, 0));
+  const cudaError_t nested = cudaGraphAddChildGraphNode(&child, parent, nullptr, 0, graph);
+  std::printf("child graph node holding the event record: %s\n", cudaGetErrorName(nested));
+  if (nested == cudaSuccess) {
+    const cudaError_t instantiated = cudaGraphInstantiate(&parent_exec, parent, 0);
+    std::printf("instantiating its parent: %s\n", cudaGetErrorName(instantiated));
+    if (instantiated == cudaSuccess) {
+      replay_twice(parent_exec, "child graph");
+      CHECK_CUDA(cudaGraphExecDestroy(parent_exec));
+    }
+  }
+  cudaGetLastError();
+  CHECK_CUDA(cudaGraphDestroy(parent));
   CHECK_CUDA(cudaGraphExecDestroy(exec));
   CHECK_CUDA(cudaGraphDestroy(graph));
   for (ncclComm_t comm : comms) ncclCommDestroy(comm);
