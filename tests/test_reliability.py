@@ -21,7 +21,7 @@ import jax_ncclx as nx
 from jax_ncclx._src import comm
 from jax_ncclx._src import config
 
-from conftest import gpu_devices, gpu_skip_reason
+from conftest import gpu_devices, gpu_skip_reason, run_command_buffer_worker
 
 
 @pytest.fixture(params=["cpu", pytest.param("gpu-nvlink", marks=pytest.mark.gpu),
@@ -119,6 +119,28 @@ def test_delay_past_the_timeout_names_the_late_rank(line, monkeypatch):
     monkeypatch.setenv("JAX_NCCLX_FAULT", f"delay:rank=1,seq={seq},ms=3000")
     f = per_shard(line, lambda v: nx.all_reduce(v, "x"))
     expect_fault(line, f, (jnp.ones((line.size, 4)),), r"rank\(s\) 1")
+
+
+def test_stall_on_cpu_acts_as_a_delay(monkeypatch):
+    """``stall`` holds a GPU rank's stream; on CPU, where the host runs the call, it is a delay."""
+    monkeypatch.delenv("JAX_NCCLX_FAULT", raising=False)
+    monkeypatch.setenv("JAX_NCCLX_TRACE", "1")
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:4]), ("x",))
+    seq = next_seq(mesh, 2)
+    monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", "1")
+    monkeypatch.setenv("JAX_NCCLX_FAULT", f"stall:rank=2,seq={seq},ms=3000")
+    f = per_shard(mesh, lambda v: nx.all_reduce(v, "x"))
+    expect_fault(mesh, f, (jnp.ones((mesh.size, 4)),), r"rank\(s\) 2")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode, gpus", [("healthy", 1), ("stall", 1), ("eager", 1), ("skip", 2)])
+def test_replayed_nccl_calls_are_watched(mode, gpus):
+    """JAX_NCCLX_WATCH_REPLAYS=1: NCCL calls replayed from CUDA graphs are timed like eager ones. Replays
+    queued back to back past the timeout are not mistaken for a hang; a replay stalled past it is named, its
+    communicator revoked and the next execution refused; a rank that left the call out of its graph is named
+    as missing (tests/replay_watch_worker.py)."""
+    run_command_buffer_worker("replay_watch_worker.py", mode, minimum=gpus)
 
 
 def test_delay_within_the_timeout_shows_in_the_trace(line, monkeypatch, tmp_path):
@@ -279,6 +301,7 @@ def test_bad_fault_spec_is_refused(monkeypatch):
         config.current()
     assert config.parse_faults("skip:rank=2,seq=3; delay:rank=0,seq=5,ms=20") == (
         config.Fault("skip", 2, 3), config.Fault("delay", 0, 5, 20))
+    assert config.parse_faults("stall:rank=1,seq=4,ms=300") == (config.Fault("stall", 1, 4, 300),)
 
 
 class _FakeStore:

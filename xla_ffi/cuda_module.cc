@@ -23,6 +23,7 @@
 #include "common/checks.h"
 #include "common/monitor_bindings.h"
 #include "common/nccl_comms.h"
+#include "common/replay_watch.h"
 #include "common/symmetric.h"
 #include "common/watchdog.h"
 #include "ops/all_to_allv_kernels.h"
@@ -35,14 +36,19 @@ namespace jax_ncclx {
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllReduce);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllReduceCmdbuf);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllReduceCmdbufPrepare);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllGather);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllGatherCmdbuf);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllGatherCmdbufPrepare);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclReduceScatter);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclReduceScatterCmdbuf);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclReduceScatterCmdbufPrepare);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllToAll);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllToAllCmdbuf);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllToAllCmdbufPrepare);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclPpermute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclPpermuteCmdbuf);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclPpermuteCmdbufPrepare);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllToAllvDynamic);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LaunchProbe);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllToAllvDynamic);
@@ -58,6 +64,15 @@ namespace {
 template <typename Fn>
 nb::capsule Capsule(Fn* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+// A target with a prepare stage besides execute (jax.ffi.register_ffi_target takes a dict of stages).
+template <typename Prepare, typename Execute>
+nb::dict Stages(Prepare* prepare, Execute* execute) {
+  nb::dict stages;
+  stages["prepare"] = Capsule(prepare);
+  stages["execute"] = Capsule(execute);
+  return stages;
 }
 
 // Bad arguments become ValueError, everything else (NCCL and CUDA failures) RuntimeError.
@@ -380,15 +395,15 @@ NB_MODULE(_ncclx_cuda, m) {
       [] {
         nb::dict targets;
         targets["ncclx_all_reduce"] = jn::Capsule(jn::NcclAllReduce);
-        targets["ncclx_all_reduce_cmdbuf"] = jn::Capsule(jn::NcclAllReduceCmdbuf);
+        targets["ncclx_all_reduce_cmdbuf"] = jn::Stages(jn::NcclAllReduceCmdbufPrepare, jn::NcclAllReduceCmdbuf);
         targets["ncclx_all_gather"] = jn::Capsule(jn::NcclAllGather);
-        targets["ncclx_all_gather_cmdbuf"] = jn::Capsule(jn::NcclAllGatherCmdbuf);
+        targets["ncclx_all_gather_cmdbuf"] = jn::Stages(jn::NcclAllGatherCmdbufPrepare, jn::NcclAllGatherCmdbuf);
         targets["ncclx_reduce_scatter"] = jn::Capsule(jn::NcclReduceScatter);
-        targets["ncclx_reduce_scatter_cmdbuf"] = jn::Capsule(jn::NcclReduceScatterCmdbuf);
+        targets["ncclx_reduce_scatter_cmdbuf"] = jn::Stages(jn::NcclReduceScatterCmdbufPrepare, jn::NcclReduceScatterCmdbuf);
         targets["ncclx_all_to_all"] = jn::Capsule(jn::NcclAllToAll);
-        targets["ncclx_all_to_all_cmdbuf"] = jn::Capsule(jn::NcclAllToAllCmdbuf);
+        targets["ncclx_all_to_all_cmdbuf"] = jn::Stages(jn::NcclAllToAllCmdbufPrepare, jn::NcclAllToAllCmdbuf);
         targets["ncclx_ppermute"] = jn::Capsule(jn::NcclPpermute);
-        targets["ncclx_ppermute_cmdbuf"] = jn::Capsule(jn::NcclPpermuteCmdbuf);
+        targets["ncclx_ppermute_cmdbuf"] = jn::Stages(jn::NcclPpermuteCmdbufPrepare, jn::NcclPpermuteCmdbuf);
         targets["ncclx_all_to_allv_dynamic"] = jn::Capsule(jn::NcclAllToAllvDynamic);
         targets["ncclx_all_to_allv_dynamic_nvlink"] = jn::Capsule(jn::NvlinkAllToAllvDynamic);
         targets["ncclx_all_reduce_nvlink"] = jn::Capsule(jn::NvlinkAllReduce);
@@ -497,13 +512,17 @@ NB_MODULE(_ncclx_cuda, m) {
         jn::AbortComm(comm_id, std::move(message));
       },
       nb::arg("comm_id"), nb::arg("message"),
-      "Records `message` as communicator `comm_id`'s fault and aborts its local NCCL communicators.");
+      "Records `message` as communicator `comm_id`'s fault and stops its local NCCL communicators (abort, or\n"
+      "revoke when CUDA graphs hold calls on them).");
   m.def(
       "stop_watchdog", [] {
         nb::gil_scoped_release release;
         jn::StopWatchdog();
       },
       "Stops the watchdog thread (at interpreter exit); it restarts with the next watched call.");
+  m.def("set_watch_replays", &jn::SetWatchReplays, nb::arg("watch"),
+        "Whether NCCL calls captured into CUDA graphs from now on are watched in their replays\n"
+        "(JAX_NCCLX_WATCH_REPLAYS; xla_ffi/common/replay_watch.h).");
   m.def("all_to_allv_symmetric_bytes", &jn::AllToAllvSymmetricBytes, nb::arg("batch"), nb::arg("num_peers"),
         nb::arg("num_chunks"), nb::arg("capacity"), nb::arg("row_bytes"), nb::arg("direct"),
         "(staging bytes, low-latency bytes per call parity) the NVLink all_to_allv_dynamic kernel needs for\n"

@@ -69,9 +69,16 @@ class Config:
         CUDA graphs of its command buffers with the rest of the program (XLA records custom calls there by
         default, in runs of at least 5 recordable ops): 1.3-2.9x faster than XLA's own collectives on
         2xH200 with one process, 1.05-2.7x with one per GPU (README, "Small-message collectives"). The cost:
-        a replayed graph does not come back to the host, so the watchdog does not time those calls, and a
-        peer that never arrives hangs them instead of failing with its name. The NVLink kernels bound their
-        own waits and are recorded either way.
+        a replayed graph does not come back to the host, so the watchdog times those calls only with
+        ``watch_replays``; without it a peer that never arrives hangs them instead of failing with its name.
+        Either way a communicator that failed makes the next execution of a program that uses it fail with
+        the reason. The NVLink kernels bound their own waits and are recorded either way.
+      watch_replays: the NCCL calls that XLA captures into CUDA graphs are watched like the others
+        (``JAX_NCCLX_WATCH_REPLAYS=1``; default 0; read when XLA captures a call): a call whose peers do not
+        arrive within its timeout fails, naming the call and the local ranks that never reached it, and its
+        communicator is revoked (``ncclCommRevoke``, which keeps the resources the graphs use). The cost: a
+        one-thread kernel after each captured call, which counts the replays that get past it
+        (``xla_ffi/common/replay_watch.h``).
       nccl_max_ctas: the most thread blocks (channels) NCCL may use per call on communicators created from
         now on (``JAX_NCCLX_NCCL_MAX_CTAS``, NCCL's ``ncclConfig_t.maxCTAs``; default 0: NCCL's choice, 24-32
         on H200). NCCL allocates a few KiB per channel at init, each in its own 2 MiB cuMem granule, so an idle
@@ -96,6 +103,7 @@ class Config:
     init_ranks_per_root: int = 1024
     init_max_roots: int = 32
     nccl_command_buffers: bool = False
+    watch_replays: bool = False
     nccl_max_ctas: int = 0
 
     def init_roots(self, size: int) -> int:
@@ -114,7 +122,7 @@ class Config:
         return dict(self.op_timeouts_s).get(op, self.timeout_s)
 
 
-FAULT_KINDS = ("delay", "skip", "corrupt_counts", "corrupt_payload")  # xla_ffi/common/monitor.h FaultKind
+FAULT_KINDS = ("delay", "skip", "corrupt_counts", "corrupt_payload", "stall")  # xla_ffi/common/monitor.h FaultKind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +134,9 @@ class Fault:
     part: its peers wait for it until they time out; its outputs are left unwritten), ``corrupt_counts``
     (all_to_allv_dynamic: the rank's send counts are replaced by huge negative and positive values, which
     the op must clamp and report in ``dropped``), ``corrupt_payload`` (4 bytes in the middle of the rank's
-    output are overwritten with 0xA5 after the call, which checksum mode must catch).
+    output are overwritten with 0xA5 after the call, which checksum mode must catch), ``stall`` (GPU: a kernel
+    on the rank's stream spins for ``ms`` milliseconds before the call, so the rank arrives late in every
+    replay of a CUDA graph that captured it too; CPU: as ``delay``).
     """
 
     kind: str
@@ -276,5 +286,6 @@ def current() -> Config:
         init_ranks_per_root=_non_negative_int("JAX_NCCLX_INIT_RANKS_PER_ROOT", Config.init_ranks_per_root),
         init_max_roots=_non_negative_int("JAX_NCCLX_INIT_MAX_ROOTS", Config.init_max_roots),
         nccl_command_buffers=_choice("JAX_NCCLX_NCCL_COMMAND_BUFFERS", "0", ("0", "1")) == "1",
+        watch_replays=_choice("JAX_NCCLX_WATCH_REPLAYS", "0", ("0", "1")) == "1",
         nccl_max_ctas=_non_negative_int("JAX_NCCLX_NCCL_MAX_CTAS", Config.nccl_max_ctas),
     )

@@ -209,6 +209,7 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **par
             # (xla_ffi/ops/collectives_cuda.cc; all_to_allv_dynamic's is not among them).
             if settings.nccl_command_buffers and f"{target}_cmdbuf" in lib.cuda_target_names():
                 target += "_cmdbuf"
+                module.set_watch_replays(settings.watch_replays)  # read when XLA captures the call
         algorithm = {1: "one_shot", 2: "two_shot"}.get(int(route.attrs.get("algorithm", 1))) if nvlink else "nccl"
         site_info.update(groups=[[mesh_devices[p].id for p in g] for g in groups], comm_id=comm_id,
                          transport="nvlink" if nvlink else "nccl", algorithm=algorithm)

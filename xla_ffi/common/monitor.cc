@@ -4,6 +4,7 @@
 #include "common/monitor.h"
 
 #include <chrono>
+#include <cstdio>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -40,6 +41,19 @@ std::string DescribeCallSite(int64_t site) {
   return it == site_axes.end() ? where : "axis " + it->second + ", " + where;
 }
 
+// snprintf, not an ostream: streams crash in threads of this module, whose libstdc++ locale is its own.
+std::string DescribeSeconds(uint64_t ns) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.3g s", ns / 1e9);
+  return text;
+}
+
+std::string RankList(const std::set<int>& ranks) {
+  std::string out;
+  for (const int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
+  return out;
+}
+
 int64_t NextSequence(int64_t comm, int rank) {
   std::lock_guard<std::mutex> lock(sequences_mu);
   return sequences[{comm, rank}]++;
@@ -60,9 +74,11 @@ std::optional<InjectedFault> InjectedFaultFor(int rank, int64_t sequence) {
   return std::nullopt;
 }
 
-bool ApplyDelayOrSkip(const std::optional<InjectedFault>& fault) {
+bool ApplyDelayOrSkip(const std::optional<InjectedFault>& fault, bool stall_on_host) {
   if (!fault) return false;
-  if (fault->kind == FaultKind::kDelay) std::this_thread::sleep_for(std::chrono::milliseconds(fault->delay_ms));
+  if (fault->kind == FaultKind::kDelay || (fault->kind == FaultKind::kStall && stall_on_host)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(fault->delay_ms));
+  }
   return fault->kind == FaultKind::kSkip;
 }
 

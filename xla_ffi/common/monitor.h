@@ -3,8 +3,8 @@
 //   * the axis each call site runs over, for error messages (registered at lowering);
 //   * sequence numbers: the n-th call a rank makes on a communicator (0, 1, 2, ...), the same on every rank
 //     of a healthy program, so that traces of different ranks line up and faults can name a call;
-//   * injected faults (JAX_NCCLX_FAULT, off by default): delay or skip a rank's call, corrupt its counts or
-//     its payload;
+//   * injected faults (JAX_NCCLX_FAULT, off by default): delay or skip a rank's call, stall its device before
+//     it, corrupt its counts or its payload;
 //   * the trace ring of JAX_NCCLX_TRACE=1: one record per call and rank.
 // Each extension module links its own copy; Python talks to the module that runs the program.
 #pragma once
@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -40,19 +41,23 @@ inline CallAttrs MakeCallAttrs(int64_t site, int64_t timeout_ms, int64_t trace) 
 // Call sites: the axis name of each, for messages ("axis 'x'"). Unknown sites are described by number.
 void NameCallSite(int64_t site, std::string axis);
 std::string DescribeCallSite(int64_t site);
+// "0.5 s", for messages.
+std::string DescribeSeconds(uint64_t ns);
+// "0, 2, 3", for messages.
+std::string RankList(const std::set<int>& ranks);
 
 // The sequence number of rank `rank`'s next call on communicator `comm` (any 64-bit key naming it).
 int64_t NextSequence(int64_t comm, int rank);
 
 // ---- fault injection ---------------------------------------------------------------------------------------
 
-enum class FaultKind : int { kDelay = 0, kSkip = 1, kCorruptCounts = 2, kCorruptPayload = 3 };
+enum class FaultKind : int { kDelay = 0, kSkip = 1, kCorruptCounts = 2, kCorruptPayload = 3, kStall = 4 };
 
 struct InjectedFault {
   FaultKind kind = FaultKind::kDelay;
   int rank = 0;         // rank in the communicator
   int64_t sequence = 0;
-  int64_t delay_ms = 0;  // kDelay
+  int64_t delay_ms = 0;  // kDelay, kStall
 };
 
 // Replaces the faults to inject. An empty list (the default) turns injection off.
@@ -61,8 +66,10 @@ void SetInjectedFaults(std::vector<InjectedFault> faults);
 // The fault to inject into `rank`'s call number `sequence`, if any. One relaxed load when none is set.
 std::optional<InjectedFault> InjectedFaultFor(int rank, int64_t sequence);
 
-// Sleeps for a kDelay fault; returns true for a kSkip fault (the caller returns without doing the call).
-bool ApplyDelayOrSkip(const std::optional<InjectedFault>& fault);
+// Sleeps for a kDelay fault, and for a kStall fault when `stall_on_host` (CPU handlers: the host is the device;
+// CUDA handlers stall their stream instead); returns true for a kSkip fault (the caller returns without doing
+// the call).
+bool ApplyDelayOrSkip(const std::optional<InjectedFault>& fault, bool stall_on_host);
 
 // ---- trace ring -------------------------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdio>
 #include <mutex>
+#include <set>
 #include <shared_mutex>
 #include <string>
 #include <utility>
@@ -17,6 +18,8 @@ struct Registry {
   std::map<int64_t, std::map<int32_t, CommMember>> members;
   std::map<int64_t, std::map<int32_t, NcclRank>> comms;  // only communicators that NCCL ops needed
   std::map<int64_t, std::string> faults;  // communicators that stopped working, with why
+  std::set<int64_t> captured;  // communicators with NCCL calls in CUDA graphs, which may be replayed any time
+  std::set<int64_t> revoked;   // of those, the ones stopped by ncclCommRevoke: kept until destroyed
   std::atomic<bool> any_fault{false};
 };
 
@@ -116,6 +119,7 @@ std::vector<std::pair<int64_t, std::string>> CommAsyncErrors() {
   std::shared_lock<std::shared_mutex> lock(registry.mu);  // destroy unregisters (exclusively) before freeing
   std::vector<std::pair<int64_t, std::string>> failed;
   for (const auto& [comm_id, by_device] : registry.comms) {
+    if (registry.revoked.count(comm_id)) continue;  // its fault is recorded already
     for (const auto& [device, nccl] : by_device) {
       ncclComm_t comm = nccl.comm;
       ncclResult_t async = ncclSuccess;
@@ -139,18 +143,42 @@ void ClearCommFaults() {
   registry.any_fault.store(false, std::memory_order_relaxed);
 }
 
+void MarkCommCaptured(int64_t comm_id) {
+  Registry& registry = GetRegistry();
+  {
+    std::shared_lock<std::shared_mutex> lock(registry.mu);
+    if (registry.captured.count(comm_id)) return;
+  }
+  std::unique_lock<std::shared_mutex> lock(registry.mu);
+  registry.captured.insert(comm_id);
+}
+
 void AbortComm(int64_t comm_id, std::string message) {
   RecordCommFault(comm_id, std::move(message));
   std::map<int32_t, NcclRank> doomed;
+  bool revoke = false;
   {
     Registry& registry = GetRegistry();
     std::unique_lock<std::shared_mutex> lock(registry.mu);
     const auto it = registry.comms.find(comm_id);
-    if (it == registry.comms.end()) return;
-    doomed.swap(it->second);
-    registry.comms.erase(it);
+    if (it == registry.comms.end() || registry.revoked.count(comm_id)) return;
+    revoke = registry.captured.count(comm_id) > 0;
+    if (revoke) {  // graphs may replay its kernels later: they must find its resources
+      doomed = it->second;
+      registry.revoked.insert(comm_id);
+    } else {
+      doomed.swap(it->second);
+      registry.comms.erase(it);
+    }
   }
-  for (const auto& [device, nccl] : doomed) ncclCommAbort(nccl.comm);  // best effort: the communicator is lost
+  // Best effort: the communicator is lost either way.
+  for (const auto& [device, nccl] : doomed) {
+    if (revoke) {
+      ncclCommRevoke(nccl.comm, NCCL_REVOKE_DEFAULT);
+    } else {
+      ncclCommAbort(nccl.comm);
+    }
+  }
 }
 
 ffi::ErrorOr<CommRank> LookupCommRank(std::string_view op, int64_t comm_id, int32_t device_ordinal) {
@@ -177,12 +205,15 @@ ffi::ErrorOr<CommRank> LookupCommRank(std::string_view op, int64_t comm_id, int3
 
 ffi::Error DestroyAllComms(std::string_view op) {
   std::map<int64_t, std::map<int32_t, NcclRank>> doomed;
+  std::set<int64_t> revoked;
   {
     // Unregister first so that no handler can look a communicator up while it is being destroyed.
     Registry& registry = GetRegistry();
     std::unique_lock<std::shared_mutex> lock(registry.mu);
     doomed.swap(registry.comms);
     registry.members.clear();
+    revoked.swap(registry.revoked);
+    registry.captured.clear();
   }
   if (doomed.empty()) return ffi::Error::Success();
   // ncclCommDestroy does not wait for the other ranks (the last local rank frees shared resources), so one
@@ -191,7 +222,10 @@ ffi::Error DestroyAllComms(std::string_view op) {
     ffi::Error first_failure;
     for (const auto& [comm_id, by_device] : doomed) {
       for (const auto& [device, nccl] : by_device) {
-        ffi::Error destroyed = CheckNccl(op, "ncclCommDestroy", ncclCommDestroy(nccl.comm), nccl.comm);
+        // A revoked communicator cannot be finalized: abort frees it without.
+        ffi::Error destroyed = revoked.count(comm_id)
+                                   ? CheckNccl(op, "ncclCommAbort", ncclCommAbort(nccl.comm), nccl.comm)
+                                   : CheckNccl(op, "ncclCommDestroy", ncclCommDestroy(nccl.comm), nccl.comm);
         if (destroyed.failure() && first_failure.success()) first_failure = std::move(destroyed);
       }
     }

@@ -86,8 +86,13 @@ std::vector<std::pair<int64_t, std::string>> CommAsyncErrors();
 // Forgets every recorded fault (their communicators were destroyed).
 void ClearCommFaults();
 
-// Records the fault, takes `comm_id`'s communicators out of the registry and aborts them (ncclCommAbort
-// makes their queued and running kernels return). Used by the watchdog on a call that does not finish.
+// Notes that a handler captured an NCCL call on `comm_id` into a CUDA graph.
+void MarkCommCaptured(int64_t comm_id);
+
+// Records the fault and stops `comm_id`'s communicators so that their queued and running kernels return. Used
+// by the watchdog on a call that does not finish. A communicator without captured calls is taken out of the
+// registry and aborted (ncclCommAbort); one with captured calls is revoked (ncclCommRevoke) and kept until
+// DestroyAllComms, because graphs that hold its kernels may still be replayed and must not find it freed.
 void AbortComm(int64_t comm_id, std::string message);
 
 // Destroys every registered communicator and empties the registry. Programs still running with them must

@@ -15,6 +15,8 @@
 #include <vector>
 
 #include "common/nccl_comms.h"
+#include "common/replay_watch.h"
+#include "common/replay_watch_kernels.h"
 
 namespace jax_ncclx {
 namespace {
@@ -31,19 +33,6 @@ std::string KernelName(uint32_t kernel) {
       return "all_to_all";
   }
   return "kernel " + std::to_string(kernel);
-}
-
-std::string RankList(const std::set<int>& ranks) {
-  std::string out;
-  for (const int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
-  return out;
-}
-
-// snprintf, not an ostream: streams crash in threads of this module, whose libstdc++ locale is its own.
-std::string Seconds(uint64_t ns) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.3g s", ns / 1e9);
-  return text;
 }
 
 // One message for every local rank's fault record of `comm_id`: the calls that gave up and whom they waited
@@ -71,7 +60,7 @@ std::string NvlinkFaultMessage(int64_t comm_id, const std::vector<NvlinkFaultRep
   std::string message = "NVLink call #" + std::to_string(f.epoch) + " on communicator " + std::to_string(comm_id) +
                         " (" + KernelName(f.kernel) + ", " + DescribeCallSite(f.site) + ") ";
   if (first_gave_up != nullptr) {
-    message += "timed out after " + Seconds(f.waited_ns) + " (JAX_NCCLX_TIMEOUT_S): rank(s) " + RankList(missing) +
+    message += "timed out after " + DescribeSeconds(f.waited_ns) + " (JAX_NCCLX_TIMEOUT_S): rank(s) " + RankList(missing) +
                " of " + std::to_string(shown->size) + " did not arrive (seen by rank " + std::to_string(shown->rank) +
                "); the communicator is aborted";
   } else {
@@ -191,7 +180,7 @@ std::string HangMessage(Watchdog& w, const Watched& hung, const std::string& ncc
   }
   std::string message = "call #" + std::to_string(hung.sequence) + " on communicator " + std::to_string(hung.comm_id) +
                         " (" + std::string(hung.op) + ", " + DescribeCallSite(hung.site) + ") " +
-                        (nccl_error.empty() ? "has not finished " + Seconds(hung.timeout_ns) + " after it could start"
+                        (nccl_error.empty() ? "has not finished " + DescribeSeconds(hung.timeout_ns) + " after it could start"
                                             : "was ended by NCCL (" + nccl_error + ": a peer aborted or died)") +
                         " on rank " + std::to_string(hung.rank) + " of " + std::to_string(hung.size) +
                         (nccl_error.empty() ? " (JAX_NCCLX_TIMEOUT_S): " : ": ");
@@ -256,9 +245,9 @@ void WatchOnce(Watchdog& w) {
           w.late[it->comm_id] = {it->sequence, "call #" + std::to_string(it->sequence) + " on communicator " +
                                                    std::to_string(it->comm_id) + " (" + std::string(it->op) + ", " +
                                                    DescribeCallSite(it->site) + ") finished only " +
-                                                   Seconds(now - it->started_ns) + " after it could start on rank " +
+                                                   DescribeSeconds(now - it->started_ns) + " after it could start on rank " +
                                                    std::to_string(it->rank) + " of " + std::to_string(it->size) +
-                                                   " (timeout " + Seconds(it->timeout_ns) + ")"};
+                                                   " (timeout " + DescribeSeconds(it->timeout_ns) + ")"};
         }
         it = w.pending.erase(it);
         busy.erase(rank_key);  // the rank's next call may start now
@@ -295,6 +284,7 @@ void WatchOnce(Watchdog& w) {
   }
   for (const auto& [comm_id, message] : stuck_launches) RecordCommFault(comm_id, message);
   for (const auto& [comm_id, message] : hangs) AbortComm(comm_id, message);
+  for (const auto& [comm_id, message] : FindHungReplays()) AbortComm(comm_id, message);
 
   // NVLink kernels report their own timeouts; make them visible at once and to the NCCL handlers.
   RecordNvlinkFaults();
@@ -366,6 +356,7 @@ void ForgetWatchedCalls() {
   w.unnamed.clear();
   w.last_done.clear();
   w.late.clear();
+  ForgetCapturedCalls();
 }
 
 ffi::ErrorOr<GpuCall> BeginGpuCall(std::string_view op, const CallAttrs& attrs, int64_t comm_id, int rank, int size,
@@ -396,15 +387,27 @@ ffi::Error CheckNvlinkFault(std::string_view op, int64_t comm_id, const Symmetri
 
 ffi::ErrorOr<CallBracket> OpenCall(const GpuCall& call, bool watch) {
   CallBracket bracket;
+  const bool nccl = watch;
   watch = watch && call.attrs.timeout_ms > 0;  // JAX_NCCLX_TIMEOUT_S=0: no watchdog
-  bracket.skip = ApplyDelayOrSkip(call.fault);
+  bracket.skip = ApplyDelayOrSkip(call.fault, /*stall_on_host=*/false);
   if (call.fault && call.fault->kind == FaultKind::kDelay) {  // the communicator may have failed meanwhile
     NCCLX_RETURN_IF_ERROR(CheckCommUsable(call.op, call.comm_id));
   }
-  if (bracket.skip || (!watch && !call.attrs.trace)) return bracket;
+  if (bracket.skip) return bracket;
+  if (call.fault && call.fault->kind == FaultKind::kStall) {
+    NCCLX_RETURN_IF_ERROR(CheckCuda(call.op, "LaunchDeviceStall",
+                                    LaunchDeviceStall(call.fault->delay_ms * 1000000, call.stream)));
+  }
+  if (!nccl && !call.attrs.trace) return bracket;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   NCCLX_RETURN_IF_ERROR(CheckCuda(call.op, "cudaStreamIsCapturing", cudaStreamIsCapturing(call.stream, &capture)));
-  if (capture != cudaStreamCaptureStatusNone) return bracket;  // replays never come back to the host
+  if (capture != cudaStreamCaptureStatusNone) {
+    // Replays never come back to the host: only the replay watch times them.
+    if (nccl) MarkCommCaptured(call.comm_id);
+    bracket.watch_replays = watch && WatchReplays();
+    return bracket;
+  }
+  if (!watch && !call.attrs.trace) return bracket;
   if (call.attrs.trace) {
     NCCLX_RETURN_IF_ERROR(EnsureAnchor(call.op, call.device));
     CallRecord& r = bracket.record;
@@ -446,6 +449,12 @@ ffi::ErrorOr<CallBracket> OpenCall(const GpuCall& call, bool watch) {
 
 ffi::Error CloseCall(const GpuCall& call, CallBracket& bracket, ffi::Error launched, void* output,
                      int64_t output_bytes) {
+  if (bracket.watch_replays && launched.success()) {
+    launched = WatchCapturedCall({call.op, call.attrs.site, call.comm_id, call.rank, call.size, call.device,
+                                  call.sequence, call.attrs.timeout_ms * 1000000},
+                                 call.stream);
+    if (launched.success()) StartWatchdog();
+  }
   cudaEvent_t watch_end = nullptr;
   if (bracket.watch_id != 0 && launched.success()) {
     ffi::ErrorOr<cudaEvent_t> end = TakeEvent(call.op, call.device, /*timing=*/false);

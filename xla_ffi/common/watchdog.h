@@ -10,8 +10,9 @@
 //     host) is reported the same way but not aborted: that would free the communicator under it.
 //   * The same bracket applies injected faults (monitor.h) and, under JAX_NCCLX_TRACE=1, records the call
 //     with timing events.
-// Calls recorded into a CUDA graph (command buffers) get neither events nor watching: their handler runs
-// once, at capture, and replays do not come back to the host.
+// Calls recorded into a CUDA graph (command buffers) get no events: their handler runs once, at capture, and
+// replays do not come back to the host. Their NCCL calls are watched through marks in the graph instead
+// (replay_watch.h, JAX_NCCLX_WATCH_REPLAYS=1), and their communicators are revoked, not aborted, on a hang.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -59,6 +60,7 @@ struct CallBracket {
   bool skip = false;  // an injected kSkip fault: do nothing
   CallRecord record;
   uint64_t watch_id = 0;  // the watchdog's entry, registered before the launch (0: none)
+  bool watch_replays = false;  // a captured NCCL call to watch in replays (replay_watch.h)
 };
 
 ffi::ErrorOr<CallBracket> OpenCall(const GpuCall& call, bool watch);

@@ -83,7 +83,7 @@ inline ffi::Error RunCpuCall(const CpuCall& call, Published mine, void* output, 
     record.injected = call.fault ? static_cast<int32_t>(call.fault->kind) : -1;
     AppendCallRecord(record, &record_index);
   }
-  if (ApplyDelayOrSkip(call.fault)) return ffi::Error::Success();
+  if (ApplyDelayOrSkip(call.fault, /*stall_on_host=*/true)) return ffi::Error::Success();
   if (call.attrs.trace) record.start_ns = NowNs();
   const int64_t rank = call.position.rank;
   const RoundKey key{call.attrs.site, call.position.group_idx, RendezvousSequence(call.attrs.site, call.partition_id)};
