@@ -13,8 +13,8 @@ number 1; every later one a re-capture (XLA captures again when buffer addresses
   skip:    (2+ GPUs) the last rank leaves the call out of its graph: rank 0 hangs in it, and the error must
            name the last rank as the one that never reached it.
   eager:   as stall on one GPU, but the call is not captured (JAX_NCCLX_NCCL_COMMAND_BUFFERS=0): the eager
-           watchdog names the second call. One GPU: the eager watchdog aborts the communicator, which a peer's NCCL kernel
-           still queued behind a stall must not meet.
+           watchdog names the second call. One GPU: the eager watchdog aborts the communicator, which a peer's
+           NCCL kernel still queued behind a stall must not meet.
 Prints CAPTURE OK when every check passed.
 """
 

@@ -399,7 +399,8 @@ NB_MODULE(_ncclx_cuda, m) {
         targets["ncclx_all_gather"] = jn::Capsule(jn::NcclAllGather);
         targets["ncclx_all_gather_cmdbuf"] = jn::Stages(jn::NcclAllGatherCmdbufPrepare, jn::NcclAllGatherCmdbuf);
         targets["ncclx_reduce_scatter"] = jn::Capsule(jn::NcclReduceScatter);
-        targets["ncclx_reduce_scatter_cmdbuf"] = jn::Stages(jn::NcclReduceScatterCmdbufPrepare, jn::NcclReduceScatterCmdbuf);
+        targets["ncclx_reduce_scatter_cmdbuf"] =
+            jn::Stages(jn::NcclReduceScatterCmdbufPrepare, jn::NcclReduceScatterCmdbuf);
         targets["ncclx_all_to_all"] = jn::Capsule(jn::NcclAllToAll);
         targets["ncclx_all_to_all_cmdbuf"] = jn::Stages(jn::NcclAllToAllCmdbufPrepare, jn::NcclAllToAllCmdbuf);
         targets["ncclx_ppermute"] = jn::Capsule(jn::NcclPpermute);

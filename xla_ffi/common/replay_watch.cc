@@ -66,16 +66,19 @@ ffi::Error OutsideCapture(F f) {
 }
 
 ffi::Error AddChunk(std::string_view op, std::vector<MarkChunk>& chunks) {
+  constexpr size_t kMarkBytes = kMarksPerChunk * sizeof(ReplayMark), kCountBytes = kMarksPerChunk * sizeof(uint64_t);
   MarkChunk chunk;
-  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaHostAlloc", cudaHostAlloc(&chunk.host, kMarksPerChunk * sizeof(ReplayMark),
-                                                                     cudaHostAllocMapped | cudaHostAllocPortable)));
+  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaHostAlloc",
+                                  cudaHostAlloc(&chunk.host, kMarkBytes, cudaHostAllocMapped | cudaHostAllocPortable)));
   std::fill(chunk.host, chunk.host + kMarksPerChunk, ReplayMark{});
-  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaHostGetDevicePointer",
-                                  cudaHostGetDevicePointer(reinterpret_cast<void**>(&chunk.device_view), chunk.host, 0)));
-  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaMalloc", cudaMalloc(&chunk.counts, kMarksPerChunk * sizeof(uint64_t))));
+  NCCLX_RETURN_IF_ERROR(
+      CheckCuda(op, "cudaHostGetDevicePointer",
+                cudaHostGetDevicePointer(reinterpret_cast<void**>(&chunk.device_view), chunk.host, 0)));
+  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaMalloc", cudaMalloc(&chunk.counts, kCountBytes)));
   cudaStream_t side = nullptr;
-  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaStreamCreateWithFlags", cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking)));
-  ffi::Error zeroed = CheckCuda(op, "cudaMemsetAsync", cudaMemsetAsync(chunk.counts, 0, kMarksPerChunk * sizeof(uint64_t), side));
+  NCCLX_RETURN_IF_ERROR(
+      CheckCuda(op, "cudaStreamCreateWithFlags", cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking)));
+  ffi::Error zeroed = CheckCuda(op, "cudaMemsetAsync", cudaMemsetAsync(chunk.counts, 0, kCountBytes, side));
   if (zeroed.success()) zeroed = CheckCuda(op, "cudaStreamSynchronize", cudaStreamSynchronize(side));
   cudaStreamDestroy(side);
   NCCLX_RETURN_IF_ERROR(std::move(zeroed));
@@ -243,7 +246,7 @@ std::vector<std::pair<int64_t, std::string>> FindHungReplays() {
         watched.waiting_since = 0;
       } else if (watched.waiting_since == 0) {
         watched.waiting_since = now;
-      } else if (now - std::max(watched.waiting_since, rank.progress_ns) > watched.call.timeout_ns) {
+      } else if (now - watched.waiting_since > watched.call.timeout_ns) {  // set after the last progress
         hangs.emplace_back(comm_id, HangMessage(w, watched));
         break;
       }

@@ -60,9 +60,9 @@ std::string NvlinkFaultMessage(int64_t comm_id, const std::vector<NvlinkFaultRep
   std::string message = "NVLink call #" + std::to_string(f.epoch) + " on communicator " + std::to_string(comm_id) +
                         " (" + KernelName(f.kernel) + ", " + DescribeCallSite(f.site) + ") ";
   if (first_gave_up != nullptr) {
-    message += "timed out after " + DescribeSeconds(f.waited_ns) + " (JAX_NCCLX_TIMEOUT_S): rank(s) " + RankList(missing) +
-               " of " + std::to_string(shown->size) + " did not arrive (seen by rank " + std::to_string(shown->rank) +
-               "); the communicator is aborted";
+    message += "timed out after " + DescribeSeconds(f.waited_ns) + " (JAX_NCCLX_TIMEOUT_S): rank(s) " +
+               RankList(missing) + " of " + std::to_string(shown->size) + " did not arrive (seen by rank " +
+               std::to_string(shown->rank) + "); the communicator is aborted";
   } else {
     message += "was aborted on rank " + std::to_string(shown->rank) + " of " + std::to_string(shown->size) +
                " because rank " + std::to_string(static_cast<int>(f.aborted_by) - 1) +
@@ -180,8 +180,9 @@ std::string HangMessage(Watchdog& w, const Watched& hung, const std::string& ncc
   }
   std::string message = "call #" + std::to_string(hung.sequence) + " on communicator " + std::to_string(hung.comm_id) +
                         " (" + std::string(hung.op) + ", " + DescribeCallSite(hung.site) + ") " +
-                        (nccl_error.empty() ? "has not finished " + DescribeSeconds(hung.timeout_ns) + " after it could start"
-                                            : "was ended by NCCL (" + nccl_error + ": a peer aborted or died)") +
+                        (nccl_error.empty()
+                             ? "has not finished " + DescribeSeconds(hung.timeout_ns) + " after it could start"
+                             : "was ended by NCCL (" + nccl_error + ": a peer aborted or died)") +
                         " on rank " + std::to_string(hung.rank) + " of " + std::to_string(hung.size) +
                         (nccl_error.empty() ? " (JAX_NCCLX_TIMEOUT_S): " : ": ");
   if (!never.empty()) {
@@ -245,7 +246,8 @@ void WatchOnce(Watchdog& w) {
           w.late[it->comm_id] = {it->sequence, "call #" + std::to_string(it->sequence) + " on communicator " +
                                                    std::to_string(it->comm_id) + " (" + std::string(it->op) + ", " +
                                                    DescribeCallSite(it->site) + ") finished only " +
-                                                   DescribeSeconds(now - it->started_ns) + " after it could start on rank " +
+                                                   DescribeSeconds(now - it->started_ns) +
+                                                   " after it could start on rank " +
                                                    std::to_string(it->rank) + " of " + std::to_string(it->size) +
                                                    " (timeout " + DescribeSeconds(it->timeout_ns) + ")"};
         }
