@@ -29,7 +29,7 @@ struct MarkChunk {
 };
 
 struct Watched {
-  CapturedCall call;
+  WatchedCall call;
   cudaEvent_t on_its_way = nullptr;
   const ReplayMark* mark = nullptr;  // host view
   uint64_t seen_replays = 0;
@@ -135,7 +135,7 @@ int64_t WaitingSite(const std::map<int64_t, SiteView>& sites) {
 }
 
 std::string HangMessage(ReplayWatch& w, const Watched& stalled) {
-  const CapturedCall& call = stalled.call;
+  const WatchedCall& call = stalled.call;
   const std::map<int64_t, SiteView> own = ViewSites(w, w.ranks.at({call.comm_id, call.rank}));
   int64_t site = WaitingSite(own);
   if (site < 0) site = call.site;
@@ -178,7 +178,7 @@ std::string HangMessage(ReplayWatch& w, const Watched& stalled) {
 void SetWatchReplays(bool watch) { watch_replays.store(watch, std::memory_order_relaxed); }
 bool WatchReplays() { return watch_replays.load(std::memory_order_relaxed); }
 
-ffi::Error WatchCapturedCall(const CapturedCall& call, cudaStream_t stream) {
+ffi::Error WatchCapturedCall(const WatchedCall& call, cudaStream_t stream) {
   ReplayWatch& w = GetReplayWatch();
   std::lock_guard<std::mutex> lock(w.mu);
   if (w.calls.size() >= kMaxCapturedCalls) {

@@ -18,11 +18,11 @@
 
 #include <cstdint>
 #include <string>
-#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "common/checks.h"
+#include "common/watchdog.h"
 
 namespace jax_ncclx {
 
@@ -31,21 +31,9 @@ namespace jax_ncclx {
 void SetWatchReplays(bool watch);
 bool WatchReplays();
 
-// The call as its handler saw it at capture.
-struct CapturedCall {
-  std::string_view op;  // the handler's kOp, a string literal
-  int64_t site = 0;
-  int64_t comm_id = 0;
-  int rank = 0;
-  int size = 0;
-  int32_t device = 0;
-  int64_t sequence = 0;
-  int64_t timeout_ns = 0;
-};
-
 // Adds the marks after the call's work on `stream` (capturing) and starts watching it. Past a bound on
 // watched calls it says so once on stderr and adds nothing.
-ffi::Error WatchCapturedCall(const CapturedCall& call, cudaStream_t stream);
+ffi::Error WatchCapturedCall(const WatchedCall& call, cudaStream_t stream);
 
 // One pass over the watched replays (the watchdog's): (comm_id, message) for each communicator with a hung
 // call, whose message names the call and the local ranks that never reached it.

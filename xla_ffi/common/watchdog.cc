@@ -90,8 +90,8 @@ ffi::ErrorOr<cudaEvent_t> TakeEvent(std::string_view op, int32_t device, bool ti
     }
   }
   cudaEvent_t event = nullptr;  // the handler's device is current
-  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaEventCreateWithFlags",
-                                  cudaEventCreateWithFlags(&event, timing ? cudaEventDefault : cudaEventDisableTiming)));
+  const unsigned flags = timing ? cudaEventDefault : cudaEventDisableTiming;
+  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaEventCreateWithFlags", cudaEventCreateWithFlags(&event, flags)));
   std::lock_guard<std::mutex> lock(events_mu);
   event_kinds[event] = {device, timing};
   return event;
@@ -117,7 +117,8 @@ ffi::Error EnsureAnchor(std::string_view op, int32_t device) {
   if (anchors.count(device)) return ffi::Error::Success();
   Anchor anchor;
   cudaStream_t idle = nullptr;
-  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaStreamCreateWithFlags", cudaStreamCreateWithFlags(&idle, cudaStreamNonBlocking)));
+  NCCLX_RETURN_IF_ERROR(
+      CheckCuda(op, "cudaStreamCreateWithFlags", cudaStreamCreateWithFlags(&idle, cudaStreamNonBlocking)));
   NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaEventCreate", cudaEventCreate(&anchor.event)));
   NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaEventRecord", cudaEventRecord(anchor.event, idle)));
   NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaEventSynchronize", cudaEventSynchronize(anchor.event)));
@@ -130,13 +131,7 @@ ffi::Error EnsureAnchor(std::string_view op, int32_t device) {
 // ---- the watchdog ----------------------------------------------------------------------------------------
 
 struct Watched {
-  std::string_view op;  // the handler's kOp, a string literal
-  int64_t site = 0;
-  int64_t comm_id = 0;
-  int rank = 0;
-  int size = 0;
-  int64_t sequence = 0;
-  int64_t timeout_ns = 0;
+  WatchedCall call;
   uint64_t id = 0;
   int64_t opened_ns = 0;      // the handler began queueing the call
   cudaEvent_t end = nullptr;  // recorded after the call's work; null while the handler is inside NCCL's launch
@@ -164,11 +159,16 @@ Watchdog& GetWatchdog() {
   return *watchdog;
 }
 
+WatchedCall DescribeWatchedCall(const GpuCall& call) {
+  return {call.op, call.attrs.site, call.comm_id, call.rank, call.size, call.device, call.sequence,
+          call.attrs.timeout_ms * 1000000};
+}
+
 constexpr auto kPollInterval = std::chrono::milliseconds(20);
 
 // The message for `hung`, a call that did not finish in time or (`nccl_error` set) that NCCL ended early
 // because a peer aborted or died: which local ranks of its communicator never queued that call.
-std::string HangMessage(Watchdog& w, const Watched& hung, const std::string& nccl_error = "") {
+std::string HangMessage(Watchdog& w, const WatchedCall& hung, const std::string& nccl_error = "") {
   std::set<int> never, local;
   ffi::ErrorOr<std::map<int32_t, CommMember>> members = CommMembers("watchdog", hung.comm_id);
   if (members.has_value()) {
@@ -214,7 +214,7 @@ void WatchOnce(Watchdog& w) {
       return std::any_of(hangs.begin(), hangs.end(), [&](const auto& h) { return h.first == comm_id; });
     };
     for (auto it = w.pending.begin(); it != w.pending.end();) {
-      const std::pair<int64_t, int> rank_key{it->comm_id, it->rank};
+      const std::pair<int64_t, int> rank_key{it->call.comm_id, it->call.rank};
       if (busy.count(rank_key)) {
         ++it;
         continue;
@@ -224,12 +224,12 @@ void WatchOnce(Watchdog& w) {
       if (it->end == nullptr) {
         // Still inside NCCL's launch: NCCL sets up connections on first use, which waits for the peers on the
         // host. Aborting would free the communicator under the blocked thread, so only report it.
-        if (!it->reported && now - it->opened_ns > it->timeout_ns) {
+        if (!it->reported && now - it->opened_ns > it->call.timeout_ns) {
           it->reported = true;
-          std::string message = HangMessage(w, *it);
+          std::string message = HangMessage(w, it->call);
           message.replace(message.find("has not finished"), std::string("has not finished").size(),
                           "is still being queued by NCCL (connection set-up waits for the peers)");
-          stuck_launches.emplace_back(it->comm_id, message.substr(0, message.rfind("; the communicator")));
+          stuck_launches.emplace_back(it->call.comm_id, message.substr(0, message.rfind("; the communicator")));
         }
         ++it;
         continue;
@@ -239,24 +239,25 @@ void WatchOnce(Watchdog& w) {
       if (ended != cudaErrorNotReady) {  // done (or its device failed: nothing left to wait for)
         ReturnEvent(it->end);
         it->end = nullptr;
-        w.last_done[it->comm_id] = *it;
+        w.last_done[it->call.comm_id] = *it;
         // Within a host NCCL gives no error when peers abort: their abort can end this rank's kernel early,
         // near their timeout. Such a call is worth asking the other processes about (comm.py, check_errors).
-        if (now - it->started_ns > it->timeout_ns / 2) {
-          w.late[it->comm_id] = {it->sequence, "call #" + std::to_string(it->sequence) + " on communicator " +
-                                                   std::to_string(it->comm_id) + " (" + std::string(it->op) + ", " +
-                                                   DescribeCallSite(it->site) + ") finished only " +
-                                                   DescribeSeconds(now - it->started_ns) +
-                                                   " after it could start on rank " +
-                                                   std::to_string(it->rank) + " of " + std::to_string(it->size) +
-                                                   " (timeout " + DescribeSeconds(it->timeout_ns) + ")"};
+        if (now - it->started_ns > it->call.timeout_ns / 2) {
+          const WatchedCall& late = it->call;
+          w.late[late.comm_id] = {late.sequence, "call #" + std::to_string(late.sequence) + " on communicator " +
+                                                     std::to_string(late.comm_id) + " (" + std::string(late.op) +
+                                                     ", " + DescribeCallSite(late.site) + ") finished only " +
+                                                     DescribeSeconds(now - it->started_ns) +
+                                                     " after it could start on rank " + std::to_string(late.rank) +
+                                                     " of " + std::to_string(late.size) + " (timeout " +
+                                                     DescribeSeconds(late.timeout_ns) + ")"};
         }
         it = w.pending.erase(it);
         busy.erase(rank_key);  // the rank's next call may start now
         continue;
       }
-      if (now - it->started_ns > it->timeout_ns && !hung(it->comm_id)) {
-        hangs.emplace_back(it->comm_id, HangMessage(w, *it));
+      if (now - it->started_ns > it->call.timeout_ns && !hung(it->call.comm_id)) {
+        hangs.emplace_back(it->call.comm_id, HangMessage(w, it->call));
       }
       ++it;
     }
@@ -265,12 +266,12 @@ void WatchOnce(Watchdog& w) {
     for (const auto& [comm_id, nccl_error] : async_errors) {
       if (hung(comm_id)) continue;
       const auto running = std::find_if(w.pending.begin(), w.pending.end(),
-                                        [&](const Watched& call) { return call.comm_id == comm_id; });
+                                        [&](const Watched& watched) { return watched.call.comm_id == comm_id; });
       const auto done = w.last_done.find(comm_id);
       if (running != w.pending.end()) {
-        hangs.emplace_back(comm_id, HangMessage(w, *running, nccl_error));
+        hangs.emplace_back(comm_id, HangMessage(w, running->call, nccl_error));
       } else if (done != w.last_done.end()) {
-        hangs.emplace_back(comm_id, HangMessage(w, done->second, nccl_error));
+        hangs.emplace_back(comm_id, HangMessage(w, done->second.call, nccl_error));
       } else {
         hangs.emplace_back(comm_id, "NCCL reports " + nccl_error + " on communicator " + std::to_string(comm_id) +
                                         " (a peer aborted or died); the communicator is aborted");
@@ -280,7 +281,7 @@ void WatchOnce(Watchdog& w) {
       // Aborted kernels return, so the events complete; drop the entries now either way (their events are
       // not reused: they may complete late).
       for (auto it = w.pending.begin(); it != w.pending.end();) {
-        it = it->comm_id == comm_id && it->end != nullptr ? w.pending.erase(it) : std::next(it);
+        it = it->call.comm_id == comm_id && it->end != nullptr ? w.pending.erase(it) : std::next(it);
       }
     }
   }
@@ -321,7 +322,9 @@ void WatchNow() { WatchOnce(GetWatchdog()); }
 void RecordNvlinkFaults() {
   const std::vector<NvlinkFaultReport> reports = NvlinkFaultReports();
   for (const NvlinkFaultReport& report : reports) {
-    if (CommFaultOf(report.comm_id).empty()) RecordCommFault(report.comm_id, NvlinkFaultMessage(report.comm_id, reports));
+    if (CommFaultOf(report.comm_id).empty()) {
+      RecordCommFault(report.comm_id, NvlinkFaultMessage(report.comm_id, reports));
+    }
   }
 }
 
@@ -428,13 +431,7 @@ ffi::ErrorOr<CallBracket> OpenCall(const GpuCall& call, bool watch) {
   }
   if (watch) {
     Watched watched;
-    watched.op = call.op;
-    watched.site = call.attrs.site;
-    watched.comm_id = call.comm_id;
-    watched.rank = call.rank;
-    watched.size = call.size;
-    watched.sequence = call.sequence;
-    watched.timeout_ns = call.attrs.timeout_ms * 1000000;
+    watched.call = DescribeWatchedCall(call);
     watched.opened_ns = NowNs();
     Watchdog& w = GetWatchdog();
     {
@@ -452,9 +449,7 @@ ffi::ErrorOr<CallBracket> OpenCall(const GpuCall& call, bool watch) {
 ffi::Error CloseCall(const GpuCall& call, CallBracket& bracket, ffi::Error launched, void* output,
                      int64_t output_bytes) {
   if (bracket.watch_replays && launched.success()) {
-    launched = WatchCapturedCall({call.op, call.attrs.site, call.comm_id, call.rank, call.size, call.device,
-                                  call.sequence, call.attrs.timeout_ms * 1000000},
-                                 call.stream);
+    launched = WatchCapturedCall(DescribeWatchedCall(call), call.stream);
     if (launched.success()) StartWatchdog();
   }
   cudaEvent_t watch_end = nullptr;

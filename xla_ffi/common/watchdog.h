@@ -4,10 +4,11 @@
 //     record in pinned host memory, which their handlers read before every call (CheckNvlinkFault).
 //   * NCCL work cannot be bounded from outside, so its handlers record a CUDA event after each call and a
 //     watchdog thread checks them: a call that could start (the rank's previous watched call was done) more
-//     than its timeout ago and has not finished is declared hung, its communicator is aborted (ncclCommAbort makes the NCCL kernels return) and every later
-//     call on it fails with a message naming the call and the local ranks that never reached it. A handler
-//     stuck inside NCCL's launch itself (NCCL sets up connections on first use, waiting for the peers on the
-//     host) is reported the same way but not aborted: that would free the communicator under it.
+//     than its timeout ago and has not finished is declared hung, its communicator is aborted (ncclCommAbort
+//     makes the NCCL kernels return) and every later call on it fails with a message naming the call and the
+//     local ranks that never reached it. A handler stuck inside NCCL's launch itself (NCCL sets up connections
+//     on first use, waiting for the peers on the host) is reported the same way but not aborted: that would
+//     free the communicator under it.
 //   * The same bracket applies injected faults (monitor.h) and, under JAX_NCCLX_TRACE=1, records the call
 //     with timing events.
 // Calls recorded into a CUDA graph (command buffers) get no events: their handler runs once, at capture, and
@@ -41,6 +42,19 @@ struct GpuCall {
   cudaStream_t stream = nullptr;
   int64_t sequence = 0;
   std::optional<InjectedFault> fault;
+};
+
+// A watched NCCL call as its handler saw it: what the watchdog and the replay watch (replay_watch.h) name
+// when it hangs.
+struct WatchedCall {
+  std::string_view op;  // the handler's kOp, a string literal
+  int64_t site = 0;
+  int64_t comm_id = 0;
+  int rank = 0;
+  int size = 0;
+  int32_t device = 0;
+  int64_t sequence = 0;
+  int64_t timeout_ns = 0;
 };
 
 // Numbers the call and looks up its injected fault; fails with the communicator's recorded fault, if any.
