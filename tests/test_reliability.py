@@ -302,6 +302,19 @@ def test_bad_fault_spec_is_refused(monkeypatch):
     assert config.parse_faults("skip:rank=2,seq=3; delay:rank=0,seq=5,ms=20") == (
         config.Fault("skip", 2, 3), config.Fault("delay", 0, 5, 20))
     assert config.parse_faults("stall:rank=1,seq=4,ms=300") == (config.Fault("stall", 1, 4, 300),)
+    for bad in ("skip:rank=1,seq=5-3", "skip:rank=1,seq=-3", "skip:rank=1,seq=2-", "skip:rank=1,seq=0-9999"):
+        with pytest.raises(ValueError, match="JAX_NCCLX_FAULT: (cannot parse|more than)"):
+            config.parse_faults(bad)
+
+
+def test_fault_ranges_cover_every_call_and_read_back_compactly():
+    spec = "stall:rank=0,seq=1-63,ms=300;skip:rank=2,seq=3;delay:rank=0,seq=5-6,ms=20"
+    faults = config.parse_faults(spec)
+    assert [f.seq for f in faults if f.kind == "stall"] == list(range(1, 64))
+    assert faults[63:] == (config.Fault("skip", 2, 3), config.Fault("delay", 0, 5, 20), config.Fault("delay", 0, 6, 20))
+    assert config.describe_faults(faults) == spec
+    assert config.describe_faults(config.parse_faults("skip:rank=1,seq=4;skip:rank=1,seq=6")) == \
+        "skip:rank=1,seq=4;skip:rank=1,seq=6"
 
 
 class _FakeStore:

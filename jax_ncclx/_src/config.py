@@ -145,24 +145,47 @@ class Fault:
     ms: int = 0
 
 
+MAX_FAULTS = 1024  # the handlers look faults up by (rank, call number) in every call
+
+
 def parse_faults(text: str) -> tuple[Fault, ...]:
-    """Parses ``JAX_NCCLX_FAULT``: faults separated by ``;``, each ``kind:rank=R,seq=S[,ms=M]``, e.g.
-    ``"skip:rank=2,seq=3;delay:rank=0,seq=5,ms=2000"``."""
+    """Parses ``JAX_NCCLX_FAULT``: faults separated by ``;``, each ``kind:rank=R,seq=S[,ms=M]``, where ``seq``
+    may be a range ``A-B`` (calls A to B, both included), e.g. ``"skip:rank=2,seq=3;stall:rank=0,seq=5-9,ms=20"``.
+    At most :data:`MAX_FAULTS` faults in all."""
     faults = []
     for item in filter(None, (part.strip() for part in text.split(";"))):
         kind, _, fields = item.partition(":")
         try:
-            values = {key.strip(): int(value) for key, value in
-                      (field.split("=", 1) for field in fields.split(",") if field.strip())}
+            values = {}
+            for field in filter(None, (field.strip() for field in fields.split(","))):
+                key, value = (part.strip() for part in field.split("=", 1))
+                first, dash, last = value.partition("-") if key == "seq" else (value, "", "")
+                values[key] = (int(first), int(last if dash else first))
         except ValueError:
             values = None
         if kind not in FAULT_KINDS or values is None or not {"rank", "seq"} <= set(values) or \
-                not set(values) <= {"rank", "seq", "ms"} or min(values.values()) < 0:
+                not set(values) <= {"rank", "seq", "ms"} or min(min(pair) for pair in values.values()) < 0 or \
+                values["seq"][0] > values["seq"][1]:
             raise ValueError(
-                f"JAX_NCCLX_FAULT: cannot parse {item!r}; expected kind:rank=R,seq=S[,ms=M] with kind one of "
-                f"{', '.join(FAULT_KINDS)} and non-negative integers")
-        faults.append(Fault(kind, values["rank"], values["seq"], values.get("ms", 0)))
+                f"JAX_NCCLX_FAULT: cannot parse {item!r}; expected kind:rank=R,seq=S[,ms=M] (seq may be a range "
+                f"A-B with A <= B) with kind one of {', '.join(FAULT_KINDS)} and non-negative integers")
+        (rank, _), (first, last), (ms, _) = values["rank"], values["seq"], values.get("ms", (0, 0))
+        faults.extend(Fault(kind, rank, seq, ms) for seq in range(first, min(last, first + MAX_FAULTS) + 1))
+        if len(faults) > MAX_FAULTS:
+            raise ValueError(f"JAX_NCCLX_FAULT: more than {MAX_FAULTS} faults ({text!r})")
     return tuple(faults)
+
+
+def describe_faults(faults: tuple[Fault, ...]) -> str:
+    """``faults`` in ``JAX_NCCLX_FAULT``'s syntax, with runs of consecutive calls written as ranges."""
+    runs: list[list] = []  # [kind, rank, ms, first seq, last seq]
+    for f in faults:
+        if runs and runs[-1][:3] == [f.kind, f.rank, f.ms] and runs[-1][4] == f.seq - 1:
+            runs[-1][4] = f.seq
+        else:
+            runs.append([f.kind, f.rank, f.ms, f.seq, f.seq])
+    return ";".join(f"{kind}:rank={rank},seq={first}" + (f"-{last}" if last > first else "") +
+                    (f",ms={ms}" if ms else "") for kind, rank, ms, first, last in runs)
 
 
 TRANSPORTS = ("auto", "nvlink", "nccl")

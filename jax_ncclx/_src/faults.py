@@ -19,4 +19,4 @@ def install(module, faults: tuple[config.Fault, ...]):
     module.set_faults([(config.FAULT_KINDS.index(f.kind), f.rank, f.seq, f.ms) for f in faults])
     _installed[id(module)] = faults
     if faults:
-        logger.warning("jax_ncclx: injecting faults (JAX_NCCLX_FAULT): %s", faults)
+        logger.warning("jax_ncclx: injecting faults (JAX_NCCLX_FAULT): %s", config.describe_faults(faults))
