@@ -68,22 +68,28 @@ ffi::Error OutsideCapture(F f) {
 ffi::Error AddChunk(std::string_view op, std::vector<MarkChunk>& chunks) {
   constexpr size_t kMarkBytes = kMarksPerChunk * sizeof(ReplayMark), kCountBytes = kMarksPerChunk * sizeof(uint64_t);
   MarkChunk chunk;
-  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaHostAlloc",
-                                  cudaHostAlloc(&chunk.host, kMarkBytes, cudaHostAllocMapped | cudaHostAllocPortable)));
-  std::fill(chunk.host, chunk.host + kMarksPerChunk, ReplayMark{});
-  NCCLX_RETURN_IF_ERROR(
-      CheckCuda(op, "cudaHostGetDevicePointer",
-                cudaHostGetDevicePointer(reinterpret_cast<void**>(&chunk.device_view), chunk.host, 0)));
-  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaMalloc", cudaMalloc(&chunk.counts, kCountBytes)));
   cudaStream_t side = nullptr;
-  NCCLX_RETURN_IF_ERROR(
-      CheckCuda(op, "cudaStreamCreateWithFlags", cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking)));
-  ffi::Error zeroed = CheckCuda(op, "cudaMemsetAsync", cudaMemsetAsync(chunk.counts, 0, kCountBytes, side));
-  if (zeroed.success()) zeroed = CheckCuda(op, "cudaStreamSynchronize", cudaStreamSynchronize(side));
-  cudaStreamDestroy(side);
-  NCCLX_RETURN_IF_ERROR(std::move(zeroed));
-  chunks.push_back(chunk);
-  return ffi::Error::Success();
+  ffi::Error made = [&]() -> ffi::Error {
+    NCCLX_RETURN_IF_ERROR(CheckCuda(
+        op, "cudaHostAlloc", cudaHostAlloc(&chunk.host, kMarkBytes, cudaHostAllocMapped | cudaHostAllocPortable)));
+    std::fill(chunk.host, chunk.host + kMarksPerChunk, ReplayMark{});
+    NCCLX_RETURN_IF_ERROR(
+        CheckCuda(op, "cudaHostGetDevicePointer",
+                  cudaHostGetDevicePointer(reinterpret_cast<void**>(&chunk.device_view), chunk.host, 0)));
+    NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaMalloc", cudaMalloc(&chunk.counts, kCountBytes)));
+    NCCLX_RETURN_IF_ERROR(
+        CheckCuda(op, "cudaStreamCreateWithFlags", cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking)));
+    NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaMemsetAsync", cudaMemsetAsync(chunk.counts, 0, kCountBytes, side)));
+    return CheckCuda(op, "cudaStreamSynchronize", cudaStreamSynchronize(side));
+  }();
+  if (side != nullptr) cudaStreamDestroy(side);
+  if (made.success()) {
+    chunks.push_back(chunk);
+  } else {  // nothing captured uses the chunk yet
+    if (chunk.counts != nullptr) cudaFree(chunk.counts);
+    if (chunk.host != nullptr) cudaFreeHost(chunk.host);
+  }
+  return made;
 }
 
 // What a rank's calls of one site (one lowered call, possibly traced several times) show right now.
