@@ -170,9 +170,9 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
                 f"JAX_NCCLX_FAULT: cannot parse {item!r}; expected kind:rank=R,seq=S[,ms=M] (seq may be a range "
                 f"A-B with A <= B) with kind one of {', '.join(FAULT_KINDS)} and non-negative integers")
         (rank, _), (first, last), (ms, _) = values["rank"], values["seq"], values.get("ms", (0, 0))
-        faults.extend(Fault(kind, rank, seq, ms) for seq in range(first, min(last, first + MAX_FAULTS) + 1))
-        if len(faults) > MAX_FAULTS:
+        if len(faults) + last - first + 1 > MAX_FAULTS:
             raise ValueError(f"JAX_NCCLX_FAULT: more than {MAX_FAULTS} faults ({text!r})")
+        faults.extend(Fault(kind, rank, seq, ms) for seq in range(first, last + 1))
     return tuple(faults)
 
 

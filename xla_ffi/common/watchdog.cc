@@ -164,6 +164,12 @@ WatchedCall DescribeWatchedCall(const GpuCall& call) {
           call.attrs.timeout_ms * 1000000};
 }
 
+// "call #7 on communicator 3 (all_reduce, axis 'x', call site 2)", for messages.
+std::string DescribeCall(const WatchedCall& call) {
+  return "call #" + std::to_string(call.sequence) + " on communicator " + std::to_string(call.comm_id) + " (" +
+         std::string(call.op) + ", " + DescribeCallSite(call.site) + ")";
+}
+
 constexpr auto kPollInterval = std::chrono::milliseconds(20);
 
 // The message for `hung`, a call that did not finish in time or (`nccl_error` set) that NCCL ended early
@@ -178,8 +184,7 @@ std::string HangMessage(Watchdog& w, const WatchedCall& hung, const std::string&
       if (reached == w.reached.end() || reached->second < hung.sequence) never.insert(member.rank);
     }
   }
-  std::string message = "call #" + std::to_string(hung.sequence) + " on communicator " + std::to_string(hung.comm_id) +
-                        " (" + std::string(hung.op) + ", " + DescribeCallSite(hung.site) + ") " +
+  std::string message = DescribeCall(hung) + " " +
                         (nccl_error.empty()
                              ? "has not finished " + DescribeSeconds(hung.timeout_ns) + " after it could start"
                              : "was ended by NCCL (" + nccl_error + ": a peer aborted or died)") +
@@ -244,9 +249,7 @@ void WatchOnce(Watchdog& w) {
         // near their timeout. Such a call is worth asking the other processes about (comm.py, check_errors).
         if (now - it->started_ns > it->call.timeout_ns / 2) {
           const WatchedCall& late = it->call;
-          w.late[late.comm_id] = {late.sequence, "call #" + std::to_string(late.sequence) + " on communicator " +
-                                                     std::to_string(late.comm_id) + " (" + std::string(late.op) +
-                                                     ", " + DescribeCallSite(late.site) + ") finished only " +
+          w.late[late.comm_id] = {late.sequence, DescribeCall(late) + " finished only " +
                                                      DescribeSeconds(now - it->started_ns) +
                                                      " after it could start on rank " + std::to_string(late.rank) +
                                                      " of " + std::to_string(late.size) + " (timeout " +
