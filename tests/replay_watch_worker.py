@@ -1,9 +1,11 @@
-"""Watching NCCL calls replayed from CUDA graphs (JAX_NCCLX_WATCH_REPLAYS=1): python replay_watch_worker.py MODE.
+"""Hangs in calls replayed from CUDA graphs: python replay_watch_worker.py MODE.
 
-Started by test_reliability.py with custom calls captured into XLA's command buffers (conftest.CAPTURE_FLAGS)
-and JAX_NCCLX_TIMEOUT_S=1. The program is one NCCL all_reduce over every local GPU (one will do). XLA runs its
-first execution op by op and captures the second, so the first call that a graph holds is each rank's call
-number 1; every later one a re-capture (XLA captures again when buffer addresses change).
+NCCL calls are watched with JAX_NCCLX_WATCH_REPLAYS=1; NVLink kernels time out on the device. Started by
+test_reliability.py with custom calls captured into XLA's command buffers (conftest.CAPTURE_FLAGS) and
+JAX_NCCLX_TIMEOUT_S=1. The program is one all_reduce over every local GPU (one will do), through NCCL except in
+mode nvlink. XLA runs its first execution op by op (each rank's call number 0) and captures the second, so the
+first call that a graph holds is each rank's call number 1; every later one a re-capture (XLA captures again
+when buffer addresses change).
 
   healthy: rank 0's stream stalls 0.3 s before the call in every replay (JAX_NCCLX_FAULT stall) and 12
            executions are queued at once, so the calls' events stay NotReady for ~4 s, past the timeout, while
@@ -15,6 +17,9 @@ number 1; every later one a re-capture (XLA captures again when buffer addresses
   eager:   as stall on one GPU, but the call is not captured (JAX_NCCLX_NCCL_COMMAND_BUFFERS=0): the eager
            watchdog names the second call. One GPU: the eager watchdog aborts the communicator, which a peer's
            NCCL kernel still queued behind a stall must not meet.
+  nvlink:  (2+ GPUs) the NVLink kernel instead of NCCL; the last rank stalls 4 s in the captured call, so rank 0's
+           kernel gives up waiting for it: check_errors must name the last rank, and the next execution must
+           fail before it runs (the NVLink handlers' prepare stage), not replay on the aborted communicator.
 Prints CAPTURE OK when every check passed.
 """
 
@@ -24,8 +29,9 @@ import time
 
 mode = sys.argv[1]
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.update(JAX_NCCLX_TRANSPORT="nccl", JAX_NCCLX_WATCH_REPLAYS="1", JAX_NCCLX_TIMEOUT_S="1",
-                  JAX_NCCLX_TRACE="1", JAX_NCCLX_NCCL_COMMAND_BUFFERS="0" if mode == "eager" else "1")
+os.environ.update(JAX_NCCLX_TRANSPORT="nvlink" if mode == "nvlink" else "nccl", JAX_NCCLX_WATCH_REPLAYS="1",
+                  JAX_NCCLX_TIMEOUT_S="1", JAX_NCCLX_TRACE="1",
+                  JAX_NCCLX_NCCL_COMMAND_BUFFERS="0" if mode == "eager" else "1")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -37,6 +43,8 @@ n = len(devices)
 stall_ms = {"healthy": 300, "stall": 4000, "eager": 4000}.get(mode)
 if stall_ms is not None:
     os.environ["JAX_NCCLX_FAULT"] = f"stall:rank=0,seq=1-63,ms={stall_ms}"
+elif mode == "nvlink":
+    os.environ["JAX_NCCLX_FAULT"] = f"stall:rank={n - 1},seq=1-63,ms=4000"
 else:
     os.environ["JAX_NCCLX_FAULT"] = f"skip:rank={n - 1},seq=1-63"
 
@@ -71,11 +79,15 @@ if mode == "healthy":
     nx.check_errors()
     calls = len(nx.trace.records())
     assert calls < 13 * n, f"{calls} calls ran their handler: nothing was replayed from a CUDA graph"
-elif mode in ("stall", "eager"):
-    jax.block_until_ready(f(x))  # stalls 4 s; the watchdog gives up on it after 1
-    where = "replayed from a CUDA graph" if mode == "stall" else "has not finished"
-    message = expect_error(mode, "all_reduce", where, f"of {n} (JAX_NCCLX_TIMEOUT_S)")
-    assert (mode == "stall") == ("replayed" in message), message
+elif mode in ("stall", "eager", "nvlink"):
+    assert mode != "nvlink" or n >= 2, "nvlink needs two GPUs"
+    jax.block_until_ready(f(x))  # stalls 4 s; the watchdog (NCCL) or rank 0's kernel (NVLink) gives up after 1
+    if mode == "nvlink":
+        message = expect_error(mode, "NVLink call", "all_reduce", f"rank(s) {n - 1} of {n} did not arrive")
+    else:
+        where = "replayed from a CUDA graph" if mode == "stall" else "has not finished"
+        message = expect_error(mode, "all_reduce", where, f"of {n} (JAX_NCCLX_TIMEOUT_S)")
+        assert (mode == "stall") == ("replayed" in message), message
     try:
         jax.block_until_ready(f(x))
     except Exception as e:  # XLA's runtime error, carrying the handler's

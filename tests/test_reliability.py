@@ -143,6 +143,14 @@ def test_replayed_nccl_calls_are_watched(mode, gpus):
     run_command_buffer_worker("replay_watch_worker.py", mode, minimum=gpus)
 
 
+@pytest.mark.gpu
+def test_nvlink_hang_in_a_replay_fails_the_next_execution():
+    """An NVLink kernel replayed from a CUDA graph that gives up waiting for a stalled rank names that rank,
+    and the next execution fails before it runs (the NVLink handlers' prepare stage) instead of replaying on
+    the aborted communicator (tests/replay_watch_worker.py nvlink)."""
+    run_command_buffer_worker("replay_watch_worker.py", "nvlink", minimum=2)
+
+
 def test_delay_within_the_timeout_shows_in_the_trace(line, monkeypatch, tmp_path):
     """A late rank only slows the call down; the merged trace names it as the late rank."""
     seq = next_seq(line, 1)

@@ -25,6 +25,7 @@
 #include "common/watchdog.h"
 #include "ops/all_to_allv_checks.h"
 #include "ops/all_to_allv_kernels.h"
+#include "ops/cuda_collective.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {
@@ -311,5 +312,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("blocks")                   // blocks (0 = chosen by size)
         .Attr<int64_t>("direct"),                  // direct: 1 = write into the peers' outputs
     {ffi::Traits::kCmdBufferCompatible});
+NCCLX_DEFINE_PREPARE_HANDLER(NvlinkAllToAllvDynamicPrepare, "all_to_allv_dynamic");  // replays never call it
 
 }  // namespace jax_ncclx

@@ -207,27 +207,16 @@ ffi::Error PpermuteImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   });
 }
 
-// Before every execution, replays included (XLA runs the prepare stage of a custom call even when it only
-// replays the graph it captured): a communicator that failed, e.g. when the replay watch found a call hung,
-// fails the execution with its reason instead of letting replays go on with undefined outputs.
-ffi::Error CheckCommBeforeExecution(std::string_view op, ffi::Dictionary attrs) {
-  ffi::ErrorOr<int64_t> comm_id = attrs.get<int64_t>("comm_id");
-  if (comm_id.has_error()) return comm_id.error();
-  return CheckCommUsable(op, *comm_id);
-}
-
 }  // namespace
 
-// Each handler twice: as is, and (name + Cmdbuf) marked command-buffer compatible, which the lowering takes
-// under JAX_NCCLX_NCCL_COMMAND_BUFFERS=1 so that XLA records the NCCL launch into its CUDA graphs, with the
-// prepare stage above (name + CmdbufPrepare). Replays do not come back to the host: the watchdog times them
-// only through the marks of JAX_NCCLX_WATCH_REPLAYS (common/replay_watch.h).
+// Each handler twice: as is, and (name + Cmdbuf) marked command-buffer compatible, which the lowering takes under
+// JAX_NCCLX_NCCL_COMMAND_BUFFERS=1 so that XLA records the NCCL launch into its CUDA graphs, with the prepare stage of
+// cuda_collective.h (name + CmdbufPrepare). Replays do not come back to the host: the watchdog times them only through
+// the marks of JAX_NCCLX_WATCH_REPLAYS (common/replay_watch.h).
 #define NCCLX_DEFINE_NCCL_HANDLER(name, op, impl, binding)                                                \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl, binding);                                                     \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Cmdbuf, impl, binding, {ffi::Traits::kCmdBufferCompatible});       \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                          \
-      name##CmdbufPrepare, [](ffi::Dictionary attrs) { return CheckCommBeforeExecution(op, attrs); },     \
-      ffi::Ffi::BindPrepare().Attrs())
+  NCCLX_DEFINE_PREPARE_HANDLER(name##CmdbufPrepare, op)
 
 NCCLX_DEFINE_NCCL_HANDLER(NcclAllReduce, "all_reduce", AllReduceImpl,
                           BindCudaCollective().Attr<int64_t>("reduce_op"));

@@ -1,10 +1,15 @@
 // The FFI binding prefix every single-operand CUDA collective handler shares (NCCL and NVLink): stream,
-// device, x, y, comm_id and the call attributes of monitor.h; the op's own attributes follow.
+// device, x, y, comm_id and the call attributes of monitor.h; the op's own attributes follow. And the prepare
+// stage of every handler that XLA may record into a command buffer.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <string_view>
+
 #include "common/monitor.h"
+#include "common/nccl_comms.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {
@@ -17,5 +22,25 @@ inline auto BindCudaCollective() {
                            .Ret<xla::ffi::AnyBuffer>()                     // y
                            .Attr<int64_t>("comm_id"));                     // comm_id
 }
+
+// Before every execution, replays included (XLA runs the prepare stage of a custom call even when it only
+// replays the graph it captured): a communicator that failed (the replay watch found an NCCL call hung, an
+// NVLink kernel gave up waiting and the watchdog recorded it) fails the execution with its reason instead of
+// letting replays go on with undefined outputs. While no communicator failed it costs an attribute lookup and a
+// relaxed atomic load.
+inline xla::ffi::Error CheckCommBeforeExecution(std::string_view op, xla::ffi::Dictionary attrs) {
+  xla::ffi::ErrorOr<int64_t> comm_id = attrs.get<int64_t>("comm_id");
+  if (comm_id.has_error()) return comm_id.error();
+  return CheckCommUsable(op, *comm_id);
+}
+
+// Defines `name`, the prepare stage above for the handlers of `op`.
+#define NCCLX_DEFINE_PREPARE_HANDLER(name, op)                                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                   \
+      name,                                                                        \
+      [](::xla::ffi::Dictionary attrs) {                                           \
+        return ::jax_ncclx::CheckCommBeforeExecution(op, attrs);                   \
+      },                                                                           \
+      ::xla::ffi::Ffi::BindPrepare().Attrs())
 
 }  // namespace jax_ncclx

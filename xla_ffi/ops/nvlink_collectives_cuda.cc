@@ -1,9 +1,10 @@
-// CUDA FFI handlers of the small-message NVLink collectives: all_reduce (one-shot or two-shot), all_gather
-// and all_to_all (one-shot). Each checks its buffers as the NCCL handler of the op does, finds this rank's
-// symmetric memory, and queues one kernel (nvlink_collectives_kernels.cu) on XLA's stream. The kernel's
-// arguments are fixed for the program (peer addresses come from the stable peer table, epochs live on the
-// device), so the handlers are safe inside command buffers. The Python lowering picks the algorithm by size
-// and sizes the symmetric memory before the program can run.
+// CUDA FFI handlers of the small-message NVLink collectives: all_reduce (one-shot or two-shot), all_gather and
+// all_to_all (one-shot). Each checks its buffers as the NCCL handler of the op does, finds this rank's symmetric
+// memory, and queues one kernel (nvlink_collectives_kernels.cu) on XLA's stream. The kernel's arguments are fixed for
+// the program (peer addresses come from the stable peer table, epochs live on the device), so the handlers are safe
+// inside command buffers; their prepare stage (cuda_collective.h) refuses an execution on a communicator that failed,
+// since replays never call them. The Python lowering picks the algorithm by size and sizes the symmetric memory before
+// the program can run.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -182,5 +183,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllToAll, AllToAllImpl,
                                   .Attr<int64_t>("blocks")
                                   .Attr<int64_t>("direct"),
                               {ffi::Traits::kCmdBufferCompatible});
+
+NCCLX_DEFINE_PREPARE_HANDLER(NvlinkAllReducePrepare, "all_reduce");
+NCCLX_DEFINE_PREPARE_HANDLER(NvlinkAllGatherPrepare, "all_gather");
+NCCLX_DEFINE_PREPARE_HANDLER(NvlinkAllToAllPrepare, "all_to_all");
 
 }  // namespace jax_ncclx
