@@ -162,9 +162,9 @@ def git_state() -> dict | None:
     return {"commit": commit, "dirty": dirty}
 
 
-def pick_devices(parser, smoke: bool) -> list:
-    """The devices a benchmark runs on: the CPU devices with --smoke, else every GPU (at least 2, and a
-    jax_ncclx built with its CUDA handlers); anything else ends the script through ``parser.error``."""
+def pick_devices(parser, smoke: bool, min_gpus: int = 2) -> list:
+    """The devices a benchmark runs on: the CPU devices with --smoke, else every GPU (at least ``min_gpus``,
+    and a jax_ncclx built with its CUDA handlers); anything else ends the script through ``parser.error``."""
     import jax
 
     import jax_ncclx as nx
@@ -175,8 +175,9 @@ def pick_devices(parser, smoke: bool) -> list:
         gpus = jax.devices("gpu")
     except RuntimeError:
         gpus = []
-    if len(gpus) < 2:
-        parser.error(f"needs at least 2 GPUs (found {len(gpus)}); --smoke runs on 8 virtual CPU devices")
+    if len(gpus) < min_gpus:
+        parser.error(f"needs at least {min_gpus} GPU{'s' if min_gpus > 1 else ''} (found {len(gpus)}); --smoke runs "
+                     "on 8 virtual CPU devices")
     if not nx.build_info()["cuda"]:
         parser.error(f"jax_ncclx has no CUDA handlers: {nx.build_info()['cuda_status']}")
     return gpus
@@ -380,13 +381,13 @@ def byte_sizes(parser, text, flag: str) -> list:
     return sizes
 
 
-def start(parser, args, axis: str, skip=()) -> tuple:
+def start(parser, args, axis: str, skip=(), min_gpus: int = 2) -> tuple:
     """(devices, a one-axis mesh named ``axis`` over them, metadata, run config) for a benchmark run: the
     devices of :func:`pick_devices`, the config of :func:`run_config`."""
     import jax
     import numpy as np
 
-    devices = pick_devices(parser, args.smoke)
+    devices = pick_devices(parser, args.smoke, min_gpus)
     return devices, jax.sharding.Mesh(np.asarray(devices), (axis,)), metadata(devices), run_config(args, skip)
 
 

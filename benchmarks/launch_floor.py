@@ -13,6 +13,9 @@ calls per sample) and the same process, ops that do no communication next to the
 nx minus ffi-kernel is what the collective itself costs (its kernel, flag barrier included); ffi-kernel minus
 xla-kernel is what being a custom call costs. Results go to <out>/launch_floor.{json,md,png}.
 
+It also runs on one GPU, for the floors alone: nx is then its kernel on a one-rank communicator (no peers to
+wait for) and psum over one device is compiled away, so neither says what a collective costs.
+
     python benchmarks/launch_floor.py                       # 8 bytes per rank on all GPUs
     python benchmarks/launch_floor.py --bytes 8,4K
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python benchmarks/launch_floor.py --name launch_floor_nocmdbuf
@@ -162,7 +165,7 @@ def main(argv=None):
     if args.from_json:
         document = json.loads(args.from_json.read_text())
         return write(args, document["meta"], document["config"], document["rows"], log)
-    devices, mesh, meta, config = common.start(parser, args, AXIS)
+    devices, mesh, meta, config = common.start(parser, args, AXIS, min_gpus=1)
     log(f"{len(devices)} × {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}, bytes "
         f"{args.bytes}, impls {args.impls}, unroll {args.unroll}, pipeline {args.pipeline}")
     rows = []
