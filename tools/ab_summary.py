@@ -41,11 +41,12 @@ def row_key(row: dict) -> tuple:
 
 
 def medians(runs: list[list[dict]], key: tuple) -> list[float | None]:
-    """The median µs/op of the row named `key` in each run (None where it did not finish)."""
+    """The median µs/op of the row named `key` in each run (None where it did not finish; rows without a
+    status, as launch_floor.py's, finished)."""
     values = []
     for rows in runs:
         match = next((r for r in rows if row_key(r) == key), None)
-        ok = match is not None and match.get("status") == "ok" and match.get("median_us") is not None
+        ok = match is not None and match.get("status", "ok") == "ok" and match.get("median_us") is not None
         values.append(match["median_us"] if ok else None)
     return values
 
