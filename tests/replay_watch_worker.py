@@ -1,11 +1,11 @@
 """Hangs in calls replayed from CUDA graphs: python replay_watch_worker.py MODE.
 
-NCCL calls are watched with JAX_NCCLX_WATCH_REPLAYS=1; NVLink kernels time out on the device. Started by
-test_reliability.py with custom calls captured into XLA's command buffers (conftest.CAPTURE_FLAGS) and
-JAX_NCCLX_TIMEOUT_S=1. The program is one all_reduce over every local GPU (one will do), through NCCL except in
-mode nvlink. XLA runs its first execution op by op (each rank's call number 0) and captures the second, so the
-first call that a graph holds is each rank's call number 1; every later one a re-capture (XLA captures again
-when buffer addresses change).
+JAX_NCCLX_WATCH_REPLAYS=1: NCCL calls are watched, NVLink kernels time out on the device and their handlers refuse
+a failed communicator before each execution. Started by test_reliability.py with custom calls captured into XLA's
+command buffers (conftest.CAPTURE_FLAGS) and JAX_NCCLX_TIMEOUT_S=1. The program is one all_reduce over every local
+GPU (one will do), through NCCL except in mode nvlink. XLA runs its first execution op by op (each rank's call
+number 0) and captures the second, so the first call that a graph holds is each rank's call number 1; every later
+one a re-capture (XLA captures again when buffer addresses change).
 
   healthy: rank 0's stream stalls 0.3 s before the call in every replay (JAX_NCCLX_FAULT stall) and 12
            executions are queued at once, so the calls' events stay NotReady for ~4 s, past the timeout, while

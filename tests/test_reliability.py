@@ -145,9 +145,9 @@ def test_replayed_nccl_calls_are_watched(mode, gpus):
 
 @pytest.mark.gpu
 def test_nvlink_hang_in_a_replay_fails_the_next_execution():
-    """An NVLink kernel replayed from a CUDA graph that gives up waiting for a stalled rank names that rank,
-    and the next execution fails before it runs (the NVLink handlers' prepare stage) instead of replaying on
-    the aborted communicator (tests/replay_watch_worker.py nvlink)."""
+    """JAX_NCCLX_WATCH_REPLAYS=1: an NVLink kernel replayed from a CUDA graph that gives up waiting for a
+    stalled rank names that rank, and the next execution fails before it runs (the NVLink handlers' prepare
+    stage) instead of replaying on the aborted communicator (tests/replay_watch_worker.py nvlink)."""
     run_command_buffer_worker("replay_watch_worker.py", "nvlink", minimum=2)
 
 

@@ -410,11 +410,17 @@ NB_MODULE(_ncclx_cuda, m) {
         targets["ncclx_ppermute"] = jn::Capsule(jn::NcclPpermute);
         targets["ncclx_ppermute_cmdbuf"] = jn::Stages(jn::NcclPpermuteCmdbufPrepare, jn::NcclPpermuteCmdbuf);
         targets["ncclx_all_to_allv_dynamic"] = jn::Capsule(jn::NcclAllToAllvDynamic);
-        targets["ncclx_all_to_allv_dynamic_nvlink"] =
+        // Each NVLink handler twice: as is, and (+ "_watched", under JAX_NCCLX_WATCH_REPLAYS=1) with the prepare
+        // stage that refuses an execution on a failed communicator, which costs host time in every execution.
+        targets["ncclx_all_to_allv_dynamic_nvlink"] = jn::Capsule(jn::NvlinkAllToAllvDynamic);
+        targets["ncclx_all_to_allv_dynamic_nvlink_watched"] =
             jn::Stages(jn::NvlinkAllToAllvDynamicPrepare, jn::NvlinkAllToAllvDynamic);
-        targets["ncclx_all_reduce_nvlink"] = jn::Stages(jn::NvlinkAllReducePrepare, jn::NvlinkAllReduce);
-        targets["ncclx_all_gather_nvlink"] = jn::Stages(jn::NvlinkAllGatherPrepare, jn::NvlinkAllGather);
-        targets["ncclx_all_to_all_nvlink"] = jn::Stages(jn::NvlinkAllToAllPrepare, jn::NvlinkAllToAll);
+        targets["ncclx_all_reduce_nvlink"] = jn::Capsule(jn::NvlinkAllReduce);
+        targets["ncclx_all_reduce_nvlink_watched"] = jn::Stages(jn::NvlinkAllReducePrepare, jn::NvlinkAllReduce);
+        targets["ncclx_all_gather_nvlink"] = jn::Capsule(jn::NvlinkAllGather);
+        targets["ncclx_all_gather_nvlink_watched"] = jn::Stages(jn::NvlinkAllGatherPrepare, jn::NvlinkAllGather);
+        targets["ncclx_all_to_all_nvlink"] = jn::Capsule(jn::NvlinkAllToAll);
+        targets["ncclx_all_to_all_nvlink_watched"] = jn::Stages(jn::NvlinkAllToAllPrepare, jn::NvlinkAllToAll);
         targets["ncclx_launch_probe"] = jn::Capsule(jn::LaunchProbe);
         targets["ncclx_moe_plan_sends"] = jn::Capsule(jn::CudaMoePlanSends);
         targets["ncclx_moe_place_received"] = jn::Capsule(jn::CudaMoePlaceReceived);

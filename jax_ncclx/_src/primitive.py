@@ -203,6 +203,8 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **par
         if route.workspace_bytes is not None:
             avals_out.append(jax.core.ShapedArray((route.workspace_bytes,), np.uint8))
         nvlink = target.endswith("_nvlink")
+        if nvlink and settings.watch_replays:
+            target += "_watched"  # with a prepare stage that refuses a failed communicator's replays
         if not nvlink:
             comm.ensure_nccl(comm_id)
             # The NCCL handlers registered twice, the second "<target>_cmdbuf" marked command-buffer compatible

@@ -312,6 +312,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("blocks")                   // blocks (0 = chosen by size)
         .Attr<int64_t>("direct"),                  // direct: 1 = write into the peers' outputs
     {ffi::Traits::kCmdBufferCompatible});
-NCCLX_DEFINE_PREPARE_HANDLER(NvlinkAllToAllvDynamicPrepare, "all_to_allv_dynamic");  // replays never call it
+// Under JAX_NCCLX_WATCH_REPLAYS=1: replays never call the handler, so this refuses a failed communicator's.
+NCCLX_DEFINE_PREPARE_HANDLER(NvlinkAllToAllvDynamicPrepare, "all_to_allv_dynamic");
 
 }  // namespace jax_ncclx

@@ -2,9 +2,9 @@
 // all_to_all (one-shot). Each checks its buffers as the NCCL handler of the op does, finds this rank's symmetric
 // memory, and queues one kernel (nvlink_collectives_kernels.cu) on XLA's stream. The kernel's arguments are fixed for
 // the program (peer addresses come from the stable peer table, epochs live on the device), so the handlers are safe
-// inside command buffers; their prepare stage (cuda_collective.h) refuses an execution on a communicator that failed,
-// since replays never call them. The Python lowering picks the algorithm by size and sizes the symmetric memory before
-// the program can run.
+// inside command buffers; their prepare stage (cuda_collective.h, registered under JAX_NCCLX_WATCH_REPLAYS=1) refuses
+// an execution on a communicator that failed, since replays never call them. The Python lowering picks the algorithm by
+// size and sizes the symmetric memory before the program can run.
 #include <cuda_runtime.h>
 
 #include <cstdint>
