@@ -28,7 +28,6 @@ import gc
 import json
 import math
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -367,7 +366,7 @@ def time_variant(variant, mesh, arrays, routing, args) -> dict:
         inputs[0] = jax.device_put(inputs[0], inputs[0].sharding, may_alias=False)  # a copy: calls consume it
     timing = common.time_jitted(fn, *inputs, ops_per_call=args.unroll, feedback=donates, reps=args.iters,
                                 pipeline=args.pipeline,
-                                max_seconds=args.max_seconds, on_compile=lambda c: ffi_targets(c.as_text()))
+                                max_seconds=args.max_seconds, on_compile=lambda c: common.ffi_targets(c.as_text()))
     timing["ffi_targets"] = timing.pop("compiled_info")
     timing["path"] = path_of(timing["ffi_targets"], mesh.devices.flat[0].platform)
     for array in jax.tree.leaves(timing.pop("final")):
@@ -375,11 +374,6 @@ def time_variant(variant, mesh, arrays, routing, args) -> dict:
     if traced:
         timing.update(common.device_breakdown(before))
     return timing
-
-
-def ffi_targets(hlo_text: str) -> list:
-    """The jax_ncclx FFI targets a compiled program calls."""
-    return sorted(set(re.findall(r'custom_call_target="(ncclx_\w+)"', hlo_text)))
 
 
 def path_of(targets: list, platform: str) -> str:

@@ -185,8 +185,14 @@ def pick_devices(parser, smoke: bool, min_gpus: int = 2) -> list:
 
 # ---- timing ------------------------------------------------------------------------------------------------
 
+def ffi_targets(hlo_text: str) -> list:
+    """The jax_ncclx FFI targets a compiled program calls."""
+    return sorted(set(re.findall(r'custom_call_target="(ncclx_\w+)"', hlo_text)))
+
+
 def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup: int = 2, reps: int = 20,
-                min_reps: int = 3, max_seconds: float = 2.0, pipeline: int = 1, on_compile=None) -> dict:
+                min_reps: int = 3, max_seconds: float = 2.0, pipeline: int = 1, on_compile=None,
+                dispatch_reps: int = 0) -> dict:
     """Times a jitted function: compile, warm up, then timed samples, each ended by ``block_until_ready``.
 
     A sample is ``pipeline`` calls dispatched back to back and waited for once. With ``pipeline`` > 1 the host
@@ -209,11 +215,14 @@ def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup
         ``min_reps`` samples of that many calls would take over ``max_seconds`` (judged by the last warm-up
         call). The number used is returned as ``pipeline``.
       on_compile: called with the compiled executable (e.g. to read its HLO); its result is ``compiled_info``.
+      dispatch_reps: after the samples, this many more calls, each waited for before the next, timed until the
+        call returns: the host's work before the program launches (every op's prepare stage, the launch).
 
     Returns:
       A dict: ``median_us`` and ``min_us`` per op, ``samples_us`` (every timed call, per op), ``reps``,
       ``ops_per_call``, ``pipeline``, ``compile_s`` (None when fn was not a jit function), ``compiled_info``, ``warmup_s``
-      (the warm-up calls, whole calls) and ``final``, the last call's output (delete it to free its memory at once).
+      (the warm-up calls, whole calls), ``dispatch_us`` (with ``dispatch_reps``: the median time until a call
+      returned, whole call) and ``final``, the last call's output (delete it to free its memory at once).
       With several processes (one per GPU, :func:`run_processes`) every process must make the same calls, and
       clocks that differ would make them choose differently: exactly ``warmup`` warm-up calls and ``reps``
       samples of ``pipeline`` calls are made (``max_seconds`` and ``min_reps`` are ignored), the medians are
@@ -257,8 +266,20 @@ def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup
             break
     per_op_us = [s / (ops_per_call * pipeline) * 1e6 for s in samples]
     by_process = {"median_us_by_process": gathered([statistics.median(per_op_us)]).tolist()} if fixed else {}
+    dispatch = {}
+    if dispatch_reps:
+        returned = []
+        for _ in range(dispatch_reps):
+            start = time.perf_counter()
+            out = fn(*args)
+            returned.append(time.perf_counter() - start)
+            if feedback:
+                args[0] = out
+            jax.block_until_ready(out)
+        dispatch["dispatch_us"] = statistics.median(returned) * 1e6
     return {
         **by_process,
+        **dispatch,
         "median_us": statistics.median(per_op_us),
         "min_us": min(per_op_us),
         "samples_us": per_op_us,

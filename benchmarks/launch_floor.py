@@ -8,7 +8,12 @@ calls per sample) and the same process, ops that do no communication next to the
   ffi-kernel   one jax_ncclx custom call per op (ncclx_launch_probe: a one-block copy kernel, command-buffer
                compatible like the NVLink handlers): what any custom call costs;
   nx           nx.all_reduce (default route: the one-shot NVLink kernel at small sizes);
+  nx-watched   the same compiled with JAX_NCCLX_WATCH_REPLAYS=1 (GPU only): its handler has a prepare stage,
+               which XLA runs in every execution, replays of a CUDA graph included;
   psum         jax.lax.psum.
+
+Besides the time per op, `dispatch us` is how long one call (a chain) takes to return to the host when each is
+waited for before the next: the host's work before the program launches, every op's prepare stage included.
 
 nx minus ffi-kernel is what the collective itself costs (its kernel, flag barrier included); ffi-kernel minus
 xla-kernel is what being a custom call costs. Results go to <out>/launch_floor.{json,md,png}.
@@ -23,7 +28,9 @@ wait for) and psum over one device is compiled away, so neither says what a coll
 """
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -41,7 +48,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_ncclx as nx  # noqa: E402
 
 AXIS = "x"
-IMPLS = ("xla-kernel", "ffi-kernel", "nx", "psum")
+IMPLS = ("xla-kernel", "ffi-kernel", "nx", "nx-watched", "psum")
+GPU_ONLY = {"ffi-kernel": "ncclx_launch_probe is a CUDA handler",
+            "nx-watched": "JAX_NCCLX_WATCH_REPLAYS changes only the CUDA lowering"}
 
 
 def one_op(impl: str, v):
@@ -49,9 +58,23 @@ def one_op(impl: str, v):
         return jax.lax.optimization_barrier(v * -1.0)
     if impl == "ffi-kernel":
         return jax.ffi.ffi_call("ncclx_launch_probe", jax.ShapeDtypeStruct(v.shape, v.dtype))(v)
-    if impl == "nx":
+    if impl in ("nx", "nx-watched"):
         return nx.all_reduce(v, AXIS)
     return jax.lax.psum(v, AXIS)
+
+
+@contextlib.contextmanager
+def lowering_env(impl: str):
+    """JAX_NCCLX_WATCH_REPLAYS as ``impl`` wants it while its programs are lowered (read at lowering)."""
+    saved = os.environ.get("JAX_NCCLX_WATCH_REPLAYS")
+    os.environ["JAX_NCCLX_WATCH_REPLAYS"] = "1" if impl == "nx-watched" else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["JAX_NCCLX_WATCH_REPLAYS"]
+        else:
+            os.environ["JAX_NCCLX_WATCH_REPLAYS"] = saved
 
 
 def chain(v, *, impl, unroll):
@@ -60,7 +83,8 @@ def chain(v, *, impl, unroll):
     return v
 
 
-EXPECTED = {"xla-kernel": lambda n: -1.0, "ffi-kernel": lambda n: 1.0, "nx": float, "psum": float}
+EXPECTED = {"xla-kernel": lambda n: -1.0, "ffi-kernel": lambda n: 1.0, "nx": float, "nx-watched": float,
+            "psum": float}
 
 
 def verify(mesh, impl, ones):
@@ -75,10 +99,11 @@ def verify(mesh, impl, ones):
 
 TABLE = [("bytes", "bytes", 8, "d"), ("impl", "impl", 11, ""), ("median_us", "median us", 10, ".2f"),
          ("min_us", "min us", 8, ".2f"), ("over_ffi_us", "- ffi us", 9, ".2f"), ("x_psum", "x psum", 7, ".2f"),
-         ("pipeline", "pipe", 5, "d")]
+         ("pipeline", "pipe", 5, "d"), ("dispatch_us", "dispatch us", 12, ".1f")]
 MD_COLUMNS = [("bytes", "bytes/rank", "d"), ("impl", "impl", ""), ("median_us", "median µs/op", ".2f"),
               ("min_us", "min µs/op", ".2f"), ("over_ffi_us", "minus ffi-kernel µs", ".2f"),
-              ("x_psum", "psum / this", ".2f"), ("reps", "samples", "d"), ("pipeline", "calls/sample", "d")]
+              ("x_psum", "psum / this", ".2f"), ("reps", "samples", "d"), ("pipeline", "calls/sample", "d"),
+              ("dispatch_us", "dispatch µs/call", ".1f")]
 
 
 def plotter(meta):
@@ -113,18 +138,21 @@ def run(args, mesh, log, table, rows):
         elements = max(1, nbytes // 4)
         results = {}
         for impl in args.impls:
-            if impl == "ffi-kernel" and mesh.devices.flat[0].platform != "gpu":
-                log("ffi-kernel skipped: ncclx_launch_probe is a CUDA handler (CPU run)")
+            if impl in GPU_ONLY and mesh.devices.flat[0].platform != "gpu":
+                log(f"{impl} skipped: {GPU_ONLY[impl]} (CPU run)")
                 continue
             x = jax.device_put(jnp.ones((n * elements,), jnp.float32), NamedSharding(mesh, P(AXIS)))
-            verify(mesh, impl, x)
             fn = jax.jit(jax.shard_map(lambda v, impl=impl: chain(v, impl=impl, unroll=args.unroll), mesh=mesh,
                                        in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False), donate_argnums=0)
-            timing = common.time_jitted(fn, x, ops_per_call=args.unroll, feedback=True, reps=args.iters,
-                                        pipeline=args.pipeline, max_seconds=args.max_seconds)
+            with lowering_env(impl):  # time_jitted compiles fn first
+                verify(mesh, impl, x)
+                timing = common.time_jitted(fn, x, ops_per_call=args.unroll, feedback=True, reps=args.iters,
+                                            pipeline=args.pipeline, max_seconds=args.max_seconds,
+                                            dispatch_reps=args.dispatch_reps,
+                                            on_compile=lambda c: common.ffi_targets(c.as_text()))
             for array in jax.tree.leaves(timing.pop("final")):
                 array.delete()
-            timing.pop("compiled_info")
+            timing["ffi_targets"] = timing.pop("compiled_info")
             results[impl] = dict(bytes=elements * 4, impl=impl, num_devices=n, unroll=args.unroll, **timing)
         for row in results.values():
             if "ffi-kernel" in results:
@@ -146,6 +174,8 @@ def parse_args(argv=None):
     parser.add_argument("--pipeline", type=int, default=10, help="calls per timed sample (default 10)")
     parser.add_argument("--iters", type=int, default=20, help="the most timed samples (default 20)")
     parser.add_argument("--max-seconds", type=float, default=1.0, help="time budget per measurement (default 1)")
+    parser.add_argument("--dispatch-reps", type=int, default=100,
+                        help="calls timed until they return, each waited for (default 100; 0: no dispatch column)")
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results; smoke: a temporary "
                         "folder; --from-json: the JSON's folder)")
     parser.add_argument("--name", default="launch_floor", help="file stem of the results")
@@ -153,8 +183,9 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     args.bytes = common.byte_sizes(parser, args.bytes, "--bytes")
     args.impls = common.choices(parser, args.impls, IMPLS, "--impls")
-    if args.unroll < 1 or args.pipeline < 1 or not args.bytes or min(args.bytes) < 4:
-        parser.error("--unroll and --pipeline must be >= 1, --bytes non-empty and each at least 4")
+    if args.unroll < 1 or args.pipeline < 1 or args.dispatch_reps < 0 or not args.bytes or min(args.bytes) < 4:
+        parser.error("--unroll and --pipeline must be >= 1, --dispatch-reps >= 0, --bytes non-empty and each at "
+                     "least 4")
     common.settle_output(args)
     return parser, args
 
