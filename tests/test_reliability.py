@@ -144,6 +144,26 @@ def test_replayed_nccl_calls_are_watched(mode, gpus):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("watch", [False, True])
+def test_watch_replays_gives_the_nvlink_handlers_their_prepare_stage(monkeypatch, watch):
+    """JAX_NCCLX_WATCH_REPLAYS=1 lowers NVLink calls to the targets with a prepare stage (it costs host time in
+    every execution, so only then); either target computes the same."""
+    reason = gpu_skip_reason(minimum=1)
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.delenv("JAX_NCCLX_FAULT", raising=False)
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nvlink")
+    monkeypatch.setenv("JAX_NCCLX_WATCH_REPLAYS", "1" if watch else "0")
+    mesh = jax.sharding.Mesh(np.asarray(gpu_devices()), ("x",))
+    f = per_shard(mesh, lambda v: nx.all_reduce(v, "x"))
+    x = jnp.arange(mesh.size * 4, dtype=jnp.float32).reshape(mesh.size, 4)
+    text = f.lower(x).as_text()
+    assert "ncclx_all_reduce_nvlink" in text
+    assert ("ncclx_all_reduce_nvlink_watched" in text) == watch
+    np.testing.assert_allclose(np.asarray(f(x)), np.tile(np.asarray(x).sum(0), (mesh.size, 1)))
+
+
+@pytest.mark.gpu
 def test_nvlink_hang_in_a_replay_fails_the_next_execution():
     """JAX_NCCLX_WATCH_REPLAYS=1: an NVLink kernel replayed from a CUDA graph that gives up waiting for a
     stalled rank names that rank, and the next execution fails before it runs (the NVLink handlers' prepare

@@ -80,8 +80,9 @@ class Config:
         one-thread kernel after each captured call, which counts the replays that get past it
         (``xla_ffi/common/replay_watch.h``). The NVLink calls, which time their own waits, lower (at compile
         time) to handlers with a prepare stage that makes an execution fail once their communicator has failed,
-        instead of replaying on it with undefined outputs: 0.4-0.9 us of host time per call in every
-        execution in CUDA graphs (about 3 us outside them; one H100), before the program launches.
+        instead of replaying on it with undefined outputs. That costs host time in every execution, before the
+        program launches: 0.6 us per call in a program of 200 calls on one H100, up to 1.7 in programs of 20
+        (README, "Calls inside CUDA graphs").
       nccl_max_ctas: the most thread blocks (channels) NCCL may use per call on communicators created from
         now on (``JAX_NCCLX_NCCL_MAX_CTAS``, NCCL's ``ncclConfig_t.maxCTAs``; default 0: NCCL's choice, 24-32
         on H200). NCCL allocates a few KiB per channel at init, each in its own 2 MiB cuMem granule, so an idle
