@@ -145,21 +145,23 @@ def test_replayed_nccl_calls_are_watched(mode, gpus):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("watch", [False, True])
-def test_watch_replays_gives_the_nvlink_handlers_their_prepare_stage(monkeypatch, watch):
-    """JAX_NCCLX_WATCH_REPLAYS=1 lowers NVLink calls to the targets with a prepare stage (it costs host time in
-    every execution, so only then); either target computes the same."""
+@pytest.mark.parametrize("target", ["ncclx_all_reduce_nvlink", "ncclx_all_reduce_cmdbuf"])
+def test_watch_replays_gives_graph_handlers_their_prepare_stage(monkeypatch, target, watch):
+    """JAX_NCCLX_WATCH_REPLAYS=1 lowers the calls that XLA may record into CUDA graphs (NVLink; NCCL with command
+    buffers) to the targets with a prepare stage (it costs host time in every execution, so only then); either
+    target computes the same."""
     reason = gpu_skip_reason(minimum=1)
     if reason:
         pytest.skip(reason)
     monkeypatch.delenv("JAX_NCCLX_FAULT", raising=False)
-    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nvlink")
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nvlink" if target.endswith("_nvlink") else "nccl")
+    monkeypatch.setenv("JAX_NCCLX_NCCL_COMMAND_BUFFERS", "1")
     monkeypatch.setenv("JAX_NCCLX_WATCH_REPLAYS", "1" if watch else "0")
     mesh = jax.sharding.Mesh(np.asarray(gpu_devices()), ("x",))
     f = per_shard(mesh, lambda v: nx.all_reduce(v, "x"))
     x = jnp.arange(mesh.size * 4, dtype=jnp.float32).reshape(mesh.size, 4)
-    text = f.lower(x).as_text()
-    assert "ncclx_all_reduce_nvlink" in text
-    assert ("ncclx_all_reduce_nvlink_watched" in text) == watch
+    suffix = "_watched" if watch else ""
+    assert set(re.findall(r"ncclx_\w+", f.lower(x).as_text())) == {target + suffix}
     np.testing.assert_allclose(np.asarray(f(x)), np.tile(np.asarray(x).sum(0), (mesh.size, 1)))
 
 

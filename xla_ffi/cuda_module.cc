@@ -398,29 +398,28 @@ NB_MODULE(_ncclx_cuda, m) {
       "registrations",
       [] {
         nb::dict targets;
+        // Handlers that XLA may record into command buffers twice: as is, and (+ "_watched", the lowering's
+        // choice under JAX_NCCLX_WATCH_REPLAYS=1) with the prepare stage that refuses an execution on a failed
+        // communicator, since replays never call the handler; it costs host time in every execution.
+        const auto watched_too = [&](const std::string& name, auto* prepare, auto* execute) {
+          targets[name.c_str()] = jn::Capsule(execute);
+          targets[(name + "_watched").c_str()] = jn::Stages(prepare, execute);
+        };
         targets["ncclx_all_reduce"] = jn::Capsule(jn::NcclAllReduce);
-        targets["ncclx_all_reduce_cmdbuf"] = jn::Stages(jn::NcclAllReduceCmdbufPrepare, jn::NcclAllReduceCmdbuf);
+        watched_too("ncclx_all_reduce_cmdbuf", jn::NcclAllReduceCmdbufPrepare, jn::NcclAllReduceCmdbuf);
         targets["ncclx_all_gather"] = jn::Capsule(jn::NcclAllGather);
-        targets["ncclx_all_gather_cmdbuf"] = jn::Stages(jn::NcclAllGatherCmdbufPrepare, jn::NcclAllGatherCmdbuf);
+        watched_too("ncclx_all_gather_cmdbuf", jn::NcclAllGatherCmdbufPrepare, jn::NcclAllGatherCmdbuf);
         targets["ncclx_reduce_scatter"] = jn::Capsule(jn::NcclReduceScatter);
-        targets["ncclx_reduce_scatter_cmdbuf"] =
-            jn::Stages(jn::NcclReduceScatterCmdbufPrepare, jn::NcclReduceScatterCmdbuf);
+        watched_too("ncclx_reduce_scatter_cmdbuf", jn::NcclReduceScatterCmdbufPrepare, jn::NcclReduceScatterCmdbuf);
         targets["ncclx_all_to_all"] = jn::Capsule(jn::NcclAllToAll);
-        targets["ncclx_all_to_all_cmdbuf"] = jn::Stages(jn::NcclAllToAllCmdbufPrepare, jn::NcclAllToAllCmdbuf);
+        watched_too("ncclx_all_to_all_cmdbuf", jn::NcclAllToAllCmdbufPrepare, jn::NcclAllToAllCmdbuf);
         targets["ncclx_ppermute"] = jn::Capsule(jn::NcclPpermute);
-        targets["ncclx_ppermute_cmdbuf"] = jn::Stages(jn::NcclPpermuteCmdbufPrepare, jn::NcclPpermuteCmdbuf);
+        watched_too("ncclx_ppermute_cmdbuf", jn::NcclPpermuteCmdbufPrepare, jn::NcclPpermuteCmdbuf);
         targets["ncclx_all_to_allv_dynamic"] = jn::Capsule(jn::NcclAllToAllvDynamic);
-        // Each NVLink handler twice: as is, and (+ "_watched", under JAX_NCCLX_WATCH_REPLAYS=1) with the prepare
-        // stage that refuses an execution on a failed communicator, which costs host time in every execution.
-        targets["ncclx_all_to_allv_dynamic_nvlink"] = jn::Capsule(jn::NvlinkAllToAllvDynamic);
-        targets["ncclx_all_to_allv_dynamic_nvlink_watched"] =
-            jn::Stages(jn::NvlinkAllToAllvDynamicPrepare, jn::NvlinkAllToAllvDynamic);
-        targets["ncclx_all_reduce_nvlink"] = jn::Capsule(jn::NvlinkAllReduce);
-        targets["ncclx_all_reduce_nvlink_watched"] = jn::Stages(jn::NvlinkAllReducePrepare, jn::NvlinkAllReduce);
-        targets["ncclx_all_gather_nvlink"] = jn::Capsule(jn::NvlinkAllGather);
-        targets["ncclx_all_gather_nvlink_watched"] = jn::Stages(jn::NvlinkAllGatherPrepare, jn::NvlinkAllGather);
-        targets["ncclx_all_to_all_nvlink"] = jn::Capsule(jn::NvlinkAllToAll);
-        targets["ncclx_all_to_all_nvlink_watched"] = jn::Stages(jn::NvlinkAllToAllPrepare, jn::NvlinkAllToAll);
+        watched_too("ncclx_all_to_allv_dynamic_nvlink", jn::NvlinkAllToAllvDynamicPrepare, jn::NvlinkAllToAllvDynamic);
+        watched_too("ncclx_all_reduce_nvlink", jn::NvlinkAllReducePrepare, jn::NvlinkAllReduce);
+        watched_too("ncclx_all_gather_nvlink", jn::NvlinkAllGatherPrepare, jn::NvlinkAllGather);
+        watched_too("ncclx_all_to_all_nvlink", jn::NvlinkAllToAllPrepare, jn::NvlinkAllToAll);
         targets["ncclx_launch_probe"] = jn::Capsule(jn::LaunchProbe);
         targets["ncclx_moe_plan_sends"] = jn::Capsule(jn::CudaMoePlanSends);
         targets["ncclx_moe_place_received"] = jn::Capsule(jn::CudaMoePlaceReceived);

@@ -71,18 +71,17 @@ class Config:
         2xH200 with one process, 1.05-2.7x with one per GPU (README, "Small-message collectives"). The cost:
         a replayed graph does not come back to the host, so the watchdog times those calls only with
         ``watch_replays``; without it a peer that never arrives hangs them instead of failing with its name.
-        Either way a communicator that failed makes the next execution of a program that uses it fail with
-        the reason. The NVLink kernels bound their own waits and are recorded either way.
-      watch_replays: the NCCL calls that XLA captures into CUDA graphs are watched like the others
-        (``JAX_NCCLX_WATCH_REPLAYS=1``; default 0; read when XLA captures a call): a call whose peers do not
-        arrive within its timeout fails, naming the call and the local ranks that never reached it, and its
-        communicator is revoked (``ncclCommRevoke``, which keeps the resources the graphs use). The cost: a
-        one-thread kernel after each captured call, which counts the replays that get past it
-        (``xla_ffi/common/replay_watch.h``). The NVLink calls, which time their own waits, lower (at compile
-        time) to handlers with a prepare stage that makes an execution fail once their communicator has failed,
-        instead of replaying on it with undefined outputs. That costs host time in every execution, before the
-        program launches: 0.6 us per call in a program of 200 calls on one H100, up to 1.7 in programs of 20
-        (README, "Calls inside CUDA graphs").
+        The NVLink kernels bound their own waits and are recorded either way.
+      watch_replays: calls that XLA replays from CUDA graphs are watched (``JAX_NCCLX_WATCH_REPLAYS=1``;
+        default 0). The NCCL ones are timed like the others (read when XLA captures a call): a call whose peers
+        do not arrive within its timeout fails, naming the call and the local ranks that never reached it, and
+        its communicator is revoked (``ncclCommRevoke``, which keeps the resources the graphs use); that costs
+        a one-thread kernel after each captured call, which counts the replays that get past it
+        (``xla_ffi/common/replay_watch.h``). And every call that XLA may record into a graph (NVLink, and NCCL
+        with ``nccl_command_buffers``) lowers (at compile time) to a handler with a prepare stage that makes an
+        execution fail once its communicator has failed, instead of replaying on it with undefined outputs.
+        That costs host time in every execution, before the program launches: 0.6 us per call in a program of
+        200 NVLink calls on one H100, up to 1.7 in programs of 20 (README, "Calls inside CUDA graphs").
       nccl_max_ctas: the most thread blocks (channels) NCCL may use per call on communicators created from
         now on (``JAX_NCCLX_NCCL_MAX_CTAS``, NCCL's ``ncclConfig_t.maxCTAs``; default 0: NCCL's choice, 24-32
         on H200). NCCL allocates a few KiB per channel at init, each in its own 2 MiB cuMem granule, so an idle

@@ -203,8 +203,6 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **par
         if route.workspace_bytes is not None:
             avals_out.append(jax.core.ShapedArray((route.workspace_bytes,), np.uint8))
         nvlink = target.endswith("_nvlink")
-        if nvlink and settings.watch_replays:
-            target += "_watched"  # with a prepare stage that refuses a failed communicator's replays
         if not nvlink:
             comm.ensure_nccl(comm_id)
             # The NCCL handlers registered twice, the second "<target>_cmdbuf" marked command-buffer compatible
@@ -212,6 +210,10 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **par
             if settings.nccl_command_buffers and f"{target}_cmdbuf" in lib.cuda_target_names():
                 target += "_cmdbuf"
                 module.set_watch_replays(settings.watch_replays)  # read when XLA captures the call
+        # Targets XLA may record into CUDA graphs also come "_watched": with a prepare stage that refuses an
+        # execution on a failed communicator (xla_ffi/ops/cuda_collective.h), at a host cost in every execution.
+        if settings.watch_replays and f"{target}_watched" in lib.cuda_target_names():
+            target += "_watched"
         algorithm = {1: "one_shot", 2: "two_shot"}.get(int(route.attrs.get("algorithm", 1))) if nvlink else "nccl"
         site_info.update(groups=[[mesh_devices[p].id for p in g] for g in groups], comm_id=comm_id,
                          transport="nvlink" if nvlink else "nccl", algorithm=algorithm)

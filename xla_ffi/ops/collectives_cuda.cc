@@ -210,9 +210,10 @@ ffi::Error PpermuteImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
 }  // namespace
 
 // Each handler twice: as is, and (name + Cmdbuf) marked command-buffer compatible, which the lowering takes under
-// JAX_NCCLX_NCCL_COMMAND_BUFFERS=1 so that XLA records the NCCL launch into its CUDA graphs, with the prepare stage of
-// cuda_collective.h (name + CmdbufPrepare). Replays do not come back to the host: the watchdog times them only through
-// the marks of JAX_NCCLX_WATCH_REPLAYS (common/replay_watch.h).
+// JAX_NCCLX_NCCL_COMMAND_BUFFERS=1 so that XLA records the NCCL launch into its CUDA graphs; name + CmdbufPrepare is
+// the prepare stage of cuda_collective.h, registered with it as the "_watched" target that the lowering takes under
+// JAX_NCCLX_WATCH_REPLAYS=1. Replays do not come back to the host: the watchdog times them only through the marks of
+// JAX_NCCLX_WATCH_REPLAYS (common/replay_watch.h).
 #define NCCLX_DEFINE_NCCL_HANDLER(name, op, impl, binding)                                                \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl, binding);                                                     \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Cmdbuf, impl, binding, {ffi::Traits::kCmdBufferCompatible});       \
