@@ -58,8 +58,9 @@ def test_results_header_names_the_commit_and_its_note():
 
 def test_launch_floor_smoke(tmp_path):
     rows = run_smoke("launch_floor.py", tmp_path, "--bytes", "8")["rows"]
-    assert [r["impl"] for r in rows] == ["xla-kernel", "nx", "psum"]  # ffi-kernel is CUDA only
-    assert all(r["median_us"] > 0 and r["x_psum"] > 0 for r in rows)
+    assert [r["impl"] for r in rows] == ["xla-kernel", "nx", "psum"]  # ffi-kernel and nx-watched are CUDA only
+    assert all(r["median_us"] > 0 and r["x_psum"] > 0 and r["dispatch_us"] > 0 for r in rows)
+    assert [r["ffi_targets"] for r in rows] == [[], ["ncclx_all_reduce"], []]
 
 
 def test_routing_kernel_timer_compiles(tmp_path):
