@@ -137,23 +137,9 @@ def settings_of(impl: str, trace: bool = False):
     reused."""
     wanted = dict(IMPLS[impl] or {}, **({"JAX_NCCLX_TRACE": "device"} if trace and impl != "xla" and
                                         impl not in TRACED_IMPLS else {}))
-    before = {key: os.environ.get(key) for key in SETTINGS}
-    after = {key: wanted.get(key, before[key] if impl == "xla" else None) for key in SETTINGS}
-    def apply(values):
-        for key, value in values.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    if after != before:
-        apply(after)
-        jax.clear_caches()
-    try:
+    after = {key: wanted.get(key, os.environ.get(key) if impl == "xla" else None) for key in SETTINGS}
+    with common.lowering_settings(after):
         yield
-    finally:
-        if after != before:
-            apply(before)
-            jax.clear_caches()
 
 
 def chain(x, *, op, impl, unroll):

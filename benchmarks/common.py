@@ -9,6 +9,7 @@ before ``jax``); a value already in the environment wins:
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -181,6 +182,34 @@ def pick_devices(parser, smoke: bool, min_gpus: int = 2) -> list:
     if not nx.build_info()["cuda"]:
         parser.error(f"jax_ncclx has no CUDA handlers: {nx.build_info()['cuda_status']}")
     return gpus
+
+
+@contextlib.contextmanager
+def lowering_settings(values: dict):
+    """Sets (a string) or unsets (None) the environment variables in ``values`` while programs are lowered, and
+    restores them after; JAX's caches are dropped when anything changes, so that a program compiled under other
+    settings is not reused."""
+    import jax
+
+    before = {key: os.environ.get(key) for key in values}
+
+    def apply(settings):
+        for key, value in settings.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+    changed = dict(values) != before
+    if changed:
+        apply(values)
+        jax.clear_caches()
+    try:
+        yield
+    finally:
+        if changed:
+            apply(before)
+            jax.clear_caches()
 
 
 # ---- timing ------------------------------------------------------------------------------------------------

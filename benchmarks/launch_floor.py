@@ -28,9 +28,7 @@ wait for) and psum over one device is compiled away, so neither says what a coll
 """
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -61,20 +59,6 @@ def one_op(impl: str, v):
     if impl in ("nx", "nx-watched"):
         return nx.all_reduce(v, AXIS)
     return jax.lax.psum(v, AXIS)
-
-
-@contextlib.contextmanager
-def lowering_env(impl: str):
-    """JAX_NCCLX_WATCH_REPLAYS as ``impl`` wants it while its programs are lowered (read at lowering)."""
-    saved = os.environ.get("JAX_NCCLX_WATCH_REPLAYS")
-    os.environ["JAX_NCCLX_WATCH_REPLAYS"] = "1" if impl == "nx-watched" else "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["JAX_NCCLX_WATCH_REPLAYS"]
-        else:
-            os.environ["JAX_NCCLX_WATCH_REPLAYS"] = saved
 
 
 def chain(v, *, impl, unroll):
@@ -144,7 +128,8 @@ def run(args, mesh, log, table, rows):
             x = jax.device_put(jnp.ones((n * elements,), jnp.float32), NamedSharding(mesh, P(AXIS)))
             fn = jax.jit(jax.shard_map(lambda v, impl=impl: chain(v, impl=impl, unroll=args.unroll), mesh=mesh,
                                        in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False), donate_argnums=0)
-            with lowering_env(impl):  # time_jitted compiles fn first
+            # Read at lowering; time_jitted compiles fn first.
+            with common.lowering_settings({"JAX_NCCLX_WATCH_REPLAYS": "1" if impl == "nx-watched" else "0"}):
                 verify(mesh, impl, x)
                 timing = common.time_jitted(fn, x, ops_per_call=args.unroll, feedback=True, reps=args.iters,
                                             pipeline=args.pipeline, max_seconds=args.max_seconds,
