@@ -47,3 +47,13 @@ def assert_same(actual, expected, dtype):
     else:
         np.testing.assert_array_equal(actual.view(np.uint8) if dtype == ml_dtypes.float8_e4m3fn else actual,
                                       expected.view(np.uint8) if dtype == ml_dtypes.float8_e4m3fn else expected)
+
+
+def assert_bits_equal(actual, expected):
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    wide = actual.dtype.itemsize
+    as_int = {1: np.uint8, 2: np.uint16, 4: np.uint32}[wide]
+    mismatch = np.flatnonzero(actual.view(as_int) != expected.view(as_int))
+    assert mismatch.size == 0, (f"{mismatch.size} of {actual.size} elements differ, first at flat index "
+                                f"{mismatch[0]}: got {actual.flat[mismatch[0]]}, expected {expected.flat[mismatch[0]]}")

@@ -1,5 +1,6 @@
 """NumPy references for the tests (jax.lax.ragged_all_to_all does not run on XLA:CPU)."""
 
+import ml_dtypes
 import numpy as np
 
 
@@ -171,3 +172,46 @@ def moe_exchange_suffixes(plans, rows_per_source):
             recv_tokens[source] = len(rows)
         out.append((suffixes.reshape(-1, words), recv_tokens))
     return out
+
+
+def count_pattern(pattern, n, k, seed, *, rows, capacity):
+    """[n members, n peers, k chunks] send counts of one named pattern, for members of ``rows`` rows sending
+    at most ``capacity`` rows to each peer."""
+    rng = np.random.default_rng(seed)
+    if pattern == "zero":
+        return np.zeros((n, n, k), np.int32)
+    if pattern == "one_peer":  # every member sends everything it may to peer 0
+        counts = np.zeros((n, n, k), np.int32)
+        counts[:, 0, :] = capacity // k
+        return counts
+    if pattern == "at_capacity":  # each peer gets exactly capacity rows from each member
+        per_chunk = np.full(k, capacity // k)
+        per_chunk[-1] += capacity - per_chunk.sum()
+        return np.broadcast_to(per_chunk, (n, n, k)).astype(np.int32)
+    if pattern == "overflow":  # more than capacity rows for some peers
+        return rng.integers(0, 2 * capacity // k + 1, size=(n, n, k)).astype(np.int32)
+    if pattern == "bad":  # negative counts and counts that run past the end of x
+        return rng.integers(-3, rows, size=(n, n, k)).astype(np.int32)
+    return rng.integers(0, rows // n + 1, size=(n, n, k)).astype(np.int32)  # random
+
+
+def gather_rows(xs, send_rows):
+    """Each member's x[send_rows] in NumPy, zero rows where the index is outside x."""
+    out = []
+    for x, index in zip(xs, send_rows):
+        inside = (index >= 0) & (index < len(x))
+        rows = x[np.where(inside, index, 0)]
+        rows[~inside] = 0
+        out.append(rows)
+    return out
+
+
+def reduce_in_rank_order(parts, op, dtype):
+    """What the kernels compute: rank 0's values combined with rank 1's, then rank 2's, ...; 16-bit floats in
+    float32, rounded once at the end."""
+    accumulate = np.float32 if np.dtype(dtype) in (np.dtype(ml_dtypes.bfloat16), np.float16) else np.dtype(dtype)
+    combine = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op]
+    acc = parts[0].astype(accumulate)
+    for part in parts[1:]:
+        acc = combine(acc, part.astype(accumulate))
+    return acc.astype(dtype)

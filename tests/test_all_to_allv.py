@@ -44,23 +44,7 @@ def backend(request, monkeypatch):
 
 
 def counts_for(pattern, n, k, seed):
-    """[n members, n peers, k chunks] send counts of one named pattern."""
-    rng = np.random.default_rng(seed)
-    if pattern == "zero":
-        return np.zeros((n, n, k), np.int32)
-    if pattern == "one_peer":  # every member sends everything it may to peer 0
-        counts = np.zeros((n, n, k), np.int32)
-        counts[:, 0, :] = CAPACITY // k
-        return counts
-    if pattern == "at_capacity":  # each peer gets exactly CAPACITY rows from each member
-        per_chunk = np.full(k, CAPACITY // k)
-        per_chunk[-1] += CAPACITY - per_chunk.sum()
-        return np.broadcast_to(per_chunk, (n, n, k)).astype(np.int32)
-    if pattern == "overflow":  # more than CAPACITY rows for some peers
-        return rng.integers(0, 2 * CAPACITY // k + 1, size=(n, n, k)).astype(np.int32)
-    if pattern == "bad":  # negative counts and counts that run past the end of x
-        return rng.integers(-3, ROWS, size=(n, n, k)).astype(np.int32)
-    return rng.integers(0, ROWS // n + 1, size=(n, n, k)).astype(np.int32)  # random
+    return reference.count_pattern(pattern, n, k, seed, rows=ROWS, capacity=CAPACITY)
 
 
 def line_mesh(backend):
@@ -86,17 +70,6 @@ def run(mesh, axis, xs, counts, layout, capacity=CAPACITY, prepare=lambda x: x, 
 def random_send_rows(n, num_rows, source_rows, seed):
     """[n, num_rows] int32 indices into x's source_rows rows: repeats, and some outside x on both sides."""
     return np.random.default_rng(seed).integers(-2, source_rows + 2, size=(n, num_rows)).astype(np.int32)
-
-
-def gather_rows(xs, send_rows):
-    """Each member's x[send_rows] in NumPy, zero rows where the index is outside x."""
-    out = []
-    for x, index in zip(xs, send_rows):
-        inside = (index >= 0) & (index < len(x))
-        rows = x[np.where(inside, index, 0)]
-        rows[~inside] = 0
-        out.append(rows)
-    return out
 
 
 def check(actual, expected, dtype):
@@ -130,7 +103,7 @@ def test_send_rows_gather_on_the_way(backend, pattern, layout):
     xs = random_array((n, source_rows, FEATURES), jnp.float32)
     send_rows = random_send_rows(n, ROWS, source_rows, seed=13)
     counts = counts_for(pattern, n, 2, seed=2)
-    expected = reference.all_to_allv(gather_rows(xs, send_rows), list(counts), CAPACITY, layout)
+    expected = reference.all_to_allv(reference.gather_rows(xs, send_rows), list(counts), CAPACITY, layout)
     check(run(mesh, "x", xs, counts, layout, send_rows=send_rows), expected, jnp.float32)
 
 
@@ -148,7 +121,7 @@ def test_suffix_travels_with_rows(backend, layout, indexed, features, columns, d
     suffix = random_array((n, ROWS, columns), dtype, seed=3)
     send_rows = random_send_rows(n, ROWS, source_rows, seed=13) if indexed else None
     counts = counts_for("overflow", n, 2, seed=2)
-    rows = gather_rows(xs, send_rows) if indexed else list(xs)
+    rows = reference.gather_rows(xs, send_rows) if indexed else list(xs)
     sent = [np.concatenate([r, t], axis=1) for r, t in zip(rows, suffix)]
     expected = reference.all_to_allv(sent, list(counts), CAPACITY, layout)
     check(run(mesh, "x", xs, counts, layout, send_rows=send_rows, suffix=suffix), expected, dtype)
@@ -228,7 +201,7 @@ def test_vmap_is_one_call(backend, operands):
     args = jnp.asarray(xs), jnp.asarray(counts), jnp.asarray(send_rows), jnp.asarray(suffix)
     out = f(*args)
     for b in range(2):
-        sent = gather_rows(xs[:, b], send_rows[:, b]) if indexed else list(xs[:, b])
+        sent = reference.gather_rows(xs[:, b], send_rows[:, b]) if indexed else list(xs[:, b])
         if operands == "suffix":
             sent = [np.concatenate([r, t], axis=1) for r, t in zip(sent, suffix[:, b])]
         expected = reference.all_to_allv(sent, list(counts[:, b]), CAPACITY, "packed")
@@ -349,7 +322,7 @@ def test_large_random_rows(backend, layout):
     xs = random_array((n, rows // 2, 1024), jnp.bfloat16, seed=4)
     send_rows = random_send_rows(n, rows, rows // 2, seed=6)
     check(run(line_mesh(backend), "x", xs, counts, layout, capacity=capacity, send_rows=send_rows),
-          reference.all_to_allv(gather_rows(xs, send_rows), list(counts), capacity, layout), jnp.bfloat16)
+          reference.all_to_allv(reference.gather_rows(xs, send_rows), list(counts), capacity, layout), jnp.bfloat16)
     # Rows wider than the NVLink kernel's slices of 1024 copy units: 16-byte units (the last slice one unit
     # wide) and 1-byte units (three slices).
     counts = rng.integers(0, 17, size=(n, n, 2)).astype(np.int32)

@@ -19,7 +19,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ncclx as nx
+import reference
 from conftest import gpu_devices, gpu_skip_reason
+from helpers import assert_bits_equal
 
 pytestmark = pytest.mark.gpu
 
@@ -92,34 +94,13 @@ def inputs(n, elements, dtype, seed=0):
     return rng.normal(size=(n, elements)).astype(dtype)
 
 
-def reduce_in_rank_order(parts, op, dtype):
-    """What the kernels compute: rank 0's values combined with rank 1's, then rank 2's, ...; 16-bit floats in
-    float32, rounded once at the end."""
-    accumulate = np.float32 if dtype in (jnp.bfloat16, jnp.float16) else np.dtype(dtype)
-    combine = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op]
-    acc = parts[0].astype(accumulate)
-    for part in parts[1:]:
-        acc = combine(acc, part.astype(accumulate))
-    return acc.astype(dtype)
-
-
-def assert_bits_equal(actual, expected):
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    wide = actual.dtype.itemsize
-    as_int = {1: np.uint8, 2: np.uint16, 4: np.uint32}[wide]
-    mismatch = np.flatnonzero(actual.view(as_int) != expected.view(as_int))
-    assert mismatch.size == 0, (f"{mismatch.size} of {actual.size} elements differ, first at flat index "
-                                f"{mismatch[0]}: got {actual.flat[mismatch[0]]}, expected {expected.flat[mismatch[0]]}")
-
-
 @pytest.mark.parametrize("elements", ELEMENTS)
 @pytest.mark.parametrize("dtype", REDUCE_DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_all_reduce_sum_is_exact(gpus, algorithm, dtype, elements):
     n = len(gpus)
     x = inputs(n, elements, dtype)
     out = per_rank(gpus, lambda v: nx.all_reduce(v, "x"))(x)
-    expected = reduce_in_rank_order(list(x), "sum", dtype)
+    expected = reference.reduce_in_rank_order(list(x), "sum", dtype)
     for rank in range(n):  # every rank holds the same bits
         assert_bits_equal(out[rank], expected)
 
@@ -131,7 +112,7 @@ def test_all_reduce_max_min(gpus, algorithm, dtype, op):
     x = inputs(n, 4099, dtype, seed=1)
     out = per_rank(gpus, lambda v: nx.all_reduce(v, "x", op))(x)
     for rank in range(n):
-        assert_bits_equal(out[rank], reduce_in_rank_order(list(x), op, dtype))
+        assert_bits_equal(out[rank], reference.reduce_in_rank_order(list(x), op, dtype))
 
 
 @pytest.mark.parametrize("elements", [1, 5, 4096, 4099, 65536])

@@ -16,7 +16,8 @@
 #                 test_suffix_travels_with_rows; each with rows written straight into the peers' outputs
 #                 and through the staging slots, test_all_to_allv.py's GPU_TRANSPORTS; staged pieces sent
 #                 in rounds, test_staged_pieces_in_rounds), the moe routing
-#                 kernels (test_moe_routing) and the row copies (test_take_rows); the small-message
+#                 kernels (test_moe_routing), the row copies (test_take_rows), every NVLink kernel with 2 to
+#                 8 ranks on one GPU (test_nvlink_loopback, so this runs on one GPU too); the small-message
 #                 all_to_all in every protocol and size class
 #                 (test_nvlink_collectives.py::test_all_to_all, float32), and the zero rows left to the
 #                 receiver (test_zero_rows_over_a_stale_buffer, many_zeros), and the plain run of
@@ -74,7 +75,7 @@ run_step() {
                    "tests/test_all_to_allv.py::test_send_rows_gather_on_the_way"
                    "tests/test_all_to_allv.py::test_suffix_travels_with_rows"
                    "tests/test_all_to_allv.py::test_staged_pieces_in_rounds" tests/test_moe_routing.py
-                   tests/test_take_rows.py)
+                   tests/test_take_rows.py tests/test_nvlink_loopback.py)
       local once=("${pytest[@]}" -q -m gpu tests/test_nvlink_collectives.py::test_all_to_all -k float32)
       local zeros=("${pytest[@]}" -q -m gpu tests/test_all_to_allv.py::test_zero_rows_over_a_stale_buffer
                    -k many_zeros)

@@ -1,0 +1,73 @@
+"""NumPy front end of the test-only module ``jax_ncclx._ncclx_loopback``: the NVLink kernels run with 2 to 8
+logical ranks on one GPU, each with its own stream and symmetric memory (xla_ffi/testing/nvlink_loopback.cc).
+Arrays are [calls, ranks, ...]: call c of rank r reads x[c, r] and writes y[c, r].
+
+Every function returns, besides the outputs, one dict per rank: ``calls_finished`` (the rank's epoch),
+``fault`` ("healthy", "gave_up" or "aborted"), ``fault_call``, ``aborted_by`` (-1 or a rank) and ``missing``
+(the ranks its waits named).
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from conftest import gpu_skip_reason
+
+PROTOCOLS = {"ll128": 0, "ll": 1, "simple": 2}
+ALGORITHMS = {"one-shot": 1, "two-shot": 2}
+REDUCE_OPS = {"sum": 0, "max": 1, "min": 2}
+REDUCE_TYPES = {np.dtype(np.float32): 0, np.dtype(ml_dtypes.bfloat16): 1, np.dtype(np.float16): 2,
+                np.dtype(np.int32): 3}
+
+
+def module():
+    """The loopback module; skips the test where no GPU or no CUDA build is."""
+    reason = gpu_skip_reason(minimum=1)
+    if reason:
+        pytest.skip(reason)
+    from jax_ncclx import _ncclx_loopback  # built with _ncclx_cuda: failing to import it is a failure
+
+    return _ncclx_loopback
+
+
+def collective(op, x, *, algorithm="one-shot", protocol="ll128", reduce="sum", direct=False, **options):
+    """One NVLink collective on x [calls, ranks, elements] (all_to_all: elements divisible by ranks); options:
+    blocks, trace, graph, timeout_ms, absent. Returns (y [calls, ranks, elements or ranks * elements for
+    all_gather], ranks)."""
+    x = np.ascontiguousarray(x)
+    calls, size, elements = x.shape
+    done = module().collective(op, x.tobytes(), size=size, calls=calls, bytes=elements * x.itemsize,
+                               element_bytes=x.itemsize, algorithm=ALGORITHMS[algorithm],
+                               protocol=PROTOCOLS[protocol], reduce_op=REDUCE_OPS[reduce],
+                               reduce_type=REDUCE_TYPES.get(x.dtype, 0), direct=direct, **options)
+    y = np.frombuffer(done["y"], x.dtype).reshape(calls, size, -1)
+    return y, done["ranks"]
+
+
+def all_to_allv(x, counts, capacity, *, layout, direct, send_rows=None, suffix=None, **options):
+    """The all_to_allv_dynamic kernel. x [calls, ranks, B, X, F...], counts int32 [calls, ranks, B, ranks, K],
+    send_rows int32 [calls, ranks, B, S] or None, suffix [calls, ranks, B, S, G...] or None (rows travel as
+    raw bytes: x's features, then the suffix's). Returns (y uint8 [calls, ranks, B, ranks * capacity,
+    row bytes], recv_counts [calls, ranks, B, ranks, K], dropped [calls, ranks, B, ranks], ranks); the padded
+    layout's [ranks, capacity] rows are the same bytes flattened."""
+    x, counts = np.ascontiguousarray(x), np.ascontiguousarray(counts, np.int32)
+    calls, size, batch, source_rows = x.shape[:4]
+    feature_bytes = int(np.prod(x.shape[4:], dtype=np.int64)) * x.itemsize
+    num_rows = send_rows.shape[-1] if send_rows is not None else source_rows
+    suffix_bytes = 0
+    if suffix is not None:
+        suffix = np.ascontiguousarray(suffix)
+        suffix_bytes = int(np.prod(suffix.shape[4:], dtype=np.int64)) * suffix.itemsize
+    row_bytes = feature_bytes + suffix_bytes
+    num_chunks = counts.shape[-1]
+    done = module().all_to_allv(
+        x.tobytes(), counts.tobytes(),
+        None if send_rows is None else np.ascontiguousarray(send_rows, np.int32).tobytes(),
+        None if suffix is None else suffix.tobytes(),
+        size=size, calls=calls, batch=batch, source_rows=source_rows, num_rows=num_rows, num_chunks=num_chunks,
+        capacity=capacity, row_bytes=row_bytes, suffix_bytes=suffix_bytes, packed=layout == "packed",
+        direct=direct, **options)
+    y = np.frombuffer(done["y"], np.uint8).reshape(calls, size, batch, size * capacity, row_bytes)
+    recv = np.frombuffer(done["recv_counts"], np.int32).reshape(calls, size, batch, size, num_chunks)
+    dropped = np.frombuffer(done["dropped"], np.int32).reshape(calls, size, batch, size)
+    return y, recv, dropped, done["ranks"]

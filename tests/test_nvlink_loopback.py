@@ -1,0 +1,279 @@
+"""The NVLink kernels with 2, 3, 4 and 8 ranks on ONE GPU (tests/nvlink_loopback.py): the same kernels and launch
+arguments the FFI handlers use, each logical rank with its own stream and symmetric memory, so their
+protocols are checked on machines with a single GPU and at rank counts no lent machine has.
+
+Against NumPy, bit for bit: all_reduce in every algorithm and protocol (sums in rank order, 16-bit floats in
+float32), all_gather and all_to_all in every protocol, all_to_allv_dynamic on the adversarial count patterns in
+both layouts and both modes (rows written into the peers' outputs, or staged). Flags are reused over
+thousands of calls, the kernels run as replays of one CUDA graph, and a rank that never launches is named by
+every peer. What this does not cover (NVLink, CUDA IPC, the handlers, XLA) the multi-GPU suites do.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import nvlink_loopback as loopback
+import reference
+from helpers import assert_bits_equal, random_array
+
+pytestmark = pytest.mark.gpu
+
+SIZES = [2, 3, 4, 8]
+ALL_REDUCE = {  # param -> (algorithm, one-shot protocol, direct)
+    "one-shot-ll128": ("one-shot", "ll128", False),
+    "one-shot-ll": ("one-shot", "ll", False),
+    "one-shot-simple": ("one-shot", "simple", False),
+    "two-shot": ("two-shot", "ll128", True),           # the all-gather writes into the peers' outputs
+    "two-shot-staged": ("two-shot", "ll128", False),   # through slots, as one process per GPU does
+}
+MOVES = {  # param -> (protocol, direct)
+    "ll128": ("ll128", True),
+    "ll": ("ll", True),
+    "simple": ("simple", True),
+    "simple-staged": ("simple", False),
+}
+REDUCE_DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16, np.int32]
+MOVE_DTYPES = [np.float32, ml_dtypes.bfloat16, np.int8]
+# Elements per rank: one, odd counts (scalar path; 16-bit odd counts go simple), 64 KiB of f32 (the largest
+# one-shot segment sent as LL128 lines or LL words), just above, and many blocks.
+ELEMENTS = [1, 3, 4099, 16384, 16390, 300001]
+
+
+@pytest.fixture(autouse=True)
+def loopback_module():
+    return loopback.module()  # skips, before any input is built, where no GPU or no CUDA build is
+
+
+def assert_healthy(ranks, calls):
+    for rank, state in enumerate(ranks):
+        assert state["fault"] == "healthy" and state["calls_finished"] == calls, (rank, state)
+
+
+@pytest.mark.parametrize("elements", ELEMENTS)
+@pytest.mark.parametrize("algorithm", ALL_REDUCE)
+@pytest.mark.parametrize("size", SIZES)
+def test_all_reduce_is_exact(size, algorithm, elements):
+    kind, protocol, direct = ALL_REDUCE[algorithm]
+    for dtype in REDUCE_DTYPES:
+        x = random_array((2, size, elements), dtype, seed=elements)
+        y, ranks = loopback.collective("all_reduce", x, algorithm=kind, protocol=protocol, direct=direct)
+        assert_healthy(ranks, calls=2)
+        for call in range(2):
+            expected = reference.reduce_in_rank_order(list(x[call]), "sum", dtype)
+            for rank in range(size):  # every rank holds the same bits
+                assert_bits_equal(y[call, rank], expected)
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+@pytest.mark.parametrize("algorithm", ALL_REDUCE)
+@pytest.mark.parametrize("size", [3, 4])
+def test_all_reduce_max_min(size, algorithm, op):
+    kind, protocol, direct = ALL_REDUCE[algorithm]
+    for dtype in [np.float32, ml_dtypes.bfloat16, np.int32]:
+        x = random_array((1, size, 4099), dtype, seed=1)
+        y, ranks = loopback.collective("all_reduce", x, algorithm=kind, protocol=protocol, direct=direct, reduce=op)
+        assert_healthy(ranks, calls=1)
+        for rank in range(size):
+            assert_bits_equal(y[0, rank], reference.reduce_in_rank_order(list(x[0]), op, dtype))
+
+
+# Elements per rank and peer: one, odd (byte path), 64 KiB of f32 (the largest segment in lines or words), above.
+@pytest.mark.parametrize("block", [1, 5, 1025, 16384, 16385])
+@pytest.mark.parametrize("protocol", MOVES)
+@pytest.mark.parametrize("size", SIZES)
+def test_all_gather(size, protocol, block):
+    name, direct = MOVES[protocol]
+    for dtype in MOVE_DTYPES:
+        x = random_array((2, size, block), np.float32, seed=block).astype(dtype)
+        y, ranks = loopback.collective("all_gather", x, protocol=name, direct=direct)
+        assert_healthy(ranks, calls=2)
+        for call in range(2):
+            for rank in range(size):
+                assert_bits_equal(y[call, rank], x[call].reshape(-1))
+
+
+@pytest.mark.parametrize("block", [1, 5, 1025, 16384, 16385])
+@pytest.mark.parametrize("protocol", MOVES)
+@pytest.mark.parametrize("size", SIZES)
+def test_all_to_all(size, protocol, block):
+    name, direct = MOVES[protocol]
+    for dtype in MOVE_DTYPES:
+        x = random_array((2, size, size * block), np.float32, seed=block).astype(dtype)  # block j goes to rank j
+        y, ranks = loopback.collective("all_to_all", x, protocol=name, direct=direct)
+        assert_healthy(ranks, calls=2)
+        for call in range(2):
+            blocks = x[call].reshape(size, size, block)
+            for rank in range(size):
+                assert_bits_equal(y[call, rank], blocks[:, rank].reshape(-1))
+
+
+def expected_collective(op, x):
+    """NumPy's result of every call of ``op`` on x [calls, ranks, elements] (sums of integers: exact)."""
+    calls, size, elements = x.shape
+    if op == "all_reduce":
+        return np.broadcast_to(x.sum(axis=1, keepdims=True), x.shape)
+    if op == "all_gather":
+        return np.broadcast_to(x.reshape(calls, 1, size * elements), (calls, size, size * elements))
+    return x.reshape(calls, size, size, -1).transpose(0, 2, 1, 3).reshape(x.shape)  # all_to_all
+
+
+REUSE = {  # param -> (op, options, elements per rank): every call's inputs differ, every call is checked
+    "all_reduce-ll-8B": ("all_reduce", dict(protocol="ll"), 2),
+    "all_reduce-ll128-traced": ("all_reduce", dict(protocol="ll128", trace=True), 256),
+    "all_reduce-two-shot": ("all_reduce", dict(algorithm="two-shot", direct=True), 1024),
+    "all_gather-simple-direct": ("all_gather", dict(protocol="simple", direct=True), 64),
+    "all_to_all-ll128": ("all_to_all", dict(protocol="ll128"), 256),
+}
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["streams", "graph"])
+@pytest.mark.parametrize("case", REUSE)
+def test_flags_survive_thousands_of_calls(case, graph):
+    """Epochs only grow and nothing is reset between calls; the parity halves alternate. As a graph, one call
+    of every rank is recorded once and replayed (its kernels' arguments fixed, only the epochs move on)."""
+    op, options, elements = REUSE[case]
+    size, calls = 4, 300 if graph else 2000
+    x = np.random.default_rng(calls).integers(-1000, 1000, size=(calls, size, elements)).astype(np.int32)
+    y, ranks = loopback.collective(op, x, graph=graph, **options)
+    assert_healthy(ranks, calls)
+    bad = np.flatnonzero((y != expected_collective(op, x)).any(axis=(1, 2)))
+    assert bad.size == 0, f"{bad.size} of {calls} calls differ, the first is call {bad[0]}"
+
+
+MISSING_RANK_CASES = {
+    "all_reduce-ll": ("all_reduce", dict(protocol="ll"), 8),
+    "all_reduce-ll128": ("all_reduce", dict(protocol="ll128"), 4096),
+    "all_reduce-simple": ("all_reduce", dict(protocol="simple"), 4096),
+    "all_reduce-two-shot": ("all_reduce", dict(algorithm="two-shot", direct=True), 65536),
+    "all_gather-simple-direct": ("all_gather", dict(protocol="simple", direct=True), 4096),
+    "all_to_all-ll": ("all_to_all", dict(protocol="ll"), 64),
+}
+
+
+def assert_absent_rank_named(ranks, absent, calls):
+    """Every rank that ran gave up (or was aborted by one that did), named ``absent`` alone, and still
+    finished its calls; ``absent`` itself never ran."""
+    for rank, state in enumerate(ranks):
+        if rank == absent:
+            assert state["calls_finished"] == 0 and state["fault"] == "healthy", state
+            continue
+        assert state["fault"] in ("gave_up", "aborted"), (rank, state)
+        assert state["missing"] == [absent], (rank, state)
+        assert state["fault_call"] == 1, (rank, state)  # the first call is the one that waited in vain
+        assert state["calls_finished"] == calls, (rank, state)
+    assert any(state["fault"] == "gave_up" for state in ranks), ranks
+
+
+@pytest.mark.parametrize("case", MISSING_RANK_CASES)
+def test_a_rank_that_never_launches_is_named(case):
+    op, options, elements = MISSING_RANK_CASES[case]
+    x = np.ones((2, 4, elements), np.int32)
+    _, ranks = loopback.collective(op, x, absent=2, timeout_ms=200, **options)
+    assert_absent_rank_named(ranks, absent=2, calls=2)
+
+
+# ---- all_to_allv_dynamic -------------------------------------------------------------------------------------
+
+ROWS, FEATURES, CAPACITY = 12, 5, 4
+
+
+def expected_all_to_allv(x, counts, capacity, layout, send_rows=None, suffix=None):
+    """NumPy's (y, recv_counts, dropped) for nvlink_loopback.all_to_allv's arguments, y as raw row bytes."""
+    calls, size, batch = x.shape[:3]
+    rows = x.reshape(calls, size, batch, x.shape[3], -1).view(np.uint8)
+    recv = np.zeros((calls, size, batch, size, counts.shape[-1]), np.int32)
+    dropped = np.zeros((calls, size, batch, size), np.int32)
+    ys = []
+    for c in range(calls):
+        for b in range(batch):
+            sent = list(rows[c, :, b])
+            if send_rows is not None:
+                sent = reference.gather_rows(sent, send_rows[c, :, b])
+            if suffix is not None:
+                tails = suffix[c, :, b].reshape(size, suffix.shape[3], -1).view(np.uint8)
+                sent = [np.concatenate([r, t], axis=1) for r, t in zip(sent, tails)]
+            for me, (ym, rm, dm) in enumerate(reference.all_to_allv(sent, list(counts[c, :, b]), capacity, layout)):
+                ys.append(ym.reshape(size * capacity, -1))
+                recv[c, me, b], dropped[c, me, b] = rm, dm
+    row_bytes = ys[0].shape[-1]
+    y = np.stack(ys).reshape(calls, batch, size, size * capacity, row_bytes).transpose(0, 2, 1, 3, 4)
+    return y, recv, dropped
+
+
+def counts_of(pattern, size, k, calls, batch, rows=ROWS, capacity=CAPACITY, seed=0):
+    """[calls, ranks, batch, ranks, k] counts: count_pattern's, a different draw for every call and batch element."""
+    drawn = [[reference.count_pattern(pattern, size, k, seed + 10 * c + b, rows=rows, capacity=capacity)
+              for b in range(batch)] for c in range(calls)]
+    return np.asarray(drawn, np.int32).transpose(0, 2, 1, 3, 4)
+
+
+def check_all_to_allv(actual, expected, calls):
+    y, recv, dropped, ranks = actual
+    assert_healthy(ranks, calls)
+    np.testing.assert_array_equal(recv, expected[1])
+    np.testing.assert_array_equal(dropped, expected[2])
+    bad = np.argwhere((y != expected[0]).any(axis=-1))
+    assert bad.size == 0, f"{len(bad)} rows differ, the first at [call, rank, batch, row] = {bad[0].tolist()}"
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("pattern", ["zero", "one_peer", "at_capacity", "overflow", "bad", "random"])
+@pytest.mark.parametrize("size", [2, 3, 4, 8])
+def test_all_to_allv_patterns(size, pattern, k, layout, direct):
+    calls, batch = 2, 2
+    x = random_array((calls, size, batch, ROWS, FEATURES), np.float32, seed=size)
+    counts = counts_of(pattern, size, k, calls, batch)
+    actual = loopback.all_to_allv(x, counts, CAPACITY, layout=layout, direct=direct)
+    check_all_to_allv(actual, expected_all_to_allv(x, counts, CAPACITY, layout), calls)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("pattern", ["overflow", "bad", "random"])
+def test_all_to_allv_send_rows_and_suffix(pattern, layout, direct):
+    """Rows gathered through send_rows (indices outside x give zero rows) with an odd-sized suffix appended:
+    the byte-wise copy path."""
+    size, calls, batch, num_rows = 4, 2, 2, 10
+    rng = np.random.default_rng(3)
+    x = random_array((calls, size, batch, ROWS, 3), ml_dtypes.bfloat16, seed=3)
+    send_rows = rng.integers(-2, ROWS + 2, size=(calls, size, batch, num_rows)).astype(np.int32)
+    suffix = rng.integers(0, 256, size=(calls, size, batch, num_rows, 3)).astype(np.uint8)
+    counts = counts_of(pattern, size, 2, calls, batch, rows=num_rows)
+    actual = loopback.all_to_allv(x, counts, CAPACITY, layout=layout, direct=direct, send_rows=send_rows,
+                                  suffix=suffix)
+    check_all_to_allv(actual, expected_all_to_allv(x, counts, CAPACITY, layout, send_rows, suffix), calls)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_all_to_allv_moe_sized_rows(layout, direct):
+    """Rows of 7168 bf16 (the MoE benchmark's hidden size) and a capacity that makes staged calls send their
+    pieces in several rounds."""
+    size, calls, capacity, rows = 4, 2, 48, 160
+    x = random_array((calls, size, 1, rows, 7168), ml_dtypes.bfloat16, seed=5)
+    counts = counts_of("overflow", size, 2, calls, 1, rows=rows, capacity=capacity, seed=5)
+    actual = loopback.all_to_allv(x, counts, capacity, layout=layout, direct=direct)
+    check_all_to_allv(actual, expected_all_to_allv(x, counts, capacity, layout), calls)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+@pytest.mark.parametrize("graph", [False, True], ids=["streams", "graph"])
+def test_all_to_allv_many_calls(graph, direct):
+    """New counts every call, over many calls on one set of flags; as a graph, replays of one recorded call."""
+    size, calls = 4, 100 if graph else 500
+    x = random_array((calls, size, 1, ROWS, FEATURES), np.float32, seed=9)
+    counts = counts_of("random", size, 2, calls, 1, seed=9)
+    actual = loopback.all_to_allv(x, counts, CAPACITY, layout="packed", direct=direct, graph=graph)
+    check_all_to_allv(actual, expected_all_to_allv(x, counts, CAPACITY, "packed"), calls)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+def test_all_to_allv_missing_rank_is_named(direct):
+    size, calls = 4, 2
+    x = random_array((calls, size, 1, ROWS, FEATURES), np.float32, seed=4)
+    counts = counts_of("random", size, 1, calls, 1, seed=4)
+    *_, ranks = loopback.all_to_allv(x, counts, CAPACITY, layout="padded", direct=direct, absent=1, timeout_ms=200)
+    assert_absent_rank_named(ranks, absent=1, calls=calls)

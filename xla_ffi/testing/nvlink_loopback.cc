@@ -1,0 +1,458 @@
+// _ncclx_loopback, a test-only module: runs the NVLink kernels with 2 to 8 ranks on ONE GPU, so their
+// protocols (epoch flags, LL words, LL128 lines, direct writes into the peers' outputs, count slots, the
+// patience that names a missing rank) are tested on machines with a single GPU.
+//
+// Each logical rank gets what symmetric.cc gives a real one: a zeroed control block, a zeroed data region
+// (two low-latency halves, then the all_to_allv_dynamic staging area), a peer table and a fault record in
+// mapped pinned memory. Here they all live on the current device, and every rank has its own stream. The
+// calls are queued call-major (call c of every rank before call c + 1 of any), so the ranks' kernels run
+// side by side as on separate GPUs and a full launch queue cannot hold back a call that others wait on.
+// Block counts are chosen as if the GPU had SMs / ranks SMs, so every block of every rank is resident at once
+// (blocks wait for their peers' blocks).
+//
+// Not covered: NVLink itself, CUDA IPC between processes, the FFI handlers and XLA (the multi-GPU suites).
+#include <cuda_runtime.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "common/symmetric_layout.h"
+#include "ops/all_to_allv_kernels.h"
+#include "ops/nvlink_collectives_kernels.h"
+
+namespace nb = nanobind;
+
+namespace jax_ncclx {
+namespace {
+
+void Check(cudaError_t status, const std::string& what) {
+  if (status == cudaSuccess) return;
+  cudaGetLastError();
+  throw std::runtime_error("nvlink_loopback: " + what + ": " + cudaGetErrorString(status));
+}
+
+void Require(bool ok, const std::string& problem) {
+  if (!ok) throw std::invalid_argument("nvlink_loopback: " + problem);
+}
+
+int64_t Align256(int64_t bytes) { return std::max<int64_t>(256, (bytes + 255) / 256 * 256); }
+
+// Everything one run allocates, released together once the device is idle (also when a run throws).
+class Resources {
+ public:
+  Resources() = default;
+  Resources(const Resources&) = delete;
+  Resources& operator=(const Resources&) = delete;
+  ~Resources() {
+    cudaDeviceSynchronize();
+    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+    if (graph_ != nullptr) cudaGraphDestroy(graph_);
+    for (cudaEvent_t event : events_) cudaEventDestroy(event);
+    for (cudaStream_t stream : streams_) cudaStreamDestroy(stream);
+    for (void* ptr : device_) cudaFree(ptr);
+    for (void* ptr : host_) cudaFreeHost(ptr);
+    cudaGetLastError();
+  }
+
+  template <typename T>
+  T* Zeroed(int64_t bytes, const std::string& what) {
+    void* ptr = nullptr;
+    Check(cudaMalloc(&ptr, std::max<int64_t>(bytes, 1)), "cudaMalloc (" + what + ")");
+    device_.push_back(ptr);
+    Check(cudaMemset(ptr, 0, std::max<int64_t>(bytes, 1)), "cudaMemset (" + what + ")");
+    return static_cast<T*>(ptr);
+  }
+
+  NvlinkFault* MappedFault() {
+    void* ptr = nullptr;
+    Check(cudaHostAlloc(&ptr, sizeof(NvlinkFault), cudaHostAllocMapped), "cudaHostAlloc (fault record)");
+    host_.push_back(ptr);
+    std::memset(ptr, 0, sizeof(NvlinkFault));
+    return static_cast<NvlinkFault*>(ptr);
+  }
+
+  cudaStream_t Stream() {
+    cudaStream_t stream = nullptr;
+    Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    streams_.push_back(stream);
+    return stream;
+  }
+
+  cudaEvent_t Event() {
+    cudaEvent_t event = nullptr;
+    Check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+    events_.push_back(event);
+    return event;
+  }
+
+  void KeepGraph(cudaGraph_t graph, cudaGraphExec_t exec) {
+    graph_ = graph;
+    exec_ = exec;
+  }
+
+ private:
+  std::vector<void*> device_;
+  std::vector<void*> host_;
+  std::vector<cudaStream_t> streams_;
+  std::vector<cudaEvent_t> events_;
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
+// The logical ranks of one communicator on the current device.
+struct Ranks {
+  int size = 0;
+  std::vector<SymmetricControl*> control;
+  std::vector<NvlinkFault*> fault;  // host view of each rank's fault record
+  std::vector<const PeerTable*> table;
+  std::vector<cudaStream_t> stream;
+
+  Ranks(Resources& resources, int ranks, int64_t parity_half_bytes, int64_t staging_bytes) : size(ranks) {
+    std::vector<uint8_t*> data(size);
+    for (int r = 0; r < size; ++r) {
+      control.push_back(resources.Zeroed<SymmetricControl>(sizeof(SymmetricControl), "control block"));
+      data[r] = resources.Zeroed<uint8_t>(2 * parity_half_bytes + staging_bytes, "data region");
+      fault.push_back(resources.MappedFault());
+      stream.push_back(resources.Stream());
+    }
+    for (int r = 0; r < size; ++r) {
+      PeerTable peers = {};
+      for (int p = 0; p < size; ++p) {
+        peers.data[p] = data[p];
+        peers.control[p] = control[p];
+      }
+      peers.parity_half_bytes = parity_half_bytes;
+      void* fault_on_device = nullptr;
+      Check(cudaHostGetDevicePointer(&fault_on_device, fault[r], 0), "cudaHostGetDevicePointer");
+      peers.fault = static_cast<NvlinkFault*>(fault_on_device);
+      PeerTable* on_device = resources.Zeroed<PeerTable>(sizeof(PeerTable), "peer table");
+      Check(cudaMemcpy(on_device, &peers, sizeof(PeerTable), cudaMemcpyHostToDevice), "cudaMemcpy (peer table)");
+      table.push_back(on_device);
+    }
+  }
+};
+
+// One operand of a call, for every rank and call: [slots, ranks, bytes] on the device, where slot c < calls
+// holds call c and, in graph mode, the extra last slot is what the recorded graph reads and writes.
+struct Operand {
+  std::string name;
+  int64_t bytes = 0;  // per rank and call
+  bool output = false;
+  uint8_t* device = nullptr;
+
+  uint8_t* At(int slot, int rank, int size) const { return device + (int64_t{slot} * size + rank) * bytes; }
+};
+
+// What a run tells the test: the outputs (bytes of [calls, ranks, ...]) and each rank's end state.
+struct Outcome {
+  std::vector<nb::bytes> outputs;
+  std::vector<nb::dict> ranks;
+};
+
+// Outputs start as this byte, so a result the kernels never wrote shows.
+constexpr int kUnwritten = 0xA5;
+
+// Runs `calls` calls on every rank but `absent` (-1: none). `launch(rank, slot, stream)` queues one rank's
+// kernel on the operands of `slot`. Inputs come from `host_inputs` (one per input operand, in order, each
+// [calls, ranks, bytes]). With `graph`, one call of every rank is recorded into a CUDA graph once, on
+// streams forked from rank 0's, and replayed `calls` times, each call's inputs copied in before its replay
+// and its outputs out after: the kernels' arguments stay fixed and only the epochs on the device advance.
+Outcome Run(Resources& resources, const Ranks& ranks, std::vector<Operand>& operands,
+            const std::vector<const nb::bytes*>& host_inputs, int calls, int absent, bool graph,
+            const std::function<cudaError_t(int, int, cudaStream_t)>& launch) {
+  const int size = ranks.size;
+  const int slots = calls + (graph ? 1 : 0);
+  size_t next_input = 0;
+  for (Operand& operand : operands) {
+    const int64_t total = int64_t{slots} * size * operand.bytes;
+    operand.device = resources.Zeroed<uint8_t>(total, operand.name);
+    if (operand.output) {
+      Check(cudaMemset(operand.device, kUnwritten, std::max<int64_t>(total, 1)), "cudaMemset (" + operand.name + ")");
+      continue;
+    }
+    const nb::bytes& given = *host_inputs.at(next_input++);
+    Require(static_cast<int64_t>(given.size()) == int64_t{calls} * size * operand.bytes,
+            operand.name + " has " + std::to_string(given.size()) + " bytes, expected calls (" +
+                std::to_string(calls) + ") x ranks (" + std::to_string(size) + ") x " +
+                std::to_string(operand.bytes));
+    Check(cudaMemcpy(operand.device, given.c_str(), given.size(), cudaMemcpyHostToDevice),
+          "cudaMemcpy (" + operand.name + ")");
+  }
+
+  // The set-up above ran on the legacy default stream, which the ranks' non-blocking streams do not wait for
+  // (a late memset of an output once overwrote what a kernel had written).
+  Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize (set-up)");
+  auto present = [&](int rank) { return rank != absent; };
+  if (!graph) {
+    for (int call = 0; call < calls; ++call) {
+      for (int rank = 0; rank < size; ++rank) {
+        if (present(rank)) Check(launch(rank, call, ranks.stream[rank]), "kernel launch");
+      }
+    }
+  } else {
+    const int fixed = calls;
+    cudaStream_t origin = ranks.stream[0];
+    cudaEvent_t forked = resources.Event();
+    std::vector<cudaEvent_t> joined(size);
+    for (cudaEvent_t& event : joined) event = resources.Event();
+    cudaGraph_t recorded = nullptr;
+    Check(cudaStreamBeginCapture(origin, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+    Check(cudaEventRecord(forked, origin), "cudaEventRecord");
+    for (int rank = 0; rank < size; ++rank) {
+      if (rank != 0) Check(cudaStreamWaitEvent(ranks.stream[rank], forked), "cudaStreamWaitEvent");
+      if (present(rank)) Check(launch(rank, fixed, ranks.stream[rank]), "kernel launch (captured)");
+      if (rank == 0) continue;
+      Check(cudaEventRecord(joined[rank], ranks.stream[rank]), "cudaEventRecord");
+      Check(cudaStreamWaitEvent(origin, joined[rank]), "cudaStreamWaitEvent");
+    }
+    Check(cudaStreamEndCapture(origin, &recorded), "cudaStreamEndCapture");
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t instantiated = cudaGraphInstantiate(&exec, recorded, 0);
+    resources.KeepGraph(recorded, exec);
+    Check(instantiated, "cudaGraphInstantiate");
+    for (int call = 0; call < calls; ++call) {
+      for (const Operand& operand : operands) {
+        const int64_t bytes = int64_t{size} * operand.bytes;
+        if (operand.output) {
+          Check(cudaMemsetAsync(operand.At(fixed, 0, size), kUnwritten, bytes, origin), "cudaMemsetAsync");
+        } else {
+          Check(cudaMemcpyAsync(operand.At(fixed, 0, size), operand.At(call, 0, size), bytes,
+                                cudaMemcpyDeviceToDevice, origin),
+                "cudaMemcpyAsync (inputs in)");
+        }
+      }
+      Check(cudaGraphLaunch(exec, origin), "cudaGraphLaunch");
+      for (const Operand& operand : operands) {
+        if (!operand.output) continue;
+        Check(cudaMemcpyAsync(operand.At(call, 0, size), operand.At(fixed, 0, size), int64_t{size} * operand.bytes,
+                              cudaMemcpyDeviceToDevice, origin),
+              "cudaMemcpyAsync (outputs out)");
+      }
+    }
+  }
+  Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+
+  Outcome outcome;
+  for (const Operand& operand : operands) {
+    if (!operand.output) continue;
+    std::string host(static_cast<size_t>(int64_t{calls} * size * operand.bytes), '\0');
+    Check(cudaMemcpy(host.data(), operand.device, host.size(), cudaMemcpyDeviceToHost),
+          "cudaMemcpy (" + operand.name + ")");
+    outcome.outputs.emplace_back(host.data(), host.size());
+  }
+  for (int rank = 0; rank < size; ++rank) {
+    uint64_t finished = 0;
+    Check(cudaMemcpy(&finished, &ranks.control[rank]->epoch, sizeof(finished), cudaMemcpyDeviceToHost),
+          "cudaMemcpy (epoch)");
+    NvlinkFault fault;  // the kernels are done: a plain copy of the mapped record is complete
+    std::memcpy(&fault, ranks.fault[rank], sizeof(fault));
+    std::vector<int> missing;
+    for (int r = 0; r < size; ++r) {
+      if (fault.missing[r] != 0) missing.push_back(r);
+    }
+    nb::dict state;
+    state["calls_finished"] = finished;
+    state["fault"] = fault.state == kNvlinkHealthy ? "healthy" : fault.state == kNvlinkGaveUp ? "gave_up" : "aborted";
+    state["fault_call"] = fault.epoch;
+    state["aborted_by"] = static_cast<int>(fault.aborted_by) - 1;
+    state["missing"] = missing;
+    outcome.ranks.push_back(state);
+  }
+  return outcome;
+}
+
+void CheckRanks(int size, int absent, int calls, int64_t timeout_ms) {
+  Require(size >= 1 && size <= kMaxNvlinkRanks,
+          "size is " + std::to_string(size) + ", expected 1.." + std::to_string(kMaxNvlinkRanks));
+  Require(absent >= -1 && absent < size, "absent is " + std::to_string(absent) + ", expected -1 or a rank");
+  Require(calls >= 1, "calls is " + std::to_string(calls) + ", expected >= 1");
+  // A wait without a deadline would hang the test process if a kernel never saw its peer.
+  Require(timeout_ms > 0, "timeout_ms is " + std::to_string(timeout_ms) + ", expected > 0");
+}
+
+// SMs a rank may fill: the GPU's share of each rank.
+int SmsPerRank(int size) {
+  int device = 0;
+  int sms = 0;
+  Check(cudaGetDevice(&device), "cudaGetDevice");
+  Check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  return std::max(1, sms / size);
+}
+
+nb::dict ToDict(Outcome outcome, const std::vector<std::string>& names, int blocks) {
+  nb::dict result;
+  for (size_t i = 0; i < names.size(); ++i) result[names[i].c_str()] = outcome.outputs[i];
+  result["ranks"] = outcome.ranks;
+  result["blocks"] = blocks;
+  return result;
+}
+
+nb::dict Collective(const std::string& op, const nb::bytes& x, int size, int calls, int64_t bytes,
+                    int element_bytes, int algorithm, int protocol, int reduce_op, int reduce_type, bool direct,
+                    int blocks, bool trace, bool graph, int64_t timeout_ms, int absent) {
+  CheckRanks(size, absent, calls, timeout_ms);
+  NvlinkCollectiveArgs args;
+  if (op == "all_reduce") {
+    args.op = NvlinkCollective::kAllReduce;
+  } else if (op == "all_gather") {
+    args.op = NvlinkCollective::kAllGather;
+  } else if (op == "all_to_all") {
+    args.op = NvlinkCollective::kAllToAll;
+  } else {
+    Require(false, "op is '" + op + "', expected all_reduce, all_gather or all_to_all");
+  }
+  Require(algorithm == 1 || (algorithm == 2 && args.op == NvlinkCollective::kAllReduce),
+          "algorithm is " + std::to_string(algorithm) + ", expected 1 (one-shot) or, for all_reduce, 2 (two-shot)");
+  Require(protocol >= 0 && protocol <= 2, "protocol is " + std::to_string(protocol) + ", expected 0, 1 or 2");
+  Require(reduce_op >= 0 && reduce_op <= 2, "reduce_op is " + std::to_string(reduce_op) + ", expected 0, 1 or 2");
+  Require(reduce_type >= 0 && reduce_type <= 3, "reduce_type is " + std::to_string(reduce_type) + ", expected 0..3");
+  Require(element_bytes >= 1 && bytes > 0 && bytes % element_bytes == 0,
+          "bytes per rank (" + std::to_string(bytes) + ") must be a positive multiple of element_bytes (" +
+              std::to_string(element_bytes) + ")");
+  Require(args.op != NvlinkCollective::kAllToAll || bytes % size == 0,
+          "all_to_all needs bytes per rank (" + std::to_string(bytes) + ") divisible by size");
+  args.algorithm = static_cast<NvlinkAlgorithm>(algorithm);
+  args.reduce = static_cast<ReduceOp>(reduce_op);
+  args.reduce_type = static_cast<ReduceType>(reduce_type);
+  args.protocol = static_cast<NvlinkProtocol>(protocol);
+  args.element_bytes = element_bytes;
+  args.size = size;
+  args.bytes = bytes;
+  args.direct = direct;
+  args.trace = trace;
+  args.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000;
+  const int64_t slot_bytes = NvlinkCollectiveSlotBytes(args.op, args.algorithm, args.protocol, bytes, size,
+                                                       element_bytes, direct);
+  const int grid = ChooseNvlinkCollectiveBlocks(args, blocks, SmsPerRank(size));
+
+  Resources resources;
+  Ranks ranks(resources, size, Align256(slot_bytes), 0);
+  const int64_t y_bytes = args.op == NvlinkCollective::kAllGather ? bytes * size : bytes;
+  std::vector<Operand> operands = {{"x", bytes, false}, {"y", y_bytes, true}};
+  Outcome outcome = Run(resources, ranks, operands, {&x}, calls, absent, graph,
+                        [&](int rank, int slot, cudaStream_t stream) {
+                          NvlinkCollectiveArgs mine = args;
+                          mine.rank = rank;
+                          mine.site = rank;
+                          mine.table = ranks.table[rank];
+                          mine.control = ranks.control[rank];
+                          mine.x = operands[0].At(slot, rank, size);
+                          mine.y = operands[1].At(slot, rank, size);
+                          return LaunchNvlinkCollective(mine, grid, stream);
+                        });
+  return ToDict(std::move(outcome), {"y"}, grid);
+}
+
+nb::dict AllToAllv(const nb::bytes& x, const nb::bytes& counts, const std::optional<nb::bytes>& send_rows,
+                   const std::optional<nb::bytes>& suffix, int size, int calls, int64_t batch, int64_t source_rows,
+                   int64_t num_rows, int64_t num_chunks, int64_t capacity, int64_t row_bytes, int64_t suffix_bytes,
+                   bool packed, bool direct, int blocks, bool trace, bool graph, int64_t timeout_ms, int absent) {
+  CheckRanks(size, absent, calls, timeout_ms);
+  Require(batch >= 1 && source_rows >= 0 && num_rows >= 0 && num_chunks >= 1 && capacity >= 0 && row_bytes > 0,
+          "bad sizes: batch, chunks and row_bytes must be positive; rows and capacity non-negative");
+  Require(suffix_bytes >= 0 && suffix_bytes <= row_bytes && suffix.has_value() == (suffix_bytes > 0),
+          "suffix_bytes must be in [0, row_bytes], and positive exactly when a suffix is given");
+  Require(send_rows.has_value() || num_rows == source_rows, "without send_rows, num_rows must equal source_rows");
+  AllToAllvShape shape;
+  shape.batch = batch;
+  shape.num_peers = size;
+  shape.num_chunks = num_chunks;
+  shape.num_rows = num_rows;
+  shape.source_rows = source_rows;
+  shape.capacity = capacity;
+  shape.row_bytes = row_bytes;
+  shape.suffix_bytes = suffix_bytes;
+  const NvlinkAllToAllvLayout layout = LayOutNvlinkAllToAllv(shape, direct);
+  int per_sm = 0;
+  Check(NvlinkAllToAllvBlocksPerSm(&per_sm), "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  const int sms = SmsPerRank(size);
+  const NvlinkGrid grid = ChooseNvlinkGrid(shape, direct, blocks, sms, sms * per_sm);
+
+  Resources resources;
+  Ranks ranks(resources, size, Align256(layout.counts_bytes), layout.staging_bytes);
+  std::vector<Operand> operands = {
+      {"x", batch * source_rows * (row_bytes - suffix_bytes), false},
+      {"counts", batch * size * num_chunks * int64_t{sizeof(int32_t)}, false},
+      {"y", batch * size * capacity * row_bytes, true},
+      {"recv_counts", batch * size * num_chunks * int64_t{sizeof(int32_t)}, true},
+      {"dropped", batch * size * int64_t{sizeof(int32_t)}, true},
+  };
+  std::vector<const nb::bytes*> inputs = {&x, &counts};
+  const int send_rows_operand = send_rows ? static_cast<int>(operands.size()) : -1;
+  if (send_rows) {
+    operands.push_back({"send_rows", batch * num_rows * int64_t{sizeof(int32_t)}, false});
+    inputs.push_back(&*send_rows);
+  }
+  const int suffix_operand = suffix ? static_cast<int>(operands.size()) : -1;
+  if (suffix) {
+    operands.push_back({"suffix", batch * num_rows * suffix_bytes, false});
+    inputs.push_back(&*suffix);
+  }
+  Outcome outcome = Run(resources, ranks, operands, inputs, calls, absent, graph,
+                        [&](int rank, int slot, cudaStream_t stream) {
+                          NvlinkAllToAllvArgs args;
+                          args.shape = shape;
+                          args.rank = rank;
+                          args.groups = grid.groups;
+                          args.rounds = grid.rounds;
+                          args.packed = packed;
+                          args.direct = direct;
+                          args.trace = trace;
+                          args.site = rank;
+                          args.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000;
+                          args.x = operands[0].At(slot, rank, size);
+                          args.counts = reinterpret_cast<const int32_t*>(operands[1].At(slot, rank, size));
+                          args.y = operands[2].At(slot, rank, size);
+                          args.recv_counts = reinterpret_cast<int32_t*>(operands[3].At(slot, rank, size));
+                          args.dropped = reinterpret_cast<int32_t*>(operands[4].At(slot, rank, size));
+                          if (send_rows_operand >= 0) {
+                            args.send_rows =
+                                reinterpret_cast<const int32_t*>(operands[send_rows_operand].At(slot, rank, size));
+                          }
+                          if (suffix_operand >= 0) args.suffix = operands[suffix_operand].At(slot, rank, size);
+                          args.table = ranks.table[rank];
+                          args.control = ranks.control[rank];
+                          args.counts_slot_bytes = layout.counts_slot_bytes;
+                          args.rows_slot_bytes = layout.rows_slot_bytes;
+                          return LaunchNvlinkAllToAllv(args, grid.blocks, stream);
+                        });
+  return ToDict(std::move(outcome), {"y", "recv_counts", "dropped"}, grid.blocks);
+}
+
+}  // namespace
+}  // namespace jax_ncclx
+
+NB_MODULE(_ncclx_loopback, m) {
+  namespace jn = jax_ncclx;
+  m.doc() = "Test-only: jax_ncclx's NVLink kernels with several ranks on one GPU (see nvlink_loopback.cc).";
+  m.def("collective", &jn::Collective, nb::arg("op"), nb::arg("x"), nb::kw_only(), nb::arg("size"),
+        nb::arg("calls"), nb::arg("bytes"), nb::arg("element_bytes"), nb::arg("algorithm") = 1,
+        nb::arg("protocol") = 0, nb::arg("reduce_op") = 0, nb::arg("reduce_type") = 0, nb::arg("direct") = false,
+        nb::arg("blocks") = 0, nb::arg("trace") = false, nb::arg("graph") = false, nb::arg("timeout_ms") = 5000,
+        nb::arg("absent") = -1,
+        "Runs `calls` calls of one NVLink collective ('all_reduce', 'all_gather', 'all_to_all') on `size`\n"
+        "logical ranks of the current GPU. x: bytes of [calls, size, bytes]; attributes as the FFI handler's.\n"
+        "absent: a rank that never launches (its peers must give up and name it). Returns {'y': bytes of\n"
+        "[calls, size, output bytes], 'ranks': per rank {calls_finished, fault, fault_call, aborted_by,\n"
+        "missing}, 'blocks': the grid}.");
+  m.def("all_to_allv", &jn::AllToAllv, nb::arg("x"), nb::arg("counts"), nb::arg("send_rows").none(),
+        nb::arg("suffix").none(), nb::kw_only(), nb::arg("size"), nb::arg("calls"), nb::arg("batch"),
+        nb::arg("source_rows"), nb::arg("num_rows"), nb::arg("num_chunks"), nb::arg("capacity"),
+        nb::arg("row_bytes"), nb::arg("suffix_bytes"), nb::arg("packed"), nb::arg("direct"),
+        nb::arg("blocks") = 0, nb::arg("trace") = false, nb::arg("graph") = false, nb::arg("timeout_ms") = 5000,
+        nb::arg("absent") = -1,
+        "Runs `calls` calls of the NVLink all_to_allv_dynamic kernel on `size` logical ranks of the current\n"
+        "GPU. Each input is bytes of [calls, size, ...]: x [B, X, row_bytes - suffix_bytes], counts int32\n"
+        "[B, size, K], send_rows int32 [B, S] or None, suffix [B, S, suffix_bytes] or None. Returns y, recv_counts\n"
+        "and dropped (bytes of [calls, size, ...]), 'ranks' and 'blocks' as collective() does.");
+}
