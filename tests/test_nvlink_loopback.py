@@ -5,8 +5,8 @@ protocols are checked on machines with a single GPU and at rank counts no lent m
 Against NumPy, bit for bit: all_reduce in every algorithm and protocol (sums in rank order, 16-bit floats in
 float32), all_gather and all_to_all in every protocol, all_to_allv_dynamic on the adversarial count patterns in
 both layouts and both modes (rows written into the peers' outputs, or staged). Flags are reused over
-thousands of calls, the kernels run as replays of one CUDA graph, and a rank that never launches is named by
-every peer. What this does not cover (NVLink, CUDA IPC, the handlers, XLA) the multi-GPU suites do.
+thousands of calls, with one rank late to every call, and as replays of one CUDA graph; a rank that never
+launches, or launches after the timeout, is named by every peer. What this does not cover (NVLink, CUDA IPC, the handlers, XLA) the multi-GPU suites do.
 """
 
 import ml_dtypes
@@ -141,6 +141,21 @@ def test_flags_survive_thousands_of_calls(case, graph):
     assert bad.size == 0, f"{bad.size} of {calls} calls differ, the first is call {bad[0]}"
 
 
+@pytest.mark.parametrize("late", [0, 3])
+@pytest.mark.parametrize("case", REUSE)
+def test_a_late_rank_leaves_results_exact(case, late):
+    """Rank ``late`` starts every call 200 µs after its peers. They wait for it, and as soon as its rows of call c
+    have landed they finish c and write call c + 1 into the other parity half while it still reads call c's
+    slots: the case the parity halves exist for."""
+    op, options, elements = REUSE[case]
+    size, calls = 4, 100
+    x = np.random.default_rng(late).integers(-1000, 1000, size=(calls, size, elements)).astype(np.int32)
+    y, ranks = loopback.collective(op, x, late=late, late_us=200, **options)
+    assert_healthy(ranks, calls)
+    bad = np.flatnonzero((y != expected_collective(op, x)).any(axis=(1, 2)))
+    assert bad.size == 0, f"{bad.size} of {calls} calls differ, the first is call {bad[0]}"
+
+
 MISSING_RANK_CASES = {
     "all_reduce-ll": ("all_reduce", dict(protocol="ll"), 8),
     "all_reduce-ll128": ("all_reduce", dict(protocol="ll128"), 4096),
@@ -165,12 +180,29 @@ def assert_absent_rank_named(ranks, absent, calls):
     assert any(state["fault"] == "gave_up" for state in ranks), ranks
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["streams", "graph"])
 @pytest.mark.parametrize("case", MISSING_RANK_CASES)
-def test_a_rank_that_never_launches_is_named(case):
+def test_a_rank_that_never_launches_is_named(case, graph):
     op, options, elements = MISSING_RANK_CASES[case]
     x = np.ones((2, 4, elements), np.int32)
-    _, ranks = loopback.collective(op, x, absent=2, timeout_ms=200, **options)
+    _, ranks = loopback.collective(op, x, absent=2, timeout_ms=200, graph=graph, **options)
     assert_absent_rank_named(ranks, absent=2, calls=2)
+
+
+def test_a_rank_later_than_the_timeout_is_named():
+    """Rank 1 starts 300 ms late, its peers wait 100 ms: they give up naming it. When it does start, its peers'
+    lines are already in its slots (they sent before waiting), so it may finish without waiting at all, and
+    then without a fault: it only learns of the abort at its next wait. If it does wait, it reports the abort
+    with itself named."""
+    x = np.ones((1, 4, 1024), np.int32)
+    _, ranks = loopback.collective("all_reduce", x, protocol="ll128", late=1, late_us=300_000, timeout_ms=100)
+    for rank, state in enumerate(ranks):
+        assert state["calls_finished"] == 1, (rank, state)
+        if rank == 1:
+            assert state["fault"] == "healthy" or (state["fault"] == "aborted" and state["missing"] == [1]), state
+        else:
+            assert state["fault"] in ("gave_up", "aborted") and state["missing"] == [1], (rank, state)
+    assert any(state["fault"] == "gave_up" for state in ranks), ranks
 
 
 # ---- all_to_allv_dynamic -------------------------------------------------------------------------------------
@@ -268,6 +300,15 @@ def test_all_to_allv_many_calls(graph, direct):
     counts = counts_of("random", size, 2, calls, 1, seed=9)
     actual = loopback.all_to_allv(x, counts, CAPACITY, layout="packed", direct=direct, graph=graph)
     check_all_to_allv(actual, expected_all_to_allv(x, counts, CAPACITY, "packed"), calls)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+def test_all_to_allv_with_a_late_rank(direct):
+    size, calls = 4, 50
+    x = random_array((calls, size, 1, ROWS, FEATURES), np.float32, seed=11)
+    counts = counts_of("overflow", size, 2, calls, 1, seed=11)
+    actual = loopback.all_to_allv(x, counts, CAPACITY, layout="padded", direct=direct, late=2, late_us=200)
+    check_all_to_allv(actual, expected_all_to_allv(x, counts, CAPACITY, "padded"), calls)
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])

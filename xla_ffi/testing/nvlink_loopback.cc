@@ -8,7 +8,9 @@
 // calls are queued call-major (call c of every rank before call c + 1 of any), so the ranks' kernels run
 // side by side as on separate GPUs and a full launch queue cannot hold back a call that others wait on.
 // Block counts are chosen as if the GPU had SMs / ranks SMs, so every block of every rank is resident at once
-// (blocks wait for their peers' blocks).
+// (blocks wait for their peers' blocks). A run may leave one rank out (its peers must give up and name it) or
+// start one rank's every call late (its peers run into the next call's parity half while it still reads the
+// last one's).
 //
 // Not covered: NVLink itself, CUDA IPC between processes, the FFI handlers and XLA (the multi-GPU suites).
 #include <cuda_runtime.h>
@@ -18,12 +20,14 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/symmetric_layout.h"
@@ -162,15 +166,44 @@ struct Outcome {
 // Outputs start as this byte, so a result the kernels never wrote shows.
 constexpr int kUnwritten = 0xA5;
 
-// Runs `calls` calls on every rank but `absent` (-1: none). `launch(rank, slot, stream)` queues one rank's
-// kernel on the operands of `slot`. Inputs come from `host_inputs` (one per input operand, in order, each
-// [calls, ranks, bytes]). With `graph`, one call of every rank is recorded into a CUDA graph once, on
-// streams forked from rank 0's, and replayed `calls` times, each call's inputs copied in before its replay
-// and its outputs out after: the kernels' arguments stay fixed and only the epochs on the device advance.
+// How the calls of a run are issued.
+struct Schedule {
+  int calls = 1;
+  bool graph = false;  // one call of every rank recorded into a CUDA graph, replayed `calls` times
+  int absent = -1;     // a rank that never launches (-1: none)
+  int late = -1;       // a rank whose stream sleeps `late_us` on the host before each of its calls (-1: none)
+  int64_t late_us = 0;
+  int64_t timeout_ms = 0;  // how long a kernel waits for a peer
+};
+
+void CheckSchedule(int size, const Schedule& schedule) {
+  Require(size >= 1 && size <= kMaxNvlinkRanks,
+          "size is " + std::to_string(size) + ", expected 1.." + std::to_string(kMaxNvlinkRanks));
+  Require(schedule.calls >= 1, "calls is " + std::to_string(schedule.calls) + ", expected >= 1");
+  Require(schedule.absent >= -1 && schedule.absent < size,
+          "absent is " + std::to_string(schedule.absent) + ", expected -1 or a rank");
+  Require(schedule.late >= -1 && schedule.late < size && schedule.late_us >= 0,
+          "late is " + std::to_string(schedule.late) + " and late_us " + std::to_string(schedule.late_us) +
+              ", expected -1 or a rank, and a delay >= 0");
+  // A wait without a deadline would hang the test process if a kernel never saw its peer.
+  Require(schedule.timeout_ms > 0, "timeout_ms is " + std::to_string(schedule.timeout_ms) + ", expected > 0");
+}
+
+void CUDART_CB SleepOnHost(void* microseconds) {
+  std::this_thread::sleep_for(std::chrono::microseconds(*static_cast<const int64_t*>(microseconds)));
+}
+
+// Runs the schedule's calls. `launch(rank, slot, stream)` queues one rank's kernel on the operands of `slot`.
+// Inputs come from `host_inputs` (one per input operand, in order, each [calls, ranks, bytes]). With a
+// graph, one call of every rank is recorded once, on streams forked from rank 0's, and each replay has its
+// call's inputs copied in before it and its outputs out after: the kernels' arguments stay fixed and only
+// the epochs on the device advance.
 Outcome Run(Resources& resources, const Ranks& ranks, std::vector<Operand>& operands,
-            const std::vector<const nb::bytes*>& host_inputs, int calls, int absent, bool graph,
+            const std::vector<const nb::bytes*>& host_inputs, const Schedule& schedule,
             const std::function<cudaError_t(int, int, cudaStream_t)>& launch) {
   const int size = ranks.size;
+  const int calls = schedule.calls;
+  const bool graph = schedule.graph;
   const int slots = calls + (graph ? 1 : 0);
   size_t next_input = 0;
   for (Operand& operand : operands) {
@@ -192,12 +225,18 @@ Outcome Run(Resources& resources, const Ranks& ranks, std::vector<Operand>& oper
   // The set-up above ran on the legacy default stream, which the ranks' non-blocking streams do not wait for
   // (a late memset of an output once overwrote what a kernel had written).
   Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize (set-up)");
-  auto present = [&](int rank) { return rank != absent; };
+  // One rank's call as the schedule has it: late or absent.
+  auto issue = [&](int rank, int slot) {
+    if (rank == schedule.absent) return;
+    cudaStream_t stream = ranks.stream[rank];
+    if (rank == schedule.late) {
+      Check(cudaLaunchHostFunc(stream, SleepOnHost, const_cast<int64_t*>(&schedule.late_us)), "cudaLaunchHostFunc");
+    }
+    Check(launch(rank, slot, stream), "kernel launch");
+  };
   if (!graph) {
     for (int call = 0; call < calls; ++call) {
-      for (int rank = 0; rank < size; ++rank) {
-        if (present(rank)) Check(launch(rank, call, ranks.stream[rank]), "kernel launch");
-      }
+      for (int rank = 0; rank < size; ++rank) issue(rank, call);
     }
   } else {
     const int fixed = calls;
@@ -210,7 +249,7 @@ Outcome Run(Resources& resources, const Ranks& ranks, std::vector<Operand>& oper
     Check(cudaEventRecord(forked, origin), "cudaEventRecord");
     for (int rank = 0; rank < size; ++rank) {
       if (rank != 0) Check(cudaStreamWaitEvent(ranks.stream[rank], forked), "cudaStreamWaitEvent");
-      if (present(rank)) Check(launch(rank, fixed, ranks.stream[rank]), "kernel launch (captured)");
+      issue(rank, fixed);
       if (rank == 0) continue;
       Check(cudaEventRecord(joined[rank], ranks.stream[rank]), "cudaEventRecord");
       Check(cudaStreamWaitEvent(origin, joined[rank]), "cudaStreamWaitEvent");
@@ -271,15 +310,6 @@ Outcome Run(Resources& resources, const Ranks& ranks, std::vector<Operand>& oper
   return outcome;
 }
 
-void CheckRanks(int size, int absent, int calls, int64_t timeout_ms) {
-  Require(size >= 1 && size <= kMaxNvlinkRanks,
-          "size is " + std::to_string(size) + ", expected 1.." + std::to_string(kMaxNvlinkRanks));
-  Require(absent >= -1 && absent < size, "absent is " + std::to_string(absent) + ", expected -1 or a rank");
-  Require(calls >= 1, "calls is " + std::to_string(calls) + ", expected >= 1");
-  // A wait without a deadline would hang the test process if a kernel never saw its peer.
-  Require(timeout_ms > 0, "timeout_ms is " + std::to_string(timeout_ms) + ", expected > 0");
-}
-
 // SMs a rank may fill: the GPU's share of each rank.
 int SmsPerRank(int size) {
   int device = 0;
@@ -299,8 +329,9 @@ nb::dict ToDict(Outcome outcome, const std::vector<std::string>& names, int bloc
 
 nb::dict Collective(const std::string& op, const nb::bytes& x, int size, int calls, int64_t bytes,
                     int element_bytes, int algorithm, int protocol, int reduce_op, int reduce_type, bool direct,
-                    int blocks, bool trace, bool graph, int64_t timeout_ms, int absent) {
-  CheckRanks(size, absent, calls, timeout_ms);
+                    int blocks, bool trace, bool graph, int64_t timeout_ms, int absent, int late, int64_t late_us) {
+  const Schedule schedule{calls, graph, absent, late, late_us, timeout_ms};
+  CheckSchedule(size, schedule);
   NvlinkCollectiveArgs args;
   if (op == "all_reduce") {
     args.op = NvlinkCollective::kAllReduce;
@@ -339,7 +370,7 @@ nb::dict Collective(const std::string& op, const nb::bytes& x, int size, int cal
   Ranks ranks(resources, size, Align256(slot_bytes), 0);
   const int64_t y_bytes = args.op == NvlinkCollective::kAllGather ? bytes * size : bytes;
   std::vector<Operand> operands = {{"x", bytes, false}, {"y", y_bytes, true}};
-  Outcome outcome = Run(resources, ranks, operands, {&x}, calls, absent, graph,
+  Outcome outcome = Run(resources, ranks, operands, {&x}, schedule,
                         [&](int rank, int slot, cudaStream_t stream) {
                           NvlinkCollectiveArgs mine = args;
                           mine.rank = rank;
@@ -356,8 +387,10 @@ nb::dict Collective(const std::string& op, const nb::bytes& x, int size, int cal
 nb::dict AllToAllv(const nb::bytes& x, const nb::bytes& counts, const std::optional<nb::bytes>& send_rows,
                    const std::optional<nb::bytes>& suffix, int size, int calls, int64_t batch, int64_t source_rows,
                    int64_t num_rows, int64_t num_chunks, int64_t capacity, int64_t row_bytes, int64_t suffix_bytes,
-                   bool packed, bool direct, int blocks, bool trace, bool graph, int64_t timeout_ms, int absent) {
-  CheckRanks(size, absent, calls, timeout_ms);
+                   bool packed, bool direct, int blocks, bool trace, bool graph, int64_t timeout_ms, int absent,
+                   int late, int64_t late_us) {
+  const Schedule schedule{calls, graph, absent, late, late_us, timeout_ms};
+  CheckSchedule(size, schedule);
   Require(batch >= 1 && source_rows >= 0 && num_rows >= 0 && num_chunks >= 1 && capacity >= 0 && row_bytes > 0,
           "bad sizes: batch, chunks and row_bytes must be positive; rows and capacity non-negative");
   Require(suffix_bytes >= 0 && suffix_bytes <= row_bytes && suffix.has_value() == (suffix_bytes > 0),
@@ -398,7 +431,7 @@ nb::dict AllToAllv(const nb::bytes& x, const nb::bytes& counts, const std::optio
     operands.push_back({"suffix", batch * num_rows * suffix_bytes, false});
     inputs.push_back(&*suffix);
   }
-  Outcome outcome = Run(resources, ranks, operands, inputs, calls, absent, graph,
+  Outcome outcome = Run(resources, ranks, operands, inputs, schedule,
                         [&](int rank, int slot, cudaStream_t stream) {
                           NvlinkAllToAllvArgs args;
                           args.shape = shape;
@@ -439,10 +472,11 @@ NB_MODULE(_ncclx_loopback, m) {
         nb::arg("calls"), nb::arg("bytes"), nb::arg("element_bytes"), nb::arg("algorithm") = 1,
         nb::arg("protocol") = 0, nb::arg("reduce_op") = 0, nb::arg("reduce_type") = 0, nb::arg("direct") = false,
         nb::arg("blocks") = 0, nb::arg("trace") = false, nb::arg("graph") = false, nb::arg("timeout_ms") = 5000,
-        nb::arg("absent") = -1,
+        nb::arg("absent") = -1, nb::arg("late") = -1, nb::arg("late_us") = 0,
         "Runs `calls` calls of one NVLink collective ('all_reduce', 'all_gather', 'all_to_all') on `size`\n"
         "logical ranks of the current GPU. x: bytes of [calls, size, bytes]; attributes as the FFI handler's.\n"
-        "absent: a rank that never launches (its peers must give up and name it). Returns {'y': bytes of\n"
+        "absent: a rank that never launches (its peers must give up and name it); late: a rank whose stream\n"
+        "sleeps late_us on the host before each of its calls. Returns {'y': bytes of\n"
         "[calls, size, output bytes], 'ranks': per rank {calls_finished, fault, fault_call, aborted_by,\n"
         "missing}, 'blocks': the grid}.");
   m.def("all_to_allv", &jn::AllToAllv, nb::arg("x"), nb::arg("counts"), nb::arg("send_rows").none(),
@@ -450,7 +484,7 @@ NB_MODULE(_ncclx_loopback, m) {
         nb::arg("source_rows"), nb::arg("num_rows"), nb::arg("num_chunks"), nb::arg("capacity"),
         nb::arg("row_bytes"), nb::arg("suffix_bytes"), nb::arg("packed"), nb::arg("direct"),
         nb::arg("blocks") = 0, nb::arg("trace") = false, nb::arg("graph") = false, nb::arg("timeout_ms") = 5000,
-        nb::arg("absent") = -1,
+        nb::arg("absent") = -1, nb::arg("late") = -1, nb::arg("late_us") = 0,
         "Runs `calls` calls of the NVLink all_to_allv_dynamic kernel on `size` logical ranks of the current\n"
         "GPU. Each input is bytes of [calls, size, ...]: x [B, X, row_bytes - suffix_bytes], counts int32\n"
         "[B, size, K], send_rows int32 [B, S] or None, suffix [B, S, suffix_bytes] or None. Returns y, recv_counts\n"
