@@ -291,24 +291,23 @@ def test_all_to_allv_moe_sized_rows(layout, direct):
     check_all_to_allv(actual, expected_all_to_allv(x, counts, capacity, layout), calls)
 
 
+SCHEDULES = {  # param -> (calls, how they are issued)
+    "streams": (500, {}),
+    "graph": (100, dict(graph=True)),
+    "late-rank": (50, dict(late=2, late_us=200)),
+}
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
-@pytest.mark.parametrize("graph", [False, True], ids=["streams", "graph"])
-def test_all_to_allv_many_calls(graph, direct):
-    """New counts every call, over many calls on one set of flags; as a graph, replays of one recorded call."""
-    size, calls = 4, 100 if graph else 500
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_all_to_allv_many_calls(schedule, direct):
+    """New counts every call, over many calls on one set of flags: issued call after call, as replays of one
+    recorded call, and with rank 2 starting every call 200 µs after its peers."""
+    size, (calls, options) = 4, SCHEDULES[schedule]
     x = random_array((calls, size, 1, ROWS, FEATURES), np.float32, seed=9)
-    counts = counts_of("random", size, 2, calls, 1, seed=9)
-    actual = loopback.all_to_allv(x, counts, CAPACITY, layout="packed", direct=direct, graph=graph)
+    counts = counts_of("overflow", size, 2, calls, 1, seed=9)
+    actual = loopback.all_to_allv(x, counts, CAPACITY, layout="packed", direct=direct, **options)
     check_all_to_allv(actual, expected_all_to_allv(x, counts, CAPACITY, "packed"), calls)
-
-
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
-def test_all_to_allv_with_a_late_rank(direct):
-    size, calls = 4, 50
-    x = random_array((calls, size, 1, ROWS, FEATURES), np.float32, seed=11)
-    counts = counts_of("overflow", size, 2, calls, 1, seed=11)
-    actual = loopback.all_to_allv(x, counts, CAPACITY, layout="padded", direct=direct, late=2, late_us=200)
-    check_all_to_allv(actual, expected_all_to_allv(x, counts, CAPACITY, "padded"), calls)
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])

@@ -193,11 +193,56 @@ void CUDART_CB SleepOnHost(void* microseconds) {
   std::this_thread::sleep_for(std::chrono::microseconds(*static_cast<const int64_t*>(microseconds)));
 }
 
+// Records one call of every rank into a CUDA graph, on streams forked from rank 0's, with the operands of the
+// extra last slot, then replays it once per call: before each replay that call's inputs are copied into the
+// slot (and its outputs reset), after it its outputs are copied out.
+void ReplayAsGraph(Resources& resources, const Ranks& ranks, const std::vector<Operand>& operands, int calls,
+                   const std::function<void(int, int)>& issue) {
+  const int size = ranks.size;
+  const int fixed = calls;
+  cudaStream_t origin = ranks.stream[0];
+  cudaEvent_t forked = resources.Event();
+  std::vector<cudaEvent_t> joined(size);
+  for (cudaEvent_t& event : joined) event = resources.Event();
+  cudaGraph_t recorded = nullptr;
+  Check(cudaStreamBeginCapture(origin, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+  Check(cudaEventRecord(forked, origin), "cudaEventRecord");
+  for (int rank = 0; rank < size; ++rank) {
+    if (rank != 0) Check(cudaStreamWaitEvent(ranks.stream[rank], forked), "cudaStreamWaitEvent");
+    issue(rank, fixed);
+    if (rank == 0) continue;
+    Check(cudaEventRecord(joined[rank], ranks.stream[rank]), "cudaEventRecord");
+    Check(cudaStreamWaitEvent(origin, joined[rank]), "cudaStreamWaitEvent");
+  }
+  Check(cudaStreamEndCapture(origin, &recorded), "cudaStreamEndCapture");
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t instantiated = cudaGraphInstantiate(&exec, recorded, 0);
+  resources.KeepGraph(recorded, exec);
+  Check(instantiated, "cudaGraphInstantiate");
+  for (int call = 0; call < calls; ++call) {
+    for (const Operand& operand : operands) {
+      const int64_t bytes = int64_t{size} * operand.bytes;
+      if (operand.output) {
+        Check(cudaMemsetAsync(operand.At(fixed, 0, size), kUnwritten, bytes, origin), "cudaMemsetAsync");
+      } else {
+        Check(cudaMemcpyAsync(operand.At(fixed, 0, size), operand.At(call, 0, size), bytes,
+                              cudaMemcpyDeviceToDevice, origin),
+              "cudaMemcpyAsync (inputs in)");
+      }
+    }
+    Check(cudaGraphLaunch(exec, origin), "cudaGraphLaunch");
+    for (const Operand& operand : operands) {
+      if (!operand.output) continue;
+      Check(cudaMemcpyAsync(operand.At(call, 0, size), operand.At(fixed, 0, size), int64_t{size} * operand.bytes,
+                            cudaMemcpyDeviceToDevice, origin),
+            "cudaMemcpyAsync (outputs out)");
+    }
+  }
+}
+
 // Runs the schedule's calls. `launch(rank, slot, stream)` queues one rank's kernel on the operands of `slot`.
-// Inputs come from `host_inputs` (one per input operand, in order, each [calls, ranks, bytes]). With a
-// graph, one call of every rank is recorded once, on streams forked from rank 0's, and each replay has its
-// call's inputs copied in before it and its outputs out after: the kernels' arguments stay fixed and only
-// the epochs on the device advance.
+// Inputs come from `host_inputs` (one per input operand, in order, each [calls, ranks, bytes]). As a graph,
+// the kernels' arguments stay fixed and only the epochs on the device advance.
 Outcome Run(Resources& resources, const Ranks& ranks, std::vector<Operand>& operands,
             const std::vector<const nb::bytes*>& host_inputs, const Schedule& schedule,
             const std::function<cudaError_t(int, int, cudaStream_t)>& launch) {
@@ -226,7 +271,7 @@ Outcome Run(Resources& resources, const Ranks& ranks, std::vector<Operand>& oper
   // (a late memset of an output once overwrote what a kernel had written).
   Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize (set-up)");
   // One rank's call as the schedule has it: late or absent.
-  auto issue = [&](int rank, int slot) {
+  const std::function<void(int, int)> issue = [&](int rank, int slot) {
     if (rank == schedule.absent) return;
     cudaStream_t stream = ranks.stream[rank];
     if (rank == schedule.late) {
@@ -239,45 +284,7 @@ Outcome Run(Resources& resources, const Ranks& ranks, std::vector<Operand>& oper
       for (int rank = 0; rank < size; ++rank) issue(rank, call);
     }
   } else {
-    const int fixed = calls;
-    cudaStream_t origin = ranks.stream[0];
-    cudaEvent_t forked = resources.Event();
-    std::vector<cudaEvent_t> joined(size);
-    for (cudaEvent_t& event : joined) event = resources.Event();
-    cudaGraph_t recorded = nullptr;
-    Check(cudaStreamBeginCapture(origin, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
-    Check(cudaEventRecord(forked, origin), "cudaEventRecord");
-    for (int rank = 0; rank < size; ++rank) {
-      if (rank != 0) Check(cudaStreamWaitEvent(ranks.stream[rank], forked), "cudaStreamWaitEvent");
-      issue(rank, fixed);
-      if (rank == 0) continue;
-      Check(cudaEventRecord(joined[rank], ranks.stream[rank]), "cudaEventRecord");
-      Check(cudaStreamWaitEvent(origin, joined[rank]), "cudaStreamWaitEvent");
-    }
-    Check(cudaStreamEndCapture(origin, &recorded), "cudaStreamEndCapture");
-    cudaGraphExec_t exec = nullptr;
-    const cudaError_t instantiated = cudaGraphInstantiate(&exec, recorded, 0);
-    resources.KeepGraph(recorded, exec);
-    Check(instantiated, "cudaGraphInstantiate");
-    for (int call = 0; call < calls; ++call) {
-      for (const Operand& operand : operands) {
-        const int64_t bytes = int64_t{size} * operand.bytes;
-        if (operand.output) {
-          Check(cudaMemsetAsync(operand.At(fixed, 0, size), kUnwritten, bytes, origin), "cudaMemsetAsync");
-        } else {
-          Check(cudaMemcpyAsync(operand.At(fixed, 0, size), operand.At(call, 0, size), bytes,
-                                cudaMemcpyDeviceToDevice, origin),
-                "cudaMemcpyAsync (inputs in)");
-        }
-      }
-      Check(cudaGraphLaunch(exec, origin), "cudaGraphLaunch");
-      for (const Operand& operand : operands) {
-        if (!operand.output) continue;
-        Check(cudaMemcpyAsync(operand.At(call, 0, size), operand.At(fixed, 0, size), int64_t{size} * operand.bytes,
-                              cudaMemcpyDeviceToDevice, origin),
-              "cudaMemcpyAsync (outputs out)");
-      }
-    }
+    ReplayAsGraph(resources, ranks, operands, calls, issue);
   }
   Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 
