@@ -3,8 +3,9 @@ logical ranks on one GPU, each with its own stream and symmetric memory (xla_ffi
 Arrays are [calls, ranks, ...]: call c of rank r reads x[c, r] and writes y[c, r].
 
 Every function returns, besides the outputs, one dict per rank: ``calls_finished`` (the rank's epoch),
-``fault`` ("healthy", "gave_up" or "aborted"), ``fault_call``, ``aborted_by`` (-1 or a rank) and ``missing``
-(the ranks its waits named).
+``fault`` ("healthy", "gave_up" or "aborted"), ``fault_call``, ``aborted_by`` (-1 or a rank), ``missing``
+(the ranks its waits named), ``trace`` (its device timeline, one dict per traced call with DeviceTraceRecord's
+fields) and ``blocks`` (the grid of its kernels).
 """
 
 import ml_dtypes
@@ -41,7 +42,7 @@ def collective(op, x, *, algorithm="one-shot", protocol="ll128", reduce="sum", d
                                protocol=PROTOCOLS[protocol], reduce_op=REDUCE_OPS[reduce],
                                reduce_type=REDUCE_TYPES.get(x.dtype, 0), direct=direct, **options)
     y = np.frombuffer(done["y"], x.dtype).reshape(calls, size, -1)
-    return y, done["ranks"]
+    return y, with_grid(done)
 
 
 def all_to_allv(x, counts, capacity, *, layout, direct, send_rows=None, suffix=None, **options):
@@ -70,4 +71,8 @@ def all_to_allv(x, counts, capacity, *, layout, direct, send_rows=None, suffix=N
     y = np.frombuffer(done["y"], np.uint8).reshape(calls, size, batch, size * capacity, row_bytes)
     recv = np.frombuffer(done["recv_counts"], np.int32).reshape(calls, size, batch, size, num_chunks)
     dropped = np.frombuffer(done["dropped"], np.int32).reshape(calls, size, batch, size)
-    return y, recv, dropped, done["ranks"]
+    return y, recv, dropped, with_grid(done)
+
+
+def with_grid(done):
+    return [dict(state, blocks=done["blocks"]) for state in done["ranks"]]

@@ -5,8 +5,9 @@ protocols are checked on machines with a single GPU and at rank counts no lent m
 Against NumPy, bit for bit: all_reduce in every algorithm and protocol (sums in rank order, 16-bit floats in
 float32), all_gather and all_to_all in every protocol, all_to_allv_dynamic on the adversarial count patterns in
 both layouts and both modes (rows written into the peers' outputs, or staged). Flags are reused over
-thousands of calls, with one rank late to every call, and as replays of one CUDA graph; a rank that never
-launches, or launches after the timeout, is named by every peer. What this does not cover (NVLink, CUDA IPC, the handlers, XLA) the multi-GPU suites do.
+thousands of calls, with one rank late to every call, and as replays of one CUDA graph; every rank's device
+trace holds one ordered record per call; a rank that never launches, or launches after the timeout, is named
+by every peer. What this does not cover (NVLink, CUDA IPC, the handlers, XLA) the multi-GPU suites do.
 """
 
 import ml_dtypes
@@ -156,6 +157,34 @@ def test_a_late_rank_leaves_results_exact(case, late):
     assert bad.size == 0, f"{bad.size} of {calls} calls differ, the first is call {bad[0]}"
 
 
+TRACE_KERNELS = {"all_to_allv": 1, "all_reduce": 2, "all_gather": 3, "all_to_all": 4}  # TraceKernel
+
+
+def assert_timelines(ranks, calls, kernel):
+    """Every rank's device trace holds one complete record per call, numbered 1.. in order, each ordered within
+    itself and after the rank's previous call ended."""
+    for rank, state in enumerate(ranks):
+        timeline = state["trace"]
+        assert [r["epoch"] for r in timeline] == list(range(1, calls + 1)), (rank, [r["epoch"] for r in timeline])
+        previous_end = 0
+        for r in timeline:
+            assert r["kernel"] == TRACE_KERNELS[kernel] and r["blocks"] == state["blocks"], (rank, r)
+            assert previous_end <= r["start_ns"] <= r["peers_ns"] <= r["sent_ns"] <= r["end_ns"], (rank, r)
+            assert r["peers_ns"] <= r["data_ns"] <= r["end_ns"], (rank, r)
+            previous_end = r["end_ns"]
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["streams", "graph"])
+@pytest.mark.parametrize("case", REUSE)
+def test_device_trace_records_every_call(case, graph):
+    op, options, elements = REUSE[case]
+    x = np.ones((20, 4, elements), np.int32)
+    y, ranks = loopback.collective(op, x, graph=graph, **{**options, "trace": True})
+    assert_healthy(ranks, calls=20)
+    np.testing.assert_array_equal(y, expected_collective(op, x))
+    assert_timelines(ranks, calls=20, kernel=op)
+
+
 MISSING_RANK_CASES = {
     "all_reduce-ll": ("all_reduce", dict(protocol="ll"), 8),
     "all_reduce-ll128": ("all_reduce", dict(protocol="ll128"), 4096),
@@ -302,12 +331,13 @@ SCHEDULES = {  # param -> (calls, how they are issued)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_all_to_allv_many_calls(schedule, direct):
     """New counts every call, over many calls on one set of flags: issued call after call, as replays of one
-    recorded call, and with rank 2 starting every call 200 µs after its peers."""
+    recorded call, and with rank 2 starting every call 200 µs after its peers; each call traced on the device."""
     size, (calls, options) = 4, SCHEDULES[schedule]
     x = random_array((calls, size, 1, ROWS, FEATURES), np.float32, seed=9)
     counts = counts_of("overflow", size, 2, calls, 1, seed=9)
-    actual = loopback.all_to_allv(x, counts, CAPACITY, layout="packed", direct=direct, **options)
+    actual = loopback.all_to_allv(x, counts, CAPACITY, layout="packed", direct=direct, trace=True, **options)
     check_all_to_allv(actual, expected_all_to_allv(x, counts, CAPACITY, "packed"), calls)
+    assert_timelines(actual[-1], calls, kernel="all_to_allv")
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])

@@ -428,10 +428,7 @@ ffi::ErrorOr<std::vector<RankTrace>> ReadDeviceTrace(std::string_view op, int64_
                                                  sizeof(DeviceTraceRecord) * kTraceSlots, cudaMemcpyDeviceToHost)));
       RankTrace trace{rank.device, rank.rank, {}};
       for (int slot = 0; slot < kTraceSlots; ++slot) {
-        const DeviceTraceRecord& record = ring[slot];
-        if (record.epoch != 0 && record.epoch % kTraceSlots == static_cast<uint64_t>(slot)) {
-          trace.records.push_back(record);
-        }
+        if (IsCompleteTraceRecord(ring[slot], slot)) trace.records.push_back(ring[slot]);
       }
       std::sort(trace.records.begin(), trace.records.end(),
                 [](const DeviceTraceRecord& a, const DeviceTraceRecord& b) { return a.epoch < b.epoch; });

@@ -50,6 +50,11 @@ struct DeviceTraceRecord {
 
 enum TraceKernel : uint32_t { kTraceAllToAllv = 1, kTraceAllReduce = 2, kTraceAllGather = 3, kTraceAllToAll = 4 };
 
+// Whether ring slot `slot` holds a complete record: one whose epoch (written last) belongs to that slot.
+inline bool IsCompleteTraceRecord(const DeviceTraceRecord& record, int slot) {
+  return record.epoch != 0 && record.epoch % kTraceSlots == static_cast<uint64_t>(slot);
+}
+
 // Where a rank's NVLink kernels report that they gave up waiting (device_sync.cuh, Patience). It lives in
 // pinned host memory mapped into the device, so the host reads it without a CUDA call: the handlers at
 // every call, the watchdog every few milliseconds.

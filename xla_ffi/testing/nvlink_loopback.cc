@@ -193,6 +193,34 @@ void CUDART_CB SleepOnHost(void* microseconds) {
   std::this_thread::sleep_for(std::chrono::microseconds(*static_cast<const int64_t*>(microseconds)));
 }
 
+// A rank's device timeline (DeviceTraceRecord) of its traced calls, oldest first: one dict per call with the
+// record's fields, times in %globaltimer nanoseconds (one clock for every rank of this GPU).
+nb::list TraceOf(const SymmetricControl* control) {
+  std::vector<DeviceTraceRecord> ring(kTraceSlots);
+  Check(cudaMemcpy(ring.data(), control->trace, sizeof(DeviceTraceRecord) * kTraceSlots, cudaMemcpyDeviceToHost),
+        "cudaMemcpy (trace)");
+  std::vector<DeviceTraceRecord> records;
+  for (int slot = 0; slot < kTraceSlots; ++slot) {
+    if (IsCompleteTraceRecord(ring[slot], slot)) records.push_back(ring[slot]);
+  }
+  std::sort(records.begin(), records.end(),
+            [](const DeviceTraceRecord& a, const DeviceTraceRecord& b) { return a.epoch < b.epoch; });
+  nb::list timeline;
+  for (const DeviceTraceRecord& record : records) {
+    nb::dict call;
+    call["epoch"] = record.epoch;
+    call["start_ns"] = record.start_ns;
+    call["peers_ns"] = record.peers_ns;
+    call["sent_ns"] = record.sent_ns;
+    call["data_ns"] = record.data_ns;
+    call["end_ns"] = record.end_ns;
+    call["blocks"] = record.blocks;
+    call["kernel"] = record.kernel;
+    timeline.append(call);
+  }
+  return timeline;
+}
+
 // Records one call of every rank into a CUDA graph, on streams forked from rank 0's, with the operands of the
 // extra last slot, then replays it once per call: before each replay that call's inputs are copied into the
 // slot (and its outputs reset), after it its outputs are copied out.
@@ -308,6 +336,7 @@ Outcome Run(Resources& resources, const Ranks& ranks, std::vector<Operand>& oper
     }
     nb::dict state;
     state["calls_finished"] = finished;
+    state["trace"] = TraceOf(ranks.control[rank]);
     state["fault"] = fault.state == kNvlinkHealthy ? "healthy" : fault.state == kNvlinkGaveUp ? "gave_up" : "aborted";
     state["fault_call"] = fault.epoch;
     state["aborted_by"] = static_cast<int>(fault.aborted_by) - 1;
@@ -485,7 +514,7 @@ NB_MODULE(_ncclx_loopback, m) {
         "absent: a rank that never launches (its peers must give up and name it); late: a rank whose stream\n"
         "sleeps late_us on the host before each of its calls. Returns {'y': bytes of\n"
         "[calls, size, output bytes], 'ranks': per rank {calls_finished, fault, fault_call, aborted_by,\n"
-        "missing}, 'blocks': the grid}.");
+        "missing, trace (the device timeline of traced calls)}, 'blocks': the grid}.");
   m.def("all_to_allv", &jn::AllToAllv, nb::arg("x"), nb::arg("counts"), nb::arg("send_rows").none(),
         nb::arg("suffix").none(), nb::kw_only(), nb::arg("size"), nb::arg("calls"), nb::arg("batch"),
         nb::arg("source_rows"), nb::arg("num_rows"), nb::arg("num_chunks"), nb::arg("capacity"),
