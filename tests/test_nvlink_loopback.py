@@ -241,8 +241,9 @@ ROWS, FEATURES, CAPACITY = 12, 5, 4
 
 def expected_all_to_allv(x, counts, capacity, layout, send_rows=None, suffix=None):
     """NumPy's (y, recv_counts, dropped) for nvlink_loopback.all_to_allv's arguments, y as raw row bytes."""
-    calls, size, batch = x.shape[:3]
-    rows = x.reshape(calls, size, batch, x.shape[3], -1).view(np.uint8)
+    calls, size, batch, source_rows = x.shape[:4]
+    rows = x.reshape(calls, size, batch, source_rows, -1).view(np.uint8)
+    row_bytes = rows.shape[-1] + (0 if suffix is None else suffix[0, 0, 0, 0].nbytes)
     recv = np.zeros((calls, size, batch, size, counts.shape[-1]), np.int32)
     dropped = np.zeros((calls, size, batch, size), np.int32)
     ys = []
@@ -255,9 +256,8 @@ def expected_all_to_allv(x, counts, capacity, layout, send_rows=None, suffix=Non
                 tails = suffix[c, :, b].reshape(size, suffix.shape[3], -1).view(np.uint8)
                 sent = [np.concatenate([r, t], axis=1) for r, t in zip(sent, tails)]
             for me, (ym, rm, dm) in enumerate(reference.all_to_allv(sent, list(counts[c, :, b]), capacity, layout)):
-                ys.append(ym.reshape(size * capacity, -1))
+                ys.append(ym.reshape(size * capacity, row_bytes))
                 recv[c, me, b], dropped[c, me, b] = rm, dm
-    row_bytes = ys[0].shape[-1]
     y = np.stack(ys).reshape(calls, batch, size, size * capacity, row_bytes).transpose(0, 2, 1, 3, 4)
     return y, recv, dropped
 
@@ -347,3 +347,64 @@ def test_all_to_allv_missing_rank_is_named(direct):
     counts = counts_of("random", size, 1, calls, 1, seed=4)
     *_, ranks = loopback.all_to_allv(x, counts, CAPACITY, layout="padded", direct=direct, absent=1, timeout_ms=200)
     assert_absent_rank_named(ranks, absent=1, calls=calls)
+
+
+# ---- random configurations ------------------------------------------------------------------------------------
+# Shapes and settings the grids above do not reach: 5 to 7 ranks, sizes off every boundary, requested block
+# counts. Seeded, so a failure names a configuration that reproduces.
+
+
+def test_collectives_random_configurations():
+    rng = np.random.default_rng(2026)
+    for case in range(80):
+        size = int(rng.integers(2, 9))
+        op = str(rng.choice(["all_reduce", "all_gather", "all_to_all"]))
+        dtypes = REDUCE_DTYPES if op == "all_reduce" else MOVE_DTYPES
+        dtype = dtypes[int(rng.integers(len(dtypes)))]
+        elements = int(rng.choice([rng.integers(1, 80), rng.integers(80, 20000), rng.integers(20000, 150000)]))
+        if op == "all_to_all":
+            elements = size * max(1, elements // size)
+        config = dict(algorithm="two-shot" if op == "all_reduce" and rng.random() < 0.4 else "one-shot",
+                      protocol=str(rng.choice(list(loopback.PROTOCOLS))), direct=bool(rng.random() < 0.5),
+                      blocks=int(rng.integers(1, 80)) if rng.random() < 0.3 else 0)
+        where = f"case {case}: {op} of {elements} {np.dtype(dtype).name} on {size} ranks, {config}"
+        x = random_array((2, size, elements), dtype, seed=case)
+        y, ranks = loopback.collective(op, x, **config)
+        assert all(state["fault"] == "healthy" for state in ranks), (where, ranks)
+        for call in range(2):
+            if op == "all_reduce":
+                expected = np.broadcast_to(reference.reduce_in_rank_order(list(x[call]), "sum", dtype), y[call].shape)
+            else:
+                expected = expected_collective(op, x[call:call + 1])[0]
+            mismatch = np.flatnonzero(y[call].view(np.uint8) != np.ascontiguousarray(expected).view(np.uint8))
+            assert mismatch.size == 0, f"{where}: call {call}, {mismatch.size} bytes differ"
+
+
+def test_all_to_allv_random_configurations():
+    rng = np.random.default_rng(7)
+    for case in range(50):
+        size, k, batch = int(rng.integers(2, 9)), int(rng.integers(1, 5)), int(rng.integers(1, 4))
+        capacity, source_rows = int(rng.integers(0, 9)), int(rng.integers(1, 30))
+        feature_bytes = int(rng.choice([rng.integers(1, 40), 4 * rng.integers(1, 40), 16 * rng.integers(1, 40)]))
+        num_rows = int(rng.integers(1, 30)) if rng.random() < 0.5 else None
+        suffix_bytes = int(rng.integers(1, 17)) if rng.random() < 0.4 else 0
+        config = dict(layout=str(rng.choice(["padded", "packed"])), direct=bool(rng.random() < 0.5),
+                      blocks=int(rng.integers(1, 200)) if rng.random() < 0.3 else 0)
+        where = (f"case {case}: {size} ranks, batch {batch}, k {k}, capacity {capacity}, rows {source_rows} of "
+                 f"{feature_bytes} bytes, send_rows {num_rows}, suffix {suffix_bytes} bytes, {config}")
+        calls = 2
+        x = rng.integers(0, 256, size=(calls, size, batch, source_rows, feature_bytes)).astype(np.uint8)
+        send_rows = suffix = None
+        rows = source_rows
+        if num_rows is not None:
+            rows = num_rows
+            send_rows = rng.integers(-2, source_rows + 2, size=(calls, size, batch, rows)).astype(np.int32)
+        if suffix_bytes:
+            suffix = rng.integers(0, 256, size=(calls, size, batch, rows, suffix_bytes)).astype(np.uint8)
+        counts = rng.integers(-2, capacity + 4, size=(calls, size, batch, size, k)).astype(np.int32)
+        actual = loopback.all_to_allv(x, counts, capacity, send_rows=send_rows, suffix=suffix, **config)
+        expected = expected_all_to_allv(x, counts, capacity, config["layout"], send_rows, suffix)
+        try:
+            check_all_to_allv(actual, expected, calls)
+        except AssertionError as e:
+            raise AssertionError(f"{where}: {e}") from None
