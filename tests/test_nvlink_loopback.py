@@ -1,4 +1,4 @@
-"""The NVLink kernels with 2, 3, 4 and 8 ranks on ONE GPU (tests/nvlink_loopback.py): the same kernels and launch
+"""The NVLink kernels with 2 to 8 ranks on ONE GPU (tests/nvlink_loopback.py): the same kernels and launch
 arguments the FFI handlers use, each logical rank with its own stream and symmetric memory, so their
 protocols are checked on machines with a single GPU and at rank counts no lent machine has.
 
@@ -7,7 +7,7 @@ float32), all_gather and all_to_all in every protocol, all_to_allv_dynamic on th
 both layouts and both modes (rows written into the peers' outputs, or staged). Flags are reused over
 thousands of calls, with one rank late to every call, and as replays of one CUDA graph; every rank's device
 trace holds one ordered record per call; a rank that never launches, or launches after the timeout, is named
-by every peer. What this does not cover (NVLink, CUDA IPC, the handlers, XLA) the multi-GPU suites do.
+by every peer. Seeded random configurations reach 5 to 7 ranks, odd sizes and requested block counts. What this does not cover (NVLink, CUDA IPC, the handlers, XLA) the multi-GPU suites do.
 """
 
 import ml_dtypes
