@@ -79,36 +79,6 @@ def test_all_reduce_max_min(size, algorithm, op):
             assert_bits_equal(y[0, rank], reference.reduce_in_rank_order(list(x[0]), op, dtype))
 
 
-# Elements per rank and peer: one, odd (byte path), 64 KiB of f32 (the largest segment in lines or words), above.
-@pytest.mark.parametrize("block", [1, 5, 1025, 16384, 16385])
-@pytest.mark.parametrize("protocol", MOVES)
-@pytest.mark.parametrize("size", SIZES)
-def test_all_gather(size, protocol, block):
-    name, direct = MOVES[protocol]
-    for dtype in MOVE_DTYPES:
-        x = random_array((2, size, block), np.float32, seed=block).astype(dtype)
-        y, ranks = loopback.collective("all_gather", x, protocol=name, direct=direct)
-        assert_healthy(ranks, calls=2)
-        for call in range(2):
-            for rank in range(size):
-                assert_bits_equal(y[call, rank], x[call].reshape(-1))
-
-
-@pytest.mark.parametrize("block", [1, 5, 1025, 16384, 16385])
-@pytest.mark.parametrize("protocol", MOVES)
-@pytest.mark.parametrize("size", SIZES)
-def test_all_to_all(size, protocol, block):
-    name, direct = MOVES[protocol]
-    for dtype in MOVE_DTYPES:
-        x = random_array((2, size, size * block), np.float32, seed=block).astype(dtype)  # block j goes to rank j
-        y, ranks = loopback.collective("all_to_all", x, protocol=name, direct=direct)
-        assert_healthy(ranks, calls=2)
-        for call in range(2):
-            blocks = x[call].reshape(size, size, block)
-            for rank in range(size):
-                assert_bits_equal(y[call, rank], blocks[:, rank].reshape(-1))
-
-
 def expected_collective(op, x):
     """NumPy's result of every call of ``op`` on x [calls, ranks, elements] (sums of integers: exact)."""
     calls, size, elements = x.shape
@@ -117,6 +87,22 @@ def expected_collective(op, x):
     if op == "all_gather":
         return np.broadcast_to(x.reshape(calls, 1, size * elements), (calls, size, size * elements))
     return x.reshape(calls, size, size, -1).transpose(0, 2, 1, 3).reshape(x.shape)  # all_to_all
+
+
+# Elements per rank and peer: one, odd (byte path), 64 KiB of f32 (the largest segment in lines or words), above.
+@pytest.mark.parametrize("block", [1, 5, 1025, 16384, 16385])
+@pytest.mark.parametrize("protocol", MOVES)
+@pytest.mark.parametrize("op", ["all_gather", "all_to_all"])
+@pytest.mark.parametrize("size", SIZES)
+def test_moves(size, op, protocol, block):
+    """all_gather of `block` elements per rank; all_to_all of `block` per peer (rank r's block j goes to rank j)."""
+    name, direct = MOVES[protocol]
+    elements = size * block if op == "all_to_all" else block
+    for dtype in MOVE_DTYPES:
+        x = random_array((2, size, elements), np.float32, seed=block).astype(dtype)
+        y, ranks = loopback.collective(op, x, protocol=name, direct=direct)
+        assert_healthy(ranks, calls=2)
+        assert_bits_equal(y, np.ascontiguousarray(expected_collective(op, x)))
 
 
 REUSE = {  # param -> (op, options, elements per rank): every call's inputs differ, every call is checked

@@ -68,12 +68,13 @@ class Resources {
     cudaGetLastError();
   }
 
+  // Device memory with every byte set to `fill` (an empty request still gets a valid pointer).
   template <typename T>
-  T* Zeroed(int64_t bytes, const std::string& what) {
+  T* Filled(int64_t bytes, int fill, const std::string& what) {
     void* ptr = nullptr;
     Check(cudaMalloc(&ptr, std::max<int64_t>(bytes, 1)), "cudaMalloc (" + what + ")");
     device_.push_back(ptr);
-    Check(cudaMemset(ptr, 0, std::max<int64_t>(bytes, 1)), "cudaMemset (" + what + ")");
+    Check(cudaMemset(ptr, fill, std::max<int64_t>(bytes, 1)), "cudaMemset (" + what + ")");
     return static_cast<T*>(ptr);
   }
 
@@ -124,8 +125,8 @@ struct Ranks {
   Ranks(Resources& resources, int ranks, int64_t parity_half_bytes, int64_t staging_bytes) : size(ranks) {
     std::vector<uint8_t*> data(size);
     for (int r = 0; r < size; ++r) {
-      control.push_back(resources.Zeroed<SymmetricControl>(sizeof(SymmetricControl), "control block"));
-      data[r] = resources.Zeroed<uint8_t>(2 * parity_half_bytes + staging_bytes, "data region");
+      control.push_back(resources.Filled<SymmetricControl>(sizeof(SymmetricControl), 0, "control block"));
+      data[r] = resources.Filled<uint8_t>(2 * parity_half_bytes + staging_bytes, 0, "data region");
       fault.push_back(resources.MappedFault());
       stream.push_back(resources.Stream());
     }
@@ -139,7 +140,7 @@ struct Ranks {
       void* fault_on_device = nullptr;
       Check(cudaHostGetDevicePointer(&fault_on_device, fault[r], 0), "cudaHostGetDevicePointer");
       peers.fault = static_cast<NvlinkFault*>(fault_on_device);
-      PeerTable* on_device = resources.Zeroed<PeerTable>(sizeof(PeerTable), "peer table");
+      PeerTable* on_device = resources.Filled<PeerTable>(sizeof(PeerTable), 0, "peer table");
       Check(cudaMemcpy(on_device, &peers, sizeof(PeerTable), cudaMemcpyHostToDevice), "cudaMemcpy (peer table)");
       table.push_back(on_device);
     }
@@ -281,11 +282,8 @@ Outcome Run(Resources& resources, const Ranks& ranks, std::vector<Operand>& oper
   size_t next_input = 0;
   for (Operand& operand : operands) {
     const int64_t total = int64_t{slots} * size * operand.bytes;
-    operand.device = resources.Zeroed<uint8_t>(total, operand.name);
-    if (operand.output) {
-      Check(cudaMemset(operand.device, kUnwritten, std::max<int64_t>(total, 1)), "cudaMemset (" + operand.name + ")");
-      continue;
-    }
+    operand.device = resources.Filled<uint8_t>(total, operand.output ? kUnwritten : 0, operand.name);
+    if (operand.output) continue;
     const nb::bytes& given = *host_inputs.at(next_input++);
     Require(static_cast<int64_t>(given.size()) == int64_t{calls} * size * operand.bytes,
             operand.name + " has " + std::to_string(given.size()) + " bytes, expected calls (" +
