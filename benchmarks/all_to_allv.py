@@ -43,6 +43,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ncclx as nx  # noqa: E402
+import xla_moe  # noqa: E402
 from jax_ncclx import moe  # noqa: E402
 from jax_ncclx._src import config as nx_config  # noqa: E402
 from jax_ncclx._src import primitive as nx_primitive  # noqa: E402
@@ -74,6 +75,8 @@ VARIANTS = {  # key: (label, times the payload moves per op)
     "nx_moe_combine": ("nx moe combine", 1),
     "nx_moe_fp8": ("nx moe dispatch+combine, fp8 dispatch wire", 2),
     "nx_moe_dispatch_fp8": ("nx moe dispatch, fp8 wire", 1),
+    "xla_moe": ("XLA moe layer dispatch+combine", 2),
+    "xla_moe_dispatch": ("XLA moe layer dispatch", 1),
 }
 LONG_OP_BYTES = 64 * 2**20  # padded buffers past this take ~0.2 ms per op or more: 10 ops per call
 MOE_VARIANTS = ("nx_moe", "nx_moe_pairs", "nx_moe_dispatch", "nx_moe_combine", "nx_moe_fp8",
@@ -83,13 +86,15 @@ FP8_WIRE = jnp.float8_e4m3fn  # the *_fp8 variants: moe.dispatch(wire_dtype=FP8_
 # round once per op; e4m3 keeps each value within 2^-4 of itself, and the weights sum to 1.
 ROUND_TRIP_TOLERANCE = {None: 5e-2, FP8_WIRE: 8e-2}
 BASELINES = ("xla_all_to_all", "xla_ragged", "xla_ragged_counts")
+XLA_MOE_VARIANTS = ("xla_moe", "xla_moe_dispatch")  # benchmarks/xla_moe.py: the same layer in XLA's own ops
 TABLE = [  # (key, header, width, format) of the progress table
     ("tokens", "T", 5, "d"), ("variant", "variant", 17, ""), ("transport", "transport", 9, ""),
     ("path", "path", 11, ""),
     ("median_us", "median us", 10, ".1f"), ("min_us", "min us", 10, ".1f"), ("peer_gbps", "peer GB/s", 9, ".1f"),
     ("alg_gbps", "alg GB/s", 9, ".1f"), ("vs_xla_all_to_all", "x a2a", 6, ".2f"),
     ("vs_xla_ragged", "x ragged", 8, ".2f"), ("vs_xla_ragged_counts", "x rag+c", 7, ".2f"),
-    ("reps", "reps", 4, "d"), ("compile_s", "compile s", 9, ".2f"), ("status", "status", 11, ""),
+    ("vs_xla_moe", "x moe", 6, ".2f"), ("reps", "reps", 4, "d"), ("compile_s", "compile s", 9, ".2f"),
+    ("status", "status", 11, ""),
 ]
 
 
@@ -284,21 +289,49 @@ def moe_round_trip(tokens, expert_ids, weights, *, num_experts, capacity, wire_d
     return moe.combine(rows, handle, weights)
 
 
-def moe_chain(tokens, expert_ids, weights, *, num_experts, capacity, wire_dtype, weights_in, unroll):
+def xla_moe_round_trip(tokens, expert_ids, weights, *, num_experts, capacity):
+    rows, _, routing = xla_moe.dispatch(tokens, expert_ids, num_experts=num_experts, axis_name=AXIS,
+                                        capacity=capacity)
+    return xla_moe.combine(rows, routing, weights)
+
+
+def checked_by(variant):
+    """The round trip that verifies a moe variant: its own, or the one whose dispatch (or combine) it times."""
+    if variant.startswith("xla_"):
+        return "xla_moe"
+    if variant == "nx_moe_pairs":
+        return variant
+    return "nx_moe_fp8" if variant.endswith("_fp8") else "nx_moe"
+
+
+def round_trip_of(variant, num_experts, capacity):
+    """(tokens, expert_ids, weights) -> combined tokens, for a round-trip variant."""
+    if variant == "xla_moe":
+        return functools.partial(xla_moe_round_trip, num_experts=num_experts, capacity=capacity)
+    return functools.partial(moe_round_trip, num_experts=num_experts, capacity=capacity, wire_dtype=wire_of(variant),
+                             weights_in=weights_in_of(variant))
+
+
+def dispatch_of(variant, num_experts, capacity):
+    """(tokens, expert_ids) -> expert-major rows, for a dispatch variant."""
+    kwargs = dict(num_experts=num_experts, axis_name=AXIS, capacity=capacity)
+    if variant == "xla_moe_dispatch":
+        return lambda tokens, expert_ids: xla_moe.dispatch(tokens, expert_ids, **kwargs)[0]
+    return lambda tokens, expert_ids: moe.dispatch(tokens, expert_ids, wire_dtype=wire_of(variant), **kwargs)[0]
+
+
+def moe_chain(tokens, expert_ids, weights, *, round_trip, unroll):
     for _ in range(unroll):  # the weights sum to 1 per token, so the tokens come back (about) unchanged
-        tokens = moe_round_trip(tokens, expert_ids, weights, num_experts=num_experts, capacity=capacity,
-                                wire_dtype=wire_dtype, weights_in=weights_in).astype(tokens.dtype)
+        tokens = round_trip(tokens, expert_ids, weights).astype(tokens.dtype)
         # Route again from ids tied to the result, as the next layer would: with the same ids every time,
         # XLA would compute the send plan once for the whole chain.
         expert_ids = tie(expert_ids, tokens)
     return tokens
 
 
-def moe_dispatch_chain(tokens, expert_ids, *, num_experts, capacity, wire_dtype, unroll):
+def moe_dispatch_chain(tokens, expert_ids, *, dispatch, unroll):
     for _ in range(unroll):  # each dispatch routes again from the expert ids that the last one tied to its rows
-        rows, _, _ = moe.dispatch(tokens, expert_ids, num_experts=num_experts, axis_name=AXIS, capacity=capacity,
-                                  wire_dtype=wire_dtype)
-        expert_ids = tie(expert_ids, rows)
+        expert_ids = tie(expert_ids, dispatch(tokens, expert_ids))
     return expert_ids
 
 
@@ -342,14 +375,13 @@ def chain_and_args(variant, mesh, arrays, routing, args):
         fn = functools.partial(ragged_chain, capacity=capacity, exchange_counts=variant == "xla_ragged_counts",
                                unroll=unroll)
         return per_rank(mesh, fn, 5), ("x", "in_offsets", "send_sizes", "out_offsets", "recv_sizes"), False
-    if variant in ("nx_moe", "nx_moe_pairs", "nx_moe_fp8"):
-        fn = functools.partial(moe_chain, num_experts=routing.counts.shape[0] * args.experts_per_rank,
-                               capacity=capacity, wire_dtype=wire_of(variant), weights_in=weights_in_of(variant),
-                               unroll=unroll)
+    num_experts = routing.counts.shape[0] * args.experts_per_rank
+    if variant in ("nx_moe", "nx_moe_pairs", "nx_moe_fp8", "xla_moe"):
+        fn = functools.partial(moe_chain, round_trip=round_trip_of(variant, num_experts, capacity), unroll=unroll)
         return per_rank(mesh, fn, 3, donate_argnums=0), ("tokens", "expert_ids", "weights"), True
-    if variant in ("nx_moe_dispatch", "nx_moe_dispatch_fp8"):
-        fn = functools.partial(moe_dispatch_chain, num_experts=routing.counts.shape[0] * args.experts_per_rank,
-                               capacity=capacity, wire_dtype=wire_of(variant), unroll=unroll)
+    if variant in ("nx_moe_dispatch", "nx_moe_dispatch_fp8", "xla_moe_dispatch"):
+        fn = functools.partial(moe_dispatch_chain, dispatch=dispatch_of(variant, num_experts, capacity),
+                               unroll=unroll)
         return per_rank(mesh, fn, 2), ("tokens", "expert_ids"), False
     if variant == "nx_moe_combine":
         fn = functools.partial(moe_combine_chain, unroll=unroll)
@@ -454,13 +486,13 @@ def verify_ragged(mesh, arrays, routing):
     return common.gathered(mismatches).astype(np.int64).tolist()
 
 
-def verify_moe(mesh, arrays, routing, experts_per_rank, wire_dtype, weights_in):
-    """Largest |combine(dispatch(t)) - t * sum(weights)| relative to max |t| (the weights sum to 1)."""
-    fn = functools.partial(moe_round_trip, num_experts=routing.counts.shape[0] * experts_per_rank,
-                           capacity=routing.capacity, wire_dtype=wire_dtype, weights_in=weights_in)
+def verify_moe(mesh, arrays, routing, experts_per_rank, variant):
+    """Largest |combine(dispatch(t)) - t * sum(weights)| relative to max |t| (the weights sum to 1), for a
+    round-trip variant."""
+    round_trip = round_trip_of(variant, routing.counts.shape[0] * experts_per_rank, routing.capacity)
 
     def body(tokens, expert_ids, weights):
-        out = fn(tokens, expert_ids, weights).astype(jnp.float32)
+        out = round_trip(tokens, expert_ids, weights).astype(jnp.float32)
         expected = tokens.astype(jnp.float32) * weights.sum(axis=1, keepdims=True)
         return (jnp.max(jnp.abs(out - expected)) / jnp.maximum(jnp.max(jnp.abs(expected)), 1e-6))[None]
 
@@ -573,11 +605,18 @@ def make_row(variant, transport, size, args, timing=None, status="ok", message=N
 
 
 def add_speedups(row, baselines):
-    if row["status"] != "ok" or not row["variant"].startswith("nx_") or row["variant"] in MOE_VARIANTS:
+    """The row's ``vs_<baseline>`` ratios (XLA's median / this one): the exchange against each XLA collective,
+    a moe round trip or dispatch against the XLA moe layer's (``vs_xla_moe``)."""
+    variant = row["variant"]
+    if row["status"] != "ok" or not variant.startswith("nx_") or variant == "nx_moe_combine":
         return
-    for key in BASELINES:
+    if variant in MOE_VARIANTS:
+        pairs = [("xla_moe", "xla_moe_dispatch" if "dispatch" in variant else "xla_moe")]
+    else:
+        pairs = [(key, key) for key in BASELINES]
+    for column, key in pairs:
         base = baselines.get(key)
-        row[f"vs_{key}"] = base["median_us"] / row["median_us"] if base and base["status"] == "ok" else None
+        row[f"vs_{column}"] = base["median_us"] / row["median_us"] if base and base["status"] == "ok" else None
 
 
 def default_unroll(size, smoke):
@@ -633,6 +672,9 @@ def run_size(tokens, mesh, args, log, table, rows, sizes):
                 baselines[variant] = make_row(variant, "xla", size, args, status=status_of(e), message=short(e))
         for variant in ragged:
             record(baselines[variant])
+    for row in moe_rows([v for v in XLA_MOE_VARIANTS if v in wanted], mesh, arrays, routing, args, "xla", size, log):
+        baselines[row["variant"]] = row
+        record(row)
 
     for transport in args.transports:
         transport = set_transport(transport)
@@ -665,18 +707,17 @@ def moe_rows(variants, mesh, arrays, routing, args, transport, size, log):
     if not variants:
         return []
     failed = {}  # variant -> its row when its round trip failed or was wrong
-    way = lambda v: (wire_of(v), weights_in_of(v))
-    for wire, weights_in in sorted({way(v) for v in variants}, key=str):
-        mine = [v for v in variants if way(v) == (wire, weights_in)]
+    for round_trip in sorted({checked_by(v) for v in variants}):
+        mine = [v for v in variants if checked_by(v) == round_trip]
+        label = VARIANTS[round_trip][0]
         try:
-            error = verify_moe(mesh, arrays, routing, args.experts_per_rank, wire, weights_in)
+            error = verify_moe(mesh, arrays, routing, args.experts_per_rank, round_trip)
         except Exception as e:  # noqa: BLE001 - record the failure and go on
-            log(f"WARNING: jax_ncclx.moe ({wire or 'full precision'}) failed: {short(e)}")
+            log(f"WARNING: {label} failed: {short(e)}")
             failed.update({v: make_row(v, transport, size, args, status="error", message=short(e)) for v in mine})
             continue
-        if not error <= ROUND_TRIP_TOLERANCE[wire]:
-            log(f"WARNING: jax_ncclx.moe round trip ({wire or 'full precision'}) is wrong: max relative error "
-                f"{error:.3g}; not timed")
+        if not error <= ROUND_TRIP_TOLERANCE[wire_of(round_trip)]:
+            log(f"WARNING: {label} is wrong: max relative error {error:.3g}; not timed")
             failed.update({v: make_row(v, transport, size, args, status="mismatch", verified=False,
                                        message=f"max relative error {error:.3g}") for v in mine})
     inputs = dict(arrays)
@@ -697,7 +738,7 @@ MD_COLUMNS = [
     ("median_us", "median µs/op", ".1f"), ("min_us", "min µs/op", ".1f"), ("peer_gbps", "peer GB/s", ".1f"),
     ("alg_gbps", "alg GB/s", ".1f"), ("vs_xla_all_to_all", "speedup vs lax.all_to_all", ".2f"),
     ("vs_xla_ragged", "vs ragged", ".2f"), ("vs_xla_ragged_counts", "vs ragged + count a2a", ".2f"),
-    ("reps", "reps", "d"), ("status", "status", ""),
+    ("vs_xla_moe", "vs XLA moe layer", ".2f"), ("reps", "reps", "d"), ("status", "status", ""),
 ]
 TRACE_COLUMNS = [  # with --device-trace: (key, markdown header, progress-table header, format)
     ("dev_kernel_us", "GPU kernel µs", "kernel us", ".1f"), ("dev_gap_us", "GPU idle gap µs", "gap us", ".1f"),
@@ -749,7 +790,11 @@ def notes(config: dict, sizes: list) -> str:
         "rows the pairs stand for (effective rates). combine, given the weights by dispatch, sums each token's "
         "pairs on the expert side and sends one row per token and rank back (effective rates too); *weights at "
         "combine* gives them to combine instead, which sends one row per pair back.",
-        "- **speedup** = XLA median / jax_ncclx median (> 1: jax_ncclx is faster).",
+        "- **speedup** = XLA median / jax_ncclx median (> 1: jax_ncclx is faster). *vs XLA moe layer*: a moe round "
+        "trip against the same round trip written with XLA's own ops (`benchmarks/xla_moe.py`: pairs sorted by "
+        "expert, gathered into a padded [N·C, H] buffer, `lax.all_to_all` with each slot's local expert, sorted by "
+        "local expert; unsorted, `lax.all_to_all` back, weighted sum in float32: one row per pair each way, "
+        "padding included), moe dispatch against that layer's dispatch.",
         "- **fp8 wire** rows: `moe.dispatch(wire_dtype=float8_e4m3fn)`, each row travels as H + 4·H/128 bytes "
         "(0.52× bf16) and is dequantized on arrival; their GB/s columns still count bf16 bytes (effective rates). "
         "The round trip is checked before timing: within 5e-2 of max |token| in bf16, 8e-2 with the fp8 wire.",
@@ -835,10 +880,12 @@ def main(argv=None):
     if args.from_json:
         replot(args, log)
         return 0
-    devices, mesh, meta, config = common.start(parser, args, AXIS,
-                                               skip=("sweep_range", "process_id", "coordinator_port"))
+    devices, mesh, meta, config = common.start(parser, args, AXIS, skip=("sweep_range", "process_id", "coordinator_port"),
+                                               min_gpus=1)
     writer = jax.process_index() == 0
     args.num_devices = n = config["num_devices"] = len(devices)
+    if n == 1:
+        log.warn("one device: no row crosses a link, so the times are the routing, copies and launches alone")
     if args.top_k > n * args.experts_per_rank:
         parser.error(f"--top-k {args.top_k} is more than the {n * args.experts_per_rank} experts")
     bad = [t for t in args.transports if t != "default" and t not in nx_config.TRANSPORTS]

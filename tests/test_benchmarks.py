@@ -44,6 +44,19 @@ def test_all_to_allv_smoke(tmp_path):
     assert rows["nx_padded"]["verified"] and rows["nx_packed"]["verified"]
 
 
+def test_all_to_allv_moe_smoke(tmp_path):
+    """The moe variants and the XLA moe layer are verified before timing, and each moe round trip or dispatch
+    carries its ratio to the XLA layer's."""
+    moe_variants = ("nx_moe", "nx_moe_dispatch", "xla_moe", "xla_moe_dispatch")
+    document = run_smoke("all_to_allv.py", tmp_path, "--tokens", "8", "--variants", ",".join(moe_variants))
+    rows = {r["variant"]: r for r in document["rows"]}
+    assert set(rows) == set(moe_variants)
+    assert all(r["status"] == "ok" and r["verified"] and r["median_us"] > 0 for r in rows.values())
+    assert rows["xla_moe"]["path"] == rows["xla_moe_dispatch"]["path"] == "xla"
+    for variant, baseline in (("nx_moe", "xla_moe"), ("nx_moe_dispatch", "xla_moe_dispatch")):
+        assert rows[variant]["vs_xla_moe"] == pytest.approx(rows[baseline]["median_us"] / rows[variant]["median_us"])
+
+
 def test_results_header_names_the_commit_and_its_note():
     sys.path.insert(0, BENCHMARKS)
     try:

@@ -4,6 +4,9 @@ vmap, bf16 and argument errors; on CPU and, where present, GPUs. The round trips
 with the weights given to combine (one row per pair comes back) and given to dispatch (each member sums a
 token's pairs and sends one row back)."""
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +15,9 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import assert_same, random_array
 from jax_ncclx import moe
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import xla_moe  # noqa: E402
 
 TOKENS, HIDDEN, TOP_K = 8, 4, 2  # per member
 AMPLE = TOKENS * TOP_K           # a capacity nothing can overflow
@@ -102,6 +108,33 @@ def test_dispatch_and_round_trip(backend, capacity, weights_in):
     rows, sizes, dropped, out = run_dispatch_combine(line_mesh(backend), tokens, ids, weights, num_experts, capacity,
                                                      weights_in)
 
+    expected, delivered = reference_dispatch(tokens, ids, num_experts, capacity)
+    for member, (ref_rows, ref_sizes, ref_dropped) in enumerate(expected):
+        np.testing.assert_array_equal(rows[member], ref_rows)
+        np.testing.assert_array_equal(sizes[member], ref_sizes)
+        np.testing.assert_array_equal(dropped[member], ref_dropped)
+    assert (dropped.sum() > 0) == (capacity == TIGHT)
+    ref_out = (tokens[:, :, None, :] * (weights * delivered)[..., None]).sum(axis=2)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("capacity", [AMPLE, TIGHT], ids=["ample", "tight"])
+def test_benchmark_xla_layer_matches_the_reference(backend, capacity):
+    """benchmarks/xla_moe.py, the XLA-only layer that benchmarks/all_to_allv.py times moe against, gives the
+    reference's rows, group sizes, drops and round trip: the speedups over it compare the same work."""
+    n = len(backend)
+    num_experts = 2 * n
+    tokens = random_array((n, TOKENS, HIDDEN), jnp.float32)
+    ids = random_ids(n, num_experts, seed=capacity)
+    weights = random_array((n, TOKENS, TOP_K), jnp.float32, seed=1)
+
+    def body(t, i, w):
+        rows, sizes, routing = xla_moe.dispatch(t[0], i[0], num_experts=num_experts, axis_name="x",
+                                                capacity=capacity)
+        return rows[None], sizes[None], routing.dropped[None], xla_moe.combine(rows, routing, w[0])[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=line_mesh(backend), in_specs=(P("x"),) * 3, out_specs=P("x")))
+    rows, sizes, dropped, out = (np.asarray(o) for o in f(tokens, ids, weights))
     expected, delivered = reference_dispatch(tokens, ids, num_experts, capacity)
     for member, (ref_rows, ref_sizes, ref_dropped) in enumerate(expected):
         np.testing.assert_array_equal(rows[member], ref_rows)
