@@ -140,7 +140,7 @@ struct Shared {
   int64_t d[kThreads];  // rows from all sources at the peer (send, direct packed)
   unsigned long long zero_rows;  // the zero rows after the planned tile's rows at the peer (send)
   int32_t send[kStagedCounts];   // this rank's send counts of the tile's batch elements
-  int32_t slots[kStagedCounts];  // what every source delivered to one rank, from the count slots
+  int32_t slots[kStagedCounts];  // what every source delivered to one rank, from the count slots; or Emit::kShared
 };
 
 // The staging area of `rank`'s data region (symmetric_layout.h), read from the peer table at run time.
@@ -265,9 +265,28 @@ __device__ __forceinline__ bool OneTile(const NvlinkAllToAllvArgs& args) {
 
 // Where a plan writes what reaches the peer: nowhere, the peer's count slot for this rank (indexed by
 // destination; staged mode, where the receiver places the piece by it, every piece so that a receiver waits
-// for no other piece than its own), or the peer's recv_counts [B, N, K] (piece 0 in direct mode, once the peer
-// has entered and published their address).
-enum class Emit { kNone, kSlot, kRecvCounts };
+// for no other piece than its own), the peer's recv_counts [B, N, K] (piece 0 in direct mode, once the peer
+// has entered and published their address), or shared.slots [B, K] (piece 0's plan made before the peer
+// entered, in direct mode: copied into the peer's recv_counts once it has, CopyRecvCounts).
+enum class Emit { kNone, kSlot, kRecvCounts, kShared };
+
+// Whether piece 0 of a call whose first tile was planned before the peer entered keeps what reaches the peer
+// in shared memory (Emit::kShared), so that after the wait its block copies it with every thread instead of
+// one thread planning the tile again: direct mode, calls of one tile whose [B, K] counts fit.
+__device__ __forceinline__ bool RecvCountsInShared(const NvlinkAllToAllvArgs& args) {
+  return args.direct && args.shape.batch * args.shape.num_chunks <= kStagedCounts;
+}
+
+// Writes the [B, K] counts that piece 0's early plan left in shared.slots (Emit::kShared) into `peer`'s
+// recv_counts, whose address the peer published as it entered. Every thread takes some.
+__device__ void CopyRecvCounts(const NvlinkAllToAllvArgs& args, const Shared& shared, int peer) {
+  const AllToAllvShape& s = args.shape;
+  int32_t* recv_counts = reinterpret_cast<int32_t*>(args.control->recv_counts[peer]);
+  for (int i = threadIdx.x; i < s.batch * s.num_chunks; i += kThreads) {
+    const int b = i / static_cast<int>(s.num_chunks);
+    recv_counts[(b * s.num_peers + args.rank) * s.num_chunks + i % s.num_chunks] = shared.slots[i];
+  }
+}
 
 // Plans tile [tile, tile + size) of this rank's sends to `peer` into shared, one thread per batch element: the
 // first input row and the rows delivered, in the direct packed layout the rows from earlier sources and from
@@ -287,6 +306,8 @@ __device__ void PlanTile(const NvlinkAllToAllvArgs& args, Shared& shared, int pa
     int32_t* delivered_chunks = nullptr;  // row b of the peer's count slot for this rank, or of its recv_counts
     if (emit == Emit::kSlot) {
       delivered_chunks = CountSlot(args, peer, parity, args.rank) + (b * s.num_peers + peer) * s.num_chunks;
+    } else if (emit == Emit::kShared) {
+      delivered_chunks = shared.slots + b * s.num_chunks;
     } else if (emit == Emit::kRecvCounts) {
       delivered_chunks = reinterpret_cast<int32_t*>(args.control->recv_counts[peer]) +
                          (b * s.num_peers + args.rank) * s.num_chunks;
@@ -323,10 +344,11 @@ __device__ __forceinline__ bool LeavesZeros(const NvlinkAllToAllvArgs& args, con
 // the rest from args.suffix. Direct mode also writes the zero rows of the piece, so the peer's output is
 // complete when the piece's flag is raised, unless it leaves them to the peer (LeavesZeros): returns whether
 // it did. `planned`: PlanTile ran for the first tile before the peer entered, with every write but the peer's
-// recv_counts, whose address the peer publishes when it enters (piece 0 in direct mode plans again from the
-// staged counts to write them). `round`: the part of the piece to write (calls of one tile, whose plan the
-// first round leaves in shared memory for the others).
-template <typename V>
+// recv_counts, whose address the peer publishes when it enters (piece 0 in direct mode copies them from
+// shared memory, CopyRecvCounts, or where they did not fit there plans again from the staged counts).
+// `round`: the part of the piece to write (calls of one tile, whose plan the first round leaves in shared
+// memory for the others). kInRounds: as the kernel's (staged calls only, so piece 0 never copies counts).
+template <typename V, bool kInRounds>
 __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int g,
                           bool planned, Round round) {
   const AllToAllvShape& s = args.shape;
@@ -355,7 +377,9 @@ __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
     const Emit emit = first_piece && args.direct     ? Emit::kRecvCounts
                       : !planned_tile && !args.direct ? Emit::kSlot
                                                       : Emit::kNone;
-    if (round.index == 0 && (!planned_tile || emit == Emit::kRecvCounts)) {
+    if (!kInRounds && round.index == 0 && planned_tile && emit == Emit::kRecvCounts && RecvCountsInShared(args)) {
+      CopyRecvCounts(args, shared, peer);
+    } else if (round.index == 0 && (!planned_tile || emit == Emit::kRecvCounts)) {
       PlanTile(args, shared, parity, peer, tile, size, emit, first_piece && !planned_tile, planned_tile);
     }
     leaves_zeros = LeavesZeros(args, shared, peer);
@@ -518,9 +542,12 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
   // whose rows this rank has received.
   const bool plan_early = !direct_packed && OneTile(args);
   if (plan_early && static_cast<int>(blockIdx.x) < jobs) {
-    PlanTile(args, shared, parity, SendPeer(args, static_cast<int>(blockIdx.x)), 0, args.shape.batch,
-             args.direct ? Emit::kNone : Emit::kSlot, /*dropped=*/static_cast<int>(blockIdx.x) < num_peers,
-             /*counts_in_shared=*/false);
+    const bool first_piece = static_cast<int>(blockIdx.x) < num_peers;
+    const Emit emit = !args.direct                                            ? Emit::kSlot
+                      : !kInRounds && first_piece && RecvCountsInShared(args) ? Emit::kShared
+                                                                              : Emit::kNone;
+    PlanTile(args, shared, parity, SendPeer(args, static_cast<int>(blockIdx.x)), 0, args.shape.batch, emit,
+             /*dropped=*/first_piece, /*counts_in_shared=*/false);
   }
   // Consecutive blocks serve different peers. Blocks of neighbouring indices share parts of the chip, and
   // when each run of them served one peer (or the local copy) the exchange took 16% longer at T = 4096 on
@@ -543,7 +570,7 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
     const bool planned = plan_early && job == static_cast<int>(blockIdx.x);
     bool zeros_left = false;
     for (int r = 0; r < rounds; ++r) {
-      zeros_left = SendPiece<V>(args, shared, parity, peer, g, planned, Round{r, rounds});
+      zeros_left = SendPiece<V, kInRounds>(args, shared, parity, peer, g, planned, Round{r, rounds});
       // The block's rows are ordered before each release by SendPiece's final barrier.
       if (threadIdx.x == 0 && r + 1 < rounds) {
         StoreRelease(&args.table->control[peer]->progress[args.rank][g], (epoch << kRoundBits) + r + 1);
