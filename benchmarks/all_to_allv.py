@@ -888,8 +888,8 @@ def main(argv=None):
     if args.from_json:
         replot(args, log)
         return 0
-    devices, mesh, meta, config = common.start(parser, args, AXIS, skip=("sweep_range", "process_id", "coordinator_port"),
-                                               min_gpus=1)
+    devices, mesh, meta, config = common.start(parser, args, AXIS, min_gpus=1,
+                                               skip=("sweep_range", "process_id", "coordinator_port"))
     writer = jax.process_index() == 0
     args.num_devices = n = config["num_devices"] = len(devices)
     if n == 1:

@@ -2,7 +2,8 @@
 sizes, drops over capacity, the round trip, ragged_dot experts, gradients against jax.grad of a dense layer,
 vmap, bf16 and argument errors; on CPU and, where present, GPUs. The round trips run both ways of combining:
 with the weights given to combine (one row per pair comes back) and given to dispatch (each member sums a
-token's pairs and sends one row back)."""
+token's pairs and sends one row back). benchmarks/xla_moe.py, the benchmark's XLA-only layer, is checked
+against the same reference."""
 
 import os
 import sys
