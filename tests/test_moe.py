@@ -96,6 +96,19 @@ def run_dispatch_combine(mesh, tokens, ids, weights, num_experts, capacity, weig
     return [np.asarray(o) for o in f(tokens, ids, weights)]
 
 
+def check_against_reference(tokens, ids, weights, num_experts, capacity, rows, sizes, dropped, out):
+    """Each member's expert-major rows, group sizes and drops are the reference's (drops exactly when the
+    capacity is TIGHT), and identity experts give sum_j w * token over the delivered pairs."""
+    expected, delivered = reference_dispatch(tokens, ids, num_experts, capacity)
+    for member, (ref_rows, ref_sizes, ref_dropped) in enumerate(expected):
+        np.testing.assert_array_equal(rows[member], ref_rows)
+        np.testing.assert_array_equal(sizes[member], ref_sizes)
+        np.testing.assert_array_equal(dropped[member], ref_dropped)
+    assert (dropped.sum() > 0) == (capacity == TIGHT)
+    ref_out = (tokens[:, :, None, :] * (weights * delivered)[..., None]).sum(axis=2)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("weights_in", WEIGHTS_IN)
 @pytest.mark.parametrize("capacity", [AMPLE, TIGHT], ids=["ample", "tight"])
 def test_dispatch_and_round_trip(backend, capacity, weights_in):
@@ -108,15 +121,7 @@ def test_dispatch_and_round_trip(backend, capacity, weights_in):
     weights = random_array((n, TOKENS, TOP_K), jnp.float32, seed=1)
     rows, sizes, dropped, out = run_dispatch_combine(line_mesh(backend), tokens, ids, weights, num_experts, capacity,
                                                      weights_in)
-
-    expected, delivered = reference_dispatch(tokens, ids, num_experts, capacity)
-    for member, (ref_rows, ref_sizes, ref_dropped) in enumerate(expected):
-        np.testing.assert_array_equal(rows[member], ref_rows)
-        np.testing.assert_array_equal(sizes[member], ref_sizes)
-        np.testing.assert_array_equal(dropped[member], ref_dropped)
-    assert (dropped.sum() > 0) == (capacity == TIGHT)
-    ref_out = (tokens[:, :, None, :] * (weights * delivered)[..., None]).sum(axis=2)
-    np.testing.assert_allclose(out, ref_out, rtol=1e-6, atol=1e-6)
+    check_against_reference(tokens, ids, weights, num_experts, capacity, rows, sizes, dropped, out)
 
 
 @pytest.mark.parametrize("capacity", [AMPLE, TIGHT], ids=["ample", "tight"])
@@ -136,14 +141,7 @@ def test_benchmark_xla_layer_matches_the_reference(backend, capacity):
 
     f = jax.jit(jax.shard_map(body, mesh=line_mesh(backend), in_specs=(P("x"),) * 3, out_specs=P("x")))
     rows, sizes, dropped, out = (np.asarray(o) for o in f(tokens, ids, weights))
-    expected, delivered = reference_dispatch(tokens, ids, num_experts, capacity)
-    for member, (ref_rows, ref_sizes, ref_dropped) in enumerate(expected):
-        np.testing.assert_array_equal(rows[member], ref_rows)
-        np.testing.assert_array_equal(sizes[member], ref_sizes)
-        np.testing.assert_array_equal(dropped[member], ref_dropped)
-    assert (dropped.sum() > 0) == (capacity == TIGHT)
-    ref_out = (tokens[:, :, None, :] * (weights * delivered)[..., None]).sum(axis=2)
-    np.testing.assert_allclose(out, ref_out, rtol=1e-6, atol=1e-6)
+    check_against_reference(tokens, ids, weights, num_experts, capacity, rows, sizes, dropped, out)
 
 
 @pytest.mark.parametrize("weights_in", WEIGHTS_IN)
