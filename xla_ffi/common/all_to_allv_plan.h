@@ -61,6 +61,57 @@ NCCLX_HOST_DEVICE inline PeerPlan PlanPeer(const int32_t* counts, int64_t num_ch
   return plan;
 }
 
+#if defined(__CUDACC__)
+// PlanPeer's plan made by one warp, which every lane of it calls with the same arguments: lane l takes chunks
+// l, l + 32, ... The walk's cuts follow from prefix sums: through chunk k the rows consumed are
+// min(num_rows, first_row + the positive counts of chunks 0..k), and the rows delivered are
+// min(capacity, those consumed - first_row). So a chunk delivers the difference of two such values, and the
+// warp needs a scan where PlanPeer's one thread walks the counts one after another (up to N * K of them,
+// each a dependent shared-memory read). Every lane returns the plan; the lane of each chunk writes the rows of
+// it that reach the peer into delivered_chunks[chunk] (when not null). Not inlined: the NVLink exchange kernel
+// is at its limit of 128 registers, and inlined, this loop's 64-bit sums made every variant spill (ptxas -v).
+__device__ __noinline__ inline PeerPlan WarpPlanPeer(const int32_t* counts, int64_t num_chunks, int64_t num_rows,
+                                                     int64_t capacity, int64_t peer, int32_t* delivered_chunks) {
+  constexpr unsigned kAllLanes = 0xffffffffu;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  auto warp_sum = [](int64_t v) {
+    for (int d = 16; d > 0; d /= 2) v += __shfl_xor_sync(kAllLanes, v, d);
+    return v;
+  };
+  int64_t claimed = 0;
+  for (int64_t i = lane; i < peer * num_chunks; i += 32) claimed += counts[i] < 0 ? 0 : counts[i];
+  claimed = warp_sum(claimed);
+  PeerPlan plan;
+  plan.first_row = claimed < num_rows ? claimed : num_rows;
+  auto delivered_through = [&](int64_t positive) {  // rows delivered once `positive` rows were asked for
+    const int64_t consumed = plan.first_row + positive < num_rows ? plan.first_row + positive : num_rows;
+    return consumed - plan.first_row < capacity ? consumed - plan.first_row : capacity;
+  };
+  int64_t positive = 0;  // positive counts of the chunks of the earlier passes
+  int64_t requested = 0;
+  for (int64_t first = 0; first < num_chunks; first += 32) {
+    const int64_t chunk = first + lane;
+    const int64_t count = chunk < num_chunks ? counts[peer * num_chunks + chunk] : 0;
+    requested += count < 0 ? -count : count;
+    const int64_t own = count < 0 ? 0 : count;
+    int64_t through = own;  // inclusive scan over the pass's lanes
+    for (int d = 1; d < 32; d *= 2) {
+      const int64_t below = __shfl_up_sync(kAllLanes, through, d);
+      if (lane >= d) through += below;
+    }
+    if (chunk < num_chunks && delivered_chunks != nullptr) {
+      delivered_chunks[chunk] = static_cast<int32_t>(delivered_through(positive + through) -
+                                                     delivered_through(positive + through - own));
+    }
+    positive += __shfl_sync(kAllLanes, through, 31);
+  }
+  plan.delivered = delivered_through(positive);
+  const int64_t lost = warp_sum(requested) - plan.delivered;
+  plan.dropped = static_cast<int32_t>(lost < INT32_MAX ? lost : INT32_MAX);
+  return plan;
+}
+#endif  // defined(__CUDACC__)
+
 // PlanPeer for every peer. delivered_chunks: [num_peers * num_chunks]; first_row / delivered / dropped:
 // [num_peers].
 NCCLX_HOST_DEVICE inline void PlanSends(const int32_t* counts, int64_t num_peers, int64_t num_chunks,

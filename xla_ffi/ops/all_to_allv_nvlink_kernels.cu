@@ -139,6 +139,7 @@ struct Shared {
   int64_t c[kThreads];  // rows from earlier sources at the peer (send) / from all sources (receive, packed)
   int64_t d[kThreads];  // rows from all sources at the peer (send, direct packed)
   unsigned long long zero_rows;  // the zero rows after the planned tile's rows at the peer (send)
+  int peer_entered;              // whether the peer of the block's first piece entered (awaited during its plan)
   int32_t send[kStagedCounts];   // this rank's send counts of the tile's batch elements
   int32_t slots[kStagedCounts];  // what every source delivered to one rank, from the count slots; or Emit::kShared
 };
@@ -288,20 +289,25 @@ __device__ void CopyRecvCounts(const NvlinkAllToAllvArgs& args, const Shared& sh
   }
 }
 
-// Plans tile [tile, tile + size) of this rank's sends to `peer` into shared, one thread per batch element: the
-// first input row and the rows delivered, in the direct packed layout the rows from earlier sources and from
-// all sources at the peer, and the zero rows after the tile's rows. Writes what reaches the peer where `emit`
-// says, and with `dropped` (piece 0) this rank's dropped rows for the peer. `counts_in_shared`: the tile's send
-// counts are in shared memory already.
+// Plans tile [tile, tile + size) of this rank's sends to `peer` into shared: the first input row and the rows
+// delivered, in the direct packed layout the rows from earlier sources and from all sources at the peer, and
+// the zero rows after the tile's rows. Writes what reaches the peer where `emit` says, and with `dropped`
+// (piece 0) this rank's dropped rows for the peer. `counts_in_shared`: the tile's send counts are in shared
+// memory already. A warp plans each batch element (WarpPlanPeer) where the tile has no more of them than the
+// block has warps, as the MoE exchanges (one element); a thread each otherwise. The block's last thread runs
+// `meanwhile` (which must not synchronize the block) while the others plan.
+template <typename Meanwhile>
 __device__ void PlanTile(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int64_t tile,
-                         int64_t size, Emit emit, bool dropped, bool counts_in_shared) {
+                         int64_t size, Emit emit, bool dropped, bool counts_in_shared, Meanwhile&& meanwhile) {
   const AllToAllvShape& s = args.shape;
   const bool direct_packed = args.direct && args.packed;
   const TileCounts counts(args, shared, parity, tile, size, peer, !counts_in_shared, /*with_slots=*/direct_packed);
   if (threadIdx.x == 0) shared.zero_rows = 0;
   __syncthreads();
-  if (threadIdx.x < size) {
-    const int64_t i = threadIdx.x;
+  constexpr int kWarps = kThreads / 32;
+  const bool warp_per_element = size <= kWarps;
+  const int64_t i = warp_per_element ? threadIdx.x / 32 : threadIdx.x;
+  if (i < size) {
     const int64_t b = tile + i;
     int32_t* delivered_chunks = nullptr;  // row b of the peer's count slot for this rank, or of its recv_counts
     if (emit == Emit::kSlot) {
@@ -312,23 +318,28 @@ __device__ void PlanTile(const NvlinkAllToAllvArgs& args, Shared& shared, int pa
       delivered_chunks = reinterpret_cast<int32_t*>(args.control->recv_counts[peer]) +
                          (b * s.num_peers + args.rank) * s.num_chunks;
     }
-    const PeerPlan plan = PlanPeer(counts.Send(i), s.num_chunks, s.num_rows, s.capacity, peer,
-                                   [&](int64_t chunk, int32_t rows) {
-                                     if (delivered_chunks != nullptr) delivered_chunks[chunk] = rows;
-                                   });
-    if (dropped) args.dropped[b * s.num_peers + peer] = plan.dropped;
-    int64_t before = 0, total = 0;
-    for (int q = 0; direct_packed && q < s.num_peers; ++q) {
-      const int64_t rows = counts.RowsFrom(q, i);
-      if (q < args.rank) before += rows;
-      total += rows;
+    const PeerPlan plan =
+        warp_per_element
+            ? WarpPlanPeer(counts.Send(i), s.num_chunks, s.num_rows, s.capacity, peer, delivered_chunks)
+            : PlanPeer(counts.Send(i), s.num_chunks, s.num_rows, s.capacity, peer, [&](int64_t chunk, int32_t rows) {
+                if (delivered_chunks != nullptr) delivered_chunks[chunk] = rows;
+              });
+    if (!warp_per_element || threadIdx.x % 32 == 0) {
+      if (dropped) args.dropped[b * s.num_peers + peer] = plan.dropped;
+      int64_t before = 0, total = 0;
+      for (int q = 0; direct_packed && q < s.num_peers; ++q) {
+        const int64_t rows = counts.RowsFrom(q, i);
+        if (q < args.rank) before += rows;
+        total += rows;
+      }
+      shared.a[i] = plan.first_row;
+      shared.b[i] = min(plan.delivered, s.capacity);
+      shared.c[i] = before;
+      shared.d[i] = total;
+      atomicAdd(&shared.zero_rows, static_cast<unsigned long long>(s.capacity - shared.b[i]));
     }
-    shared.a[i] = plan.first_row;
-    shared.b[i] = min(plan.delivered, s.capacity);
-    shared.c[i] = before;
-    shared.d[i] = total;
-    atomicAdd(&shared.zero_rows, static_cast<unsigned long long>(s.capacity - shared.b[i]));
   }
+  if (threadIdx.x == kThreads - 1) meanwhile();
   __syncthreads();
 }
 
@@ -380,7 +391,7 @@ __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
     if (!kInRounds && round.index == 0 && planned_tile && emit == Emit::kRecvCounts && RecvCountsInShared(args)) {
       CopyRecvCounts(args, shared, peer);
     } else if (round.index == 0 && (!planned_tile || emit == Emit::kRecvCounts)) {
-      PlanTile(args, shared, parity, peer, tile, size, emit, first_piece && !planned_tile, planned_tile);
+      PlanTile(args, shared, parity, peer, tile, size, emit, first_piece && !planned_tile, planned_tile, [] {});
     }
     leaves_zeros = LeavesZeros(args, shared, peer);
     const bool with_zeros = args.direct && !leaves_zeros;
@@ -537,17 +548,22 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
     }
   }
   // The plan of a block's first piece needs nothing from its peer except in the direct packed layout (the
-  // peers' counts): make it while the peers enter. Calls of one tile only, as the MoE exchanges. Its count slot
-  // in the peer is free: the peer finished the last call of this parity before it entered the one in between,
-  // whose rows this rank has received.
+  // peers' counts): make it while the peers enter, and wait for the peer's entry in the meantime, so that the
+  // wait's round trip overlaps the plan instead of following it. Calls of one tile only, as the MoE exchanges.
+  // Its count slot in the peer is free: the peer finished the last call of this parity before it entered the
+  // one in between, whose rows this rank has received.
   const bool plan_early = !direct_packed && OneTile(args);
   if (plan_early && static_cast<int>(blockIdx.x) < jobs) {
+    const int peer = SendPeer(args, static_cast<int>(blockIdx.x));
     const bool first_piece = static_cast<int>(blockIdx.x) < num_peers;
     const Emit emit = !args.direct                                            ? Emit::kSlot
                       : !kInRounds && first_piece && RecvCountsInShared(args) ? Emit::kShared
                                                                               : Emit::kNone;
-    PlanTile(args, shared, parity, SendPeer(args, static_cast<int>(blockIdx.x)), 0, args.shape.batch, emit,
-             /*dropped=*/first_piece, /*counts_in_shared=*/false);
+    PlanTile(args, shared, parity, peer, 0, args.shape.batch, emit, /*dropped=*/first_piece,
+             /*counts_in_shared=*/false, [&] {
+               shared.peer_entered = patience.AtLeast(&args.control->entered[peer], epoch, peer);
+               trace.PeersEntered();
+             });
   }
   // Consecutive blocks serve different peers. Blocks of neighbouring indices share parts of the chip, and
   // when each run of them served one peer (or the local copy) the exchange took 16% longer at T = 4096 on
@@ -556,8 +572,11 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
   for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
     const int peer = SendPeer(args, job);
     const int g = job / num_peers;
+    const bool planned = plan_early && job == static_cast<int>(blockIdx.x);
     bool entered = true;
-    if (threadIdx.x == 0) {
+    if (planned) {
+      entered = shared.peer_entered != 0;  // awaited during the plan
+    } else if (threadIdx.x == 0) {
       // The direct packed layout places rows after the earlier sources' and zeros after all: every
       // rank's counts are needed, and they come with `entered`.
       for (int q = 0; q < num_peers; ++q) {
@@ -567,7 +586,6 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
     }
     // A peer that never entered has not published its output address (direct mode): send nothing to it.
     if (__syncthreads_or(!entered)) continue;
-    const bool planned = plan_early && job == static_cast<int>(blockIdx.x);
     bool zeros_left = false;
     for (int r = 0; r < rounds; ++r) {
       zeros_left = SendPiece<V, kInRounds>(args, shared, parity, peer, g, planned, Round{r, rounds});
