@@ -67,9 +67,10 @@ NCCLX_HOST_DEVICE inline PeerPlan PlanPeer(const int32_t* counts, int64_t num_ch
 // min(num_rows, first_row + the positive counts of chunks 0..k), and the rows delivered are
 // min(capacity, those consumed - first_row). So a chunk delivers the difference of two such values, and the
 // warp needs a scan where PlanPeer's one thread walks the counts one after another (up to N * K of them,
-// each a dependent shared-memory read). Every lane returns the plan; the lane of each chunk writes the rows of
-// it that reach the peer into delivered_chunks[chunk] (when not null). Not inlined: the NVLink exchange kernel
-// is at its limit of 128 registers, and inlined, this loop's 64-bit sums made every variant spill (ptxas -v).
+// each a dependent shared-memory read). That walk costs ~90 cycles per chunk, the warp ~15 shuffles whatever
+// the counts, so the warp pays off from a few chunks per peer on. Every lane returns the plan; the lane of each
+// chunk writes the rows of it that reach the peer into delivered_chunks[chunk] (when not null). Not inlined:
+// the NVLink exchange kernel is at its limit of 128 registers, and inlined, this made every variant spill.
 __device__ __noinline__ inline PeerPlan WarpPlanPeer(const int32_t* counts, int64_t num_chunks, int64_t num_rows,
                                                      int64_t capacity, int64_t peer, int32_t* delivered_chunks) {
   constexpr unsigned kAllLanes = 0xffffffffu;
@@ -80,7 +81,7 @@ __device__ __noinline__ inline PeerPlan WarpPlanPeer(const int32_t* counts, int6
   };
   int64_t claimed = 0;
   for (int64_t i = lane; i < peer * num_chunks; i += 32) claimed += counts[i] < 0 ? 0 : counts[i];
-  claimed = warp_sum(claimed);
+  if (peer > 0) claimed = warp_sum(claimed);
   PeerPlan plan;
   plan.first_row = claimed < num_rows ? claimed : num_rows;
   auto delivered_through = [&](int64_t positive) {  // rows delivered once `positive` rows were asked for
