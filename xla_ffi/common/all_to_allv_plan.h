@@ -69,10 +69,9 @@ NCCLX_HOST_DEVICE inline PeerPlan PlanPeer(const int32_t* counts, int64_t num_ch
 // warp needs a scan where PlanPeer's one thread walks the counts one after another (up to N * K of them,
 // each a dependent shared-memory read). That walk costs ~90 cycles per chunk, the warp ~15 shuffles whatever
 // the counts, so the warp pays off from a few chunks per peer on. Every lane returns the plan; the lane of each
-// chunk writes the rows of it that reach the peer into delivered_chunks[chunk] (when not null). Not inlined:
-// the NVLink exchange kernel is at its limit of 128 registers, and inlined, this made every variant spill.
-__device__ __noinline__ inline PeerPlan WarpPlanPeer(const int32_t* counts, int64_t num_chunks, int64_t num_rows,
-                                                     int64_t capacity, int64_t peer, int32_t* delivered_chunks) {
+// chunk writes the rows of it that reach the peer into delivered_chunks[chunk] (when not null).
+__device__ inline PeerPlan WarpPlanPeer(const int32_t* counts, int64_t num_chunks, int64_t num_rows,
+                                        int64_t capacity, int64_t peer, int32_t* delivered_chunks) {
   constexpr unsigned kAllLanes = 0xffffffffu;
   const int lane = static_cast<int>(threadIdx.x % 32);
   auto warp_sum = [](int64_t v) {

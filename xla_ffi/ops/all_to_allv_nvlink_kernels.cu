@@ -133,9 +133,9 @@ __device__ __forceinline__ void ForEachSlice(const NvlinkAllToAllvArgs& args, in
 // batch element alone needs more, the block reads global memory instead.
 constexpr int64_t kStagedCounts = 2048;
 
-// From this many chunks per peer a warp plans a batch element (WarpPlanPeer) rather than a thread (PlanPeer).
-// On one H100 the warp took the padded exchange with 32 chunks from 20.2 to 18.7 µs (T = 128), and made the MoE
-// exchanges (one chunk per member) 0.3 µs slower per call.
+// From this many chunks per peer, the plan made before the peer enters gives each batch element a warp
+// (WarpPlanPeer) rather than a thread (PlanPeer): with one chunk per member, as the MoE exchanges, the warp's
+// shuffles cost more than the thread's walk (0.3 µs per call on one H100).
 constexpr int64_t kMinChunksForWarpPlan = 8;
 
 struct Shared {
@@ -298,10 +298,12 @@ __device__ void CopyRecvCounts(const NvlinkAllToAllvArgs& args, const Shared& sh
 // delivered, in the direct packed layout the rows from earlier sources and from all sources at the peer, and
 // the zero rows after the tile's rows. Writes what reaches the peer where `emit` says, and with `dropped`
 // (piece 0) this rank's dropped rows for the peer. `counts_in_shared`: the tile's send counts are in shared
-// memory already. A warp plans each batch element (WarpPlanPeer) where the tile has no more of them than the
-// block has warps and they have kMinChunksForWarpPlan chunks per peer or more; a thread each otherwise. The
-// block's last thread runs `meanwhile` (which must not synchronize the block) while the others plan.
-template <typename Meanwhile>
+// memory already. kWarpPlan (the plan made before the peer enters): a warp plans each batch element
+// (WarpPlanPeer) where the tile has no more of them than the block has warps and they have
+// kMinChunksForWarpPlan chunks per peer or more; a thread each otherwise. Only there, because inlined in
+// SendPiece too it pushed every variant of the kernel past its 128 registers (ptxas -v: spills). The block's
+// last thread runs `meanwhile` (which must not synchronize the block) while the others plan.
+template <bool kWarpPlan, typename Meanwhile>
 __device__ void PlanTile(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int64_t tile,
                          int64_t size, Emit emit, bool dropped, bool counts_in_shared, Meanwhile&& meanwhile) {
   const AllToAllvShape& s = args.shape;
@@ -310,7 +312,7 @@ __device__ void PlanTile(const NvlinkAllToAllvArgs& args, Shared& shared, int pa
   if (threadIdx.x == 0) shared.zero_rows = 0;
   __syncthreads();
   constexpr int kWarps = kThreads / 32;
-  const bool warp_per_element = size <= kWarps && s.num_chunks >= kMinChunksForWarpPlan;
+  const bool warp_per_element = kWarpPlan && size <= kWarps && s.num_chunks >= kMinChunksForWarpPlan;
   const int64_t i = warp_per_element ? threadIdx.x / 32 : threadIdx.x;
   if (i < size) {
     const int64_t b = tile + i;
@@ -396,7 +398,7 @@ __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
     if (!kInRounds && round.index == 0 && planned_tile && emit == Emit::kRecvCounts && RecvCountsInShared(args)) {
       CopyRecvCounts(args, shared, peer);
     } else if (round.index == 0 && (!planned_tile || emit == Emit::kRecvCounts)) {
-      PlanTile(args, shared, parity, peer, tile, size, emit, first_piece && !planned_tile, planned_tile, [] {});
+      PlanTile<false>(args, shared, parity, peer, tile, size, emit, first_piece && !planned_tile, planned_tile, [] {});
     }
     leaves_zeros = LeavesZeros(args, shared, peer);
     const bool with_zeros = args.direct && !leaves_zeros;
@@ -564,7 +566,7 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
     const Emit emit = !args.direct                                            ? Emit::kSlot
                       : !kInRounds && first_piece && RecvCountsInShared(args) ? Emit::kShared
                                                                               : Emit::kNone;
-    PlanTile(args, shared, parity, peer, 0, args.shape.batch, emit, /*dropped=*/first_piece,
+    PlanTile<true>(args, shared, parity, peer, 0, args.shape.batch, emit, /*dropped=*/first_piece,
              /*counts_in_shared=*/false, [&] {
                shared.peer_entered = patience.AtLeast(&args.control->entered[peer], epoch, peer);
                trace.PeersEntered();
