@@ -135,7 +135,7 @@ constexpr int64_t kStagedCounts = 2048;
 
 // From this many chunks per peer, the plan made before the peer enters gives each batch element a warp
 // (WarpPlanPeer) rather than a thread (PlanPeer): with one chunk per member, as the MoE exchanges, the warp's
-// shuffles cost more than the thread's walk (0.3 µs per call on one H100).
+// shuffles cost more than the thread's walk (the moe dispatch took 0.3 µs longer with the warp, one H100).
 constexpr int64_t kMinChunksForWarpPlan = 8;
 
 struct Shared {
@@ -398,7 +398,8 @@ __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
     if (!kInRounds && round.index == 0 && planned_tile && emit == Emit::kRecvCounts && RecvCountsInShared(args)) {
       CopyRecvCounts(args, shared, peer);
     } else if (round.index == 0 && (!planned_tile || emit == Emit::kRecvCounts)) {
-      PlanTile<false>(args, shared, parity, peer, tile, size, emit, first_piece && !planned_tile, planned_tile, [] {});
+      PlanTile<false>(args, shared, parity, peer, tile, size, emit, first_piece && !planned_tile, planned_tile,
+                      [] {});
     }
     leaves_zeros = LeavesZeros(args, shared, peer);
     const bool with_zeros = args.direct && !leaves_zeros;
@@ -566,11 +567,12 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
     const Emit emit = !args.direct                                            ? Emit::kSlot
                       : !kInRounds && first_piece && RecvCountsInShared(args) ? Emit::kShared
                                                                               : Emit::kNone;
+    auto await_peer = [&] {
+      shared.peer_entered = patience.AtLeast(&args.control->entered[peer], epoch, peer);
+      trace.PeersEntered();
+    };
     PlanTile<true>(args, shared, parity, peer, 0, args.shape.batch, emit, /*dropped=*/first_piece,
-             /*counts_in_shared=*/false, [&] {
-               shared.peer_entered = patience.AtLeast(&args.control->entered[peer], epoch, peer);
-               trace.PeersEntered();
-             });
+                   /*counts_in_shared=*/false, await_peer);
   }
   // Consecutive blocks serve different peers. Blocks of neighbouring indices share parts of the chip, and
   // when each run of them served one peer (or the local copy) the exchange took 16% longer at T = 4096 on
