@@ -94,6 +94,18 @@ def test_patterns(backend, pattern, k, layout):
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("pattern", ["at_capacity", "overflow", "bad", "random"])
+def test_many_chunks(backend, pattern, layout):
+    """33 chunks per peer: the NVLink kernel plans a peer's rows with a warp from 8 chunks on, in passes of
+    32 chunks."""
+    n, rows, capacity, k = len(backend), 160, 48, 33
+    xs = random_array((n, rows, FEATURES), jnp.float32)
+    counts = reference.count_pattern(pattern, n, k, seed=k, rows=rows, capacity=capacity)
+    check(run(line_mesh(backend), "x", xs, counts, layout, capacity=capacity),
+          reference.all_to_allv(list(xs), list(counts), capacity, layout), jnp.float32)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("pattern", ["overflow", "bad", "random"])
 def test_send_rows_gather_on_the_way(backend, pattern, layout):
     """send_rows (repeats, indices outside x, S != X) gives the result of sending x[send_rows]."""

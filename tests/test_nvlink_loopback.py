@@ -296,6 +296,22 @@ def test_all_to_allv_send_rows_and_suffix(pattern, layout, direct):
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
 @pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("k", [8, 33])
+@pytest.mark.parametrize("pattern", ["at_capacity", "overflow", "bad", "random"])
+@pytest.mark.parametrize("size, batch", [(4, 3), (2, 17)], ids=["warp-per-element", "thread-per-element"])
+def test_all_to_allv_many_chunks(size, batch, pattern, k, layout, direct):
+    """From 8 chunks per peer the plan made before the peer enters takes a warp per batch element
+    (WarpPlanPeer, 33 chunks in two passes of its lanes), where a tile has at most 16 elements; 17 take a
+    thread each."""
+    calls, rows, capacity = 2, 160, 48
+    x = random_array((calls, size, batch, rows, FEATURES), np.float32, seed=k)
+    counts = counts_of(pattern, size, k, calls, batch, rows=rows, capacity=capacity, seed=k)
+    actual = loopback.all_to_allv(x, counts, capacity, layout=layout, direct=direct)
+    check_all_to_allv(actual, expected_all_to_allv(x, counts, capacity, layout), calls)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_all_to_allv_moe_sized_rows(layout, direct):
     """Rows of 7168 bf16 (the MoE benchmark's hidden size) and a capacity that makes staged calls send their
     pieces in several rounds."""
