@@ -134,8 +134,10 @@ __device__ __forceinline__ void ForEachSlice(const NvlinkAllToAllvArgs& args, in
 constexpr int64_t kStagedCounts = 2048;
 
 // From this many chunks per peer, the plan made before the peer enters gives each batch element a warp
-// (WarpPlanPeer) rather than a thread (PlanPeer): with one chunk per member, as the MoE exchanges, the warp's
-// shuffles cost more than the thread's walk (the moe dispatch took 0.3 µs longer with the warp, one H100).
+// (WarpPlanPeer) rather than a thread (PlanPeer), in a variant of the kernel of its own (kWarpPlan). With one
+// chunk per member, as the MoE exchanges, the warp's shuffles cost more than the thread's walk (the moe
+// dispatch took 0.3 µs longer with the warp, one H100), and the warp's code alone, never run, made their
+// round trip 0.5 µs slower (one H100, benchmarks/PERFORMANCE.md).
 constexpr int64_t kMinChunksForWarpPlan = 8;
 
 struct Shared {
@@ -298,9 +300,9 @@ __device__ void CopyRecvCounts(const NvlinkAllToAllvArgs& args, const Shared& sh
 // delivered, in the direct packed layout the rows from earlier sources and from all sources at the peer, and
 // the zero rows after the tile's rows. Writes what reaches the peer where `emit` says, and with `dropped`
 // (piece 0) this rank's dropped rows for the peer. `counts_in_shared`: the tile's send counts are in shared
-// memory already. kWarpPlan (the plan made before the peer enters): a warp plans each batch element
-// (WarpPlanPeer) where the tile has no more of them than the block has warps and they have
-// kMinChunksForWarpPlan chunks per peer or more; a thread each otherwise. Only there, because inlined in
+// memory already. kWarpPlan (the plan made before the peer enters, in the kernel's variant for calls of
+// kMinChunksForWarpPlan chunks per peer or more): a warp plans each batch element (WarpPlanPeer) where the
+// tile has no more of them than the block has warps; a thread each otherwise. Only there, because inlined in
 // SendPiece too it pushed every variant of the kernel past its 128 registers (ptxas -v: spills). The block's
 // last thread runs `meanwhile` (which must not synchronize the block) while the others plan.
 template <bool kWarpPlan, typename Meanwhile>
@@ -312,7 +314,7 @@ __device__ void PlanTile(const NvlinkAllToAllvArgs& args, Shared& shared, int pa
   if (threadIdx.x == 0) shared.zero_rows = 0;
   __syncthreads();
   constexpr int kWarps = kThreads / 32;
-  const bool warp_per_element = kWarpPlan && size <= kWarps && s.num_chunks >= kMinChunksForWarpPlan;
+  const bool warp_per_element = kWarpPlan && size <= kWarps;
   const int64_t i = warp_per_element ? threadIdx.x / 32 : threadIdx.x;
   if (i < size) {
     const int64_t b = tile + i;
@@ -530,8 +532,9 @@ __device__ __forceinline__ int SendPeer(const NvlinkAllToAllvArgs& args, int job
 
 // kInRounds: a staged call of one tile whose pieces go in args.rounds rounds (ChooseNvlinkGrid). A variant of
 // its own, because the rounds' loop state spills registers of the copy loops, which cost the calls of one
-// round 2-4 us (2xH200, T = 16 and 128).
-template <typename V, bool kInRounds>
+// round 2-4 us (2xH200, T = 16 and 128). kWarpPlan: calls of kMinChunksForWarpPlan chunks per peer or more
+// (WarpPlans), whose early plan may take a warp per batch element (PlanTile).
+template <typename V, bool kInRounds, bool kWarpPlan>
 __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAllvArgs args) {
   __shared__ Shared shared;
   const int num_peers = static_cast<int>(args.shape.num_peers);
@@ -571,8 +574,8 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
       shared.peer_entered = patience.AtLeast(&args.control->entered[peer], epoch, peer);
       trace.PeersEntered();
     };
-    PlanTile<true>(args, shared, parity, peer, 0, args.shape.batch, emit, /*dropped=*/first_piece,
-                   /*counts_in_shared=*/false, await_peer);
+    PlanTile<kWarpPlan>(args, shared, parity, peer, 0, args.shape.batch, emit, /*dropped=*/first_piece,
+                        /*counts_in_shared=*/false, await_peer);
   }
   // Consecutive blocks serve different peers. Blocks of neighbouring indices share parts of the chip, and
   // when each run of them served one peer (or the local copy) the exchange took 16% longer at T = 4096 on
@@ -667,15 +670,32 @@ bool AlignedTo(int64_t width, const NvlinkAllToAllvArgs& args) {
          aligned(args.suffix) && aligned(args.y);
 }
 
-template <bool kInRounds>
+// Whether a call takes the kernel's kWarpPlan variant. Calls in rounds do not: their pieces are large.
+bool WarpPlans(const AllToAllvShape& shape) { return shape.num_chunks >= kMinChunksForWarpPlan; }
+
+template <bool kInRounds, bool kWarpPlan>
 void Launch(const NvlinkAllToAllvArgs& args, int blocks, cudaStream_t stream) {
   if (AlignedTo(16, args)) {
-    NvlinkAllToAllvKernel<uint4, kInRounds><<<blocks, kThreads, 0, stream>>>(args);
+    NvlinkAllToAllvKernel<uint4, kInRounds, kWarpPlan><<<blocks, kThreads, 0, stream>>>(args);
   } else if (AlignedTo(4, args)) {
-    NvlinkAllToAllvKernel<uint32_t, kInRounds><<<blocks, kThreads, 0, stream>>>(args);
+    NvlinkAllToAllvKernel<uint32_t, kInRounds, kWarpPlan><<<blocks, kThreads, 0, stream>>>(args);
   } else {
-    NvlinkAllToAllvKernel<uint8_t, kInRounds><<<blocks, kThreads, 0, stream>>>(args);
+    NvlinkAllToAllvKernel<uint8_t, kInRounds, kWarpPlan><<<blocks, kThreads, 0, stream>>>(args);
   }
+}
+
+// Lowers *fewest (0: none yet) to the blocks per SM that each variant of the kernel for units V fits.
+template <typename V>
+cudaError_t FitVariants(int* fewest) {
+  for (const void* kernel : {reinterpret_cast<const void*>(NvlinkAllToAllvKernel<V, false, false>),
+                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<V, false, true>),
+                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<V, true, false>)}) {
+    int fit = 0;
+    const cudaError_t status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, kThreads, 0);
+    if (status != cudaSuccess) return status;
+    *fewest = *fewest == 0 ? fit : std::min(*fewest, fit);
+  }
+  return cudaSuccess;
 }
 
 }  // namespace
@@ -715,26 +735,20 @@ NvlinkGrid ChooseNvlinkGrid(const AllToAllvShape& shape, bool direct, int reques
 
 cudaError_t NvlinkAllToAllvBlocksPerSm(int* blocks) {
   int fewest = 0;
-  for (const void* kernel : {reinterpret_cast<const void*>(NvlinkAllToAllvKernel<uint4, false>),
-                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<uint32_t, false>),
-                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<uint8_t, false>),
-                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<uint4, true>),
-                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<uint32_t, true>),
-                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<uint8_t, true>)}) {
-    int fit = 0;
-    const cudaError_t status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, kThreads, 0);
-    if (status != cudaSuccess) return status;
-    fewest = fewest == 0 ? fit : std::min(fewest, fit);
-  }
-  *blocks = fewest;
-  return cudaSuccess;
+  cudaError_t status = FitVariants<uint4>(&fewest);
+  if (status == cudaSuccess) status = FitVariants<uint32_t>(&fewest);
+  if (status == cudaSuccess) status = FitVariants<uint8_t>(&fewest);
+  if (status == cudaSuccess) *blocks = fewest;
+  return status;
 }
 
 cudaError_t LaunchNvlinkAllToAllv(const NvlinkAllToAllvArgs& args, int blocks, cudaStream_t stream) {
   if (args.rounds > 1) {
-    Launch<true>(args, blocks, stream);
+    Launch<true, false>(args, blocks, stream);
+  } else if (WarpPlans(args.shape)) {
+    Launch<false, true>(args, blocks, stream);
   } else {
-    Launch<false>(args, blocks, stream);
+    Launch<false, false>(args, blocks, stream);
   }
   return cudaGetLastError();
 }
