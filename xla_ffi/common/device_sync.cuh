@@ -108,45 +108,61 @@ class Patience {
 
   __device__ bool KeepWaiting(int peer) {
     if (gave_up_) return false;
-    if (AbortedBy() != 0) return GiveUpAborted();
+    if (AbortedBy() != 0) {
+      gave_up_ = true;
+      ReportAborted(table_, control_, size_, kernel_, epoch_, site_);
+      return false;
+    }
     if (timeout_ns_ == 0) return true;  // JAX_NCCLX_TIMEOUT_S=0: wait forever
     const uint64_t now = GlobalTimerNs();
     if (started_ns_ == 0) started_ns_ = now;
     if (now - started_ns_ < timeout_ns_) return true;
     gave_up_ = true;
-    volatile NvlinkFault* fault = table_->fault;
+    ReportGaveUp(table_, rank_, size_, peer, now - started_ns_, kernel_, epoch_, site_);
+    return false;
+  }
+
+  // The two ways of giving up, out of line: each runs at most once per call, and inlined at every wait of a
+  // kernel they made it ~9% larger. Static, with the fields as arguments, so that no Patience is taken by
+  // address and moved out of registers.
+  //
+  // This rank waited in vain for `peer`: records it, then marks `peer` missing and this rank the aborter on
+  // every rank of the communicator.
+  __device__ __noinline__ static void ReportGaveUp(const PeerTable* table, int rank, int size, int peer,
+                                                   uint64_t waited_ns, TraceKernel kernel, uint64_t epoch,
+                                                   int64_t site) {
+    volatile NvlinkFault* fault = table->fault;
     fault->missing[peer] = 1;
-    Describe(fault);
-    fault->waited_ns = now - started_ns_;
+    Describe(fault, kernel, epoch, site);
+    fault->waited_ns = waited_ns;
     __threadfence_system();
     fault->state = kNvlinkGaveUp;
-    for (int r = 0; r < size_; ++r) atomicOr_system(&table_->control[r]->abort_missing, 1u << peer);
+    for (int r = 0; r < size; ++r) atomicOr_system(&table->control[r]->abort_missing, 1u << peer);
     __threadfence_system();  // the missing rank is visible before the abort
-    for (int r = 0; r < size_; ++r) {
-      *reinterpret_cast<volatile uint32_t*>(&table_->control[r]->abort_by) = static_cast<uint32_t>(rank_ + 1);
+    for (int r = 0; r < size; ++r) {
+      *reinterpret_cast<volatile uint32_t*>(&table->control[r]->abort_by) = static_cast<uint32_t>(rank + 1);
     }
     __threadfence_system();
-    return false;
   }
 
-  __device__ bool GiveUpAborted() {
-    gave_up_ = true;
-    volatile NvlinkFault* fault = table_->fault;
-    if (fault->state == kNvlinkHealthy) {
-      Describe(fault);
-      fault->aborted_by = AbortedBy();
-      const uint32_t missing = *reinterpret_cast<const volatile uint32_t*>(&control_->abort_missing);
-      for (int r = 0; r < size_; ++r) fault->missing[r] = (missing >> r) & 1u;
-      __threadfence_system();
-      fault->state = kNvlinkAborted;
-    }
-    return false;
+  // Another rank aborted the communicator: records who and whom it missed, unless this rank's record already
+  // holds a fault.
+  __device__ __noinline__ static void ReportAborted(const PeerTable* table, const SymmetricControl* control,
+                                                    int size, TraceKernel kernel, uint64_t epoch, int64_t site) {
+    volatile NvlinkFault* fault = table->fault;
+    if (fault->state != kNvlinkHealthy) return;
+    Describe(fault, kernel, epoch, site);
+    fault->aborted_by = *reinterpret_cast<const volatile uint32_t*>(&control->abort_by);
+    const uint32_t missing = *reinterpret_cast<const volatile uint32_t*>(&control->abort_missing);
+    for (int r = 0; r < size; ++r) fault->missing[r] = (missing >> r) & 1u;
+    __threadfence_system();
+    fault->state = kNvlinkAborted;
   }
 
-  __device__ void Describe(volatile NvlinkFault* fault) const {
-    fault->kernel = kernel_;
-    fault->epoch = epoch_;
-    fault->site = site_;
+  __device__ static void Describe(volatile NvlinkFault* fault, TraceKernel kernel, uint64_t epoch, int64_t site) {
+    fault->kernel = kernel;
+    fault->epoch = epoch;
+    fault->site = site;
   }
 
   const PeerTable* table_;
