@@ -1,5 +1,6 @@
 """The benchmark scripts run end to end on CPU (--smoke) and write results whose jax_ncclx rows were checked
-against XLA; timings are not judged here. The routing kernels' timer (a CUDA program) compiles."""
+against XLA; timings are not judged here. The routing kernels' timer (a CUDA program) compiles, and the loopback
+collectives' timer runs on one GPU."""
 
 import json
 import os
@@ -87,6 +88,22 @@ def test_routing_kernel_timer_compiles(tmp_path):
                            os.path.join(root, "tools", "time_routing_kernels.cu"), "-o", str(tmp_path / "timer")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_loopback_collectives_timer_runs(tmp_path):
+    """tools/time_loopback_collectives.py (a diagnostic on one GPU) times every case on 2 logical ranks, each
+    call healthy and traced, and writes its JSON."""
+    reason = gpu_skip_reason(minimum=1)
+    if reason:
+        pytest.skip(reason)
+    tool = os.path.join(os.path.dirname(BENCHMARKS), "tools", "time_loopback_collectives.py")
+    done = subprocess.run([sys.executable, tool, str(tmp_path / "loopback.json"), "--ranks", "2", "--calls", "60"],
+                          env=dict(os.environ, NCCL_NVLS_ENABLE="0"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "loopback.json").read_text())["results"]
+    assert len(results) == 8 and all(r["ranks"] == 2 for r in results)
+    assert all(0 < r["after_last_us"] <= r["span_us"] for r in results)
 
 
 def test_ab_summary_lines_up_rows_across_runs(tmp_path):
