@@ -101,7 +101,9 @@ def test_loopback_collectives_timer_runs(tmp_path):
     done = subprocess.run([sys.executable, tool, str(tmp_path / "loopback.json"), "--ranks", "2", "--calls", "60"],
                           env=dict(os.environ, NCCL_NVLS_ENABLE="0"), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = json.loads((tmp_path / "loopback.json").read_text())["results"]
+    document = json.loads((tmp_path / "loopback.json").read_text())
+    assert document["meta"]["platform"] == "gpu"
+    results = document["results"]
     assert len(results) == 8 and all(r["ranks"] == 2 for r in results)
     assert all(0 < r["after_last_us"] <= r["span_us"] for r in results)
 

@@ -4,24 +4,30 @@ On a machine with one GPU the collectives benchmark cannot run, but the test-onl
 runs the same kernels with 2 to 8 logical ranks on the one GPU, each rank on its own stream (no link is
 crossed: peers are other SMs of the same GPU). This script replays ``--calls`` calls of each case as a CUDA
 graph with the device trace on, and reports per call, from the ranks' trace records (%globaltimer, which
-ticks every ~0.26 µs on H100):
+advanced in steps of 0.256 µs on an H100):
 
 * ``after_last``: the last rank's end minus the last rank's start, what a call costs once every rank is in,
   without the streams' launch skew. It moves with changes to the kernels' own code;
 * ``span``: the last end minus the first start, skew included.
 
-Medians over the calls after the first 50. There is no XLA baseline: compare two builds of the kernels in the
-same session (``tools/ab_trees.sh`` builds both; run this with each side's ``PYTHONPATH``), never with XLA.
+Medians over the calls after the first 50. The JSON also holds the run's metadata (device, versions, commit:
+set ``BENCH_GIT_COMMIT`` on a lent machine, as for the benchmarks). There is no XLA baseline: compare two
+builds of the kernels in the same session (``tools/ab_trees.sh`` builds both; run this with each side's
+``PYTHONPATH``), never with XLA.
 
     python tools/time_loopback_collectives.py OUT.json [--ranks 2,4] [--calls 400]
 """
 import argparse
 import json
 import sys
+from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import common  # noqa: E402  (run metadata; sets the benchmark environment, NVLink multicast off)
 
-from jax_ncclx import _ncclx_loopback as loopback
+import numpy as np  # noqa: E402
+
+from jax_ncclx import _ncclx_loopback as loopback  # noqa: E402
 
 PROTOCOLS = {"ll128": 0, "ll": 1, "simple": 2}
 ALGORITHMS = {"one-shot": 1, "two-shot": 2}
@@ -76,8 +82,10 @@ def main():
                                 after_last_us=after_last, span_us=span))
             print(f"{f'{op} {nbytes} B {protocol} {algorithm}, {ranks} ranks':44s} {after_last:10.2f} {span:8.2f}",
                   flush=True)
+    # After the timing: the metadata starts JAX's GPU client, which must not share the GPU with the calls.
+    document = {"meta": common.metadata(), "calls": args.calls, "skipped_calls": SKIPPED_CALLS, "results": results}
     with open(args.out, "w") as f:
-        json.dump({"calls": args.calls, "skipped_calls": SKIPPED_CALLS, "results": results}, f, indent=1)
+        json.dump(document, f, indent=1)
 
 
 if __name__ == "__main__":
