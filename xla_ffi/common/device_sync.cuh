@@ -122,9 +122,10 @@ class Patience {
     return false;
   }
 
-  // The two ways of giving up, out of line: each runs at most once per call, and inlined at every wait of a
-  // kernel they made it ~9% larger. Static, with the fields as arguments, so that no Patience is taken by
-  // address and moved out of registers.
+  // The two ways of giving up, out of line: each runs at most once per call, and inlined at every wait they
+  // made the exchange's kernels 6-9% larger and the small collectives' up to twice as large, some of them
+  // spilling (benchmarks/PERFORMANCE.md). Static, with the fields as arguments, so that no Patience is taken
+  // by address and moved out of registers.
   //
   // This rank waited in vain for `peer`: records it, then marks `peer` missing and this rank the aborter on
   // every rank of the communicator.
