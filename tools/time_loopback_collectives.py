@@ -73,9 +73,12 @@ def main():
     args = parser.parse_args()
     if not SKIPPED_CALLS < args.calls <= 1024:
         parser.error(f"--calls {args.calls}: expected {SKIPPED_CALLS + 1} to 1024")
+    rank_counts = [int(r) for r in args.ranks.split(",")]
+    if not all(2 <= r <= 8 for r in rank_counts):
+        parser.error(f"--ranks {args.ranks}: every count must be 2 to 8")
     results = []
     print(f"{'case':44s} {'after_last':>10s} {'span':>8s}  (µs, medians)")
-    for ranks in (int(r) for r in args.ranks.split(",")):
+    for ranks in rank_counts:
         for op, nbytes, protocol, algorithm in CASES:
             after_last, span = time_case(op, nbytes, protocol, algorithm, ranks, args.calls)
             results.append(dict(op=op, bytes=nbytes, protocol=protocol, algorithm=algorithm, ranks=ranks,

@@ -104,11 +104,13 @@ class Patience {
  private:
   static constexpr uint32_t kSpinsPerCheck = 1024;
 
-  __device__ uint32_t AbortedBy() const { return *reinterpret_cast<const volatile uint32_t*>(&control_->abort_by); }
+  __device__ static uint32_t AbortedBy(const SymmetricControl* control) {
+    return *reinterpret_cast<const volatile uint32_t*>(&control->abort_by);
+  }
 
   __device__ bool KeepWaiting(int peer) {
     if (gave_up_) return false;
-    if (AbortedBy() != 0) {
+    if (AbortedBy(control_) != 0) {
       gave_up_ = true;
       ReportAborted(table_, control_, size_, kernel_, epoch_, site_);
       return false;
@@ -153,7 +155,7 @@ class Patience {
     volatile NvlinkFault* fault = table->fault;
     if (fault->state != kNvlinkHealthy) return;
     Describe(fault, kernel, epoch, site);
-    fault->aborted_by = *reinterpret_cast<const volatile uint32_t*>(&control->abort_by);
+    fault->aborted_by = AbortedBy(control);
     const uint32_t missing = *reinterpret_cast<const volatile uint32_t*>(&control->abort_missing);
     for (int r = 0; r < size; ++r) fault->missing[r] = (missing >> r) & 1u;
     __threadfence_system();
