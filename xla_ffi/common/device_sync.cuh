@@ -61,6 +61,12 @@ __device__ __forceinline__ uint64_t GlobalTimerNs() {
 // outputs are undefined, but its reads and writes stay inside its buffers, and the host reports the fault at
 // the next call (watchdog.h). The clock starts at the first check, so a wait that succeeds early costs no
 // timer read.
+//
+// kInlineReports: where the code of the two ways of giving up goes. Out of line (false) it is one call per
+// wait; inline (true) it is copied into every wait, which costs the small collectives' kernels up to half
+// their code and some of them spills, but on one H100 left the exchange 0.25 µs faster at T = 128 than the
+// calls did (benchmarks/PERFORMANCE.md), so the exchange keeps it inline.
+template <bool kInlineReports = false>
 class Patience {
  public:
   __device__ Patience(const PeerTable* table, SymmetricControl* control, int rank, int size, uint64_t epoch,
@@ -112,7 +118,11 @@ class Patience {
     if (gave_up_) return false;
     if (AbortedBy(control_) != 0) {
       gave_up_ = true;
-      ReportAborted(table_, control_, size_, kernel_, epoch_, site_);
+      if constexpr (kInlineReports) {
+        ReportAborted(table_, control_, size_, kernel_, epoch_, site_);
+      } else {
+        ReportAbortedOutOfLine(table_, control_, size_, kernel_, epoch_, site_);
+      }
       return false;
     }
     if (timeout_ns_ == 0) return true;  // JAX_NCCLX_TIMEOUT_S=0: wait forever
@@ -120,20 +130,22 @@ class Patience {
     if (started_ns_ == 0) started_ns_ = now;
     if (now - started_ns_ < timeout_ns_) return true;
     gave_up_ = true;
-    ReportGaveUp(table_, rank_, size_, peer, now - started_ns_, kernel_, epoch_, site_);
+    if constexpr (kInlineReports) {
+      ReportGaveUp(table_, rank_, size_, peer, now - started_ns_, kernel_, epoch_, site_);
+    } else {
+      ReportGaveUpOutOfLine(table_, rank_, size_, peer, now - started_ns_, kernel_, epoch_, site_);
+    }
     return false;
   }
 
-  // The two ways of giving up, out of line: each runs at most once per call, and inlined at every wait they
-  // made the exchange's kernels 6-9% larger and the small collectives' up to twice as large, some of them
-  // spilling (benchmarks/PERFORMANCE.md). Static, with the fields as arguments, so that no Patience is taken
-  // by address and moved out of registers.
+  // The two ways of giving up, each run at most once per call. Static, with the fields as arguments, so that
+  // no Patience is taken by address and moved out of registers when they are called out of line.
   //
   // This rank waited in vain for `peer`: records it, then marks `peer` missing and this rank the aborter on
   // every rank of the communicator.
-  __device__ __noinline__ static void ReportGaveUp(const PeerTable* table, int rank, int size, int peer,
-                                                   uint64_t waited_ns, TraceKernel kernel, uint64_t epoch,
-                                                   int64_t site) {
+  __device__ __forceinline__ static void ReportGaveUp(const PeerTable* table, int rank, int size, int peer,
+                                                      uint64_t waited_ns, TraceKernel kernel, uint64_t epoch,
+                                                      int64_t site) {
     volatile NvlinkFault* fault = table->fault;
     fault->missing[peer] = 1;
     Describe(fault, kernel, epoch, site);
@@ -150,8 +162,9 @@ class Patience {
 
   // Another rank aborted the communicator: records who and whom it missed, unless this rank's record already
   // holds a fault.
-  __device__ __noinline__ static void ReportAborted(const PeerTable* table, const SymmetricControl* control,
-                                                    int size, TraceKernel kernel, uint64_t epoch, int64_t site) {
+  __device__ __forceinline__ static void ReportAborted(const PeerTable* table, const SymmetricControl* control,
+                                                       int size, TraceKernel kernel, uint64_t epoch,
+                                                       int64_t site) {
     volatile NvlinkFault* fault = table->fault;
     if (fault->state != kNvlinkHealthy) return;
     Describe(fault, kernel, epoch, site);
@@ -160,6 +173,17 @@ class Patience {
     for (int r = 0; r < size; ++r) fault->missing[r] = (missing >> r) & 1u;
     __threadfence_system();
     fault->state = kNvlinkAborted;
+  }
+
+  __device__ __noinline__ static void ReportGaveUpOutOfLine(const PeerTable* table, int rank, int size, int peer,
+                                                            uint64_t waited_ns, TraceKernel kernel, uint64_t epoch,
+                                                            int64_t site) {
+    ReportGaveUp(table, rank, size, peer, waited_ns, kernel, epoch, site);
+  }
+  __device__ __noinline__ static void ReportAbortedOutOfLine(const PeerTable* table, const SymmetricControl* control,
+                                                             int size, TraceKernel kernel, uint64_t epoch,
+                                                             int64_t site) {
+    ReportAborted(table, control, size, kernel, epoch, site);
   }
 
   __device__ static void Describe(volatile NvlinkFault* fault, TraceKernel kernel, uint64_t epoch, int64_t site) {

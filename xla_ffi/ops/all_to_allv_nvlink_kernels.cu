@@ -545,8 +545,8 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
   const bool direct_packed = args.direct && args.packed;
   const int rounds = kInRounds ? args.rounds : 1;  // SendPiece keeps the tile's plan from its first round
   CallTrace trace(args.control, epoch, args.trace);
-  Patience patience(args.table, args.control, args.rank, num_peers, epoch, kTraceAllToAllv, args.site,
-                    args.timeout_ns);
+  Patience</*kInlineReports=*/true> patience(args.table, args.control, args.rank, num_peers, epoch, kTraceAllToAllv,
+                                            args.site, args.timeout_ns);
   if (threadIdx.x == 0) trace.Start();
 
   if (blockIdx.x == 0) {

@@ -137,7 +137,7 @@ struct CallState {
   uint32_t ticket;
   int parity;
   CallTrace trace;
-  Patience patience;
+  Patience<> patience;
 
   __device__ CallState(const NvlinkCollectiveArgs& args, TraceKernel kernel)
       : epoch(CallEpoch(args.control)),
@@ -170,14 +170,14 @@ __device__ __forceinline__ void RaiseFlags(const Call& call, int flag, uint64_t 
 // Whether the flag `flag_of(peer)` of every peer reached `epoch`. One that never does makes the wait give up
 // (Patience); the block then goes on with stale slots.
 template <typename FlagOf>
-__device__ __forceinline__ bool WaitForPeers(const Call& call, uint64_t epoch, Patience& patience, FlagOf&& flag_of) {
+__device__ __forceinline__ bool WaitForPeers(const Call& call, uint64_t epoch, Patience<>& patience, FlagOf&& flag_of) {
   const int peer = threadIdx.x;
   bool came = true;
   if (peer < call.args.size && peer != call.args.rank) came = patience.AtLeast(flag_of(peer), epoch, peer);
   return !__syncthreads_or(!came);
 }
 
-__device__ __forceinline__ bool WaitFlags(const Call& call, int flag, uint64_t epoch, Patience& patience) {
+__device__ __forceinline__ bool WaitFlags(const Call& call, int flag, uint64_t epoch, Patience<>& patience) {
   return WaitForPeers(call, epoch, patience, [&](int peer) { return &call.args.control->arrived[peer][flag]; });
 }
 
@@ -351,7 +351,7 @@ __device__ __forceinline__ uint32_t Tag(uint64_t epoch) { return 1 + static_cast
 // Word i of every peer's slot on this rank, into values[peer] (values[me] is left alone). The loads of all
 // peers go out together, so a thread pays one memory latency, not one per peer; only words that had not
 // landed yet are polled again.
-__device__ __forceinline__ void ReadWords(const Call& call, Patience& patience, int parity, uint32_t tag, int64_t i,
+__device__ __forceinline__ void ReadWords(const Call& call, Patience<>& patience, int parity, uint32_t tag, int64_t i,
                                           uint32_t* values) {
   const int n = call.args.size;
   const int me = call.args.rank;
