@@ -39,14 +39,14 @@ def gpu_skip_reason(minimum=2):
 CAPTURE_FLAGS = "--xla_gpu_enable_command_buffer=+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 
 
-def run_command_buffer_worker(script, *args, minimum=2, **env):
-    """Runs tests/<script> with ``args`` in its own process with custom calls captured into CUDA graphs (XLA
-    reads the flags when JAX starts) and ``env`` set; fails unless it prints CAPTURE OK. Skips where fewer
-    than ``minimum`` GPUs are."""
+def run_command_buffer_worker(script, *args, minimum=2, xla_flags=CAPTURE_FLAGS, **env):
+    """Runs tests/<script> with ``args`` in its own process with custom calls captured into CUDA graphs
+    (``xla_flags``: XLA reads them when JAX starts) and ``env`` set; fails unless it prints CAPTURE OK. Skips
+    where fewer than ``minimum`` GPUs are."""
     reason = gpu_skip_reason(minimum)
     if reason:
         pytest.skip(reason)
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", **env, XLA_FLAGS=CAPTURE_FLAGS)
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", **env, XLA_FLAGS=xla_flags)
     done = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), script), *args], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "CAPTURE OK" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
