@@ -3,6 +3,7 @@ peer, rows gathered through send_rows and extended by a suffix, dtypes, vmap (on
 of a 2-D mesh; on CPU and, where present, on GPUs through both transports (the NVLink kernel, required to be
 taken, and the NCCL path)."""
 
+import math
 import os
 
 import jax
@@ -170,12 +171,14 @@ def test_zero_capacity(backend):
           reference.all_to_allv(list(xs), list(counts), 0, "packed"), jnp.float32)
 
 
-@pytest.mark.parametrize("axis", ["a", "b"])
+@pytest.mark.parametrize("axis", ["a", "b", ("a", "b"), ("b", "a")], ids=lambda a: "+".join(a))
 def test_either_axis_of_2d_mesh(mesh, axis):
-    """On a ("a", "b") mesh the exchange runs within each group along the chosen axis."""
+    """On a ("a", "b") mesh the exchange runs within each group along the chosen axis, or along both axes taken
+    as one (members ordered with the first axis major, as jax.lax.axis_index of the tuple)."""
     rows, k, layout = 8, 2, "padded"
+    names = axis if isinstance(axis, tuple) else (axis,)
     x = random_array((mesh.size, rows, 3), jnp.float32).reshape(mesh.shape["a"], mesh.shape["b"], rows, 3)
-    size = mesh.shape[axis]
+    size = math.prod(mesh.shape[name] for name in names)
     counts = np.random.default_rng(0).integers(0, 3, size=(mesh.shape["a"], mesh.shape["b"], size, k))
 
     def body(v, c):
@@ -183,13 +186,17 @@ def test_either_axis_of_2d_mesh(mesh, axis):
         return y[None, None], recv[None, None], dropped[None, None]
 
     spec = P("a", "b")
-    y, recv, dropped = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec))(
+    outputs = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec))(
         jnp.asarray(x), jnp.asarray(counts.astype(np.int32)))
-    for other in range(mesh.shape["b" if axis == "a" else "a"]):  # each group along `axis` on its own
-        pick = (lambda a: a[:, other]) if axis == "a" else (lambda a: a[other])
-        expected = reference.all_to_allv(list(pick(x)), list(pick(counts)), CAPACITY, layout)
-        check([tuple(np.asarray(pick(o))[i] for o in (y, recv, dropped)) for i in range(size)], expected,
-              jnp.float32)
+
+    def groups(a):  # [size, groups, ...]: the named mesh axes first, in order, merged
+        moved = np.moveaxis(np.asarray(a), [("a", "b").index(name) for name in names], range(len(names)))
+        return moved.reshape(size, -1, *moved.shape[2:])
+
+    y, recv, dropped = (groups(o) for o in outputs)
+    for g in range(groups(x).shape[1]):  # each group on its own
+        expected = reference.all_to_allv(list(groups(x)[:, g]), list(groups(counts)[:, g]), CAPACITY, layout)
+        check([(y[i, g], recv[i, g], dropped[i, g]) for i in range(size)], expected, jnp.float32)
 
 
 @pytest.mark.parametrize("operands", ["x", "send_rows", "suffix"])

@@ -1,6 +1,7 @@
-"""The dense collectives against jax.lax: forward (jit and eager), vmap, grad, dtypes, zero-size, both axes of
-a 2-D mesh. Each test runs on the CPU backend and, where present, on GPUs (``-m gpu``)."""
+"""The dense collectives against jax.lax: forward (jit and eager), vmap, grad, dtypes, zero-size, either axis of
+a 2-D mesh or both at once. Each test runs on the CPU backend and, where present, on GPUs (``-m gpu``)."""
 
+import math
 
 import jax
 import jax.test_util
@@ -18,6 +19,17 @@ def ring(axis):
     return [(i, (i + 1) % size) for i in range(size)]
 
 
+def lax_ppermute_ring(v, axis):
+    """jax.lax.ppermute along ring(axis). jax.lax refuses a tuple of axes in another order than the mesh's
+    (("b", "a")), so the same ring goes to it with the members renumbered in the mesh's order."""
+    names = axis if isinstance(axis, tuple) else (axis,)
+    mesh_names = tuple(sorted(names, key=("a", "b").index))
+    sizes = [jax.lax.axis_size(name) for name in names]
+    index_at = np.arange(math.prod(sizes)).reshape(sizes)  # axis_index(axis) at each coordinate
+    mesh_index = np.argsort(np.transpose(index_at, [names.index(name) for name in mesh_names]).ravel())
+    return jax.lax.ppermute(v, mesh_names, [(int(mesh_index[s]), int(mesh_index[d])) for s, d in ring(axis)])
+
+
 # name -> (ours, jax.lax reference, reduces?)
 OPS = {
     "all_reduce_sum": (lambda v, a: nx.all_reduce(v, a), lambda v, a: jax.lax.psum(v, a), True),
@@ -32,17 +44,20 @@ OPS = {
                    lambda v, a: jax.lax.all_to_all(v, a, 1, 0, tiled=True), False),
     "all_to_all_same_axis": (lambda v, a: nx.all_to_all(v, a, 1, 1, tiled=True),
                              lambda v, a: jax.lax.all_to_all(v, a, 1, 1, tiled=True), False),
-    "ppermute": (lambda v, a: nx.ppermute(v, a, ring(a)), lambda v, a: jax.lax.ppermute(v, a, ring(a)), False),
+    "ppermute": (lambda v, a: nx.ppermute(v, a, ring(a)), lax_ppermute_ring, False),
 }
 LINEAR = [name for name in OPS if name not in ("all_reduce_max", "all_reduce_min")]
+# Either axis of the 2-D mesh, or both at once in either order (as for jax.lax: the first axis major).
+AXES = ["a", "b", ("a", "b"), ("b", "a")]
+AXIS_IDS = lambda axis: "+".join(axis)
 
 
 def global_shape(mesh, features=3):
-    """Per shard [2, 8, features]: dimension 1 splits evenly over either axis."""
+    """Per shard [2, 8, features]: dimension 1 splits evenly over either axis or both (up to 8 devices)."""
     return (2 * mesh.shape["a"], 8 * mesh.shape["b"], features)
 
 
-@pytest.mark.parametrize("axis", ["a", "b"])
+@pytest.mark.parametrize("axis", AXES, ids=AXIS_IDS)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES + INT_DTYPES + MOVE_ONLY_DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("name", OPS)
 def test_matches_lax(mesh, name, axis, dtype):
@@ -91,7 +106,7 @@ def test_vmap_is_one_call(mesh, name):
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
-@pytest.mark.parametrize("axis", ["a", "b"])
+@pytest.mark.parametrize("axis", AXES, ids=AXIS_IDS)
 @pytest.mark.parametrize("name", LINEAR)
 def test_grad_matches_lax(mesh, name, axis, check_vma):
     ours, ref, _ = OPS[name]

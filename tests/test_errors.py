@@ -33,7 +33,9 @@ def test_eager_primitive_outside_mapped_context():
 
 @pytest.mark.parametrize("call, error, message", [
     (lambda v: nx.all_reduce(v, "x", op="prod"), ValueError, "op must be one of"),
-    (lambda v: nx.all_reduce(v, ("x", "y")), NotImplementedError, "one mesh axis"),
+    (lambda v: nx.all_reduce(v, ("x", "x")), ValueError, r"names an axis twice: \('x', 'x'\)"),
+    (lambda v: nx.all_reduce(v, ()), ValueError, "at least one mesh axis"),
+    (lambda v: nx.all_gather(v, ("x", "nowhere")), NameError, r"unbound axis name \('x', 'nowhere'\)"),
     (lambda v: nx.all_reduce(v.astype(jnp.float8_e4m3fn), "x"), TypeError, "cannot reduce 8-bit float"),
     (lambda v: nx.all_gather(v > 0, "x"), TypeError, "unsupported dtype bool"),
     (lambda v: nx.all_gather(v, "x", axis=5), ValueError, "out of range"),

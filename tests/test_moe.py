@@ -5,6 +5,7 @@ with the weights given to combine (one row per pair comes back) and given to dis
 token's pairs and sends one row back). benchmarks/xla_moe.py, the benchmark's XLA-only layer, is checked
 against the same reference."""
 
+import math
 import os
 import sys
 
@@ -307,18 +308,19 @@ def test_vmap_over_a_batch_axis(backend, weights_in):
 
 
 @pytest.mark.parametrize("weights_in", WEIGHTS_IN)
-def test_one_axis_of_2d_mesh_with_replicated_routing(mesh, weights_in):
-    """Experts over axis "b" of an ("a", "b") mesh; the routing and the weights are replicated (invariant), so
-    their gradient sums over the whole mesh."""
+@pytest.mark.parametrize("axis", ["b", ("a", "b"), ("b", "a")], ids=lambda a: "+".join(a))
+def test_2d_mesh_with_replicated_routing(mesh, axis, weights_in):
+    """Experts over axis "b" of an ("a", "b") mesh, or over both axes taken as one; the routing and the weights
+    are replicated (invariant), so their gradient sums over the whole mesh."""
     num_members = mesh.size
-    num_experts = 2 * mesh.shape["b"]
+    num_experts = 2 * math.prod(mesh.shape[name] for name in axis)
     tokens = random_array((num_members * TOKENS, HIDDEN), jnp.float32)
     ids = random_ids(1, num_experts, seed=8)[0]
     weights = random_array((TOKENS, TOP_K), jnp.float32, seed=9)
     cotangent = random_array((num_members * TOKENS, HIDDEN), jnp.float32, seed=10)
 
     def body(t, i, w):
-        return dispatch_and_combine(t, i, w, weights_in=weights_in, num_experts=num_experts, axis_name="b",
+        return dispatch_and_combine(t, i, w, weights_in=weights_in, num_experts=num_experts, axis_name=axis,
                                     capacity=AMPLE)[3]
 
     layer = jax.shard_map(body, mesh=mesh, in_specs=(P(("a", "b")), P(), P()), out_specs=P(("a", "b")))

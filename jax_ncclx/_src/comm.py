@@ -1,5 +1,5 @@
-"""NCCL communicators for the CUDA handlers: one per way of grouping a mesh's devices along one of its axes,
-made on first use (or by :func:`init`) and cached.
+"""NCCL communicators for the CUDA handlers: one per way of grouping a mesh's devices along one of its axes
+(or along several taken as one), made on first use (or by :func:`init`) and cached.
 
 Why our own communicators instead of borrowing XLA's (jaxlib's collectives FFI extension): they carry state
 XLA's do not have (symmetric buffers registered per communicator, abort on timeout, memory accounting).
@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 
 import jax
+import numpy as np
 
 from jax_ncclx._src import bootstrap
 from jax_ncclx._src import compat
@@ -39,7 +40,7 @@ from jax_ncclx._src import lib
 logger = logging.getLogger("jax_ncclx")
 
 _lock = threading.Lock()
-_axis_comms: dict[tuple, int] = {}  # (device ids in mesh order, mesh shape, axis) -> comm_id
+_axis_comms: dict[tuple, int] = {}  # (device ids, mesh shape, axis), the named axes merged last -> comm_id
 _comm_groups: dict[int, tuple[int, ...]] = {}  # comm_id -> device ids of its ranks (this process's first group)
 _comm_exchanges: dict[int, "_AddressExchange"] = {}  # comm_id -> how its ranks swap symmetric-memory addresses
 _nccl_pending: dict[int, Callable[[], None]] = {}  # comm_id -> creates its NCCL communicators (not made yet)
@@ -83,13 +84,21 @@ def _wait_for_device_work():
 
 
 def communicator_for(mesh: jax.sharding.Mesh, axis_name) -> int:
-    """The comm_id of the communicators along mesh axis ``axis_name``: every local device of ``mesh`` gets the
-    communicator of its group (the devices sharing its coordinates on the other axes), ranked by its coordinate
-    along the axis. Registers the ranks only; the NCCL communicators come with the first op that needs them
-    (:func:`ensure_nccl`). Collective: every process lowering the program calls it in the same order."""
-    devices = list(mesh.devices.flat)
-    shape = tuple(mesh.devices.shape)
-    axis = mesh.axis_names.index(axis_name)
+    """The comm_id of the communicators along mesh axis ``axis_name`` (or a tuple of axes, taken together as
+    one): every local device of ``mesh`` gets the communicator of its group (the devices sharing its
+    coordinates on the other axes), ranked by its coordinate along the axis (``jax.lax.axis_index``; over
+    several axes the first is major). Registers the ranks only; the NCCL communicators come with the first op
+    that needs them (:func:`ensure_nccl`). Collective: every process lowering the program calls it in the same
+    order."""
+    named = [mesh.axis_names.index(name) for name in (axis_name if isinstance(axis_name, tuple) else (axis_name,))]
+    others = [i for i in range(mesh.devices.ndim) if i not in named]
+    # The mesh seen with the named axes moved last and merged into one, the first named axis major: the
+    # groups and ranks below are then those of one axis.
+    grid = np.transpose(mesh.devices, others + named)
+    grid = grid.reshape(*grid.shape[:len(others)], -1)
+    devices = list(grid.flat)
+    shape = tuple(grid.shape)
+    axis = len(shape) - 1
     key = (tuple(d.id for d in devices), shape, axis)
     with _lock:
         if key in _axis_comms:
@@ -115,7 +124,7 @@ def communicator_for(mesh: jax.sharding.Mesh, axis_name) -> int:
             _comm_groups[comm_id] = tuple(devices[bootstrap.position_of_rank(shape, axis, first, r)].id
                                           for r in range(shape[axis]))
         logger.info("jax_ncclx: communicator %d along axis %r of a %s mesh (%d local group(s), %d root(s) each)",
-                    comm_id, axis_name, "x".join(map(str, shape)), len(groups), roots)
+                    comm_id, axis_name, "x".join(map(str, mesh.devices.shape)), len(groups), roots)
         _axis_comms[key] = comm_id
     _start_progress_publisher()
     return comm_id

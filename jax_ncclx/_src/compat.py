@@ -40,9 +40,10 @@ def with_varying_axes(aval, varying):
     return aval.update(manual_axis_type=aval.mat.update(varying=frozenset(varying)))
 
 
-def replica_groups(axis_context, axis_name) -> tuple[tuple[int, ...], ...]:
-    """Partition ids of every group along ``axis_name``, each group in axis-index order."""
-    groups = _pxla.axis_groups(axis_context, (axis_name,))
+def replica_groups(axis_context, axes: tuple) -> tuple[tuple[int, ...], ...]:
+    """Partition ids of every group along the mesh axes ``axes``, each group in axis-index order (over several
+    axes the first is major, as ``jax.lax.axis_index`` of the tuple)."""
+    groups = _pxla.axis_groups(axis_context, axes)
     return tuple(tuple(int(p) for p in group) for group in groups)
 
 

@@ -1,7 +1,8 @@
-"""MoE dispatch and combine over one expert-parallel mesh axis, each one ``all_to_allv_dynamic`` call.
+"""MoE dispatch and combine over one expert-parallel mesh axis (or several taken as one), each one
+``all_to_allv_dynamic`` call.
 
 Expert placement: with N members on ``axis_name`` and E experts, E_local = E // N and expert e lives on
-member e // E_local as its local expert e % E_local. ``dispatch`` gives every (token, choice) pair's row to
+member e // E_local (the member's ``jax.lax.axis_index(axis_name)``) as its local expert e % E_local. ``dispatch`` gives every (token, choice) pair's row to
 the member that owns the chosen expert and returns the received rows grouped by local expert, ready for
 ``jax.lax.ragged_dot``. On the wire a token crosses once per member, however many of that member's experts
 it chose (DeepEP's send-once; for top-8 of 32 experts on 4 members about 3.7 rows per token instead of 8),
@@ -118,7 +119,8 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
       expert_ids: ``[T, k]`` integers, the experts each token chose (top-k). An id outside ``[0, num_experts)``
         (e.g. -1) chooses no expert. That pair is not sent, is not counted as dropped, and contributes zero.
       num_experts: E, the total number of experts, a multiple of the axis size N (static).
-      axis_name: the expert-parallel mesh axis (static).
+      axis_name: the expert-parallel mesh axis, or a tuple of axes taken as one (static; members in the
+        order of ``jax.lax.axis_index`` of the tuple, the first axis major).
       capacity: C >= 1, the most (token, choice) pairs this member gives any one member, and takes from any
         one member (static). Pairs past it are dropped (see ``DispatchHandle.dropped``).
       weights: None, or ``[T, k]`` any float dtype, the router weight of each pair. They travel with the rows
@@ -466,7 +468,8 @@ def _vary_together(axis_name, arrays, others=()):
     """
     if not compat.check_vma_enabled():
         return arrays
-    axes = frozenset({axis_name}).union(*(compat.varying_axes(jax.typeof(a)) for a in (*arrays, *others)))
+    axes = frozenset(primitive.axes_of(axis_name)).union(
+        *(compat.varying_axes(jax.typeof(a)) for a in (*arrays, *others)))
     return tuple(_vary_over(a, axes) for a in arrays)
 
 

@@ -45,19 +45,27 @@ _call_site_ids = itertools.count(1)
 # ---- argument checks ---------------------------------------------------------------------------------------
 
 def check_axis_name(axis_name, op: str) -> Hashable:
-    """Returns the single mesh axis ``axis_name`` names (a name or a 1-tuple)."""
-    if isinstance(axis_name, (tuple, list)):
-        if len(axis_name) != 1:
-            raise NotImplementedError(
-                f"jax_ncclx.{op}: axis_name must name one mesh axis, got {axis_name!r}; a collective over "
-                "several axes at once is not supported yet: call it once per axis"
-            )
-        axis_name = axis_name[0]
-    try:
-        hash(axis_name)
-    except TypeError:
-        raise TypeError(f"jax_ncclx.{op}: axis_name must be a hashable mesh axis name, got {axis_name!r}")
-    return axis_name
+    """The mesh axis or axes ``axis_name`` names, as the primitives take them: one name (given alone or as a
+    1-tuple), or a tuple of two or more distinct names. Over several axes an op runs as over one axis whose
+    members are every device that shares the other axes' coordinates, ordered as ``jax.lax.axis_index`` of the
+    tuple orders them (the first axis major), as ``jax.lax``'s collectives do."""
+    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    if not names:
+        raise ValueError(f"jax_ncclx.{op}: axis_name must name at least one mesh axis, got {axis_name!r}")
+    for name in names:
+        try:
+            hash(name)
+        except TypeError:
+            raise TypeError(f"jax_ncclx.{op}: axis_name must be a hashable mesh axis name or a tuple of them, got "
+                            f"{axis_name!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"jax_ncclx.{op}: axis_name names an axis twice: {axis_name!r}")
+    return names[0] if len(names) == 1 else names
+
+
+def axes_of(axis_name) -> tuple:
+    """The mesh axes of a checked ``axis_name`` (see :func:`check_axis_name`), as a tuple."""
+    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
 def check_dtype(x, op: str, *, reduction: bool):
@@ -71,7 +79,7 @@ def check_dtype(x, op: str, *, reduction: bool):
 
 
 def is_bound(axis_name) -> bool:
-    return compat.axis_is_bound(axis_name)
+    return all(compat.axis_is_bound(name) for name in axes_of(axis_name))
 
 
 # ---- primitives and avals ----------------------------------------------------------------------------------
@@ -112,29 +120,32 @@ def fold_vmap_into_batch(prim: Primitive, axis_data, args, dims, **params):
 
 
 def ensure_varying(x, axis_name):
-    """Marks ``x`` as varying over ``axis_name`` when it is not (as ``jax.lax`` collectives do)."""
-    if compat.check_vma_enabled() and axis_name not in compat.varying_axes(jax.typeof(x)):
-        return jax.lax.pcast(x, axis_name, to="varying")
-    return x
+    """Marks ``x`` as varying over the axes of ``axis_name`` it does not vary over yet (as ``jax.lax``
+    collectives do)."""
+    if not compat.check_vma_enabled():
+        return x
+    missing = tuple(name for name in axes_of(axis_name) if name not in compat.varying_axes(jax.typeof(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def output_aval(aval, axis_name, *inputs, shape=None, dtype=None, invariant: bool = False):
     """The aval of a collective's result: ``aval`` with a new shape/dtype, varying over the union of the
-    inputs' varying axes, minus ``axis_name`` when the result is the same on every member (``invariant``)."""
+    inputs' varying axes, minus those of ``axis_name`` when the result is the same on every member
+    (``invariant``)."""
     varying = frozenset().union(*(compat.varying_axes(a) for a in (aval, *inputs)))
     if invariant:
-        varying -= {axis_name}
+        varying -= set(axes_of(axis_name))
     out = aval.update(shape=aval.shape if shape is None else tuple(shape),
                       dtype=aval.dtype if dtype is None else dtype)
     return compat.with_varying_axes(out, varying)
 
 
 def effects(axis_name):
-    return {compat.NamedAxisEffect(axis_name)}
+    return {compat.NamedAxisEffect(name) for name in axes_of(axis_name)}
 
 
 def reject_collective_axis_vmap(axis_data, axis_name, op: str):
-    if axis_data.name == axis_name:
+    if axis_data.name in axes_of(axis_name):
         raise NotImplementedError(
             f"jax_ncclx.{op}: vmap over the collective's own axis {axis_name!r} is not supported; vmap over "
             "another (non-mesh) axis, or use jax.shard_map for the mesh axis"
@@ -174,7 +185,7 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **par
     axis_context = ctx.module_context.axis_context
     if not compat.is_spmd_axis_context(axis_context):
         raise NotImplementedError(f"{target}: jax_ncclx collectives lower only inside jax.shard_map (not pmap)")
-    groups = compat.replica_groups(axis_context, axis_name)
+    groups = compat.replica_groups(axis_context, axes_of(axis_name))
     op = target.removeprefix("ncclx_")
     settings = config.current()
     site = next(_call_site_ids)
@@ -286,17 +297,18 @@ def global_view(op_fn: Callable, args: tuple, axis_name, op: str, in_specs, out_
 
 
 def _mesh_with_axis(args, axis_name):
+    has_axes = lambda mesh: mesh is not None and not mesh.empty and set(axes_of(axis_name)) <= set(mesh.axis_names)
     concrete = compat.concrete_context_mesh()
-    if not concrete.empty and axis_name in concrete.axis_names:
+    if has_axes(concrete):
         return concrete
     context = jax.sharding.get_abstract_mesh()
-    if not context.empty and axis_name in context.axis_names:
+    if has_axes(context):
         return context
     for leaf in jax.tree.leaves(args):
         sharding = getattr(leaf, "sharding", None)
-        if isinstance(sharding, NamedSharding) and axis_name in sharding.mesh.axis_names:
+        if isinstance(sharding, NamedSharding) and has_axes(sharding.mesh):
             return sharding.mesh
         mesh = getattr(jax.typeof(leaf).sharding, "mesh", None)
-        if mesh is not None and not mesh.empty and axis_name in mesh.axis_names:
+        if has_axes(mesh):
             return mesh
     return None

@@ -25,7 +25,8 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
 
     Args:
       x: array (or pytree) of any shape and any fixed-width dtype (float8 included).
-      axis_name: the mesh axis to gather over (static).
+      axis_name: the mesh axis to gather over, or a tuple of axes taken as one (static; the first axis major,
+        as ``jax.lax.axis_index`` of the tuple).
       axis: where the gathered dimension goes in the result (static; negative counts from the end).
       tiled: if False the result has a new dimension of size N at ``axis``; if True the members' arrays are
         concatenated along the existing dimension ``axis`` (static).

@@ -25,8 +25,8 @@ def all_reduce(x, axis_name, op: str = "sum"):
 
     Args:
       x: array (or pytree of arrays) of any shape; float32/float64/bfloat16/float16 or 8–64-bit integers.
-      axis_name: the mesh axis to reduce over (static). On a multi-axis mesh the reduction runs within each
-        group along that axis.
+      axis_name: the mesh axis to reduce over, or a tuple of axes taken as one (static). On a multi-axis mesh
+        the reduction runs within each group along that axis (those axes).
       op: ``"sum"``, ``"max"`` or ``"min"`` (static).
 
     Returns:

@@ -26,7 +26,8 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
 
     Args:
       x: array (or pytree) of any fixed-width dtype (float8 included).
-      axis_name: the mesh axis (static).
+      axis_name: the mesh axis, or a tuple of axes taken as one (static; the first axis major, as
+        ``jax.lax.axis_index`` of the tuple).
       split_axis: the dimension split into N blocks; untiled its size must be N, tiled a multiple of N (static).
       concat_axis: where the received blocks go (static).
       tiled: False: ``split_axis`` is removed and a new dimension of size N is inserted at ``concat_axis``;

@@ -47,7 +47,8 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
         x is ``[X, F]``.
       send_counts: int32 ``[N]`` (rows for each peer) or ``[N, K]`` (rows of each chunk, e.g. K local experts);
         N is the size of ``axis_name``. Other integer dtypes are converted to int32.
-      axis_name: the mesh axis (static).
+      axis_name: the mesh axis, or a tuple of axes taken as one (static; the first axis major, as
+        ``jax.lax.axis_index`` of the tuple).
       max_recv_per_peer: C, the most rows taken from any one source (static Python int >= 0).
       layout: ``"padded"``: y is ``[N, C, ...]`` and ``y[i, :r_i]`` holds the rows from source i in send
         order, zeros after. ``"packed"``: y is ``[N * C, ...]`` with all received rows packed from row 0,

@@ -22,7 +22,8 @@ def ppermute(x, axis_name, perm):
 
     Args:
       x: array (or pytree) of any fixed-width dtype.
-      axis_name: the mesh axis (static).
+      axis_name: the mesh axis, or a tuple of axes taken as one (static; the first axis major, as
+        ``jax.lax.axis_index`` of the tuple, in any order of the axes).
       perm: sequence of ``(src, dst)`` axis-index pairs (static); each index appears at most once as a source
         and at most once as a destination.
 

@@ -23,7 +23,8 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
     Args:
       x: array (or pytree); float32/float64/bfloat16/float16 or integers. Untiled, ``x.shape[
         scatter_dimension]`` must equal the axis size N; tiled, it must be a multiple of N.
-      axis_name: the mesh axis (static).
+      axis_name: the mesh axis, or a tuple of axes taken as one (static; the first axis major, as
+        ``jax.lax.axis_index`` of the tuple).
       scatter_dimension: the dimension split into N blocks (static).
       tiled: if False the scattered dimension is removed; if True it shrinks to ``shape // N`` (static).
 
