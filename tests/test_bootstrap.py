@@ -196,6 +196,20 @@ def test_communicator_for_makes_each_axis_communicator_once(monkeypatch):
     comm.destroy_all()
 
 
+def test_communicator_for_a_tuple_of_axes(monkeypatch):
+    """Axes taken as one make one group of the whole 2x2 mesh, ranked as jax.lax.axis_index of the tuple
+    (the first axis major): ("b", "a") puts device 2 (a=1, b=0) at rank 1. Each order is a communicator of
+    its own, and a 1-tuple is its axis."""
+    fake = _FakeCudaModule()
+    monkeypatch.setattr(comm.lib, "cuda_module", lambda: fake)
+    comm.destroy_all()
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:4]).reshape(2, 2), ("a", "b"))
+    ids = [comm.communicator_for(mesh, axes) for axes in (("a", "b"), ("b", "a"), ("a", "b"), "a", ("a",))]
+    assert ids[0] == ids[2] and ids[3] == ids[4] and len(set(ids)) == 3
+    assert fake.registered[:2] == [(4, (0, 1, 2, 3), (0, 1, 2, 3)), (4, (0, 1, 2, 3), (0, 2, 1, 3))]
+    comm.destroy_all()
+
+
 def test_failed_nccl_creation_is_repeated_not_retried(monkeypatch):
     """A failed NCCL creation fails every later op on that communicator with the first error: trying again
     would republish its unique ids (the key-value store refuses) or wait for peers that moved on."""

@@ -1,16 +1,17 @@
 """MoE dispatch and combine over one expert-parallel mesh axis (or several taken as one), each one
 ``all_to_allv_dynamic`` call.
 
-Expert placement: with N members on ``axis_name`` and E experts, E_local = E // N and expert e lives on
-member e // E_local (the member's ``jax.lax.axis_index(axis_name)``) as its local expert e % E_local. ``dispatch`` gives every (token, choice) pair's row to
-the member that owns the chosen expert and returns the received rows grouped by local expert, ready for
-``jax.lax.ragged_dot``. On the wire a token crosses once per member, however many of that member's experts
-it chose (DeepEP's send-once; for top-8 of 32 experts on 4 members about 3.7 rows per token instead of 8),
-tagged with its pairs, and the receiver expands it into one row per pair. ``combine`` sums each token's
-expert outputs with its router weights. When ``dispatch`` got the weights, they travel with the rows and
-``combine`` sums the pairs of each token on the expert side first, so it sends one row per token and member
-back, like dispatch; otherwise it sends one row per pair back and sums on the token side. The counts stay on
-the device: ``dispatch`` learns them from the exchange itself, and ``combine`` reuses them from the handle.
+Expert placement: with N members on ``axis_name`` and E experts, E_local = E // N and expert e lives on member
+e // E_local (by ``jax.lax.axis_index(axis_name)``) as its local expert e % E_local. ``dispatch`` gives every
+(token, choice) pair's row to the member that owns the chosen expert and returns the received rows grouped by
+local expert, ready for ``jax.lax.ragged_dot``. On the wire a token crosses once per member, however many of
+that member's experts it chose (DeepEP's send-once; for top-8 of 32 experts on 4 members about 3.7 rows per
+token instead of 8), tagged with its pairs, and the receiver expands it into one row per pair. ``combine``
+sums each token's expert outputs with its router weights. When ``dispatch`` got the weights, they travel with
+the rows and ``combine`` sums the pairs of each token on the expert side first, so it sends one row per token
+and member back, like dispatch; otherwise it sends one row per pair back and sums on the token side. The
+counts stay on the device: ``dispatch`` learns them from the exchange itself, and ``combine`` reuses them from
+the handle.
 
 Capacity: one member takes at most ``capacity`` pairs from any one member. The pairs for one destination
 are sorted by expert and it takes the first ``capacity`` of them, so drops hit the highest-numbered experts
