@@ -4,7 +4,7 @@
   under ``jax.checkpoint``, so that the backward pass runs dispatch and combine again and then their
   transposes inside the loop;
 * tensor-parallel decode steps under ``lax.fori_loop``, every step an all_reduce per layer, then an
-  all_to_all and an all_gather.
+  all_to_all, an all_gather and a ppermute (on GPU the NCCL path).
 
 Inside a loop the same call site runs again and again with the device-side call numbers (epochs) of the NVLink
 kernels moving on between iterations, and XLA may record the loop body into a command buffer and replay it.
@@ -85,20 +85,22 @@ def decode_inputs(n, seed=0):
             (rng.normal(size=(LAYERS, HIDDEN, HIDDEN)) / 4).astype(np.float32))
 
 
-def _decode(x, weights, all_reduce, all_to_all, all_gather):
+def _decode(x, weights, all_reduce, all_to_all, all_gather, ppermute):
     def step(_, x):
         for layer in range(LAYERS):
             x = x + jnp.tanh(all_reduce(jnp.dot(x, weights[layer], precision=HIGHEST), AXIS))
         x = x + 0.5 * jnp.tanh(all_to_all(x, AXIS, 0, 0, tiled=True))
         gathered = all_gather(x, AXIS, tiled=True)  # [n · B·n, H]
-        return x + 0.1 * gathered.reshape(-1, *x.shape).mean(axis=0)
+        x = x + 0.1 * gathered.reshape(-1, *x.shape).mean(axis=0)
+        size = jax.lax.axis_size(AXIS)
+        return x + 0.1 * ppermute(x, AXIS, [(i, (i + 1) % size) for i in range(size)])  # a pipeline's hop
 
     return jax.lax.fori_loop(0, DECODE_STEPS, step, x)
 
 
 def decode(mesh, *, use_nx):
     """jit(decode)(x, weights) -> x after the steps, with jax_ncclx's collectives or jax.lax's."""
-    ops = (nx.all_reduce, nx.all_to_all, nx.all_gather) if use_nx else \
-        (jax.lax.psum, jax.lax.all_to_all, jax.lax.all_gather)
+    ops = (nx.all_reduce, nx.all_to_all, nx.all_gather, nx.ppermute) if use_nx else \
+        (jax.lax.psum, jax.lax.all_to_all, jax.lax.all_gather, jax.lax.ppermute)
     return jax.jit(jax.shard_map(lambda x, w: _decode(x, w, *ops), mesh=mesh, in_specs=(P(AXIS), P()),
                                  out_specs=P(AXIS)))

@@ -37,8 +37,8 @@ def test_moe_stack_under_scan(backend, remat):
 
 
 def test_decode_under_fori_loop(backend):
-    """Decode steps with jax_ncclx's all_reduce, all_to_all and all_gather match the same steps with jax.lax's
-    (float32: the same sums in the same order on CPU; within rounding on GPU)."""
+    """Decode steps with jax_ncclx's all_reduce, all_to_all, all_gather and ppermute match the same steps with
+    jax.lax's (float32: the same sums in the same order on CPU; within rounding on GPU)."""
     n = len(backend)
     mesh = loop_models.line_mesh(backend)
     x, weights = loop_models.decode_inputs(n)
@@ -51,11 +51,12 @@ def test_decode_under_fori_loop(backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("loops_in_graphs", [False, True], ids=["custom_calls", "loops_too"])
 def test_loops_in_command_buffers(loops_in_graphs):
-    """Both programs, compiled once and run with new inputs, with custom calls captured: they must match XLA's
-    programs, and the handlers must have been recorded into a graph (and replayed, where only custom calls
-    are captured; see loop_worker.py)."""
+    """Both programs, compiled once and run with new inputs, with custom calls captured (and whole loops, the
+    NCCL handlers recordable): they must match XLA's programs, and the handlers must have been recorded into a
+    graph (and replayed, where only custom calls are captured; see loop_worker.py)."""
     if loops_in_graphs:
-        run_command_buffer_worker("loop_worker.py", "--loops-in-graphs", minimum=1, xla_flags=(
-            "--xla_gpu_enable_command_buffer=+CUSTOM_CALL,+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1"))
+        run_command_buffer_worker("loop_worker.py", "--loops-in-graphs", minimum=1, JAX_NCCLX_NCCL_COMMAND_BUFFERS="1",
+                                  xla_flags="--xla_gpu_enable_command_buffer=+CUSTOM_CALL,+WHILE,+CONDITIONAL "
+                                            "--xla_gpu_graph_min_graph_size=1")
     else:
         run_command_buffer_worker("loop_worker.py", minimum=1)
