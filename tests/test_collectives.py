@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_ncclx as nx
-from conftest import run_command_buffer_worker
+from conftest import gpu_devices, gpu_skip_reason, run_command_buffer_worker
 from helpers import FLOAT_DTYPES, INT_DTYPES, MOVE_ONLY_DTYPES, assert_same, put, random_array, smap
 
 
@@ -70,6 +70,22 @@ def test_matches_lax(mesh, name, axis, dtype):
     if dtype in MOVE_ONLY_DTYPES:
         actual = actual.astype(jnp.float32)
     assert_same(actual, expected, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("axis", [("a", "b"), ("b", "a")], ids=AXIS_IDS)
+@pytest.mark.parametrize("name", OPS)
+def test_tuple_of_axes_on_every_gpu(name, axis):
+    """The CUDA lowering over two axes taken as one (one communicator for the merged group), on a 1 x n mesh
+    of every local GPU, so that a machine with one GPU runs it too: each op matches jax.lax."""
+    reason = gpu_skip_reason(minimum=1)
+    if reason:
+        pytest.skip(reason)
+    devices = gpu_devices()
+    mesh = jax.sharding.Mesh(np.asarray(devices).reshape(1, len(devices)), ("a", "b"))
+    ours, ref, _ = OPS[name]
+    x = put(random_array(global_shape(mesh), jnp.float32), mesh)
+    assert_same(smap(lambda v: ours(v, axis), mesh)(x), smap(lambda v: ref(v, axis), mesh)(x), jnp.float32)
 
 
 @pytest.mark.parametrize("name", ["all_reduce_sum", "all_gather", "all_to_all", "ppermute"])
