@@ -11,6 +11,8 @@ kernels moving on between iterations, and XLA may record the loop body into a co
 Used by test_loops.py (in process) and loop_worker.py (custom calls captured into CUDA graphs).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,6 +78,21 @@ def dense_moe_stack_loss(tokens, routers, experts, *, remat):
         return t + (y * gates[..., None]).sum(axis=1)
 
     return (_stack(layer, tokens, routers, experts, remat) ** 2).sum()
+
+
+def moe_stack_programs(mesh, *, remat):
+    """(the scanned stack, the dense stack), each jit(value_and_grad): (tokens, routers, experts) -> (loss,
+    grads in all three)."""
+    grads = lambda loss: jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    return grads(moe_stack_loss(mesh, remat=remat)), grads(functools.partial(dense_moe_stack_loss, remat=remat))
+
+
+def assert_loss_and_grads_match(actual, expected, where=""):
+    """Two (loss, grads) results of moe_stack_programs agree."""
+    (loss, grads), (expected_loss, expected_grads) = actual, expected
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5, err_msg=where)
+    for name, grad, ref in zip(("tokens", "routers", "expert weights"), grads, expected_grads):
+        np.testing.assert_allclose(grad, ref, rtol=1e-4, atol=1e-4, err_msg=f"{where} {name}")
 
 
 def decode_inputs(n, seed=0):

@@ -8,7 +8,8 @@ kernel executions). With ``--loops-in-graphs`` the flags capture while loops and
 JAX_NCCLX_NCCL_COMMAND_BUFFERS=1 makes ppermute's NCCL handler recordable, so a whole loop can run inside a
 graph, its body's kernels again and again without the host. By the launch counts (one H100: 55 host launches,
 5 of them recorded, for 3 × 25 NVLink kernel runs), XLA 0.11.2 ran the decode loop from a graph in one
-execution of three and from the host in the other two, so only the recording is required. Prints CAPTURE OK at the end.
+execution of three and from the host in the other two, so only the recording is required. Prints CAPTURE OK
+at the end.
 """
 
 import os
@@ -49,17 +50,13 @@ def check_replayed(name, run_all, executions):
 
 
 stack_args = loop_models.moe_inputs(n)
-stack = jax.jit(jax.value_and_grad(loop_models.moe_stack_loss(mesh, remat=True), argnums=(0, 1, 2)))
-dense = jax.jit(jax.value_and_grad(lambda *a: loop_models.dense_moe_stack_loss(*a, remat=True), argnums=(0, 1, 2)))
+stack, dense = loop_models.moe_stack_programs(mesh, remat=True)
 
 
 def run_stack():
     for run in range(runs):
         args = (stack_args[0] * (1 + run), *stack_args[1:])
-        (loss, grads), (expected_loss, expected_grads) = stack(*args), dense(*args)
-        np.testing.assert_allclose(loss, expected_loss, rtol=1e-5, err_msg=f"run {run}")
-        for grad, expected in zip(grads, expected_grads):
-            np.testing.assert_allclose(grad, expected, rtol=1e-4, atol=1e-4, err_msg=f"run {run}")
+        loop_models.assert_loss_and_grads_match(stack(*args), dense(*args), where=f"run {run}")
         print(f"moe stack run {run} matches", flush=True)
 
 

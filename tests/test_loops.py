@@ -3,8 +3,6 @@ jax.checkpoint, against the same stack in dense XLA ops (loss and gradients); de
 against jax.lax's collectives. In process on CPU and, where present, GPUs; loop_worker.py runs both with custom
 calls captured into CUDA graphs, where one GPU is enough."""
 
-import functools
-
 import jax
 import numpy as np
 import pytest
@@ -12,26 +10,18 @@ import pytest
 import loop_models
 from conftest import run_command_buffer_worker
 
-GRADS = ("tokens", "routers", "expert weights")
-
 
 @pytest.mark.parametrize("remat", [False, True], ids=["saved", "remat"])
 def test_moe_stack_under_scan(backend, remat):
     """Loss and gradients of the scanned stack match the dense stack; the exchanges stay inside the scan (one
     call site each way, whatever the layer count), and jax.checkpoint runs dispatch and combine again in the
     backward pass."""
-    n = len(backend)
     mesh = loop_models.line_mesh(backend)
-    args = loop_models.moe_inputs(n)
-    loss_fn = jax.value_and_grad(loop_models.moe_stack_loss(mesh, remat=remat), argnums=(0, 1, 2))
-    loss, grads = jax.jit(loss_fn)(*args)
-    dense = functools.partial(loop_models.dense_moe_stack_loss, remat=remat)
-    expected_loss, expected_grads = jax.jit(jax.value_and_grad(dense, argnums=(0, 1, 2)))(*args)
-    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
-    for name, grad, expected in zip(GRADS, grads, expected_grads):
-        np.testing.assert_allclose(grad, expected, rtol=1e-4, atol=1e-4, err_msg=name)
+    args = loop_models.moe_inputs(len(backend))
+    stack, dense = loop_models.moe_stack_programs(mesh, remat=remat)
+    loop_models.assert_loss_and_grads_match(stack(*args), dense(*args))
 
-    jaxpr = str(jax.make_jaxpr(loss_fn)(*args))
+    jaxpr = str(jax.make_jaxpr(stack)(*args))
     # forward: dispatch and combine; backward: their transposes, plus both again when recomputed
     assert jaxpr.count("ncclx_all_to_allv_dynamic") == (6 if remat else 4), jaxpr
 
