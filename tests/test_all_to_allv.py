@@ -228,6 +228,47 @@ def test_vmap_is_one_call(backend, operands):
     assert str(jax.make_jaxpr(f)(*args)).count("ncclx_all_to_allv_dynamic") == 1
 
 
+@pytest.mark.parametrize("operands", ["x", "send_rows", "suffix"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("pattern", ["at_capacity", "overflow", "bad", "random"])
+def test_vmap_over_its_own_axis(pattern, layout, operands):
+    """jax.vmap(..., axis_name="i") over the exchange's own axis, an inner vmap batching two routings: the
+    members are the batch entries and the rows move by gathers here, as the reference says, with no collective
+    in the jaxpr. The gradient in x and the suffix matches the exchange's over a CPU mesh of as many devices."""
+    n = 4
+    xs = random_array((n, 2, ROWS - 2, 3), jnp.float32)
+    suffix = random_array((n, 2, ROWS, 2), jnp.float32, seed=5)
+    counts = np.stack([counts_for(pattern, n, 2, seed=s) for s in (7, 8)], axis=1)  # [n, 2, n, k]
+    send_rows = np.stack([random_send_rows(n, ROWS, ROWS - 2, seed=s) for s in (1, 2)], axis=1)  # [n, 2, S]
+    if operands == "x":
+        xs = random_array((n, 2, ROWS, 3), jnp.float32)
+    args = jnp.asarray(xs), jnp.asarray(counts), jnp.asarray(send_rows), jnp.asarray(suffix)
+
+    def exchange(axis):
+        return jax.vmap(lambda u, v, w, z: nx.all_to_allv_dynamic(
+            u, v, axis, max_recv_per_peer=CAPACITY, layout=layout, send_rows=None if operands == "x" else w,
+            suffix=z if operands == "suffix" else None))
+
+    f = jax.jit(jax.vmap(exchange("i"), axis_name="i"))
+    out = f(*args)
+    for b in range(2):
+        sent = list(xs[:, b]) if operands == "x" else reference.gather_rows(xs[:, b], send_rows[:, b])
+        if operands == "suffix":
+            sent = [np.concatenate([r, t], axis=1) for r, t in zip(sent, suffix[:, b])]
+        expected = reference.all_to_allv(sent, list(counts[:, b]), CAPACITY, layout)
+        check([tuple(np.asarray(o[i, b]) for o in out) for i in range(n)], expected, jnp.float32)
+    assert "ncclx_" not in str(jax.make_jaxpr(f)(*args))
+
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:n]), ("x",))
+    over_mesh = jax.shard_map(lambda *a: tuple(o[None] for o in exchange("x")(*(v[0] for v in a))), mesh=mesh,
+                              in_specs=(P("x"),) * 4, out_specs=P("x"))
+    w = random_array(out[0].shape, jnp.float32, seed=11)
+    grad = lambda g: jax.jit(jax.grad(lambda x, t: (g(x, args[1], args[2], t)[0] * w).sum(), argnums=(0, 1)))(
+        args[0], args[3])
+    for ours, theirs in zip(grad(f), grad(over_mesh)):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_grad_sends_cotangents_back(backend, layout):
     """d/dx sum(w * y) is w at the position each row landed, and zero for dropped rows."""

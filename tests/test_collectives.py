@@ -22,7 +22,9 @@ def ring(axis):
 def lax_ppermute_ring(v, axis):
     """jax.lax.ppermute along ring(axis). jax.lax refuses a tuple of axes in another order than the mesh's
     (("b", "a")), so the same ring goes to it with the members renumbered in the mesh's order."""
-    names = axis if isinstance(axis, tuple) else (axis,)
+    if not isinstance(axis, tuple):
+        return jax.lax.ppermute(v, axis, ring(axis))
+    names = axis
     mesh_names = tuple(sorted(names, key=("a", "b").index))
     sizes = [jax.lax.axis_size(name) for name in names]
     index_at = np.arange(math.prod(sizes)).reshape(sizes)  # axis_index(axis) at each coordinate
@@ -119,6 +121,95 @@ def test_vmap_is_one_call(mesh, name):
     assert_same(smap(batched(ours), mesh)(x), smap(batched(ref), mesh)(x), jnp.float32)
     jaxpr = str(jax.make_jaxpr(smap(batched(ours), mesh))(x))
     assert jaxpr.count("ncclx_") == 1, jaxpr
+
+
+@pytest.mark.parametrize("in_axis", [0, 2, None])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("name", OPS)
+def test_vmap_over_its_own_axis(name, dtype, in_axis):
+    """jax.vmap(..., axis_name="i") over the op's own axis (in_axis None: every member holds the same array):
+    the members are the batch entries, so the result matches jax.lax's with no collective in the jaxpr. The
+    reference always maps dimension 0 of the members' arrays (jax.lax 0.11.2's all_to_all gets the shape wrong
+    for an unmapped operand)."""
+    ours, ref, _ = OPS[name]
+    members = 4
+    full = jnp.asarray(random_array((members, 2, 8, 3), dtype))
+    if in_axis is None:
+        full = jnp.broadcast_to(full[0], full.shape)
+    x = full[0] if in_axis is None else jnp.moveaxis(full, 0, in_axis)
+    call = lambda op, in_axes: jax.jit(jax.vmap(lambda v: op(v, "i"), in_axes=in_axes, axis_size=members,
+                                                axis_name="i"))
+    assert_same(call(ours, in_axis)(x), call(ref, 0)(full), dtype)
+    assert "ncclx_" not in str(jax.make_jaxpr(call(ours, in_axis))(x))
+
+
+@pytest.mark.parametrize("name", LINEAR)
+def test_grad_over_a_vmapped_own_axis(name):
+    ours, ref, _ = OPS[name]
+    x = jnp.asarray(random_array((4, 2, 8, 3), jnp.float32))
+
+    def loss(op):
+        body = jax.vmap(lambda v: jnp.sin(op(jnp.cos(v), "i")), axis_name="i")
+        return jax.jit(jax.grad(lambda v: body(v).sum()))
+
+    np.testing.assert_allclose(loss(ours)(x), loss(ref)(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("axis", [("i", "b"), ("b", "i"), ("a", "i", "b")], ids=AXIS_IDS)
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_vmap_axis_with_mesh_axes_inside_shard_map(mesh, op, axis, check_vma):
+    """all_reduce over a vmapped axis taken together with mesh axes reduces the batch entries here, then the
+    rest over the mesh: one collective, over the mesh axes only. jax.lax 0.11.2 refuses such a psum under
+    check_vma=True, so its reference runs with check_vma=False. The gradient of the summed loss matches it;
+    so does the vmap of each member's gradient without check_vma (a psum transposes to a psum), and with it
+    that gradient is the member's own, cos(y) * -sin(x) (the cotangent of an invariant result is shared)."""
+    lax_op = {"sum": jax.lax.psum, "max": jax.lax.pmax}[op]
+    in_specs = jax.sharding.PartitionSpec(None, "a", "b")
+    x = jax.device_put(random_array((3, *global_shape(mesh)), jnp.float32), jax.sharding.NamedSharding(mesh, in_specs))
+
+    def program(reduce, vma):
+        body = jax.vmap(lambda v: jnp.sin(reduce(jnp.cos(v), axis)), axis_name="i")
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=in_specs, check_vma=vma)
+
+    ours = program(lambda v, a: nx.all_reduce(v, a, op), check_vma)
+    ref = program(lax_op, False)
+    assert_same(jax.jit(ours)(x), jax.jit(ref)(x), jnp.float32)
+    mesh_axes = tuple(name for name in axis if name != "i")
+    jaxpr = str(jax.make_jaxpr(ours)(x))
+    assert jaxpr.count("ncclx_all_reduce") == 1, jaxpr
+    assert f"axis_name={mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes} " in jaxpr, jaxpr
+    if op != "sum":
+        return
+    grad = lambda f: jax.jit(jax.grad(lambda v: f(v).sum()))(x)
+    np.testing.assert_allclose(grad(ours), grad(ref), rtol=1e-5, atol=1e-5)
+
+    def member_grads(reduce, vma):
+        body = jax.vmap(jax.grad(lambda v: jnp.sin(reduce(jnp.cos(v), axis)).sum()), axis_name="i")
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=in_specs, check_vma=vma))(x)
+
+    if check_vma:  # y, the reduction of cos(x), from jax.lax where it runs
+        reduced = jax.shard_map(jax.vmap(lambda v: jax.lax.psum(jnp.cos(v), axis), axis_name="i"), mesh=mesh,
+                                in_specs=in_specs, out_specs=in_specs, check_vma=False)
+        expected = np.cos(reduced(x)) * -np.sin(x)
+    else:
+        expected = member_grads(jax.lax.psum, False)
+    np.testing.assert_allclose(member_grads(lambda v, a: nx.all_reduce(v, a), check_vma), expected, rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_vmap_over_its_own_axis_inside_shard_map(mesh, name):
+    """A vmapped axis inside shard_map (check_vma=True, which jax.lax 0.11.2 refuses there) is local work."""
+    ours, ref, _ = OPS[name]
+    x = jnp.asarray(random_array((4, 2, 8, 3), jnp.float32))
+    specs = jax.sharding.PartitionSpec()
+
+    def program(op, check_vma):
+        body = jax.vmap(lambda v: op(v, "i"), axis_name="i")
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs, check_vma=check_vma))
+
+    assert_same(program(ours, True)(x), program(ref, False)(x), jnp.float32)
 
 
 @pytest.mark.parametrize("check_vma", [True, False])

@@ -67,9 +67,14 @@ def test_misuse_inside_shard_map(line, call, error, message):
         per_shard(line, call, jnp.ones((4 * 2, 8)))
 
 
-def test_vmap_over_the_collective_axis_is_refused():
-    with pytest.raises(NotImplementedError, match="own axis 'i'"):
-        jax.vmap(lambda v: nx.all_reduce(v, "i"), axis_name="i")(jnp.ones((4, 2)))
+@pytest.mark.parametrize("op, call", [
+    ("all_gather", lambda u, axes: nx.all_gather(u, axes)),
+    ("all_to_allv_dynamic", lambda u, axes: nx.all_to_allv_dynamic(u, jnp.ones(12, jnp.int32), axes,
+                                                                   max_recv_per_peer=1)),
+])
+def test_vmapped_axis_with_mesh_axes_is_refused_but_for_all_reduce(line, op, call):
+    with pytest.raises(NotImplementedError, match=rf"{op}: axis_name \('x', 'i'\) takes the vmapped axis 'i'"):
+        per_shard(line, lambda v: jax.vmap(lambda u: call(u, ("x", "i")), axis_name="i")(v), jnp.ones((4 * 3, 2)))
 
 
 def test_peer_that_never_arrives_is_named(line, monkeypatch):

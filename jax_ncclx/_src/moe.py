@@ -113,7 +113,8 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
     """Sends every (token, choice) pair's row to the member that owns its expert.
 
     Call it inside ``jax.shard_map`` over ``axis_name``. It runs under ``jax.jit``, ``jax.vmap`` (over a
-    non-mesh axis, still one exchange) and ``jax.grad`` (in ``tokens`` and ``weights``).
+    non-mesh axis, still one exchange; or over ``axis_name`` itself, every member here and the exchange a
+    gather) and ``jax.grad`` (in ``tokens`` and ``weights``).
 
     Args:
       tokens: ``[T, H]`` any float dtype, this member's tokens.
@@ -462,14 +463,15 @@ def _return_per_token(rows, handle):
 # ---- argument checks ---------------------------------------------------------------------------------------
 
 def _vary_together(axis_name, arrays, others=()):
-    """``arrays`` cast to vary over ``axis_name`` and every mesh axis that they or ``others`` vary over.
+    """``arrays`` cast to vary over the mesh axes of ``axis_name`` and every one that they or ``others`` vary
+    over.
 
     Under ``check_vma`` a custom_vjp cotangent must have its input's type. The cotangents mix all the inputs,
     so every input must vary over the union of their axes.
     """
     if not compat.check_vma_enabled():
         return arrays
-    axes = frozenset(primitive.axes_of(axis_name)).union(
+    axes = frozenset(primitive.manual_axes_of(axis_name)).union(
         *(compat.varying_axes(jax.typeof(a)) for a in (*arrays, *others)))
     return tuple(_vary_over(a, axes) for a in arrays)
 

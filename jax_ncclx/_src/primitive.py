@@ -78,6 +78,12 @@ def check_dtype(x, op: str, *, reduction: bool):
         raise TypeError(f"jax_ncclx.{op}: cannot reduce 8-bit float dtype {dtype}; upcast first")
 
 
+def accumulation_dtype(dtype):
+    """The dtype a sum of ``dtype`` accumulates in here: float32 for 16-bit floats (rounded once at the end, as
+    the CPU handlers and the NVLink kernels do), ``dtype`` itself otherwise."""
+    return jnp.float32 if dtype in (jnp.bfloat16, jnp.float16) else dtype
+
+
 def is_bound(axis_name) -> bool:
     return all(compat.axis_is_bound(name) for name in axes_of(axis_name))
 
@@ -119,12 +125,20 @@ def fold_vmap_into_batch(prim: Primitive, axis_data, args, dims, **params):
     return [unfold(out) for out in outs], [0] * len(outs)
 
 
+def manual_axes_of(axis_name) -> tuple:
+    """The axes of ``axis_name`` that are manual axes of the enclosing ``shard_map``: those that varying types
+    track (a vmapped axis is not one)."""
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    return tuple(name for name in axes_of(axis_name) if name in manual)
+
+
 def ensure_varying(x, axis_name):
-    """Marks ``x`` as varying over the axes of ``axis_name`` it does not vary over yet (as ``jax.lax``
-    collectives do)."""
+    """Marks ``x`` as varying over the mesh axes of ``axis_name`` it does not vary over yet (as ``jax.lax``
+    collectives do). A vmapped axis has no such type and is left out."""
     if not compat.check_vma_enabled():
         return x
-    missing = tuple(name for name in axes_of(axis_name) if name not in compat.varying_axes(jax.typeof(x)))
+    varying = compat.varying_axes(jax.typeof(x))
+    missing = tuple(name for name in manual_axes_of(axis_name) if name not in varying)
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -144,12 +158,27 @@ def effects(axis_name):
     return {compat.NamedAxisEffect(name) for name in axes_of(axis_name)}
 
 
-def reject_collective_axis_vmap(axis_data, axis_name, op: str):
-    if axis_data.name in axes_of(axis_name):
+def batches_own_axis(axis_data, axis_name, op: str) -> bool:
+    """Whether a batching rule runs for ``jax.vmap(..., axis_name=...)`` over the collective's own axis. The
+    axis's members are then the entries of the batch dimension, all on this device, so the op is local array
+    work on :func:`members_first`. A tuple that takes the vmapped axis together with other axes is refused
+    here, as ``jax.lax`` refuses it for all but its reductions (``all_reduce`` handles that case itself)."""
+    axes = axes_of(axis_name)
+    if axis_data.name not in axes:
+        return False
+    if len(axes) > 1:
         raise NotImplementedError(
-            f"jax_ncclx.{op}: vmap over the collective's own axis {axis_name!r} is not supported; vmap over "
-            "another (non-mesh) axis, or use jax.shard_map for the mesh axis"
-        )
+            f"jax_ncclx.{op}: axis_name {axis_name!r} takes the vmapped axis {axis_data.name!r} together with "
+            "other axes; only all_reduce supports that (as in jax.lax)")
+    return True
+
+
+def members_first(axis_data, x, d):
+    """``x`` with the vmapped axis's members along dimension 0: its batch dimension ``d`` moved there, or (``d``
+    None: every member holds ``x``) ``x`` broadcast to them."""
+    if d is None:
+        return jnp.broadcast_to(x, (axis_data.size, *jnp.shape(x)))
+    return jnp.moveaxis(x, d, 0)
 
 
 # ---- lowering ----------------------------------------------------------------------------------------------

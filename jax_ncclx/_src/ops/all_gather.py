@@ -75,8 +75,9 @@ def _all_gather_cuda_route(ctx, comm_id, size):
 
 
 def _all_gather_batching(axis_data, args, dims, *, axis_name):
-    primitive.reject_collective_axis_vmap(axis_data, axis_name, "all_gather")
     (x,), (d,) = args, dims
+    if primitive.batches_own_axis(axis_data, axis_name, "all_gather"):
+        return primitive.members_first(axis_data, x, d), None  # every member gathers the same blocks
     return all_gather_p.bind(x, axis_name=axis_name), d + 1
 
 

@@ -8,6 +8,7 @@ result keeps that sharding.
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 from jax.interpreters import batching
@@ -36,7 +37,8 @@ def all_reduce(x, axis_name, op: str = "sum"):
       in the input dtype.
 
     Differentiable (``sum`` is linear; ``max``/``min`` pass the tangent of the members that hold the extreme,
-    averaged over ties) and vmap-able over non-mesh axes.
+    averaged over ties) and vmap-able, over non-mesh axes (one collective) or over the op's own axis (local
+    work, as in ``jax.lax``; in a tuple with mesh axes, the batch is reduced here and the rest over the mesh).
     """
     axis_name = primitive.check_axis_name(axis_name, "all_reduce")
     if op not in primitive.REDUCE_OPS:
@@ -71,9 +73,21 @@ def _all_reduce_cuda_route(ctx, comm_id, size, *, op):
 
 
 def _all_reduce_batching(axis_data, args, dims, *, axis_name, op):
-    primitive.reject_collective_axis_vmap(axis_data, axis_name, "all_reduce")
     (x,), (d,) = args, dims
-    return all_reduce_p.bind(x, axis_name=axis_name, op=op), d
+    axes = primitive.axes_of(axis_name)
+    if axis_data.name not in axes:
+        return all_reduce_p.bind(x, axis_name=axis_name, op=op), d
+    # vmap over the op's own axis: its members are x's batch entries, reduced here; the other axes of a tuple
+    # then reduce that once more, in the same accumulation dtype (as jax.lax.psum does).
+    members = primitive.members_first(axis_data, x, d)
+    if op == "sum":
+        y = jnp.sum(members, axis=0, dtype=primitive.accumulation_dtype(x.dtype))
+    else:
+        y = (jnp.max if op == "max" else jnp.min)(members, axis=0)
+    rest = tuple(name for name in axes if name != axis_data.name)
+    if rest:
+        y = all_reduce_p.bind(y, axis_name=primitive.check_axis_name(rest, "all_reduce"), op=op)
+    return y.astype(x.dtype), None
 
 
 def _all_reduce_jvp(primals, tangents, *, axis_name, op):
@@ -93,7 +107,8 @@ def _all_reduce_transpose(ct, x, *, axis_name, op):
     assert op == "sum", "only the sum all_reduce is linear"
     ct = ad.instantiate_zeros(ct)
     if compat.check_vma_enabled():
-        return [jax.lax.pcast(ct, axis_name, to="varying")]  # as psum: the cotangent is shared by all members
+        # as psum: the cotangent is shared by all members (a vmapped axis has no varying type to cast)
+        return [jax.lax.pcast(ct, primitive.manual_axes_of(axis_name), to="varying")]
     return [all_reduce_p.bind(ct, axis_name=axis_name, op="sum")]
 
 

@@ -81,8 +81,9 @@ def _all_to_all_cuda_route(ctx, comm_id, size):
 
 
 def _all_to_all_batching(axis_data, args, dims, *, axis_name):
-    primitive.reject_collective_axis_vmap(axis_data, axis_name, "all_to_all")
     (x,), (d,) = args, dims
+    if primitive.batches_own_axis(axis_data, axis_name, "all_to_all"):
+        return jnp.swapaxes(primitive.members_first(axis_data, x, d), 0, 1), 0  # block m of source j: [m, j]
     if d == 0:  # dimension 0 holds the blocks; keep the batch behind it
         x, d = jnp.moveaxis(x, 0, 1), 1
     return all_to_all_p.bind(x, axis_name=axis_name), d

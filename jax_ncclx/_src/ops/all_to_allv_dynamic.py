@@ -18,6 +18,8 @@ requested rows that did not reach peer j, with a negative count contributing its
 """
 
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,7 +69,8 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
 
     Differentiable in x and the suffix (the VJP sends cotangents back to the rows they came from, at the cost
     of one extra exchange of counts, and sums them over the send rows that read one row of x) and vmap-able
-    over non-mesh axes (one collective call for the whole batch).
+    over non-mesh axes (one collective call for the whole batch) or over its own axis (every member here,
+    the rows moved by gathers).
     """
     axis_name = primitive.check_axis_name(axis_name, "all_to_allv_dynamic")
     if isinstance(max_recv_per_peer, jax.core.Tracer) or not isinstance(max_recv_per_peer, (int, np.integer)):
@@ -186,9 +189,65 @@ def _cuda_route(ctx, comm_id, size, *, capacity, packed):
 
 
 def _batching(axis_data, args, dims, *, axis_name, capacity, packed):
-    primitive.reject_collective_axis_vmap(axis_data, axis_name, "all_to_allv_dynamic")
+    if primitive.batches_own_axis(axis_data, axis_name, "all_to_allv_dynamic"):
+        members = [primitive.members_first(axis_data, a, d) for a, d in zip(args, dims)]
+        return _exchange_between_members(*members, capacity=capacity, packed=packed), [0, 0, 0]
     return primitive.fold_vmap_into_batch(all_to_allv_dynamic_p, axis_data, args, dims, axis_name=axis_name,
                                           capacity=capacity, packed=packed)
+
+
+def _exchange_between_members(x, counts, *send_rows_and_suffix, capacity, packed):
+    """The exchange over a vmapped axis, whose members are all here: every operand and result leads with the
+    member dimension N (then the primitive's batch B), and the rows move by gathers, clamped as the kernels
+    clamp (module docstring)."""
+    sent = x
+    if send_rows_and_suffix:
+        index = outside_to_end(send_rows_and_suffix[0], x.shape[2])
+        sent = jax.vmap(jax.vmap(lambda rows, i: jnp.take(rows, i, axis=0, mode="fill", fill_value=0)))(x, index)
+        if len(send_rows_and_suffix) == 2:
+            sent = jnp.concatenate([sent, send_rows_and_suffix[1]], axis=3)
+    first, delivered, dropped = jax.vmap(jax.vmap(partial(_clamp, num_rows=sent.shape[2], capacity=capacity)))(
+        counts)                                                                        # [N, B, N, K], ..., [N, B, N]
+    # receiver j's rows from source i: source i's send rows, chunk after chunk of its plan for peer j
+    pieces = jax.vmap(jax.vmap(jax.vmap(partial(_piece, capacity=capacity), (None, 0, 0)), (0, 0, 0)), (0, 0, 0))
+    padded = jnp.swapaxes(pieces(sent, first, delivered), 0, 2)                      # [N(j), B, N(i), C, ...]
+    recv_counts = jnp.swapaxes(delivered, 0, 2)                                       # [N(j), B, N(i), K]
+    if packed:
+        padded = jax.vmap(jax.vmap(partial(_pack, capacity=capacity)))(padded, recv_counts.sum(axis=3))
+    return padded, recv_counts, dropped
+
+
+def _clamp(counts, *, num_rows, capacity):
+    """One member's plan from its counts ``[N, K]``: each chunk's first send row and rows delivered ``[N, K]``,
+    and the rows dropped per peer ``[N]``."""
+    wanted = jnp.clip(counts, 0, num_rows).reshape(-1)  # cut at the end anyway, and the sums stay in int32
+    ends = jnp.minimum(jnp.cumsum(wanted), num_rows)
+    first = jnp.concatenate([jnp.zeros(1, ends.dtype), ends[:-1]]).reshape(counts.shape)
+    taken = jnp.minimum(jnp.cumsum(ends.reshape(counts.shape) - first, axis=1), capacity)
+    delivered = jnp.diff(taken, axis=1, prepend=0)
+    return first, delivered, jnp.abs(counts).sum(axis=1) - delivered.sum(axis=1)
+
+
+def _piece(sent, first, delivered, *, capacity):
+    """``[C, ...]``: what one source sends one peer, from its send rows and its plan for that peer (``[K]``)."""
+    if not delivered.shape[0]:  # no chunks, nothing sent
+        return jnp.zeros((capacity, *sent.shape[1:]), sent.dtype)
+    slot = jnp.arange(capacity)
+    ends = jnp.cumsum(delivered)
+    chunk = jnp.minimum(jnp.sum(ends[None, :] <= slot[:, None], axis=1), delivered.shape[0] - 1)
+    row = jnp.take(first, chunk) + slot - (jnp.take(ends, chunk) - jnp.take(delivered, chunk))
+    row = jnp.where(slot < ends[-1], row, sent.shape[0])
+    return jnp.take(sent, row, axis=0, mode="fill", fill_value=0)
+
+
+def _pack(padded, totals, *, capacity):
+    """``[N, C, ...]`` padded rows and the rows from each source ``[N]`` -> ``[N * C, ...]`` packed from row 0."""
+    position = jnp.arange(padded.shape[0] * capacity)
+    ends = jnp.cumsum(totals)
+    source = jnp.minimum(jnp.sum(ends[None, :] <= position[:, None], axis=1), padded.shape[0] - 1)
+    slot = position - (jnp.take(ends, source) - jnp.take(totals, source))
+    flat = jnp.where(position < ends[-1], source * capacity + slot, position.shape[0])
+    return jnp.take(padded.reshape(-1, *padded.shape[2:]), flat, axis=0, mode="fill", fill_value=0)
 
 
 def _jvp(primals, tangents, *, axis_name, capacity, packed):

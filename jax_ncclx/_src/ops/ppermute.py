@@ -7,6 +7,7 @@ get zeros. Linear; its transpose is the inverse permutation. Sharding model as `
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 from jax.interpreters import batching
@@ -79,8 +80,12 @@ def _ppermute_attrs(*, sources, targets):
 
 
 def _ppermute_batching(axis_data, args, dims, *, axis_name, sources, targets):
-    primitive.reject_collective_axis_vmap(axis_data, axis_name, "ppermute")
     (x,), (d,) = args, dims
+    if primitive.batches_own_axis(axis_data, axis_name, "ppermute"):
+        members = primitive.members_first(axis_data, x, d)
+        received = jnp.take(members, jnp.asarray(sources).clip(0), axis=0)
+        sent = (jnp.asarray(sources) >= 0).reshape(-1, *[1] * (members.ndim - 1))
+        return jnp.where(sent, received, jnp.zeros((), x.dtype)), 0
     return ppermute_p.bind(x, axis_name=axis_name, sources=sources, targets=targets), d
 
 

@@ -69,8 +69,11 @@ def _reduce_scatter_attrs():
 
 
 def _reduce_scatter_batching(axis_data, args, dims, *, axis_name):
-    primitive.reject_collective_axis_vmap(axis_data, axis_name, "reduce_scatter")
     (x,), (d,) = args, dims
+    if primitive.batches_own_axis(axis_data, axis_name, "reduce_scatter"):
+        members = primitive.members_first(axis_data, x, d)  # [members, blocks, ...]
+        total = jnp.sum(members, axis=0, dtype=primitive.accumulation_dtype(x.dtype))
+        return total.astype(x.dtype), 0  # member m keeps block m
     if d == 0:  # dimension 0 holds the blocks; keep the batch behind it
         x, d = jnp.moveaxis(x, 0, 1), 1
     return reduce_scatter_p.bind(x, axis_name=axis_name), d - 1
