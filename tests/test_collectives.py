@@ -131,7 +131,7 @@ def test_vmap_over_its_own_axis(name, dtype, in_axis):
     the members are the batch entries, so the result matches jax.lax's with no collective in the jaxpr. The
     reference always maps dimension 0 of the members' arrays (jax.lax 0.11.2's all_to_all gets the shape wrong
     for an unmapped operand)."""
-    ours, ref, _ = OPS[name]
+    ours, ref, reduces = OPS[name]
     members = 4
     full = jnp.asarray(random_array((members, 2, 8, 3), dtype))
     if in_axis is None:
@@ -139,7 +139,11 @@ def test_vmap_over_its_own_axis(name, dtype, in_axis):
     x = full[0] if in_axis is None else jnp.moveaxis(full, 0, in_axis)
     call = lambda op, in_axes: jax.jit(jax.vmap(lambda v: op(v, "i"), in_axes=in_axes, axis_size=members,
                                                 axis_name="i"))
-    assert_same(call(ours, in_axis)(x), call(ref, 0)(full), dtype)
+    actual, expected = call(ours, in_axis)(x), call(ref, 0)(full)
+    if reduces and dtype == jnp.float32:  # XLA:GPU may sum a batch dimension it moved in another order
+        np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-6)
+    else:
+        assert_same(actual, expected, dtype)
     assert "ncclx_" not in str(jax.make_jaxpr(call(ours, in_axis))(x))
 
 
@@ -174,7 +178,7 @@ def test_vmap_axis_with_mesh_axes_inside_shard_map(mesh, op, axis, check_vma):
 
     ours = program(lambda v, a: nx.all_reduce(v, a, op), check_vma)
     ref = program(lax_op, False)
-    assert_same(jax.jit(ours)(x), jax.jit(ref)(x), jnp.float32)
+    np.testing.assert_allclose(jax.jit(ours)(x), jax.jit(ref)(x), rtol=1e-6, atol=1e-6)  # sums in any order
     mesh_axes = tuple(name for name in axis if name != "i")
     jaxpr = str(jax.make_jaxpr(ours)(x))
     assert jaxpr.count("ncclx_all_reduce") == 1, jaxpr
