@@ -239,6 +239,13 @@ def test_init_and_shutdown_on_cpu():
         nx.init()
 
 
+@pytest.mark.parametrize("axes", [["c"], [("a", "a")], [()], [("a", "c")]], ids=str)
+def test_init_refuses_axes_outside_the_mesh(axes):
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:4]).reshape(2, 2), ("a", "b"))
+    with pytest.raises(ValueError, match=r"jax_ncclx.init: .* is not an axis of the mesh \(axes \('a', 'b'\)\)"):
+        nx.init(mesh, axes=axes)
+
+
 @pytest.mark.gpu
 def test_init_makes_the_communicators_and_shutdown_frees_them():
     reason = gpu_skip_reason()
@@ -262,6 +269,26 @@ def test_init_makes_the_communicators_and_shutdown_frees_them():
     assert comm.all_comm_ids() == [] and nx.memory_stats() == []
     np.testing.assert_array_equal(np.asarray(f(x)), len(devices))  # recompiled with fresh communicators
     assert comm.all_comm_ids() and set(comm.all_comm_ids()).isdisjoint(made)
+
+
+@pytest.mark.gpu
+def test_init_makes_the_communicator_of_a_tuple_of_axes():
+    """init(mesh, axes=...) makes the communicator of both axes taken as one, which a program over that tuple
+    then uses. On a 1 x n mesh both orders rank the devices alike, so they share one communicator."""
+    reason = gpu_skip_reason(minimum=1)
+    if reason:
+        pytest.skip(reason)
+    devices = gpu_devices()
+    mesh = jax.sharding.Mesh(np.asarray(devices).reshape(1, len(devices)), ("a", "b"))
+    nx.shutdown()
+    nx.init(mesh, axes=[("a", "b"), ["b", "a"]])
+    made = comm.all_comm_ids()
+    assert len(made) == 1
+    f = jax.jit(jax.shard_map(lambda v: nx.all_reduce(v, ("a", "b")), mesh=mesh, in_specs=P("a", "b"),
+                              out_specs=P("a", "b")))
+    np.testing.assert_array_equal(np.asarray(f(jnp.ones((1, len(devices) * 2)))), len(devices))
+    assert comm.all_comm_ids() == made
+    nx.shutdown()
 
 
 @pytest.mark.gpu

@@ -27,7 +27,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -168,21 +168,34 @@ def ensure_nccl(comm_id: int):
             raise
 
 
-def init(mesh: jax.sharding.Mesh | None = None):
-    """Makes now, instead of at the first collective, the communicators of every axis of ``mesh`` (default:
-    the mesh of ``jax.set_mesh``), NCCL's included (which the first collective makes only if it goes through
-    NCCL). Collective: every process calls it with the same mesh. Does nothing for a mesh of CPU devices (the
-    CPU backend needs no communicators).
+def init(mesh: jax.sharding.Mesh | None = None, axes: Sequence | None = None):
+    """Makes now, instead of at the first collective, the communicators of ``mesh``'s axes, NCCL's included
+    (which the first collective makes only if it goes through NCCL). Collective: every process calls it with
+    the same arguments. Does nothing more than check them for a mesh of CPU devices (the CPU backend needs no
+    communicators).
+
+    Args:
+      mesh: the mesh (default: the mesh of ``jax.set_mesh``).
+      axes: the ``axis_name`` of each communicator to make, as the ops take it: a mesh axis, or a tuple of
+        axes taken as one (each order its own communicator), e.g. ``["data", ("data", "expert")]``. Default:
+        every axis of the mesh, one by one.
 
     Raises:
-      ValueError: no mesh given and none set.
+      ValueError: no mesh given and none set; an entry of ``axes`` that is not a mesh axis or a tuple of
+        distinct ones.
     """
     mesh = mesh if mesh is not None else compat.concrete_context_mesh()
     if mesh is None or mesh.empty:
         raise ValueError("jax_ncclx.init: pass a jax.sharding.Mesh or call it under jax.set_mesh(mesh)")
+    wanted = [tuple(a) if isinstance(a, (tuple, list)) else a for a in (mesh.axis_names if axes is None else axes)]
+    for axis_name in wanted:
+        names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+        if not names or len(set(names)) != len(names) or not set(names) <= set(mesh.axis_names):
+            raise ValueError(f"jax_ncclx.init: {axis_name!r} in axes is not an axis of the mesh (axes "
+                             f"{mesh.axis_names}) or a tuple of distinct ones")
     if mesh.devices.flat[0].platform != "gpu":
         return
-    for axis_name in mesh.axis_names:
+    for axis_name in wanted:
         ensure_nccl(communicator_for(mesh, axis_name))
 
 
