@@ -270,6 +270,22 @@ def test_vmap_over_its_own_axis(pattern, layout, operands):
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_vmap_over_its_own_axis_with_extreme_counts(layout):
+    """Counts at the ends of int32, whose requests overflow it, give over a vmapped axis what the kernels' plan
+    gives on a CPU mesh: dropped saturates at INT32_MAX."""
+    n, k = 4, 2
+    xs = random_array((n, ROWS, 3), jnp.float32)
+    top, bottom = np.iinfo(np.int32).max, np.iinfo(np.int32).min
+    counts = np.random.default_rng(3).choice([top, bottom, top - 1, bottom + 1, 3, -1, 0], size=(n, n, k))
+    counts = counts.astype(np.int32)
+    over_vmap = jax.jit(jax.vmap(lambda u, v: nx.all_to_allv_dynamic(u, v, "i", max_recv_per_peer=CAPACITY,
+                                                                      layout=layout), axis_name="i"))(xs, counts)
+    over_mesh = run(jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:n]), ("x",)), "x", xs, counts, layout)
+    check([tuple(np.asarray(o[i]) for o in over_vmap) for i in range(n)], over_mesh, jnp.float32)
+    assert (np.asarray(over_vmap[2]) == top).any()
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_grad_sends_cotangents_back(backend, layout):
     """d/dx sum(w * y) is w at the position each row landed, and zero for dropped rows."""
     n = len(backend)

@@ -225,7 +225,12 @@ def _clamp(counts, *, num_rows, capacity):
     first = jnp.concatenate([jnp.zeros(1, ends.dtype), ends[:-1]]).reshape(counts.shape)
     taken = jnp.minimum(jnp.cumsum(ends.reshape(counts.shape) - first, axis=1), capacity)
     delivered = jnp.diff(taken, axis=1, prepend=0)
-    return first, delivered, jnp.abs(counts).sum(axis=1) - delivered.sum(axis=1)
+    limit = np.int32(np.iinfo(np.int32).max)
+    magnitude = jnp.where(counts == np.iinfo(np.int32).min, limit, jnp.abs(counts))
+    # int32 counts can request more than int32 holds: the kernels count in int64 and report at most INT32_MAX
+    lost = jax.lax.reduce(magnitude - delivered, np.int32(0),
+                          lambda a, b: jnp.where(a > limit - b, limit, a + b), (1,))
+    return first, delivered, lost
 
 
 def _piece(sent, first, delivered, *, capacity):
