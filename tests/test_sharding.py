@@ -1,6 +1,8 @@
 """Global view: on arrays sharded over a mesh axis, outside shard_map, each op works per shard and the compiled
 program holds only this package's custom calls: no all-gather (or any other XLA collective) is added."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,3 +55,39 @@ def test_global_view_under_set_mesh(line):
     received = np.asarray(y).reshape(n, n, 2, 2)  # [member i, source j, slot, feature]
     np.testing.assert_array_equal(received[:, :, 0], rows.transpose(1, 0, 2))
     np.testing.assert_array_equal(received[:, :, 1], 0)
+
+
+def explicit_line(line):
+    return jax.sharding.Mesh(line.devices, ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_global_view_on_an_explicit_mesh(line, name):
+    """On a mesh of explicit axes (jax.make_mesh's default), where shard_map takes its inputs as they are
+    sharded, the op works per shard as on an automatic one."""
+    mesh = explicit_line(line)
+    x = random_array((line.size * line.size * 2, 3), jnp.float32)
+    expected = jax.jit(jax.shard_map(OPS[name], mesh=line, in_specs=P("x"), out_specs=P("x")))(
+        jax.device_put(x, NamedSharding(line, P("x"))))
+    with jax.set_mesh(mesh):
+        actual = jax.jit(OPS[name])(jax.device_put(x, NamedSharding(mesh, P("x"))))
+    np.testing.assert_array_equal(actual, expected)
+    assert jax.typeof(actual).sharding.spec == P("x", None)
+
+
+@pytest.mark.parametrize("spec, text", [(P(), "P()"), (P(None, "x"), "P(None, 'x')")], ids=["replicated", "dim1"])
+def test_explicit_mesh_input_sharded_otherwise_is_named(line, spec, text):
+    """An input sharded otherwise than along its leading dimension is refused by this package, naming the
+    argument and its sharding, not by JAX's error about in_specs the caller never wrote."""
+    mesh = explicit_line(line)
+    x = jax.device_put(jnp.ones((line.size * 2, line.size)), NamedSharding(mesh, spec))
+    counts = jax.device_put(jnp.ones((line.size * line.size,), jnp.int32), NamedSharding(mesh, P("x")))
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match=re.escape(f"argument 0 is sharded {text}. Reshard it first "
+                                                       "(jax.reshard(arg, P('x'))) or call all_reduce")):
+            jax.jit(lambda v: nx.all_reduce(v, "x"))(x)
+        with pytest.raises(ValueError, match=re.escape("all_to_allv_dynamic: outside shard_map it runs per shard of "
+                                                       "arrays whose leading dimension is sharded over 'x', and "
+                                                       "nothing else; argument 1 is sharded P()")):
+            jax.jit(lambda v, c: nx.all_to_allv_dynamic(v, c, "x", max_recv_per_peer=2))(
+                jax.device_put(x, NamedSharding(mesh, P("x"))), jax.device_put(counts, NamedSharding(mesh, P())))

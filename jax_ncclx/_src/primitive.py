@@ -322,7 +322,45 @@ def global_view(op_fn: Callable, args: tuple, axis_name, op: str, in_specs, out_
             f"jax_ncclx.{op}: unbound axis name {axis_name!r}. Call it inside jax.shard_map over a mesh with "
             f"that axis, or on arrays sharded over a mesh axis named {axis_name!r} (e.g. under jax.set_mesh)"
         )
+    _check_explicit_shardings(args, axis_name, op, in_specs)
     return jax.shard_map(op_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
+
+
+def _check_explicit_shardings(args, axis_name, op: str, in_specs):
+    """On a mesh whose axes are explicit (``jax.make_mesh``'s default), ``shard_map`` does not reshard its
+    inputs: an array sharded otherwise than ``in_specs`` is refused here, by argument and spec, rather than by
+    JAX's error about ``in_specs`` that the caller never wrote."""
+    specs = in_specs if isinstance(in_specs, tuple) else (in_specs,) * len(args)
+    for position, (arg, spec) in enumerate(zip(args, specs)):
+        for leaf in jax.tree.leaves(arg):
+            aval = jax.typeof(leaf)
+            if not set(axes_of(axis_name)) <= _explicit_axes(aval):
+                continue
+            have, want = _padded_spec(aval.sharding.spec, aval.ndim), _padded_spec(spec, aval.ndim)
+            if have != want:
+                raise ValueError(
+                    f"jax_ncclx.{op}: outside shard_map it runs per shard of arrays whose leading dimension is "
+                    f"sharded over {axis_name!r}, and nothing else; argument {position} is sharded "
+                    f"{_spec_text(have)}. Reshard it first (jax.reshard(arg, {_spec_text(want)})) or call {op} "
+                    "inside jax.shard_map")
+
+
+def _explicit_axes(aval) -> set:
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    if mesh is None:
+        return set()
+    return {name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == jax.sharding.AxisType.Explicit}
+
+
+def _spec_text(entries: tuple) -> str:
+    while entries and entries[-1] is None:
+        entries = entries[:-1]
+    return f"P({', '.join(map(repr, entries))})"
+
+
+def _padded_spec(spec, ndim: int) -> tuple:
+    entries = [entry[0] if isinstance(entry, tuple) and len(entry) == 1 else entry for entry in spec]
+    return tuple(entries) + (None,) * (ndim - len(entries))
 
 
 def _mesh_with_axis(args, axis_name):
