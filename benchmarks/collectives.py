@@ -1,11 +1,12 @@
-"""Small and large collectives: jax_ncclx's all_reduce / all_gather / all_to_all against jax.lax's.
+"""Small and large collectives: jax_ncclx's all_reduce / all_gather / all_to_all / reduce_scatter against
+jax.lax's.
 
 One process drives every local GPU on one mesh axis "x" (with --smoke: 8 virtual CPU devices and small
 sizes; with --processes N: N processes, one per GPU, through jax.distributed). For each op and size, every
 implementation (--impls) runs the same chain of --unroll dependent ops inside one jax.jit(jax.shard_map(...)),
 after a check that it gives exactly jax.lax's result. Size = bytes of each rank's input: all_reduce reduces
-that buffer, all_gather gathers N of them, all_to_all splits it into N blocks (rounded up to a multiple of N
-elements). Results go to <out>/collectives.{json,md,png}.
+that buffer, all_gather gathers N of them, all_to_all splits it into N blocks and reduce_scatter sums N blocks
+(both rounded up to a multiple of N elements). Results go to <out>/collectives.{json,md,png}.
 
 Implementations: xla (jax.lax), nx (jax_ncclx with its default thresholds), nx-oneshot / nx-twoshot (the NVLink
 kernels forced at every size; two-shot is all_reduce only), nx-staged / nx-twoshot-staged (the same as nx /
@@ -56,7 +57,8 @@ from jax_ncclx._src import lib  # noqa: E402
 
 AXIS = "x"
 NAME = "collectives"
-OPS = ("all_reduce", "all_gather", "all_to_all")
+OPS = ("all_reduce", "all_gather", "all_to_all", "reduce_scatter")
+SPLIT_OPS = ("all_to_all", "reduce_scatter")  # split each rank's buffer into N blocks
 DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 DEFAULTS = {  # (GPU run, --smoke)
     "sizes": ("8,64,512,4K,32K,256K,1M,4M,16M,64M", "8,512,32K"),
@@ -123,6 +125,9 @@ def one_op(op: str, impl: str, x):
         return y[: x.shape[0]]  # this rank's block back: same shape for the next op (a copy, in both chains)
     if op == "all_to_all":
         return nx.all_to_all(x, AXIS, 0, 0, tiled=True) if ours else jax.lax.all_to_all(x, AXIS, 0, 0, tiled=True)
+    if op == "reduce_scatter":
+        y = nx.reduce_scatter(x, AXIS, tiled=True) if ours else jax.lax.psum_scatter(x, AXIS, tiled=True)
+        return jnp.tile(y, x.shape[0] // y.shape[0])  # back to x's shape (a copy, in both chains)
     raise ValueError(op)
 
 
@@ -241,7 +246,7 @@ def run(args, mesh, log, table, rows: list):
     for op in args.ops:
         for requested in args.sizes:
             elements = max(1, -(-requested // itemsize))
-            if op == "all_to_all":
+            if op in SPLIT_OPS:
                 elements = -(-elements // n) * n
             nbytes = elements * itemsize
             x = make_input(mesh, elements, dtype, args.seed)
@@ -308,9 +313,10 @@ def notes(config: dict) -> str:
         "µs/op = sample time / (calls · unroll), median and min over `reps` samples.",
         "",
         "- **bytes/rank**: each rank's input. all_reduce reduces it; all_gather gathers N of them (each op then "
-        "slices this rank's block back out, one copy kernel in both chains); all_to_all splits it into N blocks.",
+        "slices this rank's block back out, one copy kernel in both chains); all_to_all splits it into N blocks; "
+        "reduce_scatter sums N blocks and tiles its block back to the input's size (a copy in both chains).",
         "- **bus GB/s**: as nccl-tests: all_reduce moves 2(N-1)/N of the buffer per rank, all_gather (N-1)/N of "
-        "the gathered buffer, all_to_all (N-1)/N of the input.",
+        "the gathered buffer, all_to_all and reduce_scatter (N-1)/N of the input.",
         "- **impl**: xla = jax.lax; nx = jax_ncclx with its default thresholds; nx-oneshot / nx-twoshot = its "
         "NVLink kernels forced at every size; nx-staged / nx-twoshot-staged = the same through the peers' "
         "symmetric slots, not into their outputs (JAX_NCCLX_NVLINK_DIRECT=0); nx-ll / nx-ll128 / nx-simple = "

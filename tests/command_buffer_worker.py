@@ -1,6 +1,6 @@
 """Runs the NVLink kernels (all_to_allv_dynamic, and all_reduce one-shot and two-shot, all_gather, all_to_all,
-small and, written into the peers' outputs, large) with custom calls captured into CUDA graphs (XLA command
-buffers).
+small and, written into the peers' outputs, large, and reduce_scatter) with custom calls captured into CUDA
+graphs (XLA command buffers).
 
 Started by test_all_to_allv.py with XLA_FLAGS=--xla_gpu_enable_command_buffer=+CUSTOM_CALL
 --xla_gpu_graph_min_graph_size=1 (the flags must be set before JAX starts). One compiled program runs many
@@ -49,18 +49,19 @@ def body(x, c):
     tiled = jnp.tile(x, (TILES, 1))                                   # 660 KiB
     big_gathered = nx.all_gather(tiled, "x", tiled=True)
     big_exchanged = nx.all_to_all(tiled, "x", 0, 0, tiled=True)       # 660 / n KiB per peer
+    scattered = nx.reduce_scatter(x, "x", tiled=True)                 # rows / n rows of the sum
     return tuple(o[None] for o in (y + 1.0, recv, dropped, small, large, gathered, exchanged, big_gathered,
-                                   big_exchanged))
+                                   big_exchanged, scattered))
 
 
-nvlink_calls_per_step = 7
+nvlink_calls_per_step = 8
 f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x")))
 rng = np.random.default_rng(0)
 start = lib.cuda_module().nvlink_launch_counts()
 for step in range(steps):
     counts = rng.integers(-2, 2 * capacity // 3, size=(n, n, 2)).astype(np.int32)
     xs = rng.normal(size=(n, rows, 33)).astype(np.float32)
-    y, recv, dropped, small, large, gathered, exchanged, big_gathered, big_exchanged = (
+    y, recv, dropped, small, large, gathered, exchanged, big_gathered, big_exchanged, scattered = (
         np.asarray(o) for o in f(jnp.asarray(xs), jnp.asarray(counts)))
     x2 = xs * 2.0
     tiled = np.tile(x2, (1, TILES, 1))  # [n, TILES * rows, 33]
@@ -78,6 +79,9 @@ for step in range(steps):
         np.testing.assert_array_equal(big_gathered[member], tiled.reshape(-1, 33), err_msg=where)
         np.testing.assert_array_equal(big_exchanged[member],
                                       tiled[:, member * block:(member + 1) * block].reshape(-1, 33), err_msg=where)
+        share = rows // n
+        np.testing.assert_allclose(scattered[member], x2.sum(0)[member * share:(member + 1) * share], rtol=1e-5,
+                                   atol=1e-5, err_msg=where)
     print(f"step {step} matches", flush=True)
 launches, captured = (end - begin for end, begin in zip(lib.cuda_module().nvlink_launch_counts(), start))
 print(f"{steps} executions x {n} devices: {launches} host launches, {captured} recorded into graphs", flush=True)

@@ -32,9 +32,9 @@ def module():
 
 
 def collective(op, x, *, algorithm="one-shot", protocol="ll128", reduce="sum", direct=False, **options):
-    """One NVLink collective on x [calls, ranks, elements] (all_to_all: elements divisible by ranks); options:
-    blocks, trace, graph, timeout_ms, absent. Returns (y [calls, ranks, elements or ranks * elements for
-    all_gather], ranks)."""
+    """One NVLink collective on x [calls, ranks, elements] (all_to_all, reduce_scatter: elements divisible by
+    ranks); options: blocks, trace, graph, timeout_ms, absent. Returns (y [calls, ranks, elements, or ranks *
+    elements for all_gather, elements / ranks for reduce_scatter], ranks)."""
     x = np.ascontiguousarray(x)
     calls, size, elements = x.shape
     done = module().collective(op, x.tobytes(), size=size, calls=calls, bytes=elements * x.itemsize,

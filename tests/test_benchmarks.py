@@ -29,8 +29,9 @@ def run_smoke(script, out_dir, *extra):
 def test_collectives_smoke(tmp_path):
     document = run_smoke("collectives.py", tmp_path, "--sizes", "8,4K", "--impls", "xla,nx,nx-twoshot")
     rows = document["rows"]
-    assert {(r["op"], r["impl"]) for r in rows} == {(op, impl) for op in ("all_reduce", "all_gather", "all_to_all")
-                                                  for impl in ("nx", "xla")} | {("all_reduce", "nx-twoshot")}
+    ops = ("all_reduce", "all_gather", "all_to_all", "reduce_scatter")
+    assert {(r["op"], r["impl"]) for r in rows} == {(op, impl) for op in ops for impl in ("nx", "xla")} | {
+        ("all_reduce", "nx-twoshot")}
     assert all(r["status"] == "ok" and r["verified"] and r["median_us"] > 0 for r in rows)
     assert all(r["path"] == ("xla" if r["impl"] == "xla" else "cpu") for r in rows)
 

@@ -1,4 +1,4 @@
-"""The NVLink kernels of all_reduce / all_gather / all_to_all (GPU only).
+"""The NVLink kernels of all_reduce / all_gather / all_to_all / reduce_scatter (GPU only).
 
 Each algorithm and one-shot protocol (LL128 lines, LL words, simple; forced through the thresholds and
 JAX_NCCLX_NVLINK_PROTOCOL), with data written into the peers' outputs and through slots
@@ -136,6 +136,22 @@ def test_all_to_all(gpus, nvlink_any_size, dtype, block):
         assert_bits_equal(out[rank], blocks[:, rank].reshape(-1))
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("block", [1, 3, 1025, 16384, 16385])  # 16384 f32: 64 KiB per peer, the largest in lines
+@pytest.mark.parametrize("dtype", REDUCE_DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_reduce_scatter_sum_is_exact(gpus, monkeypatch, dtype, block, protocol):
+    """Rank j gets block j of the sum, summed in rank order as all_reduce's kernels sum (16-bit floats in
+    float32, rounded once)."""
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_MAX_BYTES", EVERYTHING)
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_PROTOCOL", protocol)
+    n = len(gpus)
+    x = inputs(n, n * block, dtype)
+    out = per_rank(gpus, lambda v: nx.reduce_scatter(v, "x", tiled=True))(x)
+    blocks = x.reshape(n, n, block)
+    for rank in range(n):
+        assert_bits_equal(out[rank], reference.reduce_in_rank_order(list(blocks[:, rank]), "sum", dtype))
+
+
 def custom_calls(text):
     """(target, algorithm or None) of every jax_ncclx custom call in lowered StableHLO text."""
     calls = []
@@ -167,6 +183,9 @@ def test_lowering_picks_the_algorithm_by_size(gpus, monkeypatch):
     assert lowered(all_reduce, 16385) == [("ncclx_all_reduce", None)]       # above the NVLink max: NCCL
     assert lowered(all_gather, 16384) == [("ncclx_all_gather_nvlink", None)]
     assert lowered(all_gather, 16385) == [("ncclx_all_gather", None)]
+    reduce_scatter = lambda v: nx.reduce_scatter(v, "x", tiled=True)  # noqa: E731
+    assert lowered(reduce_scatter, 16384) == [("ncclx_reduce_scatter_nvlink", None)]
+    assert lowered(reduce_scatter, 16392) == [("ncclx_reduce_scatter", None)]  # above, split over up to 8 ranks
     monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nccl")
     assert lowered(all_reduce, 2) == [("ncclx_all_reduce", None)]
     monkeypatch.setenv("JAX_NCCLX_NCCL_COMMAND_BUFFERS", "1")  # NCCL, recorded into command buffers; NVLink as is

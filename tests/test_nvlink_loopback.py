@@ -3,7 +3,7 @@ arguments the FFI handlers use, each logical rank with its own stream and symmet
 protocols are checked on machines with a single GPU and at rank counts no lent machine has.
 
 Against NumPy, bit for bit: all_reduce in every algorithm and protocol (sums in rank order, 16-bit floats in
-float32), all_gather and all_to_all in every protocol, all_to_allv_dynamic on the adversarial count patterns in
+float32), all_gather, all_to_all and reduce_scatter in every protocol, all_to_allv_dynamic on the adversarial count patterns in
 both layouts and both modes (rows written into the peers' outputs, or staged). Flags are reused over
 thousands of calls, with one rank late to every call, and as replays of one CUDA graph; every rank's device
 trace holds one ordered record per call; a rank that never launches, or launches after the timeout, is named
@@ -86,6 +86,8 @@ def expected_collective(op, x):
         return np.broadcast_to(x.sum(axis=1, keepdims=True), x.shape)
     if op == "all_gather":
         return np.broadcast_to(x.reshape(calls, 1, size * elements), (calls, size, size * elements))
+    if op == "reduce_scatter":  # rank j: block j of the sum
+        return x.reshape(calls, size, size, -1).sum(axis=1)
     return x.reshape(calls, size, size, -1).transpose(0, 2, 1, 3).reshape(x.shape)  # all_to_all
 
 
@@ -105,12 +107,29 @@ def test_moves(size, op, protocol, block):
         assert_bits_equal(y, np.ascontiguousarray(expected_collective(op, x)))
 
 
+@pytest.mark.parametrize("block", [1, 3, 1025, 16384, 16385])
+@pytest.mark.parametrize("protocol", ["ll128", "ll", "simple"])
+@pytest.mark.parametrize("size", SIZES)
+def test_reduce_scatter_is_exact(size, protocol, block):
+    """Rank j gets block j of the sum of `block` elements per rank and peer, in rank order (16-bit floats in
+    float32, rounded once), bit for bit."""
+    for dtype in REDUCE_DTYPES:
+        x = random_array((2, size, size * block), dtype, seed=block)
+        y, ranks = loopback.collective("reduce_scatter", x, protocol=protocol)
+        assert_healthy(ranks, calls=2)
+        for call in range(2):
+            blocks = x[call].reshape(size, size, block)
+            for rank in range(size):
+                assert_bits_equal(y[call, rank], reference.reduce_in_rank_order(list(blocks[:, rank]), "sum", dtype))
+
+
 REUSE = {  # param -> (op, options, elements per rank): every call's inputs differ, every call is checked
     "all_reduce-ll-8B": ("all_reduce", dict(protocol="ll"), 2),
     "all_reduce-ll128-traced": ("all_reduce", dict(protocol="ll128", trace=True), 256),
     "all_reduce-two-shot": ("all_reduce", dict(algorithm="two-shot", direct=True), 1024),
     "all_gather-simple-direct": ("all_gather", dict(protocol="simple", direct=True), 64),
     "all_to_all-ll128": ("all_to_all", dict(protocol="ll128"), 256),
+    "reduce_scatter-ll": ("reduce_scatter", dict(protocol="ll"), 256),
 }
 
 
@@ -143,7 +162,7 @@ def test_a_late_rank_leaves_results_exact(case, late):
     assert bad.size == 0, f"{bad.size} of {calls} calls differ, the first is call {bad[0]}"
 
 
-TRACE_KERNELS = {"all_to_allv": 1, "all_reduce": 2, "all_gather": 3, "all_to_all": 4}  # TraceKernel
+TRACE_KERNELS = {"all_to_allv": 1, "all_reduce": 2, "all_gather": 3, "all_to_all": 4, "reduce_scatter": 5}
 
 
 def assert_timelines(ranks, calls, kernel):
@@ -178,6 +197,7 @@ MISSING_RANK_CASES = {
     "all_reduce-two-shot": ("all_reduce", dict(algorithm="two-shot", direct=True), 65536),
     "all_gather-simple-direct": ("all_gather", dict(protocol="simple", direct=True), 4096),
     "all_to_all-ll": ("all_to_all", dict(protocol="ll"), 64),
+    "reduce_scatter-simple": ("reduce_scatter", dict(protocol="simple"), 4096),
 }
 
 
@@ -360,11 +380,11 @@ def test_collectives_random_configurations():
     rng = np.random.default_rng(2026)
     for case in range(80):
         size = int(rng.integers(2, 9))
-        op = str(rng.choice(["all_reduce", "all_gather", "all_to_all"]))
-        dtypes = REDUCE_DTYPES if op == "all_reduce" else MOVE_DTYPES
+        op = str(rng.choice(["all_reduce", "all_gather", "all_to_all", "reduce_scatter"]))
+        dtypes = REDUCE_DTYPES if op in ("all_reduce", "reduce_scatter") else MOVE_DTYPES
         dtype = dtypes[int(rng.integers(len(dtypes)))]
         elements = int(rng.choice([rng.integers(1, 80), rng.integers(80, 20000), rng.integers(20000, 150000)]))
-        if op == "all_to_all":
+        if op in ("all_to_all", "reduce_scatter"):
             elements = size * max(1, elements // size)
         config = dict(algorithm="two-shot" if op == "all_reduce" and rng.random() < 0.4 else "one-shot",
                       protocol=str(rng.choice(list(loopback.PROTOCOLS))), direct=bool(rng.random() < 0.5),
@@ -376,6 +396,10 @@ def test_collectives_random_configurations():
         for call in range(2):
             if op == "all_reduce":
                 expected = np.broadcast_to(reference.reduce_in_rank_order(list(x[call]), "sum", dtype), y[call].shape)
+            elif op == "reduce_scatter":
+                blocks = x[call].reshape(size, size, -1)
+                expected = np.stack([reference.reduce_in_rank_order(list(blocks[:, j]), "sum", dtype)
+                                     for j in range(size)])
             else:
                 expected = expected_collective(op, x[call:call + 1])[0]
             mismatch = np.flatnonzero(y[call].view(np.uint8) != np.ascontiguousarray(expected).view(np.uint8))

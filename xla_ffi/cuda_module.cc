@@ -59,6 +59,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllGather);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllGatherPrepare);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllToAll);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllToAllPrepare);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkReduceScatter);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkReduceScatterPrepare);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaMoePlanSends);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaMoePlaceReceived);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaTakeRows);
@@ -352,16 +354,9 @@ std::tuple<int64_t, int64_t> AllToAllvSymmetricBytes(int64_t batch, int64_t num_
 
 int64_t NvlinkCollectiveBytes(const std::string& op, int algorithm, int protocol, int64_t bytes, int size,
                               int element_bytes, bool direct) {
-  NvlinkCollective collective;
-  if (op == "all_reduce") {
-    collective = NvlinkCollective::kAllReduce;
-  } else if (op == "all_gather") {
-    collective = NvlinkCollective::kAllGather;
-  } else if (op == "all_to_all") {
-    collective = NvlinkCollective::kAllToAll;
-  } else {
-    throw std::invalid_argument("nvlink_collective_bytes: no NVLink kernel for op '" + op + "'");
-  }
+  const std::optional<NvlinkCollective> named = NvlinkCollectiveNamed(op);
+  if (!named) throw std::invalid_argument("nvlink_collective_bytes: no NVLink kernel for op '" + op + "'");
+  const NvlinkCollective collective = *named;
   if (algorithm != 1 && !(algorithm == 2 && collective == NvlinkCollective::kAllReduce)) {
     throw std::invalid_argument("nvlink_collective_bytes: algorithm " + std::to_string(algorithm) +
                                 " is not one of the op's (1 one-shot; 2 two-shot, all_reduce only)");
@@ -420,6 +415,7 @@ NB_MODULE(_ncclx_cuda, m) {
         watched_too("ncclx_all_reduce_nvlink", jn::NvlinkAllReducePrepare, jn::NvlinkAllReduce);
         watched_too("ncclx_all_gather_nvlink", jn::NvlinkAllGatherPrepare, jn::NvlinkAllGather);
         watched_too("ncclx_all_to_all_nvlink", jn::NvlinkAllToAllPrepare, jn::NvlinkAllToAll);
+        watched_too("ncclx_reduce_scatter_nvlink", jn::NvlinkReduceScatterPrepare, jn::NvlinkReduceScatter);
         targets["ncclx_launch_probe"] = jn::Capsule(jn::LaunchProbe);
         targets["ncclx_moe_plan_sends"] = jn::Capsule(jn::CudaMoePlanSends);
         targets["ncclx_moe_place_received"] = jn::Capsule(jn::CudaMoePlaceReceived);

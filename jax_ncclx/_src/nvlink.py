@@ -6,7 +6,8 @@ Decided while the program is lowered, from the static shapes, the communicator a
 * otherwise an op with an NVLink kernel takes it when every rank of the communicator reaches every other
   through NVLink peer access (``comm.nvlink_symmetric_memory``; a communicator that cannot is logged once and
   uses NCCL, or raises with ``JAX_NCCLX_TRANSPORT=nvlink``);
-* the small-message collectives (all_reduce, all_gather, all_to_all) take their NVLink kernels only up to
+* the small-message collectives (all_reduce, all_gather, all_to_all, reduce_scatter) take their NVLink kernels
+  only up to
   ``nvlink_max_bytes`` per rank (by GPU count and op), and all_reduce switches from one-shot to two-shot above
   ``nvlink_oneshot_max_bytes`` (:func:`config.nvlink_thresholds`); small one-shot segments travel as LL words
   or LL128 lines (:func:`oneshot_protocol`). Above that, and for reductions of dtypes
@@ -29,8 +30,12 @@ from jax_ncclx._src.primitive import CudaRoute
 logger = logging.getLogger("jax_ncclx")
 
 ONE_SHOT, TWO_SHOT = 1, 2
-# What the all_reduce kernels reduce (xla_ffi/ops/nvlink_collectives_cuda.cc checks the same list).
+# What the all_reduce and reduce_scatter kernels reduce (xla_ffi/ops/nvlink_collectives_cuda.cc checks the same
+# list).
 REDUCE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32)
+REDUCTIONS = ("all_reduce", "reduce_scatter")
+# Ops whose one-shot call sends each peer one block of the input (nbytes / size), not all of it.
+SENDS_BLOCKS = ("all_to_all", "reduce_scatter")
 
 
 def symmetric_memory_ready(op: str, comm_id: int, *, staging_bytes: int = 0, slot_bytes: int = 0) -> bool:
@@ -59,15 +64,15 @@ def writes_direct(settings: config.Config) -> bool:
 
 def collective_direct(op: str, algorithm: int, nbytes: int, size: int, settings: config.Config) -> bool:
     """The ``direct`` attribute of an all_reduce / all_gather / all_to_all call of ``nbytes`` per rank on ``size``
-    GPUs: whether it writes into the peers' outputs rather than their slots. The two-shot all_reduce's
+    GPUs (reduce_scatter takes none): whether it writes into the peers' outputs rather than their slots. The two-shot all_reduce's
     all-gather does whenever :func:`writes_direct` (its reduce-scatter flags bring the addresses); simple moves
     do from ``nvlink_direct_min_bytes`` copied out per receiver, since they must first wait for the peers to
     enter the call; the kernels ignore it where the data must sit in slots (one-shot all_reduce, LL, LL128)."""
-    if not writes_direct(settings):
+    if not writes_direct(settings) or op == "reduce_scatter":  # it reduces what lands in its slots
         return False
     if op == "all_reduce":
         return algorithm == TWO_SHOT
-    segment = nbytes // size if op == "all_to_all" else nbytes
+    segment = nbytes // size if op in SENDS_BLOCKS else nbytes
     return (size - 1) * segment >= settings.nvlink_direct_min_bytes
 
 
@@ -78,15 +83,15 @@ def oneshot_protocol(op: str, nbytes: int, size: int, settings: config.Config) -
     lines."""
     protocol = settings.nvlink_protocol
     if protocol == "auto":
-        segment = nbytes // size if op == "all_to_all" else nbytes
+        segment = nbytes // size if op in SENDS_BLOCKS else nbytes
         protocol = "ll128" if segment >= config.ll128_min_bytes(size, op, settings) else "ll"
     return config.NVLINK_PROTOCOLS.index(protocol)
 
 
 def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
-    """The route of one all_reduce / all_gather / all_to_all call site: ``ctx`` is its lowering context, ``size``
-    its communicator's size. The NVLink handlers take the op's own attributes plus ``protocol``, ``blocks``,
-    ``direct`` and (all_reduce) ``algorithm``."""
+    """The route of one all_reduce / all_gather / all_to_all / reduce_scatter call site: ``ctx`` is its lowering
+    context, ``size`` its communicator's size. The NVLink handlers take the op's own attributes plus
+    ``protocol``, ``blocks``, and ``direct`` (not reduce_scatter) and ``algorithm`` (all_reduce)."""
     x = ctx.avals_in[0]
     nbytes = int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
     settings = config.current()
@@ -94,8 +99,8 @@ def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
     nccl = CudaRoute(f"ncclx_{op}")
     if settings.transport == "nccl" or nbytes == 0 or nbytes > nvlink_max:
         return nccl
-    if op == "all_reduce" and not any(np.dtype(x.dtype) == np.dtype(d) for d in REDUCE_DTYPES):
-        logger.debug("jax_ncclx: all_reduce of %s takes NCCL: the NVLink kernels reduce %s", x.dtype,
+    if op in REDUCTIONS and not any(np.dtype(x.dtype) == np.dtype(d) for d in REDUCE_DTYPES):
+        logger.debug("jax_ncclx: %s of %s takes NCCL: the NVLink kernels reduce %s", op, x.dtype,
                      ", ".join(np.dtype(d).name for d in REDUCE_DTYPES))
         return nccl
     algorithm = ONE_SHOT if op != "all_reduce" or nbytes <= oneshot_max else TWO_SHOT
@@ -105,7 +110,9 @@ def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
                                                       np.dtype(x.dtype).itemsize, direct)
     if not symmetric_memory_ready(op, comm_id, slot_bytes=slots):
         return nccl
-    route_attrs = dict(protocol=np.int64(protocol), blocks=np.int64(settings.nvlink_blocks), direct=np.int64(direct))
+    route_attrs = dict(protocol=np.int64(protocol), blocks=np.int64(settings.nvlink_blocks))
+    if op != "reduce_scatter":
+        route_attrs["direct"] = np.int64(direct)
     if op == "all_reduce":
         route_attrs["algorithm"] = np.int64(algorithm)
     return CudaRoute(f"ncclx_{op}_nvlink", route_attrs)

@@ -28,7 +28,7 @@ from jax_ncclx._src import comm
 from jax_ncclx._src import config
 from jax_ncclx._src import lib
 
-KERNELS = {1: "all_to_allv_dynamic", 2: "all_reduce", 3: "all_gather", 4: "all_to_all"}  # TraceKernel
+KERNELS = {1: "all_to_allv_dynamic", 2: "all_reduce", 3: "all_gather", 4: "all_to_all", 5: "reduce_scatter"}  # TraceKernel
 _FIELDS = ("epoch", "start_ns", "peers_ns", "sent_ns", "data_ns", "end_ns", "blocks", "kernel")
 _CALL_FIELDS = ("site", "comm", "group_index", "seq", "rank", "device", "enqueue_ns", "start_ns", "arrive_ns",
                 "end_ns", "injected")

@@ -48,7 +48,13 @@ struct DeviceTraceRecord {
   uint64_t reserved;
 };
 
-enum TraceKernel : uint32_t { kTraceAllToAllv = 1, kTraceAllReduce = 2, kTraceAllGather = 3, kTraceAllToAll = 4 };
+enum TraceKernel : uint32_t {
+  kTraceAllToAllv = 1,
+  kTraceAllReduce = 2,
+  kTraceAllGather = 3,
+  kTraceAllToAll = 4,
+  kTraceReduceScatter = 5,
+};
 
 // Whether ring slot `slot` holds a complete record: one whose epoch (written last) belongs to that slot.
 inline bool IsCompleteTraceRecord(const DeviceTraceRecord& record, int slot) {

@@ -31,6 +31,8 @@ std::string KernelName(uint32_t kernel) {
       return "all_gather";
     case kTraceAllToAll:
       return "all_to_all";
+    case kTraceReduceScatter:
+      return "reduce_scatter";
   }
   return "kernel " + std::to_string(kernel);
 }

@@ -1,5 +1,5 @@
-// CUDA FFI handlers of the small-message NVLink collectives: all_reduce (one-shot or two-shot), all_gather and
-// all_to_all (one-shot). Each checks its buffers as the NCCL handler of the op does, finds this rank's symmetric
+// CUDA FFI handlers of the small-message NVLink collectives: all_reduce (one-shot or two-shot), all_gather,
+// all_to_all and reduce_scatter (one-shot). Each checks its buffers as the NCCL handler of the op does, finds this rank's symmetric
 // memory, and queues one kernel (nvlink_collectives_kernels.cu) on XLA's stream. The kernel's arguments are fixed for
 // the program (peer addresses come from the stable peer table, epochs live on the device), so the handlers are safe
 // inside command buffers; their prepare stage (cuda_collective.h, registered under JAX_NCCLX_WATCH_REPLAYS=1) refuses
@@ -71,6 +71,27 @@ ffi::ErrorOr<NvlinkCollectiveArgs> ArgsFor(std::string_view name, NvlinkCollecti
   return args;
 }
 
+ffi::Error CheckReduceOp(std::string_view op, int64_t reduce_op) {
+  if (reduce_op < 0 || reduce_op > 2) {
+    return InvalidArgument(op, "reduce_op is " + std::to_string(reduce_op) + ", expected 0 (sum), 1 (max) or 2 (min)");
+  }
+  return ffi::Error::Success();
+}
+
+// ArgsFor, plus the reduction and the element type it reduces.
+ffi::ErrorOr<NvlinkCollectiveArgs> ReductionArgsFor(std::string_view name, NvlinkCollective op,
+                                                    const ffi::AnyBuffer& x, ffi::AnyBuffer& y, const CallAttrs& call,
+                                                    const SymmetricRank& symmetric, int64_t protocol, int64_t direct,
+                                                    int64_t reduce_op) {
+  ffi::ErrorOr<ReduceType> type = GetReduceType(name, x.element_type());
+  if (type.has_error()) return type.error();
+  ffi::ErrorOr<NvlinkCollectiveArgs> args = ArgsFor(name, op, x, y, call, symmetric, protocol, direct);
+  if (args.has_error()) return args.error();
+  args->reduce = static_cast<ReduceOp>(reduce_op);
+  args->reduce_type = *type;
+  return args;
+}
+
 // The checks and launch every handler shares once it has filled in the op-specific fields of `args`.
 ffi::Error Launch(std::string_view op, cudaStream_t stream, int32_t device_ordinal, int64_t comm_id,
                   const SymmetricRank& symmetric, const CallAttrs& attrs, NvlinkCollectiveArgs args, int64_t blocks) {
@@ -92,7 +113,9 @@ ffi::Error Launch(std::string_view op, cudaStream_t stream, int32_t device_ordin
   const int grid = ChooseNvlinkCollectiveBlocks(args, static_cast<int>(blocks), *sm_count);
   ffi::ErrorOr<GpuCall> call = BeginGpuCall(op, attrs, comm_id, symmetric.rank, symmetric.size, device_ordinal, stream);
   if (call.has_error()) return call.error();
-  const int64_t output_bytes = args.op == NvlinkCollective::kAllGather ? args.bytes * args.size : args.bytes;
+  const int64_t output_bytes = args.op == NvlinkCollective::kAllGather       ? args.bytes * args.size
+                               : args.op == NvlinkCollective::kReduceScatter ? args.bytes / args.size
+                                                                             : args.bytes;
   return RunGpuCall(*call, /*watch=*/false, args.y, output_bytes, [&]() -> ffi::Error {
     NCCLX_RETURN_IF_ERROR(CountNvlinkLaunch(op, stream));
     return CheckCuda(op, "NVLink kernel launch", LaunchNvlinkCollective(args, grid, stream));
@@ -110,21 +133,35 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
   NCCLX_RETURN_IF_ERROR(CheckSameDtype(kOp, x, *y));
   NCCLX_RETURN_IF_ERROR(
       CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
-  ffi::ErrorOr<ReduceType> type = GetReduceType(kOp, x.element_type());
-  if (type.has_error()) return type.error();
-  if (reduce_op < 0 || reduce_op > 2) {
-    return InvalidArgument(kOp, "reduce_op is " + std::to_string(reduce_op) + ", expected 0 (sum), 1 (max) or 2 (min)");
-  }
+  NCCLX_RETURN_IF_ERROR(CheckReduceOp(kOp, reduce_op));
   if (algorithm != static_cast<int64_t>(NvlinkAlgorithm::kOneShot) &&
       algorithm != static_cast<int64_t>(NvlinkAlgorithm::kTwoShot)) {
     return InvalidArgument(kOp, "algorithm is " + std::to_string(algorithm) + ", expected 1 (one-shot) or 2 (two-shot)");
   }
-  ffi::ErrorOr<NvlinkCollectiveArgs> args =
-      ArgsFor(kOp, NvlinkCollective::kAllReduce, x, *y, call, *symmetric, protocol, direct);
+  ffi::ErrorOr<NvlinkCollectiveArgs> args = ReductionArgsFor(kOp, NvlinkCollective::kAllReduce, x, *y, call,
+                                                              *symmetric, protocol, direct, reduce_op);
   if (args.has_error()) return args.error();
   args->algorithm = static_cast<NvlinkAlgorithm>(algorithm);
-  args->reduce = static_cast<ReduceOp>(reduce_op);
-  args->reduce_type = *type;
+  return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, *args, blocks);
+}
+
+ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
+                             ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
+                             int64_t trace, int64_t reduce_op, int64_t protocol, int64_t blocks) {
+  constexpr std::string_view kOp = "reduce_scatter";
+  const CallAttrs call = MakeCallAttrs(site, timeout_ms, trace);
+  ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
+  if (symmetric.has_error()) return symmetric.error();
+  NCCLX_RETURN_IF_ERROR(CheckSameDtype(kOp, x, *y));
+  NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), symmetric->size));
+  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), Bytes(x) / symmetric->size,
+                                   "the input's " + std::to_string(Bytes(x)) + " over " +
+                                       std::to_string(symmetric->size) + " ranks"));
+  NCCLX_RETURN_IF_ERROR(CheckReduceOp(kOp, reduce_op));
+  // Nothing to write into a peer's output: the blocks a rank reduces must sit in its slots.
+  ffi::ErrorOr<NvlinkCollectiveArgs> args = ReductionArgsFor(kOp, NvlinkCollective::kReduceScatter, x, *y, call,
+                                                              *symmetric, protocol, /*direct=*/0, reduce_op);
+  if (args.has_error()) return args.error();
   return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, *args, blocks);
 }
 
@@ -177,6 +214,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllGather, AllGatherImpl,
                                   .Attr<int64_t>("direct"),
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkReduceScatter, ReduceScatterImpl,
+                              BindCudaCollective()
+                                  .Attr<int64_t>("reduce_op")  // 0 sum (the only one the Python op sends)
+                                  .Attr<int64_t>("protocol")
+                                  .Attr<int64_t>("blocks"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllToAll, AllToAllImpl,
                               BindCudaCollective()
                                   .Attr<int64_t>("protocol")
@@ -187,5 +231,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllToAll, AllToAllImpl,
 NCCLX_DEFINE_PREPARE_HANDLER(NvlinkAllReducePrepare, "all_reduce");
 NCCLX_DEFINE_PREPARE_HANDLER(NvlinkAllGatherPrepare, "all_gather");
 NCCLX_DEFINE_PREPARE_HANDLER(NvlinkAllToAllPrepare, "all_to_all");
+NCCLX_DEFINE_PREPARE_HANDLER(NvlinkReduceScatterPrepare, "reduce_scatter");
 
 }  // namespace jax_ncclx

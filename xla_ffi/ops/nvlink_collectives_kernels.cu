@@ -93,7 +93,7 @@ SlotLayout LayOutSlots(NvlinkCollective op, NvlinkAlgorithm algorithm, NvlinkPro
     layout.half_bytes = layout.base + (layout.into_outputs ? 1 : 2) * size * layout.slot_stride;
     return layout;
   }
-  const int64_t segment = op == NvlinkCollective::kAllToAll ? bytes / size : bytes;
+  const int64_t segment = SendsBlocks(op) ? bytes / size : bytes;
   const bool low_latency = segment % 4 == 0 && segment <= kLowLatencyMaxBytes;
   layout.segment_bytes = segment;
   layout.protocol = low_latency ? protocol : NvlinkProtocol::kSimple;
@@ -111,7 +111,7 @@ SlotLayout LayOutSlots(NvlinkCollective op, NvlinkAlgorithm algorithm, NvlinkPro
       layout.slot_stride = Align256(segment);
       break;
   }
-  layout.into_outputs = direct && layout.protocol == NvlinkProtocol::kSimple && op != NvlinkCollective::kAllReduce;
+  layout.into_outputs = direct && layout.protocol == NvlinkProtocol::kSimple && !Reduces(op);
   layout.half_bytes = layout.base + (layout.into_outputs ? 0 : size * layout.slot_stride);
   return layout;
 }
@@ -287,6 +287,8 @@ TraceKernel TraceKernelOf(NvlinkCollective op) {
       return kTraceAllGather;
     case NvlinkCollective::kAllToAll:
       return kTraceAllToAll;
+    case NvlinkCollective::kReduceScatter:
+      return kTraceReduceScatter;
   }
   return kTraceAllReduce;
 }
@@ -302,7 +304,7 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(Call call, TraceKernel
   CallTrace& trace = state.trace;
   const int n = args.size;
   const int me = args.rank;
-  const bool scatter = args.op == NvlinkCollective::kAllToAll;  // peer j gets block j of x, not all of it
+  const bool scatter = SendsBlocks(args.op);  // peer j gets block j of x, not all of it
   const int64_t units = call.slots.segment_bytes / static_cast<int64_t>(sizeof(V));
   int64_t lo, hi;
   BlockRange(units, &lo, &hi);
@@ -339,7 +341,7 @@ __global__ void __launch_bounds__(kThreads) OneShotKernel(Call call, TraceKernel
     }
   } else {
     const V* sources[kMaxNvlinkRanks];
-    for (int s = 0; s < n; ++s) sources[s] = s == me ? x : Slot<V>(call, me, parity, s);
+    for (int s = 0; s < n; ++s) sources[s] = s == me ? x + (scatter ? me * units : 0) : Slot<V>(call, me, parity, s);
     V* const outputs[1] = {y};
     Op::Range(sources, n, outputs, 1, lo, hi);
   }
@@ -381,7 +383,7 @@ __global__ void __launch_bounds__(kThreads) OneShotWordsKernel(Call call, TraceK
   const uint32_t tag = Tag(epoch);
   const int n = args.size;
   const int me = args.rank;
-  const bool scatter = args.op == NvlinkCollective::kAllToAll;
+  const bool scatter = SendsBlocks(args.op);
   const int64_t words = call.slots.segment_bytes / 4;
   int64_t lo, hi;
   BlockRange(words, &lo, &hi);
@@ -407,7 +409,7 @@ __global__ void __launch_bounds__(kThreads) OneShotWordsKernel(Call call, TraceK
         y[source * words + i] = values[source];
       }
     } else {
-      values[me] = x[i];
+      values[me] = x[(scatter ? me * words : 0) + i];
       y[i] = Op::Words(values, n);
     }
   }
@@ -442,7 +444,7 @@ __global__ void __launch_bounds__(kLineThreads) OneShotLinesKernel(Call call, Tr
   CallTrace& trace = state.trace;
   const int n = args.size;
   const int me = args.rank;
-  const bool scatter = args.op == NvlinkCollective::kAllToAll;
+  const bool scatter = SendsBlocks(args.op);
   const int64_t words = call.slots.segment_bytes / 4;
   const int64_t lines = LinesOf(call.slots.segment_bytes);
   const int lane = threadIdx.x % 32;
@@ -613,8 +615,9 @@ using ScalarUnit = std::conditional_t<sizeof(T) == 2, unsigned short, unsigned i
 template <typename T, ReduceOp kOp>
 cudaError_t LaunchReduce(const Call& call, int blocks, cudaStream_t stream) {
   // 16-byte units when every range the kernel touches starts on a 16-byte boundary (slot offsets and
-  // two-shot chunk boundaries always do).
-  const bool vector = call.args.bytes % 16 == 0 && Aligned(call.args.x, 16) && Aligned(call.args.y, 16);
+  // two-shot chunk boundaries always do; a reduce_scatter's blocks when they are multiples of 16 bytes).
+  const bool vector = call.args.bytes % 16 == 0 && call.slots.segment_bytes % 16 == 0 && Aligned(call.args.x, 16) &&
+                      Aligned(call.args.y, 16);
   return vector ? LaunchAs<uint4, Reduce<T, kOp>>(call, blocks, stream)
                 : LaunchAs<ScalarUnit<T>, Reduce<T, kOp>>(call, blocks, stream);
 }
@@ -657,7 +660,7 @@ int ChooseNvlinkCollectiveBlocks(const NvlinkCollectiveArgs& args, int requested
 cudaError_t LaunchNvlinkCollective(const NvlinkCollectiveArgs& args, int blocks, cudaStream_t stream) {
   const Call call{args, LayOutSlots(args.op, args.algorithm, args.protocol, args.bytes, args.size,
                                     args.element_bytes, args.direct)};
-  if (args.op != NvlinkCollective::kAllReduce) {
+  if (!Reduces(args.op)) {
     const int64_t segment = call.slots.segment_bytes;
     auto fits = [&](int64_t width) {
       return segment % width == 0 && Aligned(args.x, width) && Aligned(args.y, width);

@@ -1,11 +1,12 @@
 // Host side of the NVLink kernels of the small-message collectives: all_reduce (one-shot and two-shot),
-// all_gather and all_to_all (one-shot). They move data through the low-latency slots of the peers' symmetric
+// all_gather, all_to_all and reduce_scatter (one-shot). They move data through the low-latency slots of the peers' symmetric
 // data regions (symmetric_layout.h) and signal with per-block epoch flags, so a call costs one NVLink write
 // plus one flag latency (two of each for two-shot), with no reset between calls and no host involvement.
 //
 //   one-shot:  every rank writes its input (all_to_all: block j of it) into slot `rank` of every peer, raises
 //              its flag there, waits for all peers' flags, and builds its output from the slots it received
-//              (all_reduce: reduces them in rank order, so every rank gets the same bits);
+//              (all_reduce: reduces them in rank order, so every rank gets the same bits; reduce_scatter:
+//              block j goes to peer j as in all_to_all, and rank j reduces the blocks it received likewise);
 //   two-shot:  (all_reduce) reduce-scatter then all-gather: rank j reduces chunk j of all inputs (sent to it
 //              through the slots) and writes the result into every peer; half the traffic of one-shot per
 //              rank.
@@ -27,12 +28,34 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <optional>
+#include <string_view>
 
+#include "common/host_device.h"
 #include "common/symmetric_layout.h"
 
 namespace jax_ncclx {
 
-enum class NvlinkCollective : int { kAllReduce = 0, kAllGather = 1, kAllToAll = 2 };
+enum class NvlinkCollective : int { kAllReduce = 0, kAllGather = 1, kAllToAll = 2, kReduceScatter = 3 };
+
+// The op of that name ("all_reduce", "all_gather", "all_to_all", "reduce_scatter"), if it has an NVLink kernel.
+inline std::optional<NvlinkCollective> NvlinkCollectiveNamed(std::string_view name) {
+  if (name == "all_reduce") return NvlinkCollective::kAllReduce;
+  if (name == "all_gather") return NvlinkCollective::kAllGather;
+  if (name == "all_to_all") return NvlinkCollective::kAllToAll;
+  if (name == "reduce_scatter") return NvlinkCollective::kReduceScatter;
+  return std::nullopt;
+}
+
+// Whether a one-shot call sends peer j only block j of its input (all_to_all, reduce_scatter); whether it
+// reduces what it receives (all_reduce, reduce_scatter) rather than moving it.
+NCCLX_HOST_DEVICE inline bool SendsBlocks(NvlinkCollective op) {
+  return op == NvlinkCollective::kAllToAll || op == NvlinkCollective::kReduceScatter;
+}
+NCCLX_HOST_DEVICE inline bool Reduces(NvlinkCollective op) {
+  return op == NvlinkCollective::kAllReduce || op == NvlinkCollective::kReduceScatter;
+}
+
 enum class NvlinkAlgorithm : int { kOneShot = 1, kTwoShot = 2 };  // two-shot: all_reduce only
 enum class ReduceOp : int { kSum = 0, kMax = 1, kMin = 2 };       // the reduce_op attribute's values
 // Element types the all_reduce kernels reduce. 16-bit floats accumulate in f32 and round once.
@@ -51,19 +74,20 @@ static_assert(kMaxOneShotBlocks <= kMaxFlagGroups);
 struct NvlinkCollectiveArgs {
   NvlinkCollective op = NvlinkCollective::kAllReduce;
   NvlinkAlgorithm algorithm = NvlinkAlgorithm::kOneShot;
-  ReduceOp reduce = ReduceOp::kSum;        // all_reduce only
-  ReduceType reduce_type = ReduceType::kF32;  // all_reduce only
+  ReduceOp reduce = ReduceOp::kSum;        // all_reduce and reduce_scatter
+  ReduceType reduce_type = ReduceType::kF32;  // all_reduce and reduce_scatter
   NvlinkProtocol protocol = NvlinkProtocol::kLL128;  // one-shot only
   int element_bytes = 1;
   int rank = 0;
   int size = 1;
-  int64_t bytes = 0;  // of x on each rank (all_to_all: N blocks of bytes / N)
+  int64_t bytes = 0;  // of x on each rank (all_to_all, reduce_scatter: N blocks of bytes / N)
   bool direct = false;  // write into the peers' outputs where the algorithm can (every rank in this process)
   bool trace = false;
   int64_t site = 0;         // call site, for the fault record
   uint64_t timeout_ns = 0;  // how long a wait for a peer may last (device_sync.cuh, Patience)
   const void* x = nullptr;
-  void* y = nullptr;  // all_reduce: bytes; all_gather: N * bytes (block i from rank i); all_to_all: bytes
+  void* y = nullptr;  // all_reduce, all_to_all: bytes; all_gather: N * bytes (block i from rank i);
+                      // reduce_scatter: bytes / N
   const PeerTable* table = nullptr;
   SymmetricControl* control = nullptr;
 };

@@ -367,15 +367,9 @@ nb::dict Collective(const std::string& op, const nb::bytes& x, int size, int cal
   const Schedule schedule{calls, graph, absent, late, late_us, timeout_ms};
   CheckSchedule(size, schedule);
   NvlinkCollectiveArgs args;
-  if (op == "all_reduce") {
-    args.op = NvlinkCollective::kAllReduce;
-  } else if (op == "all_gather") {
-    args.op = NvlinkCollective::kAllGather;
-  } else if (op == "all_to_all") {
-    args.op = NvlinkCollective::kAllToAll;
-  } else {
-    Require(false, "op is '" + op + "', expected all_reduce, all_gather or all_to_all");
-  }
+  const std::optional<NvlinkCollective> named = NvlinkCollectiveNamed(op);
+  Require(named.has_value(), "op is '" + op + "', expected all_reduce, all_gather, all_to_all or reduce_scatter");
+  args.op = *named;
   Require(algorithm == 1 || (algorithm == 2 && args.op == NvlinkCollective::kAllReduce),
           "algorithm is " + std::to_string(algorithm) + ", expected 1 (one-shot) or, for all_reduce, 2 (two-shot)");
   Require(protocol >= 0 && protocol <= 2, "protocol is " + std::to_string(protocol) + ", expected 0, 1 or 2");
@@ -384,8 +378,9 @@ nb::dict Collective(const std::string& op, const nb::bytes& x, int size, int cal
   Require(element_bytes >= 1 && bytes > 0 && bytes % element_bytes == 0,
           "bytes per rank (" + std::to_string(bytes) + ") must be a positive multiple of element_bytes (" +
               std::to_string(element_bytes) + ")");
-  Require(args.op != NvlinkCollective::kAllToAll || bytes % size == 0,
-          "all_to_all needs bytes per rank (" + std::to_string(bytes) + ") divisible by size");
+  Require(!SendsBlocks(args.op) || bytes % (int64_t{size} * element_bytes) == 0,
+          op + " needs bytes per rank (" + std::to_string(bytes) + ") to split into " + std::to_string(size) +
+              " blocks of whole elements");
   args.algorithm = static_cast<NvlinkAlgorithm>(algorithm);
   args.reduce = static_cast<ReduceOp>(reduce_op);
   args.reduce_type = static_cast<ReduceType>(reduce_type);
@@ -402,7 +397,9 @@ nb::dict Collective(const std::string& op, const nb::bytes& x, int size, int cal
 
   Resources resources;
   Ranks ranks(resources, size, Align256(slot_bytes), 0);
-  const int64_t y_bytes = args.op == NvlinkCollective::kAllGather ? bytes * size : bytes;
+  const int64_t y_bytes = args.op == NvlinkCollective::kAllGather       ? bytes * size
+                          : args.op == NvlinkCollective::kReduceScatter ? bytes / size
+                                                                        : bytes;
   std::vector<Operand> operands = {{"x", bytes, false}, {"y", y_bytes, true}};
   Outcome outcome = Run(resources, ranks, operands, {&x}, schedule,
                         [&](int rank, int slot, cudaStream_t stream) {

@@ -14,6 +14,7 @@ from jax.interpreters import ad
 from jax.interpreters import batching
 from jax.sharding import PartitionSpec as P
 
+from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
 
 
@@ -68,6 +69,10 @@ def _reduce_scatter_attrs():
     return {"reduce_op": np.int64(primitive.REDUCE_OPS["sum"])}
 
 
+def _reduce_scatter_cuda_route(ctx, comm_id, size):
+    return nvlink.collective_route("reduce_scatter", ctx, comm_id, size)
+
+
 def _reduce_scatter_batching(axis_data, args, dims, *, axis_name):
     (x,), (d,) = args, dims
     if primitive.batches_own_axis(axis_data, axis_name, "reduce_scatter"):
@@ -86,6 +91,7 @@ def _reduce_scatter_transpose(ct, x, *, axis_name):
 
 
 reduce_scatter_p.def_effectful_abstract_eval(_reduce_scatter_abstract_eval)
-primitive.register_lowerings(reduce_scatter_p, "ncclx_reduce_scatter", _reduce_scatter_attrs)
+primitive.register_lowerings(reduce_scatter_p, "ncclx_reduce_scatter", _reduce_scatter_attrs,
+                             _reduce_scatter_cuda_route)
 batching.fancy_primitive_batchers[reduce_scatter_p] = _reduce_scatter_batching
 ad.deflinear2(reduce_scatter_p, _reduce_scatter_transpose)
