@@ -4,12 +4,12 @@ under fori_loop) on every local GPU, one GPU included, with custom calls capture
 Started by test_loops.py with XLA_FLAGS that capture custom calls (the flags must be set before JAX starts).
 Each program is compiled once and runs several times with new inputs; every result must match the same program
 in XLA's own ops, and the handlers must have been recorded into a graph and replayed (fewer host launches than
-kernel executions). With ``--loops-in-graphs`` the flags capture while loops and conditionals too, and
-JAX_NCCLX_NCCL_COMMAND_BUFFERS=1 makes ppermute's NCCL handler recordable, so a whole loop can run inside a
-graph, its body's kernels again and again without the host. By the launch counts (one H100: 55 host launches,
-5 of them recorded, for 3 × 25 NVLink kernel runs), XLA 0.11.2 ran the decode loop from a graph in one
-execution of three and from the host in the other two, so only the recording is required. Prints CAPTURE OK
-at the end.
+kernel executions). With ``--loops-in-graphs`` the flags capture while loops and conditionals too, so a loop
+whose body holds only command-buffer handlers (the MoE stack's) can run inside a graph, its body's kernels
+again and again without the host; only the recording is required there. ppermute's NCCL handler stays out of
+graphs here: recordable (JAX_NCCLX_NCCL_COMMAND_BUFFERS=1), the decode loop with it failed to instantiate its
+CUDA graph on 2xH200 (CUDA_ERROR_INVALID_VALUE, XLA 0.11.2; README's "Sharp bits"). Prints CAPTURE OK at the
+end.
 """
 
 import os

@@ -41,11 +41,11 @@ def test_decode_under_fori_loop(backend):
 @pytest.mark.gpu
 @pytest.mark.parametrize("loops_in_graphs", [False, True], ids=["custom_calls", "loops_too"])
 def test_loops_in_command_buffers(loops_in_graphs):
-    """Both programs, compiled once and run with new inputs, with custom calls captured (and whole loops, the
-    NCCL handlers recordable): they must match XLA's programs, and the handlers must have been recorded into a
-    graph (and replayed, where only custom calls are captured; see loop_worker.py)."""
+    """Both programs, compiled once and run with new inputs, with custom calls captured (and whole loops): they
+    must match XLA's programs, and the handlers must have been recorded into a graph (and replayed, where only
+    custom calls are captured; see loop_worker.py)."""
     if loops_in_graphs:
-        run_command_buffer_worker("loop_worker.py", "--loops-in-graphs", minimum=1, JAX_NCCLX_NCCL_COMMAND_BUFFERS="1",
+        run_command_buffer_worker("loop_worker.py", "--loops-in-graphs", minimum=1,
                                   xla_flags="--xla_gpu_enable_command_buffer=+CUSTOM_CALL,+WHILE,+CONDITIONAL "
                                             "--xla_gpu_graph_min_graph_size=1")
     else:
