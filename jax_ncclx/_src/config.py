@@ -237,8 +237,9 @@ def _non_negative_int(name: str, default):
 # loses at 64 MiB (all_reduce, all_gather). 8xH200 (collectives_8gpu_algorithms.md): one-shot beats two-shot
 # up to 256 KiB (15.3 vs 21.0 us), two-shot from 1 MiB (23.0 vs 34.2); NVLink all_reduce and all_to_all beat
 # XLA up to 16 MiB, all_gather up to 4 MiB (1.14x) and not at 16 MiB (0.90x); every op loses at 64 MiB.
-# reduce_scatter (one-shot, with all_to_all's traffic: block j of every rank to rank j) is not measured yet: it
-# takes all_to_all's limits.
+# reduce_scatter (one-shot, with all_to_all's traffic: block j of every rank to rank j) takes all_to_all's
+# limits: on 2xH200 (collectives_2gpu_5a52361.md) it beats psum_scatter and NCCL up to 16 MiB (1.40x there);
+# 4 and 8 GPUs not measured.
 _EVERY_OP_UP_TO_16_MIB = {"all_reduce": 16 << 20, "all_gather": 16 << 20, "all_to_all": 16 << 20,
                           "reduce_scatter": 16 << 20}
 NVLINK_THRESHOLDS = {
@@ -254,8 +255,9 @@ NVLINK_THRESHOLDS = {
 # all_to_all's 8 KiB segments 0.4 us faster. 4xH200 (collectives_4gpu_protocols*.md, plain and in command
 # buffers): LL128 is 0.3-0.8 us faster for all_gather and all_to_all at every size from 8 B, while all_reduce
 # keeps LL up to 4 KiB (0.1-0.2 us faster) and is faster in LL128 from 16 KiB (8 KiB, between the two, was
-# not measured: it keeps the 2-GPU value). reduce_scatter, not measured yet, takes all_reduce's values: its
-# receivers reduce the words they poll, as one-shot all_reduce's do.
+# not measured: it keeps the 2-GPU value). reduce_scatter takes all_reduce's values (its receivers reduce the
+# words they poll, as one-shot all_reduce's do); on 2xH200 (reduce_scatter_2gpu_protocols.md) LL and LL128
+# were level at 8 B, LL 0.2 us faster at 4 KiB and LL128 0.5 us faster at 16 KiB; 4 GPUs not measured.
 NVLINK_LL128_MIN_BYTES = {
     2: {"all_reduce": 8 << 10, "all_gather": 8 << 10, "all_to_all": 8 << 10, "reduce_scatter": 8 << 10},
     4: {"all_reduce": 8 << 10, "all_gather": 0, "all_to_all": 0, "reduce_scatter": 8 << 10},
