@@ -30,7 +30,13 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
       tiled: if False the scattered dimension is removed; if True it shrinks to ``shape // N`` (static).
 
     Returns:
-      Block ``axis_index`` of the sum, with ``x``'s dtype.
+      Block ``axis_index`` of the sum, with ``x``'s dtype, summed in rank order. Sums of 16-bit floats
+      accumulate in float32 and round once on the CPU backend and in the GPU NVLink kernel (f32, bf16, f16
+      and int32 inputs up to ``JAX_NCCLX_NVLINK_MAX_BYTES``, see README); other inputs go through NCCL, which
+      accumulates in the input dtype.
+
+    Differentiable (linear; the transpose is an all_gather) and vmap-able, over non-mesh axes (one
+    collective) or over the op's own axis (local work, as in ``jax.lax``).
     """
     axis_name = primitive.check_axis_name(axis_name, "reduce_scatter")
     if not primitive.is_bound(axis_name):
