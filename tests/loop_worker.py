@@ -8,8 +8,8 @@ kernel executions). With ``--loops-in-graphs`` the flags capture while loops and
 whose body holds only command-buffer handlers (the MoE stack's) can run inside a graph, its body's kernels
 again and again without the host; only the recording is required there. ppermute's NCCL handler stays out of
 graphs here: recordable (JAX_NCCLX_NCCL_COMMAND_BUFFERS=1), the decode loop with it failed to instantiate its
-CUDA graph on 2xH200 (CUDA_ERROR_INVALID_VALUE, XLA 0.11.2; README's "Sharp bits"). Prints CAPTURE OK at the
-end.
+CUDA graph on 2xH200 (CUDA_ERROR_INVALID_VALUE, XLA 0.11.2) unless NCCL_GRAPH_MIXING_SUPPORT=0 (README's
+"Sharp bits"). Prints CAPTURE OK at the end.
 """
 
 import os
