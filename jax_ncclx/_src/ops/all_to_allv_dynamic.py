@@ -206,8 +206,7 @@ def _exchange_between_members(x, counts, *send_rows_and_suffix, capacity, packed
         sent = jax.vmap(jax.vmap(lambda rows, i: jnp.take(rows, i, axis=0, mode="fill", fill_value=0)))(x, index)
         if len(send_rows_and_suffix) == 2:
             sent = jnp.concatenate([sent, send_rows_and_suffix[1]], axis=3)
-    first, delivered, dropped = jax.vmap(jax.vmap(partial(_clamp, num_rows=sent.shape[2], capacity=capacity)))(
-        counts)                                                                        # [N, B, N, K], ..., [N, B, N]
+    first, delivered, dropped = _plan(counts, sent.shape[2], capacity)      # [N, B, N, K], ..., [N, B, N]
     # receiver j's rows from source i: source i's send rows, chunk after chunk of its plan for peer j
     pieces = jax.vmap(jax.vmap(jax.vmap(partial(_piece, capacity=capacity), (None, 0, 0)), (0, 0, 0)), (0, 0, 0))
     padded = jnp.swapaxes(pieces(sent, first, delivered), 0, 2)                      # [N(j), B, N(i), C, ...]
@@ -217,20 +216,21 @@ def _exchange_between_members(x, counts, *send_rows_and_suffix, capacity, packed
     return padded, recv_counts, dropped
 
 
-def _clamp(counts, *, num_rows, capacity):
-    """One member's plan from its counts ``[N, K]``: each chunk's first send row and rows delivered ``[N, K]``,
-    and the rows dropped per peer ``[N]``."""
-    wanted = jnp.clip(counts, 0, num_rows).reshape(-1)  # cut at the end anyway, and the sums stay in int32
-    ends = jnp.minimum(jnp.cumsum(wanted), num_rows)
-    first = jnp.concatenate([jnp.zeros(1, ends.dtype), ends[:-1]]).reshape(counts.shape)
-    taken = jnp.minimum(jnp.cumsum(ends.reshape(counts.shape) - first, axis=1), capacity)
-    delivered = jnp.diff(taken, axis=1, prepend=0)
+def _plan(counts, num_rows: int, capacity: int):
+    """The kernels' plan (module docstring) from counts ``[..., N, K]``: each chunk's first send row and the rows
+    it delivers ``[..., N, K]``, and the rows dropped per peer ``[..., N]``."""
+    wanted = jnp.clip(counts, 0, num_rows)  # cut at the end anyway, and the sums stay in int32
+    flat = wanted.reshape(*counts.shape[:-2], -1)
+    through = jnp.cumsum(flat, axis=-1)  # send rows claimed through each chunk, peer after peer
+    ends = jnp.minimum(through, num_rows).reshape(counts.shape)
+    first = jnp.minimum(through - flat, num_rows).reshape(counts.shape)
+    delivered = jnp.diff(jnp.minimum(jnp.cumsum(ends - first, axis=-1), capacity), axis=-1, prepend=0)
     limit = np.int32(np.iinfo(np.int32).max)
     magnitude = jnp.where(counts == np.iinfo(np.int32).min, limit, jnp.abs(counts))
     # int32 counts can request more than int32 holds: the kernels count in int64 and report at most INT32_MAX
-    lost = jax.lax.reduce(magnitude - delivered, np.int32(0),
-                          lambda a, b: jnp.where(a > limit - b, limit, a + b), (1,))
-    return first, delivered, lost
+    saturating_add = lambda a, b: jnp.where(a > limit - b, limit, a + b)  # noqa: E731
+    dropped = jax.lax.reduce(magnitude - delivered, np.int32(0), saturating_add, (counts.ndim - 1,))
+    return first, delivered, dropped
 
 
 def _piece(sent, first, delivered, *, capacity):
@@ -265,14 +265,6 @@ def _jvp(primals, tangents, *, axis_name, capacity, packed):
     return [y, recv_counts, dropped], [ty, *integer_zeros]
 
 
-def _first_rows(counts, num_rows):
-    """Input row where each peer's rows start ([B, N]), clamped as the plan clamps them."""
-    batch, size, chunks = counts.shape
-    ends = jnp.minimum(jnp.cumsum(jnp.maximum(counts, 0).reshape(batch, -1), axis=1), num_rows)
-    peer_ends = ends.reshape(batch, size, chunks)[:, :, -1] if chunks else jnp.zeros((batch, size), jnp.int32)
-    return jnp.concatenate([jnp.zeros((batch, 1), peer_ends.dtype), peer_ends[:, :-1]], axis=1)
-
-
 def _transpose(cts, x, counts, *send_rows_and_suffix, axis_name, capacity, packed):
     """Sends each received row's cotangent back to the send row it came from (dropped rows get zeros), then,
     with send_rows, sums the send rows' cotangents into the rows of x they read; the suffix's columns of each
@@ -297,7 +289,8 @@ def _transpose(cts, x, counts, *send_rows_and_suffix, axis_name, capacity, packe
         back_counts = jnp.concatenate([recv_counts, gap], axis=2)
     back, returned, _ = all_to_allv_dynamic_p.bind(rows, back_counts, packed=False, **params)
     delivered = returned[:, :, : counts.shape[2]].sum(axis=2)  # rows each peer got from x   [B, N]
-    first = _first_rows(counts, num_rows)                      # where they start in x       [B, N]
+    chunk_first = _plan(counts, num_rows, capacity)[0]
+    first = chunk_first[:, :, 0] if counts.shape[2] else jnp.zeros(counts.shape[:2], jnp.int32)  # [B, N]
     r = jnp.arange(num_rows)
     peer = jnp.sum(first[:, None, :] <= r[None, :, None], axis=2) - 1  # owner of row r        [B, S]
     offset = r[None, :] - jnp.take_along_axis(first, peer, axis=1)
