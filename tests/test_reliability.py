@@ -297,7 +297,17 @@ CHECKSUMMED = {
         lambda v: nx.all_to_allv_dynamic(v, jnp.full((jax.lax.axis_size("x"),), 2, jnp.int32), "x",
                                          max_recv_per_peer=2, send_rows=jnp.arange(v.shape[0])[::-1] - 1)[0],
         (16, 8)),
+    # Every clamp of the plan at once: negative counts, two chunks per peer, more than capacity, past the end.
+    "all_to_allv_dynamic[clamped]": (
+        lambda v: nx.all_to_allv_dynamic(v, _clamped_counts(jax.lax.axis_size("x")), "x", max_recv_per_peer=3)[0],
+        (16, 8)),
 }
+
+
+def _clamped_counts(size):
+    """int32 [size, 2] that differ from rank to rank: -2 ... 6 rows per chunk."""
+    rank = jax.lax.axis_index("x")
+    return (jnp.arange(2 * size, dtype=jnp.int32).reshape(size, 2) * 5 + 3 * rank) % 9 - 2
 
 
 @pytest.mark.parametrize("op", sorted(CHECKSUMMED))

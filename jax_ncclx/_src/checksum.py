@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ncclx._src import all_to_allv_plan
+
 logger = logging.getLogger("jax_ncclx")
 
 _GOLDEN = np.uint32(2654435761)
@@ -102,17 +104,6 @@ def verify_all_reduce(axis_name, y):
     _report("all_reduce", axis_name, sums != majority, "sees a result different from the majority on rank(s)")
 
 
-def _delivered_rows(counts, num_rows: int, capacity: int):
-    """What all_to_allv_dynamic's plan sends to each peer (xla_ffi/common/all_to_allv_plan.h): the first row
-    [N] and the number of rows [N], for counts [N, K]."""
-    positive = jnp.maximum(counts, 0).astype(jnp.int32)
-    wanted = positive.sum(axis=1)
-    before = jnp.cumsum(wanted) - wanted
-    first = jnp.minimum(before, num_rows)
-    delivered = jnp.minimum(jnp.minimum(wanted, num_rows - first), capacity)
-    return first, delivered
-
-
 def _segment_sums(row_sums, first, count):
     """uint32 [N]: for each j, sum over r < count[j] of row_sums[first[j] + r] * weight(r)."""
     n_rows = row_sums.shape[0]
@@ -126,7 +117,7 @@ def verify_all_to_allv(axis_name, x, counts, y, recv_counts, capacity: int, pack
     """x [S, ...] with counts [N, K] sent; y and recv_counts [N, K] received (padded [N, C, ...] or packed
     [N * C, ...])."""
     size = counts.shape[0]
-    first, delivered = _delivered_rows(counts, x.shape[0], capacity)
+    first, delivered = all_to_allv_plan.peer_spans(counts, x.shape[0], capacity)
     sent = _segment_sums(_row_sums(x, x.shape[0]), first, delivered) if x.shape[0] else jnp.zeros(size, jnp.uint32)
     expected = jax.lax.all_to_all(sent, axis_name, 0, 0)
     got_rows = recv_counts.astype(jnp.int32).sum(axis=1)

@@ -10,11 +10,11 @@ suffix comes with send_rows: the FFI binds them as optional operands in that ord
 varying out; outside ``shard_map`` the leading dimension of every global array (x, counts, send_rows, suffix and
 the three results) is sharded over the axis.
 
-Clamping (the same code runs on CPU and GPU, ``xla_ffi/common/all_to_allv_plan.h``): counts are walked peer by
-peer, chunk by chunk; a negative count sends nothing; counts that run past the S send rows are cut at the end;
-each peer takes at most ``max_recv_per_peer`` rows from this member, chunk after chunk. ``dropped[j]`` counts
-requested rows that did not reach peer j, with a negative count contributing its magnitude, so any nonzero
-``dropped`` flags overflow or bad counts.
+Clamping (the same code runs on CPU and GPU, ``xla_ffi/common/all_to_allv_plan.h``; in jnp,
+``all_to_allv_plan.py``): counts are walked peer by peer, chunk by chunk; a negative count sends nothing; counts
+that run past the S send rows are cut at the end; each peer takes at most ``max_recv_per_peer`` rows from this
+member, chunk after chunk. ``dropped[j]`` counts requested rows that did not reach peer j, with a negative count
+contributing its magnitude, so any nonzero ``dropped`` flags overflow or bad counts.
 """
 
 
@@ -27,6 +27,7 @@ from jax.interpreters import ad
 from jax.interpreters import batching
 from jax.sharding import PartitionSpec as P
 
+from jax_ncclx._src import all_to_allv_plan
 from jax_ncclx._src import checksum
 from jax_ncclx._src import config
 from jax_ncclx._src import lib
@@ -206,7 +207,7 @@ def _exchange_between_members(x, counts, *send_rows_and_suffix, capacity, packed
         sent = jax.vmap(jax.vmap(lambda rows, i: jnp.take(rows, i, axis=0, mode="fill", fill_value=0)))(x, index)
         if len(send_rows_and_suffix) == 2:
             sent = jnp.concatenate([sent, send_rows_and_suffix[1]], axis=3)
-    first, delivered, dropped = _plan(counts, sent.shape[2], capacity)      # [N, B, N, K], ..., [N, B, N]
+    first, delivered, dropped = all_to_allv_plan.plan(counts, sent.shape[2], capacity)      # [N, B, N, K], ..., [N, B, N]
     # receiver j's rows from source i: source i's send rows, chunk after chunk of its plan for peer j
     pieces = jax.vmap(jax.vmap(jax.vmap(partial(_piece, capacity=capacity), (None, 0, 0)), (0, 0, 0)), (0, 0, 0))
     padded = jnp.swapaxes(pieces(sent, first, delivered), 0, 2)                      # [N(j), B, N(i), C, ...]
@@ -214,23 +215,6 @@ def _exchange_between_members(x, counts, *send_rows_and_suffix, capacity, packed
     if packed:
         padded = jax.vmap(jax.vmap(partial(_pack, capacity=capacity)))(padded, recv_counts.sum(axis=3))
     return padded, recv_counts, dropped
-
-
-def _plan(counts, num_rows: int, capacity: int):
-    """The kernels' plan (module docstring) from counts ``[..., N, K]``: each chunk's first send row and the rows
-    it delivers ``[..., N, K]``, and the rows dropped per peer ``[..., N]``."""
-    wanted = jnp.clip(counts, 0, num_rows)  # cut at the end anyway, and the sums stay in int32
-    flat = wanted.reshape(*counts.shape[:-2], -1)
-    through = jnp.cumsum(flat, axis=-1)  # send rows claimed through each chunk, peer after peer
-    ends = jnp.minimum(through, num_rows).reshape(counts.shape)
-    first = jnp.minimum(through - flat, num_rows).reshape(counts.shape)
-    delivered = jnp.diff(jnp.minimum(jnp.cumsum(ends - first, axis=-1), capacity), axis=-1, prepend=0)
-    limit = np.int32(np.iinfo(np.int32).max)
-    magnitude = jnp.where(counts == np.iinfo(np.int32).min, limit, jnp.abs(counts))
-    # int32 counts can request more than int32 holds: the kernels count in int64 and report at most INT32_MAX
-    saturating_add = lambda a, b: jnp.where(a > limit - b, limit, a + b)  # noqa: E731
-    dropped = jax.lax.reduce(magnitude - delivered, np.int32(0), saturating_add, (counts.ndim - 1,))
-    return first, delivered, dropped
 
 
 def _piece(sent, first, delivered, *, capacity):
@@ -289,8 +273,7 @@ def _transpose(cts, x, counts, *send_rows_and_suffix, axis_name, capacity, packe
         back_counts = jnp.concatenate([recv_counts, gap], axis=2)
     back, returned, _ = all_to_allv_dynamic_p.bind(rows, back_counts, packed=False, **params)
     delivered = returned[:, :, : counts.shape[2]].sum(axis=2)  # rows each peer got from x   [B, N]
-    chunk_first = _plan(counts, num_rows, capacity)[0]
-    first = chunk_first[:, :, 0] if counts.shape[2] else jnp.zeros(counts.shape[:2], jnp.int32)  # [B, N]
+    first = all_to_allv_plan.peer_spans(counts, num_rows, capacity)[0]  # [B, N]
     r = jnp.arange(num_rows)
     peer = jnp.sum(first[:, None, :] <= r[None, :, None], axis=2) - 1  # owner of row r        [B, S]
     offset = r[None, :] - jnp.take_along_axis(first, peer, axis=1)
