@@ -66,6 +66,7 @@ VARIANTS = {  # key: (label, times the payload moves per op)
     "nx_padded": ("nx all_to_allv_dynamic padded", 1),
     "nx_padded_recv": ("nx padded, chained by recv_counts", 1),
     "nx_packed": ("nx all_to_allv_dynamic packed", 1),
+    "nx_ragged": ("nx ragged_all_to_all (host sizes)", 1),
     "xla_all_to_all": ("lax.all_to_all (pre-padded)", 1),
     "xla_ragged": ("lax.ragged_all_to_all (host sizes)", 1),
     "xla_ragged_counts": ("lax.ragged_all_to_all + count a2a", 1),
@@ -251,20 +252,24 @@ def a2a_chain(padded, *, unroll):
     return padded
 
 
-def ragged_op(x, in_offsets, send_sizes, out_offsets, recv_sizes, *, capacity, exchange_counts):
-    """One ragged_all_to_all into a zeroed [N*C, H] buffer, rows from source i at i*C (the padded layout).
-    With exchange_counts the receive sizes come from a lax.all_to_all of the send sizes, as a layer that knows
+def ragged_op(x, in_offsets, send_sizes, out_offsets, recv_sizes, *, capacity, exchange_counts, ours=False):
+    """One ragged_all_to_all into a zeroed [N*C, H] buffer, rows from source i at i*C (the padded layout):
+    XLA's, or with ``ours`` jax_ncclx's on the same arguments (taking at most C rows from a peer). With
+    exchange_counts the receive sizes come from a lax.all_to_all of the send sizes, as a layer that knows
     only its own counts must do."""
     if exchange_counts:
         recv_sizes = jax.lax.all_to_all(send_sizes, AXIS, 0, 0, tiled=True)
     out = jnp.zeros((jax.lax.axis_size(AXIS) * capacity, x.shape[1]), x.dtype)
-    return jax.lax.ragged_all_to_all(x, out, in_offsets, send_sizes, out_offsets, recv_sizes, axis_name=AXIS)
+    ragged = functools.partial(nx.ragged_all_to_all, max_recv_per_peer=capacity) if ours \
+        else jax.lax.ragged_all_to_all
+    return ragged(x, out, in_offsets, send_sizes, out_offsets, recv_sizes, axis_name=AXIS)
 
 
-def ragged_chain(x, in_offsets, send_sizes, out_offsets, recv_sizes, *, capacity, exchange_counts, unroll):
+def ragged_chain(x, in_offsets, send_sizes, out_offsets, recv_sizes, *, capacity, exchange_counts, unroll,
+                 ours=False):
     for _ in range(unroll):
         y = ragged_op(x, in_offsets, send_sizes, out_offsets, recv_sizes, capacity=capacity,
-                      exchange_counts=exchange_counts)
+                      exchange_counts=exchange_counts, ours=ours)
         send_sizes = tie(send_sizes, y)
     return send_sizes
 
@@ -379,9 +384,9 @@ def chain_and_args(variant, mesh, arrays, routing, args):
     if variant == "xla_all_to_all":
         fn = functools.partial(a2a_chain, unroll=unroll)
         return per_rank(mesh, fn, 1, donate_argnums=0), ("padded",), True
-    if variant in ("xla_ragged", "xla_ragged_counts"):
+    if variant in ("xla_ragged", "xla_ragged_counts", "nx_ragged"):
         fn = functools.partial(ragged_chain, capacity=capacity, exchange_counts=variant == "xla_ragged_counts",
-                               unroll=unroll)
+                               unroll=unroll, ours=variant == "nx_ragged")
         return per_rank(mesh, fn, 5), ("x", "in_offsets", "send_sizes", "out_offsets", "recv_sizes"), False
     num_experts = routing.counts.shape[0] * args.experts_per_rank
     if variant in ("nx_moe", "nx_moe_pairs", "nx_moe_fp8", "xla_moe"):
@@ -481,9 +486,10 @@ def verify_nx(mesh, arrays, routing):
         raise VerificationError("jax_ncclx.all_to_allv_dynamic gave wrong results: " + "; ".join(problems))
 
 
-def verify_ragged(mesh, arrays, routing):
-    """Mismatching elements per rank of one ragged_all_to_all against lax.all_to_all of the padded buffer."""
-    op = functools.partial(ragged_op, capacity=routing.capacity, exchange_counts=False)
+def verify_ragged(mesh, arrays, routing, ours=False):
+    """Mismatching elements per rank of one ragged_all_to_all (XLA's, or with ``ours`` jax_ncclx's) against
+    lax.all_to_all of the padded buffer."""
+    op = functools.partial(ragged_op, capacity=routing.capacity, exchange_counts=False, ours=ours)
 
     def body(x, padded, *sizes):
         ref = jax.lax.all_to_all(padded, AXIS, 0, 0, tiled=True)
@@ -686,11 +692,16 @@ def run_size(tokens, mesh, args, log, table, rows, sizes):
 
     for transport in args.transports:
         transport = set_transport(transport)
-        nx_variants = [v for v in ("nx_padded", "nx_padded_recv", "nx_packed") if v in wanted]
+        nx_variants = [v for v in ("nx_padded", "nx_padded_recv", "nx_packed", "nx_ragged") if v in wanted]
         verified = None
         for variant in nx_variants:
             try:
-                if verified is None:
+                if variant == "nx_ragged":
+                    mismatches = verify_ragged(mesh, arrays, routing, ours=True)
+                    if any(mismatches):
+                        raise VerificationError(f"jax_ncclx.ragged_all_to_all differs from lax.all_to_all in "
+                                                f"{mismatches} elements per rank")
+                elif verified is None:
                     verify_nx(mesh, arrays, routing)
                     verified = True
                 row = make_row(variant, transport, size, args, time_variant(variant, mesh, arrays, routing, args),
@@ -810,7 +821,10 @@ def notes(config: dict, sizes: list) -> str:
         "`lax.all_to_all` gets a [N·C, H] buffer padded before timing (it moves N·C rows, padding included). "
         "`lax.ragged_all_to_all` writes into a zeroed [N·C, H] buffer per op; *host sizes*: offsets and receive "
         "sizes come from the host, *+ count a2a*: the receive sizes come from a `lax.all_to_all` of the send "
-        "sizes in every op (what a layer that knows only its own counts must do).",
+        "sizes in every op (what a layer that knows only its own counts must do). *nx ragged_all_to_all*: "
+        "`jax_ncclx.ragged_all_to_all` on the very arguments of `lax.ragged_all_to_all (host sizes)`, with "
+        "`max_recv_per_peer=C` (all_to_allv_dynamic reading the slices in place, an all_to_all of the output "
+        "offsets, a gather into the zeroed buffer).",
         *([f"- **One process per GPU** ({config['processes']} processes through jax.distributed, every GPU "
            "visible to each): every measurement is exactly `iters` samples of `pipeline` calls in every process "
            "(no cut for slow variants); the medians are process 0's, the JSON's `median_us_by_process` has every "
@@ -929,7 +943,7 @@ def main(argv=None):
         write(args, meta, config, rows, sizes, log)
     log(f"done in {meta['elapsed_s']} s")
     failed = [f"{r['variant']} [{r['transport']}] T={r['tokens']}" for r in rows
-              if r["status"] == "error" and r["variant"] in ("nx_padded", "nx_packed")]
+              if r["status"] == "error" and r["variant"] in ("nx_padded", "nx_packed", "nx_ragged")]
     if failed:
         raise RunError(f"jax_ncclx raised errors in {len(failed)} measurement(s): {', '.join(failed)}")
 

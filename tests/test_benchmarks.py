@@ -38,12 +38,12 @@ def test_collectives_smoke(tmp_path):
 
 def test_all_to_allv_smoke(tmp_path):
     document = run_smoke("all_to_allv.py", tmp_path, "--tokens", "8", "--capacity-factor", "3",
-                         "--variants", "nx_padded,nx_packed,xla_all_to_all")
+                         "--variants", "nx_padded,nx_packed,nx_ragged,xla_all_to_all")
     assert document["sizes"][0]["capacity"] >= 3 * 8 * 4 // 8  # F times T * k / N (smoke: top-4, 8 devices)
     rows = {r["variant"]: r for r in document["rows"]}
-    assert set(rows) == {"nx_padded", "nx_packed", "xla_all_to_all"}
+    assert set(rows) == {"nx_padded", "nx_packed", "nx_ragged", "xla_all_to_all"}
     assert all(r["status"] == "ok" and r["median_us"] > 0 for r in rows.values())
-    assert rows["nx_padded"]["verified"] and rows["nx_packed"]["verified"]
+    assert rows["nx_padded"]["verified"] and rows["nx_packed"]["verified"] and rows["nx_ragged"]["verified"]
 
 
 def test_all_to_allv_moe_smoke(tmp_path):
