@@ -6,10 +6,11 @@ Each program is compiled once and runs several times with new inputs; every resu
 in XLA's own ops, and the handlers must have been recorded into a graph and replayed (fewer host launches than
 kernel executions). With ``--loops-in-graphs`` the flags capture while loops and conditionals too, so a loop
 whose body holds only command-buffer handlers (the MoE stack's) can run inside a graph, its body's kernels
-again and again without the host; only the recording is required there. ppermute's NCCL handler stays out of
-graphs here: recordable (JAX_NCCLX_NCCL_COMMAND_BUFFERS=1), the decode loop with it failed to instantiate its
-CUDA graph on 2xH200 (CUDA_ERROR_INVALID_VALUE, XLA 0.11.2) unless NCCL_GRAPH_MIXING_SUPPORT=0 (README's
-"Sharp bits"). Prints CAPTURE OK at the end.
+again and again without the host; only the recording is required there. With
+JAX_NCCLX_NCCL_COMMAND_BUFFERS=1 as well, the NCCL-path calls of the loop bodies (ppermute's) must stay out of
+the loop graphs, which the package decides when lowering them: recorded, the decode loop failed to instantiate
+its CUDA graph on 2xH200 (CUDA_ERROR_INVALID_VALUE, XLA 0.11.2; README's "Sharp bits"). Prints CAPTURE OK at
+the end.
 """
 
 import os

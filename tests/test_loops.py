@@ -6,8 +6,12 @@ calls captured into CUDA graphs, where one GPU is enough."""
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
+import jax_ncclx as nx
 import loop_models
+from jax_ncclx._src import compat
+from jax_ncclx._src import config
 from conftest import run_command_buffer_worker
 
 
@@ -39,14 +43,57 @@ def test_decode_under_fori_loop(backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("loops_in_graphs", [False, True], ids=["custom_calls", "loops_too"])
-def test_loops_in_command_buffers(loops_in_graphs):
+@pytest.mark.parametrize("loops_in_graphs,nccl_recorded", [(False, False), (True, False), (True, True)],
+                         ids=["custom_calls", "loops_too", "loops_too_nccl_recordable"])
+def test_loops_in_command_buffers(loops_in_graphs, nccl_recorded):
     """Both programs, compiled once and run with new inputs, with custom calls captured (and whole loops): they
     must match XLA's programs, and the handlers must have been recorded into a graph (and replayed, where only
-    custom calls are captured; see loop_worker.py)."""
+    custom calls are captured; see loop_worker.py). With the NCCL handlers recordable too, the NCCL-path calls
+    in the loop bodies must stay out of XLA's loop graphs (primitive._lower), or those fail to instantiate."""
+    env = {"JAX_NCCLX_NCCL_COMMAND_BUFFERS": "1"} if nccl_recorded else {}
     if loops_in_graphs:
         run_command_buffer_worker("loop_worker.py", "--loops-in-graphs", minimum=1,
                                   xla_flags="--xla_gpu_enable_command_buffer=+CUSTOM_CALL,+WHILE,+CONDITIONAL "
-                                            "--xla_gpu_graph_min_graph_size=1")
+                                            "--xla_gpu_graph_min_graph_size=1", **env)
     else:
-        run_command_buffer_worker("loop_worker.py", minimum=1)
+        run_command_buffer_worker("loop_worker.py", minimum=1, **env)
+
+
+@pytest.mark.parametrize("flags,records", [
+    ("", False),
+    ("--xla_gpu_enable_command_buffer=+CUSTOM_CALL --xla_gpu_graph_min_graph_size=1", False),
+    ("--xla_gpu_enable_command_buffer=+CUSTOM_CALL,+WHILE,+CONDITIONAL", True),
+    ("--xla_gpu_enable_command_buffer=FUSION,CONDITIONAL", True),
+    ("--xla_gpu_enable_command_buffer=+WHILE --xla_gpu_enable_command_buffer=-WHILE", False),
+    ("--xla_gpu_enable_command_buffer=+while --xla_gpu_enable_command_buffer=FUSION", False),
+    ("--xla_gpu_enable_command_buffer='+WHILE'", True),
+])
+def test_xla_flags_that_record_loops(flags, records):
+    assert config.xla_records_loops(flags) is records
+
+
+def test_control_flow_is_seen_from_lowering_rules(monkeypatch):
+    """compat.lowering_inside_control_flow, asked from the collectives' lowering: true in fori_loop, scan, cond
+    and a jitted function first met inside a loop; false elsewhere."""
+    seen = []
+    lower = jax.ffi.ffi_lowering
+
+    def spy(target):
+        seen.append(compat.lowering_inside_control_flow())
+        return lower(target)
+
+    monkeypatch.setattr(jax.ffi, "ffi_lowering", spy)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:2]), ("x",))
+    swap = [(0, 1), (1, 0)]
+    step = jax.jit(lambda v: nx.ppermute(v, "x", swap))
+    programs = {
+        "plain": (lambda v: nx.ppermute(v, "x", swap), False),
+        "fori_loop": (lambda v: jax.lax.fori_loop(0, 2, lambda i, u: nx.ppermute(u, "x", swap), v), True),
+        "scan": (lambda v: jax.lax.scan(lambda u, _: (nx.ppermute(u, "x", swap), None), v, length=2)[0], True),
+        "cond": (lambda v: jax.lax.cond(v[0] > 0, lambda u: nx.ppermute(u, "x", swap), lambda u: u, v), True),
+        "jitted step in a loop": (lambda v: jax.lax.fori_loop(0, 2, lambda i, u: step(u), v), True),
+    }
+    for name, (body, inside) in programs.items():
+        seen.clear()
+        jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"))).lower(np.ones(4, np.float32))
+        assert seen == [inside], (name, seen)

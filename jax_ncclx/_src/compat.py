@@ -3,12 +3,16 @@
 Tested with jax/jaxlib 0.11.2 (the version pinned in pyproject.toml and installed on the GPU machines).
 """
 
+import sys
+
 from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
 from jax._src import distributed as _distributed
 from jax._src import mesh as _mesh
 from jax._src.interpreters import pxla as _pxla
+from jax._src.lax.control_flow import conditionals as _conditionals
+from jax._src.lax.control_flow import loops as _loops
 from jax._src.lib.mlir.dialects import hlo as _hlo
 from jax._src.sharding_impls import SPMDAxisContext
 
@@ -64,3 +68,19 @@ def distributed_client():
 def concrete_context_mesh():
     """The concrete mesh set by ``jax.set_mesh`` (empty when none is)."""
     return _mesh.get_concrete_mesh()
+
+
+# The lowering rules of lax.while_loop (fori_loop and scan lower through it) and lax.cond / lax.switch.
+_CONTROL_FLOW_LOWERINGS = frozenset({_loops._while_lowering.__code__, _conditionals._cond_lowering.__code__})
+
+
+def lowering_inside_control_flow() -> bool:
+    """Whether the lowering rule calling this runs inside the body of a loop or a branch of a conditional: one
+    of JAX's control-flow lowering rules is on the Python stack (their bodies lower inline, and a jitted
+    function called there is lowered from there when first met)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _CONTROL_FLOW_LOWERINGS:
+            return True
+        frame = frame.f_back
+    return False

@@ -6,6 +6,7 @@ compilations; a bad value raises at once with the variable's name and what it ac
 
 import dataclasses
 import os
+import re
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,9 @@ class Config:
         2xH200 with one process, 1.05-2.7x with one per GPU (README, "Small-message collectives"). The cost:
         a replayed graph does not come back to the host, so the watchdog times those calls only with
         ``watch_replays``; without it a peer that never arrives hangs them instead of failing with its name.
-        The NVLink kernels bound their own waits and are recorded either way.
+        The NVLink kernels bound their own waits and are recorded either way. Where ``XLA_FLAGS`` record loops
+        or conditionals (:func:`xla_records_loops`), a call lowered inside a loop body or a branch keeps the
+        un-recorded handler: NCCL's graph-mixing nodes make those graphs fail to instantiate.
       watch_replays: calls that XLA replays from CUDA graphs are watched (``JAX_NCCLX_WATCH_REPLAYS=1``;
         default 0). The NCCL ones are timed like the others (read when XLA captures a call): a call whose peers
         do not arrive within its timeout fails, naming the call and the local ranks that never reached it, and
@@ -291,6 +294,25 @@ def ll128_min_bytes(size: int, op: str, settings: "Config | None" = None) -> int
     if settings.nvlink_ll128_min_bytes is not None:
         return settings.nvlink_ll128_min_bytes
     return _for_gpu_count(NVLINK_LL128_MIN_BYTES, size)[op]
+
+
+_LOOP_COMMANDS = {"WHILE", "CONDITIONAL"}
+
+
+def xla_records_loops(xla_flags: str | None = None) -> bool:
+    """Whether ``XLA_FLAGS`` (default: the environment's) make XLA record loops or conditionals into command
+    buffers (``--xla_gpu_enable_command_buffer`` with WHILE or CONDITIONAL). XLA 0.11.2's default records
+    neither. Each occurrence of the flag either edits the set (every entry +X / -X) or replaces it."""
+    enabled: set[str] = set()
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    for value in re.findall(r"--xla_gpu_enable_command_buffer=(\S*)", flags):
+        entries = [e.strip().upper() for e in value.strip("'\"").split(",") if e.strip()]
+        if entries and all(e[0] in "+-" for e in entries):
+            for e in entries:
+                (enabled.add if e[0] == "+" else enabled.discard)(e[1:])
+        else:
+            enabled = set(entries)
+    return bool(enabled & _LOOP_COMMANDS)
 
 
 _TIMEOUT_PREFIX = "JAX_NCCLX_TIMEOUT_S_"

@@ -20,6 +20,7 @@ Local ops (no communication, e.g. moe's routing) are made by :func:`make_local` 
 import dataclasses
 import functools
 import itertools
+import logging
 from collections.abc import Callable, Hashable
 
 import jax
@@ -38,6 +39,8 @@ from jax_ncclx._src import lib
 from jax_ncclx._src import trace
 
 REDUCE_OPS = {"sum": 0, "max": 1, "min": 2}
+
+logger = logging.getLogger("jax_ncclx")
 
 _call_site_ids = itertools.count(1)
 
@@ -203,10 +206,12 @@ def register_lowerings(prim: Primitive, target: str, attrs: Callable[..., dict] 
         ``size`` is the communicator's; by default every call site lowers to ``target`` without workspace.
     """
     for platform in ("cpu", "cuda"):
+        # Not cached: JAX would reuse one lowering for equal calls, but each call site gets its own id, and
+        # whether a call sits in a loop body changes its target (_lower).
         mlir.register_lowering(
             prim,
             functools.partial(_lower, target=target, attrs=attrs, platform=platform, cuda_route=cuda_route),
-            platform=platform,
+            platform=platform, cacheable=False,
         )
 
 
@@ -248,8 +253,14 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **par
             # The NCCL handlers registered twice, the second "<target>_cmdbuf" marked command-buffer compatible
             # (xla_ffi/ops/collectives_cuda.cc; all_to_allv_dynamic's is not among them).
             if settings.nccl_command_buffers and f"{target}_cmdbuf" in lib.cuda_target_names():
-                target += "_cmdbuf"
-                module.set_watch_replays(settings.watch_replays)  # read when XLA captures the call
+                if config.xla_records_loops() and compat.lowering_inside_control_flow():
+                    # NCCL's graph-mixing nodes make XLA's loop and conditional graphs fail to instantiate
+                    # (README, "Sharp bits"): this call stays out of graphs, the rest of the body stays in.
+                    logger.info("jax_ncclx: %s call site %d sits in a loop or conditional that XLA records into "
+                                "a command buffer: it runs from the host, not from the graph", op, site)
+                else:
+                    target += "_cmdbuf"
+                    module.set_watch_replays(settings.watch_replays)  # read when XLA captures the call
         # Targets XLA may record into CUDA graphs also come "_watched": with a prepare stage that refuses an
         # execution on a failed communicator (xla_ffi/ops/cuda_collective.h), at a host cost in every execution.
         if settings.watch_replays and f"{target}_watched" in lib.cuda_target_names():
