@@ -23,4 +23,5 @@ from jax_ncclx._src.ragged_all_to_all import ragged_all_to_all as ragged_all_to_
 __version__ = "0.1.0"
 
 __all__ = ["CollectiveError", "all_gather", "all_reduce", "all_to_all", "all_to_allv_dynamic", "build_info",
-           "check_errors", "init", "memory_stats", "moe", "ppermute", "ragged_all_to_all", "reduce_scatter", "shutdown", "trace"]
+           "check_errors", "init", "memory_stats", "moe", "ppermute", "ragged_all_to_all", "reduce_scatter",
+           "shutdown", "trace"]
