@@ -1,10 +1,10 @@
 """all_to_allv_dynamic's plan in jnp: which send rows reach which peer, as the kernels clamp them.
 
 One copy of ``xla_ffi/common/all_to_allv_plan.h`` for the code that must know the plan without running the
-collective: the exchange over a vmapped axis, the transpose, and checksum mode. Counts are walked peer by peer,
-chunk by chunk; a negative count sends nothing; counts that run past the send rows are cut at the end; each
-peer takes at most ``capacity`` rows, chunk after chunk. It imports nothing of the package, so the ops and
-checksum can both use it.
+collective: the exchange over a vmapped axis, the transpose, and checksum mode; and :func:`locate`, which
+finds the segment that holds a row. Counts are walked peer by peer, chunk by chunk; a negative count sends
+nothing; counts that run past the send rows are cut at the end; each peer takes at most ``capacity`` rows,
+chunk after chunk. It imports nothing of the package, so the ops and checksum can both use it.
 """
 
 import jax
@@ -37,3 +37,15 @@ def peer_spans(counts, num_rows: int, capacity: int):
     if not counts.shape[-1]:  # no chunks: nothing sent, every span empty
         return jnp.zeros(counts.shape[:-1], jnp.int32), jnp.zeros(counts.shape[:-1], jnp.int32)
     return first[..., 0], delivered.sum(axis=-1)
+
+
+def locate(sizes, positions):
+    """Positions in segments of ``sizes`` (non-negative ``[M]``, M >= 1) laid end to end: each position's
+    segment (clamped to M - 1), its offset in that segment, and whether it lies inside them at all. Compares
+    every position with every segment end: ``jnp.searchsorted``'s default lowers to a while loop, which on GPU
+    waits for the host at each step."""
+    ends = jnp.cumsum(sizes)
+    segment = jnp.sum(ends[None, :] <= positions[:, None], axis=1, dtype=jnp.int32)
+    inside = segment < sizes.shape[0]
+    segment = jnp.minimum(segment, sizes.shape[0] - 1)
+    return segment, positions - (jnp.take(ends, segment) - jnp.take(sizes, segment)), inside

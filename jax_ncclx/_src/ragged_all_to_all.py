@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jax_ncclx._src import all_to_allv_plan
 from jax_ncclx._src import primitive
 from jax_ncclx._src.ops.all_to_all import all_to_all
 from jax_ncclx._src.ops.all_to_allv_dynamic import all_to_allv_dynamic
@@ -94,27 +95,19 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
 def _send_rows(input_offsets, sizes, num_rows: int):
     """int32 ``[X]``: the operand row of each send row, the slices laid end to end in order (``X``, outside
     the operand, past their end)."""
-    ends = jnp.cumsum(sizes)
-    row = jnp.arange(num_rows, dtype=jnp.int32)
-    slice_of = jnp.searchsorted(ends, row, side="right").astype(jnp.int32)  # the slice holding send row `row`
-    inside = slice_of < sizes.shape[0]
-    slice_of = jnp.minimum(slice_of, sizes.shape[0] - 1)
-    start = jnp.take(ends - sizes, slice_of)
-    return jnp.where(inside, jnp.take(input_offsets, slice_of) + row - start, num_rows)
+    slice_of, within, inside = all_to_allv_plan.locate(sizes, jnp.arange(num_rows, dtype=jnp.int32))
+    return jnp.where(inside, jnp.take(input_offsets, slice_of) + within, num_rows)
 
 
 def _source_rows(recv_counts, taken, landing, capacity: int, out_rows: int):
     """int32 ``[O]``: for each result row, the row of the flattened ``[N * C, ...]`` receive buffer that lands
     there, or -1 for none. recv_counts, taken (the rows written) and landing (their first result row) are
     ``[N, K]``, per source and slice."""
-    size, slices = recv_counts.shape
-    ends = jnp.cumsum(recv_counts, axis=1)  # each slice's rows end here in its source's C slots
+    size = recv_counts.shape[0]
+    # each of a source's C slots: the slice it holds and its row in that slice   [N, C]
     slot = jnp.arange(capacity, dtype=jnp.int32)
-    slice_of = jax.vmap(partial(jnp.searchsorted, side="right"), (0, None))(ends, slot).astype(jnp.int32)
-    inside = slice_of < slices
-    slice_of = jnp.minimum(slice_of, slices - 1)
+    slice_of, within, inside = jax.vmap(all_to_allv_plan.locate, (0, None))(recv_counts, slot)
     pick = lambda table: jnp.take_along_axis(table, slice_of, axis=1)  # noqa: E731 - [N, K] -> [N, C]
-    within = slot[None, :] - (pick(ends) - pick(recv_counts))
     destination = pick(landing) + within
     written = inside & (within < pick(taken)) & (destination >= 0) & (destination < out_rows)
     destination = jnp.where(written, destination, out_rows)  # out of range: dropped by the scatter

@@ -221,21 +221,16 @@ def _piece(sent, first, delivered, *, capacity):
     """``[C, ...]``: what one source sends one peer, from its send rows and its plan for that peer (``[K]``)."""
     if not delivered.shape[0]:  # no chunks, nothing sent
         return jnp.zeros((capacity, *sent.shape[1:]), sent.dtype)
-    slot = jnp.arange(capacity)
-    ends = jnp.cumsum(delivered)
-    chunk = jnp.minimum(jnp.sum(ends[None, :] <= slot[:, None], axis=1), delivered.shape[0] - 1)
-    row = jnp.take(first, chunk) + slot - (jnp.take(ends, chunk) - jnp.take(delivered, chunk))
-    row = jnp.where(slot < ends[-1], row, sent.shape[0])
+    chunk, within, inside = all_to_allv_plan.locate(delivered, jnp.arange(capacity))
+    row = jnp.where(inside, jnp.take(first, chunk) + within, sent.shape[0])
     return jnp.take(sent, row, axis=0, mode="fill", fill_value=0)
 
 
 def _pack(padded, totals, *, capacity):
     """``[N, C, ...]`` padded rows and the rows from each source ``[N]`` -> ``[N * C, ...]`` packed from row 0."""
-    position = jnp.arange(padded.shape[0] * capacity)
-    ends = jnp.cumsum(totals)
-    source = jnp.minimum(jnp.sum(ends[None, :] <= position[:, None], axis=1), padded.shape[0] - 1)
-    slot = position - (jnp.take(ends, source) - jnp.take(totals, source))
-    flat = jnp.where(position < ends[-1], source * capacity + slot, position.shape[0])
+    rows = padded.shape[0] * capacity
+    source, slot, inside = all_to_allv_plan.locate(totals, jnp.arange(rows))
+    flat = jnp.where(inside, source * capacity + slot, rows)
     return jnp.take(padded.reshape(-1, *padded.shape[2:]), flat, axis=0, mode="fill", fill_value=0)
 
 
