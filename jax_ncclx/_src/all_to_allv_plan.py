@@ -41,11 +41,9 @@ def peer_spans(counts, num_rows: int, capacity: int):
 
 def locate(sizes, positions):
     """Positions in segments of ``sizes`` (non-negative ``[M]``, M >= 1) laid end to end: each position's
-    segment (clamped to M - 1), its offset in that segment, and whether it lies inside them at all. Compares
-    every position with every segment end: ``jnp.searchsorted``'s default lowers to a while loop, which on GPU
-    waits for the host at each step."""
+    segment (clamped to M - 1), its offset in that segment, and whether it lies inside them at all."""
     ends = jnp.cumsum(sizes)
-    segment = jnp.sum(ends[None, :] <= positions[:, None], axis=1, dtype=jnp.int32)
+    segment = jnp.searchsorted(ends, positions, side="right").astype(jnp.int32)
     inside = segment < sizes.shape[0]
     segment = jnp.minimum(segment, sizes.shape[0] - 1)
     return segment, positions - (jnp.take(ends, segment) - jnp.take(sizes, segment)), inside
