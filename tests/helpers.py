@@ -10,6 +10,8 @@ from jax.sharding import PartitionSpec as P
 FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 INT_DTYPES = [jnp.int32, jnp.int8]
 MOVE_ONLY_DTYPES = [jnp.float8_e4m3fn]
+# Carried by the real kernels as uint8 / int32 and as pairs of floats (primitive.as_real).
+BOOL_AND_COMPLEX_DTYPES = [jnp.bool_, jnp.complex64]
 
 
 def spec(mesh):
@@ -26,9 +28,13 @@ def smap(fn, mesh, *, n_in=1, jit=True, check_vma=True, out_specs=None):
 
 def random_array(shape, dtype, seed=0):
     rng = np.random.default_rng(seed)
-    if jnp.issubdtype(dtype, jnp.integer):
+    if dtype == jnp.bool_:
+        values = rng.normal(size=shape) > 0
+    elif jnp.issubdtype(dtype, jnp.integer):
         info = jnp.iinfo(dtype)
         values = rng.integers(max(info.min, -8), min(info.max, 8), size=shape)  # sums stay in range
+    elif jnp.issubdtype(dtype, jnp.complexfloating):
+        values = rng.normal(size=shape) + 1j * rng.normal(size=shape)
     else:
         values = rng.normal(size=shape)
     return np.asarray(values).astype(dtype)
@@ -53,7 +59,7 @@ def assert_bits_equal(actual, expected):
     actual, expected = np.asarray(actual), np.asarray(expected)
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     wide = actual.dtype.itemsize
-    as_int = {1: np.uint8, 2: np.uint16, 4: np.uint32}[wide]
+    as_int = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[wide]
     mismatch = np.flatnonzero(actual.view(as_int) != expected.view(as_int))
     assert mismatch.size == 0, (f"{mismatch.size} of {actual.size} elements differ, first at flat index "
                                 f"{mismatch[0]}: got {actual.flat[mismatch[0]]}, expected {expected.flat[mismatch[0]]}")

@@ -122,8 +122,9 @@ def test_send_rows_gather_on_the_way(backend, pattern, layout):
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("indexed", [False, True], ids=["x", "send_rows"])
-@pytest.mark.parametrize("features, columns, dtype", [(5, 3, jnp.float32), (64, 8, jnp.bfloat16), (5, 3, jnp.int8)],
-                         ids=["4-byte", "16-byte", "1-byte"])  # the widest copy unit the row and suffix allow
+@pytest.mark.parametrize("features, columns, dtype", [(5, 3, jnp.float32), (64, 8, jnp.bfloat16), (5, 3, jnp.int8),
+                                                      (5, 3, jnp.complex64)],
+                         ids=["4-byte", "16-byte", "1-byte", "complex"])  # the widest copy unit the rows allow
 def test_suffix_travels_with_rows(backend, layout, indexed, features, columns, dtype):
     """A suffix gives the result of sending concat(x[send_rows], suffix): the suffix follows its send row
     even where the index falls outside x (a zero row with its suffix)."""
@@ -140,8 +141,8 @@ def test_suffix_travels_with_rows(backend, layout, indexed, features, columns, d
     check(run(mesh, "x", xs, counts, layout, send_rows=send_rows, suffix=suffix), expected, dtype)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8, jnp.float8_e4m3fn],
-                         ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8, jnp.float8_e4m3fn, jnp.bool_,
+                                   jnp.complex64], ids=lambda d: jnp.dtype(d).name)
 def test_dtypes(backend, dtype):
     n = len(backend)
     xs = random_array((n, ROWS, 3), dtype)
@@ -310,6 +311,24 @@ def test_grad_sends_cotangents_back(backend, layout):
             landed = reference.all_to_allv(list(unit), list(counts), CAPACITY, layout)
             expected[src, row] = sum((y * w).reshape(-1, 3).sum(0) for y, _, _ in landed)
     np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_of_complex_rows(backend):
+    """Complex rows differentiate as their real and imaginary parts sent apart."""
+    n = len(backend)
+    mesh = line_mesh(backend)
+    xs = jnp.asarray(random_array((n, ROWS, 3), jnp.complex64))
+    counts = jnp.asarray(counts_for("overflow", n, 2, seed=9))
+
+    def loss(x, apart):
+        def body(v, c):
+            send = lambda u: nx.all_to_allv_dynamic(u, c[0], "x", max_recv_per_peer=CAPACITY)[0]  # noqa: E731
+            y = send(v[0].real) + 1j * send(v[0].imag) if apart else send(v[0])
+            return (jnp.abs(jnp.sin(y)) ** 2).sum()[None]
+        return jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 2, out_specs=P("x"))(x, counts).sum()
+
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    np.testing.assert_allclose(np.asarray(grad(xs, False)), np.asarray(grad(xs, True)), rtol=1e-5, atol=1e-6)
 
 
 def test_grad_through_send_rows(backend):

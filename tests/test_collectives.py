@@ -11,7 +11,8 @@ import pytest
 
 import jax_ncclx as nx
 from conftest import gpu_devices, gpu_skip_reason, run_command_buffer_worker
-from helpers import FLOAT_DTYPES, INT_DTYPES, MOVE_ONLY_DTYPES, assert_same, put, random_array, smap
+from helpers import BOOL_AND_COMPLEX_DTYPES, FLOAT_DTYPES, INT_DTYPES, MOVE_ONLY_DTYPES
+from helpers import assert_same, put, random_array, smap
 
 
 def ring(axis):
@@ -74,20 +75,50 @@ def test_matches_lax(mesh, name, axis, dtype):
     assert_same(actual, expected, dtype)
 
 
+def lax_reference(name, dtype):
+    """OPS[name]'s jax.lax reference for ``dtype``. jax.lax.psum_scatter refuses booleans, which ours counts in
+    int32 as jax.lax.psum does."""
+    ref = OPS[name][1]
+    if name == "reduce_scatter" and dtype == jnp.bool_:
+        return lambda v, a: ref(v.astype(jnp.int32), a)
+    return ref
+
+
+def check_bool_or_complex(mesh, name, axis, dtype):
+    """OPS[name] on ``dtype`` (BOOL_AND_COMPLEX_DTYPES) matches jax.lax, dtype included; the max / min of
+    complex numbers fail clearly, as in jax.lax."""
+    ours = OPS[name][0]
+    x = put(random_array(global_shape(mesh), dtype), mesh)
+    if dtype == jnp.complex64 and name in ("all_reduce_max", "all_reduce_min"):
+        with pytest.raises(TypeError, match="complex numbers have no order"):
+            smap(lambda v: ours(v, axis), mesh)(x)
+        return
+    actual = smap(lambda v: ours(v, axis), mesh)(x)
+    expected = smap(lambda v: lax_reference(name, dtype)(v, axis), mesh)(x)
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert_same(actual, expected, dtype)
+
+
+@pytest.mark.parametrize("axis", ["b", ("a", "b")], ids=AXIS_IDS)
+@pytest.mark.parametrize("dtype", BOOL_AND_COMPLEX_DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("name", OPS)
+def test_booleans_and_complex_numbers_match_lax(mesh, name, axis, dtype):
+    check_bool_or_complex(mesh, name, axis, dtype)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, *BOOL_AND_COMPLEX_DTYPES], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("axis", [("a", "b"), ("b", "a")], ids=AXIS_IDS)
 @pytest.mark.parametrize("name", OPS)
-def test_tuple_of_axes_on_every_gpu(name, axis):
+def test_tuple_of_axes_on_every_gpu(name, axis, dtype):
     """The CUDA lowering over two axes taken as one (one communicator for the merged group), on a 1 x n mesh
     of every local GPU, so that a machine with one GPU runs it too: each op matches jax.lax."""
     reason = gpu_skip_reason(minimum=1)
     if reason:
         pytest.skip(reason)
     devices = gpu_devices()
-    mesh = jax.sharding.Mesh(np.asarray(devices).reshape(1, len(devices)), ("a", "b"))
-    ours, ref, _ = OPS[name]
-    x = put(random_array(global_shape(mesh), jnp.float32), mesh)
-    assert_same(smap(lambda v: ours(v, axis), mesh)(x), smap(lambda v: ref(v, axis), mesh)(x), jnp.float32)
+    check_bool_or_complex(jax.sharding.Mesh(np.asarray(devices).reshape(1, len(devices)), ("a", "b")), name, axis,
+                          dtype)
 
 
 @pytest.mark.parametrize("name", ["all_reduce_sum", "all_gather", "all_to_all", "ppermute"])
@@ -150,6 +181,19 @@ def test_vmap_over_its_own_axis(name, dtype, in_axis):
                                                 axis_name="i"))
     assert_same_up_to_order(call(ours, in_axis)(x), call(ref, 0)(full), dtype, reduces)
     assert "ncclx_" not in str(jax.make_jaxpr(call(ours, in_axis))(x))
+
+
+@pytest.mark.parametrize("name", LINEAR)
+def test_grad_of_complex_numbers(mesh, name):
+    """Complex inputs differentiate as in jax.lax (a real loss of the op's complex result)."""
+    ours, ref, _ = OPS[name]
+    x = put(random_array(global_shape(mesh), jnp.complex64), mesh)
+
+    def grad(op):
+        body = smap(lambda v: jnp.sin(op(v * (1 + 2j), "b")), mesh)
+        return jax.jit(jax.grad(lambda v: (jnp.abs(body(v)) ** 2).sum()))(x)
+
+    np.testing.assert_allclose(grad(ours), grad(ref), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", LINEAR)

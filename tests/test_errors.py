@@ -37,7 +37,9 @@ def test_eager_primitive_outside_mapped_context():
     (lambda v: nx.all_reduce(v, ()), ValueError, "at least one mesh axis"),
     (lambda v: nx.all_gather(v, ("x", "nowhere")), NameError, r"unbound axis name \('x', 'nowhere'\)"),
     (lambda v: nx.all_reduce(v.astype(jnp.float8_e4m3fn), "x"), TypeError, "cannot reduce 8-bit float"),
-    (lambda v: nx.all_gather(v > 0, "x"), TypeError, "unsupported dtype bool"),
+    (lambda v: nx.all_gather(jax.random.key(0), "x"), TypeError, r"unsupported dtype key<fry>; use a number or "
+                                                                  "boolean dtype"),
+    (lambda v: nx.all_reduce(v.astype(jnp.complex64), "x", "max"), TypeError, "complex numbers have no order"),
     (lambda v: nx.all_gather(v, "x", axis=5), ValueError, "out of range"),
     (lambda v: nx.reduce_scatter(v, "x", scatter_dimension=1), ValueError, "must be the axis size 4"),
     (lambda v: nx.reduce_scatter(v[:, :3], "x", scatter_dimension=1, tiled=True), ValueError, "multiple of"),

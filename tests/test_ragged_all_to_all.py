@@ -89,7 +89,7 @@ def check(mesh, operands, outputs, sizes_and_offsets, capacity=None):
 
 @pytest.mark.parametrize("slices", [1, 3])
 @pytest.mark.parametrize("dtype,row_shape", [(jnp.float32, (5,)), (jnp.bfloat16, (2, 3)), (jnp.int8, (7,)),
-                                             (jnp.float32, ())])
+                                             (jnp.float32, ()), (jnp.complex64, (3,)), (jnp.bool_, (4,))])
 def test_valid_calls_match_the_reference(backend, slices, dtype, row_shape):
     mesh, n = line(backend), len(backend)
     for seed in range(3):

@@ -71,14 +71,39 @@ def axes_of(axis_name) -> tuple:
     return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
-def check_dtype(x, op: str, *, reduction: bool):
-    """Rejects dtypes the op cannot handle: booleans and complex numbers everywhere, 8-bit floats in
-    reductions (they are moved, not reduced)."""
+def check_dtype(x, op: str, *, reduce_op: str | None = None):
+    """Rejects dtypes the op cannot take: anything that is not a number or a boolean (e.g. PRNG key arrays),
+    complex numbers in ``max`` / ``min`` (they have no order), 8-bit floats in reductions (they are moved,
+    not reduced). ``reduce_op``: the reduction, or None for ops that only move data."""
     dtype = jax.typeof(x).dtype
-    if dtype == jnp.bool_ or not jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.complexfloating):
-        raise TypeError(f"jax_ncclx.{op}: unsupported dtype {dtype}; use a real float or integer dtype")
-    if reduction and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
+    if dtype != jnp.bool_ and not jnp.issubdtype(dtype, jnp.number):
+        raise TypeError(f"jax_ncclx.{op}: unsupported dtype {dtype}; use a number or boolean dtype")
+    if reduce_op in ("max", "min") and jnp.issubdtype(dtype, jnp.complexfloating):
+        raise TypeError(f"jax_ncclx.{op}: cannot take the {reduce_op} of complex dtype {dtype}: complex numbers "
+                        "have no order (jax.lax.pmax / pmin refuse them too)")
+    if reduce_op is not None and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
         raise TypeError(f"jax_ncclx.{op}: cannot reduce 8-bit float dtype {dtype}; upcast first")
+
+
+def as_real(x, op: str, *, reduce_op: str | None = None):
+    """``(view, restore)``: ``x`` as the real array that the kernels move or reduce, and the function that turns
+    the op's result on ``view`` back into ``x``'s dtype. The kernels handle real numbers only:
+
+    * booleans move, and take max / min (any / all), as uint8; their sum counts them in int32, the dtype
+      ``jax.lax.psum`` gives it (``restore`` then keeps int32);
+    * complex numbers move and sum as pairs ``[..., 2]`` (real, imaginary) of their real dtype, which costs one
+      copy of ``x`` on each side of the op (XLA fuses each into one pass).
+
+    Other dtypes pass unchanged. Raises the TypeError of :func:`check_dtype` for what the op cannot take."""
+    check_dtype(x, op, reduce_op=reduce_op)
+    dtype = jax.typeof(x).dtype
+    if dtype == jnp.bool_:
+        if reduce_op == "sum":
+            return x.astype(jnp.int32), lambda y: y
+        return x.astype(jnp.uint8), lambda y: y.astype(jnp.bool_)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1), lambda y: jax.lax.complex(y[..., 0], y[..., 1])
+    return x, lambda y: y
 
 
 def accumulation_dtype(dtype):

@@ -39,7 +39,7 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     every row no slice writes keeps ``output``'s value. All sizes and offsets stay on the device.
 
     Args:
-      operand: ``[X, ...]`` the rows to send; any fixed-width dtype.
+      operand: ``[X, ...]`` the rows to send; any dtype (complex numbers move as pairs of their real dtype).
       output: ``[O, ...]`` with operand's trailing shape and dtype: the result where nothing lands.
       input_offsets, send_sizes, output_offsets, recv_sizes: integer ``[N * K]``, N the size of
         ``axis_name``: K slices per peer, peer-major. ``recv_sizes[i]`` is the rows this member takes from
@@ -118,7 +118,7 @@ def _source_rows(recv_counts, taken, landing, capacity: int, out_rows: int):
 
 def _check(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, size, max_recv_per_peer):
     """Validates the arguments; returns (K slices per peer, capacity C)."""
-    primitive.check_dtype(operand, _OP, reduction=False)
+    primitive.check_dtype(operand, _OP)
     operand_shape, output_shape = jnp.shape(operand), jnp.shape(output)
     if len(operand_shape) < 1 or operand_shape[1:] != output_shape[1:] or \
             jax.typeof(operand).dtype != jax.typeof(output).dtype:

@@ -25,16 +25,18 @@ def all_reduce(x, axis_name, op: str = "sum"):
     """Reduces ``x`` elementwise over the members of the mesh axis ``axis_name``.
 
     Args:
-      x: array (or pytree of arrays) of any shape; float32/float64/bfloat16/float16 or 8–64-bit integers.
+      x: array (or pytree of arrays) of any shape; float32/float64/bfloat16/float16, 8–64-bit integers,
+        booleans (``max`` / ``min`` are any / all; ``sum`` counts them in int32, as ``jax.lax.psum``) or
+        complex numbers (``sum`` only; summed as pairs of their real dtype, at one more copy on each side).
       axis_name: the mesh axis to reduce over, or a tuple of axes taken as one (static). On a multi-axis mesh
         the reduction runs within each group along that axis (those axes).
       op: ``"sum"``, ``"max"`` or ``"min"`` (static).
 
     Returns:
-      An array of ``x``'s shape and dtype, the same bits on every member of the group. ``sum`` of 16-bit
-      floats accumulates in float32 and rounds once on the CPU backend and in the GPU NVLink kernels (inputs
-      up to ``JAX_NCCLX_NVLINK_MAX_BYTES``, see README); larger inputs go through NCCL, which accumulates
-      in the input dtype.
+      An array of ``x``'s shape and dtype (int32 for a sum of booleans), the same bits on every member of the
+      group. ``sum`` of 16-bit floats accumulates in float32 and rounds once on the CPU backend and in the GPU
+      NVLink kernels (inputs up to ``JAX_NCCLX_NVLINK_MAX_BYTES``, see README); larger inputs go through NCCL,
+      which accumulates in the input dtype.
 
     Differentiable (``sum`` is linear; ``max``/``min`` pass the tangent of the members that hold the extreme,
     averaged over ties) and vmap-able, over non-mesh axes (one collective) or over the op's own axis (local
@@ -48,11 +50,11 @@ def all_reduce(x, axis_name, op: str = "sum"):
                                      "all_reduce", P(axis_name), P(axis_name))
 
     def one(leaf):
-        primitive.check_dtype(leaf, "all_reduce", reduction=True)
-        y = all_reduce_p.bind(primitive.ensure_varying(leaf, axis_name), axis_name=axis_name, op=op)
+        view, restore = primitive.as_real(leaf, "all_reduce", reduce_op=op)
+        y = all_reduce_p.bind(primitive.ensure_varying(view, axis_name), axis_name=axis_name, op=op)
         if config.current().checksum:
             checksum.verify_all_reduce(axis_name, y)
-        return y
+        return restore(y)
 
     return jax.tree.map(one, x)
 

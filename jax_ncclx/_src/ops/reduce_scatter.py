@@ -22,18 +22,20 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
     """Sums ``x`` over the members of ``axis_name`` and scatters the sum along ``scatter_dimension``.
 
     Args:
-      x: array (or pytree); float32/float64/bfloat16/float16 or integers. Untiled, ``x.shape[
-        scatter_dimension]`` must equal the axis size N; tiled, it must be a multiple of N.
+      x: array (or pytree); float32/float64/bfloat16/float16, integers, booleans (counted in int32, as
+        ``jax.lax.psum`` counts them) or complex numbers (summed as pairs of their real dtype, at one more copy
+        on each side). Untiled, ``x.shape[scatter_dimension]`` must equal the axis size N; tiled, it must be a
+        multiple of N.
       axis_name: the mesh axis, or a tuple of axes taken as one (static; the first axis major, as
         ``jax.lax.axis_index`` of the tuple).
       scatter_dimension: the dimension split into N blocks (static).
       tiled: if False the scattered dimension is removed; if True it shrinks to ``shape // N`` (static).
 
     Returns:
-      Block ``axis_index`` of the sum, with ``x``'s dtype, summed in rank order. Sums of 16-bit floats
-      accumulate in float32 and round once on the CPU backend and in the GPU NVLink kernel (f32, bf16, f16
-      and int32 inputs up to ``JAX_NCCLX_NVLINK_MAX_BYTES``, see README); other inputs go through NCCL, which
-      accumulates in the input dtype.
+      Block ``axis_index`` of the sum, with ``x``'s dtype (int32 for booleans), summed in rank order. Sums of
+      16-bit floats accumulate in float32 and round once on the CPU backend and in the GPU NVLink kernel (f32,
+      bf16, f16 and int32 inputs up to ``JAX_NCCLX_NVLINK_MAX_BYTES``, see README); other inputs go through
+      NCCL, which accumulates in the input dtype.
 
     Differentiable (linear; the transpose is an all_gather) and vmap-able, over non-mesh axes (one
     collective) or over the op's own axis (local work, as in ``jax.lax``).
@@ -46,7 +48,6 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
     size = jax.lax.axis_size(axis_name)
 
     def one(leaf):
-        primitive.check_dtype(leaf, "reduce_scatter", reduction=True)
         ndim = jnp.ndim(leaf)
         if not -ndim <= scatter_dimension < ndim:
             raise ValueError(f"jax_ncclx.reduce_scatter: scatter_dimension {scatter_dimension} is out of "
@@ -57,8 +58,9 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
             need = f"a multiple of the axis size {size} (tiled)" if tiled else f"the axis size {size}"
             raise ValueError(f"jax_ncclx.reduce_scatter: dimension {dim} has size {extent}; it must be {need}")
         front = jnp.moveaxis(leaf, dim, 0)
-        blocks = front.reshape(size, extent // size, *front.shape[1:])
-        y = reduce_scatter_p.bind(primitive.ensure_varying(blocks, axis_name), axis_name=axis_name)
+        blocks, restore = primitive.as_real(front.reshape(size, extent // size, *front.shape[1:]), "reduce_scatter",
+                                            reduce_op="sum")
+        y = restore(reduce_scatter_p.bind(primitive.ensure_varying(blocks, axis_name), axis_name=axis_name))
         return jnp.moveaxis(y, 0, dim) if tiled else y.reshape(y.shape[1:])
 
     return jax.tree.map(one, x)
