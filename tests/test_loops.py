@@ -73,13 +73,14 @@ def test_xla_flags_that_record_loops(flags, records):
 
 
 def test_control_flow_is_seen_from_lowering_rules(monkeypatch):
-    """compat.lowering_inside_control_flow, asked from the collectives' lowering: true in fori_loop, scan, cond
-    and a jitted function first met inside a loop; false elsewhere."""
+    """compat.lowering_may_be_inside_control_flow, asked from the collectives' lowering: true in fori_loop,
+    scan, cond and a nested jitted function, wherever it is first met (JAX lowers its body once and calls it
+    from every place, a loop body included); false elsewhere."""
     seen = []
     lower = jax.ffi.ffi_lowering
 
     def spy(target):
-        seen.append(compat.lowering_inside_control_flow())
+        seen.append(compat.lowering_may_be_inside_control_flow())
         return lower(target)
 
     monkeypatch.setattr(jax.ffi, "ffi_lowering", spy)
@@ -92,6 +93,9 @@ def test_control_flow_is_seen_from_lowering_rules(monkeypatch):
         "scan": (lambda v: jax.lax.scan(lambda u, _: (nx.ppermute(u, "x", swap), None), v, length=2)[0], True),
         "cond": (lambda v: jax.lax.cond(v[0] > 0, lambda u: nx.ppermute(u, "x", swap), lambda u: u, v), True),
         "jitted step in a loop": (lambda v: jax.lax.fori_loop(0, 2, lambda i, u: step(u), v), True),
+        "jitted step, then the same in a loop": (lambda v: jax.lax.fori_loop(0, 2, lambda i, u: step(u), step(v)),
+                                                 True),
+        "checkpoint": (jax.checkpoint(lambda v: nx.ppermute(v, "x", swap)), False),
     }
     for name, (body, inside) in programs.items():
         seen.clear()

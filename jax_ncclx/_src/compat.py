@@ -10,6 +10,7 @@ from jax._src import core as _core
 from jax._src import dispatch as _dispatch
 from jax._src import distributed as _distributed
 from jax._src import mesh as _mesh
+from jax._src import pjit as _pjit
 from jax._src.interpreters import pxla as _pxla
 from jax._src.lax.control_flow import conditionals as _conditionals
 from jax._src.lax.control_flow import loops as _loops
@@ -70,17 +71,20 @@ def concrete_context_mesh():
     return _mesh.get_concrete_mesh()
 
 
-# The lowering rules of lax.while_loop (fori_loop and scan lower through it) and lax.cond / lax.switch.
+# The lowering rules of lax.while_loop (fori_loop and scan lower through it) and lax.cond / lax.switch, and the
+# lowering of a nested jitted function's body into a function of its own.
 _CONTROL_FLOW_LOWERINGS = frozenset({_loops._while_lowering.__code__, _conditionals._cond_lowering.__code__})
+_NESTED_JIT_LOWERING = _pjit._pjit_lower_jaxpr_to_fun.__code__
 
 
-def lowering_inside_control_flow() -> bool:
-    """Whether the lowering rule calling this runs inside the body of a loop or a branch of a conditional: one
-    of JAX's control-flow lowering rules is on the Python stack (their bodies lower inline, and a jitted
-    function called there is lowered from there when first met)."""
+def lowering_may_be_inside_control_flow() -> bool:
+    """Whether the call whose lowering rule calls this may run inside the body of a loop or a branch of a
+    conditional: one of JAX's control-flow lowering rules is on the Python stack (their bodies lower inline),
+    or the lowering of a nested jitted function's body, which JAX lowers once per module, where it first meets
+    the function, and then calls from every place that uses it, loop bodies included."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code in _CONTROL_FLOW_LOWERINGS:
+        if frame.f_code in _CONTROL_FLOW_LOWERINGS or frame.f_code is _NESTED_JIT_LOWERING:
             return True
         frame = frame.f_back
     return False

@@ -73,8 +73,9 @@ class Config:
         a replayed graph does not come back to the host, so the watchdog times those calls only with
         ``watch_replays``; without it a peer that never arrives hangs them instead of failing with its name.
         The NVLink kernels bound their own waits and are recorded either way. Where ``XLA_FLAGS`` record loops
-        or conditionals (:func:`xla_records_loops`), a call lowered inside a loop body or a branch keeps the
-        un-recorded handler: NCCL's graph-mixing nodes make those graphs fail to instantiate.
+        or conditionals (:func:`xla_records_loops`), a call lowered inside a loop body, a branch or a nested
+        jitted function (which a loop may call) keeps the un-recorded handler: NCCL's graph-mixing nodes make
+        those graphs fail to instantiate.
       watch_replays: calls that XLA replays from CUDA graphs are watched (``JAX_NCCLX_WATCH_REPLAYS=1``;
         default 0). The NCCL ones are timed like the others (read when XLA captures a call): a call whose peers
         do not arrive within its timeout fails, naming the call and the local ranks that never reached it, and

@@ -278,11 +278,12 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **par
             # The NCCL handlers registered twice, the second "<target>_cmdbuf" marked command-buffer compatible
             # (xla_ffi/ops/collectives_cuda.cc; all_to_allv_dynamic's is not among them).
             if settings.nccl_command_buffers and f"{target}_cmdbuf" in lib.cuda_target_names():
-                if config.xla_records_loops() and compat.lowering_inside_control_flow():
+                if config.xla_records_loops() and compat.lowering_may_be_inside_control_flow():
                     # NCCL's graph-mixing nodes make XLA's loop and conditional graphs fail to instantiate
                     # (README, "Sharp bits"): this call stays out of graphs, the rest of the body stays in.
                     logger.info("jax_ncclx: %s call site %d sits in a loop or conditional that XLA records into "
-                                "a command buffer: it runs from the host, not from the graph", op, site)
+                                "a command buffer, or in a jitted function that one may call: it runs from the "
+                                "host, not from the graph", op, site)
                 else:
                     target += "_cmdbuf"
                     module.set_watch_replays(settings.watch_replays)  # read when XLA captures the call
