@@ -119,10 +119,11 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
                 f"{suffix_dtype}{list(suffix_shape)}")
         if send_rows is None:  # the kernels take a suffix only after send_rows
             send_rows = jnp.arange(num_rows, dtype=jnp.int32)
+    complex_rows = jnp.iscomplexobj(x)
     x, restore = primitive.as_real(x, "all_to_allv_dynamic")
     if suffix is not None:
         suffix, _ = primitive.as_real(suffix, "all_to_allv_dynamic")
-        if x.ndim == 3:  # complex pairs [X, F, 2]: rows of 2F reals, as the kernels append a suffix to [X, F]
+        if complex_rows:  # pairs [X, F, 2] -> rows of 2F reals: the kernels append a suffix to [X, F]
             x, suffix = x.reshape(x.shape[0], -1), suffix.reshape(suffix.shape[0], -1)
             restore = _after_pairs_merged(restore)
     extra = () if send_rows is None else (jnp.asarray(send_rows, jnp.int32)[None],)
