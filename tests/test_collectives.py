@@ -38,6 +38,7 @@ OPS = {
     "all_reduce_sum": (lambda v, a: nx.all_reduce(v, a), lambda v, a: jax.lax.psum(v, a), True),
     "all_reduce_max": (lambda v, a: nx.all_reduce(v, a, "max"), lambda v, a: jax.lax.pmax(v, a), True),
     "all_reduce_min": (lambda v, a: nx.all_reduce(v, a, op="min"), lambda v, a: jax.lax.pmin(v, a), True),
+    "all_reduce_mean": (lambda v, a: nx.all_reduce(v, a, "mean"), lambda v, a: jax.lax.pmean(v, a), True),
     "all_gather": (lambda v, a: nx.all_gather(v, a, axis=1), lambda v, a: jax.lax.all_gather(v, a, axis=1), False),
     "all_gather_tiled": (lambda v, a: nx.all_gather(v, a, axis=-1, tiled=True),
                          lambda v, a: jax.lax.all_gather(v, a, axis=v.ndim - 1, tiled=True), False),
@@ -210,14 +211,14 @@ def test_grad_over_a_vmapped_own_axis(name):
 
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("axis", [("i", "b"), ("b", "i"), ("a", "i", "b")], ids=AXIS_IDS)
-@pytest.mark.parametrize("op", ["sum", "max"])
+@pytest.mark.parametrize("op", ["sum", "max", "mean"])
 def test_vmap_axis_with_mesh_axes_inside_shard_map(mesh, op, axis, check_vma):
     """all_reduce over a vmapped axis taken together with mesh axes reduces the batch entries here, then the
     rest over the mesh: one collective, over the mesh axes only. jax.lax 0.11.2 refuses such a psum under
     check_vma=True, so its reference runs with check_vma=False. The gradient of the summed loss matches it;
     so does the vmap of each member's gradient without check_vma (a psum transposes to a psum), and with it
     that gradient is the member's own, cos(y) * -sin(x) (the cotangent of an invariant result is shared)."""
-    lax_op = {"sum": jax.lax.psum, "max": jax.lax.pmax}[op]
+    lax_op = {"sum": jax.lax.psum, "max": jax.lax.pmax, "mean": jax.lax.pmean}[op]
     in_specs = jax.sharding.PartitionSpec(None, "a", "b")
     x = jax.device_put(random_array((3, *global_shape(mesh)), jnp.float32),
                        jax.sharding.NamedSharding(mesh, in_specs))

@@ -27,10 +27,12 @@ def all_reduce(x, axis_name, op: str = "sum"):
     Args:
       x: array (or pytree of arrays) of any shape; float32/float64/bfloat16/float16, 8–64-bit integers,
         booleans (``max`` / ``min`` are any / all; ``sum`` counts them in int32, as ``jax.lax.psum``) or
-        complex numbers (``sum`` only; summed as pairs of their real dtype, at one more copy on each side).
+        complex numbers (``sum`` and ``mean`` only; summed as pairs of their real dtype, at one more copy on
+        each side).
       axis_name: the mesh axis to reduce over, or a tuple of axes taken as one (static). On a multi-axis mesh
         the reduction runs within each group along that axis (those axes).
-      op: ``"sum"``, ``"max"`` or ``"min"`` (static).
+      op: ``"sum"``, ``"max"``, ``"min"`` or ``"mean"`` (static). ``"mean"`` is ``jax.lax.pmean``: the sum
+        divided by the group's size N, so integers and booleans give float32 (float64 under x64).
 
     Returns:
       An array of ``x``'s shape and dtype (int32 for a sum of booleans), the same bits on every member of the
@@ -38,16 +40,20 @@ def all_reduce(x, axis_name, op: str = "sum"):
       NVLink kernels (inputs up to ``JAX_NCCLX_NVLINK_MAX_BYTES``, see README); larger inputs go through NCCL,
       which accumulates in the input dtype.
 
-    Differentiable (``sum`` is linear; ``max``/``min`` pass the tangent of the members that hold the extreme,
+    Differentiable (``sum`` and ``mean`` are linear; ``max``/``min`` pass the tangent of the members that hold the extreme,
     averaged over ties) and vmap-able, over non-mesh axes (one collective) or over the op's own axis (local
     work, as in ``jax.lax``; in a tuple with mesh axes, the batch is reduced here and the rest over the mesh).
     """
     axis_name = primitive.check_axis_name(axis_name, "all_reduce")
-    if op not in primitive.REDUCE_OPS:
-        raise ValueError(f"jax_ncclx.all_reduce: op must be one of {sorted(primitive.REDUCE_OPS)}, got {op!r}")
+    if op not in (*primitive.REDUCE_OPS, "mean"):
+        raise ValueError(f"jax_ncclx.all_reduce: op must be one of {sorted((*primitive.REDUCE_OPS, 'mean'))}, "
+                         f"got {op!r}")
     if not primitive.is_bound(axis_name):
         return primitive.global_view(partial(all_reduce, axis_name=axis_name, op=op), (x,), axis_name,
                                      "all_reduce", P(axis_name), P(axis_name))
+    if op == "mean":  # as jax.lax.pmean computes it
+        size = jax.lax.axis_size(axis_name)
+        return jax.tree.map(lambda total: total / size, all_reduce(x, axis_name, "sum"))
 
     def one(leaf):
         view, restore = primitive.as_real(leaf, "all_reduce", reduce_op=op)
