@@ -92,7 +92,6 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
                                      (P(axis_name),) * 3)
 
     size = jax.lax.axis_size(axis_name)
-    primitive.check_dtype(x, "all_to_allv_dynamic")
     if jnp.ndim(x) < 1:
         raise ValueError("jax_ncclx.all_to_allv_dynamic: x must have a leading row dimension, got a scalar")
     counts_dtype = jax.typeof(send_counts).dtype
