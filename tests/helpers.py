@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 INT_DTYPES = [jnp.int32, jnp.int8]
 MOVE_ONLY_DTYPES = [jnp.float8_e4m3fn]
-# Carried by the real kernels as uint8 / int32 and as pairs of floats (primitive.as_real).
+# Moved as bytes; reduced as bytes (bool max / min), in int32 (bool sum) or as pairs of floats (complex).
 BOOL_AND_COMPLEX_DTYPES = [jnp.bool_, jnp.complex64]
 
 
@@ -58,8 +58,8 @@ def assert_same(actual, expected, dtype):
 def assert_bits_equal(actual, expected):
     actual, expected = np.asarray(actual), np.asarray(expected)
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    wide = actual.dtype.itemsize
-    as_int = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[wide]
-    mismatch = np.flatnonzero(actual.view(as_int) != expected.view(as_int))
+    as_int = {1: np.uint8, 2: np.uint16, 4: np.uint32}.get(actual.dtype.itemsize, np.uint64)
+    words = lambda a: np.ascontiguousarray(a).reshape(-1).view(as_int).reshape(a.size, -1)  # noqa: E731
+    mismatch = np.flatnonzero((words(actual) != words(expected)).any(axis=1))
     assert mismatch.size == 0, (f"{mismatch.size} of {actual.size} elements differ, first at flat index "
                                 f"{mismatch[0]}: got {actual.flat[mismatch[0]]}, expected {expected.flat[mismatch[0]]}")

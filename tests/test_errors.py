@@ -69,6 +69,19 @@ def test_misuse_inside_shard_map(line, call, error, message):
         per_shard(line, call, jnp.ones((4 * 2, 8)))
 
 
+@pytest.mark.parametrize("dtype, op, message", [
+    (jnp.complex64, "max", "cannot take the max or min of dtype c64: complex numbers have no order"),
+    (jnp.bool_, "sum", "cannot sum dtype pred into pred"),
+])
+def test_handlers_refuse_reductions_past_the_python_checks(line, dtype, op, message):
+    """Bound without nx.all_reduce's checks, the FFI handler itself refuses: an error, never wrong bits."""
+    from jax_ncclx._src.ops.all_reduce import all_reduce_p
+
+    reduce = lambda v: jnp.abs(all_reduce_p.bind(v.astype(dtype), axis_name="x", op=op)).astype(jnp.float32)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=message):
+        np.asarray(per_shard(line, reduce, jnp.ones((4 * 2, 8))))
+
+
 @pytest.mark.parametrize("op, call", [
     ("all_gather", lambda u, axes: nx.all_gather(u, axes)),
     ("all_to_allv_dynamic", lambda u, axes: nx.all_to_allv_dynamic(u, jnp.ones(12, jnp.int32), axes,

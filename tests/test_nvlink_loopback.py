@@ -35,7 +35,7 @@ MOVES = {  # param -> (protocol, direct)
     "simple-staged": ("simple", False),
 }
 REDUCE_DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16, np.int32]
-MOVE_DTYPES = [np.float32, ml_dtypes.bfloat16, np.int8]
+MOVE_DTYPES = [np.float32, ml_dtypes.bfloat16, np.int8, np.complex64, np.complex128]  # 1- to 16-byte elements
 # Elements per rank: one, odd counts (scalar path; 16-bit odd counts go simple), 64 KiB of f32 (the largest
 # one-shot segment sent as LL128 lines or LL words), just above, and many blocks.
 ELEMENTS = [1, 3, 4099, 16384, 16390, 300001]

@@ -22,6 +22,7 @@ from jax_ncclx._src import comm
 from jax_ncclx._src import config
 
 from conftest import gpu_devices, gpu_skip_reason, run_command_buffer_worker
+from helpers import BOOL_AND_COMPLEX_DTYPES, random_array
 
 
 @pytest.fixture(params=["cpu", pytest.param("gpu-nvlink", marks=pytest.mark.gpu),
@@ -310,11 +311,14 @@ def _clamped_counts(size):
     return (jnp.arange(2 * size, dtype=jnp.int32).reshape(size, 2) * 5 + 3 * rank) % 9 - 2
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, *BOOL_AND_COMPLEX_DTYPES])
 @pytest.mark.parametrize("op", sorted(CHECKSUMMED))
-def test_checksum_mode_passes_clean_data(line, monkeypatch, op):
+def test_checksum_mode_passes_clean_data(line, monkeypatch, op, dtype):
     monkeypatch.setenv("JAX_NCCLX_CHECKSUM", "1")
     fn, shape = CHECKSUMMED[op]
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(line.size * shape[0] // 4 * 4, shape[1])), jnp.float32)
+    if op == "all_reduce" and dtype == jnp.bool_:
+        fn = lambda v: nx.all_reduce(v, "x", "max")  # noqa: E731 - a sum of booleans is int32, no longer bool
+    x = random_array((line.size * shape[0] // 4 * 4, shape[1]), dtype)
     jax.block_until_ready(per_shard(line, fn)(x))
     nx.check_errors()
 

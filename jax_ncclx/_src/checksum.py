@@ -52,6 +52,10 @@ def _odd_weights(positions, prime) -> jax.Array:
 
 def _row_sums(x, rows: int) -> jax.Array:
     """uint32 [rows]: the checksum of each of ``rows`` equal slices of ``x``'s bytes."""
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    elif jnp.iscomplexobj(x):  # bitcast_convert_type takes no complex numbers: their parts, side by side
+        x = jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
     data = x if x.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(x, jnp.uint8)
     data = data.reshape(rows, -1).astype(jnp.uint32) + jnp.uint32(1)
     return jnp.sum(data * _odd_weights(jnp.arange(data.shape[1]), _GOLDEN), axis=1, dtype=jnp.uint32)

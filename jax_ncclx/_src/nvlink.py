@@ -31,7 +31,7 @@ logger = logging.getLogger("jax_ncclx")
 
 ONE_SHOT, TWO_SHOT = 1, 2
 # What the all_reduce and reduce_scatter kernels reduce (xla_ffi/ops/nvlink_collectives_cuda.cc checks the same
-# list).
+# list); complex numbers reduce as pairs of their real dtype.
 REDUCE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32)
 REDUCTIONS = ("all_reduce", "reduce_scatter")
 # Ops whose one-shot call sends each peer one block of the input (nbytes / size), not all of it.
@@ -99,15 +99,18 @@ def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
     nccl = CudaRoute(f"ncclx_{op}")
     if settings.transport == "nccl" or nbytes == 0 or nbytes > nvlink_max:
         return nccl
-    if op in REDUCTIONS and not any(np.dtype(x.dtype) == np.dtype(d) for d in REDUCE_DTYPES):
-        logger.debug("jax_ncclx: %s of %s takes NCCL: the NVLink kernels reduce %s", op, x.dtype,
-                     ", ".join(np.dtype(d).name for d in REDUCE_DTYPES))
+    element = np.dtype(x.dtype)  # what the kernel handles one by one: a complex number's parts in reductions
+    if op in REDUCTIONS and np.issubdtype(element, np.complexfloating):
+        element = np.finfo(element).dtype
+    if op in REDUCTIONS and not any(element == np.dtype(d) for d in REDUCE_DTYPES):
+        logger.debug("jax_ncclx: %s of %s takes NCCL: the NVLink kernels reduce %s (and complex numbers of them)",
+                     op, x.dtype, ", ".join(np.dtype(d).name for d in REDUCE_DTYPES))
         return nccl
     algorithm = ONE_SHOT if op != "all_reduce" or nbytes <= oneshot_max else TWO_SHOT
     protocol = oneshot_protocol(op, nbytes, size, settings)
     direct = collective_direct(op, algorithm, nbytes, size, settings)
-    slots = lib.cuda_module().nvlink_collective_bytes(op, algorithm, protocol, nbytes, size,
-                                                      np.dtype(x.dtype).itemsize, direct)
+    slots = lib.cuda_module().nvlink_collective_bytes(op, algorithm, protocol, nbytes, size, element.itemsize,
+                                                      direct)
     if not symmetric_memory_ready(op, comm_id, slot_bytes=slots):
         return nccl
     route_attrs = dict(protocol=np.int64(protocol), blocks=np.int64(settings.nvlink_blocks))

@@ -85,25 +85,13 @@ def check_dtype(x, op: str, *, reduce_op: str | None = None):
         raise TypeError(f"jax_ncclx.{op}: cannot reduce 8-bit float dtype {dtype}; upcast first")
 
 
-def as_real(x, op: str, *, reduce_op: str | None = None):
-    """``(view, restore)``: ``x`` as the real array that the kernels move or reduce, and the function that turns
-    the op's result on ``view`` back into ``x``'s dtype. The kernels handle real numbers only:
-
-    * booleans move, and take max / min (any / all), as uint8; their sum counts them in int32, the dtype
-      ``jax.lax.psum`` gives it (``restore`` then keeps int32);
-    * complex numbers move and sum as pairs ``[..., 2]`` (real, imaginary) of their real dtype, which costs one
-      copy of ``x`` on each side of the op (XLA fuses each into one pass).
-
-    Other dtypes pass unchanged. Raises the TypeError of :func:`check_dtype` for what the op cannot take."""
+def reduction_operand(x, op: str, reduce_op: str):
+    """``x`` as the reduction ``reduce_op`` takes it: booleans to sum are counted in int32, the dtype
+    ``jax.lax.psum`` gives them; every other dtype passes as it is (the handlers sum complex numbers as pairs of
+    their real dtype and take the max / min of booleans as bytes, without a copy). Raises the TypeError of
+    :func:`check_dtype` for what the op cannot take."""
     check_dtype(x, op, reduce_op=reduce_op)
-    dtype = jax.typeof(x).dtype
-    if dtype == jnp.bool_:
-        if reduce_op == "sum":
-            return x.astype(jnp.int32), lambda y: y
-        return x.astype(jnp.uint8), lambda y: y.astype(jnp.bool_)
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-        return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1), lambda y: jax.lax.complex(y[..., 0], y[..., 1])
-    return x, lambda y: y
+    return x.astype(jnp.int32) if reduce_op == "sum" and jax.typeof(x).dtype == jnp.bool_ else x
 
 
 def accumulation_dtype(dtype):

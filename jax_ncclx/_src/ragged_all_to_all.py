@@ -39,7 +39,7 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     every row no slice writes keeps ``output``'s value. All sizes and offsets stay on the device.
 
     Args:
-      operand: ``[X, ...]`` the rows to send; any dtype (complex numbers move as pairs of their real dtype).
+      operand: ``[X, ...]`` the rows to send; any number or boolean dtype.
       output: ``[O, ...]`` with operand's trailing shape and dtype: the result where nothing lands.
       input_offsets, send_sizes, output_offsets, recv_sizes: integer ``[N * K]``, N the size of
         ``axis_name``: K slices per peer, peer-major. ``recv_sizes[i]`` is the rows this member takes from

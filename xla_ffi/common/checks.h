@@ -100,6 +100,34 @@ inline std::string_view DataTypeName(ffi::DataType dtype) {
   return "unknown";
 }
 
+// What a reduction adds or compares for a buffer of `dtype`: complex numbers sum as (real, imaginary) pairs of
+// their real dtype and booleans take max / min (any / all) as bytes, so the handlers reduce both in place rather
+// than after a copy. `reduce_op`: 0 sum, 1 max, 2 min.
+struct ReducedDtype {
+  ffi::DataType dtype;
+  int64_t per_element;  // values of `dtype` in one element of the buffer
+};
+
+inline ffi::ErrorOr<ReducedDtype> GetReducedDtype(std::string_view op, ffi::DataType dtype, int64_t reduce_op) {
+  switch (dtype) {
+    case ffi::C64:
+    case ffi::C128:
+      if (reduce_op != 0) {
+        return InvalidArgument(op, "cannot take the max or min of dtype " + std::string(DataTypeName(dtype)) +
+                                       ": complex numbers have no order");
+      }
+      return ReducedDtype{dtype == ffi::C64 ? ffi::F32 : ffi::F64, 2};
+    case ffi::PRED:
+      if (reduce_op == 0) {
+        return InvalidArgument(op, "cannot sum dtype pred into pred; a sum of booleans is counted in s32 (jax_ncclx "
+                                   "casts them before the call)");
+      }
+      return ReducedDtype{ffi::U8, 1};
+    default:
+      return ReducedDtype{dtype, 1};
+  }
+}
+
 // "[2, 3]", for messages about shapes.
 template <typename Dims>
 std::string DimsString(const Dims& dims) {

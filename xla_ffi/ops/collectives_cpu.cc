@@ -115,8 +115,7 @@ ffi::Error Reduce(std::string_view op_name, ffi::DataType dtype, ReduceOp op, vo
       ReduceTyped<uint16_t, float, HalfToFloat, FloatToHalf>(op, out, inputs, offset, count);
       return ffi::Error::Success();
     default:
-      return InvalidArgument(op_name, "cannot reduce elements of XLA dtype " +
-                                          std::to_string(static_cast<int>(dtype)));
+      return InvalidArgument(op_name, "cannot reduce dtype " + std::string(DataTypeName(dtype)));
   }
 }
 
@@ -139,12 +138,14 @@ ffi::Error AllReduceImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, f
                          int64_t timeout_ms, int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "all_reduce";
   NCCLX_RETURN_IF_ERROR(CheckReduceOp(kOp, reduce_op));
+  ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(kOp, x.element_type(), reduce_op);
+  if (reduced.has_error()) return reduced.error();
   NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", y->size_bytes(), x.size_bytes()));
   ffi::Error result = ffi::Error::Success();
   NCCLX_RETURN_IF_ERROR(RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
                                    {x.untyped_data()}, y->untyped_data(), y->size_bytes(), [&](int64_t, const std::vector<Published>& peers) {
-    result = Reduce(kOp, x.element_type(), static_cast<ReduceOp>(reduce_op), y->untyped_data(), peers, 0,
-                    x.element_count());
+    result = Reduce(kOp, reduced->dtype, static_cast<ReduceOp>(reduce_op), y->untyped_data(), peers, 0,
+                    x.element_count() * reduced->per_element);
   }));
   return result;
 }
@@ -167,12 +168,14 @@ ffi::Error ReduceScatterImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer 
                              int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "reduce_scatter";
   NCCLX_RETURN_IF_ERROR(CheckReduceOp(kOp, reduce_op));
+  ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(kOp, x.element_type(), reduce_op);
+  if (reduced.has_error()) return reduced.error();
   NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "input", x.size_bytes(), y->size_bytes() * group_size));
   ffi::Error result = ffi::Error::Success();
   NCCLX_RETURN_IF_ERROR(RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
                                    {x.untyped_data()}, y->untyped_data(), y->size_bytes(), [&](int64_t rank, const std::vector<Published>& peers) {
-    const size_t count = y->element_count();
-    result = Reduce(kOp, x.element_type(), static_cast<ReduceOp>(reduce_op), y->untyped_data(), peers,
+    const size_t count = y->element_count() * reduced->per_element;
+    result = Reduce(kOp, reduced->dtype, static_cast<ReduceOp>(reduce_op), y->untyped_data(), peers,
                     rank * count, count);
   }));
   return result;

@@ -36,20 +36,23 @@ ffi::ErrorOr<NcclCall> BeginNcclCall(std::string_view op, cudaStream_t stream, i
   return NcclCall{*comm, *call};
 }
 
-// The NCCL type and operation of a reduction of x.
+// The NCCL type and operation of a reduction of x, and how many values of that type make one element of x.
 struct Reduction {
   ncclDataType_t dtype;
   ncclRedOp_t op;
+  int64_t per_element;
 };
 
 ffi::ErrorOr<Reduction> GetReduction(std::string_view op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& y,
                                      int64_t reduce_op) {
   NCCLX_RETURN_IF_ERROR(CheckSameDtype(op, x, y));
-  ffi::ErrorOr<ncclDataType_t> dtype = NcclReductionType(op, x.element_type());
-  if (dtype.has_error()) return dtype.error();
   ffi::ErrorOr<ncclRedOp_t> red_op = NcclReduceOp(op, reduce_op);
   if (red_op.has_error()) return red_op.error();
-  return Reduction{*dtype, *red_op};
+  ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(op, x.element_type(), reduce_op);
+  if (reduced.has_error()) return reduced.error();
+  ffi::ErrorOr<ncclDataType_t> dtype = NcclReductionType(op, reduced->dtype);
+  if (dtype.has_error()) return dtype.error();
+  return Reduction{*dtype, *red_op, reduced->per_element};
 }
 
 ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
@@ -64,10 +67,11 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
   NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " +
                                                                           std::to_string(Bytes(x))));
   if (Bytes(x) == 0) return ffi::Error::Success();
+  const size_t count = x.element_count() * reduction->per_element;
   return RunGpuCall(nccl->call, /*watch=*/true, y->untyped_data(), Bytes(*y), [&] {
     return CheckNccl(kOp, "ncclAllReduce",
-                     ncclAllReduce(x.untyped_data(), y->untyped_data(), x.element_count(), reduction->dtype,
-                                   reduction->op, comm->comm, stream),
+                     ncclAllReduce(x.untyped_data(), y->untyped_data(), count, reduction->dtype, reduction->op,
+                                   comm->comm, stream),
                      comm->comm);
   });
 }
@@ -101,10 +105,11 @@ ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device_ordinal, ffi::A
   NCCLX_RETURN_IF_ERROR(
       CheckBytes(kOp, "input", Bytes(x), comm->size * Bytes(*y), RanksTimes(comm->size, Bytes(*y))));
   if (Bytes(x) == 0) return ffi::Error::Success();
+  const size_t count = y->element_count() * reduction->per_element;
   return RunGpuCall(nccl->call, /*watch=*/true, y->untyped_data(), Bytes(*y), [&] {
     return CheckNccl(kOp, "ncclReduceScatter",
-                     ncclReduceScatter(x.untyped_data(), y->untyped_data(), y->element_count(),
-                                       reduction->dtype, reduction->op, comm->comm, stream),
+                     ncclReduceScatter(x.untyped_data(), y->untyped_data(), count, reduction->dtype,
+                                       reduction->op, comm->comm, stream),
                      comm->comm);
   });
 }

@@ -78,17 +78,20 @@ ffi::Error CheckReduceOp(std::string_view op, int64_t reduce_op) {
   return ffi::Error::Success();
 }
 
-// ArgsFor, plus the reduction and the element type it reduces.
+// ArgsFor, plus the reduction and the element type it reduces (a complex number's parts, see GetReducedDtype).
 ffi::ErrorOr<NvlinkCollectiveArgs> ReductionArgsFor(std::string_view name, NvlinkCollective op,
                                                     const ffi::AnyBuffer& x, ffi::AnyBuffer& y, const CallAttrs& call,
                                                     const SymmetricRank& symmetric, int64_t protocol, int64_t direct,
                                                     int64_t reduce_op) {
-  ffi::ErrorOr<ReduceType> type = GetReduceType(name, x.element_type());
+  ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(name, x.element_type(), reduce_op);
+  if (reduced.has_error()) return reduced.error();
+  ffi::ErrorOr<ReduceType> type = GetReduceType(name, reduced->dtype);
   if (type.has_error()) return type.error();
   ffi::ErrorOr<NvlinkCollectiveArgs> args = ArgsFor(name, op, x, y, call, symmetric, protocol, direct);
   if (args.has_error()) return args.error();
   args->reduce = static_cast<ReduceOp>(reduce_op);
   args->reduce_type = *type;
+  args->element_bytes = static_cast<int>(ffi::ByteWidth(reduced->dtype));
   return args;
 }
 

@@ -24,8 +24,7 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
     """Gathers ``x`` from every member of the mesh axis ``axis_name``.
 
     Args:
-      x: array (or pytree) of any shape and dtype (float8 included; complex numbers move as pairs of their
-        real dtype, at one more copy on each side).
+      x: array (or pytree) of any shape and of any number or boolean dtype (float8 and complex included).
       axis_name: the mesh axis to gather over, or a tuple of axes taken as one (static; the first axis major,
         as ``jax.lax.axis_index`` of the tuple).
       axis: where the gathered dimension goes in the result (static; negative counts from the end).
@@ -42,13 +41,13 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
                                      axis_name, "all_gather", P(axis_name), P(axis_name))
 
     def one(leaf):
-        view, restore = primitive.as_real(leaf, "all_gather")
+        primitive.check_dtype(leaf, "all_gather")
         ndim = jnp.ndim(leaf)
         out_axis = _normalize_axis(axis, ndim if tiled else ndim + 1, "all_gather")
-        y = all_gather_p.bind(primitive.ensure_varying(view, axis_name), axis_name=axis_name)
+        y = all_gather_p.bind(primitive.ensure_varying(leaf, axis_name), axis_name=axis_name)
         if config.current().checksum:
-            checksum.verify_all_gather(axis_name, view, y)
-        y = jnp.moveaxis(restore(y), 0, out_axis)
+            checksum.verify_all_gather(axis_name, leaf, y)
+        y = jnp.moveaxis(y, 0, out_axis)
         if tiled:
             shape = y.shape
             y = y.reshape(*shape[:out_axis], shape[out_axis] * shape[out_axis + 1], *shape[out_axis + 2:])

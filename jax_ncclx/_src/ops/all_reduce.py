@@ -27,8 +27,7 @@ def all_reduce(x, axis_name, op: str = "sum"):
     Args:
       x: array (or pytree of arrays) of any shape; float32/float64/bfloat16/float16, 8–64-bit integers,
         booleans (``max`` / ``min`` are any / all; ``sum`` counts them in int32, as ``jax.lax.psum``) or
-        complex numbers (``sum`` and ``mean`` only; summed as pairs of their real dtype, at one more copy on
-        each side).
+        complex numbers (``sum`` and ``mean`` only; summed as pairs of their real dtype).
       axis_name: the mesh axis to reduce over, or a tuple of axes taken as one (static). On a multi-axis mesh
         the reduction runs within each group along that axis (those axes).
       op: ``"sum"``, ``"max"``, ``"min"`` or ``"mean"`` (static). ``"mean"`` is ``jax.lax.pmean``: the sum
@@ -56,11 +55,11 @@ def all_reduce(x, axis_name, op: str = "sum"):
         return jax.tree.map(lambda total: total / size, all_reduce(x, axis_name, "sum"))
 
     def one(leaf):
-        view, restore = primitive.as_real(leaf, "all_reduce", reduce_op=op)
-        y = all_reduce_p.bind(primitive.ensure_varying(view, axis_name), axis_name=axis_name, op=op)
+        operand = primitive.reduction_operand(leaf, "all_reduce", op)
+        y = all_reduce_p.bind(primitive.ensure_varying(operand, axis_name), axis_name=axis_name, op=op)
         if config.current().checksum:
             checksum.verify_all_reduce(axis_name, y)
-        return restore(y)
+        return y
 
     return jax.tree.map(one, x)
 

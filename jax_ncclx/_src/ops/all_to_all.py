@@ -25,8 +25,7 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
     ``concat_axis``, in source order.
 
     Args:
-      x: array (or pytree) of any dtype (float8 included; complex numbers move as pairs of their real dtype,
-        at one more copy on each side).
+      x: array (or pytree) of any number or boolean dtype (float8 and complex included).
       axis_name: the mesh axis, or a tuple of axes taken as one (static; the first axis major, as
         ``jax.lax.axis_index`` of the tuple).
       split_axis: the dimension split into N blocks; untiled its size must be N, tiled a multiple of N (static).
@@ -54,12 +53,13 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
         if (tiled and extent % size) or (not tiled and extent != size):
             need = f"a multiple of the axis size {size} (tiled)" if tiled else f"the axis size {size}"
             raise ValueError(f"jax_ncclx.all_to_all: split_axis {split} has size {extent}; it must be {need}")
+        primitive.check_dtype(leaf, "all_to_all")
         front = jnp.moveaxis(leaf, split, 0)
-        blocks, restore = primitive.as_real(front.reshape(size, extent // size, *front.shape[1:]), "all_to_all")
+        blocks = front.reshape(size, extent // size, *front.shape[1:])
         y = all_to_all_p.bind(primitive.ensure_varying(blocks, axis_name), axis_name=axis_name)
         if config.current().checksum:
             checksum.verify_all_to_all(axis_name, blocks, y)
-        y = jnp.moveaxis(restore(y), 1, split + 1)  # [N, *leaf.shape with extent/N at split]
+        y = jnp.moveaxis(y, 1, split + 1)  # [N, *leaf.shape with extent/N at split]
         if not tiled:
             y = y.reshape(y.shape[0], *leaf.shape[:split], *leaf.shape[split + 1:])  # drop the size-1 split
             return jnp.moveaxis(y, 0, concat)

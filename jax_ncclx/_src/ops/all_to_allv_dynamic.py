@@ -45,9 +45,9 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
 
     Args:
       x: ``[S, ...]`` rows grouped by destination: the rows for peer 0 first, then peer 1, ...; with K chunks
-        per peer, chunk (j, 0), (j, 1), ... in that order. Any dtype (float8 included; complex numbers move as
-        pairs of their real dtype, at one more copy on each side). With ``send_rows``, x is ``[X, ...]`` with
-        any X, and the send rows are gathered from it. With ``suffix``, x is ``[X, F]``.
+        per peer, chunk (j, 0), (j, 1), ... in that order. Any number or boolean dtype (float8 and complex
+        included). With ``send_rows``, x is ``[X, ...]`` with any X, and the send rows are gathered from it.
+        With ``suffix``, x is ``[X, F]``.
       send_counts: int32 ``[N]`` (rows for each peer) or ``[N, K]`` (rows of each chunk, e.g. K local experts);
         N is the size of ``axis_name``. Other integer dtypes are converted to int32.
       axis_name: the mesh axis, or a tuple of axes taken as one (static; the first axis major, as
@@ -118,13 +118,7 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
                 f"{suffix_dtype}{list(suffix_shape)}")
         if send_rows is None:  # the kernels take a suffix only after send_rows
             send_rows = jnp.arange(num_rows, dtype=jnp.int32)
-    complex_rows = jnp.iscomplexobj(x)
-    x, restore = primitive.as_real(x, "all_to_allv_dynamic")
-    if suffix is not None:
-        suffix, _ = primitive.as_real(suffix, "all_to_allv_dynamic")
-        if complex_rows:  # pairs [X, F, 2] -> rows of 2F reals: the kernels append a suffix to [X, F]
-            x, suffix = x.reshape(x.shape[0], -1), suffix.reshape(suffix.shape[0], -1)
-            restore = _after_pairs_merged(restore)
+    primitive.check_dtype(x, "all_to_allv_dynamic")
     extra = () if send_rows is None else (jnp.asarray(send_rows, jnp.int32)[None],)
     if suffix is not None:
         extra += (primitive.ensure_varying(suffix, axis_name)[None],)
@@ -139,12 +133,7 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
             sent = jnp.concatenate([sent, suffix], axis=1)
         checksum.verify_all_to_allv(axis_name, sent, counts[0], y[0], recv_counts[0], int(max_recv_per_peer),
                                     layout == "packed")
-    return restore(y[0]), recv_counts.reshape(counts_shape), dropped[0]
-
-
-def _after_pairs_merged(restore):
-    """``restore`` of complex pairs for rows whose pairs were merged into one dimension of 2F reals."""
-    return lambda y: restore(y.reshape(*y.shape[:-1], -1, 2))
+    return y[0], recv_counts.reshape(counts_shape), dropped[0]
 
 
 all_to_allv_dynamic_p = primitive.make_collective("all_to_allv_dynamic", multiple_results=True)

@@ -22,8 +22,7 @@ def ppermute(x, axis_name, perm):
     """Sends ``x`` from member ``src`` to member ``dst`` for each ``(src, dst)`` in ``perm``.
 
     Args:
-      x: array (or pytree) of any dtype (complex numbers move as pairs of their real dtype, at one more copy
-        on each side).
+      x: array (or pytree) of any number or boolean dtype.
       axis_name: the mesh axis, or a tuple of axes taken as one (static; the first axis major, as
         ``jax.lax.axis_index`` of the tuple, in any order of the axes).
       perm: sequence of ``(src, dst)`` axis-index pairs (static); each index appears at most once as a source
@@ -42,12 +41,12 @@ def ppermute(x, axis_name, perm):
         sources[dst], targets[src] = src, dst
 
     def one(leaf):
-        view, restore = primitive.as_real(leaf, "ppermute")
-        y = ppermute_p.bind(primitive.ensure_varying(view, axis_name), axis_name=axis_name,
+        primitive.check_dtype(leaf, "ppermute")
+        y = ppermute_p.bind(primitive.ensure_varying(leaf, axis_name), axis_name=axis_name,
                             sources=tuple(sources), targets=tuple(targets))
         if config.current().checksum:
-            checksum.verify_ppermute(axis_name, view, y, sources)
-        return restore(y)
+            checksum.verify_ppermute(axis_name, leaf, y, sources)
+        return y
 
     return jax.tree.map(one, x)
 

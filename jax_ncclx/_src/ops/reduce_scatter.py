@@ -23,9 +23,8 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
 
     Args:
       x: array (or pytree); float32/float64/bfloat16/float16, integers, booleans (counted in int32, as
-        ``jax.lax.psum`` counts them) or complex numbers (summed as pairs of their real dtype, at one more copy
-        on each side). Untiled, ``x.shape[scatter_dimension]`` must equal the axis size N; tiled, it must be a
-        multiple of N.
+        ``jax.lax.psum`` counts them) or complex numbers (summed as pairs of their real dtype). Untiled,
+        ``x.shape[scatter_dimension]`` must equal the axis size N; tiled, it must be a multiple of N.
       axis_name: the mesh axis, or a tuple of axes taken as one (static; the first axis major, as
         ``jax.lax.axis_index`` of the tuple).
       scatter_dimension: the dimension split into N blocks (static).
@@ -34,8 +33,8 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
     Returns:
       Block ``axis_index`` of the sum, with ``x``'s dtype (int32 for booleans), summed in rank order. Sums of
       16-bit floats accumulate in float32 and round once on the CPU backend and in the GPU NVLink kernel (f32,
-      bf16, f16 and int32 inputs up to ``JAX_NCCLX_NVLINK_MAX_BYTES``, see README); other inputs go through
-      NCCL, which accumulates in the input dtype.
+      bf16, f16, int32 and complex64 inputs up to ``JAX_NCCLX_NVLINK_MAX_BYTES``, see README); other inputs go
+      through NCCL, which accumulates in the input dtype.
 
     Differentiable (linear; the transpose is an all_gather) and vmap-able, over non-mesh axes (one
     collective) or over the op's own axis (local work, as in ``jax.lax``).
@@ -58,9 +57,9 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
             need = f"a multiple of the axis size {size} (tiled)" if tiled else f"the axis size {size}"
             raise ValueError(f"jax_ncclx.reduce_scatter: dimension {dim} has size {extent}; it must be {need}")
         front = jnp.moveaxis(leaf, dim, 0)
-        blocks, restore = primitive.as_real(front.reshape(size, extent // size, *front.shape[1:]), "reduce_scatter",
-                                            reduce_op="sum")
-        y = restore(reduce_scatter_p.bind(primitive.ensure_varying(blocks, axis_name), axis_name=axis_name))
+        blocks = primitive.reduction_operand(front.reshape(size, extent // size, *front.shape[1:]),
+                                             "reduce_scatter", "sum")
+        y = reduce_scatter_p.bind(primitive.ensure_varying(blocks, axis_name), axis_name=axis_name)
         return jnp.moveaxis(y, 0, dim) if tiled else y.reshape(y.shape[1:])
 
     return jax.tree.map(one, x)
