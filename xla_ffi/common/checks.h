@@ -100,15 +100,18 @@ inline std::string_view DataTypeName(ffi::DataType dtype) {
   return "unknown";
 }
 
-// What a reduction adds or compares for a buffer of `dtype`: complex numbers sum as (real, imaginary) pairs of
-// their real dtype and booleans take max / min (any / all) as bytes, so the handlers reduce both in place rather
-// than after a copy. `reduce_op`: 0 sum, 1 max, 2 min.
+// What a reduction adds or compares for a buffer of `dtype`, once `reduce_op` (0 sum, 1 max, 2 min) is checked:
+// complex numbers sum as (real, imaginary) pairs of their real dtype and booleans take max / min (any / all) as
+// bytes, so the handlers reduce both in place rather than after a copy.
 struct ReducedDtype {
   ffi::DataType dtype;
   int64_t per_element;  // values of `dtype` in one element of the buffer
 };
 
 inline ffi::ErrorOr<ReducedDtype> GetReducedDtype(std::string_view op, ffi::DataType dtype, int64_t reduce_op) {
+  if (reduce_op < 0 || reduce_op > 2) {
+    return InvalidArgument(op, "reduce_op is " + std::to_string(reduce_op) + ", expected 0 (sum), 1 (max) or 2 (min)");
+  }
   switch (dtype) {
     case ffi::C64:
     case ffi::C128:

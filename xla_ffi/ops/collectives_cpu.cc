@@ -119,14 +119,6 @@ ffi::Error Reduce(std::string_view op_name, ffi::DataType dtype, ReduceOp op, vo
   }
 }
 
-ffi::Error CheckReduceOp(std::string_view op_name, int64_t reduce_op) {
-  if (reduce_op < 0 || reduce_op > 2) {
-    return InvalidArgument(op_name, "reduce_op must be 0 (sum), 1 (max) or 2 (min), got " +
-                                        std::to_string(reduce_op));
-  }
-  return ffi::Error::Success();
-}
-
 ffi::Error CheckBytes(std::string_view op_name, std::string_view what, size_t got, size_t expected) {
   if (got == expected) return ffi::Error::Success();
   return InvalidArgument(op_name, std::string(what) + " has " + std::to_string(got) + " bytes, expected " +
@@ -137,7 +129,6 @@ ffi::Error AllReduceImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, f
                          ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
                          int64_t timeout_ms, int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "all_reduce";
-  NCCLX_RETURN_IF_ERROR(CheckReduceOp(kOp, reduce_op));
   ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(kOp, x.element_type(), reduce_op);
   if (reduced.has_error()) return reduced.error();
   NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", y->size_bytes(), x.size_bytes()));
@@ -167,7 +158,6 @@ ffi::Error ReduceScatterImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer 
                              ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups,
                              int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "reduce_scatter";
-  NCCLX_RETURN_IF_ERROR(CheckReduceOp(kOp, reduce_op));
   ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(kOp, x.element_type(), reduce_op);
   if (reduced.has_error()) return reduced.error();
   NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "input", x.size_bytes(), y->size_bytes() * group_size));

@@ -46,10 +46,10 @@ struct Reduction {
 ffi::ErrorOr<Reduction> GetReduction(std::string_view op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& y,
                                      int64_t reduce_op) {
   NCCLX_RETURN_IF_ERROR(CheckSameDtype(op, x, y));
-  ffi::ErrorOr<ncclRedOp_t> red_op = NcclReduceOp(op, reduce_op);
-  if (red_op.has_error()) return red_op.error();
   ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(op, x.element_type(), reduce_op);
   if (reduced.has_error()) return reduced.error();
+  ffi::ErrorOr<ncclRedOp_t> red_op = NcclReduceOp(op, reduce_op);
+  if (red_op.has_error()) return red_op.error();
   ffi::ErrorOr<ncclDataType_t> dtype = NcclReductionType(op, reduced->dtype);
   if (dtype.has_error()) return dtype.error();
   return Reduction{*dtype, *red_op, reduced->per_element};

@@ -71,13 +71,6 @@ ffi::ErrorOr<NvlinkCollectiveArgs> ArgsFor(std::string_view name, NvlinkCollecti
   return args;
 }
 
-ffi::Error CheckReduceOp(std::string_view op, int64_t reduce_op) {
-  if (reduce_op < 0 || reduce_op > 2) {
-    return InvalidArgument(op, "reduce_op is " + std::to_string(reduce_op) + ", expected 0 (sum), 1 (max) or 2 (min)");
-  }
-  return ffi::Error::Success();
-}
-
 // ArgsFor, plus the reduction and the element type it reduces (a complex number's parts, see GetReducedDtype).
 ffi::ErrorOr<NvlinkCollectiveArgs> ReductionArgsFor(std::string_view name, NvlinkCollective op,
                                                     const ffi::AnyBuffer& x, ffi::AnyBuffer& y, const CallAttrs& call,
@@ -136,7 +129,6 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
   NCCLX_RETURN_IF_ERROR(CheckSameDtype(kOp, x, *y));
   NCCLX_RETURN_IF_ERROR(
       CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
-  NCCLX_RETURN_IF_ERROR(CheckReduceOp(kOp, reduce_op));
   if (algorithm != static_cast<int64_t>(NvlinkAlgorithm::kOneShot) &&
       algorithm != static_cast<int64_t>(NvlinkAlgorithm::kTwoShot)) {
     return InvalidArgument(kOp, "algorithm is " + std::to_string(algorithm) + ", expected 1 (one-shot) or 2 (two-shot)");
@@ -160,7 +152,6 @@ ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device_ordinal, ffi::A
   NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), Bytes(x) / symmetric->size,
                                    "the input's " + std::to_string(Bytes(x)) + " over " +
                                        std::to_string(symmetric->size) + " ranks"));
-  NCCLX_RETURN_IF_ERROR(CheckReduceOp(kOp, reduce_op));
   // Nothing to write into a peer's output: the blocks a rank reduces must sit in its slots.
   ffi::ErrorOr<NvlinkCollectiveArgs> args = ReductionArgsFor(kOp, NvlinkCollective::kReduceScatter, x, *y, call,
                                                               *symmetric, protocol, /*direct=*/0, reduce_op);
