@@ -40,6 +40,10 @@ def test_eager_primitive_outside_mapped_context():
     (lambda v: nx.all_gather(jax.random.key(0), "x"), TypeError, r"unsupported dtype key<fry>; use a number or "
                                                                   "boolean dtype"),
     (lambda v: nx.all_reduce(v.astype(jnp.complex64), "x", "max"), TypeError, "complex numbers have no order"),
+    (lambda v: nx.all_gather(v.astype(jnp.int4), "x"), TypeError, r"dtype int4 \(4 bits\): values of under a byte"),
+    (lambda v: nx.all_reduce(v.astype(jnp.float4_e2m1fn), "x", "max"), TypeError, r"float4_e2m1fn \(4 bits\)"),
+    (lambda v: nx.all_to_allv_dynamic(v.astype(jnp.uint2), jnp.ones(4, jnp.int32), "x", max_recv_per_peer=2),
+     TypeError, r"pack 4 values into each byte"),
     (lambda v: nx.all_gather(v, "x", axis=5), ValueError, "out of range"),
     (lambda v: nx.reduce_scatter(v, "x", scatter_dimension=1), ValueError, "must be the axis size 4"),
     (lambda v: nx.reduce_scatter(v[:, :3], "x", scatter_dimension=1, tiled=True), ValueError, "multiple of"),
@@ -82,6 +86,15 @@ def test_handlers_refuse_reductions_past_the_python_checks(line, dtype, op, mess
         np.asarray(per_shard(line, reduce, jnp.ones((4 * 2, 8))))
 
 
+def test_sub_byte_dtypes_are_refused_when_bound_directly(line):
+    """XLA packs int4 two to a byte; a handler sizing the buffer from its element count would overrun it."""
+    from jax_ncclx._src.ops.all_gather import all_gather_p
+
+    with pytest.raises(TypeError, match=r"jax_ncclx.all_gather: cannot take dtype int4"):
+        per_shard(line, lambda v: all_gather_p.bind(v.astype(jnp.int4), axis_name="x")[0].astype(jnp.float32),
+                  jnp.ones((4 * 2, 8)))
+
+
 @pytest.mark.parametrize("op, call", [
     ("all_gather", lambda u, axes: nx.all_gather(u, axes)),
     ("all_to_allv_dynamic", lambda u, axes: nx.all_to_allv_dynamic(u, jnp.ones(12, jnp.int32), axes,
@@ -104,11 +117,28 @@ def test_peer_that_never_arrives_is_named(line, monkeypatch):
         jax.block_until_ready(f(jnp.ones((4, 2))))
 
 
-def test_bad_timeout_setting(monkeypatch):
+@pytest.mark.parametrize("value", ["soon", "-1", "inf", "nan", "1e10"])
+def test_bad_timeout_setting(monkeypatch, value):
     from jax_ncclx._src import config
 
-    monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", "soon")
-    with pytest.raises(ValueError, match="JAX_NCCLX_TIMEOUT_S='soon'"):
+    monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", value)
+    with pytest.raises(ValueError, match=rf"JAX_NCCLX_TIMEOUT_S='{value}' is not valid: it must be a number of "
+                                         r"seconds from 0 to 1e\+09"):
+        config.current()
+
+
+def test_per_op_timeouts_name_ops_that_have_them(monkeypatch):
+    """Every op that communicates can have its own timeout, and a name that is none of them is an error, not
+    silently the default."""
+    from jax_ncclx._src import config
+    from jax_ncclx._src import primitive
+
+    assert set(config.TIMED_OPS) == primitive.COLLECTIVE_OPS
+    monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S_ALL_TO_ALLV_DYNAMIC", "30")
+    assert config.current().timeout_s_for("all_to_allv_dynamic") == 30
+    monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S_ALLREDUCE", "2")
+    with pytest.raises(ValueError, match=r"JAX_NCCLX_TIMEOUT_S_ALLREDUCE: 'allreduce' is not an op with its own "
+                                         r"timeout; set one of JAX_NCCLX_TIMEOUT_S_ALL_GATHER, "):
         config.current()
 
 

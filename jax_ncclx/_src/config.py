@@ -199,6 +199,9 @@ TRANSPORTS = ("auto", "nvlink", "nccl")
 NVLINK_PROTOCOLS = ("ll128", "ll", "simple")  # in the order of the kernels' protocol attribute
 
 
+_MAX_TIMEOUT_S = 1e9  # about 32 years, and its nanoseconds still fit the watchdog's uint64
+
+
 def _seconds(name: str, default: float) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -207,8 +210,9 @@ def _seconds(name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not value >= 0:
-        raise ValueError(f"{name}={raw!r} is not valid: it must be a number of seconds >= 0 (0: no timeout)")
+    if not 0 <= value <= _MAX_TIMEOUT_S:  # also refuses nan and inf: the handlers take whole milliseconds
+        raise ValueError(f"{name}={raw!r} is not valid: it must be a number of seconds from 0 to {_MAX_TIMEOUT_S:.0e} "
+                         "(0: no timeout)")
     return value
 
 
@@ -317,12 +321,28 @@ def xla_records_loops(xla_flags: str | None = None) -> bool:
 
 
 _TIMEOUT_PREFIX = "JAX_NCCLX_TIMEOUT_S_"
+# The ops that JAX_NCCLX_TIMEOUT_S_<OP> can name: every primitive that communicates. ragged_all_to_all and
+# jax_ncclx.moe run on all_to_allv_dynamic (ragged_all_to_all also on all_to_all).
+TIMED_OPS = ("all_gather", "all_reduce", "all_to_all", "all_to_allv_dynamic", "ppermute", "reduce_scatter")
+
+
+def _op_timeouts() -> tuple[tuple[str, float], ...]:
+    timeouts = []
+    for name, raw in os.environ.items():
+        if not name.startswith(_TIMEOUT_PREFIX) or not raw:
+            continue
+        op = name[len(_TIMEOUT_PREFIX):].lower()
+        if op not in TIMED_OPS:
+            raise ValueError(f"{name}: {op!r} is not an op with its own timeout; set one of "
+                             + ", ".join(_TIMEOUT_PREFIX + o.upper() for o in TIMED_OPS)
+                             + " (ragged_all_to_all and jax_ncclx.moe run on ALL_TO_ALLV_DYNAMIC)")
+        timeouts.append((op, _seconds(name, 0.0)))
+    return tuple(sorted(timeouts))
 
 
 def current() -> Config:
     """The settings in force now, from the environment."""
-    op_timeouts = tuple(sorted((name[len(_TIMEOUT_PREFIX):].lower(), _seconds(name, 0.0))
-                               for name, raw in os.environ.items() if name.startswith(_TIMEOUT_PREFIX) and raw))
+    op_timeouts = _op_timeouts()
     return Config(
         timeout_s=_seconds("JAX_NCCLX_TIMEOUT_S", Config.timeout_s),
         op_timeouts_s=op_timeouts,

@@ -78,11 +78,28 @@ def check_dtype(x, op: str, *, reduce_op: str | None = None):
     dtype = jax.typeof(x).dtype
     if dtype != jnp.bool_ and not jnp.issubdtype(dtype, jnp.number):
         raise TypeError(f"jax_ncclx.{op}: unsupported dtype {dtype}; use a number or boolean dtype")
+    check_whole_bytes(dtype, op)
     if reduce_op in ("max", "min") and jnp.issubdtype(dtype, jnp.complexfloating):
         raise TypeError(f"jax_ncclx.{op}: cannot take the {reduce_op} of complex dtype {dtype}: complex numbers "
                         "have no order (jax.lax.pmax / pmin refuse them too)")
     if reduce_op is not None and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
         raise TypeError(f"jax_ncclx.{op}: cannot reduce 8-bit float dtype {dtype}; upcast first")
+
+
+def check_whole_bytes(dtype, op: str):
+    """Rejects dtypes of under 8 bits (int4, float4_e2m1fn, ...): XLA packs several into a byte, which the
+    handlers, sizing buffers from the element count, would overrun."""
+    if jnp.issubdtype(dtype, jnp.integer):
+        bits = jnp.iinfo(dtype).bits
+    elif jnp.issubdtype(dtype, jnp.floating):
+        bits = jnp.finfo(dtype).bits
+    else:
+        return
+    if bits < 8:
+        raise TypeError(
+            f"jax_ncclx.{op}: cannot take dtype {dtype} ({bits} bits): values of under a byte are not supported; "
+            f"cast to an 8-bit dtype, or pack {8 // bits} values into each byte with "
+            f"jax.lax.bitcast_convert_type(x.reshape(..., {8 // bits}), jnp.uint8) and unpack the result")
 
 
 def reduction_operand(x, op: str, reduce_op: str):
@@ -209,6 +226,9 @@ class CudaRoute:
     workspace_bytes: int | None = None
 
 
+COLLECTIVE_OPS: set[str] = set()  # the ops that communicate, as JAX_NCCLX_TIMEOUT_S_<OP> names them
+
+
 def register_lowerings(prim: Primitive, target: str, attrs: Callable[..., dict] = lambda **params: {},
                        cuda_route: Callable[..., CudaRoute] | None = None):
     """Registers CPU and CUDA lowerings of ``prim`` to the FFI target ``target``.
@@ -218,6 +238,7 @@ def register_lowerings(prim: Primitive, target: str, attrs: Callable[..., dict] 
       cuda_route: maps (ctx, comm_id, size, **params) to the :class:`CudaRoute` of a CUDA call site, where
         ``size`` is the communicator's; by default every call site lowers to ``target`` without workspace.
     """
+    COLLECTIVE_OPS.add(target.removeprefix("ncclx_"))
     for platform in ("cpu", "cuda"):
         # Not cached: JAX would reuse one lowering for equal calls, but each call site gets its own id, and
         # whether a call sits in a loop body changes its target (_lower).
@@ -234,6 +255,8 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **par
         raise NotImplementedError(f"{target}: jax_ncclx collectives lower only inside jax.shard_map (not pmap)")
     groups = compat.replica_groups(axis_context, axes_of(axis_name))
     op = target.removeprefix("ncclx_")
+    for aval in ctx.avals_in:  # also for primitives bound directly, past the public functions' checks
+        check_whole_bytes(aval.dtype, op)
     settings = config.current()
     site = next(_call_site_ids)
     op_attrs = attrs(**params)
@@ -303,6 +326,8 @@ def register_local_lowerings(prim: Primitive, target: str, attrs: Callable[..., 
         takes last (XLA allocates it; the lowering drops it). None: no scratch.
     """
     def lower(ctx, *operands, platform, **params):
+        for aval in ctx.avals_in:
+            check_whole_bytes(aval.dtype, target.removeprefix("ncclx_"))
         avals_out = list(ctx.avals_out)
         if platform == "cuda":
             lib.cuda_module()  # registers the CUDA targets, or says why it cannot
