@@ -5,7 +5,8 @@ Every device holds a 1/N slice of each layer's MLP (the first matrix split by co
 each layer ends with an all_reduce of the [batch, hidden] activations: the small message of inference. Each
 decode step embeds the current tokens, runs the layers, and picks the next tokens greedily; steps are
 dispatched back to back, the next step's tokens never leaving the devices. Runs on all GPUs when there are at
-least two, otherwise on 8 virtual CPU devices:
+least two, otherwise on 8 virtual CPU devices, one step at a time (XLA:CPU's collectives can stall with many
+steps in flight on a host of few cores, jax.lax.psum's as well):
 
     python examples/tp_decode.py [--layers 8] [--batch 8] [--hidden 1024] [--steps 200] [--dtype bf16]
 
@@ -63,13 +64,16 @@ def compiled_step(mesh, params, reduce):
     return jax.jit(step)
 
 
-def timed_decode(step, params, tokens, steps):
-    """Runs ``steps`` greedy steps (after a warm-up) and returns (µs per step, tokens of every step [S, B])."""
+def timed_decode(step, params, tokens, steps, *, in_flight):
+    """Runs ``steps`` greedy steps (after a warm-up) and returns (µs per step, tokens of every step [S, B]).
+    ``in_flight``: dispatch the steps back to back (else wait for each before the next)."""
     jax.block_until_ready(step(params, tokens))
     outputs = []
     start = time.perf_counter()
     for _ in range(steps):
         tokens, _ = step(params, tokens)
+        if not in_flight:
+            jax.block_until_ready(tokens)
         outputs.append(tokens)
     jax.block_until_ready(tokens)
     elapsed = time.perf_counter() - start
@@ -108,7 +112,11 @@ def main():
              "jax.lax.psum": compiled_step(mesh, params, lambda v: jax.lax.psum(v, "tp"))}
     first_logits = {name: np.asarray(step(params, tokens)[1]) for name, step in steps.items()}
     np.testing.assert_allclose(*first_logits.values(), rtol=2e-2 if dtype == jnp.bfloat16 else 1e-4, atol=1e-3)
-    results = {name: timed_decode(step, params, tokens, args.steps) for name, step in steps.items()}
+    # On CPU every step waits for the last: XLA:CPU runs the virtual devices' collectives on the host's few
+    # threads, and with many steps in flight its rendezvous can stall until it times out (jax.lax.psum's too).
+    in_flight = devices[0].platform == "gpu"
+    results = {name: timed_decode(step, params, tokens, args.steps, in_flight=in_flight)
+               for name, step in steps.items()}
     for name, (us, _) in results.items():
         print(f"{name:>22}: {us:8.1f} µs per decode step ({us / args.layers:6.1f} µs per layer)")
     (ours, our_tokens), (theirs, their_tokens) = results.values()

@@ -292,7 +292,7 @@ def check_errors():
     or is aborted by the watchdog (NCCL; with several processes, which remote rank is missing is asked of the
     other processes here, waiting up to 3 s for their answer); the program that contained it completes with
     undefined outputs, and every later jax_ncclx call on that communicator fails with the same message (until
-    :func:`destroy_all`). With several processes, an NCCL call that finished only after half its timeout is
+    :func:`shutdown`). With several processes, an NCCL call that finished only after half its timeout is
     also checked with the other processes (up to 3 s, once): a peer's abort can end it early with garbage
     and no NCCL error, so if another process found it hung, it fails here too. Call this after
     ``jax.block_until_ready`` to learn of it at once. CPU-backend collectives raise from the program itself.

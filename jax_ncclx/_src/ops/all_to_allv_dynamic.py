@@ -55,7 +55,7 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
       max_recv_per_peer: C, the most rows taken from any one source (static Python int >= 0).
       layout: ``"padded"``: y is ``[N, C, ...]`` and ``y[i, :r_i]`` holds the rows from source i in send
         order, zeros after. ``"packed"``: y is ``[N * C, ...]`` with all received rows packed from row 0,
-        source-major then chunk-major, zeros after (static).
+        source-major then chunk-major, zeros after (static; default ``"padded"``).
       send_rows: None, or integer ``[S]``: send row s is ``x[send_rows[s]]`` (a zero row where the index is
         outside ``[0, X)``), read by the kernel that sends it, so the gather costs no copy of its own. It
         replaces ``all_to_allv_dynamic(x[send_rows], ...)``; the counts split the S send rows.
@@ -66,7 +66,10 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
     Returns:
       ``(y, recv_counts, dropped)``: y as above with x's dtype; recv_counts int32 ``[N]`` or ``[N, K]`` (the
       shape of send_counts), the rows each source delivered to this member per chunk; dropped int32 ``[N]``,
-      the rows this member asked to send to each peer that did not arrive (see the module docstring).
+      the rows this member asked to send to each peer that did not arrive. The counts are walked peer by
+      peer, chunk by chunk: a negative count sends nothing (its magnitude counts as dropped), counts that run
+      past the S send rows are cut at the end, and each peer takes at most C rows from this member; so any
+      nonzero ``dropped`` flags overflow or bad counts, and no count writes out of bounds.
 
     Differentiable in x and the suffix (the VJP sends cotangents back to the rows they came from, at the cost
     of one extra exchange of counts, and sums them over the send rows that read one row of x) and vmap-able
