@@ -73,17 +73,28 @@ def test_misuse_inside_shard_map(line, call, error, message):
         per_shard(line, call, jnp.ones((4 * 2, 8)))
 
 
-@pytest.mark.parametrize("dtype, op, message", [
-    (jnp.complex64, "max", "cannot take the max or min of dtype c64: complex numbers have no order"),
-    (jnp.bool_, "sum", "cannot sum dtype pred into pred"),
-])
-def test_handlers_refuse_reductions_past_the_python_checks(line, dtype, op, message):
-    """Bound without nx.all_reduce's checks, the FFI handler itself refuses: an error, never wrong bits."""
-    from jax_ncclx._src.ops.all_reduce import all_reduce_p
+def _bound(name, **params):
+    """``v -> primitive(v)`` for the primitive ``ncclx_<name>``, bound without the public function's checks."""
+    import importlib
 
-    reduce = lambda v: jnp.abs(all_reduce_p.bind(v.astype(dtype), axis_name="x", op=op)).astype(jnp.float32)
+    prim = getattr(importlib.import_module(f"jax_ncclx._src.ops.{name}"), f"{name}_p")
+    return lambda v: jnp.abs(prim.bind(v, axis_name="x", **params)).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("dtype, call, message", [
+    (jnp.complex64, _bound("all_reduce", op="max"),
+     "cannot take the max or min of dtype c64: complex numbers have no order"),
+    (jnp.bool_, _bound("all_reduce", op="sum"), "cannot sum dtype pred into pred"),
+    (jnp.float32, _bound("ppermute", sources=(5, -1, -1, -1), targets=(-1, -1, -1, -1)),
+     r"sources\[0\] = 5 and targets\[0\] = -1 must each be -1 or a rank below 4"),
+    (jnp.float32, _bound("ppermute", sources=(1, -1, -1, -1), targets=(-1, -1, -1, -1)),
+     r"sources\[0\] = 1 but targets\[1\] = -1, expected 0"),
+])
+def test_handlers_refuse_what_the_python_checks_refuse(line, dtype, call, message):
+    """Bound without the public functions' checks, the CPU handlers refuse as the GPU ones do: an error, never
+    an out-of-bounds read or wrong bits."""
     with pytest.raises(jax.errors.JaxRuntimeError, match=message):
-        np.asarray(per_shard(line, reduce, jnp.ones((4 * 2, 8))))
+        np.asarray(per_shard(line, lambda v: call(v.astype(dtype)), jnp.ones((4 * 2, 8))))
 
 
 def test_sub_byte_dtypes_are_refused_when_bound_directly(line):

@@ -1,5 +1,6 @@
-// Decoding and checking of the send side of all_to_allv_dynamic (x, send_rows, suffix), shared by the CPU and
-// CUDA handlers so that both refuse the same bad calls with the same messages.
+// Decoding and checking of all_to_allv_dynamic's operands (the send side x, send_rows, suffix; the receive side
+// counts, y, recv_counts, dropped), shared by the CPU and CUDA handlers so that both refuse the same bad calls
+// with the same messages.
 #pragma once
 
 #include <cstdint>
@@ -66,6 +67,42 @@ inline ffi::ErrorOr<AllToAllvSendRows> GetSendRows(const ffi::AnyBuffer& x,
   rows.suffix_bytes = suffix_dims[2] * item;
   rows.row_bytes += rows.suffix_bytes;
   return rows;
+}
+
+// The rest against the send side and the group of num_ranks: capacity >= 0, packed 0 or 1, counts [B, N, K],
+// recv_counts [B, N, K], dropped [B, N] and y of x's dtype holding B x N x capacity rows. Returns K.
+inline ffi::ErrorOr<int64_t> CheckReceiveSide(const AllToAllvSendRows& rows, const ffi::AnyBuffer& x,
+                                              ffi::Span<const int64_t> counts_dims, const ffi::AnyBuffer& y,
+                                              ffi::Span<const int64_t> recv_counts_dims,
+                                              ffi::Span<const int64_t> dropped_dims, int64_t num_ranks,
+                                              int64_t capacity, int64_t packed) {
+  constexpr std::string_view op = kAllToAllvOp;
+  if (capacity < 0) {
+    return InvalidArgument(op, "capacity is " + std::to_string(capacity) + ", expected >= 0");
+  }
+  if (packed != 0 && packed != 1) {
+    return InvalidArgument(op, "packed is " + std::to_string(packed) + ", expected 0 or 1");
+  }
+  if (counts_dims.size() != 3 || counts_dims[0] != rows.batch || counts_dims[1] != num_ranks) {
+    return InvalidArgument(op, "counts has shape " + DimsString(counts_dims) + ", expected [" +
+                                   std::to_string(rows.batch) + ", " + std::to_string(num_ranks) +
+                                   ", chunks] (x's batch, the group's ranks)");
+  }
+  const int64_t num_chunks = counts_dims[2];
+  NCCLX_RETURN_IF_ERROR(CheckDims(op, "recv_counts", recv_counts_dims, {rows.batch, num_ranks, num_chunks}));
+  NCCLX_RETURN_IF_ERROR(CheckDims(op, "dropped", dropped_dims, {rows.batch, num_ranks}));
+  if (y.element_type() != x.element_type()) {
+    return InvalidArgument(op, "y has dtype " + std::string(DataTypeName(y.element_type())) + ", expected x's " +
+                                   std::string(DataTypeName(x.element_type())));
+  }
+  const int64_t y_bytes = rows.batch * num_ranks * capacity * rows.row_bytes;
+  if (static_cast<int64_t>(y.size_bytes()) != y_bytes) {
+    return InvalidArgument(op, "y has " + std::to_string(y.size_bytes()) + " bytes, expected batch " +
+                                   std::to_string(rows.batch) + " x " + std::to_string(num_ranks) +
+                                   " ranks x capacity " + std::to_string(capacity) + " x " +
+                                   std::to_string(rows.row_bytes) + " bytes per row");
+  }
+  return num_chunks;
 }
 
 }  // namespace jax_ncclx

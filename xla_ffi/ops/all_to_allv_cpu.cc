@@ -43,26 +43,13 @@ ffi::Error AllToAllvImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, f
                          int64_t packed) {
   ffi::ErrorOr<AllToAllvSendRows> sent = GetSendRows(x, send_rows, suffix);
   if (sent.has_error()) return sent.error();
-  const auto count_dims = counts.dimensions();
-  if (count_dims.size() != 3) {
-    return InvalidArgument(kOp, "send_counts has shape " + DimsString(count_dims) +
-                                    ", expected [batch, peers, chunks]");
-  }
-  const int64_t num_batch = count_dims[0], num_peers = count_dims[1], num_chunks = count_dims[2];
+  ffi::ErrorOr<int64_t> chunks = CheckReceiveSide(*sent, x, counts.dimensions(), *y, recv_counts->dimensions(),
+                                                  dropped->dimensions(), group_size, capacity, packed);
+  if (chunks.has_error()) return chunks.error();
+  const int64_t num_batch = sent->batch, num_peers = group_size, num_chunks = *chunks;
   const int64_t source_rows = sent->source_rows, num_rows = sent->num_rows;
   const int64_t row_bytes = sent->row_bytes, suffix_bytes = sent->suffix_bytes;
   const int64_t x_row_bytes = row_bytes - suffix_bytes;
-  if (num_peers != group_size || sent->batch != num_batch) {
-    return InvalidArgument(kOp, "send_counts has shape [" + std::to_string(num_batch) + ", " +
-                                    std::to_string(num_peers) + ", K] but the axis has " +
-                                    std::to_string(group_size) + " ranks and x a batch of " +
-                                    std::to_string(sent->batch));
-  }
-  const int64_t expected_y = num_batch * num_peers * capacity * row_bytes;
-  if (static_cast<int64_t>(y->size_bytes()) != expected_y) {
-    return InvalidArgument(kOp, "output has " + std::to_string(y->size_bytes()) + " bytes, expected " +
-                                    std::to_string(expected_y));
-  }
 
   ffi::ErrorOr<CpuCall> call =
       BeginCpuCall(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace);
@@ -82,7 +69,8 @@ ffi::Error AllToAllvImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, f
               plan.delivered.data() + b * num_peers, dropped->typed_data() + b * num_peers);
   }
 
-  return RunCpuCall(*call, {x.untyped_data(), &plan}, y->untyped_data(), y->size_bytes(), [&](int64_t rank, const std::vector<Published>& peers) {
+  return RunCpuCall(*call, {x.untyped_data(), &plan}, y->untyped_data(), y->size_bytes(),
+                    [&](int64_t rank, const std::vector<Published>& peers) {
     char* out = static_cast<char*>(y->untyped_data());
     std::memset(out, 0, y->size_bytes());
     for (int64_t b = 0; b < num_batch; ++b) {

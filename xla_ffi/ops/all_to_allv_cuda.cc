@@ -40,14 +40,11 @@ ffi::ErrorOr<AllToAllvShape> GetShape(const ffi::AnyBuffer& x, const ffi::Buffer
                                       const ffi::Buffer<ffi::S32>& recv_counts,
                                       const ffi::Buffer<ffi::S32>& dropped, int num_ranks, int64_t capacity,
                                       int64_t packed) {
-  if (capacity < 0) {
-    return InvalidArgument(kOp, "capacity is " + std::to_string(capacity) + ", expected >= 0");
-  }
-  if (packed != 0 && packed != 1) {
-    return InvalidArgument(kOp, "packed is " + std::to_string(packed) + ", expected 0 or 1");
-  }
   ffi::ErrorOr<AllToAllvSendRows> rows = GetSendRows(x, send_rows, suffix);
   if (rows.has_error()) return rows.error();
+  ffi::ErrorOr<int64_t> num_chunks = CheckReceiveSide(*rows, x, counts.dimensions(), y, recv_counts.dimensions(),
+                                                      dropped.dimensions(), num_ranks, capacity, packed);
+  if (num_chunks.has_error()) return num_chunks.error();
   AllToAllvShape shape;
   shape.batch = rows->batch;
   shape.source_rows = rows->source_rows;
@@ -55,30 +52,8 @@ ffi::ErrorOr<AllToAllvShape> GetShape(const ffi::AnyBuffer& x, const ffi::Buffer
   shape.row_bytes = rows->row_bytes;
   shape.suffix_bytes = rows->suffix_bytes;
   shape.num_peers = num_ranks;
+  shape.num_chunks = *num_chunks;
   shape.capacity = capacity;
-
-  const ffi::Span<const int64_t> counts_dims = counts.dimensions();
-  if (counts_dims.size() != 3 || counts_dims[0] != shape.batch || counts_dims[1] != shape.num_peers) {
-    return InvalidArgument(kOp, "counts has shape " + DimsString(counts_dims) + ", expected [" +
-                                    std::to_string(shape.batch) + ", " + std::to_string(shape.num_peers) +
-                                    ", chunks] (x's batch, the communicator's ranks)");
-  }
-  shape.num_chunks = counts_dims[2];
-  NCCLX_RETURN_IF_ERROR(
-      CheckDims(kOp, "recv_counts", recv_counts.dimensions(), {shape.batch, shape.num_peers, shape.num_chunks}));
-  NCCLX_RETURN_IF_ERROR(CheckDims(kOp, "dropped", dropped.dimensions(), {shape.batch, shape.num_peers}));
-
-  if (y.element_type() != x.element_type()) {
-    return InvalidArgument(kOp, "y has dtype " + std::string(DataTypeName(y.element_type())) +
-                                    ", expected x's " + std::string(DataTypeName(x.element_type())));
-  }
-  const int64_t y_bytes = shape.batch * shape.num_peers * shape.capacity * shape.row_bytes;
-  if (static_cast<int64_t>(y.size_bytes()) != y_bytes) {
-    return InvalidArgument(kOp, "y has " + std::to_string(y.size_bytes()) + " bytes, expected batch " +
-                                    std::to_string(shape.batch) + " x " + std::to_string(shape.num_peers) +
-                                    " ranks x capacity " + std::to_string(shape.capacity) + " x " +
-                                    std::to_string(shape.row_bytes) + " bytes per row");
-  }
   return shape;
 }
 
@@ -152,7 +127,7 @@ auto BindAllToAllv() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
       .Ctx<ffi::DeviceOrdinal>()                 // device_ordinal
-      .Arg<ffi::AnyBuffer>()                     // x: [B, S, F...]
+      .Arg<ffi::AnyBuffer>()                     // x: [B, X, F...]
       .Arg<ffi::Buffer<ffi::S32>>()              // counts: [B, N, K]
       .OptionalArg<ffi::Buffer<ffi::S32>>()      // send_rows: [B, S], the row of x each send row takes
       .OptionalArg<ffi::AnyBuffer>()             // suffix: [B, S, G], appended to each send row

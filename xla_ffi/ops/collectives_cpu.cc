@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "ops/collective_checks.h"
 #include "ops/cpu_collective.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -119,22 +120,18 @@ ffi::Error Reduce(std::string_view op_name, ffi::DataType dtype, ReduceOp op, vo
   }
 }
 
-ffi::Error CheckBytes(std::string_view op_name, std::string_view what, size_t got, size_t expected) {
-  if (got == expected) return ffi::Error::Success();
-  return InvalidArgument(op_name, std::string(what) + " has " + std::to_string(got) + " bytes, expected " +
-                                      std::to_string(expected));
-}
-
 ffi::Error AllReduceImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                          ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
                          int64_t timeout_ms, int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "all_reduce";
   ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(kOp, x.element_type(), reduce_op);
   if (reduced.has_error()) return reduced.error();
-  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", y->size_bytes(), x.size_bytes()));
+  NCCLX_RETURN_IF_ERROR(CheckSameDtype(kOp, x, *y));
+  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
   ffi::Error result = ffi::Error::Success();
   NCCLX_RETURN_IF_ERROR(RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
-                                   {x.untyped_data()}, y->untyped_data(), y->size_bytes(), [&](int64_t, const std::vector<Published>& peers) {
+                                   {x.untyped_data()}, y->untyped_data(), y->size_bytes(),
+                                   [&](int64_t, const std::vector<Published>& peers) {
     result = Reduce(kOp, reduced->dtype, static_cast<ReduceOp>(reduce_op), y->untyped_data(), peers, 0,
                     x.element_count() * reduced->per_element);
   }));
@@ -146,9 +143,10 @@ ffi::Error AllGatherImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, f
                          int64_t timeout_ms, int64_t trace) {
   constexpr std::string_view kOp = "all_gather";
   const size_t chunk = x.size_bytes();
-  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", y->size_bytes(), chunk * group_size));
+  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), group_size * Bytes(x), RanksTimes(group_size, Bytes(x))));
   return RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
-                    {x.untyped_data()}, y->untyped_data(), y->size_bytes(), [&](int64_t, const std::vector<Published>& peers) {
+                    {x.untyped_data()}, y->untyped_data(), y->size_bytes(),
+                    [&](int64_t, const std::vector<Published>& peers) {
     char* out = static_cast<char*>(y->untyped_data());
     for (size_t r = 0; r < peers.size(); ++r) std::memcpy(out + r * chunk, peers[r].data, chunk);
   });
@@ -160,10 +158,13 @@ ffi::Error ReduceScatterImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer 
   constexpr std::string_view kOp = "reduce_scatter";
   ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(kOp, x.element_type(), reduce_op);
   if (reduced.has_error()) return reduced.error();
-  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "input", x.size_bytes(), y->size_bytes() * group_size));
+  NCCLX_RETURN_IF_ERROR(CheckSameDtype(kOp, x, *y));
+  NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), group_size));
+  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "input", Bytes(x), group_size * Bytes(*y), RanksTimes(group_size, Bytes(*y))));
   ffi::Error result = ffi::Error::Success();
   NCCLX_RETURN_IF_ERROR(RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
-                                   {x.untyped_data()}, y->untyped_data(), y->size_bytes(), [&](int64_t rank, const std::vector<Published>& peers) {
+                                   {x.untyped_data()}, y->untyped_data(), y->size_bytes(),
+                                   [&](int64_t rank, const std::vector<Published>& peers) {
     const size_t count = y->element_count() * reduced->per_element;
     result = Reduce(kOp, reduced->dtype, static_cast<ReduceOp>(reduce_op), y->untyped_data(), peers,
                     rank * count, count);
@@ -175,10 +176,12 @@ ffi::Error AllToAllImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, ff
                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
                         int64_t timeout_ms, int64_t trace) {
   constexpr std::string_view kOp = "all_to_all";
-  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", y->size_bytes(), x.size_bytes()));
+  NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), group_size));
+  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
   const size_t chunk = x.size_bytes() / group_size;
   return RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
-                    {x.untyped_data()}, y->untyped_data(), y->size_bytes(), [&](int64_t rank, const std::vector<Published>& peers) {
+                    {x.untyped_data()}, y->untyped_data(), y->size_bytes(),
+                    [&](int64_t rank, const std::vector<Published>& peers) {
     char* out = static_cast<char*>(y->untyped_data());
     for (size_t r = 0; r < peers.size(); ++r) {
       std::memcpy(out + r * chunk, static_cast<const char*>(peers[r].data) + rank * chunk, chunk);
@@ -191,13 +194,11 @@ ffi::Error PpermuteImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, ff
                         int64_t timeout_ms, int64_t trace, ffi::Span<const int64_t> sources,
                         ffi::Span<const int64_t> targets) {
   constexpr std::string_view kOp = "ppermute";
-  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", y->size_bytes(), x.size_bytes()));
-  if (static_cast<int64_t>(sources.size()) != group_size || static_cast<int64_t>(targets.size()) != group_size) {
-    return InvalidArgument(kOp, "sources and targets must have one entry per rank (" +
-                                    std::to_string(group_size) + ")");
-  }
+  NCCLX_RETURN_IF_ERROR(CheckPairs(kOp, sources, targets, group_size));
+  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
   return RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
-                    {x.untyped_data()}, y->untyped_data(), y->size_bytes(), [&](int64_t rank, const std::vector<Published>& peers) {
+                    {x.untyped_data()}, y->untyped_data(), y->size_bytes(),
+                    [&](int64_t rank, const std::vector<Published>& peers) {
     const int64_t source = sources[rank];
     if (source < 0) {
       std::memset(y->untyped_data(), 0, y->size_bytes());

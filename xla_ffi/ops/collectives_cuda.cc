@@ -133,41 +133,6 @@ ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   });
 }
 
-// Every rank sees the same sources/targets, so checking that they describe one consistent set of pairs
-// makes all ranks fail together instead of leaving a send or receive without its partner (a hang).
-ffi::Error CheckPairs(std::string_view op, ffi::Span<const int64_t> sources, ffi::Span<const int64_t> targets,
-                      int size) {
-  if (static_cast<int64_t>(sources.size()) != size || static_cast<int64_t>(targets.size()) != size) {
-    return InvalidArgument(op, "sources has " + std::to_string(sources.size()) + " entries and targets " +
-                                   std::to_string(targets.size()) + ", expected one per rank (" +
-                                   std::to_string(size) + ")");
-  }
-  for (int r = 0; r < size; ++r) {
-    const int64_t source = sources[r];
-    const int64_t target = targets[r];
-    if (source < -1 || source >= size || target < -1 || target >= size) {
-      return InvalidArgument(op, "sources[" + std::to_string(r) + "] = " + std::to_string(source) +
-                                     " and targets[" + std::to_string(r) + "] = " + std::to_string(target) +
-                                     " must each be -1 or a rank below " + std::to_string(size));
-    }
-  }
-  for (int r = 0; r < size; ++r) {
-    const int64_t target = targets[r];
-    if (target >= 0 && sources[target] != r) {
-      return InvalidArgument(op, "targets[" + std::to_string(r) + "] = " + std::to_string(target) +
-                                     " but sources[" + std::to_string(target) + "] = " +
-                                     std::to_string(sources[target]) + ", expected " + std::to_string(r));
-    }
-    const int64_t source = sources[r];
-    if (source >= 0 && targets[source] != r) {
-      return InvalidArgument(op, "sources[" + std::to_string(r) + "] = " + std::to_string(source) +
-                                     " but targets[" + std::to_string(source) + "] = " +
-                                     std::to_string(targets[source]) + ", expected " + std::to_string(r));
-    }
-  }
-  return ffi::Error::Success();
-}
-
 ffi::Error PpermuteImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
                         int64_t trace, ffi::Span<const int64_t> sources, ffi::Span<const int64_t> targets) {
