@@ -18,7 +18,7 @@
 
 namespace jax_ncclx {
 
-// Attributes every jax_ncclx custom call carries, in this order, after the op's own.
+// Attributes every jax_ncclx custom call carries, in this order, before the op's own.
 struct CallAttrs {
   int64_t site = 0;          // call site id, unique per lowered call in the process
   int64_t timeout_ms = 0;    // how long a participant waits for its peers; 0: forever

@@ -233,6 +233,7 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
   const NvlinkGrid grid = ChooseNvlinkGrid(*shape, direct == 1, static_cast<int>(blocks), *sm_count,
                                           *sm_count * *per_sm);
 
+  const CallAttrs attrs = MakeCallAttrs(site, timeout_ms, trace);
   NvlinkAllToAllvArgs args;
   args.shape = *shape;
   args.rank = symmetric->rank;
@@ -240,7 +241,7 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
   args.rounds = grid.rounds;
   args.packed = packed == 1;
   args.direct = direct == 1;
-  args.trace = trace == 1 || trace == 2;
+  args.trace = attrs.trace_device;
   args.site = site;
   args.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000;
   args.x = x.untyped_data();
@@ -253,8 +254,8 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
   args.control = symmetric->control;
   args.counts_slot_bytes = layout.counts_slot_bytes;
   args.rows_slot_bytes = layout.rows_slot_bytes;
-  ffi::ErrorOr<GpuCall> call = BeginGpuCall(kOp, MakeCallAttrs(site, timeout_ms, trace), comm_id, symmetric->rank,
-                                            symmetric->size, device_ordinal, stream);
+  ffi::ErrorOr<GpuCall> call =
+      BeginGpuCall(kOp, attrs, comm_id, symmetric->rank, symmetric->size, device_ordinal, stream);
   if (call.has_error()) return call.error();
   return RunGpuCall(*call, /*watch=*/false, y->untyped_data(), y->size_bytes(), [&]() -> ffi::Error {
     ffi::ErrorOr<const int32_t*> send_counts = CountsToSend(*call, counts);
