@@ -10,8 +10,9 @@ from jax.sharding import PartitionSpec as P
 FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 INT_DTYPES = [jnp.int32, jnp.int8]
 MOVE_ONLY_DTYPES = [jnp.float8_e4m3fn]
-# Moved as bytes; reduced as bytes (bool max / min), in int32 (bool sum) or as pairs of floats (complex).
-BOOL_AND_COMPLEX_DTYPES = [jnp.bool_, jnp.complex64]
+# Reduced unlike their own dtype: as bytes (bool max / min), in int32 (bool sum), as pairs of floats (complex),
+# in 32 bits (16-bit integers: NCCL has no type for them).
+SPECIAL_DTYPES = [jnp.bool_, jnp.complex64, jnp.uint16]
 
 
 def spec(mesh):

@@ -2,6 +2,7 @@
 a 2-D mesh or both at once. Each test runs on the CPU backend and, where present, on GPUs (``-m gpu``)."""
 
 import math
+from functools import partial
 
 import jax
 import jax.test_util
@@ -11,7 +12,7 @@ import pytest
 
 import jax_ncclx as nx
 from conftest import gpu_devices, gpu_skip_reason, run_command_buffer_worker
-from helpers import BOOL_AND_COMPLEX_DTYPES, FLOAT_DTYPES, INT_DTYPES, MOVE_ONLY_DTYPES
+from helpers import FLOAT_DTYPES, INT_DTYPES, MOVE_ONLY_DTYPES, SPECIAL_DTYPES
 from helpers import assert_same, put, random_array, smap
 
 
@@ -85,9 +86,9 @@ def lax_reference(name, dtype):
     return ref
 
 
-def check_bool_or_complex(mesh, name, axis, dtype):
-    """OPS[name] on ``dtype`` (BOOL_AND_COMPLEX_DTYPES) matches jax.lax, dtype included; the max / min of
-    complex numbers fail clearly, as in jax.lax."""
+def check_special_dtype(mesh, name, axis, dtype):
+    """OPS[name] on ``dtype`` (SPECIAL_DTYPES) matches jax.lax, dtype included; the max / min of complex numbers
+    fail clearly, as in jax.lax."""
     ours = OPS[name][0]
     x = put(random_array(global_shape(mesh), dtype), mesh)
     if dtype == jnp.complex64 and name in ("all_reduce_max", "all_reduce_min"):
@@ -101,14 +102,26 @@ def check_bool_or_complex(mesh, name, axis, dtype):
 
 
 @pytest.mark.parametrize("axis", ["b", ("a", "b")], ids=AXIS_IDS)
-@pytest.mark.parametrize("dtype", BOOL_AND_COMPLEX_DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype", SPECIAL_DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("name", OPS)
-def test_booleans_and_complex_numbers_match_lax(mesh, name, axis, dtype):
-    check_bool_or_complex(mesh, name, axis, dtype)
+def test_special_dtypes_match_lax(mesh, name, axis, dtype):
+    check_special_dtype(mesh, name, axis, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int16, jnp.uint16], ids=lambda d: jnp.dtype(d).name)
+def test_sums_of_16_bit_integers_wrap_as_in_lax(mesh, dtype):
+    """They are summed in 32 bits; the result wraps to the same 16 bits as jax.lax.psum's."""
+    x = put(np.full(global_shape(mesh), jnp.iinfo(dtype).max - 3, dtype), mesh)
+    scatter = dict(scatter_dimension=1, tiled=True)
+    for ours, ref in ((nx.all_reduce, jax.lax.psum),
+                      (partial(nx.reduce_scatter, **scatter), partial(jax.lax.psum_scatter, **scatter))):
+        actual, expected = (smap(lambda v: op(v, "b"), mesh)(x) for op in (ours, ref))
+        assert actual.dtype == dtype
+        np.testing.assert_array_equal(actual, expected)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.float32, *BOOL_AND_COMPLEX_DTYPES], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("dtype", [jnp.float32, *SPECIAL_DTYPES], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("axis", [("a", "b"), ("b", "a")], ids=AXIS_IDS)
 @pytest.mark.parametrize("name", OPS)
 def test_tuple_of_axes_on_every_gpu(name, axis, dtype):
@@ -118,7 +131,7 @@ def test_tuple_of_axes_on_every_gpu(name, axis, dtype):
     if reason:
         pytest.skip(reason)
     devices = gpu_devices()
-    check_bool_or_complex(jax.sharding.Mesh(np.asarray(devices).reshape(1, len(devices)), ("a", "b")), name, axis,
+    check_special_dtype(jax.sharding.Mesh(np.asarray(devices).reshape(1, len(devices)), ("a", "b")), name, axis,
                           dtype)
 
 

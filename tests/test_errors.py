@@ -58,6 +58,8 @@ def test_eager_primitive_outside_mapped_context():
      ValueError, "layout must be one of"),
     (lambda v: nx.all_to_allv_dynamic(v, jnp.ones(4, jnp.int32), "x", max_recv_per_peer=v.sum().astype(int)),
      TypeError, "static Python int"),
+    (lambda v: nx.all_to_allv_dynamic(v, jnp.ones(4, jnp.int32), "x", max_recv_per_peer=True), TypeError,
+     "max_recv_per_peer must be a static Python int"),
     (lambda v: nx.all_to_allv_dynamic(v, jnp.ones(4, jnp.int32), "x", max_recv_per_peer=2, suffix=v[:, :2] > 0),
      ValueError, r"suffix \[S, G\] with x's dtype and S = 2 \(the send rows\), got x float32\[2, 8\] and suffix "
      r"bool\[2, 2\]"),

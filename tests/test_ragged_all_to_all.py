@@ -198,7 +198,7 @@ def test_matches_lax_ragged_all_to_all_on_gpus():
     (dict(input_offsets=np.zeros(2, np.float32)), TypeError, "input_offsets must be a 1-D integer array"),
     (dict(output_offsets=np.zeros((2, 1), np.int32)), TypeError, "output_offsets must be a 1-D integer array"),
     (dict(max_recv_per_peer=-1), ValueError, "max_recv_per_peer must be >= 0"),
-    (dict(max_recv_per_peer=2.0), TypeError, "max_recv_per_peer must be a static int"),
+    (dict(max_recv_per_peer=2.0), TypeError, "max_recv_per_peer must be a static Python int"),
 ])
 def test_bad_arguments_are_refused(change, error, match):
     mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:2]), ("x",))

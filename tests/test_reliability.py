@@ -22,7 +22,7 @@ from jax_ncclx._src import comm
 from jax_ncclx._src import config
 
 from conftest import gpu_devices, gpu_skip_reason, run_command_buffer_worker
-from helpers import BOOL_AND_COMPLEX_DTYPES, random_array
+from helpers import SPECIAL_DTYPES, random_array
 
 
 @pytest.fixture(params=["cpu", pytest.param("gpu-nvlink", marks=pytest.mark.gpu),
@@ -311,7 +311,7 @@ def _clamped_counts(size):
     return (jnp.arange(2 * size, dtype=jnp.int32).reshape(size, 2) * 5 + 3 * rank) % 9 - 2
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, *BOOL_AND_COMPLEX_DTYPES])
+@pytest.mark.parametrize("dtype", [jnp.float32, *SPECIAL_DTYPES])
 @pytest.mark.parametrize("op", sorted(CHECKSUMMED))
 def test_checksum_mode_passes_clean_data(line, monkeypatch, op, dtype):
     monkeypatch.setenv("JAX_NCCLX_CHECKSUM", "1")

@@ -17,8 +17,6 @@ from jax._src.lax.control_flow import loops as _loops
 from jax._src.lib.mlir.dialects import hlo as _hlo
 from jax._src.sharding_impls import SPMDAxisContext
 
-TESTED_JAX_VERSION = "0.11.2"
-
 NamedAxisEffect = _core.NamedAxisEffect
 
 

@@ -29,15 +29,16 @@ class Config:
       nvlink_oneshot_max_bytes: all_reduce inputs up to this many bytes per rank use the one-shot NVLink
         kernel, larger ones two-shot (``JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES``); None (default): the
         measured crossover for the GPU count, :func:`nvlink_thresholds`.
-      nvlink_max_bytes: all_reduce / all_gather / all_to_all inputs up to this many bytes per rank use NVLink
-        kernels, larger ones NCCL (``JAX_NCCLX_NVLINK_MAX_BYTES``, every op); None (default): by GPU count
-        and op. 0 sends every one of these ops to NCCL.
-      nvlink_protocol: how one-shot NVLink collectives (all_reduce, all_gather, all_to_all) move segments (what
-        one rank sends one peer) of up to 64 KiB (``JAX_NCCLX_NVLINK_PROTOCOL``, NCCL's names): ``"ll"`` 8-byte
-        words of 4 payload bytes and a tag (twice the bytes; the lowest latency); ``"ll128"`` 128-byte lines of
-        120 payload bytes and a flag (1/16 flags; about 0.5 us more latency on H200, and it relies on NVLink
-        delivering a warp's 128-byte store whole, as NCCL's LL128 does); ``"simple"`` the payload, then a flag
-        per thread block; ``"auto"`` (default) LL below ``nvlink_ll128_min_bytes`` per segment, LL128 from there.
+      nvlink_max_bytes: all_reduce / all_gather / all_to_all / reduce_scatter inputs up to this many bytes per
+        rank use NVLink kernels, larger ones NCCL (``JAX_NCCLX_NVLINK_MAX_BYTES``, every op); None (default):
+        by GPU count and op. 0 sends every one of these ops to NCCL.
+      nvlink_protocol: how one-shot NVLink collectives (all_reduce, all_gather, all_to_all, reduce_scatter)
+        move segments (what one rank sends one peer) of up to 64 KiB (``JAX_NCCLX_NVLINK_PROTOCOL``, NCCL's
+        names): ``"ll"`` 8-byte words of 4 payload bytes and a tag (twice the bytes; the lowest latency);
+        ``"ll128"`` 128-byte lines of 120 payload bytes and a flag (1/16 flags; about 0.5 us more latency on
+        H200, and it relies on NVLink delivering a warp's 128-byte store whole, as NCCL's LL128 does);
+        ``"simple"`` the payload, then a flag per thread block; ``"auto"`` (default) LL below
+        ``nvlink_ll128_min_bytes`` per segment, LL128 from there.
         Larger segments, and those not a multiple of 4 bytes, always use simple.
       nvlink_ll128_min_bytes: with ``"auto"``, the segment size from which LL128 replaces LL, every op
         (``JAX_NCCLX_NVLINK_LL128_MIN_BYTES``); None (default): the measured crossover for the GPU count and

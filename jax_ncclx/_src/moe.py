@@ -153,11 +153,11 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
     """
     axis_name = _check_bound_axis(axis_name, "dispatch")
     num_members = jax.lax.axis_size(axis_name)
-    _check_static_int(num_experts, "num_experts", "dispatch", minimum=1)
+    primitive.check_static_int(num_experts, "num_experts", "moe.dispatch", minimum=1)
     if num_experts % num_members:
         raise ValueError(f"jax_ncclx.moe.dispatch: num_experts ({num_experts}) must be a multiple of the size "
                          f"of axis {axis_name!r} ({num_members})")
-    _check_static_int(capacity, "capacity", "dispatch", minimum=1)
+    primitive.check_static_int(capacity, "capacity", "moe.dispatch", minimum=1)
     _check_matrix(tokens, "tokens", "dispatch", jnp.floating)
     _check_matrix(expert_ids, "expert_ids", "dispatch", jnp.integer)
     if jnp.shape(expert_ids)[0] != jnp.shape(tokens)[0] or jnp.shape(expert_ids)[1] < 1:
@@ -488,14 +488,6 @@ def _check_bound_axis(axis_name, op):
         raise NameError(f"jax_ncclx.moe.{op}: unbound axis name {axis_name!r}; call it inside jax.shard_map "
                         "over the expert-parallel mesh axis")
     return axis_name
-
-
-def _check_static_int(value, name, op, *, minimum):
-    if isinstance(value, jax.core.Tracer) or isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"jax_ncclx.moe.{op}: {name} must be a static Python int (it sizes arrays), got "
-                        f"{value!r}; mark it static in jax.jit (static_argnums/static_argnames)")
-    if value < minimum:
-        raise ValueError(f"jax_ncclx.moe.{op}: {name} must be >= {minimum}, got {value}")
 
 
 def _check_matrix(x, name, op, kind):

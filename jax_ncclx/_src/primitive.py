@@ -4,7 +4,7 @@ A collective is a ``jax.extend.core.Primitive`` whose eager ``impl`` refuses to 
 whose abstract eval keeps the varying-manual-axes type (so ``check_vma=True`` works), and whose lowering
 emits this package's own FFI custom call:
 
-* CPU: the target gets this device's partition id as a trailing operand, plus the replica groups (partition
+* CPU: the target gets this device's partition id as its first operand, plus the replica groups (partition
   ids), a call-site id and the timeout as attributes; the handlers meet in-process (``xla_ffi/common``).
 * CUDA: the target gets the ``comm_id`` of an NCCL communicator made for exactly these groups (``comm.py``).
   An op may route its CUDA lowering (:class:`CudaRoute`): pick another target (e.g. its NVLink kernel),
@@ -71,6 +71,17 @@ def axes_of(axis_name) -> tuple:
     return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
+def check_static_int(value, name: str, op: str, *, minimum: int) -> int:
+    """``value`` as an int: a static Python (or NumPy) int of at least ``minimum``, not a bool or a tracer, since
+    it sizes arrays. ``op`` as the message names it, e.g. ``"moe.dispatch"``."""
+    if isinstance(value, (jax.core.Tracer, bool)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"jax_ncclx.{op}: {name} must be a static Python int (it sizes arrays), got {value!r}; "
+                        "mark it static in jax.jit (static_argnums/static_argnames)")
+    if value < minimum:
+        raise ValueError(f"jax_ncclx.{op}: {name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
 def check_dtype(x, op: str, *, reduce_op: str | None = None):
     """Rejects dtypes the op cannot take: anything that is not a number or a boolean (e.g. PRNG key arrays),
     complex numbers in ``max`` / ``min`` (they have no order), 8-bit floats in reductions (they are moved,
@@ -102,13 +113,23 @@ def check_whole_bytes(dtype, op: str):
             f"jax.lax.bitcast_convert_type(x.reshape(..., {8 // bits}), jnp.uint8) and unpack the result")
 
 
+# 16-bit integers reduce in 32 bits (NCCL has no 16-bit integer type); a sum wraps to the same 16 bits.
+_WIDENED = {np.dtype(np.int16): np.int32, np.dtype(np.uint16): np.uint32}
+
+
 def reduction_operand(x, op: str, reduce_op: str):
-    """``x`` as the reduction ``reduce_op`` takes it: booleans to sum are counted in int32, the dtype
-    ``jax.lax.psum`` gives them; every other dtype passes as it is (the handlers sum complex numbers as pairs of
-    their real dtype and take the max / min of booleans as bytes, without a copy). Raises the TypeError of
-    :func:`check_dtype` for what the op cannot take."""
+    """``(operand, restore)``: ``x`` as the reduction ``reduce_op`` takes it, and what turns the result back:
+    booleans to sum are counted in int32, the dtype ``jax.lax.psum`` gives them (``restore`` keeps it);
+    16-bit integers reduce in 32 bits and go back; every other dtype passes as it is (the handlers sum complex
+    numbers as pairs of their real dtype and take the max / min of booleans as bytes, without a copy).
+    Raises the TypeError of :func:`check_dtype` for what the op cannot take."""
     check_dtype(x, op, reduce_op=reduce_op)
-    return x.astype(jnp.int32) if reduce_op == "sum" and jax.typeof(x).dtype == jnp.bool_ else x
+    dtype = np.dtype(jax.typeof(x).dtype)
+    if reduce_op == "sum" and dtype == np.bool_:
+        return x.astype(jnp.int32), lambda y: y
+    if dtype in _WIDENED:
+        return x.astype(_WIDENED[dtype]), lambda y: y.astype(dtype)
+    return x, lambda y: y
 
 
 def accumulation_dtype(dtype):

@@ -19,7 +19,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jax_ncclx._src import all_to_allv_plan
@@ -138,9 +137,4 @@ def _check(operand, output, input_offsets, send_sizes, output_offsets, recv_size
                          f"length, a multiple of N = {size} (the size of the axis), got "
                          f"{ {name: jnp.shape(value)[0] for name, value in named.items()} }")
     capacity = output_shape[0] if max_recv_per_peer is None else max_recv_per_peer
-    if isinstance(capacity, (jax.core.Tracer, bool)) or not isinstance(capacity, (int, np.integer)):
-        raise TypeError(f"jax_ncclx.{_OP}: max_recv_per_peer must be a static int (it sizes the receive buffer), "
-                        f"got {max_recv_per_peer!r}; mark it static in jax.jit (static_argnums/static_argnames)")
-    if capacity < 0:
-        raise ValueError(f"jax_ncclx.{_OP}: max_recv_per_peer must be >= 0, got {capacity}")
-    return next(iter(lengths)) // size, int(capacity)
+    return next(iter(lengths)) // size, primitive.check_static_int(capacity, "max_recv_per_peer", _OP, minimum=0)

@@ -55,11 +55,11 @@ def all_reduce(x, axis_name, op: str = "sum"):
         return jax.tree.map(lambda total: total / size, all_reduce(x, axis_name, "sum"))
 
     def one(leaf):
-        operand = primitive.reduction_operand(leaf, "all_reduce", op)
+        operand, restore = primitive.reduction_operand(leaf, "all_reduce", op)
         y = all_reduce_p.bind(primitive.ensure_varying(operand, axis_name), axis_name=axis_name, op=op)
         if config.current().checksum:
             checksum.verify_all_reduce(axis_name, y)
-        return y
+        return restore(y)
 
     return jax.tree.map(one, x)
 
@@ -111,7 +111,8 @@ def _all_reduce_jvp(primals, tangents, *, axis_name, op):
 
 
 def _all_reduce_transpose(ct, x, *, axis_name, op):
-    assert op == "sum", "only the sum all_reduce is linear"
+    if op != "sum":  # JAX transposes only linear primitives; max / min never reach here through the public API
+        raise NotImplementedError(f"jax_ncclx.all_reduce: the {op} all_reduce is not linear; no transpose")
     ct = ad.instantiate_zeros(ct)
     if compat.check_vma_enabled():
         # as psum: the cotangent is shared by all members (a vmapped axis has no varying type to cast)

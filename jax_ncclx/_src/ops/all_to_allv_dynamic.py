@@ -77,12 +77,8 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
     the rows moved by gathers).
     """
     axis_name = primitive.check_axis_name(axis_name, "all_to_allv_dynamic")
-    if isinstance(max_recv_per_peer, jax.core.Tracer) or not isinstance(max_recv_per_peer, (int, np.integer)):
-        raise TypeError(
-            "jax_ncclx.all_to_allv_dynamic: max_recv_per_peer must be a static Python int (it sizes the "
-            f"output), got {max_recv_per_peer!r}; mark it static in jax.jit (static_argnums/static_argnames)")
-    if max_recv_per_peer < 0:
-        raise ValueError(f"jax_ncclx.all_to_allv_dynamic: max_recv_per_peer must be >= 0, got {max_recv_per_peer}")
+    max_recv_per_peer = primitive.check_static_int(max_recv_per_peer, "max_recv_per_peer", "all_to_allv_dynamic",
+                                                   minimum=0)
     if layout not in LAYOUTS:
         raise ValueError(f"jax_ncclx.all_to_allv_dynamic: layout must be one of {LAYOUTS}, got {layout!r}")
     optional = {name: value for name, value in (("send_rows", send_rows), ("suffix", suffix)) if value is not None}

@@ -57,9 +57,9 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
             need = f"a multiple of the axis size {size} (tiled)" if tiled else f"the axis size {size}"
             raise ValueError(f"jax_ncclx.reduce_scatter: dimension {dim} has size {extent}; it must be {need}")
         front = jnp.moveaxis(leaf, dim, 0)
-        blocks = primitive.reduction_operand(front.reshape(size, extent // size, *front.shape[1:]),
-                                             "reduce_scatter", "sum")
-        y = reduce_scatter_p.bind(primitive.ensure_varying(blocks, axis_name), axis_name=axis_name)
+        blocks, restore = primitive.reduction_operand(front.reshape(size, extent // size, *front.shape[1:]),
+                                                      "reduce_scatter", "sum")
+        y = restore(reduce_scatter_p.bind(primitive.ensure_varying(blocks, axis_name), axis_name=axis_name))
         return jnp.moveaxis(y, 0, dim) if tiled else y.reshape(y.shape[1:])
 
     return jax.tree.map(one, x)
