@@ -64,10 +64,11 @@ def writes_direct(settings: config.Config) -> bool:
 
 def collective_direct(op: str, algorithm: int, nbytes: int, size: int, settings: config.Config) -> bool:
     """The ``direct`` attribute of an all_reduce / all_gather / all_to_all call of ``nbytes`` per rank on ``size``
-    GPUs (reduce_scatter takes none): whether it writes into the peers' outputs rather than their slots. The two-shot all_reduce's
-    all-gather does whenever :func:`writes_direct` (its reduce-scatter flags bring the addresses); simple moves
-    do from ``nvlink_direct_min_bytes`` copied out per receiver, since they must first wait for the peers to
-    enter the call; the kernels ignore it where the data must sit in slots (one-shot all_reduce, LL, LL128)."""
+    GPUs (reduce_scatter takes none): whether it writes into the peers' outputs rather than their slots. The
+    two-shot all_reduce's all-gather does whenever :func:`writes_direct` (its reduce-scatter flags bring the
+    addresses); simple moves do from ``nvlink_direct_min_bytes`` copied out per receiver, since they must first
+    wait for the peers to enter the call; the kernels ignore it where the data must sit in slots (one-shot
+    all_reduce, LL, LL128)."""
     if not writes_direct(settings) or op == "reduce_scatter":  # it reduces what lands in its slots
         return False
     if op == "all_reduce":

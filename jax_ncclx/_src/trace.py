@@ -28,7 +28,8 @@ from jax_ncclx._src import comm
 from jax_ncclx._src import config
 from jax_ncclx._src import lib
 
-KERNELS = {1: "all_to_allv_dynamic", 2: "all_reduce", 3: "all_gather", 4: "all_to_all", 5: "reduce_scatter"}  # TraceKernel
+# TraceKernel (xla_ffi/common/symmetric_layout.h)
+KERNELS = {1: "all_to_allv_dynamic", 2: "all_reduce", 3: "all_gather", 4: "all_to_all", 5: "reduce_scatter"}
 _FIELDS = ("epoch", "start_ns", "peers_ns", "sent_ns", "data_ns", "end_ns", "blocks", "kernel")
 _CALL_FIELDS = ("site", "comm", "group_index", "seq", "rank", "device", "enqueue_ns", "start_ns", "arrive_ns",
                 "end_ns", "injected")
@@ -216,9 +217,10 @@ def summarize(records: list[dict]) -> dict:
     Returns:
       ``calls`` (records summarized), ``kernel_us`` (start to end), ``wait_peers_us`` (start until the last
       block's peer entered: lateness of the other GPUs), ``send_us`` (peers entered until the last block had
-      sent its rows), ``wait_data_us`` (peers entered until the last block's data arrived), ``finish_us`` (data arrived until the end), and ``gap_us``: from the end of one
-      call to the start of the next call on the same GPU, for consecutive calls (idle GPU time between
-      kernels, e.g. waiting for the host to launch). A value is None when no record has it.
+      sent its rows), ``wait_data_us`` (peers entered until the last block's data arrived), ``finish_us`` (data
+      arrived until the end), and ``gap_us``: from the end of one call to the start of the next call on the
+      same GPU, for consecutive calls (idle GPU time between kernels, e.g. waiting for the host to launch). A
+      value is None when no record has it.
     """
     def median(values):
         values = [v / 1e3 for v in values]

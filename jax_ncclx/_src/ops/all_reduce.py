@@ -39,9 +39,10 @@ def all_reduce(x, axis_name, op: str = "sum"):
       NVLink kernels (inputs up to ``JAX_NCCLX_NVLINK_MAX_BYTES``, see README); larger inputs go through NCCL,
       which accumulates in the input dtype.
 
-    Differentiable (``sum`` and ``mean`` are linear; ``max``/``min`` pass the tangent of the members that hold the extreme,
-    averaged over ties) and vmap-able, over non-mesh axes (one collective) or over the op's own axis (local
-    work, as in ``jax.lax``; in a tuple with mesh axes, the batch is reduced here and the rest over the mesh).
+    Differentiable (``sum`` and ``mean`` are linear; ``max``/``min`` pass the tangent of the members that hold
+    the extreme, averaged over ties) and vmap-able, over non-mesh axes (one collective) or over the op's own
+    axis (local work, as in ``jax.lax``; in a tuple with mesh axes, the batch is reduced here and the rest over
+    the mesh).
     """
     axis_name = primitive.check_axis_name(axis_name, "all_reduce")
     if op not in (*primitive.REDUCE_OPS, "mean"):

@@ -206,7 +206,8 @@ def _exchange_between_members(x, counts, *send_rows_and_suffix, capacity, packed
         sent = jax.vmap(jax.vmap(lambda rows, i: jnp.take(rows, i, axis=0, mode="fill", fill_value=0)))(x, index)
         if len(send_rows_and_suffix) == 2:
             sent = jnp.concatenate([sent, send_rows_and_suffix[1]], axis=3)
-    first, delivered, dropped = all_to_allv_plan.plan(counts, sent.shape[2], capacity)      # [N, B, N, K], ..., [N, B, N]
+    # first [N, B, N, K], delivered ..., dropped [N, B, N]
+    first, delivered, dropped = all_to_allv_plan.plan(counts, sent.shape[2], capacity)
     # receiver j's rows from source i: source i's send rows, chunk after chunk of its plan for peer j
     pieces = jax.vmap(jax.vmap(jax.vmap(partial(_piece, capacity=capacity), (None, 0, 0)), (0, 0, 0)), (0, 0, 0))
     padded = jnp.swapaxes(pieces(sent, first, delivered), 0, 2)                      # [N(j), B, N(i), C, ...]
