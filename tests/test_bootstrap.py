@@ -131,6 +131,15 @@ def test_bootstrap_cost_per_process_does_not_grow_with_the_mesh(per_process):
     assert many["kv_ops_max"] <= per_process * sum(roots) <= 3 * per_process * defaults.init_max_roots
 
 
+def test_roots_per_communicator_are_capped(monkeypatch):
+    """JAX_NCCLX_INIT_MAX_ROOTS caps the roots however many ranks a communicator has."""
+    assert config.Config(init_max_roots=2).init_roots(3125) == 2
+    assert config.Config(init_max_roots=2).init_roots(1024) == 1
+    monkeypatch.setenv("JAX_NCCLX_INIT_MAX_ROOTS", "3")
+    monkeypatch.setenv("JAX_NCCLX_INIT_RANKS_PER_ROOT", "100")
+    assert [config.current().init_roots(n) for n in (100, 101, 250, 100000)] == [1, 2, 3, 3]
+
+
 @pytest.mark.parametrize(("size", "roots", "want"), [(8, 1, [0]), (10, 3, [0, 4, 7]), (12, 4, [0, 3, 6, 9]),
                                                      (3125, 4, [0, 782, 1563, 2344])])
 def test_root_ranks_follow_nccls_rule(size, roots, want):

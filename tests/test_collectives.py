@@ -74,7 +74,7 @@ def test_matches_lax(mesh, name, axis, dtype):
     actual = smap(lambda v: ours(v, axis), mesh)(x)
     if dtype in MOVE_ONLY_DTYPES:
         actual = actual.astype(jnp.float32)
-    assert_same(actual, expected, dtype)
+    assert_same(actual, expected, dtype, reduced=reduces)
 
 
 def lax_reference(name, dtype):
@@ -98,7 +98,7 @@ def check_special_dtype(mesh, name, axis, dtype):
     actual = smap(lambda v: ours(v, axis), mesh)(x)
     expected = smap(lambda v: lax_reference(name, dtype)(v, axis), mesh)(x)
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
-    assert_same(actual, expected, dtype)
+    assert_same(actual, expected, dtype, reduced=OPS[name][2])
 
 
 @pytest.mark.parametrize("axis", ["b", ("a", "b")], ids=AXIS_IDS)
@@ -137,33 +137,34 @@ def test_tuple_of_axes_on_every_gpu(name, axis, dtype):
 
 @pytest.mark.parametrize("name", ["all_reduce_sum", "all_gather", "all_to_all", "ppermute"])
 def test_eager_shard_map(mesh, name):
-    ours, ref, _ = OPS[name]
+    ours, ref, reduces = OPS[name]
     x = put(random_array(global_shape(mesh), jnp.float32), mesh)
-    assert_same(smap(lambda v: ours(v, "b"), mesh, jit=False)(x), smap(lambda v: ref(v, "b"), mesh)(x), jnp.float32)
+    assert_same(smap(lambda v: ours(v, "b"), mesh, jit=False)(x), smap(lambda v: ref(v, "b"), mesh)(x), jnp.float32,
+                reduced=reduces)
 
 
 @pytest.mark.parametrize("features", [0, 1, 5])
 @pytest.mark.parametrize("name", OPS)
 def test_odd_and_zero_feature_sizes(mesh, name, features):
-    ours, ref, _ = OPS[name]
+    ours, ref, reduces = OPS[name]
     x = put(random_array(global_shape(mesh, features), jnp.float32), mesh)
     actual = smap(lambda v: ours(v, "b"), mesh)(x)
     if features == 0:  # jax.lax refuses some zero-size collectives; the shape is what there is to check
         assert actual.shape == jax.eval_shape(smap(lambda v: ref(v, "b"), mesh), x).shape
     else:
-        assert_same(actual, smap(lambda v: ref(v, "b"), mesh)(x), jnp.float32)
+        assert_same(actual, smap(lambda v: ref(v, "b"), mesh)(x), jnp.float32, reduced=reduces)
 
 
 @pytest.mark.parametrize("name", OPS)
 def test_vmap_is_one_call(mesh, name):
     """vmap over a non-mesh axis (the feature axis) matches jax.lax and stays a single collective."""
-    ours, ref, _ = OPS[name]
+    ours, ref, reduces = OPS[name]
     x = put(random_array(global_shape(mesh, 4), jnp.float32), mesh)
 
     def batched(op):
         return lambda v: jax.vmap(lambda u: op(u, "b"), in_axes=2, out_axes=2)(v)
 
-    assert_same(smap(batched(ours), mesh)(x), smap(batched(ref), mesh)(x), jnp.float32)
+    assert_same(smap(batched(ours), mesh)(x), smap(batched(ref), mesh)(x), jnp.float32, reduced=reduces)
     jaxpr = str(jax.make_jaxpr(smap(batched(ours), mesh))(x))
     assert jaxpr.count("ncclx_") == 1, jaxpr
 
@@ -174,7 +175,7 @@ def assert_same_up_to_order(actual, expected, dtype, reduces):
     if reduces and dtype == jnp.float32:
         np.testing.assert_allclose(actual, expected, rtol=1e-6, atol=1e-6)
     else:
-        assert_same(actual, expected, dtype)
+        assert_same(actual, expected, dtype, reduced=reduces)
 
 
 @pytest.mark.parametrize("in_axis", [0, 2, None])

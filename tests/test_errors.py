@@ -269,14 +269,14 @@ def test_build_info():
     assert info["ffi_api_version"][0] == 0
 
 
-EMPTY_CALLS = {
-    "all_reduce": lambda v: nx.all_reduce(v, "x"),
-    "all_gather": lambda v: nx.all_gather(v, "x", axis=1, tiled=True),
-    "reduce_scatter": lambda v: nx.reduce_scatter(v, "x", scatter_dimension=0, tiled=True),
-    "all_to_all": lambda v: nx.all_to_all(v, "x", 0, 0, tiled=True),
-    "ppermute": lambda v: nx.ppermute(v, "x", [(0, 1), (1, 0)]),
-    "all_to_allv_dynamic": lambda v: nx.all_to_allv_dynamic(
-        v, jnp.zeros((jax.lax.axis_size("x"),), jnp.int32), "x", max_recv_per_peer=0)[0],
+EMPTY_CALLS = {  # op -> (call on a [n, 0] shard, the global result's shape for n members)
+    "all_reduce": (lambda v: nx.all_reduce(v, "x"), lambda n: (n * n, 0)),
+    "all_gather": (lambda v: nx.all_gather(v, "x", axis=1, tiled=True), lambda n: (n * n, 0)),
+    "reduce_scatter": (lambda v: nx.reduce_scatter(v, "x", scatter_dimension=0, tiled=True), lambda n: (n, 0)),
+    "all_to_all": (lambda v: nx.all_to_all(v, "x", 0, 0, tiled=True), lambda n: (n * n, 0)),
+    "ppermute": (lambda v: nx.ppermute(v, "x", [(0, 1), (1, 0)]), lambda n: (n * n, 0)),
+    "all_to_allv_dynamic": (lambda v: nx.all_to_allv_dynamic(
+        v, jnp.zeros((jax.lax.axis_size("x"),), jnp.int32), "x", max_recv_per_peer=0)[0], lambda n: (n * n, 0, 0)),
 }
 
 
@@ -286,6 +286,7 @@ def test_empty_arrays_are_defined(backend, op):
     mesh = jax.sharding.Mesh(np.asarray(backend[: min(4, len(backend))]), ("x",))
     n = mesh.size
     x = jnp.zeros((n * n, 0), jnp.float32)
-    f = jax.jit(jax.shard_map(EMPTY_CALLS[op], mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+    call, shape = EMPTY_CALLS[op]
+    f = jax.jit(jax.shard_map(call, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
     y = jax.block_until_ready(f(x))
-    assert y.size == 0
+    assert y.shape == shape(n) and y.dtype == jnp.float32

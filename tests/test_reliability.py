@@ -22,7 +22,7 @@ from jax_ncclx._src import comm
 from jax_ncclx._src import config
 
 from conftest import gpu_devices, gpu_skip_reason, run_command_buffer_worker
-from helpers import SPECIAL_DTYPES, random_array
+from helpers import SPECIAL_DTYPES, assert_bits_equal, random_array
 
 
 @pytest.fixture(params=["cpu", pytest.param("gpu-nvlink", marks=pytest.mark.gpu),
@@ -314,12 +314,15 @@ def _clamped_counts(size):
 @pytest.mark.parametrize("dtype", [jnp.float32, *SPECIAL_DTYPES])
 @pytest.mark.parametrize("op", sorted(CHECKSUMMED))
 def test_checksum_mode_passes_clean_data(line, monkeypatch, op, dtype):
-    monkeypatch.setenv("JAX_NCCLX_CHECKSUM", "1")
+    """Checksum mode finds nothing wrong with clean data and leaves the results as they are without it."""
     fn, shape = CHECKSUMMED[op]
     if op == "all_reduce" and dtype == jnp.bool_:
         fn = lambda v: nx.all_reduce(v, "x", "max")  # noqa: E731 - a sum of booleans is int32, no longer bool
     x = random_array((line.size * shape[0] // 4 * 4, shape[1]), dtype)
-    jax.block_until_ready(per_shard(line, fn)(x))
+    monkeypatch.delenv("JAX_NCCLX_CHECKSUM", raising=False)
+    plain = np.asarray(per_shard(line, fn)(x))
+    monkeypatch.setenv("JAX_NCCLX_CHECKSUM", "1")
+    assert_bits_equal(per_shard(line, fn)(x), plain)
     nx.check_errors()
 
 
