@@ -1,5 +1,7 @@
 """Misuse gets a clear error at trace time; a peer that never arrives gets a timeout naming it."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,6 +140,24 @@ def test_bad_timeout_setting(monkeypatch, value):
     with pytest.raises(ValueError, match=rf"JAX_NCCLX_TIMEOUT_S='{value}' is not valid: it must be a number of "
                                          r"seconds from 0 to 1e\+09"):
         config.current()
+
+
+def test_zero_timeout_compiles_calls_without_a_deadline(line, monkeypatch):
+    """JAX_NCCLX_TIMEOUT_S=0 (wait forever) reaches the handlers as timeout_ms = 0, per op too, and the calls
+    run as usual."""
+    x = jnp.arange(8.0).reshape(4, 2)
+
+    def compiled():  # a new jit each time: settings are read when a program is lowered
+        return jax.jit(jax.shard_map(lambda v: nx.all_reduce(v, "x"), mesh=line, in_specs=P("x"), out_specs=P("x")))
+
+    monkeypatch.delenv("JAX_NCCLX_TIMEOUT_S", raising=False)
+    assert re.findall(r"timeout_ms = \d+", compiled().lower(x).as_text()) == ["timeout_ms = 600000"]
+    for name in ("JAX_NCCLX_TIMEOUT_S", "JAX_NCCLX_TIMEOUT_S_ALL_REDUCE"):
+        with monkeypatch.context() as env:
+            env.setenv(name, "0")
+            f = compiled()
+            assert re.findall(r"timeout_ms = \d+", f.lower(x).as_text()) == ["timeout_ms = 0"]
+            np.testing.assert_array_equal(f(x), np.tile(x.reshape(4, 1, 2).sum(0), (4, 1)))
 
 
 def test_per_op_timeouts_name_ops_that_have_them(monkeypatch):
