@@ -114,6 +114,51 @@ def test_per_op_timeout_overrides_the_default(line, monkeypatch):
     assert time.monotonic() - started < 60
 
 
+def _ragged_one_row_each(v):
+    """ragged_all_to_all: every member sends row j of its [N, F] operand to member j, at row (sender) there."""
+    n, me = jax.lax.axis_size("x"), jax.lax.axis_index("x")
+    ones = jnp.ones((n,), jnp.int32)
+    return nx.ragged_all_to_all(v, jnp.zeros_like(v), jnp.arange(n, dtype=jnp.int32), ones, ones * me, ones,
+                                axis_name="x")
+
+
+# The ops whose timeouts the tests above leave out, each with the per-op variables that govern it.
+TIMED_ELSEWHERE = {
+    "ppermute": (lambda v: nx.ppermute(v, "x", [(i, (i + 1) % jax.lax.axis_size("x"))
+                                                for i in range(jax.lax.axis_size("x"))]), ("PPERMUTE",)),
+    "reduce_scatter": (lambda v: nx.reduce_scatter(v, "x", scatter_dimension=0, tiled=True), ("REDUCE_SCATTER",)),
+    "all_to_allv_dynamic": (lambda v: nx.all_to_allv_dynamic(v, jnp.ones((jax.lax.axis_size("x"),), jnp.int32),
+                                                             "x", max_recv_per_peer=1)[0], ("ALL_TO_ALLV_DYNAMIC",)),
+    "ragged_all_to_all": (_ragged_one_row_each, ("ALL_TO_ALLV_DYNAMIC", "ALL_TO_ALL")),
+    "moe.dispatch": (lambda v: nx.moe.dispatch(v, jnp.zeros((v.shape[0], 1), jnp.int32) + jax.lax.axis_index("x"),
+                                               num_experts=jax.lax.axis_size("x"), axis_name="x",
+                                               capacity=v.shape[0])[0], ("ALL_TO_ALLV_DYNAMIC",)),
+}
+
+
+@pytest.mark.parametrize("op", sorted(TIMED_ELSEWHERE))
+def test_per_op_timeouts_govern_every_op(line, monkeypatch, op):
+    """With a 60 s default, the op's own variables (README names them for ragged_all_to_all and moe) make a
+    missing rank an error after their 1 s, well before the default. (Which rank an error names depends on the
+    op: where it has two collectives, the skipped rank goes on to the second and may find its peers missing
+    there; a member whose peer gave up first abandons the call.)"""
+    fn, names = TIMED_ELSEWHERE[op]
+    if not on_gpu(line):
+        # Three CPU members, whose call numbers no other test counts: the skipped rank goes on to the op's next
+        # collective, which the others never reach, so its numbers run one ahead of theirs from then on.
+        line = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:3]), ("x",))
+    seq = next_seq(line, 1)
+    monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", "60")
+    for name in names:
+        monkeypatch.setenv(f"JAX_NCCLX_TIMEOUT_S_{name}", "1")
+    monkeypatch.setenv("JAX_NCCLX_FAULT", f"skip:rank=1,seq={seq}")
+    f = per_shard(line, fn)
+    started = time.monotonic()
+    expect_fault(line, f, (jnp.ones((line.size * line.size, 2)),),
+                 r"did not arrive within 1 s|timed out after 1 s|abandoned because a peer timed out")
+    assert time.monotonic() - started < 30
+
+
 def test_delay_past_the_timeout_names_the_late_rank(line, monkeypatch):
     seq = next_seq(line, 1)
     monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", "1")
