@@ -57,6 +57,27 @@ def test_global_view_under_set_mesh(line):
     np.testing.assert_array_equal(received[:, :, 1], 0)
 
 
+def test_global_view_of_the_ragged_ops_adds_no_xla_collective(line):
+    """all_to_allv_dynamic and ragged_all_to_all on global arrays compile to this package's custom calls only."""
+    n = line.size
+    sharded = lambda a: jax.device_put(a, NamedSharding(line, P("x")))  # noqa: E731
+    x = sharded(random_array((n * n, 2), jnp.float32))
+    ones = sharded(np.ones((n * n,), np.int32))
+    offsets = sharded(np.tile(np.arange(n, dtype=np.int32), n))
+    calls = {
+        "all_to_allv_dynamic": (lambda a, c: nx.all_to_allv_dynamic(a, c, "x", max_recv_per_peer=2)[0], (x, ones)),
+        # member i sends row j to member j, which puts it at row i
+        "ragged_all_to_all": (lambda a, o, c, r: nx.ragged_all_to_all(a, jnp.zeros_like(a), o, c, r, c,
+                                                                      axis_name="x"),
+                              (x, offsets, ones, sharded(np.repeat(np.arange(n, dtype=np.int32), n)))),
+    }
+    for name, (fn, args) in calls.items():
+        with jax.set_mesh(line):
+            hlo = jax.jit(fn).lower(*args).compile().as_text()
+        assert "ncclx_all_to_allv_dynamic" in hlo, name
+        assert not [op for op in XLA_COLLECTIVES if op in hlo], (name, hlo)
+
+
 def explicit_line(line):
     return jax.sharding.Mesh(line.devices, ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
 
