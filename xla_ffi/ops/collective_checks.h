@@ -20,6 +20,11 @@ inline ffi::Error CheckBytes(std::string_view op, std::string_view what, int64_t
                                  expected);
 }
 
+// An output the size of the input (all_reduce, all_to_all, ppermute).
+inline ffi::Error CheckSameBytes(std::string_view op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& y) {
+  return CheckBytes(op, "output", Bytes(y), Bytes(x), "the input's " + std::to_string(Bytes(x)));
+}
+
 inline std::string RanksTimes(int64_t ranks, int64_t bytes) {
   return std::to_string(ranks) + " ranks x " + std::to_string(bytes) + " bytes";
 }

@@ -127,7 +127,7 @@ ffi::Error AllReduceImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, f
   ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(kOp, x.element_type(), reduce_op);
   if (reduced.has_error()) return reduced.error();
   NCCLX_RETURN_IF_ERROR(CheckSameDtype(kOp, x, *y));
-  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
+  NCCLX_RETURN_IF_ERROR(CheckSameBytes(kOp, x, *y));
   ffi::Error result = ffi::Error::Success();
   NCCLX_RETURN_IF_ERROR(RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
                                    {x.untyped_data()}, y->untyped_data(), y->size_bytes(),
@@ -177,7 +177,7 @@ ffi::Error AllToAllImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, ff
                         int64_t timeout_ms, int64_t trace) {
   constexpr std::string_view kOp = "all_to_all";
   NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), group_size));
-  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
+  NCCLX_RETURN_IF_ERROR(CheckSameBytes(kOp, x, *y));
   const size_t chunk = x.size_bytes() / group_size;
   return RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
                     {x.untyped_data()}, y->untyped_data(), y->size_bytes(),
@@ -195,7 +195,7 @@ ffi::Error PpermuteImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, ff
                         ffi::Span<const int64_t> targets) {
   constexpr std::string_view kOp = "ppermute";
   NCCLX_RETURN_IF_ERROR(CheckPairs(kOp, sources, targets, group_size));
-  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
+  NCCLX_RETURN_IF_ERROR(CheckSameBytes(kOp, x, *y));
   return RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
                     {x.untyped_data()}, y->untyped_data(), y->size_bytes(),
                     [&](int64_t rank, const std::vector<Published>& peers) {

@@ -64,8 +64,7 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
   const CommRank* comm = &nccl->comm;
   ffi::ErrorOr<Reduction> reduction = GetReduction(kOp, x, *y, reduce_op);
   if (reduction.has_error()) return reduction.error();
-  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " +
-                                                                          std::to_string(Bytes(x))));
+  NCCLX_RETURN_IF_ERROR(CheckSameBytes(kOp, x, *y));
   if (Bytes(x) == 0) return ffi::Error::Success();
   const size_t count = x.element_count() * reduction->per_element;
   return RunGpuCall(nccl->call, /*watch=*/true, y->untyped_data(), Bytes(*y), [&] {
@@ -122,8 +121,7 @@ ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;
   NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), comm->size));
-  NCCLX_RETURN_IF_ERROR(
-      CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
+  NCCLX_RETURN_IF_ERROR(CheckSameBytes(kOp, x, *y));
   if (Bytes(x) == 0) return ffi::Error::Success();
   return RunGpuCall(nccl->call, /*watch=*/true, y->untyped_data(), Bytes(*y), [&] {
     return CheckNccl(kOp, "ncclAlltoAll",
@@ -141,8 +139,7 @@ ffi::Error PpermuteImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;
   NCCLX_RETURN_IF_ERROR(CheckPairs(kOp, sources, targets, comm->size));
-  NCCLX_RETURN_IF_ERROR(
-      CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
+  NCCLX_RETURN_IF_ERROR(CheckSameBytes(kOp, x, *y));
   const int64_t bytes = Bytes(x);
   if (bytes == 0) return ffi::Error::Success();
 

@@ -127,8 +127,7 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckSameDtype(kOp, x, *y));
-  NCCLX_RETURN_IF_ERROR(
-      CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
+  NCCLX_RETURN_IF_ERROR(CheckSameBytes(kOp, x, *y));
   if (algorithm != static_cast<int64_t>(NvlinkAlgorithm::kOneShot) &&
       algorithm != static_cast<int64_t>(NvlinkAlgorithm::kTwoShot)) {
     return InvalidArgument(kOp, "algorithm is " + std::to_string(algorithm) + ", expected 1 (one-shot) or 2 (two-shot)");
@@ -182,8 +181,7 @@ ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), symmetric->size));
-  NCCLX_RETURN_IF_ERROR(
-      CheckBytes(kOp, "output", Bytes(*y), Bytes(x), "the input's " + std::to_string(Bytes(x))));
+  NCCLX_RETURN_IF_ERROR(CheckSameBytes(kOp, x, *y));
   ffi::ErrorOr<NvlinkCollectiveArgs> args =
       ArgsFor(kOp, NvlinkCollective::kAllToAll, x, *y, call, *symmetric, protocol, direct);
   if (args.has_error()) return args.error();
