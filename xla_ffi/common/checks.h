@@ -10,6 +10,7 @@
 #include <string>
 #include <string_view>
 
+#include "common/reduce_op.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {
@@ -100,10 +101,12 @@ inline std::string_view DataTypeName(ffi::DataType dtype) {
   return "unknown";
 }
 
-// What a reduction adds or compares for a buffer of `dtype`, once `reduce_op` (0 sum, 1 max, 2 min) is checked:
-// complex numbers sum as (real, imaginary) pairs of their real dtype and booleans take max / min (any / all) as
-// bytes, so the handlers reduce both in place rather than after a copy.
+// A reduction as the handlers run it: the reduce_op attribute (0 sum, 1 max, 2 min) checked and decoded, and
+// what it adds or compares for a buffer of the operand's dtype: complex numbers sum as (real, imaginary) pairs
+// of their real dtype and booleans take max / min (any / all) as bytes, so the handlers reduce both in place
+// rather than after a copy.
 struct ReducedDtype {
+  ReduceOp op;
   ffi::DataType dtype;
   int64_t per_element;  // values of `dtype` in one element of the buffer
 };
@@ -112,22 +115,23 @@ inline ffi::ErrorOr<ReducedDtype> GetReducedDtype(std::string_view op, ffi::Data
   if (reduce_op < 0 || reduce_op > 2) {
     return InvalidArgument(op, "reduce_op is " + std::to_string(reduce_op) + ", expected 0 (sum), 1 (max) or 2 (min)");
   }
+  const ReduceOp decoded = static_cast<ReduceOp>(reduce_op);
   switch (dtype) {
     case ffi::C64:
     case ffi::C128:
-      if (reduce_op != 0) {
+      if (decoded != ReduceOp::kSum) {
         return InvalidArgument(op, "cannot take the max or min of dtype " + std::string(DataTypeName(dtype)) +
                                        ": complex numbers have no order");
       }
-      return ReducedDtype{dtype == ffi::C64 ? ffi::F32 : ffi::F64, 2};
+      return ReducedDtype{decoded, dtype == ffi::C64 ? ffi::F32 : ffi::F64, 2};
     case ffi::PRED:
-      if (reduce_op == 0) {
+      if (decoded == ReduceOp::kSum) {
         return InvalidArgument(op, "cannot sum dtype pred into pred; a sum of booleans is counted in s32 (jax_ncclx "
                                    "casts them before the call)");
       }
-      return ReducedDtype{ffi::U8, 1};
+      return ReducedDtype{decoded, ffi::U8, 1};
     default:
-      return ReducedDtype{dtype, 1};
+      return ReducedDtype{decoded, dtype, 1};
   }
 }
 

@@ -275,18 +275,16 @@ ffi::ErrorOr<ncclDataType_t> NcclReductionType(std::string_view op, ffi::DataTyp
   }
 }
 
-ffi::ErrorOr<ncclRedOp_t> NcclReduceOp(std::string_view op, int64_t reduce_op) {
-  switch (reduce_op) {
-    case 0:
+ncclRedOp_t NcclReduceOp(ReduceOp reduce) {
+  switch (reduce) {
+    case ReduceOp::kSum:
       return ncclSum;
-    case 1:
+    case ReduceOp::kMax:
       return ncclMax;
-    case 2:
+    case ReduceOp::kMin:
       return ncclMin;
-    default:
-      return InvalidArgument(op, "reduce_op is " + std::to_string(reduce_op) +
-                                     ", expected 0 (sum), 1 (max) or 2 (min)");
   }
+  return ncclSum;  // not reached: GetReducedDtype decodes only the three
 }
 
 }  // namespace jax_ncclx

@@ -109,8 +109,8 @@ ffi::Error CheckCuda(std::string_view op, std::string_view call, cudaError_t res
 // The NCCL type for reducing `dtype`; InvalidArgument naming the dtype if NCCL cannot reduce it.
 ffi::ErrorOr<ncclDataType_t> NcclReductionType(std::string_view op, ffi::DataType dtype);
 
-// reduce_op attribute (0 sum, 1 max, 2 min) -> ncclRedOp_t.
-ffi::ErrorOr<ncclRedOp_t> NcclReduceOp(std::string_view op, int64_t reduce_op);
+// NCCL's name for `reduce`.
+ncclRedOp_t NcclReduceOp(ReduceOp reduce);
 
 // Runs `body` (a callable returning ffi::Error), then makes the caller's CUDA device current again:
 // creating and destroying communicators switches devices.

@@ -16,8 +16,6 @@
 namespace jax_ncclx {
 namespace {
 
-enum class ReduceOp : int64_t { kSum = 0, kMax = 1, kMin = 2 };
-
 float Bf16ToFloat(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
   float value;
@@ -132,7 +130,7 @@ ffi::Error AllReduceImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, f
   NCCLX_RETURN_IF_ERROR(RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
                                    {x.untyped_data()}, y->untyped_data(), y->size_bytes(),
                                    [&](int64_t, const std::vector<Published>& peers) {
-    result = Reduce(kOp, reduced->dtype, static_cast<ReduceOp>(reduce_op), y->untyped_data(), peers, 0,
+    result = Reduce(kOp, reduced->dtype, reduced->op, y->untyped_data(), peers, 0,
                     x.element_count() * reduced->per_element);
   }));
   return result;
@@ -166,7 +164,7 @@ ffi::Error ReduceScatterImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer 
                                    {x.untyped_data()}, y->untyped_data(), y->size_bytes(),
                                    [&](int64_t rank, const std::vector<Published>& peers) {
     const size_t count = y->element_count() * reduced->per_element;
-    result = Reduce(kOp, reduced->dtype, static_cast<ReduceOp>(reduce_op), y->untyped_data(), peers,
+    result = Reduce(kOp, reduced->dtype, reduced->op, y->untyped_data(), peers,
                     rank * count, count);
   }));
   return result;

@@ -48,11 +48,9 @@ ffi::ErrorOr<Reduction> GetReduction(std::string_view op, const ffi::AnyBuffer& 
   NCCLX_RETURN_IF_ERROR(CheckSameDtype(op, x, y));
   ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(op, x.element_type(), reduce_op);
   if (reduced.has_error()) return reduced.error();
-  ffi::ErrorOr<ncclRedOp_t> red_op = NcclReduceOp(op, reduce_op);
-  if (red_op.has_error()) return red_op.error();
   ffi::ErrorOr<ncclDataType_t> dtype = NcclReductionType(op, reduced->dtype);
   if (dtype.has_error()) return dtype.error();
-  return Reduction{*dtype, *red_op, reduced->per_element};
+  return Reduction{*dtype, NcclReduceOp(reduced->op), reduced->per_element};
 }
 
 ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,

@@ -82,7 +82,7 @@ ffi::ErrorOr<NvlinkCollectiveArgs> ReductionArgsFor(std::string_view name, Nvlin
   if (type.has_error()) return type.error();
   ffi::ErrorOr<NvlinkCollectiveArgs> args = ArgsFor(name, op, x, y, call, symmetric, protocol, direct);
   if (args.has_error()) return args.error();
-  args->reduce = static_cast<ReduceOp>(reduce_op);
+  args->reduce = reduced->op;
   args->reduce_type = *type;
   args->element_bytes = static_cast<int>(ffi::ByteWidth(reduced->dtype));
   return args;

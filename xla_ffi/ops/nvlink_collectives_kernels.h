@@ -32,6 +32,7 @@
 #include <string_view>
 
 #include "common/host_device.h"
+#include "common/reduce_op.h"
 #include "common/symmetric_layout.h"
 
 namespace jax_ncclx {
@@ -57,7 +58,6 @@ NCCLX_HOST_DEVICE inline bool Reduces(NvlinkCollective op) {
 }
 
 enum class NvlinkAlgorithm : int { kOneShot = 1, kTwoShot = 2 };  // two-shot: all_reduce only
-enum class ReduceOp : int { kSum = 0, kMax = 1, kMin = 2 };       // the reduce_op attribute's values
 // Element types the all_reduce kernels reduce. 16-bit floats accumulate in f32 and round once.
 enum class ReduceType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kS32 = 3 };
 // The protocol attribute: the one a one-shot call prefers (the segment may force simple). LL128 relies on
