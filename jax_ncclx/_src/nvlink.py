@@ -17,6 +17,7 @@ Decided while the program is lowered, from the static shapes, the communicator a
 """
 
 import logging
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +88,12 @@ def oneshot_protocol(op: str, nbytes: int, size: int, settings: config.Config) -
         segment = nbytes // size if op in SENDS_BLOCKS else nbytes
         protocol = "ll128" if segment >= config.ll128_min_bytes(size, op, settings) else "ll"
     return config.NVLINK_PROTOCOLS.index(protocol)
+
+
+def route_of(op: str) -> Callable[..., CudaRoute]:
+    """The ``cuda_route`` of :func:`primitive.register_lowerings` for the dense op ``op``: its route does not
+    depend on the primitive's params (an all_reduce's reduction included)."""
+    return lambda ctx, comm_id, size, **params: collective_route(op, ctx, comm_id, size)
 
 
 def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:

@@ -70,9 +70,6 @@ def _all_gather_abstract_eval(x, *, axis_name):
     return primitive.output_aval(x, axis_name, shape=(size, *x.shape)), primitive.effects(axis_name)
 
 
-def _all_gather_cuda_route(ctx, comm_id, size):
-    return nvlink.collective_route("all_gather", ctx, comm_id, size)
-
 
 def _all_gather_batching(axis_data, args, dims, *, axis_name):
     (x,), (d,) = args, dims
@@ -88,6 +85,6 @@ def _all_gather_transpose(ct, x, *, axis_name):
 
 
 all_gather_p.def_effectful_abstract_eval(_all_gather_abstract_eval)
-primitive.register_lowerings(all_gather_p, "ncclx_all_gather", cuda_route=_all_gather_cuda_route)
+primitive.register_lowerings(all_gather_p, "ncclx_all_gather", cuda_route=nvlink.route_of("all_gather"))
 batching.fancy_primitive_batchers[all_gather_p] = _all_gather_batching
 ad.deflinear2(all_gather_p, _all_gather_transpose)

@@ -76,9 +76,6 @@ def _all_reduce_attrs(*, op):
     return {"reduce_op": np.int64(primitive.REDUCE_OPS[op])}
 
 
-def _all_reduce_cuda_route(ctx, comm_id, size, *, op):
-    return nvlink.collective_route("all_reduce", ctx, comm_id, size)
-
 
 def _all_reduce_batching(axis_data, args, dims, *, axis_name, op):
     (x,), (d,) = args, dims
@@ -122,7 +119,7 @@ def _all_reduce_transpose(ct, x, *, axis_name, op):
 
 
 all_reduce_p.def_effectful_abstract_eval(_all_reduce_abstract_eval)
-primitive.register_lowerings(all_reduce_p, "ncclx_all_reduce", _all_reduce_attrs, _all_reduce_cuda_route)
+primitive.register_lowerings(all_reduce_p, "ncclx_all_reduce", _all_reduce_attrs, nvlink.route_of("all_reduce"))
 batching.fancy_primitive_batchers[all_reduce_p] = _all_reduce_batching
 ad.primitive_jvps[all_reduce_p] = _all_reduce_jvp
 ad.primitive_transposes[all_reduce_p] = _all_reduce_transpose

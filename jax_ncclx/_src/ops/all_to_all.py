@@ -76,9 +76,6 @@ def _all_to_all_abstract_eval(x, *, axis_name):
     return primitive.output_aval(x, axis_name), primitive.effects(axis_name)
 
 
-def _all_to_all_cuda_route(ctx, comm_id, size):
-    return nvlink.collective_route("all_to_all", ctx, comm_id, size)
-
 
 def _all_to_all_batching(axis_data, args, dims, *, axis_name):
     (x,), (d,) = args, dims
@@ -94,6 +91,6 @@ def _all_to_all_transpose(ct, x, *, axis_name):
 
 
 all_to_all_p.def_effectful_abstract_eval(_all_to_all_abstract_eval)
-primitive.register_lowerings(all_to_all_p, "ncclx_all_to_all", cuda_route=_all_to_all_cuda_route)
+primitive.register_lowerings(all_to_all_p, "ncclx_all_to_all", cuda_route=nvlink.route_of("all_to_all"))
 batching.fancy_primitive_batchers[all_to_all_p] = _all_to_all_batching
 ad.deflinear2(all_to_all_p, _all_to_all_transpose)

@@ -150,7 +150,7 @@ def _out_shapes(x_shape, counts_shape, size, capacity, packed, suffix=()):
     return y, tuple(counts_shape), (batch, size)
 
 
-def _abstract_eval(x, counts, *others, axis_name, capacity, packed):
+def _all_to_allv_dynamic_abstract_eval(x, counts, *others, axis_name, capacity, packed):
     """``others``: send_rows and the suffix, where given."""
     size = jax.lax.axis_size(axis_name)
     y, recv, dropped = _out_shapes(x.shape, counts.shape, size, capacity, packed, others[1:])
@@ -160,7 +160,7 @@ def _abstract_eval(x, counts, *others, axis_name, capacity, packed):
     return outs, primitive.effects(axis_name)
 
 
-def _attrs(*, capacity, packed):
+def _all_to_allv_dynamic_attrs(*, capacity, packed):
     return {"capacity": np.int64(capacity), "packed": np.int64(packed)}
 
 
@@ -168,7 +168,7 @@ def _align(nbytes: int) -> int:
     return (nbytes + 255) // 256 * 256
 
 
-def _cuda_route(ctx, comm_id, size, *, capacity, packed):
+def _all_to_allv_dynamic_cuda_route(ctx, comm_id, size, *, capacity, packed):
     """The NVLink kernel when the communicator's ranks reach each other over NVLink, else the NCCL path."""
     x, counts, *send_rows_and_suffix = ctx.avals_in
     batch, _, chunks = counts.shape
@@ -188,7 +188,7 @@ def _cuda_route(ctx, comm_id, size, *, capacity, packed):
     return primitive.CudaRoute("ncclx_all_to_allv_dynamic", workspace_bytes=workspace)
 
 
-def _batching(axis_data, args, dims, *, axis_name, capacity, packed):
+def _all_to_allv_dynamic_batching(axis_data, args, dims, *, axis_name, capacity, packed):
     if primitive.batches_own_axis(axis_data, axis_name, "all_to_allv_dynamic"):
         members = [primitive.members_first(axis_data, a, d) for a, d in zip(args, dims)]
         return _exchange_between_members(*members, capacity=capacity, packed=packed), [0, 0, 0]
@@ -234,7 +234,7 @@ def _pack(padded, totals, *, capacity):
     return jnp.take(padded.reshape(-1, *padded.shape[2:]), flat, axis=0, mode="fill", fill_value=0)
 
 
-def _jvp(primals, tangents, *, axis_name, capacity, packed):
+def _all_to_allv_dynamic_jvp(primals, tangents, *, axis_name, capacity, packed):
     """Linear in x and the suffix; counts and send_rows are integers."""
     params = dict(axis_name=axis_name, capacity=capacity, packed=packed)
     y, recv_counts, dropped = all_to_allv_dynamic_p.bind(*primals, **params)
@@ -244,7 +244,7 @@ def _jvp(primals, tangents, *, axis_name, capacity, packed):
     return [y, recv_counts, dropped], [ty, *integer_zeros]
 
 
-def _transpose(cts, x, counts, *send_rows_and_suffix, axis_name, capacity, packed):
+def _all_to_allv_dynamic_transpose(cts, x, counts, *send_rows_and_suffix, axis_name, capacity, packed):
     """Sends each received row's cotangent back to the send row it came from (dropped rows get zeros), then,
     with send_rows, sums the send rows' cotangents into the rows of x they read; the suffix's columns of each
     send row's cotangent are the suffix's cotangent."""
@@ -287,8 +287,9 @@ def _transpose(cts, x, counts, *send_rows_and_suffix, axis_name, capacity, packe
     return [ct_x, None, None, *ct_suffix]
 
 
-all_to_allv_dynamic_p.def_effectful_abstract_eval(_abstract_eval)
-primitive.register_lowerings(all_to_allv_dynamic_p, "ncclx_all_to_allv_dynamic", _attrs, _cuda_route)
-batching.fancy_primitive_batchers[all_to_allv_dynamic_p] = _batching
-ad.primitive_jvps[all_to_allv_dynamic_p] = _jvp
-ad.primitive_transposes[all_to_allv_dynamic_p] = _transpose
+all_to_allv_dynamic_p.def_effectful_abstract_eval(_all_to_allv_dynamic_abstract_eval)
+primitive.register_lowerings(all_to_allv_dynamic_p, "ncclx_all_to_allv_dynamic", _all_to_allv_dynamic_attrs,
+                             _all_to_allv_dynamic_cuda_route)
+batching.fancy_primitive_batchers[all_to_allv_dynamic_p] = _all_to_allv_dynamic_batching
+ad.primitive_jvps[all_to_allv_dynamic_p] = _all_to_allv_dynamic_jvp
+ad.primitive_transposes[all_to_allv_dynamic_p] = _all_to_allv_dynamic_transpose

@@ -76,9 +76,6 @@ def _reduce_scatter_attrs():
     return {"reduce_op": np.int64(primitive.REDUCE_OPS["sum"])}
 
 
-def _reduce_scatter_cuda_route(ctx, comm_id, size):
-    return nvlink.collective_route("reduce_scatter", ctx, comm_id, size)
-
 
 def _reduce_scatter_batching(axis_data, args, dims, *, axis_name):
     (x,), (d,) = args, dims
@@ -99,6 +96,6 @@ def _reduce_scatter_transpose(ct, x, *, axis_name):
 
 reduce_scatter_p.def_effectful_abstract_eval(_reduce_scatter_abstract_eval)
 primitive.register_lowerings(reduce_scatter_p, "ncclx_reduce_scatter", _reduce_scatter_attrs,
-                             _reduce_scatter_cuda_route)
+                             nvlink.route_of("reduce_scatter"))
 batching.fancy_primitive_batchers[reduce_scatter_p] = _reduce_scatter_batching
 ad.deflinear2(reduce_scatter_p, _reduce_scatter_transpose)

@@ -76,12 +76,12 @@ def add_rows(shape, index, rows):
 take_rows_p = primitive.make_local("take_rows")
 
 
-def _abstract_eval(x, index, *suffix, width):
+def _take_rows_abstract_eval(x, index, *suffix, width):
     columns = width + (suffix[0].shape[2] if suffix else 0)
     return primitive.output_aval(x, None, index, *suffix, shape=(*index.shape, columns))
 
 
-def _jvp(primals, tangents, *, width):
+def _take_rows_jvp(primals, tangents, *, width):
     out = take_rows_p.bind(*primals, width=width)
     linear = (tangents[0], *tangents[2:])
     if all(type(t) is ad.Zero for t in linear):  # e.g. integer rows, whose tangents are float0
@@ -90,7 +90,7 @@ def _jvp(primals, tangents, *, width):
     return out, take_rows_p.bind(linear[0], primals[1], *linear[1:], width=width)
 
 
-def _transpose(ct, x, index, *suffix, width):
+def _take_rows_transpose(ct, x, index, *suffix, width):
     """Adds each cotangent row's first W columns into the row of x it was taken from (none for an index
     outside x); the rest of the row is the suffix's cotangent."""
     ct = ad.instantiate_zeros(ct)
@@ -99,8 +99,8 @@ def _transpose(ct, x, index, *suffix, width):
     return [ct_x, None, *ct_suffix]
 
 
-take_rows_p.def_abstract_eval(_abstract_eval)
+take_rows_p.def_abstract_eval(_take_rows_abstract_eval)
 primitive.register_local_lowerings(take_rows_p, "ncclx_take_rows", lambda *, width: {})
 batching.fancy_primitive_batchers[take_rows_p] = functools.partial(primitive.fold_vmap_into_batch, take_rows_p)
-ad.primitive_jvps[take_rows_p] = _jvp
-ad.primitive_transposes[take_rows_p] = _transpose
+ad.primitive_jvps[take_rows_p] = _take_rows_jvp
+ad.primitive_transposes[take_rows_p] = _take_rows_transpose
