@@ -159,6 +159,22 @@ def test_per_op_timeouts_govern_every_op(line, monkeypatch, op):
     assert time.monotonic() - started < 30
 
 
+def test_shutdown_restarts_call_numbers_after_a_fault(line, monkeypatch):
+    """A rank that skipped ragged_all_to_all's first collective goes on to its second, which its peers never
+    reach, so its call numbers on the group run one ahead of theirs. nx.shutdown(), the way out of a fault,
+    starts every rank's numbers at 0 again (on GPU the fresh communicators do; on CPU it restarts them)."""
+    seq = next_seq(line, 1)
+    monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", "1")
+    monkeypatch.setenv("JAX_NCCLX_FAULT", f"skip:rank=1,seq={seq}")
+    expect_fault(line, per_shard(line, _ragged_one_row_each), (jnp.ones((line.size * line.size, 2)),),
+                 r"did not arrive within 1 s|timed out after 1 s|abandoned because a peer timed out")
+    monkeypatch.delenv("JAX_NCCLX_FAULT")
+    nx.shutdown()
+    nx.trace.reset()
+    jax.block_until_ready(per_shard(line, lambda v: nx.all_reduce(v, "x"))(jnp.ones((line.size, 4))))
+    assert sorted((r["rank"], r["seq"]) for r in nx.trace.records()) == [(rank, 0) for rank in range(line.size)]
+
+
 def test_delay_past_the_timeout_names_the_late_rank(line, monkeypatch):
     seq = next_seq(line, 1)
     monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", "1")

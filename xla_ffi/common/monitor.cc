@@ -59,6 +59,11 @@ int64_t NextSequence(int64_t comm, int rank) {
   return sequences[{comm, rank}]++;
 }
 
+void RestartSequences() {
+  std::lock_guard<std::mutex> lock(sequences_mu);
+  sequences.clear();
+}
+
 void SetInjectedFaults(std::vector<InjectedFault> new_faults) {
   std::lock_guard<std::mutex> lock(faults_mu);
   faults = std::move(new_faults);

@@ -48,6 +48,8 @@ std::string RankList(const std::set<int>& ranks);
 
 // The sequence number of rank `rank`'s next call on communicator `comm` (any 64-bit key naming it).
 int64_t NextSequence(int64_t comm, int rank);
+// Forgets every communicator's numbers: the next call on any starts at 0.
+void RestartSequences();
 
 // ---- fault injection ---------------------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 // The Python bindings of monitor.h, defined the same way in both extension modules (each links its own copy
-// of the tables): name_call_site, set_faults and call_records.
+// of the tables): name_call_site, restart_sequences, set_faults and call_records.
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -24,6 +24,7 @@ inline void DefineMonitorBindings(nanobind::module_& m, std::function<void(CallR
   namespace nb = nanobind;
   m.def("name_call_site", &NameCallSite, nb::arg("site"), nb::arg("axis"),
         "Names the axis of a call site, for error messages.");
+  m.def("restart_sequences", &RestartSequences, "Starts every communicator's call numbers at 0 again.");
   m.def(
       "set_faults",
       [](const std::vector<std::tuple<int, int, int64_t, int64_t>>& specs) {
