@@ -1,6 +1,7 @@
 """The communicator bootstrap (jax_ncclx/_src/bootstrap.py): group membership from the mesh shape alone, the
 unique-id exchange, its cost at up to 100,000 simulated ranks, and nx.init / nx.shutdown."""
 
+import logging
 import os
 import sys
 import threading
@@ -15,6 +16,7 @@ import jax_ncclx as nx
 from jax_ncclx._src import bootstrap
 from jax_ncclx._src import comm
 from jax_ncclx._src import config
+from jax_ncclx._src import nvlink
 
 from conftest import gpu_devices, gpu_skip_reason
 
@@ -231,6 +233,33 @@ def test_failed_nccl_creation_is_repeated_not_retried(monkeypatch):
         comm.ensure_nccl(comm_id)
     with pytest.raises(RuntimeError, match="failed earlier: ncclCommInitRankConfig failed"):
         comm.ensure_nccl(comm_id)
+    comm.destroy_all()
+
+
+def test_communicator_without_nvlink_takes_nccl_unless_nvlink_is_forced(monkeypatch, caplog):
+    """A communicator whose ranks cannot reach each other through NVLink: with the default transport its ops
+    take NCCL and one warning (per communicator) gives the reason; JAX_NCCLX_TRANSPORT=nvlink makes lowering
+    fail with that reason; JAX_NCCLX_TRANSPORT=nccl never asks for symmetric memory."""
+    reason = "rank 1 (device 1) cannot reach rank 0 (device 0) through CUDA peer access"
+    asked = []
+    fake = _FakeCudaModule()
+    fake.ensure_symmetric = lambda comm_id, staging, slots, exchange: asked.append(comm_id) or reason
+    monkeypatch.setattr(comm.lib, "cuda_module", lambda: fake)
+    comm.destroy_all()
+    comm_id = comm.communicator_for(jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:2]), ("x",)), "x")
+    monkeypatch.delenv("JAX_NCCLX_TRANSPORT", raising=False)
+    with caplog.at_level(logging.WARNING, logger="jax_ncclx"):
+        assert not nvlink.symmetric_memory_ready("all_reduce", comm_id, slot_bytes=4096)
+        assert not nvlink.symmetric_memory_ready("all_to_allv_dynamic", comm_id, staging_bytes=1 << 20)
+    warnings = [record.getMessage() for record in caplog.records if "cannot use NVLink" in record.getMessage()]
+    assert len(warnings) == 1 and reason in warnings[0] and "use NCCL" in warnings[0], warnings
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nvlink")
+    with pytest.raises(RuntimeError, match=r"jax_ncclx\.all_gather: JAX_NCCLX_TRANSPORT=nvlink but this "
+                                           r"communicator cannot use NVLink: rank 1 \(device 1\) cannot reach"):
+        nvlink.symmetric_memory_ready("all_gather", comm_id, slot_bytes=4096)
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nccl")
+    asked.clear()
+    assert not nvlink.symmetric_memory_ready("all_reduce", comm_id, slot_bytes=4096) and asked == []
     comm.destroy_all()
 
 
