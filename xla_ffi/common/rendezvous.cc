@@ -22,12 +22,13 @@ struct Round {
   int64_t num_arrived = 0;
   int64_t num_departed = 0;
   bool abandoned = false;  // a participant gave up waiting; everyone else must fail too
+  std::string missing;     // the ranks it gave up on, for everyone else's error
 };
 
 std::mutex mu;
 std::condition_variable cv;
 std::map<RoundKey, std::shared_ptr<Round>> rounds;
-std::map<std::pair<int64_t, int64_t>, int64_t> sequences;
+std::map<std::pair<int64_t, int64_t>, std::pair<int64_t, int64_t>> sequences;  // (op, partition) -> (run, next)
 
 std::string MissingRanks(const std::vector<bool>& present) {
   std::string out;
@@ -49,17 +50,18 @@ ffi::Error WaitFor(std::unique_lock<std::mutex>& lock, Round& round, std::string
   } else if (cv.wait_for(lock, timeout, ready) && !round.abandoned) {
     return ffi::Error::Success();
   }
-  const bool i_timed_out = !round.abandoned;
-  round.abandoned = true;
-  cv.notify_all();
   std::string message = std::string(what) + ": ";
-  if (i_timed_out) {
+  if (!round.abandoned) {
+    round.abandoned = true;
+    round.missing = MissingRanks(present);
+    cv.notify_all();
     char seconds[32];  // snprintf, not an ostream: the module's own libstdc++ locale is not set up
     std::snprintf(seconds, sizeof(seconds), "%g", timeout.count() / 1000.0);
-    message += "rank(s) " + MissingRanks(present) + " did not " + std::string(stage) + " within " +
-               seconds + " s (JAX_NCCLX_TIMEOUT_S)";
+    message += "rank(s) " + round.missing + " did not " + std::string(stage) + " within " + seconds +
+               " s (JAX_NCCLX_TIMEOUT_S)";
   } else {
-    message += "abandoned because a peer timed out waiting for rank(s) " + MissingRanks(present);
+    // Named as the peer that timed out saw them: a late rank that arrives afterwards is no longer missing.
+    message += "abandoned because a peer timed out waiting for rank(s) " + round.missing;
   }
   return DeadlineExceeded(op, message);
 }
@@ -67,12 +69,18 @@ ffi::Error WaitFor(std::unique_lock<std::mutex>& lock, Round& round, std::string
 }  // namespace
 
 bool RoundKey::operator<(const RoundKey& other) const {
-  return std::tie(op_id, group_idx, sequence) < std::tie(other.op_id, other.group_idx, other.sequence);
+  return std::tie(op_id, group_idx, run_id, sequence) <
+         std::tie(other.op_id, other.group_idx, other.run_id, other.sequence);
 }
 
-int64_t RendezvousSequence(int64_t op_id, int64_t partition_id) {
+int64_t RendezvousSequence(int64_t op_id, int64_t partition_id, int64_t run_id) {
   std::lock_guard<std::mutex> lock(mu);
-  return sequences[{op_id, partition_id}]++;
+  auto& [run, next] = sequences[{op_id, partition_id}];
+  if (run != run_id) {
+    run = run_id;
+    next = 0;
+  }
+  return next++;
 }
 
 ffi::Error RunCollective(std::string_view op, std::string_view what, const RoundKey& key, int64_t rank, int64_t size,

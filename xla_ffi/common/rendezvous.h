@@ -21,16 +21,21 @@ struct Published {
 };
 
 // Identifies one collective instance: the call site (op_id, unique per lowering), the replica group it runs
-// in, and how many times this call site has run before (a call site inside a loop runs many times).
+// in, the logical execution (XLA's run id, the same on every device of one execution of a program), and how
+// many times this call site has run before in that execution (a call site inside a loop runs many times).
+// Keyed by execution, a call that some participant never made (a skipped rank, a failed peer) leaves the
+// next execution's calls unaffected.
 struct RoundKey {
   int64_t op_id;
   int64_t group_idx;
+  int64_t run_id;
   int64_t sequence;
   bool operator<(const RoundKey& other) const;
 };
 
-// Returns how many times participant `partition_id` has entered call site `op_id` before (0, 1, 2, ...).
-int64_t RendezvousSequence(int64_t op_id, int64_t partition_id);
+// Returns how many times participant `partition_id` has entered call site `op_id` before in execution
+// `run_id` (0, 1, 2, ...). A device runs one execution of a program at a time, so only the latest is kept.
+int64_t RendezvousSequence(int64_t op_id, int64_t partition_id, int64_t run_id);
 
 // Runs one collective: publishes `mine` as `rank` of `size`, waits for all peers, calls `body` with every
 // participant's published pointers (indexed by rank), then waits until all peers have finished their body.

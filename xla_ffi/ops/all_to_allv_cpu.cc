@@ -35,8 +35,9 @@ std::vector<int32_t> CorruptCounts(const int32_t* counts, int64_t n) {
   return out;
 }
 
-ffi::Error AllToAllvImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts,
-                         std::optional<ffi::Buffer<ffi::S32>> send_rows, std::optional<ffi::AnyBuffer> suffix,
+ffi::Error AllToAllvImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
+                         ffi::Buffer<ffi::S32> counts, std::optional<ffi::Buffer<ffi::S32>> send_rows,
+                         std::optional<ffi::AnyBuffer> suffix,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
                          ffi::Result<ffi::Buffer<ffi::S32>> dropped, ffi::Span<const int64_t> groups,
                          int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace, int64_t capacity,
@@ -52,7 +53,7 @@ ffi::Error AllToAllvImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, f
   const int64_t x_row_bytes = row_bytes - suffix_bytes;
 
   ffi::ErrorOr<CpuCall> call =
-      BeginCpuCall(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace);
+      BeginCpuCall(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace);
   if (call.has_error()) return call.error();
   const int32_t* send_counts = counts.typed_data();
   std::vector<int32_t> corrupted;
@@ -108,8 +109,7 @@ ffi::Error AllToAllvImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, f
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuAllToAllvDynamic, AllToAllvImpl,
-                              BindCpuGroupAttrs(ffi::Ffi::Bind()
-                                                    .Arg<ffi::Buffer<ffi::U32>>()   // partition_id (scalar)
+                              BindCpuGroupAttrs(BindCpuCollective()
                                                     .Arg<ffi::AnyBuffer>()          // x [B, X, ...]
                                                     .Arg<ffi::Buffer<ffi::S32>>()   // send_counts [B, N, K]
                                                     .OptionalArg<ffi::Buffer<ffi::S32>>()  // send_rows [B, S]

@@ -118,16 +118,16 @@ ffi::Error Reduce(std::string_view op_name, ffi::DataType dtype, ReduceOp op, vo
   }
 }
 
-ffi::Error AllReduceImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
-                         int64_t timeout_ms, int64_t trace, int64_t reduce_op) {
+ffi::Error AllReduceImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
+                         ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
+                         int64_t site, int64_t timeout_ms, int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "all_reduce";
   ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(kOp, x.element_type(), reduce_op);
   if (reduced.has_error()) return reduced.error();
   NCCLX_RETURN_IF_ERROR(CheckSameDtype(kOp, x, *y));
   NCCLX_RETURN_IF_ERROR(CheckSameBytes(kOp, x, *y));
   ffi::Error result = ffi::Error::Success();
-  NCCLX_RETURN_IF_ERROR(RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
+  NCCLX_RETURN_IF_ERROR(RunInGroup(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
                                    {x.untyped_data()}, y->untyped_data(), y->size_bytes(),
                                    [&](int64_t, const std::vector<Published>& peers) {
     result = Reduce(kOp, reduced->dtype, reduced->op, y->untyped_data(), peers, 0,
@@ -136,13 +136,13 @@ ffi::Error AllReduceImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, f
   return result;
 }
 
-ffi::Error AllGatherImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                         ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
-                         int64_t timeout_ms, int64_t trace) {
+ffi::Error AllGatherImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
+                         ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
+                         int64_t site, int64_t timeout_ms, int64_t trace) {
   constexpr std::string_view kOp = "all_gather";
   const size_t chunk = x.size_bytes();
   NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), group_size * Bytes(x), RanksTimes(group_size, Bytes(x))));
-  return RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
+  return RunInGroup(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
                     {x.untyped_data()}, y->untyped_data(), y->size_bytes(),
                     [&](int64_t, const std::vector<Published>& peers) {
     char* out = static_cast<char*>(y->untyped_data());
@@ -150,7 +150,7 @@ ffi::Error AllGatherImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, f
   });
 }
 
-ffi::Error ReduceScatterImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
+ffi::Error ReduceScatterImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
                              ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups,
                              int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "reduce_scatter";
@@ -160,7 +160,7 @@ ffi::Error ReduceScatterImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer 
   NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), group_size));
   NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "input", Bytes(x), group_size * Bytes(*y), RanksTimes(group_size, Bytes(*y))));
   ffi::Error result = ffi::Error::Success();
-  NCCLX_RETURN_IF_ERROR(RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
+  NCCLX_RETURN_IF_ERROR(RunInGroup(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
                                    {x.untyped_data()}, y->untyped_data(), y->size_bytes(),
                                    [&](int64_t rank, const std::vector<Published>& peers) {
     const size_t count = y->element_count() * reduced->per_element;
@@ -170,14 +170,14 @@ ffi::Error ReduceScatterImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer 
   return result;
 }
 
-ffi::Error AllToAllImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                        ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
-                        int64_t timeout_ms, int64_t trace) {
+ffi::Error AllToAllImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
+                        ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
+                        int64_t site, int64_t timeout_ms, int64_t trace) {
   constexpr std::string_view kOp = "all_to_all";
   NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), group_size));
   NCCLX_RETURN_IF_ERROR(CheckSameBytes(kOp, x, *y));
   const size_t chunk = x.size_bytes() / group_size;
-  return RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
+  return RunInGroup(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
                     {x.untyped_data()}, y->untyped_data(), y->size_bytes(),
                     [&](int64_t rank, const std::vector<Published>& peers) {
     char* out = static_cast<char*>(y->untyped_data());
@@ -187,14 +187,14 @@ ffi::Error AllToAllImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, ff
   });
 }
 
-ffi::Error PpermuteImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                        ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
-                        int64_t timeout_ms, int64_t trace, ffi::Span<const int64_t> sources,
+ffi::Error PpermuteImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
+                        ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
+                        int64_t site, int64_t timeout_ms, int64_t trace, ffi::Span<const int64_t> sources,
                         ffi::Span<const int64_t> targets) {
   constexpr std::string_view kOp = "ppermute";
   NCCLX_RETURN_IF_ERROR(CheckPairs(kOp, sources, targets, group_size));
   NCCLX_RETURN_IF_ERROR(CheckSameBytes(kOp, x, *y));
-  return RunInGroup(kOp, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
+  return RunInGroup(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
                     {x.untyped_data()}, y->untyped_data(), y->size_bytes(),
                     [&](int64_t rank, const std::vector<Published>& peers) {
     const int64_t source = sources[rank];
@@ -206,13 +206,11 @@ ffi::Error PpermuteImpl(ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x, ff
   });
 }
 
-// Binding prefix shared by the single-operand collectives: partition id (every CPU handler's first
-// operand), operand, result.
+// Binding prefix shared by the single-operand collectives: run id and partition id, operand, result.
 auto BindSingleOperand() {
-  return ffi::Ffi::Bind()
-      .Arg<ffi::Buffer<ffi::U32>>()   // partition_id (scalar)
-      .Arg<ffi::AnyBuffer>()          // x
-      .Ret<ffi::AnyBuffer>();         // y
+  return BindCpuCollective()
+      .Arg<ffi::AnyBuffer>()  // x
+      .Ret<ffi::AnyBuffer>();  // y
 }
 
 }  // namespace

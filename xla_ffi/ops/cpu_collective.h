@@ -20,6 +20,11 @@
 
 namespace jax_ncclx {
 
+// Starts the binding of a CPU collective with what every one takes first: the logical execution's run id
+// (the same on every device of one execution of the program) and the partition id (a scalar operand the
+// Python lowering passes first).
+inline auto BindCpuCollective() { return ffi::Ffi::Bind().Ctx<ffi::RunId>().Arg<ffi::Buffer<ffi::U32>>(); }
+
 // Appends the attributes every CPU collective takes, in the order the handlers' parameters after the
 // buffers expect: groups, group_size, site, timeout_ms, trace.
 template <typename Binding>
@@ -38,6 +43,7 @@ struct CpuCall {
   int64_t group_size = 0;
   int64_t comm = 0;  // key of the replica group, for sequence numbers
   int64_t sequence = 0;
+  RoundKey round;    // where the participants meet, taken before a fault may skip the call
   std::optional<InjectedFault> fault;
 };
 
@@ -49,7 +55,7 @@ inline int64_t CpuCommKey(ffi::Span<const int64_t> groups, int64_t group_idx) {
   return static_cast<int64_t>(hash >> 1);
 }
 
-inline ffi::ErrorOr<CpuCall> BeginCpuCall(std::string_view op, uint32_t partition_id,
+inline ffi::ErrorOr<CpuCall> BeginCpuCall(std::string_view op, ffi::RunId run, uint32_t partition_id,
                                           ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
                                           int64_t timeout_ms, int64_t trace) {
   ffi::ErrorOr<GroupPosition> position = FindGroupPosition(op, groups, group_size, partition_id);
@@ -63,6 +69,7 @@ inline ffi::ErrorOr<CpuCall> BeginCpuCall(std::string_view op, uint32_t partitio
   call.comm = CpuCommKey(groups, position->group_idx);
   call.sequence = NextSequence(call.comm, static_cast<int>(position->rank));
   call.fault = InjectedFaultFor(static_cast<int>(position->rank), call.sequence);
+  call.round = RoundKey{site, position->group_idx, run.run_id, RendezvousSequence(site, partition_id, run.run_id)};
   return call;
 }
 
@@ -87,10 +94,9 @@ inline ffi::Error RunCpuCall(const CpuCall& call, Published mine, void* output, 
   if (ApplyDelayOrSkip(call.fault, /*stall_on_host=*/true)) return ffi::Error::Success();
   if (call.attrs.trace) record.start_ns = NowNs();
   const int64_t rank = call.position.rank;
-  const RoundKey key{call.attrs.site, call.position.group_idx, RendezvousSequence(call.attrs.site, call.partition_id)};
   const std::string what = "call #" + std::to_string(call.sequence) + " (" + DescribeCallSite(call.attrs.site) +
                            ", replica group " + std::to_string(call.position.group_idx) + ")";
-  ffi::Error result = RunCollective(call.op, what, key, rank, call.group_size, mine,
+  ffi::Error result = RunCollective(call.op, what, call.round, rank, call.group_size, mine,
                                     std::chrono::milliseconds(call.attrs.timeout_ms),
                                     [&](const std::vector<Published>& peers) {
                                       if (call.attrs.trace) record.arrive_ns = NowNs();
@@ -107,11 +113,11 @@ inline ffi::Error RunCpuCall(const CpuCall& call, Published mine, void* output, 
 }
 
 // BeginCpuCall then RunCpuCall, for handlers that need nothing in between.
-inline ffi::Error RunInGroup(std::string_view op, uint32_t partition_id, ffi::Span<const int64_t> groups,
-                             int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace, Published mine,
-                             void* output, size_t output_bytes,
+inline ffi::Error RunInGroup(std::string_view op, ffi::RunId run, uint32_t partition_id,
+                             ffi::Span<const int64_t> groups, int64_t group_size, int64_t site, int64_t timeout_ms,
+                             int64_t trace, Published mine, void* output, size_t output_bytes,
                              const std::function<void(int64_t, const std::vector<Published>&)>& body) {
-  ffi::ErrorOr<CpuCall> call = BeginCpuCall(op, partition_id, groups, group_size, site, timeout_ms, trace);
+  ffi::ErrorOr<CpuCall> call = BeginCpuCall(op, run, partition_id, groups, group_size, site, timeout_ms, trace);
   if (call.has_error()) return call.error();
   return RunCpuCall(*call, mine, output, output_bytes, body);
 }
