@@ -33,6 +33,21 @@ def test_eager_primitive_outside_mapped_context():
         all_reduce_p.bind(jnp.ones(2), axis_name="x", op="sum")
 
 
+def test_shard_map_must_make_every_axis_manual():
+    """A shard_map whose axis_names leave a mesh axis of size > 1 to the compiler gets a jax_ncclx error naming
+    it (XLA cannot partition the custom calls over it); one of size 1 may stay automatic."""
+    x = jnp.arange(16.0).reshape(4, 4)
+    for shape, automatic in (((2, 2), "'b'"), ((4, 1), None)):
+        mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:4]).reshape(shape), ("a", "b"))
+        f = jax.jit(jax.shard_map(lambda v: nx.all_reduce(v, "a"), mesh=mesh, in_specs=P("a"), out_specs=P(),
+                                  axis_names={"a"}))
+        if automatic is None:
+            np.testing.assert_array_equal(f(x), np.asarray(x).reshape(4, 1, 4).sum(0))
+            continue
+        with pytest.raises(NotImplementedError, match=rf"jax_ncclx\.all_reduce: .*axis_names leave {automatic} "):
+            f(x)
+
+
 @pytest.mark.parametrize("call, error, message", [
     (lambda v: nx.all_reduce(v, "x", op="prod"), ValueError, "op must be one of"),
     (lambda v: nx.all_reduce(v, ("x", "x")), ValueError, r"names an axis twice: \('x', 'x'\)"),

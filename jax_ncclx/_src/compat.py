@@ -54,6 +54,13 @@ def is_spmd_axis_context(axis_context) -> bool:
     return isinstance(axis_context, SPMDAxisContext)
 
 
+def automatic_axes(axis_context) -> tuple:
+    """The axes of size > 1 of an SPMD axis context's mesh that its jax.shard_map left to the compiler
+    (``axis_names`` naming only some)."""
+    mesh = axis_context.mesh
+    return tuple(name for name in mesh.axis_names if name not in axis_context.manual_axes and mesh.shape[name] > 1)
+
+
 def partition_id():
     """MLIR value of this device's partition id (a ``tensor<ui32>``), for use inside a lowering rule."""
     return _hlo.partition_id()

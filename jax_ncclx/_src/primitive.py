@@ -274,8 +274,14 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **par
     axis_context = ctx.module_context.axis_context
     if not compat.is_spmd_axis_context(axis_context):
         raise NotImplementedError(f"{target}: jax_ncclx collectives lower only inside jax.shard_map (not pmap)")
-    groups = compat.replica_groups(axis_context, axes_of(axis_name))
     op = target.removeprefix("ncclx_")
+    automatic = compat.automatic_axes(axis_context)
+    if automatic:  # XLA would have to partition the custom call over them (on CPU it refuses the partition id)
+        raise NotImplementedError(
+            f"jax_ncclx.{op}: jax.shard_map must make every mesh axis of size > 1 manual; its axis_names leave "
+            f"{', '.join(map(repr, automatic))} to the compiler. Leave out axis_names (or name those axes too) and "
+            "give their dimensions in in_specs / out_specs.")
+    groups = compat.replica_groups(axis_context, axes_of(axis_name))
     for aval in ctx.avals_in:  # also for primitives bound directly, past the public functions' checks
         check_whole_bytes(aval.dtype, op)
     settings = config.current()
