@@ -157,6 +157,14 @@ def test_bad_timeout_setting(monkeypatch, value):
         config.current()
 
 
+@pytest.mark.parametrize("value, timeout_ms", [("0.0004", 1), ("0.0015", 2), ("2.5", 2500)])
+def test_timeouts_round_up_to_whole_milliseconds(line, monkeypatch, value, timeout_ms):
+    """The handlers take whole milliseconds, 0 meaning no deadline: a timeout under 1 ms must not become 0."""
+    monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", value)
+    f = jax.jit(jax.shard_map(lambda v: nx.all_reduce(v, "x"), mesh=line, in_specs=P("x"), out_specs=P("x")))
+    assert re.findall(r"timeout_ms = \d+", f.lower(jnp.ones((4, 2))).as_text()) == [f"timeout_ms = {timeout_ms}"]
+
+
 def test_zero_timeout_compiles_calls_without_a_deadline(line, monkeypatch):
     """JAX_NCCLX_TIMEOUT_S=0 (wait forever) reaches the handlers as timeout_ms = 0, per op too, and the calls
     run as usual."""

@@ -5,6 +5,7 @@ compilations; a bad value raises at once with the variable's name and what it ac
 """
 
 import dataclasses
+import math
 import os
 import re
 
@@ -128,6 +129,11 @@ class Config:
     def timeout_s_for(self, op: str) -> float:
         """The timeout of ``op`` ("all_reduce", ...): its ``JAX_NCCLX_TIMEOUT_S_<OP>`` if set, else timeout_s."""
         return dict(self.op_timeouts_s).get(op, self.timeout_s)
+
+    def timeout_ms_for(self, op: str) -> int:
+        """The handlers' ``timeout_ms`` attribute for ``op``: its timeout in whole milliseconds, rounded up, so that
+        a positive timeout under 1 ms stays a timeout rather than becoming 0 (wait forever)."""
+        return math.ceil(self.timeout_s_for(op) * 1000)
 
 
 FAULT_KINDS = ("delay", "skip", "corrupt_counts", "corrupt_payload", "stall")  # xla_ffi/common/monitor.h FaultKind
