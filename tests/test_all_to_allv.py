@@ -610,3 +610,31 @@ def test_nvlink_kernel_inside_command_buffers():
     """With custom calls captured into CUDA graphs, the NVLink kernel gives the reference results call after
     call (the worker checks the compiled program really holds a command buffer)."""
     run_command_buffer_worker("command_buffer_worker.py", JAX_NCCLX_TRANSPORT="nvlink")
+
+
+def test_int64_counts_and_expert_ids_saturate_rather_than_wrap():
+    """Under jax_enable_x64 the integer arguments may be int64. Values beyond int32 saturate: a count of
+    2**32 + 1 stays too large (the member takes its capacity, the rest is reported dropped) instead of wrapping
+    to 1, and an expert id of 2**32 + 5 names no expert instead of expert 5."""
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:2]), ("x",))
+    huge = 2**32 + 1
+    with jax.enable_x64(True):
+        def exchange(x, counts):
+            _, recv, dropped = nx.all_to_allv_dynamic(x, counts[0], "x", max_recv_per_peer=2)
+            return recv[None], dropped[None]
+
+        counts = np.array([[huge, 1], [1, huge]], np.int64)  # each member sends itself too many rows
+        recv, dropped = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=(P("x"), P("x")),
+                                              out_specs=(P("x"), P("x"))))(jnp.ones((8, 3)), counts)
+        np.testing.assert_array_equal(np.diagonal(recv), [2, 2])
+        assert (np.diagonal(dropped) > 0).all(), dropped
+
+        def group_sizes(tokens, ids):
+            _, sizes, _ = nx.moe.dispatch(tokens, ids, num_experts=8, axis_name="x", capacity=8)
+            return sizes[None]
+
+        ids = np.array([[0, 1], [2, huge + 4], [4, 5], [6, 7]], np.int64)  # member 0's second token: 1 valid id
+        sizes = jax.jit(jax.shard_map(group_sizes, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x")))(
+            jnp.ones((4, 3), jnp.float32), ids)
+        np.testing.assert_array_equal(np.asarray(sizes).sum(), 7)
+        np.testing.assert_array_equal(np.asarray(sizes)[1, 1], 1)  # expert 5: member 1's first token only

@@ -173,7 +173,7 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
             raise ValueError(f"jax_ncclx.moe.dispatch: wire_dtype must be None, float8_e4m3fn or float8_e5m2, "
                              f"got {wire_dtype!r}")
         wire_dtype = np.dtype(wire_dtype)
-    arrays = (tokens, jnp.asarray(expert_ids, jnp.int32)) + (() if weights is None else (weights,))
+    arrays = (tokens, primitive.as_int32(expert_ids)) + (() if weights is None else (weights,))
     tokens, expert_ids, *weights = _vary_together(axis_name, arrays)
     return _dispatch(tokens, weights[0] if weights else None, expert_ids, int(num_experts), axis_name,
                      int(capacity), wire_dtype)

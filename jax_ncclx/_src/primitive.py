@@ -113,6 +113,19 @@ def check_whole_bytes(dtype, op: str):
             f"jax.lax.bitcast_convert_type(x.reshape(..., {8 // bits}), jnp.uint8) and unpack the result")
 
 
+def as_int32(x):
+    """Integer array ``x`` (counts, row indices, expert ids) as int32, values beyond int32's range saturated to
+    its ends rather than wrapped: under ``jax_enable_x64`` a count of 2**32 + 1 must stay a count too large
+    (clamped, and reported where the op reports drops), not become 1."""
+    x = jnp.asarray(x)
+    info, limits = jnp.iinfo(x.dtype), jnp.iinfo(jnp.int32)
+    if info.max > limits.max:
+        x = jnp.minimum(x, np.asarray(limits.max, x.dtype))
+    if info.min < limits.min:
+        x = jnp.maximum(x, np.asarray(limits.min, x.dtype))
+    return x.astype(jnp.int32)
+
+
 # 16-bit integers reduce in 32 bits (NCCL has no 16-bit integer type); a sum wraps to the same 16 bits.
 _WIDENED = {np.dtype(np.int16): np.int32, np.dtype(np.uint16): np.uint32}
 

@@ -79,12 +79,12 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     num_rows, out_rows = jnp.shape(operand)[0], jnp.shape(output)[0]
     if not slices or not capacity or not out_rows:  # static on every member: nothing can land
         return output
-    sizes = jnp.clip(jnp.asarray(send_sizes, jnp.int32), 0, num_rows)
-    send_rows = _send_rows(jnp.asarray(input_offsets, jnp.int32), sizes, num_rows)
+    sizes = jnp.clip(primitive.as_int32(send_sizes), 0, num_rows)
+    send_rows = _send_rows(primitive.as_int32(input_offsets), sizes, num_rows)
     y, recv_counts, _ = all_to_allv_dynamic(operand, sizes.reshape(size, slices), axis_name,
                                             max_recv_per_peer=capacity, send_rows=send_rows)
-    landing = all_to_all(jnp.asarray(output_offsets, jnp.int32).reshape(size, slices), axis_name, 0, 0, tiled=True)
-    taken = jnp.minimum(recv_counts, jnp.asarray(recv_sizes, jnp.int32).reshape(size, slices))
+    landing = all_to_all(primitive.as_int32(output_offsets).reshape(size, slices), axis_name, 0, 0, tiled=True)
+    taken = jnp.minimum(recv_counts, primitive.as_int32(recv_sizes).reshape(size, slices))
     source_row = _source_rows(recv_counts, taken, landing, capacity, out_rows)
     received = y.reshape(size * capacity, *y.shape[2:])
     landed = jnp.take(received, jnp.maximum(source_row, 0), axis=0)

@@ -49,7 +49,8 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
         included). With ``send_rows``, x is ``[X, ...]`` with any X, and the send rows are gathered from it.
         With ``suffix``, x is ``[X, F]``.
       send_counts: int32 ``[N]`` (rows for each peer) or ``[N, K]`` (rows of each chunk, e.g. K local experts);
-        N is the size of ``axis_name``. Other integer dtypes are converted to int32.
+        N is the size of ``axis_name``. Other integer dtypes are converted to int32, values beyond its
+        range saturated (a count too large stays too large).
       axis_name: the mesh axis, or a tuple of axes taken as one (static; the first axis major, as
         ``jax.lax.axis_index`` of the tuple).
       max_recv_per_peer: C, the most rows taken from any one source (static Python int >= 0).
@@ -118,10 +119,10 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
         if send_rows is None:  # the kernels take a suffix only after send_rows
             send_rows = jnp.arange(num_rows, dtype=jnp.int32)
     primitive.check_dtype(x, "all_to_allv_dynamic")
-    extra = () if send_rows is None else (jnp.asarray(send_rows, jnp.int32)[None],)
+    extra = () if send_rows is None else (primitive.as_int32(send_rows)[None],)
     if suffix is not None:
         extra += (primitive.ensure_varying(suffix, axis_name)[None],)
-    counts = jnp.asarray(send_counts, jnp.int32).reshape(1, size, -1)
+    counts = primitive.as_int32(send_counts).reshape(1, size, -1)
     y, recv_counts, dropped = all_to_allv_dynamic_p.bind(
         primitive.ensure_varying(x, axis_name)[None], counts, *extra, axis_name=axis_name,
         capacity=int(max_recv_per_peer), packed=layout == "packed")
