@@ -277,9 +277,11 @@ def test_init_and_shutdown_on_cpu():
         nx.init()
 
 
-@pytest.mark.parametrize("axes", [["c"], [("a", "a")], [()], [("a", "c")]], ids=str)
+@pytest.mark.parametrize("axes", [["c"], [("a", "a")], [()], [("a", "c")], "ab"], ids=str)
 def test_init_refuses_axes_outside_the_mesh(axes):
+    """A string is one axis name, not a list of its letters ("ab" is neither axis)."""
     mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:4]).reshape(2, 2), ("a", "b"))
+    nx.init(mesh, axes="a")
     with pytest.raises(ValueError, match=r"jax_ncclx.init: .* is not an axis of the mesh \(axes \('a', 'b'\)\)"):
         nx.init(mesh, axes=axes)
 

@@ -199,15 +199,17 @@ def test_matches_lax_ragged_all_to_all_on_gpus():
     (dict(output_offsets=np.zeros((2, 1), np.int32)), TypeError, "output_offsets must be a 1-D integer array"),
     (dict(max_recv_per_peer=-1), ValueError, "max_recv_per_peer must be >= 0"),
     (dict(max_recv_per_peer=2.0), TypeError, "max_recv_per_peer must be a static Python int"),
+    (dict(axis_index_groups=[[0, 1]]), NotImplementedError, "axis_index_groups is not supported"),
 ])
 def test_bad_arguments_are_refused(change, error, match):
     mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:2]), ("x",))
     args = dict(operand=np.zeros((OPERAND_ROWS, 3), np.float32), output=np.zeros((OUTPUT_ROWS, 3), np.float32),
                 input_offsets=np.zeros(2, np.int32), send_sizes=np.zeros(2, np.int32),
-                output_offsets=np.zeros(2, np.int32), recv_sizes=np.zeros(2, np.int32), max_recv_per_peer=None)
+                output_offsets=np.zeros(2, np.int32), recv_sizes=np.zeros(2, np.int32), max_recv_per_peer=None,
+                axis_index_groups=None)
     args.update(change)
-    capacity = args.pop("max_recv_per_peer")
-    fn = jax.shard_map(lambda *a: nx.ragged_all_to_all(*a, axis_name="x", max_recv_per_peer=capacity),
+    static = dict(max_recv_per_peer=args.pop("max_recv_per_peer"), axis_index_groups=args.pop("axis_index_groups"))
+    fn = jax.shard_map(lambda *a: nx.ragged_all_to_all(*a, axis_name="x", **static),
                        mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
     with pytest.raises(error, match=match):
         jax.eval_shape(fn, *args.values())

@@ -312,6 +312,20 @@ def test_merge_tool_names_the_rank_that_never_started(line, monkeypatch, tmp_pat
     assert next(e for e in report if e["seq"] == seq)["never_started"] == [skipped]
 
 
+def test_merge_takes_a_dump_file_its_json_or_its_part(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAX_NCCLX_TRACE", "1")
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:4]), ("x",))
+    nx.trace.reset()
+    jax.block_until_ready(per_shard(mesh, lambda v: nx.all_reduce(v, "x"))(jnp.ones((4, 4))))
+    path = nx.trace.dump(tmp_path / "dump.json")
+    whole = json.load(open(path))
+    merged = nx.trace.merge([path])
+    assert [(e["op"], e["ranks"], e["never_started"]) for e in merged] == [("all_reduce", 4, [])]
+    assert nx.trace.merge([whole]) == nx.trace.merge([whole["jax_ncclx"]]) == merged
+    with pytest.raises(TypeError, match="trace.merge: expected a file written by jax_ncclx.trace.dump"):
+        nx.trace.merge([{"traceEvents": []}])
+
+
 def test_tracing_off_records_nothing(line, monkeypatch):
     monkeypatch.setenv("JAX_NCCLX_TRACE", "0")
     nx.trace.reset()

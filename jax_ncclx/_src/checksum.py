@@ -69,9 +69,9 @@ def _report(op: str, axis_name, bad, what: str):
         ranks = np.flatnonzero(np.asarray(bad)).tolist()
         if not ranks:
             return
-        message = f"jax_ncclx checksum mismatch in {op} on axis {axis_name!r}: rank {int(me)} {what} {ranks}"
-        logger.error(message)
-        _mismatches.append(message)
+        message = f"checksum mismatch in {op} on axis {axis_name!r}: rank {int(me)} {what} {ranks}"
+        logger.error("jax_ncclx: %s", message)
+        _mismatches.append(message)  # check_errors puts its "jax_ncclx: " in front
 
     jax.debug.callback(check, bad, me)
 

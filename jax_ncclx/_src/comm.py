@@ -177,16 +177,22 @@ def init(mesh: jax.sharding.Mesh | None = None, axes: Sequence | None = None):
     Args:
       mesh: the mesh (default: the mesh of ``jax.set_mesh``).
       axes: the ``axis_name`` of each communicator to make, as the ops take it: a mesh axis, or a tuple of
-        axes taken as one (each order its own communicator), e.g. ``["data", ("data", "expert")]``. Default:
-        every axis of the mesh, one by one.
+        axes taken as one (each order its own communicator), e.g. ``["data", ("data", "expert")]``; one axis
+        name alone (a string) stands for a list of it. Default: every axis of the mesh, one by one.
+
+    Returns:
+      None.
 
     Raises:
       ValueError: no mesh given and none set; an entry of ``axes`` that is not a mesh axis or a tuple of
         distinct ones.
+      RuntimeError: on GPU, NCCL failed to make a communicator (NCCL's message).
     """
     mesh = mesh if mesh is not None else compat.concrete_context_mesh()
     if mesh is None or mesh.empty:
         raise ValueError("jax_ncclx.init: pass a jax.sharding.Mesh or call it under jax.set_mesh(mesh)")
+    if isinstance(axes, str):  # one axis, not its letters
+        axes = [axes]
     wanted = [tuple(a) if isinstance(a, (tuple, list)) else a for a in (mesh.axis_names if axes is None else axes)]
     for axis_name in wanted:
         names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
@@ -202,9 +208,10 @@ def init(mesh: jax.sharding.Mesh | None = None, axes: Sequence | None = None):
 def shutdown():
     """Frees every communicator and all their memory (after the work queued on them finished) and drops JAX's
     compiled programs, so that the next call of a jitted function compiles anew and makes fresh communicators:
-    jax_ncclx works again after it. A program object compiled before (``.lower().compile()``) fails with a
-    clear error. Collective: every process calls it. Also the way out of a communicator that stopped working
-    (:func:`check_errors`)."""
+    jax_ncclx works again after it. On GPU a program object compiled before (``.lower().compile()``) fails with
+    a clear error; on CPU, which has no communicators, it still runs. Also restarts every rank's call numbers
+    (the trace's ``seq``, and ``JAX_NCCLX_FAULT``'s) at 0. Collective: every process calls it. Also the way out
+    of a communicator that stopped working (:func:`check_errors`). Returns None."""
     global _generation
     destroy_all()
     jax.clear_caches()

@@ -70,7 +70,9 @@ def build_info() -> dict:
     """What this installation of jax_ncclx can do.
 
     Returns:
-      A dict with ``cpu`` (always True), ``cuda`` (True when the CUDA/NCCL handlers are built and load),
+      A dict with ``cpu`` (always True), ``cuda`` (True when the CUDA/NCCL handlers are built and their
+      module loads, which needs the CUDA runtime and NCCL libraries, not a GPU: a machine without one reports
+      True and skips the GPU tests),
       ``cuda_status`` (why not, otherwise "built"), ``nccl_version`` / ``nccl_build_version`` (ints like 22809,
       or None), ``ffi_api_version`` of the XLA headers compiled against, and ``jax_version``.
     """

@@ -120,7 +120,7 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
       tokens: ``[T, H]`` any float dtype, this member's tokens.
       expert_ids: ``[T, k]`` integers, the experts each token chose (top-k). An id outside ``[0, num_experts)``
         (e.g. -1) chooses no expert. That pair is not sent, is not counted as dropped, and contributes zero.
-      num_experts: E, the total number of experts, a multiple of the axis size N (static).
+      num_experts: E, the total number of experts, a multiple of the axis size N and at most 2048 (static).
       axis_name: the expert-parallel mesh axis, or a tuple of axes taken as one (static; members in the
         order of ``jax.lax.axis_index`` of the tuple, the first axis major).
       capacity: C >= 1, the most (token, choice) pairs this member gives any one member, and takes from any
@@ -154,9 +154,10 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
     axis_name = _check_bound_axis(axis_name, "dispatch")
     num_members = jax.lax.axis_size(axis_name)
     primitive.check_static_int(num_experts, "num_experts", "moe.dispatch", minimum=1)
-    if num_experts % num_members:
+    if num_experts % num_members or num_experts > moe_routing.MAX_EXPERTS:
         raise ValueError(f"jax_ncclx.moe.dispatch: num_experts ({num_experts}) must be a multiple of the size "
-                         f"of axis {axis_name!r} ({num_members})")
+                         f"of axis {axis_name!r} ({num_members}) and at most {moe_routing.MAX_EXPERTS} (the "
+                         "routing kernels count experts in shared memory)")
     primitive.check_static_int(capacity, "capacity", "moe.dispatch", minimum=1)
     _check_matrix(tokens, "tokens", "dispatch", jnp.floating)
     _check_matrix(expert_ids, "expert_ids", "dispatch", jnp.integer)
@@ -169,10 +170,14 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
             raise ValueError(f"jax_ncclx.moe.dispatch: weights must be [T, k] = {list(jnp.shape(expert_ids))} "
                              f"like expert_ids, got shape {jnp.shape(weights)}")
     if wire_dtype is not None:
-        if not any(np.dtype(wire_dtype) == np.dtype(d) for d in WIRE_DTYPES):
+        try:
+            named = np.dtype(wire_dtype)
+        except TypeError:  # not a dtype at all, e.g. "fp8"
+            named = None
+        if named is None or not any(named == np.dtype(d) for d in WIRE_DTYPES):
             raise ValueError(f"jax_ncclx.moe.dispatch: wire_dtype must be None, float8_e4m3fn or float8_e5m2, "
                              f"got {wire_dtype!r}")
-        wire_dtype = np.dtype(wire_dtype)
+        wire_dtype = named
     arrays = (tokens, primitive.as_int32(expert_ids)) + (() if weights is None else (weights,))
     tokens, expert_ids, *weights = _vary_together(axis_name, arrays)
     return _dispatch(tokens, weights[0] if weights else None, expert_ids, int(num_experts), axis_name,

@@ -71,13 +71,13 @@ def axes_of(axis_name) -> tuple:
     return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
-def check_static_int(value, name: str, op: str, *, minimum: int) -> int:
-    """``value`` as an int: a static Python (or NumPy) int of at least ``minimum``, not a bool or a tracer, since
-    it sizes arrays. ``op`` as the message names it, e.g. ``"moe.dispatch"``."""
+def check_static_int(value, name: str, op: str, *, minimum: int | None = None) -> int:
+    """``value`` as an int: a static Python (or NumPy) int, of at least ``minimum`` if given, not a bool or a
+    tracer, since it sizes arrays or picks a dimension. ``op`` as the message names it, e.g. ``"moe.dispatch"``."""
     if isinstance(value, (jax.core.Tracer, bool)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"jax_ncclx.{op}: {name} must be a static Python int (it sizes arrays), got {value!r}; "
-                        "mark it static in jax.jit (static_argnums/static_argnames)")
-    if value < minimum:
+        raise TypeError(f"jax_ncclx.{op}: {name} must be a static Python int, got {value!r}; mark it static in "
+                        "jax.jit (static_argnums/static_argnames)")
+    if minimum is not None and value < minimum:
         raise ValueError(f"jax_ncclx.{op}: {name} must be >= {minimum}, got {value}")
     return int(value)
 

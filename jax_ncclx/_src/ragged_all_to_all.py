@@ -30,7 +30,7 @@ _OP = "ragged_all_to_all"
 
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name,
-                      max_recv_per_peer: int | None = None):
+                      axis_index_groups=None, max_recv_per_peer: int | None = None):
     """``jax.lax.ragged_all_to_all`` on jax_ncclx's all-to-all-v kernels.
 
     Slice i of this member, ``operand[input_offsets[i] : input_offsets[i] + send_sizes[i]]``, goes to member
@@ -44,6 +44,8 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
         ``axis_name``: K slices per peer, peer-major. ``recv_sizes[i]`` is the rows this member takes from
         slice ``i % K`` of member ``i // K``.
       axis_name: the mesh axis, or a tuple of axes taken as one (static).
+      axis_index_groups: None only (``jax.lax``'s signature); groups within an axis are not supported: give
+        each group a mesh axis of its own.
       max_recv_per_peer: C, the most rows this member takes from one peer, all its slices together (static
         int >= 0; default O, which no valid call exceeds). It sizes the ``[N, C, ...]`` receive buffer.
 
@@ -68,6 +70,9 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     Raises:
       TypeError / ValueError: a bad argument (the message names it).
     """
+    if axis_index_groups is not None:
+        raise NotImplementedError(f"jax_ncclx.{_OP}: axis_index_groups is not supported; make each group a mesh "
+                                  "axis of its own and pass it as axis_name")
     axis_name = primitive.check_axis_name(axis_name, _OP)
     args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
     if not primitive.is_bound(axis_name):

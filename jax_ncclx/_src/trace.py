@@ -152,9 +152,11 @@ def dump(path: str | os.PathLike) -> str:
     return os.fspath(path)
 
 
-def merge(dumps: list[dict]) -> list[dict]:
-    """Lines up the calls of several dumps (the ``"jax_ncclx"`` parts of :func:`dump` files, e.g. one per
-    process) by group and sequence number.
+def merge(dumps: list) -> list[dict]:
+    """Lines up the calls of several dumps (e.g. one per process) by group and sequence number.
+
+    Args:
+      dumps: each a file :func:`dump` wrote (a path), its JSON loaded, or that JSON's ``"jax_ncclx"`` part.
 
     Returns:
       One dict per collective, ordered by group and seq: ``group``, ``seq``, ``op`` (the ops seen, joined by
@@ -165,7 +167,7 @@ def merge(dumps: list[dict]) -> list[dict]:
     """
     calls: dict[tuple, list[dict]] = {}
     for d in dumps:
-        for c in d["calls"]:
+        for c in _recorded_calls(d):
             calls.setdefault((tuple(c["group"]), c["seq"]), []).append(c)
     out = []
     for (group, seq), seen in sorted(calls.items()):
@@ -184,6 +186,20 @@ def merge(dumps: list[dict]) -> list[dict]:
             entry["duration_us"] = (max(c["end_ns"] for c in ended) - min(c["start_ns"] for c in started)) / 1e3
         out.append(entry)
     return out
+
+
+def _recorded_calls(dump_or_path) -> list[dict]:
+    """The call records of one :func:`merge` argument."""
+    part = dump_or_path
+    if isinstance(part, (str, os.PathLike)):
+        with open(part) as f:
+            part = json.load(f)
+    if isinstance(part, dict) and "jax_ncclx" in part:
+        part = part["jax_ncclx"]
+    if not isinstance(part, dict) or "calls" not in part:
+        raise TypeError(f"jax_ncclx.trace.merge: expected a file written by jax_ncclx.trace.dump, its JSON or the "
+                        f"JSON's 'jax_ncclx' part, got {type(dump_or_path).__name__} {str(dump_or_path)[:80]!r}")
+    return part["calls"]
 
 
 def device_timeline(comm_ids=None) -> list[dict]:

@@ -22,11 +22,7 @@ def main(argv=None) -> int:
     merging.add_argument("--json", help="also write the merged report here")
     args = parser.parse_args(argv)
 
-    parts = []
-    for path in args.dumps:
-        with open(path) as f:
-            parts.append(json.load(f)["jax_ncclx"])
-    report = merge(parts)
+    report = merge(args.dumps)
     print(f"{'group':>16} {'seq':>6} {'op':<22} {'ranks':>5} {'slowest':>7} {'late':>5} {'spread_us':>10} "
           f"{'duration_us':>11}  never started / unfinished")
     for e in report:

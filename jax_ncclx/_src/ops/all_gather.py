@@ -34,6 +34,14 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
     Returns:
       ``[..., N, ...]`` (stacked) or ``x.shape`` with ``shape[axis] * N`` (tiled); block i comes from axis
       index i. Same dtype as ``x``.
+
+    Raises:
+      NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map`` (and no mesh shards ``x``).
+      ValueError: ``axis`` out of range; an axis named twice.
+      TypeError: a dtype the op cannot take (not a number or boolean, or under a byte); ``axis`` not a static
+        int.
+      NotImplementedError: vmap over ``axis_name`` inside a tuple with mesh axes; a shard_map that leaves a mesh
+        axis of size > 1 to the compiler.
     """
     axis_name = primitive.check_axis_name(axis_name, "all_gather")
     if not primitive.is_bound(axis_name):
@@ -57,6 +65,7 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
 
 
 def _normalize_axis(axis: int, ndim: int, op: str) -> int:
+    axis = primitive.check_static_int(axis, "axis", op)
     if not -ndim <= axis < ndim:
         raise ValueError(f"jax_ncclx.{op}: axis {axis} is out of range for a result of rank {ndim}")
     return axis % ndim

@@ -43,6 +43,14 @@ def all_reduce(x, axis_name, op: str = "sum"):
     the extreme, averaged over ties) and vmap-able, over non-mesh axes (one collective) or over the op's own
     axis (local work, as in ``jax.lax``; in a tuple with mesh axes, the batch is reduced here and the rest over
     the mesh).
+
+    Raises:
+      NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map`` (and no mesh shards ``x``).
+      ValueError: an unknown ``op``; an axis named twice.
+      TypeError: a dtype the op cannot take (not a number or boolean; under a byte; an 8-bit float; the max /
+        min of complex numbers).
+      NotImplementedError: a shard_map that leaves a mesh axis of size > 1 to the compiler (README, "Sharp
+        bits").
     """
     axis_name = primitive.check_axis_name(axis_name, "all_reduce")
     if op not in (*primitive.REDUCE_OPS, "mean"):

@@ -34,7 +34,18 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
         True: the blocks are concatenated along the existing ``concat_axis`` (static).
 
     Returns:
-      The same result as ``jax.lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=tiled)``.
+      ``jax.lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=tiled)``'s result, with x's dtype:
+      untiled, ``x`` without ``split_axis`` and with a dimension of size N inserted at ``concat_axis`` (index
+      j: the block from member j); tiled, ``x.shape`` with ``split_axis`` divided by N and ``concat_axis``
+      multiplied by N, the blocks in source order.
+
+    Raises:
+      NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map`` (and no mesh shards ``x``).
+      ValueError: an axis out of range, or ``split_axis`` not of size N (untiled) or a multiple of N (tiled).
+      TypeError: ``split_axis`` / ``concat_axis`` not a static int; a dtype the op cannot take (not a number or
+        boolean, or under a byte).
+      NotImplementedError: vmap over ``axis_name`` inside a tuple with mesh axes; a shard_map that leaves a mesh
+        axis of size > 1 to the compiler.
     """
     axis_name = primitive.check_axis_name(axis_name, "all_to_all")
     if not primitive.is_bound(axis_name):
@@ -42,6 +53,8 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
             partial(all_to_all, axis_name=axis_name, split_axis=split_axis, concat_axis=concat_axis, tiled=tiled),
             (x,), axis_name, "all_to_all", P(axis_name), P(axis_name))
     size = jax.lax.axis_size(axis_name)
+    for name, value in (("split_axis", split_axis), ("concat_axis", concat_axis)):
+        primitive.check_static_int(value, name, "all_to_all")
 
     def one(leaf):
         ndim = jnp.ndim(leaf)

@@ -75,7 +75,16 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
     Differentiable in x and the suffix (the VJP sends cotangents back to the rows they came from, at the cost
     of one extra exchange of counts, and sums them over the send rows that read one row of x) and vmap-able
     over non-mesh axes (one collective call for the whole batch) or over its own axis (every member here,
-    the rows moved by gathers).
+    the rows moved by gathers). The counts and send_rows get no gradient.
+
+    Raises:
+      NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map`` (and no mesh shards ``x``).
+      ValueError: send_counts not ``[N]`` / ``[N, K]``; a negative ``max_recv_per_peer``; an unknown layout; a
+        suffix whose shape or dtype does not fit.
+      TypeError: non-integer send_counts or send_rows; ``max_recv_per_peer`` not a static int; a dtype the op
+        cannot take (not a number or boolean, or under a byte).
+      NotImplementedError: vmap over ``axis_name`` inside a tuple with mesh axes; a shard_map that leaves a mesh
+        axis of size > 1 to the compiler.
     """
     axis_name = primitive.check_axis_name(axis_name, "all_to_allv_dynamic")
     max_recv_per_peer = primitive.check_static_int(max_recv_per_peer, "max_recv_per_peer", "all_to_allv_dynamic",

@@ -4,6 +4,7 @@ Member ``src`` sends its array to member ``dst`` for every pair of ``perm``; mem
 get zeros. Linear; its transpose is the inverse permutation. Sharding model as ``jax.lax.ppermute``.
 """
 
+import operator
 from functools import partial
 
 import jax
@@ -30,6 +31,14 @@ def ppermute(x, axis_name, perm):
 
     Returns:
       An array like ``x``: the array sent to this member, or zeros if none was.
+
+    Raises:
+      NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map`` (and no mesh shards ``x``).
+      ValueError: an index of ``perm`` outside the axis, or used twice as a source or as a destination.
+      TypeError: ``perm`` not a sequence of int pairs; a dtype the op cannot take (not a number or boolean, or
+        under a byte).
+      NotImplementedError: vmap over ``axis_name`` inside a tuple with mesh axes; a shard_map that leaves a mesh
+        axis of size > 1 to the compiler.
     """
     axis_name = primitive.check_axis_name(axis_name, "ppermute")
     if not primitive.is_bound(axis_name):
@@ -51,9 +60,17 @@ def ppermute(x, axis_name, perm):
     return jax.tree.map(one, x)
 
 
+def _member_index(value) -> int:
+    """A member's index: a Python or NumPy int, not a bool or a float such as 0.7 (which int() would truncate;
+    jax.lax.ppermute refuses both)."""
+    if isinstance(value, bool):
+        raise TypeError(value)
+    return operator.index(value)
+
+
 def _check_perm(perm, size: int) -> tuple[tuple[int, int], ...]:
     try:
-        pairs = tuple((int(src), int(dst)) for src, dst in perm)
+        pairs = tuple((_member_index(src), _member_index(dst)) for src, dst in perm)
     except (TypeError, ValueError):
         raise TypeError(f"jax_ncclx.ppermute: perm must be a sequence of (src, dst) int pairs, got {perm!r}")
     for column, what in ((0, "source"), (1, "destination")):

@@ -38,6 +38,13 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
 
     Differentiable (linear; the transpose is an all_gather) and vmap-able, over non-mesh axes (one
     collective) or over the op's own axis (local work, as in ``jax.lax``).
+
+    Raises:
+      NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map`` (and no mesh shards ``x``).
+      ValueError: ``scatter_dimension`` out of range or of the wrong size; an axis named twice.
+      TypeError: a dtype the op cannot take (not a number or boolean; under a byte; an 8-bit float).
+      NotImplementedError: vmap over ``axis_name`` inside a tuple with mesh axes; a shard_map that leaves a mesh
+        axis of size > 1 to the compiler.
     """
     axis_name = primitive.check_axis_name(axis_name, "reduce_scatter")
     if not primitive.is_bound(axis_name):
