@@ -112,3 +112,17 @@ def test_explicit_mesh_input_sharded_otherwise_is_named(line, spec, text):
                                                        "nothing else; argument 1 is sharded P()")):
             jax.jit(lambda v, c: nx.all_to_allv_dynamic(v, c, "x", max_recv_per_peer=2))(
                 jax.device_put(x, NamedSharding(mesh, P("x"))), jax.device_put(counts, NamedSharding(mesh, P())))
+
+
+def test_global_view_needs_a_leading_dimension_of_whole_blocks(line):
+    """Outside shard_map each array's leading dimension holds the members' blocks: a length that does not split
+    into them is refused by this package, naming the argument, not by JAX's error about in_specs."""
+    if line.size == 1:
+        pytest.skip("every length splits over one member")
+    x = jnp.ones((line.size * 2 + 1, 3))
+    with jax.set_mesh(line):
+        with pytest.raises(ValueError, match=re.escape(
+                f"all_reduce: outside shard_map every argument's leading dimension holds the {line.size} members' "
+                f"blocks of 'x', so it must be a multiple of {line.size}; argument 0 has shape "
+                f"({line.size * 2 + 1}, 3)")):
+            jax.jit(lambda v: nx.all_reduce(v, "x"))(x)

@@ -413,6 +413,15 @@ def global_view(op_fn: Callable, args: tuple, axis_name, op: str, in_specs, out_
             f"that axis, or on arrays sharded over a mesh axis named {axis_name!r} (e.g. under jax.set_mesh)"
         )
     _check_explicit_shardings(args, axis_name, op, in_specs)
+    members = int(np.prod([mesh.shape[name] for name in axes_of(axis_name)]))
+    for position, arg in enumerate(args):
+        for leaf in jax.tree.leaves(arg):
+            rows = jnp.shape(leaf)[0] if jnp.ndim(leaf) else None
+            if rows is None or rows % members:
+                raise ValueError(
+                    f"jax_ncclx.{op}: outside shard_map every argument's leading dimension holds the {members} "
+                    f"members' blocks of {axis_name!r}, so it must be a multiple of {members}; argument {position} "
+                    f"has shape {tuple(jnp.shape(leaf))}")
     return jax.shard_map(op_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
 
 
