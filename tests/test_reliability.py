@@ -59,7 +59,12 @@ def next_seq(mesh, rank: int) -> int:
     nx.trace.reset()
     # One call of each pattern the tests fault: NCCL connects its peers on first use, on the host, and a
     # missing peer there blocks the launch itself (reported, not aborted: see xla_ffi/common/watchdog.h).
-    warm_up = lambda v: nx.all_to_all(nx.all_gather(nx.all_reduce(v, "x"), "x", tiled=True), "x", 0, 0, tiled=True)
+    # ppermute always takes NCCL's point-to-point path, which the others may not have connected (NVLink).
+    def warm_up(v):
+        n = jax.lax.axis_size("x")
+        v = nx.all_to_all(nx.all_gather(nx.all_reduce(v, "x"), "x", tiled=True), "x", 0, 0, tiled=True)
+        return nx.ppermute(v, "x", [(i, (i + 1) % n) for i in range(n)])
+
     jax.block_until_ready(per_shard(mesh, warm_up)(jnp.ones((mesh.size * mesh.size, 4))))
     return max(r["seq"] for r in nx.trace.records() if r["rank"] == rank) + 1
 
