@@ -172,7 +172,8 @@ def test_global_view_outside_shard_map(backend):
     operands, outputs = inputs(n, jnp.float32, (3,), 30)
     call = valid_call(n, 1, 30)
     put = lambda a: jax.device_put(np.concatenate(list(a)), NamedSharding(mesh, P("x")))  # noqa: E731
-    got = jax.jit(lambda *a: nx.ragged_all_to_all(*a, axis_name="x"))(*map(put, (operands, outputs, *call)))
+    with jax.set_mesh(mesh):  # on GPU the communicators need the mesh's concrete devices at compile time
+        got = jax.jit(lambda *a: nx.ragged_all_to_all(*a, axis_name="x"))(*map(put, (operands, outputs, *call)))
     expected, _ = reference.ragged_all_to_all(operands, outputs, *call, capacity=OUTPUT_ROWS)
     assert_bits_equal(np.asarray(got), np.concatenate(expected))
 
