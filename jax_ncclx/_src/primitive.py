@@ -412,36 +412,33 @@ def global_view(op_fn: Callable, args: tuple, axis_name, op: str, in_specs, out_
             f"jax_ncclx.{op}: unbound axis name {axis_name!r}. Call it inside jax.shard_map over a mesh with "
             f"that axis, or on arrays sharded over a mesh axis named {axis_name!r} (e.g. under jax.set_mesh)"
         )
-    _check_explicit_shardings(args, axis_name, op, in_specs)
-    members = int(np.prod([mesh.shape[name] for name in axes_of(axis_name)]))
-    for position, arg in enumerate(args):
-        for leaf in jax.tree.leaves(arg):
-            rows = jnp.shape(leaf)[0] if jnp.ndim(leaf) else None
-            if rows is None or rows % members:
-                raise ValueError(
-                    f"jax_ncclx.{op}: outside shard_map every argument's leading dimension holds the {members} "
-                    f"members' blocks of {axis_name!r}, so it must be a multiple of {members}; argument {position} "
-                    f"has shape {tuple(jnp.shape(leaf))}")
+    _check_global_arguments(args, mesh, axis_name, op, in_specs)
     return jax.shard_map(op_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
 
 
-def _check_explicit_shardings(args, axis_name, op: str, in_specs):
-    """On a mesh whose axes are explicit (``jax.make_mesh``'s default), ``shard_map`` does not reshard its
-    inputs: an array sharded otherwise than ``in_specs`` is refused here, by argument and spec, rather than by
-    JAX's error about ``in_specs`` that the caller never wrote."""
+def _check_global_arguments(args, mesh, axis_name, op: str, in_specs):
+    """Refuses, by argument, what ``shard_map`` would refuse with an error about ``in_specs`` that the caller
+    never wrote: an array whose leading dimension does not split into one block per member, and, on a mesh
+    whose axes are explicit (``jax.make_mesh``'s default), where ``shard_map`` does not reshard its inputs, an
+    array sharded otherwise than ``in_specs``."""
     specs = in_specs if isinstance(in_specs, tuple) else (in_specs,) * len(args)
+    members = int(np.prod([mesh.shape[name] for name in axes_of(axis_name)]))
     for position, (arg, spec) in enumerate(zip(args, specs)):
         for leaf in jax.tree.leaves(arg):
             aval = jax.typeof(leaf)
-            if not set(axes_of(axis_name)) <= _explicit_axes(aval):
-                continue
-            have, want = _padded_spec(aval.sharding.spec, aval.ndim), _padded_spec(spec, aval.ndim)
-            if have != want:
+            if set(axes_of(axis_name)) <= _explicit_axes(aval):
+                have, want = _padded_spec(aval.sharding.spec, aval.ndim), _padded_spec(spec, aval.ndim)
+                if have != want:
+                    raise ValueError(
+                        f"jax_ncclx.{op}: outside shard_map it runs per shard of arrays whose leading dimension is "
+                        f"sharded over {axis_name!r}, and nothing else; argument {position} is sharded "
+                        f"{_spec_text(have)}. Reshard it first (jax.reshard(arg, {_spec_text(want)})) or call {op} "
+                        "inside jax.shard_map")
+            if aval.ndim == 0 or aval.shape[0] % members:
                 raise ValueError(
-                    f"jax_ncclx.{op}: outside shard_map it runs per shard of arrays whose leading dimension is "
-                    f"sharded over {axis_name!r}, and nothing else; argument {position} is sharded "
-                    f"{_spec_text(have)}. Reshard it first (jax.reshard(arg, {_spec_text(want)})) or call {op} "
-                    "inside jax.shard_map")
+                    f"jax_ncclx.{op}: outside shard_map every argument's leading dimension holds the {members} "
+                    f"members' blocks of {axis_name!r}, so it must be a multiple of {members}; argument {position} "
+                    f"has shape {tuple(aval.shape)}")
 
 
 def _explicit_axes(aval) -> set:
