@@ -28,12 +28,14 @@ from helpers import SPECIAL_DTYPES, assert_bits_equal, random_array
 @pytest.fixture(params=["cpu", pytest.param("gpu-nvlink", marks=pytest.mark.gpu),
                         pytest.param("gpu-nccl", marks=pytest.mark.gpu)])
 def line(request, monkeypatch):
-    """A one-axis mesh "x" of 4 CPU devices, or of every GPU with the NVLink kernels or with NCCL. GPU
-    communicators are destroyed afterwards: a fault leaves them unusable."""
+    """A one-axis mesh "x" of 4 CPU devices, or of every GPU with the NVLink kernels or with NCCL. Afterwards
+    GPU communicators are destroyed (a fault leaves them unusable) and CPU call numbers restart (a rank that a
+    fault sent on alone runs one ahead)."""
     monkeypatch.delenv("JAX_NCCLX_FAULT", raising=False)
     monkeypatch.setenv("JAX_NCCLX_TRACE", "1")
     if request.param == "cpu":
         yield jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:4]), ("x",))
+        nx.shutdown()
         return
     reason = gpu_skip_reason()
     if reason:
@@ -154,10 +156,6 @@ def test_per_op_timeouts_govern_every_op(line, monkeypatch, op):
     op: where it has two collectives, the skipped rank goes on to the second and may find its peers missing
     there; a member whose peer gave up first abandons the call.)"""
     fn, names = TIMED_ELSEWHERE[op]
-    if not on_gpu(line):
-        # Three CPU members, whose call numbers no other test counts: the skipped rank goes on to the op's next
-        # collective, which the others never reach, so its numbers run one ahead of theirs from then on.
-        line = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:3]), ("x",))
     seq = next_seq(line, 1)
     monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", "60")
     for name in names:
