@@ -40,6 +40,14 @@ def random_array(shape, dtype, seed=0):
     return np.asarray(values).astype(dtype)
 
 
+def random_bits(shape, dtype, seed=0):
+    """Uniformly random bytes as ``dtype`` (NaN payloads and every integer included): input for the ops that
+    move data, which must keep every bit. Small random values would leave 8-bit integers mostly zero."""
+    dtype = np.dtype(dtype)
+    data = np.random.default_rng(seed).integers(0, 256, size=(*shape, dtype.itemsize), dtype=np.uint8)
+    return data.view(dtype).reshape(shape)
+
+
 def put(array, mesh):
     return jax.device_put(array, NamedSharding(mesh, spec(mesh)))
 

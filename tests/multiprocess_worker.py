@@ -161,6 +161,7 @@ for step, (v, out) in enumerate(zip(inputs, outputs)):
         np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5, err_msg=f"{name} cmdbuf step {step}")
 if "+CUSTOM_CALL" in os.environ.get("XLA_FLAGS", ""):  # else XLA's defaults decide (long programs get graphs)
     assert host_calls < executions * len(pairs), f"all {host_calls} calls ran their handler: no graph was replayed"
+assert host_calls >= len(pairs), f"{host_calls} calls traced: some op never ran its handler (recording included)"
 print(f"[{process_id}] the five ops through NCCL in command buffers ok ({host_calls} of {executions * len(pairs)} "
       "calls reached the host)", flush=True)
 for key in ("JAX_NCCLX_TRANSPORT", "JAX_NCCLX_NCCL_COMMAND_BUFFERS", "JAX_NCCLX_TRACE"):

@@ -58,4 +58,5 @@ for step in range(steps):
 host_calls = len(nx.trace.records())
 print(f"{steps} executions x {n} devices x {len(OPS)} ops: {host_calls} calls reached the host", flush=True)
 assert host_calls < steps * n * len(OPS), "every call ran its handler: nothing was replayed from a CUDA graph"
+assert host_calls >= n * len(OPS), "some op never ran its handler (recording included): is tracing on?"
 print("CAPTURE OK", flush=True)

@@ -79,6 +79,7 @@ if mode == "healthy":
     nx.check_errors()
     calls = len(nx.trace.records())
     assert calls < 13 * n, f"{calls} calls ran their handler: nothing was replayed from a CUDA graph"
+    assert calls >= n, f"{calls} calls traced: a device never ran the handler (recording included)"
 elif mode in ("stall", "eager", "nvlink"):
     assert mode != "nvlink" or n >= 2, "nvlink needs two GPUs"
     jax.block_until_ready(f(x))  # stalls 4 s; the watchdog (NCCL) or rank 0's kernel (NVLink) gives up after 1

@@ -27,7 +27,8 @@ import bootstrap_simulation  # noqa: E402
 @pytest.mark.parametrize("shape", [(8,), (2, 4), (4, 2), (2, 3, 4), (3, 1, 5)])
 @pytest.mark.parametrize("per_process", [1, 2, 4])
 def test_axis_groups_match_the_mesh(shape, per_process):
-    """Every process's groups, ranks and roots equal what slicing the mesh of positions along the axis gives."""
+    """Every process's groups, ranks and roots equal what slicing the mesh of positions along the axis gives:
+    each local device in exactly one group, one group per line holding local devices, keys distinct."""
     size = int(np.prod(shape))
     positions = np.arange(size).reshape(shape)
     process_of = lambda p: p // per_process  # noqa: E731
@@ -39,8 +40,13 @@ def test_axis_groups_match_the_mesh(shape, per_process):
                 want[int(position)] = (tuple(int(p) for p in line), rank)
         for process in range(-(-size // per_process)):
             local = [p for p in range(size) if process_of(p) == process]
-            for group in bootstrap.axis_groups(shape, axis, local, process_of):
+            groups = bootstrap.axis_groups(shape, axis, local, process_of)
+            members = [position for group in groups for _, position in group.members]
+            assert sorted(members) == local
+            assert len(groups) == len({want[p][0] for p in local}) == len({group.key for group in groups})
+            for group in groups:
                 assert group.size == shape[axis]
+                assert len({want[position][0] for _, position in group.members}) == 1  # one line of the mesh
                 for rank, position in group.members:
                     line, want_rank = want[position]
                     assert rank == want_rank and group.root_processes == (process_of(line[0]),)

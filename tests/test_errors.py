@@ -221,20 +221,17 @@ def test_nvlink_thresholds_by_gpu_count_and_op(monkeypatch):
     assert config.nvlink_thresholds(8, "all_gather") == (64, 1024)
 
 
-def test_nvlink_protocol_setting_and_its_slots(monkeypatch):
+def test_nvlink_protocol_setting(monkeypatch):
     """JAX_NCCLX_NVLINK_PROTOCOL takes NCCL's protocol names or auto (LL below the measured crossover for the
-    GPU count and op, or JAX_NCCLX_NVLINK_LL128_MIN_BYTES, per segment; LL128 from there); the slots a one-shot
-    call needs follow the protocol: LL128 lines (120 payload bytes per 128) take less than LL words (4 per 8),
-    and a segment past 64 KiB or of a size that is not whole 4-byte words goes simple whatever the setting."""
+    GPU count and op, or JAX_NCCLX_NVLINK_LL128_MIN_BYTES, per segment; LL128 from there)."""
     from jax_ncclx._src import config
-    from jax_ncclx._src import lib
     from jax_ncclx._src import nvlink
 
     for name in ("JAX_NCCLX_NVLINK_PROTOCOL", "JAX_NCCLX_NVLINK_LL128_MIN_BYTES"):
         monkeypatch.delenv(name, raising=False)
     settings = config.current()
     assert settings.nvlink_protocol == "auto" and settings.nvlink_ll128_min_bytes is None
-    ll128, ll, simple = (config.NVLINK_PROTOCOLS.index(p) for p in ("ll128", "ll", "simple"))
+    ll128, ll = (config.NVLINK_PROTOCOLS.index(p) for p in ("ll128", "ll"))
     for size in (2, 4, 8):  # all_reduce: LL128 from 8 KiB on every GPU count
         assert nvlink.oneshot_protocol("all_reduce", (8 << 10) - 4, size, settings) == ll
         assert nvlink.oneshot_protocol("all_reduce", 8 << 10, size, settings) == ll128
@@ -256,9 +253,19 @@ def test_nvlink_protocol_setting_and_its_slots(monkeypatch):
     with pytest.raises(ValueError, match="JAX_NCCLX_NVLINK_PROTOCOL='ll64' is not valid: it must be one of "
                                          "auto, ll128, ll, simple"):
         config.current()
+
+
+def test_nvlink_slots_follow_the_protocol():
+    """The slots a one-shot call needs follow the protocol: LL128 lines (120 payload bytes per 128) take less
+    than LL words (4 per 8), and a segment past 64 KiB or of a size that is not whole 4-byte words goes simple
+    whatever the setting."""
+    from jax_ncclx._src import config
+    from jax_ncclx._src import lib
+
     cuda = lib.cuda_module_if_available()
     if cuda is None:
-        return  # the slot sizes come from the CUDA module, built where nvcc is
+        pytest.skip("the slot sizes come from the CUDA module, which is built only where nvcc is")
+    ll128, ll, simple = (config.NVLINK_PROTOCOLS.index(p) for p in ("ll128", "ll", "simple"))
 
     def slots(protocol, nbytes, op="all_reduce", size=4):
         return cuda.nvlink_collective_bytes(op, 1, protocol, nbytes, size, 4, False)

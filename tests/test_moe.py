@@ -484,7 +484,8 @@ def test_8bit_wire(backend, wire_dtype):
 
 
 def test_8bit_wire_gradient_is_straight_through(backend):
-    """The backward pass of a dispatch with an 8-bit wire is that of the full-precision one."""
+    """The backward pass of a dispatch with an 8-bit wire is that of the full-precision one: each token's
+    gradient is the sum of the probe's rows where the reference dispatch puts the token."""
     n = len(backend)
     num_experts, hidden = 2 * n, 256
     tokens = fp8_tokens(n, hidden)
@@ -501,12 +502,22 @@ def test_8bit_wire_gradient_is_straight_through(backend):
         return np.asarray(jax.jit(step)(tokens.reshape(n * TOKENS, hidden), ids.reshape(n * TOKENS, TOP_K),
                                         probe.reshape(-1, hidden)))
 
-    np.testing.assert_array_equal(grads(jnp.float8_e4m3fn), grads(None))
+    # The reference's rows hold token numbers + 1 (0: empty), so each row's probe goes back to its token.
+    numbers = (np.arange(n * TOKENS, dtype=np.float32) + 1).reshape(n, TOKENS, 1)
+    expected = np.zeros((n * TOKENS, hidden), np.float32)
+    for member, (rows, _, _) in enumerate(reference_dispatch(numbers, ids, num_experts, AMPLE)[0]):
+        for row, number in enumerate(rows[:, 0].astype(int)):
+            if number:
+                expected[number - 1] += probe[member, row]
+    assert expected.any()
+    for wire_dtype in (jnp.float8_e4m3fn, None):
+        np.testing.assert_allclose(grads(wire_dtype), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_weights_in_dispatch_with_8bit_wire(backend):
     """Weights that travel with 8-bit rows change neither the rows nor the combined result (up to the order
-    of the float32 sums)."""
+    of the float32 sums), which is the reference's sum_j w * token over the delivered pairs within the
+    format's rounding of each term."""
     n = len(backend)
     num_experts, hidden = 2 * n, 256
     tokens = fp8_tokens(n, hidden)
@@ -524,3 +535,8 @@ def test_weights_in_dispatch_with_8bit_wire(backend):
     rows, plain_rows, out, plain_out = (np.asarray(o) for o in f(tokens, ids, weights))
     np.testing.assert_array_equal(rows, plain_rows)
     np.testing.assert_allclose(out, plain_out, rtol=1e-5, atol=1e-6)
+    delivered = reference_dispatch(tokens, ids, num_experts, TIGHT)[1]
+    terms = tokens[:, :, None, :] * (weights * delivered)[..., None]  # [n, T, k, H]
+    rounding = 2.0 ** -(jnp.finfo(jnp.float8_e4m3fn).nmant + 1)
+    error = np.abs(out.reshape(terms.shape[0], TOKENS, hidden) - terms.sum(axis=2))
+    assert (error <= rounding * np.abs(terms).sum(axis=2) + 1e-6).all(), error.max()

@@ -3,10 +3,11 @@
 Each algorithm and one-shot protocol (LL128 lines, LL words, simple; forced through the thresholds and
 JAX_NCCLX_NVLINK_PROTOCOL), with data written into the peers' outputs and through slots
 (JAX_NCCLX_NVLINK_DIRECT), against an exact NumPy reference for every size class and dtype: all_reduce sums
-in rank order with 16-bit floats accumulated in float32 and rounded once, so the expected bits are known
-exactly, and every rank must hold the same bits. Flags and slots are reused over thousands of calls
-that mix ops and algorithms in one program, and the lowering picks the algorithm by size. Sub-communicators of a
-2-D mesh go through these kernels in test_collectives.py; command buffers and one process per GPU in
+in rank order with 16-bit floats accumulated in float32 and rounded once (which only 3 or more GPUs can tell
+from 16-bit accumulation), so the expected bits are known exactly, and every rank must hold the same bits.
+Moves get random bits. Flags and slots are reused over thousands of calls that mix ops and algorithms in one
+program, and the lowering picks the algorithm by size. Sub-communicators of a 2-D mesh go through these
+kernels in test_collectives.py (4 or more GPUs); command buffers and one process per GPU in
 test_all_to_allv.py / test_multiprocess.py (their workers cover these ops too).
 """
 
@@ -21,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ncclx as nx
 import reference
 from conftest import gpu_devices, gpu_skip_reason
-from helpers import assert_bits_equal
+from helpers import assert_bits_equal, random_bits
 
 pytestmark = pytest.mark.gpu
 
@@ -119,7 +120,7 @@ def test_all_reduce_max_min(gpus, algorithm, dtype, op):
 @pytest.mark.parametrize("dtype", MOVE_DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_all_gather(gpus, nvlink_any_size, dtype, elements):
     n = len(gpus)
-    x = inputs(n, elements, jnp.float32).astype(dtype)
+    x = random_bits((n, elements), dtype)
     out = per_rank(gpus, lambda v: nx.all_gather(v, "x", tiled=True))(x)
     for rank in range(n):
         assert_bits_equal(out[rank], x.reshape(-1))
@@ -129,7 +130,7 @@ def test_all_gather(gpus, nvlink_any_size, dtype, elements):
 @pytest.mark.parametrize("dtype", MOVE_DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_all_to_all(gpus, nvlink_any_size, dtype, block):
     n = len(gpus)
-    x = inputs(n, n * block, jnp.float32).astype(dtype)  # rank r's block j goes to rank j
+    x = random_bits((n, n * block), dtype)  # rank r's block j goes to rank j
     out = per_rank(gpus, lambda v: nx.all_to_all(v, "x", 0, 0, tiled=True))(x)
     blocks = x.reshape(n, n, block)
     for rank in range(n):
@@ -244,6 +245,8 @@ def test_flags_survive_thousands_of_mixed_calls(gpus, monkeypatch, protocol):
 def test_bf16_sum_accumulates_in_f32(gpus, algorithm):
     """Values whose bf16 running sum would lose the small terms: accumulating in f32 keeps them."""
     n = len(gpus)
+    if n < 3:  # one addition rounds the same either way: the loopback tests check the kernels at 3 to 8 ranks
+        pytest.skip("bf16 and f32 accumulation agree on the sum of 2 values: needs 3 or more GPUs")
     x = np.zeros((n, 4096), ml_dtypes.bfloat16)
     x[0] = 256.0
     x[1:] = 1.0  # 256 + 1 rounds back to 256 in bf16, but 256 + (n - 1) is exact in f32 for n - 1 >= 2

@@ -16,7 +16,7 @@ import pytest
 
 import nvlink_loopback as loopback
 import reference
-from helpers import assert_bits_equal, random_array
+from helpers import assert_bits_equal, random_array, random_bits
 
 pytestmark = pytest.mark.gpu
 
@@ -101,7 +101,7 @@ def test_moves(size, op, protocol, block):
     name, direct = MOVES[protocol]
     elements = size * block if op == "all_to_all" else block
     for dtype in MOVE_DTYPES:
-        x = random_array((2, size, elements), np.float32, seed=block).astype(dtype)
+        x = random_bits((2, size, elements), dtype, seed=block)
         y, ranks = loopback.collective(op, x, protocol=name, direct=direct)
         assert_healthy(ranks, calls=2)
         assert_bits_equal(y, np.ascontiguousarray(expected_collective(op, x)))
