@@ -6,6 +6,7 @@ by the watchdog (NCCL), and the host reports it through ``nx.check_errors()`` an
 """
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -203,6 +204,40 @@ def test_cpu_program_runs_again_after_a_skipped_rank(monkeypatch, op):
     for _ in range(2):
         np.testing.assert_array_equal(f(x), expected)
     nx.shutdown()  # rank 1's call numbers (not its meetings) ran one ahead after ragged_all_to_all: restart them
+
+
+# Copies that outlast a 1 ms timeout (8 MiB per member, gathered through send_rows): a call may fail for a late
+# arrival, but no member may leave while a peer still reads its buffers.
+_SLOW_READS = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jax_ncclx as nx
+mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:4]), ("x",))
+rows = 1 << 19
+@jax.jit
+@jax.shard_map(mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x"))
+def f(x, counts, index):
+    return nx.all_to_allv_dynamic(x, counts[0], "x", max_recv_per_peer=rows // 4, send_rows=index[0])[0][None]
+put = lambda a: jax.device_put(a, NamedSharding(mesh, P("x")))
+args = (put(jnp.ones((4 * rows, 4))), put(jnp.full((4, 4), rows // 4, jnp.int32)),
+        put(jnp.tile(jnp.arange(rows, dtype=jnp.int32), (4, 1))))
+for _ in range(6):
+    try:
+        jax.block_until_ready(f(*args))
+        print("completed", flush=True)
+    except Exception as error:
+        assert "did not arrive" in str(error) or "abandoned" in str(error), error
+        print("timed out", flush=True)
+"""
+
+
+def test_cpu_members_never_leave_while_peers_read():
+    """With a timeout shorter than the copies, the CPU rendezvous used to let a member that finished first
+    give up waiting for the others to finish reading, and XLA freed buffers they still read (a segfault)."""
+    env = dict(os.environ, JAX_NCCLX_TIMEOUT_S="0.001", JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    done = subprocess.run([sys.executable, "-c", _SLOW_READS], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.count("\n") == 6, done.stdout[-2000:] + done.stderr[-3000:]
 
 
 def test_delay_past_the_timeout_names_the_late_rank(line, monkeypatch):

@@ -15,13 +15,12 @@ namespace jax_ncclx {
 namespace {
 
 struct Round {
-  explicit Round(int64_t size) : published(size), arrived(size, false), departed(size, false) {}
+  explicit Round(int64_t size) : published(size), arrived(size, false) {}
   std::vector<Published> published;
   std::vector<bool> arrived;
-  std::vector<bool> departed;
   int64_t num_arrived = 0;
   int64_t num_departed = 0;
-  bool abandoned = false;  // a participant gave up waiting; everyone else must fail too
+  bool abandoned = false;  // a participant gave up waiting for arrivals; everyone else must fail too
   std::string missing;     // the ranks it gave up on, for everyone else's error
 };
 
@@ -38,12 +37,12 @@ std::string MissingRanks(const std::vector<bool>& present) {
   return out;
 }
 
-// Waits until `done()` holds; on timeout marks the round abandoned and returns an error naming the ranks
-// whose flag in `present` is still false.
-ffi::Error WaitFor(std::unique_lock<std::mutex>& lock, Round& round, std::string_view op,
-                   std::string_view what, std::string_view stage, const std::vector<bool>& present,
-                   std::chrono::milliseconds timeout, const std::function<bool()>& done) {
-  const auto ready = [&] { return done() || round.abandoned; };
+// Waits until every participant has arrived; on timeout marks the round abandoned and returns an error naming
+// the ranks that have not. An abandoned round stays in the table, so that a rank arriving late learns why.
+ffi::Error WaitForArrivals(std::unique_lock<std::mutex>& lock, Round& round, std::string_view op,
+                           std::string_view what, std::chrono::milliseconds timeout) {
+  const int64_t size = static_cast<int64_t>(round.arrived.size());
+  const auto ready = [&] { return round.num_arrived == size || round.abandoned; };
   if (timeout.count() == 0) {  // JAX_NCCLX_TIMEOUT_S=0: wait forever
     cv.wait(lock, ready);
     if (!round.abandoned) return ffi::Error::Success();
@@ -53,12 +52,11 @@ ffi::Error WaitFor(std::unique_lock<std::mutex>& lock, Round& round, std::string
   std::string message = std::string(what) + ": ";
   if (!round.abandoned) {
     round.abandoned = true;
-    round.missing = MissingRanks(present);
+    round.missing = MissingRanks(round.arrived);
     cv.notify_all();
     char seconds[32];  // snprintf, not an ostream: the module's own libstdc++ locale is not set up
     std::snprintf(seconds, sizeof(seconds), "%g", timeout.count() / 1000.0);
-    message += "rank(s) " + round.missing + " did not " + std::string(stage) + " within " + seconds +
-               " s (JAX_NCCLX_TIMEOUT_S)";
+    message += "rank(s) " + round.missing + " did not arrive within " + seconds + " s (JAX_NCCLX_TIMEOUT_S)";
   } else {
     // Named as the peer that timed out saw them: a late rank that arrives afterwards is no longer missing.
     message += "abandoned because a peer timed out waiting for rank(s) " + round.missing;
@@ -98,21 +96,21 @@ ffi::Error RunCollective(std::string_view op, std::string_view what, const Round
   round->published[rank] = mine;
   round->arrived[rank] = true;
   if (++round->num_arrived == size) cv.notify_all();
-  NCCLX_RETURN_IF_ERROR(WaitFor(lock, *round, op, what, "arrive", round->arrived, timeout,
-                                [&] { return round->num_arrived == size; }));
+  NCCLX_RETURN_IF_ERROR(WaitForArrivals(lock, *round, op, what, timeout));
 
   lock.unlock();
   body(round->published);  // reads peers' buffers; they stay alive until everyone has departed
   lock.lock();
 
-  round->departed[rank] = true;
   if (++round->num_departed == size) {
     rounds.erase(key);
     cv.notify_all();
     return ffi::Error::Success();
   }
-  return WaitFor(lock, *round, op, what, "finish reading", round->departed, timeout,
-                 [&] { return round->num_departed == size; });
+  // No timeout here: every peer is present and only copying, and leaving early would let XLA free buffers
+  // that a peer still reads.
+  cv.wait(lock, [&] { return round->num_departed == size; });
+  return ffi::Error::Success();
 }
 
 }  // namespace jax_ncclx

@@ -40,7 +40,8 @@ int64_t RendezvousSequence(int64_t op_id, int64_t partition_id, int64_t run_id);
 // Runs one collective: publishes `mine` as `rank` of `size`, waits for all peers, calls `body` with every
 // participant's published pointers (indexed by rank), then waits until all peers have finished their body.
 // A peer that does not arrive within `timeout` makes every waiting participant fail with an error that
-// names the call (`what`) and the ranks that are missing.
+// names the call (`what`) and the ranks that are missing. Once all have arrived, none leaves before every
+// body has finished, however long that takes: its operands must outlive the peers' reads.
 ffi::Error RunCollective(std::string_view op, std::string_view what, const RoundKey& key, int64_t rank, int64_t size,
                          Published mine, std::chrono::milliseconds timeout,
                          const std::function<void(const std::vector<Published>&)>& body);
