@@ -77,6 +77,8 @@ def test_shard_map_must_make_every_axis_manual():
      r"\[N\] or \[N, K\] with N = 4"),
     (lambda v: nx.all_to_allv_dynamic(v, jnp.ones(4), "x", max_recv_per_peer=2), TypeError, "must be integers"),
     (lambda v: nx.all_to_allv_dynamic(v, jnp.ones(4, jnp.int32), "x", max_recv_per_peer=-1), ValueError, ">= 0"),
+    (lambda v: nx.all_to_allv_dynamic(v, jnp.ones(4, jnp.int32), "x", max_recv_per_peer=2**31), ValueError,
+     "max_recv_per_peer must be <= 2147483647"),
     (lambda v: nx.all_to_allv_dynamic(v, jnp.ones(4, jnp.int32), "x", max_recv_per_peer=2, layout="dense"),
      ValueError, "layout must be one of"),
     (lambda v: nx.all_to_allv_dynamic(v, jnp.ones(4, jnp.int32), "x", max_recv_per_peer=v.sum().astype(int)),
@@ -129,6 +131,44 @@ def test_sub_byte_dtypes_are_refused_when_bound_directly(line):
     with pytest.raises(TypeError, match=r"jax_ncclx.all_gather: cannot take dtype int4"):
         per_shard(line, lambda v: all_gather_p.bind(v.astype(jnp.int4), axis_name="x")[0].astype(jnp.float32),
                   jnp.ones((4 * 2, 8)))
+
+
+# The CPU handlers' call attributes for a group of one, as a lowering passes them (tests calling jax.ffi).
+_ONE_MEMBER = dict(groups=np.array([0], np.int64), group_size=np.int64(1), site=np.int64(987654),
+                   timeout_ms=np.int64(5000), trace=np.int64(0))
+
+
+def _ffi(target, results, *operands, **attrs):
+    return jax.jit(lambda *a: jax.ffi.ffi_call(target, results)(*a, **attrs))(*operands)
+
+
+def test_handlers_refuse_sizes_that_overflow():
+    """Attributes straight from jax.ffi (no jax_ncclx lowering): a capacity whose y size wraps around int64
+    (y of 4 bytes passed for 2^62 + 1 rows: the copy ran 16 MiB past it) or past the kernels' int32 indices."""
+    rows = 1 << 10
+    x, counts = jnp.ones((1, rows, 1), jnp.float32), jnp.full((1, 1, 1), rows, jnp.int32)
+    outs = (jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32), jax.ShapeDtypeStruct((1, 1, 1), jnp.int32),
+            jax.ShapeDtypeStruct((1, 1), jnp.int32))
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"capacity is 4611686018427387905, expected 0 to 2\^31 - 1"):
+        _ffi("ncclx_all_to_allv_dynamic", outs, jnp.uint32(0), x, counts, **_ONE_MEMBER,
+             capacity=np.int64((1 << 62) + 1), packed=np.int64(0))
+    from jax_ncclx._src.ops import moe_routing
+
+    ids = jnp.zeros((1, 2, 1), jnp.int32)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"capacity is 4611686018427387905, expected 1 to 2\^31 - 1"):
+        jax.jit(lambda i: moe_routing.plan_sends_p.bind(i, num_experts=4, num_members=4, capacity=(1 << 62) + 1))(ids)
+
+
+def test_handlers_refuse_sub_byte_dtypes_and_a_non_scalar_partition_id():
+    """Through jax.ffi: int4 elements are packed two to a byte, which a size in elements would overrun; the
+    partition id must be the scalar a lowering passes."""
+    x = jnp.zeros((1 << 10,), jnp.int4)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="x has dtype s4, expected whole-byte elements"):
+        _ffi("ncclx_all_gather", jax.ShapeDtypeStruct(x.shape, x.dtype), jnp.uint32(0), x, **_ONE_MEMBER)
+    x = jnp.ones((4,), jnp.float32)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="Wrong buffer rank: expected 0 but got 1"):
+        _ffi("ncclx_all_gather", jax.ShapeDtypeStruct(x.shape, x.dtype), jnp.zeros((0,), jnp.uint32), x,
+             **_ONE_MEMBER)
 
 
 @pytest.mark.parametrize("op, call", [

@@ -409,6 +409,7 @@ def _combine(t, i, *, out=None, weights=None, handle=None):
     (lambda t, i: _dispatch(t, i, num_experts=8.0), TypeError, "num_experts must be a static Python int"),
     (lambda t, i: _dispatch(t, i, capacity=t.sum().astype(int)), TypeError, "capacity must be a static Python int"),
     (lambda t, i: _dispatch(t, i, capacity=0), ValueError, "capacity must be >= 1"),
+    (lambda t, i: _dispatch(t, i, capacity=2**31), ValueError, "capacity must be <= 2147483647"),
     (lambda t, i: _dispatch(t, i, axis_name="y"), NameError, "unbound axis name 'y'"),
     (lambda t, i: _dispatch(t[0], i), ValueError, r"tokens must be 2-D, got shape \(4,\)"),
     (lambda t, i: _dispatch(t.astype(jnp.int32), i), TypeError, "tokens must have a float dtype"),

@@ -123,8 +123,8 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
       num_experts: E, the total number of experts, a multiple of the axis size N and at most 2048 (static).
       axis_name: the expert-parallel mesh axis, or a tuple of axes taken as one (static; members in the
         order of ``jax.lax.axis_index`` of the tuple, the first axis major).
-      capacity: C >= 1, the most (token, choice) pairs this member gives any one member, and takes from any
-        one member (static). Pairs past it are dropped (see ``DispatchHandle.dropped``).
+      capacity: C, 1 to 2**31 - 1, the most (token, choice) pairs this member gives any one member, and takes
+        from any one member (static). Pairs past it are dropped (see ``DispatchHandle.dropped``).
       weights: None, or ``[T, k]`` any float dtype, the router weight of each pair. They travel with the rows
         (as float32, k * 4 bytes per row) into ``handle.recv_weights``, so that ``combine(expert_out,
         handle)`` can sum each token's pairs before sending them back: one row per token and member on the
@@ -158,7 +158,7 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
         raise ValueError(f"jax_ncclx.moe.dispatch: num_experts ({num_experts}) must be a multiple of the size "
                          f"of axis {axis_name!r} ({num_members}) and at most {moe_routing.MAX_EXPERTS} (the "
                          "routing kernels count experts in shared memory)")
-    primitive.check_static_int(capacity, "capacity", "moe.dispatch", minimum=1)
+    primitive.check_static_int(capacity, "capacity", "moe.dispatch", minimum=1, maximum=primitive.MAX_CAPACITY)
     _check_matrix(tokens, "tokens", "dispatch", jnp.floating)
     _check_matrix(expert_ids, "expert_ids", "dispatch", jnp.integer)
     if jnp.shape(expert_ids)[0] != jnp.shape(tokens)[0] or jnp.shape(expert_ids)[1] < 1:

@@ -71,14 +71,21 @@ def axes_of(axis_name) -> tuple:
     return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
-def check_static_int(value, name: str, op: str, *, minimum: int | None = None) -> int:
-    """``value`` as an int: a static Python (or NumPy) int, of at least ``minimum`` if given, not a bool or a
-    tracer, since it sizes arrays or picks a dimension. ``op`` as the message names it, e.g. ``"moe.dispatch"``."""
+# The largest capacity (rows or pairs per member) the handlers take: their kernels index rows with int32.
+MAX_CAPACITY = 2**31 - 1
+
+
+def check_static_int(value, name: str, op: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as an int: a static Python (or NumPy) int, within ``[minimum, maximum]`` where given, not a bool
+    or a tracer, since it sizes arrays or picks a dimension. ``op`` as the message names it, e.g.
+    ``"moe.dispatch"``."""
     if isinstance(value, (jax.core.Tracer, bool)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"jax_ncclx.{op}: {name} must be a static Python int, got {value!r}; mark it static in "
                         "jax.jit (static_argnums/static_argnames)")
     if minimum is not None and value < minimum:
         raise ValueError(f"jax_ncclx.{op}: {name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"jax_ncclx.{op}: {name} must be <= {maximum}, got {value}")
     return int(value)
 
 

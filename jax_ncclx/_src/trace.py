@@ -82,7 +82,7 @@ def records() -> list[dict]:
     for module, on_gpu in ((lib.cpu_module(), False), (lib.cuda_module_if_available(), True)):
         if module is None:
             continue
-        raw = module.call_records(True)
+        raw = module.call_records()
         if raw and on_gpu and device_ids is None:
             device_ids = _device_ids()
         _history.extend(_describe(r, on_gpu, device_ids or {}) for r in raw)

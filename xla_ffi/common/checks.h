@@ -152,6 +152,34 @@ const ffi::NativeType<dtype>* OptionalData(const std::optional<ffi::Buffer<dtype
   return buffer.has_value() ? buffer->typed_data() : nullptr;
 }
 
+// The product of `factors` (each >= 0), or nothing where it overflows int64: attributes come from the caller
+// and sizes computed from them must not wrap around into a size some buffer passes.
+inline std::optional<int64_t> CheckedProduct(std::initializer_list<int64_t> factors) {
+  int64_t product = 1;
+  for (const int64_t factor : factors) {
+    if (__builtin_mul_overflow(product, factor, &product)) return std::nullopt;
+  }
+  return product;
+}
+
+// InvalidArgument unless the operand `name` has whole-byte elements: XLA packs sub-byte types (int4, ...) two
+// or more to a byte, where the FFI's size_bytes() counts one byte each, and every size would overrun.
+inline ffi::Error CheckWholeBytes(std::string_view op, std::string_view name, ffi::DataType dtype) {
+  switch (dtype) {
+    case ffi::S1:
+    case ffi::S2:
+    case ffi::S4:
+    case ffi::U1:
+    case ffi::U2:
+    case ffi::U4:
+    case ffi::F4E2M1FN:
+      return InvalidArgument(op, std::string(name) + " has dtype " + std::string(DataTypeName(dtype)) +
+                                     ", expected whole-byte elements (sub-byte types are packed)");
+    default:
+      return ffi::Error::Success();
+  }
+}
+
 // InvalidArgument naming the operand `name` unless its dimensions are `expected`.
 inline ffi::Error CheckDims(std::string_view op, std::string_view name, ffi::Span<const int64_t> dims,
                             std::initializer_list<int64_t> expected) {

@@ -109,12 +109,12 @@ void UpdateCallRecord(int64_t index, const CallRecord& record) {
   ring[index % kTraceCapacity] = record;
 }
 
-std::vector<CallRecord> CallRecords(bool clear) {
+std::vector<CallRecord> TakeCallRecords() {
   std::lock_guard<std::mutex> lock(trace_mu);
   std::vector<CallRecord> out;
   const int64_t first = appended > kTraceCapacity ? appended - kTraceCapacity : 0;
   for (int64_t i = first; i < appended; ++i) out.push_back(ring[i % kTraceCapacity]);
-  if (clear) appended = 0;
+  appended = 0;
   return out;
 }
 

@@ -9,6 +9,7 @@
 // Each extension module links its own copy; Python talks to the module that runs the program.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <optional>
@@ -34,8 +35,12 @@ auto BindCallAttrs(Binding binding) {
       .template Attr<int64_t>("trace");
 }
 
+// The longest timeout the handlers keep (about 31 years): they count it in nanoseconds, which a larger one
+// would overflow. Python's settings stay far below; a negative one, from no jax_ncclx lowering, waits forever.
+inline constexpr int64_t kMaxTimeoutMs = int64_t{1} << 40;
+
 inline CallAttrs MakeCallAttrs(int64_t site, int64_t timeout_ms, int64_t trace) {
-  return CallAttrs{site, timeout_ms, trace == 1, trace == 1 || trace == 2};
+  return CallAttrs{site, std::clamp<int64_t>(timeout_ms, 0, kMaxTimeoutMs), trace == 1, trace == 1 || trace == 2};
 }
 
 // Call sites: the axis name of each, for messages ("axis 'x'"). Unknown sites are described by number.
@@ -101,7 +106,8 @@ int64_t NowNs();
 // the record it evicted (zeros when the ring was not full), whose CUDA events the caller releases.
 CallRecord AppendCallRecord(const CallRecord& record, int64_t* index);
 void UpdateCallRecord(int64_t index, const CallRecord& record);
-// Every kept record, oldest first, and clears the ring when `clear`.
-std::vector<CallRecord> CallRecords(bool clear);
+// Every kept record, oldest first, leaving the ring empty: the caller owns the records' CUDA events now (a
+// copy left in the ring would return them to the pool a second time when evicted).
+std::vector<CallRecord> TakeCallRecords();
 
 }  // namespace jax_ncclx

@@ -18,7 +18,7 @@
 namespace jax_ncclx {
 
 // `resolve` fills a record's device times from its CUDA events (and releases them) before it is returned;
-// `cleared` runs after a read that cleared the ring.
+// `cleared` runs after the records were taken (the ring is then empty).
 inline void DefineMonitorBindings(nanobind::module_& m, std::function<void(CallRecord&)> resolve,
                                   std::function<void()> cleared) {
   namespace nb = nanobind;
@@ -37,20 +37,19 @@ inline void DefineMonitorBindings(nanobind::module_& m, std::function<void(CallR
       nb::arg("faults"), "Faults to inject: (kind, rank, sequence, delay_ms) tuples; [] turns injection off.");
   m.def(
       "call_records",
-      [resolve, cleared](bool clear) {
+      [resolve, cleared]() {
         std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int32_t, int32_t, int64_t, int64_t, int64_t,
                                int64_t, int32_t>>
             out;
-        for (CallRecord& r : CallRecords(clear)) {
+        for (CallRecord& r : TakeCallRecords()) {
           if (resolve) resolve(r);
           out.emplace_back(r.site, r.comm, r.group, r.sequence, r.rank, r.device, r.enqueue_ns, r.start_ns,
                            r.arrive_ns, r.end_ns, r.injected);
         }
-        if (clear && cleared) cleared();
+        if (cleared) cleared();
         return out;
       },
-      nb::arg("clear"),
-      "Traced calls, oldest first: (site, comm, group, sequence, rank, device, enqueue_ns, start_ns, arrive_ns, "
+      "Takes the traced calls, oldest first, leaving none: (site, comm, group, sequence, rank, device, enqueue_ns, start_ns, arrive_ns, "
       "end_ns, injected).");
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -35,6 +36,7 @@ inline ffi::ErrorOr<AllToAllvSendRows> GetSendRows(const ffi::AnyBuffer& x,
   if (x_dims.size() < 2) {
     return InvalidArgument(op, "x has shape " + DimsString(x_dims) + ", expected [batch, rows, features...]");
   }
+  NCCLX_RETURN_IF_ERROR(CheckWholeBytes(op, "x", x.element_type()));
   AllToAllvSendRows rows;
   rows.batch = x_dims[0];
   rows.source_rows = x_dims[1];
@@ -77,8 +79,8 @@ inline ffi::ErrorOr<int64_t> CheckReceiveSide(const AllToAllvSendRows& rows, con
                                               ffi::Span<const int64_t> dropped_dims, int64_t num_ranks,
                                               int64_t capacity, int64_t packed) {
   constexpr std::string_view op = kAllToAllvOp;
-  if (capacity < 0) {
-    return InvalidArgument(op, "capacity is " + std::to_string(capacity) + ", expected >= 0");
+  if (capacity < 0 || capacity > std::numeric_limits<int32_t>::max()) {
+    return InvalidArgument(op, "capacity is " + std::to_string(capacity) + ", expected 0 to 2^31 - 1");
   }
   if (packed != 0 && packed != 1) {
     return InvalidArgument(op, "packed is " + std::to_string(packed) + ", expected 0 or 1");
@@ -95,8 +97,8 @@ inline ffi::ErrorOr<int64_t> CheckReceiveSide(const AllToAllvSendRows& rows, con
     return InvalidArgument(op, "y has dtype " + std::string(DataTypeName(y.element_type())) + ", expected x's " +
                                    std::string(DataTypeName(x.element_type())));
   }
-  const int64_t y_bytes = rows.batch * num_ranks * capacity * rows.row_bytes;
-  if (static_cast<int64_t>(y.size_bytes()) != y_bytes) {
+  const std::optional<int64_t> y_bytes = CheckedProduct({rows.batch, num_ranks, capacity, rows.row_bytes});
+  if (!y_bytes.has_value() || static_cast<int64_t>(y.size_bytes()) != *y_bytes) {
     return InvalidArgument(op, "y has " + std::to_string(y.size_bytes()) + " bytes, expected batch " +
                                    std::to_string(rows.batch) + " x " + std::to_string(num_ranks) +
                                    " ranks x capacity " + std::to_string(capacity) + " x " +

@@ -35,7 +35,7 @@ std::vector<int32_t> CorruptCounts(const int32_t* counts, int64_t n) {
   return out;
 }
 
-ffi::Error AllToAllvImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
+ffi::Error AllToAllvImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
                          ffi::Buffer<ffi::S32> counts, std::optional<ffi::Buffer<ffi::S32>> send_rows,
                          std::optional<ffi::AnyBuffer> suffix,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,

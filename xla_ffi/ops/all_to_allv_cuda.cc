@@ -230,7 +230,7 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
   if (sm_count.has_error()) return sm_count.error();
   ffi::ErrorOr<int> per_sm = KernelBlocksPerSm();
   if (per_sm.has_error()) return per_sm.error();
-  const NvlinkGrid grid = ChooseNvlinkGrid(*shape, direct == 1, static_cast<int>(blocks), *sm_count,
+  const NvlinkGrid grid = ChooseNvlinkGrid(*shape, direct == 1, RequestedBlocks(blocks), *sm_count,
                                           *sm_count * *per_sm);
 
   const CallAttrs attrs = MakeCallAttrs(site, timeout_ms, trace);
@@ -243,7 +243,7 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
   args.direct = direct == 1;
   args.trace = attrs.trace_device;
   args.site = site;
-  args.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000;
+  args.timeout_ns = static_cast<uint64_t>(attrs.timeout_ms) * 1000000;
   args.x = x.untyped_data();
   args.send_rows = OptionalData(send_rows);
   args.suffix = OptionalData(suffix);

@@ -102,10 +102,15 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t b = segment / shape.num_peers;
     const int64_t source = segment % shape.num_peers;
     const int32_t* counts = recv_counts + b * counts_per_batch;
+    // The counts came from the peers, so each source's rows are clamped to [0, C] here, as a sender caps
+    // them: counts that an aborted NCCL call never wrote must not move a row outside y.
     RowSums partial{0, 0, 0};
-    for (int64_t i = threadIdx.x; i < counts_per_batch; i += blockDim.x) {
-      const int64_t rows = counts[i];
-      const int64_t from = i / shape.num_chunks;
+    for (int64_t from = threadIdx.x; from < shape.num_peers; from += blockDim.x) {
+      int64_t rows = 0;
+      for (int64_t chunk = 0; chunk < shape.num_chunks; ++chunk) {
+        rows += max(counts[from * shape.num_chunks + chunk], 0);
+      }
+      rows = min(rows, shape.capacity);
       partial.total += rows;
       if (from < source) partial.before += rows;
       if (from == source) partial.mine += rows;

@@ -118,10 +118,11 @@ ffi::Error Reduce(std::string_view op_name, ffi::DataType dtype, ReduceOp op, vo
   }
 }
 
-ffi::Error AllReduceImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
+ffi::Error AllReduceImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
                          int64_t site, int64_t timeout_ms, int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "all_reduce";
+  NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(kOp, x.element_type(), reduce_op);
   if (reduced.has_error()) return reduced.error();
   NCCLX_RETURN_IF_ERROR(CheckSameDtype(kOp, x, *y));
@@ -136,10 +137,11 @@ ffi::Error AllReduceImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi
   return result;
 }
 
-ffi::Error AllGatherImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
+ffi::Error AllGatherImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
                          int64_t site, int64_t timeout_ms, int64_t trace) {
   constexpr std::string_view kOp = "all_gather";
+  NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   const size_t chunk = x.size_bytes();
   NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), group_size * Bytes(x), RanksTimes(group_size, Bytes(x))));
   return RunInGroup(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
@@ -150,10 +152,11 @@ ffi::Error AllGatherImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi
   });
 }
 
-ffi::Error ReduceScatterImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
+ffi::Error ReduceScatterImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
                              ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups,
                              int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "reduce_scatter";
+  NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(kOp, x.element_type(), reduce_op);
   if (reduced.has_error()) return reduced.error();
   NCCLX_RETURN_IF_ERROR(CheckSameDtype(kOp, x, *y));
@@ -170,10 +173,11 @@ ffi::Error ReduceScatterImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id,
   return result;
 }
 
-ffi::Error AllToAllImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
+ffi::Error AllToAllImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
                         ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
                         int64_t site, int64_t timeout_ms, int64_t trace) {
   constexpr std::string_view kOp = "all_to_all";
+  NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), group_size));
   NCCLX_RETURN_IF_ERROR(CheckSameBytes(kOp, x, *y));
   const size_t chunk = x.size_bytes() / group_size;
@@ -187,11 +191,12 @@ ffi::Error AllToAllImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi:
   });
 }
 
-ffi::Error PpermuteImpl(ffi::RunId run, ffi::Buffer<ffi::U32> partition_id, ffi::AnyBuffer x,
+ffi::Error PpermuteImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
                         ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
                         int64_t site, int64_t timeout_ms, int64_t trace, ffi::Span<const int64_t> sources,
                         ffi::Span<const int64_t> targets) {
   constexpr std::string_view kOp = "ppermute";
+  NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   NCCLX_RETURN_IF_ERROR(CheckPairs(kOp, sources, targets, group_size));
   NCCLX_RETURN_IF_ERROR(CheckSameBytes(kOp, x, *y));
   return RunInGroup(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,

@@ -57,6 +57,7 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
                          ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
                          int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "all_reduce";
+  NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, trace);
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;
@@ -77,6 +78,7 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
                          ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
                          int64_t trace) {
   constexpr std::string_view kOp = "all_gather";
+  NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, trace);
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;
@@ -94,6 +96,7 @@ ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device_ordinal, ffi::A
                              ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
                              int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "reduce_scatter";
+  NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, trace);
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;
@@ -115,6 +118,7 @@ ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
                         int64_t trace) {
   constexpr std::string_view kOp = "all_to_all";
+  NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, trace);
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;
@@ -133,6 +137,7 @@ ffi::Error PpermuteImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
                         int64_t trace, ffi::Span<const int64_t> sources, ffi::Span<const int64_t> targets) {
   constexpr std::string_view kOp = "ppermute";
+  NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, trace);
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;

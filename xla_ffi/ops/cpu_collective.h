@@ -20,10 +20,12 @@
 
 namespace jax_ncclx {
 
+// The partition id, a scalar operand the Python lowering passes first (the binding refuses any other rank).
+using PartitionId = ffi::BufferR0<ffi::U32>;
+
 // Starts the binding of a CPU collective with what every one takes first: the logical execution's run id
-// (the same on every device of one execution of the program) and the partition id (a scalar operand the
-// Python lowering passes first).
-inline auto BindCpuCollective() { return ffi::Ffi::Bind().Ctx<ffi::RunId>().Arg<ffi::Buffer<ffi::U32>>(); }
+// (the same on every device of one execution of the program) and the partition id.
+inline auto BindCpuCollective() { return ffi::Ffi::Bind().Ctx<ffi::RunId>().Arg<PartitionId>(); }
 
 // Appends the attributes every CPU collective takes, in the order the handlers' parameters after the
 // buffers expect: groups, group_size, site, timeout_ms, trace.

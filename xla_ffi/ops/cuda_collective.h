@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string_view>
 
@@ -22,6 +23,10 @@ inline auto BindCudaCollective() {
                            .Ret<xla::ffi::AnyBuffer>()                     // y
                            .Attr<int64_t>("comm_id"));                     // comm_id
 }
+
+// An NVLink handler's `blocks` attribute as the grid choosers take it: 0 (or below) picks by size, and a
+// request is capped by them anyway, so one past int's range is capped here rather than truncated.
+inline int RequestedBlocks(int64_t blocks) { return static_cast<int>(std::min<int64_t>(blocks, 1 << 30)); }
 
 // Before every execution, replays included (XLA runs the prepare stage of a custom call even when it only
 // replays the graph it captured): a communicator that failed (the replay watch found an NCCL call hung, an

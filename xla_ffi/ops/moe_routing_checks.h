@@ -44,7 +44,9 @@ inline ffi::ErrorOr<PlanSendsShape> GetPlanSendsShape(const ffi::Buffer<ffi::S32
                                    std::to_string(num_members) + ": expected num_experts a multiple of num_members, "
                                    "at most " + std::to_string(kMaxRoutingExperts));
   }
-  if (capacity < 1) return InvalidArgument(op, "capacity is " + std::to_string(capacity) + ", expected >= 1");
+  if (capacity < 1 || capacity > std::numeric_limits<int32_t>::max()) {
+    return InvalidArgument(op, "capacity is " + std::to_string(capacity) + ", expected 1 to 2^31 - 1");
+  }
   PlanSendsShape shape{dims[0], dims[1], dims[2], num_experts, num_members, capacity, weights.has_value()};
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "expert_ids", shape.num_pairs()));
   NCCLX_RETURN_IF_ERROR(
@@ -123,19 +125,22 @@ inline ffi::ErrorOr<PlaceReceivedShape> GetPlaceReceivedShape(const ffi::AnyBuff
                                    std::to_string(token_dims[0]) + ", members * rows, ...] with " +
                                    std::to_string(token_dims[1]) + " members (recv_tokens)");
   }
+  NCCLX_RETURN_IF_ERROR(CheckWholeBytes(op, "rows", rows.element_type()));
   int64_t row_bytes = static_cast<int64_t>(ffi::ByteWidth(rows.element_type()));
   for (size_t i = 2; i < row_dims.size(); ++i) row_bytes *= row_dims[i];
-  if (top_k < 1 || (with_weights != 0 && with_weights != 1) || suffix_offset < 0 ||
-      suffix_offset + 4 * SuffixWords(top_k, with_weights == 1) > row_bytes) {
+  // top_k and suffix_offset are bounded by the row before the suffix's size is computed from them.
+  if (top_k < 1 || top_k > row_bytes || (with_weights != 0 && with_weights != 1) || suffix_offset < 0 ||
+      suffix_offset > row_bytes || suffix_offset + 4 * SuffixWords(top_k, with_weights == 1) > row_bytes) {
     return InvalidArgument(op, "top_k " + std::to_string(top_k) + ", with_weights " + std::to_string(with_weights) +
                                    " and suffix_offset " + std::to_string(suffix_offset) + ": expected top_k >= 1, " +
                                    "with_weights 0 or 1, and the suffix inside the rows' " +
                                    std::to_string(row_bytes) + " bytes");
   }
-  if (local_experts < 1 || token_dims[1] * local_experts > kMaxRoutingExperts || capacity < 1) {
+  if (local_experts < 1 || local_experts > kMaxRoutingExperts || token_dims[1] * local_experts > kMaxRoutingExperts ||
+      capacity < 1 || capacity > std::numeric_limits<int32_t>::max()) {
     return InvalidArgument(op, "local_experts " + std::to_string(local_experts) + " and capacity " +
-                                   std::to_string(capacity) + ": expected both >= 1 and members * local_experts "
-                                   "at most " + std::to_string(kMaxRoutingExperts));
+                                   std::to_string(capacity) + ": expected both >= 1, capacity below 2^31 and "
+                                   "members * local_experts at most " + std::to_string(kMaxRoutingExperts));
   }
   PlaceReceivedShape shape{token_dims[0], token_dims[1], row_dims[1] / token_dims[1], top_k,        local_experts,
                            capacity,      row_bytes,     suffix_offset,               with_weights == 1};

@@ -52,6 +52,7 @@ ffi::ErrorOr<NvlinkProtocol> GetProtocol(std::string_view op, int64_t protocol) 
 ffi::ErrorOr<NvlinkCollectiveArgs> ArgsFor(std::string_view name, NvlinkCollective op, const ffi::AnyBuffer& x,
                                            ffi::AnyBuffer& y, const CallAttrs& call, const SymmetricRank& symmetric,
                                            int64_t protocol, int64_t direct) {
+  NCCLX_RETURN_IF_ERROR(CheckWholeBytes(name, "x", x.element_type()));
   ffi::ErrorOr<NvlinkProtocol> chosen = GetProtocol(name, protocol);
   if (chosen.has_error()) return chosen.error();
   if (direct == 1 && !symmetric.same_process) {
@@ -106,7 +107,7 @@ ffi::Error Launch(std::string_view op, cudaStream_t stream, int32_t device_ordin
   }
   ffi::ErrorOr<int> sm_count = SmCount(op, device_ordinal);
   if (sm_count.has_error()) return sm_count.error();
-  const int grid = ChooseNvlinkCollectiveBlocks(args, static_cast<int>(blocks), *sm_count);
+  const int grid = ChooseNvlinkCollectiveBlocks(args, RequestedBlocks(blocks), *sm_count);
   ffi::ErrorOr<GpuCall> call = BeginGpuCall(op, attrs, comm_id, symmetric.rank, symmetric.size, device_ordinal, stream);
   if (call.has_error()) return call.error();
   const int64_t output_bytes = args.op == NvlinkCollective::kAllGather       ? args.bytes * args.size

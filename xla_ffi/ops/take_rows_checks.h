@@ -30,6 +30,7 @@ inline ffi::ErrorOr<TakeRowsShape> GetTakeRowsShape(const ffi::AnyBuffer& x, con
     return InvalidArgument(op, "index has shape " + DimsString(index_dims) + ", expected [" +
                                    std::to_string(x_dims[0]) + ", rows] (x's batch)");
   }
+  NCCLX_RETURN_IF_ERROR(CheckWholeBytes(op, "x", x.element_type()));
   const int64_t item = static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
   TakeRowsShape shape{x_dims[0], x_dims[1], index_dims[1], x_dims[2] * item, 0, 0};
   int64_t suffix_width = 0;

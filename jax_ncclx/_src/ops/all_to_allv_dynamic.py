@@ -53,7 +53,7 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
         range saturated (a count too large stays too large).
       axis_name: the mesh axis, or a tuple of axes taken as one (static; the first axis major, as
         ``jax.lax.axis_index`` of the tuple).
-      max_recv_per_peer: C, the most rows taken from any one source (static Python int >= 0).
+      max_recv_per_peer: C, the most rows taken from any one source (static Python int, 0 to 2**31 - 1).
       layout: ``"padded"``: y is ``[N, C, ...]`` and ``y[i, :r_i]`` holds the rows from source i in send
         order, zeros after. ``"packed"``: y is ``[N * C, ...]`` with all received rows packed from row 0,
         source-major then chunk-major, zeros after (static; default ``"padded"``).
@@ -79,7 +79,7 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
 
     Raises:
       NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map`` (and no mesh shards ``x``).
-      ValueError: send_counts not ``[N]`` / ``[N, K]``; a negative ``max_recv_per_peer``; an unknown layout; a
+      ValueError: send_counts not ``[N]`` / ``[N, K]``; ``max_recv_per_peer`` out of range; an unknown layout; a
         suffix whose shape or dtype does not fit.
       TypeError: non-integer send_counts or send_rows; ``max_recv_per_peer`` not a static int; a dtype the op
         cannot take (not a number or boolean, or under a byte).
@@ -88,7 +88,7 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
     """
     axis_name = primitive.check_axis_name(axis_name, "all_to_allv_dynamic")
     max_recv_per_peer = primitive.check_static_int(max_recv_per_peer, "max_recv_per_peer", "all_to_allv_dynamic",
-                                                   minimum=0)
+                                                   minimum=0, maximum=primitive.MAX_CAPACITY)
     if layout not in LAYOUTS:
         raise ValueError(f"jax_ncclx.all_to_allv_dynamic: layout must be one of {LAYOUTS}, got {layout!r}")
     optional = {name: value for name, value in (("send_rows", send_rows), ("suffix", suffix)) if value is not None}

@@ -157,8 +157,8 @@ def _check_sizes(*, num_experts, num_members, capacity):
         raise ValueError(f"jax_ncclx.moe: num_experts must be a multiple of the axis size ({num_members}) and at "
                          f"most {MAX_EXPERTS} (the routing kernels count experts in shared memory), got "
                          f"{num_experts}")
-    if capacity < 1:
-        raise ValueError(f"jax_ncclx.moe: capacity must be >= 1, got {capacity}")
+    if not 1 <= capacity <= primitive.MAX_CAPACITY:
+        raise ValueError(f"jax_ncclx.moe: capacity must be 1 to {primitive.MAX_CAPACITY}, got {capacity}")
 
 
 plan_sends_p = primitive.make_local("moe_plan_sends", multiple_results=True)
