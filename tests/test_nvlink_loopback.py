@@ -240,6 +240,54 @@ def test_a_rank_later_than_the_timeout_is_named():
     assert any(state["fault"] == "gave_up" for state in ranks), ranks
 
 
+LATE, UNWRITTEN = 1, 0xA5  # the harness fills every output with UNWRITTEN bytes before a call
+
+
+def _late_rank_writes(run):
+    """run(late=..., late_us=..., timeout_ms=...) -> (y [calls, ranks, ...] as bytes, the block of y that rank
+    LATE writes into its peers' outputs, ranks). The peers give up at 100 ms, rank LATE starts at 300 ms."""
+    y, region, ranks = run(late=LATE, late_us=300_000, timeout_ms=100)
+    assert any(state["fault"] == "gave_up" for state in ranks), ranks
+    return [np.asarray(y[0, rank]).view(np.uint8).reshape(len(ranks), -1)[region] for rank in range(len(ranks))
+            if rank != LATE]
+
+
+@pytest.mark.parametrize("case", ["all_gather-simple", "all_reduce-two-shot"])
+def test_a_rank_later_than_the_timeout_writes_no_peer_output(case):
+    """Direct mode: the peers published their outputs and entered, then gave up on rank LATE and left the call,
+    handing the outputs back to XLA. When LATE starts, their entry flags are long set; it must see the abort
+    and write nothing into those outputs."""
+    size, elements = 4, 4096
+    x = np.ones((1, size, elements), np.int32)
+
+    def run(**fault):
+        if case == "all_gather-simple":
+            y, ranks = loopback.collective("all_gather", x, protocol="simple", direct=True, **fault)
+        else:
+            y, ranks = loopback.collective("all_reduce", x, algorithm="two-shot", direct=True, **fault)
+        return y, LATE, ranks  # [ranks, ...]: its block, all_gather's x or all_reduce's share
+
+    for block in _late_rank_writes(run):
+        assert (block == UNWRITTEN).all(), np.unique(block)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_a_rank_later_than_the_timeout_sends_no_rows(layout):
+    """As above, for all_to_allv_dynamic's rows (and counts) written into the peers' outputs: no byte of rank
+    LATE's rows (each rank's rows are bytes 0x10 + its rank) reaches a peer that gave up on it."""
+    size, calls = 4, 1
+    x = np.broadcast_to((0x10 + np.arange(size, dtype=np.uint8))[None, :, None, None, None],
+                        (calls, size, 1, ROWS, FEATURES)).copy()
+    counts = np.full((calls, size, 1, size, 1), CAPACITY, np.int32)
+
+    def run(**fault):
+        y, _, _, ranks = loopback.all_to_allv(x, counts, CAPACITY, layout=layout, direct=True, **fault)
+        return y, slice(None), ranks
+
+    for rows in _late_rank_writes(run):
+        assert not (rows == 0x10 + LATE).any()
+
+
 # ---- all_to_allv_dynamic -------------------------------------------------------------------------------------
 
 ROWS, FEATURES, CAPACITY = 12, 5, 4

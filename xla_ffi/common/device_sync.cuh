@@ -90,6 +90,17 @@ class Patience {
     return reached;
   }
 
+  // AtLeast for a wait that precedes writes into `peer`'s output (direct mode), which a peer that gave up on
+  // this rank may have left to XLA for other data: false also when the communicator was aborted before the
+  // wait began. The abort is read first and tested after the wait, so that its load overlaps the polls. (A
+  // peer giving up while the wait ends stays a race; this closes the common case, a rank later than the
+  // timeout, whose peers aborted long before its call began.)
+  __device__ bool AtLeastUnaborted(const uint64_t* flag, uint64_t value, int peer, uint64_t* seen = nullptr) {
+    const uint32_t aborted_by = AbortedBy(control_);
+    const bool reached = AtLeast(flag, value, peer, seen);
+    return reached && (aborted_by == 0 || Healthy());
+  }
+
   // Waits until the low-latency word at `word` (written by `peer`) carries `tag`, and returns its payload
   // (on giving up, whatever the word holds).
   __device__ uint32_t Word(const uint64_t* word, uint32_t tag, int peer) {
@@ -114,17 +125,21 @@ class Patience {
     return *reinterpret_cast<const volatile uint32_t*>(&control->abort_by);
   }
 
-  __device__ bool KeepWaiting(int peer) {
+  // False once this call gave up or the communicator was aborted (recording the abort the first time).
+  __device__ bool Healthy() {
     if (gave_up_) return false;
-    if (AbortedBy(control_) != 0) {
-      gave_up_ = true;
-      if constexpr (kInlineReports) {
-        ReportAborted(table_, control_, size_, kernel_, epoch_, site_);
-      } else {
-        ReportAbortedOutOfLine(table_, control_, size_, kernel_, epoch_, site_);
-      }
-      return false;
+    if (AbortedBy(control_) == 0) return true;
+    gave_up_ = true;
+    if constexpr (kInlineReports) {
+      ReportAborted(table_, control_, size_, kernel_, epoch_, site_);
+    } else {
+      ReportAbortedOutOfLine(table_, control_, size_, kernel_, epoch_, site_);
     }
+    return false;
+  }
+
+  __device__ bool KeepWaiting(int peer) {
+    if (!Healthy()) return false;
     if (timeout_ns_ == 0) return true;  // JAX_NCCLX_TIMEOUT_S=0: wait forever
     const uint64_t now = GlobalTimerNs();
     if (started_ns_ == 0) started_ns_ = now;

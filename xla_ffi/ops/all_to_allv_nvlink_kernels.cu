@@ -571,7 +571,7 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
                       : !kInRounds && first_piece && RecvCountsInShared(args) ? Emit::kShared
                                                                               : Emit::kNone;
     auto await_peer = [&] {
-      shared.peer_entered = patience.AtLeast(&args.control->entered[peer], epoch, peer);
+      shared.peer_entered = patience.AtLeastUnaborted(&args.control->entered[peer], epoch, peer);
       trace.PeersEntered();
     };
     PlanTile<kWarpPlan>(args, shared, parity, peer, 0, args.shape.batch, emit, /*dropped=*/first_piece,
@@ -592,7 +592,7 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
       // The direct packed layout places rows after the earlier sources' and zeros after all: every
       // rank's counts are needed, and they come with `entered`.
       for (int q = 0; q < num_peers; ++q) {
-        if (q == peer || direct_packed) entered &= patience.AtLeast(&args.control->entered[q], epoch, q);
+        if (q == peer || direct_packed) entered &= patience.AtLeastUnaborted(&args.control->entered[q], epoch, q);
       }
       trace.PeersEntered();
     }

@@ -173,7 +173,9 @@ template <typename FlagOf>
 __device__ __forceinline__ bool WaitForPeers(const Call& call, uint64_t epoch, Patience<>& patience, FlagOf&& flag_of) {
   const int peer = threadIdx.x;
   bool came = true;
-  if (peer < call.args.size && peer != call.args.rank) came = patience.AtLeast(flag_of(peer), epoch, peer);
+  if (peer < call.args.size && peer != call.args.rank) {
+    came = patience.AtLeastUnaborted(flag_of(peer), epoch, peer);  // the flags gate writes into peers' outputs
+  }
   return !__syncthreads_or(!came);
 }
 
