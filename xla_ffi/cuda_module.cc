@@ -302,6 +302,8 @@ std::string EnsureSymmetricMemory(int64_t comm_id, int64_t staging_bytes, int64_
 using MemoryRow = std::tuple<int64_t, int, int64_t, int64_t, int64_t, int64_t, int64_t>;
 
 std::vector<MemoryRow> MemoryHeld() {
+  // The registries' locks may be held by a symmetric memory exchange, which takes the GIL to call Python.
+  nb::gil_scoped_release release;
   std::map<std::pair<int64_t, int>, MemoryRow> rows;
   auto row = [&](int64_t comm_id, int device) -> MemoryRow& {
     auto [it, added] = rows.try_emplace({comm_id, device}, MemoryRow{comm_id, device, 0, 0, 0, 0, 0});

@@ -342,6 +342,11 @@ ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, 
     if (grew.has_error()) {
       if (first) {
         for (LocalRank& rank : memory.ranks) Release(rank, /*everything=*/true);
+      } else {
+        // The old regions are gone and the peer tables may still point at them (programs captured into
+        // CUDA graphs hold those tables): nothing may run on this communicator any more, replays included.
+        memory.unavailable = "growing its symmetric memory failed: " + std::string(grew.error().message());
+        RecordCommFault(comm_id, "jax_ncclx " + std::string(op) + ": " + memory.unavailable);
       }
       return grew.error();
     }
