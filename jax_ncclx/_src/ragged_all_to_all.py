@@ -68,7 +68,11 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     operand and output; vmap-able.
 
     Raises:
-      TypeError / ValueError: a bad argument (the message names it).
+      TypeError / ValueError: a bad argument (the message names it); outside ``jax.shard_map``, an argument
+        sharded otherwise than over ``axis_name`` along its leading dimension, or whose leading dimension the
+        axis size does not divide.
+      NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map`` (and no mesh shards the operands).
+      NotImplementedError: ``axis_index_groups`` other than None.
     """
     if axis_index_groups is not None:
         raise NotImplementedError(f"jax_ncclx.{_OP}: axis_index_groups is not supported; make each group a mesh "

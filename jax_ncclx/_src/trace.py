@@ -105,6 +105,9 @@ def _percentiles(values_ns: list[int]) -> dict:
 def summary(calls: list[dict] | None = None) -> dict[str, dict]:
     """Latency percentiles per op and algorithm, over every rank's finished calls.
 
+    Args:
+      calls: the records to summarize (as :func:`records` returns them); None: :func:`records` itself.
+
     Returns:
       ``{"all_reduce/nvlink/one_shot": {"calls", "unfinished", "p50_us", "p90_us", "p99_us", "max_us",
       "queue_p50_us"}, ...}``: percentiles of end - start (µs), calls that never ended, and the median time
@@ -164,6 +167,9 @@ def merge(dumps: list) -> list[dict]:
       record or a record that never started), ``unfinished`` (ranks that started but never ended),
       ``slowest_rank`` (the last to end), ``late_rank`` (the last to start), ``start_spread_us`` (last start -
       first start) and ``duration_us`` (first start to last end).
+
+    Raises:
+      TypeError: an entry that is none of the three.
     """
     calls: dict[tuple, list[dict]] = {}
     for d in dumps:

@@ -37,6 +37,8 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
 
     Raises:
       NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map`` (and no mesh shards ``x``).
+      ValueError: outside ``jax.shard_map``, an argument sharded otherwise than over ``axis_name`` along its
+        leading dimension, or whose leading dimension the axis size does not divide.
       ValueError: ``axis`` out of range; an axis named twice.
       TypeError: a dtype the op cannot take (not a number or boolean, or under a byte); ``axis`` not a static
         int.

@@ -46,6 +46,8 @@ def all_reduce(x, axis_name, op: str = "sum"):
 
     Raises:
       NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map`` (and no mesh shards ``x``).
+      ValueError: outside ``jax.shard_map``, an argument sharded otherwise than over ``axis_name`` along its
+        leading dimension, or whose leading dimension the axis size does not divide.
       ValueError: an unknown ``op``; an axis named twice.
       TypeError: a dtype the op cannot take (not a number or boolean; under a byte; an 8-bit float; the max /
         min of complex numbers).

@@ -41,6 +41,8 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
 
     Raises:
       NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map`` (and no mesh shards ``x``).
+      ValueError: outside ``jax.shard_map``, an argument sharded otherwise than over ``axis_name`` along its
+        leading dimension, or whose leading dimension the axis size does not divide.
       ValueError: an axis out of range, or ``split_axis`` not of size N (untiled) or a multiple of N (tiled).
       TypeError: ``split_axis`` / ``concat_axis`` not a static int; a dtype the op cannot take (not a number or
         boolean, or under a byte).

@@ -79,10 +79,12 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
 
     Raises:
       NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map`` (and no mesh shards ``x``).
-      ValueError: send_counts not ``[N]`` / ``[N, K]``; ``max_recv_per_peer`` out of range; an unknown layout; a
-        suffix whose shape or dtype does not fit.
-      TypeError: non-integer send_counts or send_rows; ``max_recv_per_peer`` not a static int; a dtype the op
-        cannot take (not a number or boolean, or under a byte).
+      ValueError: outside ``jax.shard_map``, an argument sharded otherwise than over ``axis_name`` along its
+        leading dimension, or whose leading dimension the axis size does not divide.
+      ValueError: a scalar x; send_counts not ``[N]`` / ``[N, K]``; ``max_recv_per_peer`` out of range; an
+        unknown layout; a suffix whose shape or dtype does not fit.
+      TypeError: non-integer send_counts; send_rows not a 1-D integer array; ``max_recv_per_peer`` not a static
+        int; a dtype the op cannot take (not a number or boolean, or under a byte).
       NotImplementedError: vmap over ``axis_name`` inside a tuple with mesh axes; a shard_map that leaves a mesh
         axis of size > 1 to the compiler.
     """

@@ -34,6 +34,8 @@ def ppermute(x, axis_name, perm):
 
     Raises:
       NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map`` (and no mesh shards ``x``).
+      ValueError: outside ``jax.shard_map``, an argument sharded otherwise than over ``axis_name`` along its
+        leading dimension, or whose leading dimension the axis size does not divide.
       ValueError: an index of ``perm`` outside the axis, or used twice as a source or as a destination.
       TypeError: ``perm`` not a sequence of int pairs; a dtype the op cannot take (not a number or boolean, or
         under a byte).

@@ -41,12 +41,16 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
 
     Raises:
       NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map`` (and no mesh shards ``x``).
+      ValueError: outside ``jax.shard_map``, an argument sharded otherwise than over ``axis_name`` along its
+        leading dimension, or whose leading dimension the axis size does not divide.
       ValueError: ``scatter_dimension`` out of range or of the wrong size; an axis named twice.
-      TypeError: a dtype the op cannot take (not a number or boolean; under a byte; an 8-bit float).
+      TypeError: ``scatter_dimension`` not a static int; a dtype the op cannot take (not a number or boolean;
+        under a byte; an 8-bit float).
       NotImplementedError: vmap over ``axis_name`` inside a tuple with mesh axes; a shard_map that leaves a mesh
         axis of size > 1 to the compiler.
     """
     axis_name = primitive.check_axis_name(axis_name, "reduce_scatter")
+    scatter_dimension = primitive.check_static_int(scatter_dimension, "scatter_dimension", "reduce_scatter")
     if not primitive.is_bound(axis_name):
         return primitive.global_view(
             partial(reduce_scatter, axis_name=axis_name, scatter_dimension=scatter_dimension, tiled=tiled),
