@@ -49,8 +49,8 @@ inline void DefineMonitorBindings(nanobind::module_& m, std::function<void(CallR
         if (cleared) cleared();
         return out;
       },
-      "Takes the traced calls, oldest first, leaving none: (site, comm, group, sequence, rank, device, enqueue_ns, start_ns, arrive_ns, "
-      "end_ns, injected).");
+      "Takes the traced calls, oldest first, leaving none: (site, comm, group, sequence, rank, device, "
+      "enqueue_ns, start_ns, arrive_ns, end_ns, injected).");
 }
 
 }  // namespace jax_ncclx
