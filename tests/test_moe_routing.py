@@ -154,7 +154,8 @@ def test_vmap_is_one_call(one_device):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(num_experts=4096, num_members=4, capacity=2), "at most 2048"),
     (dict(num_experts=6, num_members=4, capacity=2), "multiple of the axis size"),
-    (dict(num_experts=8, num_members=4, capacity=0), "capacity must be >= 1"),
+    (dict(num_experts=8, num_members=4, capacity=0), "capacity must be 1 to 2147483647, got 0"),
+    (dict(num_experts=8, num_members=4, capacity=2**31), "capacity must be 1 to 2147483647, got 2147483648"),
 ])
 def test_bad_sizes_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
