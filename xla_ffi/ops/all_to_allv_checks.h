@@ -4,7 +4,6 @@
 #pragma once
 
 #include <cstdint>
-#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -79,7 +78,7 @@ inline ffi::ErrorOr<int64_t> CheckReceiveSide(const AllToAllvSendRows& rows, con
                                               ffi::Span<const int64_t> dropped_dims, int64_t num_ranks,
                                               int64_t capacity, int64_t packed) {
   constexpr std::string_view op = kAllToAllvOp;
-  if (capacity < 0 || capacity > std::numeric_limits<int32_t>::max()) {
+  if (capacity < 0 || capacity > kMaxCapacity) {
     return InvalidArgument(op, "capacity is " + std::to_string(capacity) + ", expected 0 to 2^31 - 1");
   }
   if (packed != 0 && packed != 1) {

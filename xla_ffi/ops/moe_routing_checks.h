@@ -44,7 +44,7 @@ inline ffi::ErrorOr<PlanSendsShape> GetPlanSendsShape(const ffi::Buffer<ffi::S32
                                    std::to_string(num_members) + ": expected num_experts a multiple of num_members, "
                                    "at most " + std::to_string(kMaxRoutingExperts));
   }
-  if (capacity < 1 || capacity > std::numeric_limits<int32_t>::max()) {
+  if (capacity < 1 || capacity > kMaxCapacity) {
     return InvalidArgument(op, "capacity is " + std::to_string(capacity) + ", expected 1 to 2^31 - 1");
   }
   PlanSendsShape shape{dims[0], dims[1], dims[2], num_experts, num_members, capacity, weights.has_value()};
@@ -137,7 +137,7 @@ inline ffi::ErrorOr<PlaceReceivedShape> GetPlaceReceivedShape(const ffi::AnyBuff
                                    std::to_string(row_bytes) + " bytes");
   }
   if (local_experts < 1 || local_experts > kMaxRoutingExperts || token_dims[1] * local_experts > kMaxRoutingExperts ||
-      capacity < 1 || capacity > std::numeric_limits<int32_t>::max()) {
+      capacity < 1 || capacity > kMaxCapacity) {
     return InvalidArgument(op, "local_experts " + std::to_string(local_experts) + " and capacity " +
                                    std::to_string(capacity) + ": expected both >= 1, capacity below 2^31 and "
                                    "members * local_experts at most " + std::to_string(kMaxRoutingExperts));
