@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -21,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ncclx as nx
 from jax_ncclx._src import comm
 from jax_ncclx._src import config
+from jax_ncclx._src import lib
 
 from conftest import gpu_devices, gpu_skip_reason, run_command_buffer_worker
 from helpers import SPECIAL_DTYPES, assert_bits_equal, random_array
@@ -246,6 +248,57 @@ def test_delay_past_the_timeout_names_the_late_rank(line, monkeypatch):
     monkeypatch.setenv("JAX_NCCLX_FAULT", f"delay:rank=1,seq={seq},ms=3000")
     f = per_shard(line, lambda v: nx.all_reduce(v, "x"))
     expect_fault(line, f, (jnp.ones((line.size, 4)),), r"rank\(s\) 1")
+
+
+@pytest.mark.gpu
+def test_abort_waits_for_the_handler_queueing_on_the_communicator(monkeypatch):
+    """An abort (the watchdog's, or check_errors' for a call another process found hung) that comes while a
+    handler is between looking its NCCL communicator up and queueing work on it stops that rank only once the
+    handler has returned, so NCCL never frees a communicator under a launch; other ranks stop at once. The
+    handler is held there by a host delay; NCCL's memory shows whether its rank was freed yet."""
+    reason = gpu_skip_reason(minimum=1)
+    if reason:
+        pytest.skip(reason)
+    module = lib.cuda_module_if_available()
+    monkeypatch.delenv("JAX_NCCLX_FAULT", raising=False)
+    monkeypatch.setenv("JAX_NCCLX_TRACE", "1")
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nccl")
+    comm.destroy_all()
+    mesh = jax.sharding.Mesh(np.asarray(gpu_devices()), ("x",))
+    seq = next_seq(mesh, 0)
+    comm_id = comm.communicator_for(mesh, "x")
+    device_of = {rank: device for device, rank, _ in module.comm_info(comm_id)}
+
+    def nccl_bytes(rank):
+        return sum(s["nccl_init_bytes"] for s in nx.memory_stats()
+                   if s["comm_id"] == comm_id and s["device"] == device_of[rank])
+
+    assert all(nccl_bytes(rank) > 0 for rank in device_of)
+    monkeypatch.setenv("JAX_NCCLX_FAULT", f"delay:rank=0,seq={seq},ms=3000")
+    f = per_shard(mesh, lambda v: nx.all_reduce(v, "x")).lower(jnp.ones((mesh.size, 4))).compile()
+    outcome = []
+
+    def run():
+        try:
+            jax.block_until_ready(f(jnp.ones((mesh.size, 4))))
+            outcome.append(None)
+        except Exception as error:
+            outcome.append(error)
+
+    caller = threading.Thread(target=run)
+    caller.start()
+    time.sleep(1.0)  # rank 0's handler holds its communicator, asleep in the injected delay
+    assert caller.is_alive(), outcome
+    module.abort_comm(comm_id, "aborted by the test while rank 0 was queueing")
+    assert nccl_bytes(0) > 0, "rank 0's communicator was freed while its handler was inside its call"
+    assert all(nccl_bytes(rank) == 0 for rank in device_of if rank != 0)
+    caller.join(timeout=60)
+    assert not caller.is_alive()
+    assert nccl_bytes(0) == 0, "the handler's end did not carry out the deferred abort"
+    assert outcome and re.search("unusable: aborted by the test", str(outcome[0])), outcome
+    with pytest.raises(nx.CollectiveError, match="aborted by the test"):
+        nx.check_errors()
+    comm.destroy_all()
 
 
 def test_stall_on_cpu_acts_as_a_delay(monkeypatch):

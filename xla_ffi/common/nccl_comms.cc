@@ -10,18 +10,42 @@
 #include <utility>
 
 namespace jax_ncclx {
+
+// How a rank's communicator stands. kAbortPending / kRevokePending: AbortComm came while a handler held a lease;
+// the last lease to end carries the stop out.
+enum class SlotState { kLive, kAbortPending, kRevokePending, kAborted, kRevoked };
+
+struct NcclSlot {
+  ncclComm_t comm = nullptr;
+  int64_t init_bytes = 0;
+  std::mutex mu;  // guards the two below; taken inside the registry's lock, never around it
+  int leases = 0;
+  SlotState state = SlotState::kLive;
+};
+
 namespace {
 
 struct Registry {
   std::shared_mutex mu;  // handlers only read (shared); the module registers and destroys (exclusive)
   int64_t next_id = 1;
   std::map<int64_t, std::map<int32_t, CommMember>> members;
-  std::map<int64_t, std::map<int32_t, NcclRank>> comms;  // only communicators that NCCL ops needed
+  // Only communicators that NCCL ops needed. Slots stay until DestroyAllComms, aborted ones too; a lease keeps
+  // its slot alive past that.
+  std::map<int64_t, std::map<int32_t, std::shared_ptr<NcclSlot>>> comms;
   std::map<int64_t, std::string> faults;  // communicators that stopped working, with why
   std::set<int64_t> captured;  // communicators with NCCL calls in CUDA graphs, which may be replayed any time
-  std::set<int64_t> revoked;   // of those, the ones stopped by ncclCommRevoke: kept until destroyed
   std::atomic<bool> any_fault{false};
 };
+
+// Carries out a stop that AbortComm decided (kAborted / kRevoked). Best effort: the communicator is lost either
+// way.
+void StopNccl(ncclComm_t comm, SlotState stop) {
+  if (stop == SlotState::kRevoked) {
+    ncclCommRevoke(comm, NCCL_REVOKE_DEFAULT);
+  } else {
+    ncclCommAbort(comm);
+  }
+}
 
 Registry& GetRegistry() {
   // Never destroyed: communicators left at exit are torn down by the process, not by a static destructor
@@ -41,12 +65,19 @@ int64_t RegisterComm(std::map<int32_t, CommMember> members) {
 }
 
 ffi::Error AttachNcclComms(std::string_view op, int64_t comm_id, std::map<int32_t, NcclRank> comms) {
+  std::map<int32_t, std::shared_ptr<NcclSlot>> slots;
+  for (const auto& [device, nccl] : comms) {
+    auto slot = std::make_shared<NcclSlot>();
+    slot->comm = nccl.comm;
+    slot->init_bytes = nccl.init_bytes;
+    slots.emplace(device, std::move(slot));
+  }
   Registry& registry = GetRegistry();
   std::unique_lock<std::shared_mutex> lock(registry.mu);
   if (!registry.members.count(comm_id)) {
     return InvalidArgument(op, "no communicator " + std::to_string(comm_id) + " (unknown or destroyed)");
   }
-  if (!registry.comms.emplace(comm_id, std::move(comms)).second) {
+  if (!registry.comms.emplace(comm_id, std::move(slots)).second) {
     return InvalidArgument(op, "communicator " + std::to_string(comm_id) + " already has NCCL communicators");
   }
   return ffi::Error::Success();
@@ -77,7 +108,10 @@ std::vector<std::tuple<int64_t, int32_t, int64_t>> CommInitBytes() {
   std::shared_lock<std::shared_mutex> lock(registry.mu);
   std::vector<std::tuple<int64_t, int32_t, int64_t>> all;
   for (const auto& [comm_id, by_device] : registry.comms) {
-    for (const auto& [device, nccl] : by_device) all.emplace_back(comm_id, device, nccl.init_bytes);
+    for (const auto& [device, slot] : by_device) {
+      std::lock_guard<std::mutex> slot_lock(slot->mu);
+      if (slot->state != SlotState::kAborted) all.emplace_back(comm_id, device, slot->init_bytes);
+    }
   }
   return all;
 }
@@ -119,15 +153,17 @@ std::vector<std::pair<int64_t, std::string>> CommAsyncErrors() {
   std::shared_lock<std::shared_mutex> lock(registry.mu);  // destroy unregisters (exclusively) before freeing
   std::vector<std::pair<int64_t, std::string>> failed;
   for (const auto& [comm_id, by_device] : registry.comms) {
-    if (registry.revoked.count(comm_id)) continue;  // its fault is recorded already
-    for (const auto& [device, nccl] : by_device) {
-      ncclComm_t comm = nccl.comm;
+    for (const auto& [device, slot] : by_device) {
+      // Only live ranks: a stopped or stopping one belongs to a communicator whose fault is recorded already.
+      std::lock_guard<std::mutex> slot_lock(slot->mu);
+      if (slot->state != SlotState::kLive) break;
       ncclResult_t async = ncclSuccess;
-      if (ncclCommGetAsyncError(comm, &async) != ncclSuccess || async == ncclSuccess || async == ncclInProgress) {
+      if (ncclCommGetAsyncError(slot->comm, &async) != ncclSuccess || async == ncclSuccess ||
+          async == ncclInProgress) {
         continue;
       }
       std::string why = ncclGetErrorString(async);
-      const char* last = ncclGetLastError(comm);
+      const char* last = ncclGetLastError(slot->comm);
       if (last != nullptr && *last != '\0') why += std::string(" (") + last + ")";
       failed.emplace_back(comm_id, std::move(why));
       break;
@@ -155,30 +191,38 @@ void MarkCommCaptured(int64_t comm_id) {
 
 void AbortComm(int64_t comm_id, std::string message) {
   RecordCommFault(comm_id, std::move(message));
-  std::map<int32_t, NcclRank> doomed;
-  bool revoke = false;
+  std::vector<std::pair<ncclComm_t, SlotState>> stop_now;
   {
     Registry& registry = GetRegistry();
-    std::unique_lock<std::shared_mutex> lock(registry.mu);
+    std::shared_lock<std::shared_mutex> lock(registry.mu);  // the maps stay as they are; the slots change
     const auto it = registry.comms.find(comm_id);
-    if (it == registry.comms.end() || registry.revoked.count(comm_id)) return;
-    revoke = registry.captured.count(comm_id) > 0;
-    if (revoke) {  // graphs may replay its kernels later: they must find its resources
-      doomed = it->second;
-      registry.revoked.insert(comm_id);
-    } else {
-      doomed.swap(it->second);
-      registry.comms.erase(it);
+    if (it == registry.comms.end()) return;
+    // Graphs may replay a captured communicator's kernels later: they must find its resources.
+    const bool revoke = registry.captured.count(comm_id) > 0;
+    for (const auto& [device, slot] : it->second) {
+      std::lock_guard<std::mutex> slot_lock(slot->mu);
+      if (slot->state != SlotState::kLive) continue;  // stopped, or stopping, already
+      if (slot->leases > 0) {
+        slot->state = revoke ? SlotState::kRevokePending : SlotState::kAbortPending;
+      } else {
+        slot->state = revoke ? SlotState::kRevoked : SlotState::kAborted;
+        stop_now.emplace_back(slot->comm, slot->state);
+      }
     }
   }
-  // Best effort: the communicator is lost either way.
-  for (const auto& [device, nccl] : doomed) {
-    if (revoke) {
-      ncclCommRevoke(nccl.comm, NCCL_REVOKE_DEFAULT);
-    } else {
-      ncclCommAbort(nccl.comm);
-    }
+  for (const auto& [comm, stop] : stop_now) StopNccl(comm, stop);
+}
+
+CommLease::~CommLease() {
+  if (slot_ == nullptr) return;
+  SlotState stop = SlotState::kLive;
+  {
+    std::lock_guard<std::mutex> lock(slot_->mu);
+    if (--slot_->leases > 0) return;
+    if (slot_->state == SlotState::kAbortPending) stop = slot_->state = SlotState::kAborted;
+    if (slot_->state == SlotState::kRevokePending) stop = slot_->state = SlotState::kRevoked;
   }
+  if (stop != SlotState::kLive) StopNccl(slot_->comm, stop);  // the last handler out stops it
 }
 
 ffi::ErrorOr<CommRank> LookupCommRank(std::string_view op, int64_t comm_id, int32_t device_ordinal) {
@@ -188,10 +232,19 @@ ffi::ErrorOr<CommRank> LookupCommRank(std::string_view op, int64_t comm_id, int3
   const auto comms = registry.comms.find(comm_id);
   const auto members = registry.members.find(comm_id);
   if (comms != registry.comms.end() && members != registry.members.end()) {
-    const auto comm = comms->second.find(device_ordinal);
+    const auto slot = comms->second.find(device_ordinal);
     const auto member = members->second.find(device_ordinal);
-    if (comm != comms->second.end() && member != members->second.end()) {
-      return CommRank{member->second, comm->second.comm};
+    if (slot != comms->second.end() && member != members->second.end()) {
+      {
+        std::lock_guard<std::mutex> slot_lock(slot->second->mu);
+        // AbortComm records the fault before it stops a rank, so a rank found stopping here has one.
+        if (slot->second->state == SlotState::kLive) {
+          ++slot->second->leases;
+          return CommRank{member->second, slot->second->comm, CommLease(slot->second)};
+        }
+      }
+      const auto fault = registry.faults.find(comm_id);
+      return UnusableCommError(op, comm_id, fault == registry.faults.end() ? "it was aborted" : fault->second);
     }
   }
   if (members != registry.members.end() && comms == registry.comms.end()) {
@@ -204,15 +257,13 @@ ffi::ErrorOr<CommRank> LookupCommRank(std::string_view op, int64_t comm_id, int3
 }
 
 ffi::Error DestroyAllComms(std::string_view op) {
-  std::map<int64_t, std::map<int32_t, NcclRank>> doomed;
-  std::set<int64_t> revoked;
+  std::map<int64_t, std::map<int32_t, std::shared_ptr<NcclSlot>>> doomed;
   {
     // Unregister first so that no handler can look a communicator up while it is being destroyed.
     Registry& registry = GetRegistry();
     std::unique_lock<std::shared_mutex> lock(registry.mu);
     doomed.swap(registry.comms);
     registry.members.clear();
-    revoked.swap(registry.revoked);
     registry.captured.clear();
   }
   if (doomed.empty()) return ffi::Error::Success();
@@ -221,11 +272,19 @@ ffi::Error DestroyAllComms(std::string_view op) {
   return KeepingCurrentDevice(op, [&] {
     ffi::Error first_failure;
     for (const auto& [comm_id, by_device] : doomed) {
-      for (const auto& [device, nccl] : by_device) {
-        // A revoked communicator cannot be finalized: abort frees it without.
-        ffi::Error destroyed = revoked.count(comm_id)
-                                   ? CheckNccl(op, "ncclCommAbort", ncclCommAbort(nccl.comm), nccl.comm)
-                                   : CheckNccl(op, "ncclCommDestroy", ncclCommDestroy(nccl.comm), nccl.comm);
+      for (const auto& [device, slot] : by_device) {
+        SlotState state = SlotState::kLive;
+        {
+          std::lock_guard<std::mutex> slot_lock(slot->mu);
+          state = slot->state;
+          slot->state = SlotState::kAborted;  // a lease still held (a program still running) stops nothing more
+        }
+        if (state == SlotState::kAborted) continue;  // freed already
+        // A revoked (or stopping) communicator cannot be finalized: abort frees it without.
+        ffi::Error destroyed =
+            state == SlotState::kLive
+                ? CheckNccl(op, "ncclCommDestroy", ncclCommDestroy(slot->comm), slot->comm)
+                : CheckNccl(op, "ncclCommAbort", ncclCommAbort(slot->comm), slot->comm);
         if (destroyed.failure() && first_failure.success()) first_failure = std::move(destroyed);
       }
     }

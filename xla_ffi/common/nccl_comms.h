@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -34,9 +35,30 @@ struct NcclRank {
   int64_t init_bytes = 0;
 };
 
-// What a handler needs to call NCCL: the local rank and its communicator.
+// One local rank's NCCL communicator in the registry, with its in-flight handlers (nccl_comms.cc).
+struct NcclSlot;
+
+// Held by a handler from looking its communicator up until it has queued its work: while any lease on a rank
+// is held, AbortComm defers that rank's ncclCommAbort (or ncclCommRevoke) to the end of the last lease, so NCCL
+// never frees or revokes a communicator that a handler thread is launching on. Move-only.
+class CommLease {
+ public:
+  CommLease() = default;
+  explicit CommLease(std::shared_ptr<NcclSlot> slot) : slot_(std::move(slot)) {}
+  CommLease(CommLease&&) noexcept = default;
+  CommLease(const CommLease&) = delete;
+  CommLease& operator=(const CommLease&) = delete;
+  CommLease& operator=(CommLease&&) = delete;
+  ~CommLease();
+
+ private:
+  std::shared_ptr<NcclSlot> slot_;
+};
+
+// What a handler needs to call NCCL: the local rank and its communicator, leased for as long as this lives.
 struct CommRank : CommMember {
   ncclComm_t comm = nullptr;
+  CommLease lease;
 };
 
 // Registers a communicator's local ranks (device ordinal -> rank and size; may be empty) under a new comm_id
@@ -55,11 +77,13 @@ ffi::ErrorOr<std::map<int32_t, CommMember>> CommMembers(std::string_view op, int
 // (comm_id, device ordinal) of every local member of every registered communicator.
 std::vector<std::pair<int64_t, int32_t>> RegisteredMembers();
 
-// (comm_id, device ordinal, device bytes its creation took) of every NCCL communicator.
+// (comm_id, device ordinal, device bytes its creation took) of every NCCL communicator that holds them: not
+// those aborted (freed), but those revoked or waiting for a lease to end before their abort.
 std::vector<std::tuple<int64_t, int32_t, int64_t>> CommInitBytes();
 
 // The NCCL communicator that `comm_id` holds for `device_ordinal`, with that rank and the size (from the
-// registry: no NCCL call on the handlers' path).
+// registry: no NCCL call on the handlers' path), leased to the caller (CommLease). Fails with the recorded
+// fault once the communicator is unusable.
 ffi::ErrorOr<CommRank> LookupCommRank(std::string_view op, int64_t comm_id, int32_t device_ordinal);
 
 // ---- faults: communicators that stopped working ----------------------------------------------------------
@@ -90,9 +114,11 @@ void ClearCommFaults();
 void MarkCommCaptured(int64_t comm_id);
 
 // Records the fault and stops `comm_id`'s communicators so that their queued and running kernels return. Used
-// by the watchdog on a call that does not finish. A communicator without captured calls is taken out of the
-// registry and aborted (ncclCommAbort); one with captured calls is revoked (ncclCommRevoke) and kept until
-// DestroyAllComms, because graphs that hold its kernels may still be replayed and must not find it freed.
+// by the watchdog on a call that does not finish, and by check_errors on a call another process found hung. A
+// communicator without captured calls is aborted (ncclCommAbort, which frees it); one with captured calls is
+// revoked (ncclCommRevoke) and kept until DestroyAllComms, because graphs that hold its kernels may still be
+// replayed and must not find it freed. A rank whose handler holds a lease is stopped when the lease ends, by
+// that handler's thread; the others at once. Never waits for a handler.
 void AbortComm(int64_t comm_id, std::string message);
 
 // Destroys every registered communicator and empties the registry. Programs still running with them must

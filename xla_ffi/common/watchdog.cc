@@ -230,7 +230,7 @@ void WatchOnce(Watchdog& w) {
       if (it->started_ns == 0) it->started_ns = std::max(now, it->opened_ns);
       if (it->end == nullptr) {
         // Still inside NCCL's launch: NCCL sets up connections on first use, which waits for the peers on the
-        // host. Aborting would free the communicator under the blocked thread, so only report it.
+        // host. An abort would wait for the launch to return (the handler's CommLease), so only report it.
         if (!it->reported && now - it->opened_ns > it->call.timeout_ns) {
           it->reported = true;
           std::string message = HangMessage(w, it->call);

@@ -7,8 +7,9 @@
 //     than its timeout ago and has not finished is declared hung, its communicator is aborted (ncclCommAbort
 //     makes the NCCL kernels return) and every later call on it fails with a message naming the call and the
 //     local ranks that never reached it. A handler stuck inside NCCL's launch itself (NCCL sets up connections
-//     on first use, waiting for the peers on the host) is reported the same way but not aborted: that would
-//     free the communicator under it.
+//     on first use, waiting for the peers on the host) is reported the same way but not aborted. No abort
+//     frees a communicator under a handler: a rank whose handler is queueing work on it is stopped when the
+//     handler returns (CommLease, nccl_comms.h).
 //   * The same bracket applies injected faults (monitor.h) and, under JAX_NCCLX_TRACE=1, records the call
 //     with timing events.
 // Calls recorded into a CUDA graph (command buffers) get no events: their handler runs once, at capture, and

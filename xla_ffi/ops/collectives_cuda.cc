@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "common/checks.h"
 #include "common/monitor.h"
@@ -20,7 +21,8 @@
 namespace jax_ncclx {
 namespace {
 
-// Starts a call on this device's rank of `comm_id`: the communicator, and the call's number and fault.
+// Starts a call on this device's rank of `comm_id`: the communicator (leased until the handler returns), and
+// the call's number and fault.
 struct NcclCall {
   CommRank comm;
   GpuCall call;
@@ -33,7 +35,7 @@ ffi::ErrorOr<NcclCall> BeginNcclCall(std::string_view op, cudaStream_t stream, i
   ffi::ErrorOr<GpuCall> call = BeginGpuCall(op, MakeCallAttrs(site, timeout_ms, trace), comm_id, comm->rank,
                                             comm->size, device_ordinal, stream);
   if (call.has_error()) return call.error();
-  return NcclCall{*comm, *call};
+  return NcclCall{std::move(*comm), *call};
 }
 
 // The NCCL type and operation of a reduction of x, and how many values of that type make one element of x.
