@@ -5,6 +5,7 @@ import logging
 import os
 import sys
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -471,3 +472,41 @@ def test_registry_bindings_check_their_arguments():
     assert module.faults() == []
     with pytest.raises(ValueError, match="unknown or destroyed"):
         module.comm_info(comm_id)
+
+
+@pytest.mark.gpu
+def test_fault_scan_never_waits_for_a_growing_communicator():
+    """Growing a communicator's symmetric memory holds it through a device sync and a host exchange that can wait
+    minutes for other processes; the fault scan of nx.check_errors and of the watchdog (every 20 ms, which also
+    times NCCL calls) must not wait for it. A one-rank communicator on GPU 0 with a slow exchange."""
+    from jax_ncclx._src import lib
+
+    reason = gpu_skip_reason(minimum=1)
+    if reason:
+        pytest.skip(reason)
+    module = lib.cuda_module_if_available()
+    comm.destroy_all()
+    comm_id = module.register_comm(1, [0], [0])
+
+    def exchange(entries):
+        return [[blob] for _, _, blob in entries]
+
+    assert module.ensure_symmetric(comm_id, 0, 1 << 16, exchange) == ""
+    in_exchange = threading.Event()
+
+    def slow_exchange(entries):
+        in_exchange.set()
+        time.sleep(2.0)
+        return exchange(entries)
+
+    grower = threading.Thread(target=module.ensure_symmetric, args=(comm_id, 1 << 22, 1 << 16, slow_exchange))
+    grower.start()
+    assert in_exchange.wait(30)
+    started = time.monotonic()
+    assert module.faults() == []
+    scan_s = time.monotonic() - started
+    grower.join(30)
+    assert scan_s < 1.0, f"the fault scan waited {scan_s:.1f} s for the growth"
+    data_bytes = {row[0]: row[3] for row in module.comm_memory()}[comm_id]
+    assert data_bytes >= (1 << 22) + 2 * (1 << 16), data_bytes  # the growth itself completed
+    comm.destroy_all()

@@ -11,6 +11,7 @@
 #include <climits>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <shared_mutex>
 #include <type_traits>
@@ -47,18 +48,47 @@ struct LocalRank {
 };
 
 struct CommMemory {
+  // Exclusive while the memory grows (a device sync and a host exchange that may wait for other processes);
+  // this communicator's handlers read under it shared. No other communicator waits for it.
+  std::shared_mutex mu;
   std::string unavailable;  // non-empty: the NVLink path cannot run on this communicator, and why
   std::vector<LocalRank> ranks;
 };
 
+// A local rank's fault record, listed apart so that the watchdog's scan never waits for a growth.
+struct FaultRecord {
+  int64_t comm_id = 0;
+  int32_t device = 0;
+  int rank = -1;
+  int size = 0;
+  const NvlinkFault* fault = nullptr;  // pinned host memory, freed only by FreeAllSymmetric
+};
+
 struct Registry {
-  std::shared_mutex mu;
-  std::map<int64_t, CommMemory> comms;
+  std::mutex setup_mu;   // one EnsureSymmetric or FreeAllSymmetric at a time
+  std::shared_mutex mu;  // the two below; held only to read or change them, never across CUDA or the exchange
+  std::map<int64_t, std::shared_ptr<CommMemory>> comms;
+  std::vector<FaultRecord> fault_records;
 };
 
 Registry& GetRegistry() {
   static Registry* registry = new Registry();  // never destroyed, like the communicator registry
   return *registry;
+}
+
+// The memory of `comm_id` (null when it has none); the caller takes its lock.
+std::shared_ptr<CommMemory> FindCommMemory(int64_t comm_id) {
+  Registry& registry = GetRegistry();
+  std::shared_lock<std::shared_mutex> lock(registry.mu);
+  const auto found = registry.comms.find(comm_id);
+  return found == registry.comms.end() ? nullptr : found->second;
+}
+
+// Every registered communicator's memory; the caller takes each one's lock.
+std::vector<std::pair<int64_t, std::shared_ptr<CommMemory>>> AllCommMemory() {
+  Registry& registry = GetRegistry();
+  std::shared_lock<std::shared_mutex> lock(registry.mu);
+  return {registry.comms.begin(), registry.comms.end()};
 }
 
 uint64_t HostHash() {
@@ -293,21 +323,29 @@ ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, 
                                    " staging bytes");
   }
   Registry& registry = GetRegistry();
-  std::unique_lock<std::shared_mutex> lock(registry.mu);
-  auto found = registry.comms.find(comm_id);
-  const bool first = found == registry.comms.end();
+  std::lock_guard<std::mutex> setup(registry.setup_mu);
+  std::shared_ptr<CommMemory> memory = FindCommMemory(comm_id);
+  const bool first = memory == nullptr;
+  // A new communicator's memory is set up before the registry lists it, so nothing can look it up half made.
+  if (first) memory = std::make_shared<CommMemory>();
+  std::unique_lock<std::shared_mutex> growing(memory->mu);
+  auto publish = [&] {
+    std::unique_lock<std::shared_mutex> lock(registry.mu);
+    registry.comms.emplace(comm_id, memory);
+    for (const LocalRank& rank : memory->ranks) {
+      if (rank.fault != nullptr) {
+        registry.fault_records.push_back({comm_id, rank.device, rank.rank, rank.size, rank.fault});
+      }
+    }
+  };
   if (!first) {
-    const CommMemory& memory = found->second;
-    if (!memory.unavailable.empty()) return memory.unavailable;
-    const bool big_enough = std::all_of(memory.ranks.begin(), memory.ranks.end(), [&](const LocalRank& rank) {
+    if (!memory->unavailable.empty()) return memory->unavailable;
+    const bool big_enough = std::all_of(memory->ranks.begin(), memory->ranks.end(), [&](const LocalRank& rank) {
       return rank.layout.parity_half_bytes >= need.parity_half_bytes &&
              rank.layout.staging_bytes >= need.staging_bytes;
     });
     if (big_enough) return std::string();
-  }
-
-  CommMemory fresh;
-  if (first) {
+  } else {
     ffi::ErrorOr<std::map<int32_t, CommMember>> members = CommMembers(op, comm_id);
     if (members.has_error()) return members.error();
     for (const auto& [device, member] : *members) {
@@ -315,20 +353,19 @@ ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, 
       rank.device = device;
       rank.rank = member.rank;
       rank.size = member.size;
-      fresh.ranks.push_back(rank);
+      memory->ranks.push_back(rank);
     }
-    if (fresh.ranks.empty()) return InvalidArgument(op, "communicator has no rank in this process");
-    if (fresh.ranks.front().size > kMaxNvlinkRanks) {
-      fresh.unavailable = "the communicator has " + std::to_string(fresh.ranks.front().size) +
-                          " ranks; the NVLink kernels handle at most " + std::to_string(kMaxNvlinkRanks);
-      registry.comms.emplace(comm_id, std::move(fresh));
-      return registry.comms.at(comm_id).unavailable;
+    if (memory->ranks.empty()) return InvalidArgument(op, "communicator has no rank in this process");
+    if (memory->ranks.front().size > kMaxNvlinkRanks) {
+      memory->unavailable = "the communicator has " + std::to_string(memory->ranks.front().size) +
+                            " ranks; the NVLink kernels handle at most " + std::to_string(kMaxNvlinkRanks);
+      publish();
+      return memory->unavailable;
     }
   }
-  CommMemory& memory = first ? fresh : found->second;
   // A part that grows takes at least half again, so a run of slightly larger programs does not reallocate
   // each time; the other part keeps its size.
-  const SymmetricNeed current = first ? SymmetricNeed{} : memory.ranks.front().layout;
+  const SymmetricNeed current = first ? SymmetricNeed{} : memory->ranks.front().layout;
   auto grow = [](int64_t have, int64_t want, int64_t multiple) {
     return want <= have ? have : RoundUp(std::max(want, have * 3 / 2), multiple);
   };
@@ -338,15 +375,15 @@ ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, 
 
   std::string reason;
   NCCLX_RETURN_IF_ERROR(KeepingCurrentDevice(op, [&]() -> ffi::Error {
-    ffi::ErrorOr<std::string> grew = Grow(op, memory, grown, first, exchange);
+    ffi::ErrorOr<std::string> grew = Grow(op, *memory, grown, first, exchange);
     if (grew.has_error()) {
       if (first) {
-        for (LocalRank& rank : memory.ranks) Release(rank, /*everything=*/true);
+        for (LocalRank& rank : memory->ranks) Release(rank, /*everything=*/true);
       } else {
         // The old regions are gone and the peer tables may still point at them (programs captured into
         // CUDA graphs hold those tables): nothing may run on this communicator any more, replays included.
-        memory.unavailable = "growing its symmetric memory failed: " + std::string(grew.error().message());
-        RecordCommFault(comm_id, "jax_ncclx " + std::string(op) + ": " + memory.unavailable);
+        memory->unavailable = "growing its symmetric memory failed: " + std::string(grew.error().message());
+        RecordCommFault(comm_id, "jax_ncclx " + std::string(op) + ": " + memory->unavailable);
       }
       return grew.error();
     }
@@ -354,18 +391,18 @@ ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, 
     return ffi::Error::Success();
   }));
   if (first) {
-    fresh.unavailable = reason;
-    registry.comms.emplace(comm_id, std::move(fresh));
+    memory->unavailable = reason;
+    publish();
   }
   return reason;
 }
 
 ffi::ErrorOr<SymmetricRank> LookupSymmetric(std::string_view op, int64_t comm_id, int32_t device_ordinal) {
-  Registry& registry = GetRegistry();
-  std::shared_lock<std::shared_mutex> lock(registry.mu);
-  const auto found = registry.comms.find(comm_id);
-  if (found != registry.comms.end() && found->second.unavailable.empty()) {
-    for (const LocalRank& rank : found->second.ranks) {
+  const std::shared_ptr<CommMemory> memory = FindCommMemory(comm_id);
+  std::shared_lock<std::shared_mutex> lock;
+  if (memory != nullptr) lock = std::shared_lock<std::shared_mutex>(memory->mu);  // only its own growth waits
+  if (memory != nullptr && memory->unavailable.empty()) {
+    for (const LocalRank& rank : memory->ranks) {
       if (rank.device != device_ordinal) continue;
       SymmetricRank view;
       view.rank = rank.rank;
@@ -389,25 +426,21 @@ std::vector<NvlinkFaultReport> NvlinkFaultReports() {
   Registry& registry = GetRegistry();
   std::shared_lock<std::shared_mutex> lock(registry.mu);
   std::vector<NvlinkFaultReport> reports;
-  for (const auto& [comm_id, memory] : registry.comms) {
-    for (const LocalRank& rank : memory.ranks) {
-      if (rank.fault == nullptr) continue;
-      const volatile NvlinkFault* fault = rank.fault;
-      if (fault->state == kNvlinkHealthy) continue;
-      NvlinkFaultReport report{comm_id, rank.device, rank.rank, rank.size, {}};
-      std::memcpy(&report.fault, const_cast<const NvlinkFault*>(rank.fault), sizeof(NvlinkFault));
-      reports.push_back(report);
-    }
+  for (const FaultRecord& record : registry.fault_records) {
+    const volatile NvlinkFault* fault = record.fault;
+    if (fault->state == kNvlinkHealthy) continue;
+    NvlinkFaultReport report{record.comm_id, record.device, record.rank, record.size, {}};
+    std::memcpy(&report.fault, record.fault, sizeof(NvlinkFault));
+    reports.push_back(report);
   }
   return reports;
 }
 
 std::vector<SymmetricUsage> SymmetricMemoryUsage() {
-  Registry& registry = GetRegistry();
-  std::shared_lock<std::shared_mutex> lock(registry.mu);
   std::vector<SymmetricUsage> usage;
-  for (const auto& [comm_id, memory] : registry.comms) {
-    for (const LocalRank& rank : memory.ranks) {
+  for (const auto& [comm_id, memory] : AllCommMemory()) {
+    std::shared_lock<std::shared_mutex> lock(memory->mu);
+    for (const LocalRank& rank : memory->ranks) {
       if (rank.control == nullptr) continue;
       usage.push_back({comm_id, rank.device, DataBytes(rank.layout), 2 * rank.layout.parity_half_bytes,
                        static_cast<int64_t>(sizeof(SymmetricControl) + sizeof(PeerTable)),
@@ -418,14 +451,14 @@ std::vector<SymmetricUsage> SymmetricMemoryUsage() {
 }
 
 ffi::ErrorOr<std::vector<RankTrace>> ReadDeviceTrace(std::string_view op, int64_t comm_id) {
-  Registry& registry = GetRegistry();
-  std::shared_lock<std::shared_mutex> lock(registry.mu);
   std::vector<RankTrace> traces;
-  const auto found = registry.comms.find(comm_id);
-  if (found == registry.comms.end() || !found->second.unavailable.empty()) return traces;
+  const std::shared_ptr<CommMemory> memory = FindCommMemory(comm_id);
+  if (memory == nullptr) return traces;
+  std::shared_lock<std::shared_mutex> lock(memory->mu);
+  if (!memory->unavailable.empty()) return traces;
   NCCLX_RETURN_IF_ERROR(KeepingCurrentDevice(op, [&]() -> ffi::Error {
     std::vector<DeviceTraceRecord> ring(kTraceSlots);
-    for (const LocalRank& rank : found->second.ranks) {
+    for (const LocalRank& rank : memory->ranks) {
       NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaSetDevice", cudaSetDevice(rank.device)));
       NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaDeviceSynchronize", cudaDeviceSynchronize()));
       NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaMemcpy (trace)",
@@ -446,19 +479,24 @@ ffi::ErrorOr<std::vector<RankTrace>> ReadDeviceTrace(std::string_view op, int64_
 
 ffi::Error FreeAllSymmetric(std::string_view op) {
   Registry& registry = GetRegistry();
-  std::unique_lock<std::shared_mutex> lock(registry.mu);
-  if (registry.comms.empty()) return ffi::Error::Success();  // nothing to free: leave CUDA alone
-  ffi::Error result = KeepingCurrentDevice(op, [&]() -> ffi::Error {
+  std::lock_guard<std::mutex> setup(registry.setup_mu);
+  std::map<int64_t, std::shared_ptr<CommMemory>> doomed;
+  {
+    std::unique_lock<std::shared_mutex> lock(registry.mu);
+    doomed.swap(registry.comms);
+    registry.fault_records.clear();
+  }
+  if (doomed.empty()) return ffi::Error::Success();  // nothing to free: leave CUDA alone
+  return KeepingCurrentDevice(op, [&]() -> ffi::Error {
     ffi::Error first_failure;
-    for (auto& [comm_id, memory] : registry.comms) {
-      ffi::Error synced = SynchronizeDevices(op, memory.ranks);
+    for (auto& [comm_id, memory] : doomed) {
+      std::unique_lock<std::shared_mutex> lock(memory->mu);
+      ffi::Error synced = SynchronizeDevices(op, memory->ranks);
       if (synced.failure() && first_failure.success()) first_failure = std::move(synced);
-      for (LocalRank& rank : memory.ranks) Release(rank, /*everything=*/true);
+      for (LocalRank& rank : memory->ranks) Release(rank, /*everything=*/true);
     }
     return first_failure;
   });
-  registry.comms.clear();
-  return result;
 }
 
 namespace {

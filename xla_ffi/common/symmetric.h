@@ -57,7 +57,9 @@ using HostExchange = std::function<ffi::ErrorOr<std::vector<std::vector<std::str
 // every process holding ranks of the communicator must call it with the same need, in the same order as its
 // other collective set-up. Returns "" when the NVLink kernels can run, otherwise why not (a rank cannot
 // reach a peer through NVLink peer access, too many ranks, ...). That answer is the same on every rank, and
-// is remembered: later calls return it without communicating or allocating.
+// is remembered: later calls return it without communicating or allocating. While the memory grows (a device
+// sync and the exchange, which may wait for other processes) only this communicator's handlers wait; other
+// communicators' handlers and the watchdog's fault scan (NvlinkFaultReports) go on.
 ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, const SymmetricNeed& need,
                                           const HostExchange& exchange);
 
