@@ -275,7 +275,7 @@ def memory_stats() -> list[dict]:
       One dict per (communicator, local device): ``comm_id``, ``device`` (CUDA ordinal);
       ``nccl_init_bytes``: device memory ``ncclCommInitRank`` took (cudaMemGetInfo around it: NCCL does not
       report its own use; what NCCL allocates later, on a communicator's first NCCL call, is not included);
-      0 while no op has needed the communicator's NCCL part;
+      0 while no op has needed the communicator's NCCL part, and once it was aborted (a revoked one keeps it);
       ``symmetric_data_bytes``: the NVLink kernels' data region, sized by the largest calls lowered so far
       (0 until an NVLink op needs it); ``low_latency_bytes``: the part of it that the small-message
       collectives use, both call parities; ``control_bytes``: flags and peer table; ``pinned_host_bytes``:
