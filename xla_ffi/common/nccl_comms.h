@@ -37,14 +37,15 @@ struct NcclRank {
 
 // One local rank's NCCL communicator in the registry, with its in-flight handlers (nccl_comms.cc).
 struct NcclSlot;
+struct CommRank;
 
 // Held by a handler from looking its communicator up until it has queued its work: while any lease on a rank
 // is held, AbortComm defers that rank's ncclCommAbort (or ncclCommRevoke) to the end of the last lease, so NCCL
-// never frees or revokes a communicator that a handler thread is launching on. Move-only.
+// never frees or revokes a communicator that a handler thread is launching on. Move-only; only LookupCommRank
+// makes one, counting it under the slot's lock, and the destructor uncounts it.
 class CommLease {
  public:
   CommLease() = default;
-  explicit CommLease(std::shared_ptr<NcclSlot> slot) : slot_(std::move(slot)) {}
   CommLease(CommLease&&) noexcept = default;
   CommLease(const CommLease&) = delete;
   CommLease& operator=(const CommLease&) = delete;
@@ -52,6 +53,9 @@ class CommLease {
   ~CommLease();
 
  private:
+  explicit CommLease(std::shared_ptr<NcclSlot> slot) : slot_(std::move(slot)) {}
+  friend ffi::ErrorOr<CommRank> LookupCommRank(std::string_view op, int64_t comm_id, int32_t device_ordinal);
+
   std::shared_ptr<NcclSlot> slot_;
 };
 
