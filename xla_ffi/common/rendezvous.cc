@@ -1,33 +1,68 @@
-// Implementation of the CPU rendezvous: one global table of rounds guarded by a mutex. Collectives on the CPU
-// backend are for development and CI, so clarity wins over lock-free speed here.
+// Implementation of the CPU rendezvous: one global table of rounds guarded by a mutex, a thread that fails the
+// rounds whose peers are late, and a pool of threads that complete the waiting participants' futures.
+// Collectives on the CPU backend are for development and CI, so clarity wins over lock-free speed here.
 #include "common/rendezvous.h"
 
 #include <condition_variable>
+#include <cstdio>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <cstdio>
+#include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 
 namespace jax_ncclx {
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
+struct Round;
+
+// One waiting participant's timeout, watched by the reaper thread.
+struct Deadline {
+  Round* round;  // the entry is erased before its round is freed
+  int64_t rank;
+  std::string op, what;
+  std::chrono::milliseconds timeout;
+};
+using Deadlines = std::multimap<Clock::time_point, Deadline>;
+
 struct Round {
-  explicit Round(int64_t size) : published(size), arrived(size, false) {}
+  explicit Round(int64_t size)
+      : published(size), work(size), waiting(size), deadlines(size), arrived(size, false) {}
   std::vector<Published> published;
+  std::vector<CollectiveWork> work;
+  std::vector<std::optional<ffi::Promise>> waiting;  // the futures of the participants that returned pending
+  std::vector<std::optional<Deadlines::iterator>> deadlines;  // their entries in State::deadlines
   std::vector<bool> arrived;
   int64_t num_arrived = 0;
-  int64_t num_departed = 0;
-  bool abandoned = false;  // a participant gave up waiting for arrivals; everyone else must fail too
+  bool abandoned = false;  // a participant gave up waiting for arrivals; everyone else fails too
   std::string missing;     // the ranks it gave up on, for everyone else's error
 };
 
-std::mutex mu;
-std::condition_variable cv;
-std::map<RoundKey, std::shared_ptr<Round>> rounds;
-std::map<std::pair<int64_t, int64_t>, std::pair<int64_t, int64_t>> sequences;  // (op, partition) -> (run, next)
+// Never destroyed: detached threads use them until the process exits.
+struct State {
+  std::mutex mu;
+  std::map<RoundKey, std::shared_ptr<Round>> rounds;
+  std::map<std::pair<int64_t, int64_t>, std::pair<int64_t, int64_t>> sequences;  // (op, partition) -> (run, next)
+  Deadlines deadlines;
+  std::condition_variable deadlines_changed;
+  bool reaper_started = false;
+
+  std::mutex completions_mu;
+  std::condition_variable completions_ready;
+  std::deque<std::pair<ffi::Promise, ffi::Error>> completions;
+  int64_t idle_completers = 0;
+};
+
+State& GetState() {
+  static State* state = new State();
+  return *state;
+}
 
 std::string MissingRanks(const std::vector<bool>& present) {
   std::string out;
@@ -37,31 +72,93 @@ std::string MissingRanks(const std::vector<bool>& present) {
   return out;
 }
 
-// Waits until every participant has arrived; on timeout marks the round abandoned and returns an error naming
-// the ranks that have not. An abandoned round stays in the table, so that a rank arriving late learns why.
-ffi::Error WaitForArrivals(std::unique_lock<std::mutex>& lock, Round& round, std::string_view op,
-                           std::string_view what, std::chrono::milliseconds timeout) {
-  const int64_t size = static_cast<int64_t>(round.arrived.size());
-  const auto ready = [&] { return round.num_arrived == size || round.abandoned; };
-  if (timeout.count() == 0) {  // JAX_NCCLX_TIMEOUT_S=0: wait forever
-    cv.wait(lock, ready);
-    if (!round.abandoned) return ffi::Error::Success();
-  } else if (cv.wait_for(lock, timeout, ready) && !round.abandoned) {
-    return ffi::Error::Success();
+ffi::Error AbandonedError(std::string_view op, std::string_view what, const Round& round) {
+  // Named as the peer that timed out saw them: a late rank that arrives afterwards is no longer missing.
+  return DeadlineExceeded(op, std::string(what) + ": abandoned because a peer timed out waiting for rank(s) " +
+                                  round.missing);
+}
+
+// Completes `promise` on a pool thread: completing a future runs XLA's continuation of that device's program
+// on the completing thread, which may then block in one of XLA's own collectives, so neither the arriving
+// participant's thread nor the reaper may do it. A pool thread is added whenever none is idle.
+void CompleteLater(ffi::Promise promise, ffi::Error error) {
+  State& state = GetState();
+  std::lock_guard<std::mutex> lock(state.completions_mu);
+  state.completions.emplace_back(std::move(promise), std::move(error));
+  if (state.idle_completers > 0) {
+    --state.idle_completers;
+    state.completions_ready.notify_one();
+    return;
   }
-  std::string message = std::string(what) + ": ";
-  if (!round.abandoned) {
-    round.abandoned = true;
-    round.missing = MissingRanks(round.arrived);
-    cv.notify_all();
-    char seconds[32];  // snprintf, not an ostream: the module's own libstdc++ locale is not set up
-    std::snprintf(seconds, sizeof(seconds), "%g", timeout.count() / 1000.0);
-    message += "rank(s) " + round.missing + " did not arrive within " + seconds + " s (JAX_NCCLX_TIMEOUT_S)";
-  } else {
-    // Named as the peer that timed out saw them: a late rank that arrives afterwards is no longer missing.
-    message += "abandoned because a peer timed out waiting for rank(s) " + round.missing;
+  std::thread([] {
+    State& state = GetState();
+    std::unique_lock<std::mutex> lock(state.completions_mu);
+    for (;;) {
+      while (!state.completions.empty()) {
+        auto [promise, error] = std::move(state.completions.front());
+        state.completions.pop_front();
+        lock.unlock();
+        if (error.success()) {
+          promise.SetAvailable();
+        } else {
+          promise.SetError(std::move(error));
+        }
+        lock.lock();
+      }
+      ++state.idle_completers;
+      state.completions_ready.wait(lock, [&] { return !state.completions.empty(); });
+    }
+  }).detach();
+}
+
+// Erases the timeouts of `round`'s waiting participants. Called with state.mu held.
+void ForgetDeadlines(State& state, Round& round) {
+  for (std::optional<Deadlines::iterator>& entry : round.deadlines) {
+    if (entry) state.deadlines.erase(*entry);
+    entry.reset();
   }
-  return DeadlineExceeded(op, message);
+}
+
+// Fails every participant of `round` that is waiting; the one whose timeout expired names the missing ranks,
+// the others say that a peer gave up. Called with state.mu held.
+void Abandon(State& state, Round& round, const Deadline& expired) {
+  ForgetDeadlines(state, round);
+  round.abandoned = true;
+  round.missing = MissingRanks(round.arrived);
+  char seconds[32];  // snprintf, not an ostream: the module's own libstdc++ locale is not set up
+  std::snprintf(seconds, sizeof(seconds), "%g", expired.timeout.count() / 1000.0);
+  for (size_t r = 0; r < round.waiting.size(); ++r) {
+    if (!round.waiting[r]) continue;
+    ffi::Error error = static_cast<int64_t>(r) == expired.rank
+                           ? DeadlineExceeded(expired.op, expired.what + ": rank(s) " + round.missing +
+                                                              " did not arrive within " + seconds +
+                                                              " s (JAX_NCCLX_TIMEOUT_S)")
+                           : AbandonedError(expired.op, expired.what, round);
+    round.work[r]({});
+    CompleteLater(std::move(*round.waiting[r]), std::move(error));
+    round.waiting[r].reset();
+  }
+  round.work.assign(round.work.size(), nullptr);
+}
+
+// Fails the rounds whose participants waited past their timeout. An abandoned round stays in the table, so
+// that a rank arriving late learns why.
+void RunReaper() {
+  State& state = GetState();
+  std::unique_lock<std::mutex> lock(state.mu);
+  for (;;) {
+    if (state.deadlines.empty()) {
+      state.deadlines_changed.wait(lock);
+      continue;
+    }
+    auto first = state.deadlines.begin();
+    if (Clock::now() < first->first) {
+      state.deadlines_changed.wait_until(lock, first->first);
+      continue;
+    }
+    Deadline expired = first->second;
+    Abandon(state, *expired.round, expired);  // erases `first` with the round's other timeouts
+  }
 }
 
 }  // namespace
@@ -72,8 +169,9 @@ bool RoundKey::operator<(const RoundKey& other) const {
 }
 
 int64_t RendezvousSequence(int64_t op_id, int64_t partition_id, int64_t run_id) {
-  std::lock_guard<std::mutex> lock(mu);
-  auto& [run, next] = sequences[{op_id, partition_id}];
+  State& state = GetState();
+  std::lock_guard<std::mutex> lock(state.mu);
+  auto& [run, next] = state.sequences[{op_id, partition_id}];
   if (run != run_id) {
     run = run_id;
     next = 0;
@@ -81,36 +179,66 @@ int64_t RendezvousSequence(int64_t op_id, int64_t partition_id, int64_t run_id) 
   return next++;
 }
 
-ffi::Error RunCollective(std::string_view op, std::string_view what, const RoundKey& key, int64_t rank, int64_t size,
-                         Published mine, std::chrono::milliseconds timeout,
-                         const std::function<void(const std::vector<Published>&)>& body) {
-  std::unique_lock<std::mutex> lock(mu);
-  std::shared_ptr<Round>& slot = rounds[key];
+ffi::Future CompletedFuture(ffi::Error error) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  if (error.success()) {
+    promise.SetAvailable();
+  } else {
+    promise.SetError(std::move(error));
+  }
+  return future;
+}
+
+ffi::Future JoinCollective(std::string_view op, std::string what, const RoundKey& key, int64_t rank, int64_t size,
+                           Published mine, std::chrono::milliseconds timeout, CollectiveWork work) {
+  State& state = GetState();
+  std::unique_lock<std::mutex> lock(state.mu);
+  std::shared_ptr<Round>& slot = state.rounds[key];
   if (!slot) slot = std::make_shared<Round>(size);
   std::shared_ptr<Round> round = slot;
   if (static_cast<int64_t>(round->published.size()) != size || rank < 0 || rank >= size ||
       round->arrived[rank]) {
-    return InvalidArgument(op, "rank " + std::to_string(rank) + " joined a group of size " +
-                                   std::to_string(round->published.size()) + " twice or out of range");
+    return CompletedFuture(InvalidArgument(op, "rank " + std::to_string(rank) + " joined a group of size " +
+                                                   std::to_string(round->published.size()) +
+                                                   " twice or out of range"));
+  }
+  round->arrived[rank] = true;
+  ++round->num_arrived;
+  if (round->abandoned) {
+    work({});
+    return CompletedFuture(AbandonedError(op, what, *round));
   }
   round->published[rank] = mine;
-  round->arrived[rank] = true;
-  if (++round->num_arrived == size) cv.notify_all();
-  NCCLX_RETURN_IF_ERROR(WaitForArrivals(lock, *round, op, what, timeout));
+  round->work[rank] = std::move(work);
 
-  lock.unlock();
-  body(round->published);  // reads peers' buffers; they stay alive until everyone has departed
-  lock.lock();
-
-  if (++round->num_departed == size) {
-    rounds.erase(key);
-    cv.notify_all();
-    return ffi::Error::Success();
+  if (round->num_arrived < size) {
+    ffi::Promise promise;
+    ffi::Future future(promise);
+    round->waiting[rank] = std::move(promise);
+    if (timeout.count() > 0) {
+      if (!state.reaper_started) {
+        state.reaper_started = true;
+        std::thread(RunReaper).detach();
+      }
+      round->deadlines[rank] = state.deadlines.emplace(
+          Clock::now() + timeout, Deadline{round.get(), rank, std::string(op), std::move(what), timeout});
+      state.deadlines_changed.notify_one();
+    }
+    return future;
   }
-  // No timeout here: every peer is present and only copying, and leaving early would let XLA free buffers
-  // that a peer still reads.
-  cv.wait(lock, [&] { return round->num_departed == size; });
-  return ffi::Error::Success();
+
+  // The last to arrive: every operand is published and stays alive until its owner's future completes. With
+  // the round out of the table and its timeouts erased, nobody else touches it.
+  state.rounds.erase(key);
+  ForgetDeadlines(state, *round);
+  lock.unlock();
+  std::vector<ffi::Error> errors(size);
+  for (int64_t r = 0; r < size; ++r) errors[r] = round->work[r](round->published);
+  for (int64_t r = 0; r < size; ++r) {
+    if (round->waiting[r]) CompleteLater(std::move(*round->waiting[r]), std::move(errors[r]));
+  }
+  return CompletedFuture(std::move(errors[rank]));
 }
 
 }  // namespace jax_ncclx

@@ -1,12 +1,16 @@
 // In-process meeting point for the CPU collectives. XLA:CPU runs every virtual device of a process on a thread
-// of its own, so the participants of one collective are threads of this process: each publishes pointers to
-// its operands, waits until every peer has, reads what it needs straight from the peers' buffers, and waits
-// once more so that no operand is released while a peer may still be reading it.
+// of its own and may run a program's independent operations concurrently, in an order that differs from one
+// device to the next. So a participant never blocks a thread while it waits for its peers: it publishes
+// pointers to its operands and the work that writes its outputs, and its handler returns a pending
+// ffi::Future. The last participant to arrive runs every participant's work (each reads the peers' operands
+// in place) and then completes the others' futures. Two calls entered in opposite orders on two devices thus
+// both complete, and so does a mix of these calls and XLA's own (blocking) collectives.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -37,13 +41,22 @@ struct RoundKey {
 // `run_id` (0, 1, 2, ...). A device runs one execution of a program at a time, so only the latest is kept.
 int64_t RendezvousSequence(int64_t op_id, int64_t partition_id, int64_t run_id);
 
-// Runs one collective: publishes `mine` as `rank` of `size`, waits for all peers, calls `body` with every
-// participant's published pointers (indexed by rank), then waits until all peers have finished their body.
-// A peer that does not arrive within `timeout` makes every waiting participant fail with an error that
-// names the call (`what`) and the ranks that are missing. Once all have arrived, none leaves before every
-// body has finished, however long that takes: its operands must outlive the peers' reads.
-ffi::Error RunCollective(std::string_view op, std::string_view what, const RoundKey& key, int64_t rank, int64_t size,
-                         Published mine, std::chrono::milliseconds timeout,
-                         const std::function<void(const std::vector<Published>&)>& body);
+// One participant's share of the work: writes its outputs from every participant's published pointers
+// (indexed by rank). It runs on whichever thread arrives last, after the handler has returned, so it must own
+// what it captures (values and raw buffer pointers, never references to the handler's locals). It runs
+// once: with every participant's pointers, or with none when the round failed (to record the failure; its
+// result is then ignored).
+using CollectiveWork = std::function<ffi::Error(const std::vector<Published>&)>;
+
+// Joins one collective as `rank` of `size`, publishing `mine`. Returns a future that completes once every
+// participant's work has run, with this participant's work's error if any. A peer that does not arrive
+// within `timeout` (0: wait forever) fails every participant that did with an error naming the call
+// (`what`) and the ranks that are missing; a participant arriving after that fails at once.
+ffi::Future JoinCollective(std::string_view op, std::string what, const RoundKey& key, int64_t rank, int64_t size,
+                           Published mine, std::chrono::milliseconds timeout, CollectiveWork work);
+
+// A future that is already complete with `error` (success or not), for a handler that returns before it
+// joins a collective.
+ffi::Future CompletedFuture(ffi::Error error);
 
 }  // namespace jax_ncclx

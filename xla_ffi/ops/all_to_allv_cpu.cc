@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -35,7 +36,9 @@ std::vector<int32_t> CorruptCounts(const int32_t* counts, int64_t n) {
   return out;
 }
 
-ffi::Error AllToAllvImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
+// Returns a pending future while its peers have not all arrived (common/rendezvous.h); the work it passes
+// owns its plan and captures buffer pointers by value, as it may run after the handler has returned.
+ffi::Future AllToAllvImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
                          ffi::Buffer<ffi::S32> counts, std::optional<ffi::Buffer<ffi::S32>> send_rows,
                          std::optional<ffi::AnyBuffer> suffix,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
@@ -43,10 +46,10 @@ ffi::Error AllToAllvImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffe
                          int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace, int64_t capacity,
                          int64_t packed) {
   ffi::ErrorOr<AllToAllvSendRows> sent = GetSendRows(x, send_rows, suffix);
-  if (sent.has_error()) return sent.error();
+  if (sent.has_error()) return CompletedFuture(sent.error());
   ffi::ErrorOr<int64_t> chunks = CheckReceiveSide(*sent, x, counts.dimensions(), *y, recv_counts->dimensions(),
                                                   dropped->dimensions(), group_size, capacity, packed);
-  if (chunks.has_error()) return chunks.error();
+  if (chunks.has_error()) return CompletedFuture(chunks.error());
   const int64_t num_batch = sent->batch, num_peers = group_size, num_chunks = *chunks;
   const int64_t source_rows = sent->source_rows, num_rows = sent->num_rows;
   const int64_t row_bytes = sent->row_bytes, suffix_bytes = sent->suffix_bytes;
@@ -54,33 +57,37 @@ ffi::Error AllToAllvImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffe
 
   ffi::ErrorOr<CpuCall> call =
       BeginCpuCall(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace);
-  if (call.has_error()) return call.error();
+  if (call.has_error()) return CompletedFuture(call.error());
   const int32_t* send_counts = counts.typed_data();
   std::vector<int32_t> corrupted;
   if (call->fault && call->fault->kind == FaultKind::kCorruptCounts) {
     corrupted = CorruptCounts(send_counts, counts.element_count());
     send_counts = corrupted.data();
   }
-  SendPlan plan{OptionalData(send_rows), static_cast<const char*>(OptionalData(suffix)),
-                std::vector<int32_t>(num_batch * num_peers * num_chunks),
-                std::vector<int64_t>(num_batch * num_peers), std::vector<int64_t>(num_batch * num_peers)};
+  auto plan = std::make_shared<SendPlan>(SendPlan{
+      OptionalData(send_rows), static_cast<const char*>(OptionalData(suffix)),
+      std::vector<int32_t>(num_batch * num_peers * num_chunks), std::vector<int64_t>(num_batch * num_peers),
+      std::vector<int64_t>(num_batch * num_peers)});
   for (int64_t b = 0; b < num_batch; ++b) {
     PlanSends(send_counts + b * num_peers * num_chunks, num_peers, num_chunks, num_rows, capacity,
-              plan.delivered_chunks.data() + b * num_peers * num_chunks, plan.first_row.data() + b * num_peers,
-              plan.delivered.data() + b * num_peers, dropped->typed_data() + b * num_peers);
+              plan->delivered_chunks.data() + b * num_peers * num_chunks, plan->first_row.data() + b * num_peers,
+              plan->delivered.data() + b * num_peers, dropped->typed_data() + b * num_peers);
   }
 
-  return RunCpuCall(*call, {x.untyped_data(), &plan}, y->untyped_data(), y->size_bytes(),
-                    [&](int64_t rank, const std::vector<Published>& peers) {
-    char* out = static_cast<char*>(y->untyped_data());
-    std::memset(out, 0, y->size_bytes());
+  char* out = static_cast<char*>(y->untyped_data());
+  const size_t out_bytes = y->size_bytes();
+  int32_t* received = recv_counts->typed_data();
+  return RunCpuCall(*call, {x.untyped_data(), plan.get()}, out, out_bytes,
+                    [=](int64_t rank, const std::vector<Published>& peers) {
+    (void)plan;  // owned here: the peers read it until every participant's work has run
+    std::memset(out, 0, out_bytes);
     for (int64_t b = 0; b < num_batch; ++b) {
       int64_t packed_row = 0;  // next free row of this batch element in the packed layout
       for (int64_t source = 0; source < num_peers; ++source) {
         const SendPlan& theirs = *static_cast<const SendPlan*>(peers[source].extra);
         const int64_t slot = b * num_peers + rank;  // their plan entry for me
         std::copy_n(theirs.delivered_chunks.data() + slot * num_chunks, num_chunks,
-                    recv_counts->typed_data() + (b * num_peers + source) * num_chunks);
+                    received + (b * num_peers + source) * num_chunks);
         const int64_t rows = theirs.delivered[slot];
         const int64_t dst_row = packed ? packed_row : source * capacity;
         char* dst = out + (b * num_peers * capacity + dst_row) * row_bytes;
@@ -103,6 +110,7 @@ ffi::Error AllToAllvImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffe
         packed_row += rows;
       }
     }
+    return ffi::Error::Success();
   });
 }
 

@@ -118,96 +118,105 @@ ffi::Error Reduce(std::string_view op_name, ffi::DataType dtype, ReduceOp op, vo
   }
 }
 
-ffi::Error AllReduceImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
-                         int64_t site, int64_t timeout_ms, int64_t trace, int64_t reduce_op) {
-  constexpr std::string_view kOp = "all_reduce";
-  NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
-  ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(kOp, x.element_type(), reduce_op);
-  if (reduced.has_error()) return reduced.error();
-  NCCLX_RETURN_IF_ERROR(CheckSameDtype(kOp, x, *y));
-  NCCLX_RETURN_IF_ERROR(CheckSameBytes(kOp, x, *y));
-  ffi::Error result = ffi::Error::Success();
-  NCCLX_RETURN_IF_ERROR(RunInGroup(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
-                                   {x.untyped_data()}, y->untyped_data(), y->size_bytes(),
-                                   [&](int64_t, const std::vector<Published>& peers) {
-    result = Reduce(kOp, reduced->dtype, reduced->op, y->untyped_data(), peers, 0,
-                    x.element_count() * reduced->per_element);
-  }));
-  return result;
-}
+// The handlers return a pending future while their peers have not all arrived (common/rendezvous.h); the
+// work they pass captures buffer pointers and sizes by value, as it may run after they have returned.
 
-ffi::Error AllGatherImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
-                         int64_t site, int64_t timeout_ms, int64_t trace) {
-  constexpr std::string_view kOp = "all_gather";
-  NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
-  const size_t chunk = x.size_bytes();
-  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), group_size * Bytes(x), RanksTimes(group_size, Bytes(x))));
+ffi::Future AllReduceImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
+                          ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
+                          int64_t site, int64_t timeout_ms, int64_t trace, int64_t reduce_op) {
+  constexpr std::string_view kOp = "all_reduce";
+  NCCLX_RETURN_FUTURE_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
+  ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(kOp, x.element_type(), reduce_op);
+  if (reduced.has_error()) return CompletedFuture(reduced.error());
+  NCCLX_RETURN_FUTURE_IF_ERROR(CheckSameDtype(kOp, x, *y));
+  NCCLX_RETURN_FUTURE_IF_ERROR(CheckSameBytes(kOp, x, *y));
+  void* out = y->untyped_data();
+  const size_t count = x.element_count() * reduced->per_element;
   return RunInGroup(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
-                    {x.untyped_data()}, y->untyped_data(), y->size_bytes(),
-                    [&](int64_t, const std::vector<Published>& peers) {
-    char* out = static_cast<char*>(y->untyped_data());
-    for (size_t r = 0; r < peers.size(); ++r) std::memcpy(out + r * chunk, peers[r].data, chunk);
+                    {x.untyped_data()}, out, y->size_bytes(),
+                    [reduced = *reduced, out, count](int64_t, const std::vector<Published>& peers) {
+    return Reduce(kOp, reduced.dtype, reduced.op, out, peers, 0, count);
   });
 }
 
-ffi::Error ReduceScatterImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
-                             ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups,
-                             int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace, int64_t reduce_op) {
-  constexpr std::string_view kOp = "reduce_scatter";
-  NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
-  ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(kOp, x.element_type(), reduce_op);
-  if (reduced.has_error()) return reduced.error();
-  NCCLX_RETURN_IF_ERROR(CheckSameDtype(kOp, x, *y));
-  NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), group_size));
-  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "input", Bytes(x), group_size * Bytes(*y), RanksTimes(group_size, Bytes(*y))));
-  ffi::Error result = ffi::Error::Success();
-  NCCLX_RETURN_IF_ERROR(RunInGroup(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
-                                   {x.untyped_data()}, y->untyped_data(), y->size_bytes(),
-                                   [&](int64_t rank, const std::vector<Published>& peers) {
-    const size_t count = y->element_count() * reduced->per_element;
-    result = Reduce(kOp, reduced->dtype, reduced->op, y->untyped_data(), peers,
-                    rank * count, count);
-  }));
-  return result;
+ffi::Future AllGatherImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
+                          ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
+                          int64_t site, int64_t timeout_ms, int64_t trace) {
+  constexpr std::string_view kOp = "all_gather";
+  NCCLX_RETURN_FUTURE_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
+  const size_t chunk = x.size_bytes();
+  NCCLX_RETURN_FUTURE_IF_ERROR(
+      CheckBytes(kOp, "output", Bytes(*y), group_size * Bytes(x), RanksTimes(group_size, Bytes(x))));
+  char* out = static_cast<char*>(y->untyped_data());
+  return RunInGroup(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
+                    {x.untyped_data()}, out, y->size_bytes(),
+                    [out, chunk](int64_t, const std::vector<Published>& peers) {
+    for (size_t r = 0; r < peers.size(); ++r) std::memcpy(out + r * chunk, peers[r].data, chunk);
+    return ffi::Error::Success();
+  });
 }
 
-ffi::Error AllToAllImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
-                        ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
-                        int64_t site, int64_t timeout_ms, int64_t trace) {
-  constexpr std::string_view kOp = "all_to_all";
-  NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
-  NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), group_size));
-  NCCLX_RETURN_IF_ERROR(CheckSameBytes(kOp, x, *y));
-  const size_t chunk = x.size_bytes() / group_size;
+ffi::Future ReduceScatterImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
+                              ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups,
+                              int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace,
+                              int64_t reduce_op) {
+  constexpr std::string_view kOp = "reduce_scatter";
+  NCCLX_RETURN_FUTURE_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
+  ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(kOp, x.element_type(), reduce_op);
+  if (reduced.has_error()) return CompletedFuture(reduced.error());
+  NCCLX_RETURN_FUTURE_IF_ERROR(CheckSameDtype(kOp, x, *y));
+  NCCLX_RETURN_FUTURE_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), group_size));
+  NCCLX_RETURN_FUTURE_IF_ERROR(
+      CheckBytes(kOp, "input", Bytes(x), group_size * Bytes(*y), RanksTimes(group_size, Bytes(*y))));
+  void* out = y->untyped_data();
+  const size_t count = y->element_count() * reduced->per_element;
   return RunInGroup(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
-                    {x.untyped_data()}, y->untyped_data(), y->size_bytes(),
-                    [&](int64_t rank, const std::vector<Published>& peers) {
-    char* out = static_cast<char*>(y->untyped_data());
+                    {x.untyped_data()}, out, y->size_bytes(),
+                    [reduced = *reduced, out, count](int64_t rank, const std::vector<Published>& peers) {
+    return Reduce(kOp, reduced.dtype, reduced.op, out, peers, rank * count, count);
+  });
+}
+
+ffi::Future AllToAllImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
+                         ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
+                         int64_t site, int64_t timeout_ms, int64_t trace) {
+  constexpr std::string_view kOp = "all_to_all";
+  NCCLX_RETURN_FUTURE_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
+  NCCLX_RETURN_FUTURE_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), group_size));
+  NCCLX_RETURN_FUTURE_IF_ERROR(CheckSameBytes(kOp, x, *y));
+  const size_t chunk = x.size_bytes() / group_size;
+  char* out = static_cast<char*>(y->untyped_data());
+  return RunInGroup(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
+                    {x.untyped_data()}, out, y->size_bytes(),
+                    [out, chunk](int64_t rank, const std::vector<Published>& peers) {
     for (size_t r = 0; r < peers.size(); ++r) {
       std::memcpy(out + r * chunk, static_cast<const char*>(peers[r].data) + rank * chunk, chunk);
     }
+    return ffi::Error::Success();
   });
 }
 
-ffi::Error PpermuteImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
-                        ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
-                        int64_t site, int64_t timeout_ms, int64_t trace, ffi::Span<const int64_t> sources,
-                        ffi::Span<const int64_t> targets) {
+ffi::Future PpermuteImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
+                         ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
+                         int64_t site, int64_t timeout_ms, int64_t trace, ffi::Span<const int64_t> sources,
+                         ffi::Span<const int64_t> targets) {
   constexpr std::string_view kOp = "ppermute";
-  NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
-  NCCLX_RETURN_IF_ERROR(CheckPairs(kOp, sources, targets, group_size));
-  NCCLX_RETURN_IF_ERROR(CheckSameBytes(kOp, x, *y));
+  NCCLX_RETURN_FUTURE_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
+  NCCLX_RETURN_FUTURE_IF_ERROR(CheckPairs(kOp, sources, targets, group_size));
+  NCCLX_RETURN_FUTURE_IF_ERROR(CheckSameBytes(kOp, x, *y));
+  void* out = y->untyped_data();
+  const size_t bytes = y->size_bytes();
   return RunInGroup(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
-                    {x.untyped_data()}, y->untyped_data(), y->size_bytes(),
-                    [&](int64_t rank, const std::vector<Published>& peers) {
+                    {x.untyped_data()}, out, bytes,
+                    [out, bytes, sources = std::vector<int64_t>(sources.begin(), sources.end())](
+                        int64_t rank, const std::vector<Published>& peers) {
     const int64_t source = sources[rank];
     if (source < 0) {
-      std::memset(y->untyped_data(), 0, y->size_bytes());
+      std::memset(out, 0, bytes);
     } else {
-      std::memcpy(y->untyped_data(), peers[source].data, y->size_bytes());
+      std::memcpy(out, peers[source].data, bytes);
     }
+    return ffi::Error::Success();
   });
 }
 

@@ -75,11 +75,14 @@ inline ffi::ErrorOr<CpuCall> BeginCpuCall(std::string_view op, ffi::RunId run, u
   return call;
 }
 
-// Runs `body(rank, peers)` as the participant `call` describes, which writes `output` (`output_bytes`).
+// One participant's work: writes its outputs from its rank and every participant's published pointers. It
+// runs after the handler has returned (rendezvous.h), so it owns what it captures.
+using CpuWork = std::function<ffi::Error(int64_t rank, const std::vector<Published>& peers)>;
+
+// Joins the collective as the participant `call` describes, whose `work` writes `output` (`output_bytes`).
 // Injected faults: a delayed call sleeps first, a skipped one returns at once (its peers time out), a
 // corrupted payload has one byte of the output flipped afterwards.
-inline ffi::Error RunCpuCall(const CpuCall& call, Published mine, void* output, size_t output_bytes,
-                             const std::function<void(int64_t, const std::vector<Published>&)>& body) {
+inline ffi::Future RunCpuCall(const CpuCall& call, Published mine, void* output, size_t output_bytes, CpuWork work) {
   CallRecord record;
   int64_t record_index = -1;
   if (call.attrs.trace) {
@@ -93,35 +96,53 @@ inline ffi::Error RunCpuCall(const CpuCall& call, Published mine, void* output, 
     record.injected = call.fault ? static_cast<int32_t>(call.fault->kind) : -1;
     AppendCallRecord(record, &record_index);
   }
-  if (ApplyDelayOrSkip(call.fault, /*stall_on_host=*/true)) return ffi::Error::Success();
-  if (call.attrs.trace) record.start_ns = NowNs();
-  const int64_t rank = call.position.rank;
-  const std::string what = "call #" + std::to_string(call.sequence) + " (" + DescribeCallSite(call.attrs.site) +
-                           ", replica group " + std::to_string(call.position.group_idx) + ")";
-  ffi::Error result = RunCollective(call.op, what, call.round, rank, call.group_size, mine,
-                                    std::chrono::milliseconds(call.attrs.timeout_ms),
-                                    [&](const std::vector<Published>& peers) {
-                                      if (call.attrs.trace) record.arrive_ns = NowNs();
-                                      body(rank, peers);
-                                    });
-  if (result.success() && call.fault && call.fault->kind == FaultKind::kCorruptPayload && output_bytes >= 4) {
-    std::memset(static_cast<unsigned char*>(output) + (output_bytes / 2) / 4 * 4, 0xA5, 4);  // as the GPU's
-  }
+  if (ApplyDelayOrSkip(call.fault, /*stall_on_host=*/true)) return CompletedFuture(ffi::Error::Success());
   if (call.attrs.trace) {
-    record.end_ns = NowNs();
+    record.start_ns = NowNs();
     UpdateCallRecord(record_index, record);
   }
-  return result;
+  const int64_t rank = call.position.rank;
+  const bool corrupt = call.fault && call.fault->kind == FaultKind::kCorruptPayload && output_bytes >= 4;
+  const bool trace = call.attrs.trace;
+  std::string what = "call #" + std::to_string(call.sequence) + " (" + DescribeCallSite(call.attrs.site) +
+                     ", replica group " + std::to_string(call.position.group_idx) + ")";
+  return JoinCollective(call.op, std::move(what), call.round, rank, call.group_size, mine,
+                        std::chrono::milliseconds(call.attrs.timeout_ms),
+                        [=, work = std::move(work)](const std::vector<Published>& peers) mutable {
+                          if (peers.empty()) {  // the round failed: the call ends without its peers
+                            if (trace) {
+                              record.end_ns = NowNs();
+                              UpdateCallRecord(record_index, record);
+                            }
+                            return ffi::Error::Success();
+                          }
+                          if (trace) record.arrive_ns = NowNs();
+                          ffi::Error result = work(rank, peers);
+                          if (result.success() && corrupt) {  // as the GPU's
+                            std::memset(static_cast<unsigned char*>(output) + (output_bytes / 2) / 4 * 4, 0xA5, 4);
+                          }
+                          if (trace) {
+                            record.end_ns = NowNs();
+                            UpdateCallRecord(record_index, record);
+                          }
+                          return result;
+                        });
 }
 
 // BeginCpuCall then RunCpuCall, for handlers that need nothing in between.
-inline ffi::Error RunInGroup(std::string_view op, ffi::RunId run, uint32_t partition_id,
-                             ffi::Span<const int64_t> groups, int64_t group_size, int64_t site, int64_t timeout_ms,
-                             int64_t trace, Published mine, void* output, size_t output_bytes,
-                             const std::function<void(int64_t, const std::vector<Published>&)>& body) {
+inline ffi::Future RunInGroup(std::string_view op, ffi::RunId run, uint32_t partition_id,
+                              ffi::Span<const int64_t> groups, int64_t group_size, int64_t site, int64_t timeout_ms,
+                              int64_t trace, Published mine, void* output, size_t output_bytes, CpuWork work) {
   ffi::ErrorOr<CpuCall> call = BeginCpuCall(op, run, partition_id, groups, group_size, site, timeout_ms, trace);
-  if (call.has_error()) return call.error();
-  return RunCpuCall(*call, mine, output, output_bytes, body);
+  if (call.has_error()) return CompletedFuture(call.error());
+  return RunCpuCall(*call, mine, output, output_bytes, std::move(work));
 }
+
+// Returns a failed future from a handler that returns ffi::Future when `expr` is an error.
+#define NCCLX_RETURN_FUTURE_IF_ERROR(expr)                                    \
+  do {                                                                        \
+    ::xla::ffi::Error ncclx_error_ = (expr);                                  \
+    if (ncclx_error_.failure()) return ::jax_ncclx::CompletedFuture(std::move(ncclx_error_)); \
+  } while (0)
 
 }  // namespace jax_ncclx

@@ -1,0 +1,93 @@
+"""Programs whose jax_ncclx collectives do not depend on each other, run many times against the same program
+written with jax.lax. Imported by tests/test_ordering.py; run as a script for more virtual CPU devices than
+the test process has:
+
+    python tests/ordering_worker.py DEVICES RUNS   # prints ORDERING OK, or the failures and exits 1
+
+Each branch feeds its collective through a chain of matmuls big enough that XLA:CPU runs the branches
+concurrently rather than one after another, so devices reach the collectives in different orders.
+"""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+ROWS, HIDDEN, BRANCHES = 256, 256, 4
+CASES = ["four_all_to_alls", "every_dense_op", "loop_beside_a_call"]
+
+
+def _chain(h, w):
+    for _ in range(3):
+        h = jnp.tanh(h @ w)
+    return h
+
+
+def _program(case, ops):
+    """The per-shard function of ``case`` on ``ops`` (jax_ncclx or jax.lax): a [BRANCHES, R, H] input and a
+    [H, H] weight in, a stack of every branch's result out."""
+    all_reduce, all_gather, reduce_scatter, all_to_all, ppermute = ops
+
+    def body(a, w):
+        size = jax.lax.axis_size("x")
+        branches = [_chain(a[k], w) for k in range(BRANCHES)]
+        if case == "four_all_to_alls":  # with one of XLA's own (blocking) collectives beside them
+            out = [all_to_all(h, "x", 0, 0, tiled=True) for h in branches]
+            out.append(jax.lax.psum(a[0], "x"))
+        elif case == "every_dense_op":
+            perm = [(i, (i + 1) % size) for i in range(size)]
+            out = [all_reduce(branches[0], "x"),
+                   all_gather(branches[1], "x", tiled=True)[: branches[1].shape[0]],
+                   jnp.tile(reduce_scatter(branches[2], "x", tiled=True), (size, 1)),
+                   ppermute(branches[3], "x", perm)]
+        else:  # a loop with a collective inside, beside a collective outside it
+            looped = jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(all_to_all(h, "x", 0, 0, tiled=True)), branches[0])
+            out = [looped, all_reduce(branches[1], "x"), branches[2], branches[3]]
+        return jnp.stack(out)
+
+    return body
+
+
+def _ops(library):
+    if library == "lax":
+        return (jax.lax.psum, jax.lax.all_gather, jax.lax.psum_scatter, jax.lax.all_to_all, jax.lax.ppermute)
+    import jax_ncclx as nx
+
+    return (nx.all_reduce, nx.all_gather, nx.reduce_scatter, nx.all_to_all, nx.ppermute)
+
+
+def run(devices, case, runs):
+    """Runs ``case`` ``runs`` times on a 1-D mesh of ``devices``; returns the messages of the failed runs."""
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("x",))
+    n = len(devices)
+    rng = np.random.default_rng(0)
+    a = jax.device_put(rng.normal(size=(BRANCHES, n * ROWS, HIDDEN)).astype(np.float32),
+                       NamedSharding(mesh, P(None, "x")))
+    w = jax.device_put((rng.normal(size=(HIDDEN, HIDDEN)) / np.sqrt(HIDDEN)).astype(np.float32),
+                       NamedSharding(mesh, P()))
+
+    def compiled(library):
+        return jax.jit(jax.shard_map(_program(case, _ops(library)), mesh=mesh, in_specs=(P(None, "x"), P()),
+                                     out_specs=P(None, "x")))
+
+    with jax.default_matmul_precision("highest"):
+        expected = np.asarray(compiled("lax")(a, w))
+        ours = compiled("ncclx")
+        failures = []
+        for i in range(runs):
+            try:
+                np.testing.assert_allclose(np.asarray(ours(a, w)), expected, rtol=1e-5, atol=1e-5)
+            except Exception as error:  # noqa: BLE001 - a timeout or a mismatch, reported with its run
+                failures.append(f"run {i}: {type(error).__name__}: {str(error)[:500]}")
+    return failures
+
+
+if __name__ == "__main__":
+    num_devices, num_runs = int(sys.argv[1]), int(sys.argv[2])
+    jax.config.update("jax_num_cpu_devices", num_devices)
+    failed = [f"{case} {message}" for case in CASES for message in run(jax.devices("cpu"), case, num_runs)]
+    print("\n".join(failed) if failed else "ORDERING OK")
+    sys.exit(1 if failed else 0)
