@@ -5,7 +5,9 @@ the test process has:
     python tests/ordering_worker.py DEVICES RUNS   # prints ORDERING OK, or the failures and exits 1
 
 Each branch feeds its collective through a chain of matmuls big enough that XLA:CPU runs the branches
-concurrently rather than one after another, so devices reach the collectives in different orders.
+concurrently rather than one after another, so devices reach the collectives in different orders. In
+"one_function_called_four_times" the four calls are copies of one call site (JAX lowers the jitted function
+once), which devices must still tell apart.
 """
 
 import sys
@@ -17,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 ROWS, HIDDEN, BRANCHES = 256, 256, 4
-CASES = ["four_all_to_alls", "every_dense_op", "loop_beside_a_call"]
+CASES = ["four_all_to_alls", "every_dense_op", "loop_beside_a_call", "one_function_called_four_times"]
 
 
 def _chain(h, w):
@@ -43,6 +45,9 @@ def _program(case, ops):
                    all_gather(branches[1], "x", tiled=True)[: branches[1].shape[0]],
                    jnp.tile(reduce_scatter(branches[2], "x", tiled=True), (size, 1)),
                    ppermute(branches[3], "x", perm)]
+        elif case == "one_function_called_four_times":  # one call site in the program, four calls after inlining
+            shared = jax.jit(lambda h: all_to_all(_chain(h, w), "x", 0, 0, tiled=True))
+            out = [shared(a[k] * (k + 1)) for k in range(BRANCHES)]
         else:  # a loop with a collective inside, beside a collective outside it
             looped = jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(all_to_all(h, "x", 0, 0, tiled=True)), branches[0])
             out = [looped, all_reduce(branches[1], "x"), branches[2], branches[3]]

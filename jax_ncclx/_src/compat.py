@@ -20,6 +20,17 @@ from jax._src.sharding_impls import SPMDAxisContext
 NamedAxisEffect = _core.NamedAxisEffect
 
 
+def register_ffi_type_now(name: str, registration: dict, platform: str = "cpu") -> None:
+    """Registers an FFI state type with XLA at once. ``jax.ffi.register_ffi_type`` defers it to the CPU
+    client's creation, which registers the deferred handlers first, and XLA refuses a type registered after
+    the handlers that use it (jaxlib 0.11.2's ``make_cpu_client``)."""
+    from jaxlib import xla_client
+
+    if platform != "cpu":
+        raise ValueError(f"register_ffi_type_now: platform {platform!r} (only 'cpu' is needed)")
+    xla_client._xla.register_custom_type(name, registration)
+
+
 def apply_primitive(prim, *args, **params):
     """Evaluates ``prim`` eagerly (compiled on its own), as ``jax.lax`` primitives do outside ``jit``."""
     return _dispatch.apply_primitive(prim, *args, **params)

@@ -13,9 +13,12 @@ import jax
 
 from jax_ncclx import _build_config
 from jax_ncclx import _ncclx_cpu
+from jax_ncclx._src import compat
 
 logger = logging.getLogger("jax_ncclx")
 
+for _name, _registration in _ncclx_cpu.types().items():
+    compat.register_ffi_type_now(_name, _registration)
 for _name, _capsule in _ncclx_cpu.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 

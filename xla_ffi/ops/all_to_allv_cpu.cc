@@ -38,7 +38,7 @@ std::vector<int32_t> CorruptCounts(const int32_t* counts, int64_t n) {
 
 // Returns a pending future while its peers have not all arrived (common/rendezvous.h); the work it passes
 // owns its plan and captures buffer pointers by value, as it may run after the handler has returned.
-ffi::Future AllToAllvImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
+ffi::Future AllToAllvImpl(ffi::RunId run, CallInstance* instance, PartitionId partition_id, ffi::AnyBuffer x,
                          ffi::Buffer<ffi::S32> counts, std::optional<ffi::Buffer<ffi::S32>> send_rows,
                          std::optional<ffi::AnyBuffer> suffix,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
@@ -56,7 +56,7 @@ ffi::Future AllToAllvImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuff
   const int64_t x_row_bytes = row_bytes - suffix_bytes;
 
   ffi::ErrorOr<CpuCall> call =
-      BeginCpuCall(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace);
+      BeginCpuCall(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace);
   if (call.has_error()) return CompletedFuture(call.error());
   const int32_t* send_counts = counts.typed_data();
   std::vector<int32_t> corrupted;

@@ -121,7 +121,7 @@ ffi::Error Reduce(std::string_view op_name, ffi::DataType dtype, ReduceOp op, vo
 // The handlers return a pending future while their peers have not all arrived (common/rendezvous.h); the
 // work they pass captures buffer pointers and sizes by value, as it may run after they have returned.
 
-ffi::Future AllReduceImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
+ffi::Future AllReduceImpl(ffi::RunId run, CallInstance* instance, PartitionId partition_id, ffi::AnyBuffer x,
                           ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
                           int64_t site, int64_t timeout_ms, int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "all_reduce";
@@ -132,14 +132,14 @@ ffi::Future AllReduceImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuff
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckSameBytes(kOp, x, *y));
   void* out = y->untyped_data();
   const size_t count = x.element_count() * reduced->per_element;
-  return RunInGroup(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
+  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
                     {x.untyped_data()}, out, y->size_bytes(),
                     [reduced = *reduced, out, count](int64_t, const std::vector<Published>& peers) {
     return Reduce(kOp, reduced.dtype, reduced.op, out, peers, 0, count);
   });
 }
 
-ffi::Future AllGatherImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
+ffi::Future AllGatherImpl(ffi::RunId run, CallInstance* instance, PartitionId partition_id, ffi::AnyBuffer x,
                           ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
                           int64_t site, int64_t timeout_ms, int64_t trace) {
   constexpr std::string_view kOp = "all_gather";
@@ -148,7 +148,7 @@ ffi::Future AllGatherImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuff
   NCCLX_RETURN_FUTURE_IF_ERROR(
       CheckBytes(kOp, "output", Bytes(*y), group_size * Bytes(x), RanksTimes(group_size, Bytes(x))));
   char* out = static_cast<char*>(y->untyped_data());
-  return RunInGroup(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
+  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
                     {x.untyped_data()}, out, y->size_bytes(),
                     [out, chunk](int64_t, const std::vector<Published>& peers) {
     for (size_t r = 0; r < peers.size(); ++r) std::memcpy(out + r * chunk, peers[r].data, chunk);
@@ -156,7 +156,7 @@ ffi::Future AllGatherImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuff
   });
 }
 
-ffi::Future ReduceScatterImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
+ffi::Future ReduceScatterImpl(ffi::RunId run, CallInstance* instance, PartitionId partition_id, ffi::AnyBuffer x,
                               ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups,
                               int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace,
                               int64_t reduce_op) {
@@ -170,14 +170,14 @@ ffi::Future ReduceScatterImpl(ffi::RunId run, PartitionId partition_id, ffi::Any
       CheckBytes(kOp, "input", Bytes(x), group_size * Bytes(*y), RanksTimes(group_size, Bytes(*y))));
   void* out = y->untyped_data();
   const size_t count = y->element_count() * reduced->per_element;
-  return RunInGroup(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
+  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
                     {x.untyped_data()}, out, y->size_bytes(),
                     [reduced = *reduced, out, count](int64_t rank, const std::vector<Published>& peers) {
     return Reduce(kOp, reduced.dtype, reduced.op, out, peers, rank * count, count);
   });
 }
 
-ffi::Future AllToAllImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
+ffi::Future AllToAllImpl(ffi::RunId run, CallInstance* instance, PartitionId partition_id, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
                          int64_t site, int64_t timeout_ms, int64_t trace) {
   constexpr std::string_view kOp = "all_to_all";
@@ -186,7 +186,7 @@ ffi::Future AllToAllImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffe
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckSameBytes(kOp, x, *y));
   const size_t chunk = x.size_bytes() / group_size;
   char* out = static_cast<char*>(y->untyped_data());
-  return RunInGroup(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
+  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
                     {x.untyped_data()}, out, y->size_bytes(),
                     [out, chunk](int64_t rank, const std::vector<Published>& peers) {
     for (size_t r = 0; r < peers.size(); ++r) {
@@ -196,7 +196,7 @@ ffi::Future AllToAllImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffe
   });
 }
 
-ffi::Future PpermuteImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffer x,
+ffi::Future PpermuteImpl(ffi::RunId run, CallInstance* instance, PartitionId partition_id, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
                          int64_t site, int64_t timeout_ms, int64_t trace, ffi::Span<const int64_t> sources,
                          ffi::Span<const int64_t> targets) {
@@ -206,7 +206,7 @@ ffi::Future PpermuteImpl(ffi::RunId run, PartitionId partition_id, ffi::AnyBuffe
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckSameBytes(kOp, x, *y));
   void* out = y->untyped_data();
   const size_t bytes = y->size_bytes();
-  return RunInGroup(kOp, run, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
+  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
                     {x.untyped_data()}, out, bytes,
                     [out, bytes, sources = std::vector<int64_t>(sources.begin(), sources.end())](
                         int64_t rank, const std::vector<Published>& peers) {

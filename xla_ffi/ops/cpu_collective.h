@@ -23,9 +23,20 @@ namespace jax_ncclx {
 // The partition id, a scalar operand the Python lowering passes first (the binding refuses any other rank).
 using PartitionId = ffi::BufferR0<ffi::U32>;
 
+// One custom call of a compiled program, made by XLA when it instantiates the executable, once per
+// instruction and shared by every device that runs it. Its key tells apart the copies of one call site that
+// XLA makes when it inlines a jitted function called from several places: they carry the same `site`
+// attribute, and devices may reach them in different orders.
+struct CallInstance {
+  static ffi::TypeId id;
+  int64_t key;
+};
+
 // Starts the binding of a CPU collective with what every one takes first: the logical execution's run id
-// (the same on every device of one execution of the program) and the partition id.
-inline auto BindCpuCollective() { return ffi::Ffi::Bind().Ctx<ffi::RunId>().Arg<PartitionId>(); }
+// (the same on every device of one execution of the program), the call's instance and the partition id.
+inline auto BindCpuCollective() {
+  return ffi::Ffi::Bind().Ctx<ffi::RunId>().Ctx<ffi::State<CallInstance>>().Arg<PartitionId>();
+}
 
 // Appends the attributes every CPU collective takes, in the order the handlers' parameters after the
 // buffers expect: groups, group_size, site, timeout_ms, trace.
@@ -57,7 +68,8 @@ inline int64_t CpuCommKey(ffi::Span<const int64_t> groups, int64_t group_idx) {
   return static_cast<int64_t>(hash >> 1);
 }
 
-inline ffi::ErrorOr<CpuCall> BeginCpuCall(std::string_view op, ffi::RunId run, uint32_t partition_id,
+inline ffi::ErrorOr<CpuCall> BeginCpuCall(std::string_view op, ffi::RunId run, const CallInstance* instance,
+                                          uint32_t partition_id,
                                           ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
                                           int64_t timeout_ms, int64_t trace) {
   ffi::ErrorOr<GroupPosition> position = FindGroupPosition(op, groups, group_size, partition_id);
@@ -71,7 +83,8 @@ inline ffi::ErrorOr<CpuCall> BeginCpuCall(std::string_view op, ffi::RunId run, u
   call.comm = CpuCommKey(groups, position->group_idx);
   call.sequence = NextSequence(call.comm, static_cast<int>(position->rank));
   call.fault = InjectedFaultFor(static_cast<int>(position->rank), call.sequence);
-  call.round = RoundKey{site, position->group_idx, run.run_id, RendezvousSequence(site, partition_id, run.run_id)};
+  call.round = RoundKey{instance->key, position->group_idx, run.run_id,
+                        RendezvousSequence(instance->key, partition_id, run.run_id)};
   return call;
 }
 
@@ -130,10 +143,12 @@ inline ffi::Future RunCpuCall(const CpuCall& call, Published mine, void* output,
 }
 
 // BeginCpuCall then RunCpuCall, for handlers that need nothing in between.
-inline ffi::Future RunInGroup(std::string_view op, ffi::RunId run, uint32_t partition_id,
-                              ffi::Span<const int64_t> groups, int64_t group_size, int64_t site, int64_t timeout_ms,
-                              int64_t trace, Published mine, void* output, size_t output_bytes, CpuWork work) {
-  ffi::ErrorOr<CpuCall> call = BeginCpuCall(op, run, partition_id, groups, group_size, site, timeout_ms, trace);
+inline ffi::Future RunInGroup(std::string_view op, ffi::RunId run, const CallInstance* instance,
+                              uint32_t partition_id, ffi::Span<const int64_t> groups, int64_t group_size,
+                              int64_t site, int64_t timeout_ms, int64_t trace, Published mine, void* output,
+                              size_t output_bytes, CpuWork work) {
+  ffi::ErrorOr<CpuCall> call =
+      BeginCpuCall(op, run, instance, partition_id, groups, group_size, site, timeout_ms, trace);
   if (call.has_error()) return CompletedFuture(call.error());
   return RunCpuCall(*call, mine, output, output_bytes, std::move(work));
 }

@@ -3,7 +3,14 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#include "ops/cpu_collective.h"
+
 namespace jax_ncclx {
+
+// The instantiate stage of every CPU collective (the six below CpuPpermute included), and the type of the
+// state it makes, which the module registers with XLA before the handlers.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuCollectiveInstantiate);
+extern const ffi::TypeInfo kCallInstanceTypeInfo;
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuAllReduce);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CpuAllGather);
