@@ -51,37 +51,6 @@ def all_to_allv(xs, counts, capacity, layout):
     return out
 
 
-def ragged_all_to_all(operands, outputs, input_offsets, send_sizes, output_offsets, recv_sizes, capacity):
-    """jax.lax.ragged_all_to_all's description, slice by slice, with jax_ncclx's rules where it leaves a call
-    undefined: send sizes walked slice after slice and cut at the operand's X rows, at most ``capacity`` rows
-    per peer, rows read outside the operand are zeros, a slice writes min(recv_sizes, rows sent) rows and none
-    outside the result, later slices win. Per member: (result, source), source[o] = (member, operand row) of
-    the row written at o (a row outside the operand wrote zeros), or None where nothing was written."""
-    n = len(operands)
-    slices = len(send_sizes[0]) // n
-    sent = []  # sent[src][i]: the operand rows of slice i
-    for src in range(n):
-        sizes = np.clip(np.asarray(send_sizes[src], np.int64), 0, len(operands[src])).reshape(n, slices)
-        chunks = plan_sends(sizes, len(operands[src]), capacity)[3].reshape(-1)
-        sent.append([[int(input_offsets[src][i]) + r for r in range(chunks[i])] for i in range(n * slices)])
-    results, sources = [], []
-    for me in range(n):
-        result, source = np.array(outputs[me]), [None] * len(outputs[me])
-        for src in range(n):
-            for k in range(slices):
-                i, back = me * slices + k, src * slices + k
-                rows = sent[src][i][: max(int(recv_sizes[me][back]), 0)]
-                for r, row in enumerate(rows):
-                    o = int(output_offsets[src][i]) + r
-                    if 0 <= o < len(result):
-                        inside = 0 <= row < len(operands[src])
-                        result[o] = operands[src][row] if inside else 0
-                        source[o] = (src, row)
-        results.append(result)
-        sources.append(source)
-    return results, sources
-
-
 def padded_words(top_k):
     return -(-top_k // 4) * 4
 

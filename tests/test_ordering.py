@@ -57,6 +57,7 @@ def test_a_late_peer_still_times_out(monkeypatch):
     monkeypatch.setenv("JAX_NCCLX_FAULT", "skip:rank=3,seq=0")
     nx.shutdown()  # call numbers restart, so the fault hits this program's first call
     f = jax.jit(jax.shard_map(lambda v: nx.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    with pytest.raises(Exception, match=r"rank\(s\) 3 did not arrive within 1 s"):
+    # XLA reports one device's error: the one whose timeout expired, or a peer it abandoned.
+    with pytest.raises(Exception, match=r"rank\(s\) 3 did not arrive within 1 s|timed out waiting for rank\(s\) 3$"):
         jax.block_until_ready(f(jnp.ones((4, 8))))
     nx.shutdown()

@@ -189,7 +189,11 @@ def make_local(name: str, *, multiple_results: bool = False) -> Primitive:
 
 def fold_vmap_into_batch(prim: Primitive, axis_data, args, dims, **params):
     """The batching rule of a primitive whose operands and results all lead with a batch dimension B: the
-    vmapped dimension is folded into B, so that ``vmap`` stays one call."""
+    vmapped dimension is folded into B, so that ``vmap`` stays one call. With no operand batched (a
+    ``vmap`` over a ``shard_map`` that maps none of them), the call is left as it is."""
+    if all(d is None for d in dims):
+        outs = prim.bind(*args, **params)
+        return outs, ([None] * len(outs) if prim.multiple_results else None)
     args = [batching.bdim_at_front(a, d, axis_data.size) for a, d in zip(args, dims)]
     vmapped, batch = args[0].shape[:2]
     outs = prim.bind(*(a.reshape(vmapped * batch, *a.shape[2:]) for a in args), **params)
@@ -236,14 +240,15 @@ def batches_own_axis(axis_data, axis_name, op: str) -> bool:
     """Whether a batching rule runs for ``jax.vmap(..., axis_name=...)`` over the collective's own axis. The
     axis's members are then the entries of the batch dimension, all on this device, so the op is local array
     work on :func:`members_first`. A tuple that takes the vmapped axis together with other axes is refused
-    here, as ``jax.lax`` refuses it for all but its reductions (``all_reduce`` handles that case itself)."""
+    here, as ``jax.lax`` refuses it for all but its reductions and all_to_all (``all_reduce`` and
+    ``all_to_all`` handle that case themselves)."""
     axes = axes_of(axis_name)
     if axis_data.name not in axes:
         return False
     if len(axes) > 1:
         raise NotImplementedError(
             f"jax_ncclx.{op}: axis_name {axis_name!r} takes the vmapped axis {axis_data.name!r} together with "
-            "other axes; only all_reduce supports that (as in jax.lax)")
+            "other axes; only all_reduce and all_to_all support that (as in jax.lax)")
     return True
 
 

@@ -14,14 +14,16 @@ from jax.interpreters import ad
 from jax.interpreters import batching
 from jax.sharding import PartitionSpec as P
 
+from jax_ncclx._src import axis_groups
 from jax_ncclx._src import checksum
 from jax_ncclx._src import compat
 from jax_ncclx._src import config
 from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
+from jax_ncclx._src.ops.all_gather import all_gather
 
 
-def all_reduce(x, axis_name, op: str = "sum"):
+def all_reduce(x, axis_name, op: str = "sum", *, axis_index_groups=None):
     """Reduces ``x`` elementwise over the members of the mesh axis ``axis_name``.
 
     Args:
@@ -32,6 +34,9 @@ def all_reduce(x, axis_name, op: str = "sum"):
         the reduction runs within each group along that axis (those axes).
       op: ``"sum"``, ``"max"``, ``"min"`` or ``"mean"`` (static). ``"mean"`` is ``jax.lax.pmean``: the sum
         divided by the group's size N, so integers and booleans give float32 (float64 under x64).
+      axis_index_groups: as in ``jax.lax.psum`` (static): groups of axis indices that cover the axis once, each
+        reduced on its own. Run over the whole axis (an all_gather of every member's array, then a local
+        reduction), so it moves N times the bytes of the plain op (``_src/axis_groups.py``).
 
     Returns:
       An array of ``x``'s shape and dtype (int32 for a sum of booleans), the same bits on every member of the
@@ -48,7 +53,7 @@ def all_reduce(x, axis_name, op: str = "sum"):
       NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map`` (and no mesh shards ``x``).
       ValueError: outside ``jax.shard_map``, an argument sharded otherwise than over ``axis_name`` along its
         leading dimension, or whose leading dimension the axis size does not divide.
-      ValueError: an unknown ``op``; an axis named twice.
+      ValueError: an unknown ``op``; an axis named twice; ``axis_index_groups`` that do not cover the axis once.
       TypeError: a dtype the op cannot take (not a number or boolean; under a byte; an 8-bit float; the max /
         min of complex numbers).
       NotImplementedError: a shard_map that leaves a mesh axis of size > 1 to the compiler (README, "Sharp
@@ -59,11 +64,16 @@ def all_reduce(x, axis_name, op: str = "sum"):
         raise ValueError(f"jax_ncclx.all_reduce: op must be one of {sorted((*primitive.REDUCE_OPS, 'mean'))}, "
                          f"got {op!r}")
     if not primitive.is_bound(axis_name):
-        return primitive.global_view(partial(all_reduce, axis_name=axis_name, op=op), (x,), axis_name,
+        return primitive.global_view(partial(all_reduce, axis_name=axis_name, op=op,
+                                             axis_index_groups=axis_index_groups), (x,), axis_name,
                                      "all_reduce", P(axis_name), P(axis_name))
+    groups = axis_groups.canonical(axis_index_groups, jax.lax.axis_size(axis_name), "all_reduce",
+                                   equal_sizes=False)
     if op == "mean":  # as jax.lax.pmean computes it
-        size = jax.lax.axis_size(axis_name)
-        return jax.tree.map(lambda total: total / size, all_reduce(x, axis_name, "sum"))
+        size = jax.lax.axis_size(axis_name) if groups is None else axis_groups.group_size(groups, axis_name)
+        return jax.tree.map(lambda total: total / size, all_reduce(x, axis_name, "sum", axis_index_groups=groups))
+    if groups is not None:
+        return jax.tree.map(lambda leaf: _reduce_within_groups(leaf, axis_name, op, groups), x)
 
     def one(leaf):
         operand, restore = primitive.reduction_operand(leaf, "all_reduce", op)
@@ -73,6 +83,27 @@ def all_reduce(x, axis_name, op: str = "sum"):
         return restore(y)
 
     return jax.tree.map(one, x)
+
+
+def _reduce_within_groups(leaf, axis_name, op: str, groups):
+    """all_reduce within ``groups``: every member's array gathered, this member's group reduced here, in axis
+    order as the handlers reduce (axis_groups.py)."""
+    operand, restore = primitive.reduction_operand(jnp.asarray(leaf), "all_reduce", op)
+    everyone = all_gather(operand, axis_name)                                   # [N, ...]
+    mine = axis_groups.same_group(groups, axis_name).reshape(-1, *([1] * operand.ndim))
+    if op == "sum":
+        accumulation = primitive.accumulation_dtype(operand.dtype)
+        total = jnp.sum(jnp.where(mine, everyone, jnp.zeros((), operand.dtype)), axis=0, dtype=accumulation)
+        return restore(total.astype(operand.dtype))
+    pick = jnp.max if op == "max" else jnp.min
+    dtype = np.dtype(operand.dtype)
+    if dtype == np.bool_:
+        identity = op == "min"
+    elif jnp.issubdtype(dtype, jnp.integer):
+        identity = np.iinfo(dtype).min if op == "max" else np.iinfo(dtype).max
+    else:
+        identity = -np.inf if op == "max" else np.inf
+    return restore(pick(jnp.where(mine, everyone, jnp.asarray(identity, dtype)), axis=0))
 
 
 all_reduce_p = primitive.make_collective("all_reduce")

@@ -26,8 +26,8 @@ def ppermute(x, axis_name, perm):
       x: array (or pytree) of any number or boolean dtype.
       axis_name: the mesh axis, or a tuple of axes taken as one (static; the first axis major, as
         ``jax.lax.axis_index`` of the tuple, in any order of the axes).
-      perm: sequence of ``(src, dst)`` axis-index pairs (static); each index appears at most once as a source
-        and at most once as a destination.
+      perm: list or tuple of ``(src, dst)`` axis-index pairs (static); each index appears at most once as a
+        source and at most once as a destination.
 
     Returns:
       An array like ``x``: the array sent to this member, or zeros if none was.
@@ -37,7 +37,7 @@ def ppermute(x, axis_name, perm):
       ValueError: outside ``jax.shard_map``, an argument sharded otherwise than over ``axis_name`` along its
         leading dimension, or whose leading dimension the axis size does not divide.
       ValueError: an index of ``perm`` outside the axis, or used twice as a source or as a destination.
-      TypeError: ``perm`` not a sequence of int pairs; a dtype the op cannot take (not a number or boolean, or
+      TypeError: ``perm`` not a list or tuple of int pairs; a dtype the op cannot take (not a number or boolean, or
         under a byte).
       NotImplementedError: vmap over ``axis_name`` inside a tuple with mesh axes; a shard_map that leaves a mesh
         axis of size > 1 to the compiler.
@@ -71,6 +71,9 @@ def _member_index(value) -> int:
 
 
 def _check_perm(perm, size: int) -> tuple[tuple[int, int], ...]:
+    if not isinstance(perm, (list, tuple)):  # as jax.lax: an iterator would be used up by the first trace
+        raise TypeError(f"jax_ncclx.ppermute: perm must be a list or a tuple of (src, dst) pairs, got "
+                        f"{type(perm).__name__}")
     try:
         pairs = tuple((_member_index(src), _member_index(dst)) for src, dst in perm)
     except (TypeError, ValueError):
@@ -102,9 +105,9 @@ def _ppermute_batching(axis_data, args, dims, *, axis_name, sources, targets):
     (x,), (d,) = args, dims
     if primitive.batches_own_axis(axis_data, axis_name, "ppermute"):
         members = primitive.members_first(axis_data, x, d)
-        received = jnp.take(members, jnp.asarray(sources).clip(0), axis=0)
-        sent = (jnp.asarray(sources) >= 0).reshape(-1, *[1] * (members.ndim - 1))
-        return jnp.where(sent, received, jnp.zeros((), x.dtype)), 0
+        received = jnp.take(members, np.asarray(sources, np.int32).clip(0), axis=0)
+        sent = (np.asarray(sources) >= 0).reshape(-1, *[1] * (members.ndim - 1))
+        return jnp.where(sent, received, jnp.zeros((), received.dtype)), 0
     return ppermute_p.bind(x, axis_name=axis_name, sources=sources, targets=targets), d
 
 

@@ -14,11 +14,13 @@ from jax.interpreters import ad
 from jax.interpreters import batching
 from jax.sharding import PartitionSpec as P
 
+from jax_ncclx._src import axis_groups
 from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
+from jax_ncclx._src.ops.all_to_all import all_to_all
 
 
-def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False):
+def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_groups=None, tiled: bool = False):
     """Sums ``x`` over the members of ``axis_name`` and scatters the sum along ``scatter_dimension``.
 
     Args:
@@ -28,6 +30,9 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
       axis_name: the mesh axis, or a tuple of axes taken as one (static; the first axis major, as
         ``jax.lax.axis_index`` of the tuple).
       scatter_dimension: the dimension split into N blocks (static).
+      axis_index_groups: as in ``jax.lax.psum_scatter`` (static): groups of one size G that cover the axis
+        once; each sums and scatters among its own members (N = G above). Run as an all_to_all over the whole
+        axis with zeros for the other groups, so it moves N / G times the bytes (``_src/axis_groups.py``).
       tiled: if False the scattered dimension is removed; if True it shrinks to ``shape // N`` (static).
 
     Returns:
@@ -43,7 +48,8 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
       NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map`` (and no mesh shards ``x``).
       ValueError: outside ``jax.shard_map``, an argument sharded otherwise than over ``axis_name`` along its
         leading dimension, or whose leading dimension the axis size does not divide.
-      ValueError: ``scatter_dimension`` out of range or of the wrong size; an axis named twice.
+      ValueError: ``scatter_dimension`` out of range or of the wrong size; an axis named twice;
+        ``axis_index_groups`` that do not cover the axis once or differ in size.
       TypeError: ``scatter_dimension`` not a static int; a dtype the op cannot take (not a number or boolean;
         under a byte; an 8-bit float).
       NotImplementedError: vmap over ``axis_name`` inside a tuple with mesh axes; a shard_map that leaves a mesh
@@ -53,9 +59,11 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
     scatter_dimension = primitive.check_static_int(scatter_dimension, "scatter_dimension", "reduce_scatter")
     if not primitive.is_bound(axis_name):
         return primitive.global_view(
-            partial(reduce_scatter, axis_name=axis_name, scatter_dimension=scatter_dimension, tiled=tiled),
+            partial(reduce_scatter, axis_name=axis_name, scatter_dimension=scatter_dimension,
+                    axis_index_groups=axis_index_groups, tiled=tiled),
             (x,), axis_name, "reduce_scatter", P(axis_name), P(axis_name))
-    size = jax.lax.axis_size(axis_name)
+    groups = axis_groups.canonical(axis_index_groups, jax.lax.axis_size(axis_name), "reduce_scatter")
+    size = jax.lax.axis_size(axis_name) if groups is None else len(groups[0])
 
     def one(leaf):
         ndim = jnp.ndim(leaf)
@@ -70,10 +78,21 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
         front = jnp.moveaxis(leaf, dim, 0)
         blocks, restore = primitive.reduction_operand(front.reshape(size, extent // size, *front.shape[1:]),
                                                       "reduce_scatter", "sum")
-        y = restore(reduce_scatter_p.bind(primitive.ensure_varying(blocks, axis_name), axis_name=axis_name))
+        if groups is None:
+            y = restore(reduce_scatter_p.bind(primitive.ensure_varying(blocks, axis_name), axis_name=axis_name))
+        else:
+            y = restore(_sum_within_groups(blocks, axis_name, groups))
         return jnp.moveaxis(y, 0, dim) if tiled else y.reshape(y.shape[1:])
 
     return jax.tree.map(one, x)
+
+
+def _sum_within_groups(blocks, axis_name, groups):
+    """reduce_scatter of ``blocks`` ``[G, ...]`` within ``groups``: block p goes to the group's p-th member,
+    zeros to everyone else, and each member sums what it received in axis order (axis_groups.py)."""
+    received = all_to_all(axis_groups.spread_blocks(blocks, groups, axis_name), axis_name, 0, 0)  # [N, ...]
+    total = jnp.sum(received, axis=0, dtype=primitive.accumulation_dtype(blocks.dtype))
+    return total.astype(blocks.dtype)
 
 
 reduce_scatter_p = primitive.make_collective("reduce_scatter")
@@ -94,6 +113,8 @@ def _reduce_scatter_batching(axis_data, args, dims, *, axis_name):
         members = primitive.members_first(axis_data, x, d)  # [members, blocks, ...]
         total = jnp.sum(members, axis=0, dtype=primitive.accumulation_dtype(x.dtype))
         return total.astype(x.dtype), 0  # member m keeps block m
+    if d is None:  # a vmap that maps no operand of this call
+        return reduce_scatter_p.bind(x, axis_name=axis_name), None
     if d == 0:  # dimension 0 holds the blocks; keep the batch behind it
         x, d = jnp.moveaxis(x, 0, 1), 1
     return reduce_scatter_p.bind(x, axis_name=axis_name), d - 1
@@ -102,7 +123,7 @@ def _reduce_scatter_batching(axis_data, args, dims, *, axis_name):
 def _reduce_scatter_transpose(ct, x, *, axis_name):
     from jax_ncclx._src.ops.all_gather import all_gather_p
 
-    return [all_gather_p.bind(ad.instantiate_zeros(ct), axis_name=axis_name)]
+    return [all_gather_p.bind(ad.instantiate_zeros(ct), axis_name=axis_name, invariant=False)]
 
 
 reduce_scatter_p.def_effectful_abstract_eval(_reduce_scatter_abstract_eval)
