@@ -143,8 +143,9 @@ class TestRouteLax:
             assert got[m, 5] == group[-1]  # every member of the group wrote row 0: the last one wins
 
     def test_calls_jax_ncclx_does_not_take_go_to_jax_lax_logged(self, caplog):
-        def body(v):  # a constant (jax.lax computes N itself) and an invariant all_gather: both stay on jax.lax
-            return v * jax.lax.psum(1, "x") + jax.lax.all_gather(v, "x", to="invarying").sum()
+        def body(v):  # a constant (jax.lax computes N itself) and a float8 sum (the twin refuses it): jax.lax's
+            eight = jax.lax.psum(v.astype(jnp.float8_e4m3fn), "x").astype(jnp.float32)
+            return v * jax.lax.psum(1, "x") + eight
 
         x = jnp.arange(N, dtype=jnp.float32)
         want = np.asarray(jitted(body)(x))
@@ -152,8 +153,7 @@ class TestRouteLax:
             got = np.asarray(jitted(body)(x))
         messages = [r.getMessage() for r in caplog.records if "route_lax" in r.getMessage()]
         assert any("jax.lax.psum runs on jax.lax" in m and "constant" in m for m in messages), messages
-        assert any("jax.lax.all_gather runs on jax.lax" in m and "to='invarying'" in m
-                   for m in messages), messages
+        assert any("jax.lax.psum runs on jax.lax" in m and "float8_e4m3fn" in m for m in messages), messages
         np.testing.assert_array_equal(got, want)
 
 

@@ -94,23 +94,24 @@ def _normalize_axis(axis: int, ndim: int, op: str) -> int:
 all_gather_p = primitive.make_collective("all_gather")
 
 
-# Params: invariant, whether the result is typed the same on every member (to="invarying").
+# Params: invariant, whether the result is typed the same on every member (to="invarying"); False where a
+# caller binds the primitive without it.
 
-def _all_gather_abstract_eval(x, *, axis_name, invariant):
+def _all_gather_abstract_eval(x, *, axis_name, invariant=False):
     size = jax.lax.axis_size(axis_name)
     return (primitive.output_aval(x, axis_name, shape=(size, *x.shape), invariant=invariant),
             primitive.effects(axis_name))
 
 
 
-def _all_gather_batching(axis_data, args, dims, *, axis_name, invariant):
+def _all_gather_batching(axis_data, args, dims, *, axis_name, invariant=False):
     (x,), (d,) = args, dims
     if primitive.batches_own_axis(axis_data, axis_name, "all_gather"):
         return primitive.members_first(axis_data, x, d), None  # every member gathers the same blocks
     return all_gather_p.bind(x, axis_name=axis_name, invariant=invariant), None if d is None else d + 1
 
 
-def _all_gather_transpose(ct, x, *, axis_name, invariant):
+def _all_gather_transpose(ct, x, *, axis_name, invariant=False):
     from jax_ncclx._src.ops.reduce_scatter import reduce_scatter_p
 
     ct = ad.instantiate_zeros(ct)
