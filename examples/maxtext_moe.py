@@ -185,10 +185,10 @@ def main():
         # With one device MaxText's layer makes no all-to-all (an expert axis of one member): nothing to route.
         ok = result["worst_relative"] <= RTOL and (result["custom_calls"] or n == 1)
         passed &= bool(ok)
+        calls = ", ".join(result["custom_calls"]) or ("none (one device: MaxText sends nothing)" if n == 1 else "none")
         print(f"  {name} [{batch}, {seq}, {args.hidden}]: max |sparse on jax_ncclx - dense| output "
               f"{result['output']:.2e}, gradients {result['gradients']:.2e} (worst relative "
-              f"{result['worst_relative']:.1e}); {timing(result['seconds'])}; jax_ncclx calls: "
-              f"{', '.join(result['custom_calls']) or ('none (one device: MaxText sends nothing)' if n == 1 else 'none')}")
+              f"{result['worst_relative']:.1e}); {timing(result['seconds'])}; jax_ncclx calls: {calls}")
     print("PASSED" if passed else "FAILED")
     sys.exit(0 if passed else 1)
 

@@ -67,8 +67,8 @@ def route_lax():
     (integer) axes, an axis not bound by an enclosing ``shard_map`` or ``vmap`` (jax.lax raises its
     NameError), operands of which none is traced (jax.lax computes constants such as ``psum(1, axis)``
     statically), a dtype the twin refuses, ``all_gather(to="reduced")``, a ``shard_map``
-    that leaves mesh axes of size > 1 to the compiler, and (but for reductions) a vmapped axis in a tuple
-    with other axes.
+    that leaves mesh axes of size > 1 to the compiler, and (but for reductions and all_to_all) a vmapped
+    axis in a tuple with other axes.
 
     Nesting works (the inner scope changes nothing), and so do scopes on several threads at once: routing is
     per thread, and while any scope is open ``jax.lax``'s attributes are the wrappers, which call the
@@ -174,6 +174,6 @@ def _refusal(name: str, a: dict) -> str | None:
     if automatic:
         return f"the enclosing shard_map leaves mesh axes {automatic} of size > 1 to the compiler"
     vmapped = [n for n in names if n not in mesh.axis_names]
-    if vmapped and len(names) > 1 and name not in _REDUCTIONS:
+    if vmapped and len(names) > 1 and name not in (*_REDUCTIONS, "all_to_all"):
         return f"axis_name={axis_name!r} takes the vmapped axis {vmapped[0]!r} together with other axes"
     return None
