@@ -19,7 +19,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 ROWS, HIDDEN, BRANCHES = 256, 256, 4
-CASES = ["four_all_to_alls", "every_dense_op", "loop_beside_a_call", "one_function_called_four_times"]
+CASES = ["four_all_to_alls", "every_dense_op", "loop_beside_a_call", "one_function_called_four_times",
+         "ragged_beside_dense"]
 
 
 def _chain(h, w):
@@ -31,7 +32,7 @@ def _chain(h, w):
 def _program(case, ops):
     """The per-shard function of ``case`` on ``ops`` (jax_ncclx or jax.lax): a [BRANCHES, R, H] input and a
     [H, H] weight in, a stack of every branch's result out."""
-    all_reduce, all_gather, reduce_scatter, all_to_all, ppermute = ops
+    all_reduce, all_gather, reduce_scatter, all_to_all, ppermute, ragged = ops
 
     def body(a, w):
         size = jax.lax.axis_size("x")
@@ -48,6 +49,14 @@ def _program(case, ops):
         elif case == "one_function_called_four_times":  # one call site in the program, four calls after inlining
             shared = jax.jit(lambda h: all_to_all(_chain(h, w), "x", 0, 0, tiled=True))
             out = [shared(a[k] * (k + 1)) for k in range(BRANCHES)]
+        elif case == "ragged_beside_dense":  # MaxText's pattern: ragged exchanges beside an all_gather
+            rows = ROWS // size
+            offsets = jnp.arange(size, dtype=jnp.int32) * rows
+            sizes = jnp.full((size,), rows, jnp.int32)
+            landing = jnp.full((size,), jax.lax.axis_index("x") * rows, jnp.int32)
+            out = [ragged(h, jnp.zeros_like(h), offsets, sizes, landing, sizes, axis_name="x")
+                   for h in branches[:3]]
+            out.append(all_gather(branches[3], "x", tiled=True)[: branches[3].shape[0]])
         else:  # a loop with a collective inside, beside a collective outside it
             looped = jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(all_to_all(h, "x", 0, 0, tiled=True)), branches[0])
             out = [looped, all_reduce(branches[1], "x"), branches[2], branches[3]]
@@ -58,10 +67,15 @@ def _program(case, ops):
 
 def _ops(library):
     if library == "lax":
-        return (jax.lax.psum, jax.lax.all_gather, jax.lax.psum_scatter, jax.lax.all_to_all, jax.lax.ppermute)
+        # The ragged case sends block j of each member to member j, landing in source order: a tiled
+        # all_to_all, which XLA:CPU runs (it has no ragged_all_to_all).
+        def ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+            return jax.lax.all_to_all(operand, axis_name, 0, 0, tiled=True)
+
+        return (jax.lax.psum, jax.lax.all_gather, jax.lax.psum_scatter, jax.lax.all_to_all, jax.lax.ppermute, ragged)
     import jax_ncclx as nx
 
-    return (nx.all_reduce, nx.all_gather, nx.reduce_scatter, nx.all_to_all, nx.ppermute)
+    return (nx.all_reduce, nx.all_gather, nx.reduce_scatter, nx.all_to_all, nx.ppermute, nx.ragged_all_to_all)
 
 
 def run(devices, case, runs):
