@@ -6,6 +6,7 @@ against its dense path, forward and gradients, at a training and a decode shape,
 import importlib.util
 import logging
 import os
+import re
 import threading
 
 import jax
@@ -141,6 +142,21 @@ class TestRouteLax:
             group = groups[m % 2]
             assert got[m, 0] == sum(group) and list(got[m, 1:5]) == group, got[m]
             assert got[m, 5] == group[-1]  # every member of the group wrote row 0: the last one wins
+
+    def test_ragged_capacity_reaches_the_twin(self):
+        """ragged_max_recv_per_peer sizes the routed exchange's receive buffer (its capacity attribute)."""
+        x = jnp.arange(N * N, dtype=jnp.float32)
+        capacity = lambda text: re.findall(r"capacity = (\d+)", text)  # noqa: E731
+        with nx.route_lax():
+            fn = jitted(with_ragged)
+            assert capacity(fn.lower(x).as_text()) == [str(N)]  # output's rows
+            want = np.asarray(fn(x))
+        with nx.route_lax(ragged_max_recv_per_peer=1):
+            fn = jitted(with_ragged)
+            assert capacity(fn.lower(x).as_text()) == ["1"]
+            np.testing.assert_array_equal(np.asarray(fn(x)), want)  # one row per peer: nothing dropped
+        with pytest.raises(ValueError, match="ragged_max_recv_per_peer"), nx.route_lax(ragged_max_recv_per_peer=-1):
+            pass
 
     def test_calls_jax_ncclx_does_not_take_go_to_jax_lax_logged(self, caplog):
         def body(v):  # a constant (jax.lax computes N itself) and a float8 sum (the twin refuses it): jax.lax's

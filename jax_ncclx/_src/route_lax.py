@@ -13,6 +13,7 @@ way round).
 """
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -36,22 +37,28 @@ _REDUCTIONS = {"psum": "sum", "pmax": "max", "pmin": "min", "pmean": "mean"}
 ROUTED_OPS = ("psum", "pmax", "pmin", "pmean", "all_gather", "psum_scatter", "all_to_all", "ppermute",
               "ragged_all_to_all")
 
-# True on a thread inside a scope; in jax.jit's cache key, so traces inside and outside never mix.
-_routing = jax.make_user_context(default_value=False)
+# The innermost scope's settings on a thread inside one (None outside); in jax.jit's cache key, so traces
+# inside and outside (or under other settings) never mix.
+_routing = jax.make_user_context(default_value=None)
 _lock = threading.Lock()
 _open_scopes = 0
 _originals: dict = {}  # name -> jax.lax's function, while the wrappers are installed
 
 
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    ragged_max_recv_per_peer: int | None
+
+
 @contextlib.contextmanager
-def route_lax():
+def route_lax(*, ragged_max_recv_per_peer: int | None = None):
     """Runs ``jax.lax``'s collectives called in this scope on jax_ncclx's twins.
 
     ``with nx.route_lax(): ...``: code traced in the scope that calls ``jax.lax.psum`` / ``pmax`` / ``pmin`` /
     ``pmean`` gets ``nx.all_reduce(op="sum" / "max" / "min" / "mean")``, ``jax.lax.all_gather`` ->
     ``nx.all_gather``, ``psum_scatter`` -> ``nx.reduce_scatter``, ``all_to_all`` -> ``nx.all_to_all``,
-    ``ppermute`` -> ``nx.ppermute`` and ``ragged_all_to_all`` -> ``nx.ragged_all_to_all`` (default
-    ``max_recv_per_peer``: the receive buffer is N times ``output``), the arguments translated. Shapes, dtypes
+    ``ppermute`` -> ``nx.ppermute`` and ``ragged_all_to_all`` -> ``nx.ragged_all_to_all`` (its
+    ``max_recv_per_peer`` from ``ragged_max_recv_per_peer``, below), the arguments translated. Shapes, dtypes
     and results follow each twin (its docstring); so do the errors of a call that reaches it.
     ``axis_index_groups`` go to the twins that take them (see their signatures).
 
@@ -74,8 +81,15 @@ def route_lax():
     per thread, and while any scope is open ``jax.lax``'s attributes are the wrappers, which call the
     originals on every thread outside a scope. Everything is put back when the last scope exits, also on an
     exception.
+
+    Args:
+      ragged_max_recv_per_peer: ``max_recv_per_peer`` of every routed ``ragged_all_to_all`` (static int >= 0;
+        None: its default, ``output.shape[0]``, with a receive buffer of N times ``output``). A layer that
+        bounds what one peer sends it (an MoE capacity) should give that bound here.
     """
     global _open_scopes
+    if ragged_max_recv_per_peer is not None:
+        primitive.check_static_int(ragged_max_recv_per_peer, "ragged_max_recv_per_peer", "route_lax", minimum=0)
     with _lock:
         if not _open_scopes:
             for name in ROUTED_OPS:
@@ -83,7 +97,7 @@ def route_lax():
                 setattr(jax.lax, name, _wrapper(name, _originals[name]))
         _open_scopes += 1
     try:
-        with _routing(True):
+        with _routing(_Settings(ragged_max_recv_per_peer)):
             yield
     finally:
         with _lock:
@@ -98,7 +112,7 @@ def _wrapper(name: str, original):
 
     @functools.wraps(original)
     def routed(*args, **kwargs):
-        if not _routing.value:
+        if _routing.value is None:
             return original(*args, **kwargs)
         try:
             call = signature.bind(*args, **kwargs)
@@ -129,7 +143,8 @@ def _twin(name: str, a: dict):
     if name == "ppermute":
         return ppermute(a["x"], a["axis_name"], a["perm"])
     return ragged_all_to_all(a["operand"], a["output"], a["input_offsets"], a["send_sizes"], a["output_offsets"],
-                             a["recv_sizes"], axis_name=a["axis_name"], **groups)
+                             a["recv_sizes"], axis_name=a["axis_name"],
+                             max_recv_per_peer=_routing.value.ragged_max_recv_per_peer, **groups)
 
 
 _TWINS = {"psum": all_reduce, "pmax": all_reduce, "pmin": all_reduce, "pmean": all_reduce,
