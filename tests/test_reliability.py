@@ -422,6 +422,22 @@ def test_merge_takes_a_dump_file_its_json_or_its_part(monkeypatch, tmp_path):
         nx.trace.merge([{"traceEvents": []}])
 
 
+def test_dump_with_tracing_off_warns(monkeypatch, tmp_path, caplog):
+    monkeypatch.delenv("JAX_NCCLX_TRACE", raising=False)
+    nx.trace.reset()
+    with caplog.at_level("WARNING", logger="jax_ncclx"):
+        path = nx.trace.dump(tmp_path / "empty.json")
+    assert json.load(open(path))["jax_ncclx"]["calls"] == []
+    assert any("tracing is off" in r.getMessage() and "JAX_NCCLX_TRACE=1" in r.getMessage()
+               for r in caplog.records), caplog.records
+
+
+def test_merge_tool_help_is_plain_text():
+    proc = subprocess.run([sys.executable, "-m", "jax_ncclx.trace", "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "Lines up the trace dumps" in proc.stdout, proc.stdout + proc.stderr
+    assert "``" not in proc.stdout and ":func:" not in proc.stdout, proc.stdout
+
+
 def test_tracing_off_records_nothing(line, monkeypatch):
     monkeypatch.setenv("JAX_NCCLX_TRACE", "0")
     nx.trace.reset()

@@ -17,6 +17,7 @@ GPU's ``%globaltimer``: when the kernel started, saw its peers, sent, received a
 """
 
 import json
+import logging
 import os
 import socket
 import statistics
@@ -27,6 +28,8 @@ import numpy as np
 from jax_ncclx._src import comm
 from jax_ncclx._src import config
 from jax_ncclx._src import lib
+
+logger = logging.getLogger("jax_ncclx")
 
 # TraceKernel (xla_ffi/common/symmetric_layout.h)
 KERNELS = {1: "all_to_allv_dynamic", 2: "all_reduce", 3: "all_gather", 4: "all_to_all", 5: "reduce_scatter"}
@@ -132,8 +135,12 @@ def dump(path: str | os.PathLike) -> str:
     """Writes this process's traced calls to ``path`` as Chrome-trace JSON (open it in https://ui.perfetto.dev
     or chrome://tracing): one track per rank, one slice per call from start to end, the record in its args.
     The raw records go under the ``"jax_ncclx"`` key for ``python -m jax_ncclx.trace merge``. Returns the path.
+    With tracing off and nothing recorded, it still writes the (empty) trace, and logs a warning.
     """
     calls = records()
+    if not calls and not config.current().trace:
+        logger.warning("jax_ncclx.trace.dump: tracing is off, so %s holds no calls; set JAX_NCCLX_TRACE=1 before "
+                       "the programs are compiled to record them", os.fspath(path))
     process = jax.process_index()
     events = [dict(name="process_name", ph="M", pid=process, args=dict(name=f"process {process}"))]
     tracks = {}

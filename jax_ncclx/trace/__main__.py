@@ -10,12 +10,17 @@ import sys
 from jax_ncclx._src.trace import merge
 
 
+_DESCRIPTION = ("Lines up the trace dumps of all ranks (files written by jax_ncclx.trace.dump, one per process) "
+                "and reports, per collective, the slowest rank and any rank that never started. Exits 1 when some "
+                "rank never started or never finished a call.")
+
+
 def _rank_list(ranks):
     return ",".join(map(str, ranks)) or "-"
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jax_ncclx.trace", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m jax_ncclx.trace", description=_DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True)
     merging = commands.add_parser("merge", help="line up the dumps of all ranks")
     merging.add_argument("dumps", nargs="+", help="files written by jax_ncclx.trace.dump")
