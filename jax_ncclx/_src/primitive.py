@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 from collections.abc import Callable, Hashable
 
 import jax
@@ -357,6 +358,7 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **par
         algorithm = {1: "one_shot", 2: "two_shot"}.get(int(route.attrs.get("algorithm", 1))) if nvlink else "nccl"
         site_info.update(groups=[[mesh_devices[p].id for p in g] for g in groups], comm_id=comm_id,
                          transport="nvlink" if nvlink else "nccl", algorithm=algorithm)
+    _check_results_fit(op, ctx.avals_out, platform, None if platform == "cpu" else mesh_devices[0])
     trace.register_call_site(module, site, site_info)
     faults.install(module, settings.faults)
     lowered = jax.ffi.ffi_lowering(target)(ctx.replace(avals_in=avals_in, avals_out=avals_out), *operands,
@@ -391,6 +393,25 @@ def register_local_lowerings(prim: Primitive, target: str, attrs: Callable[..., 
     for platform in ("cpu", "cuda"):
         mlir.register_lowering(prim, functools.partial(lower, platform=platform), platform=platform)
     LOCAL_TARGETS.add(target)
+
+
+# Where a result's size comes from, for the error of one too large for the device.
+_SIZED_BY = {"all_to_allv_dynamic": " y is [N, C, ...] rows with C = max_recv_per_peer (moe.dispatch: capacity; "
+                                    "ragged_all_to_all: max_recv_per_peer, by default output's rows): lower it."}
+
+
+def _check_results_fit(op: str, avals_out, platform: str, device) -> None:
+    """Refuses, when it is lowered, a call whose result alone is larger than the device's memory (the host's
+    on CPU), which XLA would otherwise report as a bare RESOURCE_EXHAUSTED when it runs."""
+    if platform == "cpu":
+        limit, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this host's memory"
+    else:
+        stats = device.memory_stats() or {}
+        limit, where = stats.get("bytes_limit"), f"the memory of {device.device_kind} {device.id}"
+    for index, aval in enumerate(avals_out):
+        if limit and _nbytes(aval) > limit:
+            raise ValueError(f"jax_ncclx.{op}: result {index} ({aval.dtype}{list(aval.shape)}) needs "
+                             f"{_nbytes(aval)} bytes, more than {where} ({limit} bytes).{_SIZED_BY.get(op, '')}")
 
 
 def _nbytes(aval) -> int:
