@@ -3,7 +3,9 @@
 Every device holds T tokens and E/N experts. Each token picks its top-k experts. ``moe.dispatch`` sends the
 (token, choice) rows to the devices that own those experts (the counts never leave the device), with the
 router weights, and groups them by expert; ``jax.lax.ragged_dot`` runs the experts; ``moe.combine`` sums each
-token's weighted outputs on the expert side and sends them back. Runs on all GPUs when there are at least two, otherwise on 8 virtual CPU devices:
+token's weighted outputs on the expert side and sends them back. Runs on every GPU there is (one GPU: an
+axis of one member, every row sent to itself), otherwise on 8 virtual CPU devices. The dense reference runs
+on the same platform, every matmul at the highest precision (no TF32), so the two agree to float32 rounding:
 
     python examples/moe_step.py [--tokens 64] [--hidden 32] [--experts 16] [--top-k 2]
 """
@@ -14,7 +16,7 @@ import time
 
 import jax
 
-jax.config.update("jax_num_cpu_devices", 8)  # used only when there are fewer than two GPUs
+jax.config.update("jax_num_cpu_devices", 8)  # used only where there is no GPU
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -60,7 +62,7 @@ def main():
     args = parser.parse_args()
 
     devices = jax.devices()
-    if len(devices) < 2:  # no multi-GPU machine: simulate 8 devices on the CPU
+    if devices[0].platform != "gpu":  # no GPU: simulate 8 devices on the CPU
         devices = jax.devices("cpu")
     n = len(devices)
     if args.experts % n:
@@ -84,7 +86,8 @@ def main():
     out, dropped = jax.block_until_ready(step(*inputs))
     elapsed = time.perf_counter() - start
 
-    expected = dense_reference(jnp.asarray(tokens), jnp.asarray(router), jnp.asarray(expert_weights), args.top_k)
+    with jax.default_device(devices[0]):  # the platform of the MoE step, not the process's default
+        expected = dense_reference(jnp.asarray(tokens), jnp.asarray(router), jnp.asarray(expert_weights), args.top_k)
     error = float(jnp.max(jnp.abs(out - expected)))
     print(f"jax_ncclx MoE step on {n} {devices[0].platform.upper()} devices ({devices[0].device_kind}); "
           f"CUDA build: {nx.build_info()['cuda']}")
@@ -98,4 +101,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    with jax.default_matmul_precision("highest"):  # the router's matmul too, in the step and the reference
+        main()
