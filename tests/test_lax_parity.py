@@ -885,13 +885,18 @@ def test_pmap_psum_replica_groups(backend, case):
     np.testing.assert_allclose(actual, expected)
 
 
-def test_pmap_gather_replica_groups(backend):
-    """testGatherReplicaGroups and testGatherReplicaGroupsInterleaved."""
+def even_pmesh_and_strided_groups(backend):
+    """pmesh(backend), its size n and the two groups of every other index; skips on an odd number of devices."""
     mesh = pmesh(backend)
     n = mesh.size
     if n % 2:
         pytest.skip("needs an even number of devices")
-    strided = np.arange(n, dtype=np.int32).reshape(n // 2, 2).T.tolist()
+    return mesh, n, np.arange(n, dtype=np.int32).reshape(n // 2, 2).T.tolist()
+
+
+def test_pmap_gather_replica_groups(backend):
+    """testGatherReplicaGroups and testGatherReplicaGroupsInterleaved."""
+    mesh, n, strided = even_pmesh_and_strided_groups(backend)
     indexes = np.arange(n)
     interleaved = np.concatenate([indexes[::2], indexes[1::2]]).reshape(2, n // 2).tolist()
     x = np.arange(n * 4, dtype=np.float32).reshape(n, 4)
@@ -1023,11 +1028,7 @@ def test_pmap_pswapaxes(backend):
 
 def test_pmap_all_to_all_replica_groups(backend):
     """testAllToAllReplicaGroups and testGradOfAllToAllReplicaGroups."""
-    mesh = pmesh(backend)
-    n = mesh.size
-    if n % 2:
-        pytest.skip("needs an even number of devices")
-    strided = np.arange(n, dtype=np.int32).reshape(n // 2, 2).T.tolist()
+    mesh, n, strided = even_pmesh_and_strided_groups(backend)
     halves = np.arange(n, dtype=np.int32).reshape(2, n // 2).tolist()
     x = np.arange(n * (n // 2)).reshape(n, n // 2)
     xg = np.arange(n * (n // 2), dtype=np.float32).reshape(n, n // 2, 1)

@@ -9,6 +9,7 @@ N / G times the bytes of a collective within a group of G. Where that cost matte
 axis of its own.
 """
 
+import functools
 import operator
 
 import jax
@@ -46,6 +47,7 @@ def _index(value) -> int:
     return operator.index(value)
 
 
+@functools.cache  # groups are static tuples, and each op asks for the tables twice or more
 def _tables(groups):
     """Static tables over the axis indices: each one's group, its position in it, and the members of every
     member's group in group order (padded with -1 where groups differ in size)."""
