@@ -45,12 +45,15 @@ def collective(op, x, *, algorithm="one-shot", protocol="ll128", reduce="sum", d
     return y, with_grid(done)
 
 
-def all_to_allv(x, counts, capacity, *, layout, direct, send_rows=None, suffix=None, **options):
+def all_to_allv(x, counts, capacity, *, layout, direct, send_rows=None, suffix=None, place=None, out_rows=0,
+                **options):
     """The all_to_allv_dynamic kernel. x [calls, ranks, B, X, F...], counts int32 [calls, ranks, B, ranks, K],
     send_rows int32 [calls, ranks, B, S] or None, suffix [calls, ranks, B, S, G...] or None (rows travel as
     raw bytes: x's features, then the suffix's). Returns (y uint8 [calls, ranks, B, ranks * capacity,
     row bytes], recv_counts [calls, ranks, B, ranks, K], dropped [calls, ranks, B, ranks], ranks); the padded
-    layout's [ranks, capacity] rows are the same bytes flattened."""
+    layout's [ranks, capacity] rows are the same bytes flattened. With ``place`` (int32 [calls, ranks, B,
+    ranks * capacity], ragged_all_to_all's placed exchange, padded layout): y is [calls, ranks, B, out_rows,
+    row bytes], whose rows nothing places stay 0xA5 bytes."""
     x, counts = np.ascontiguousarray(x), np.ascontiguousarray(counts, np.int32)
     calls, size, batch, source_rows = x.shape[:4]
     feature_bytes = int(np.prod(x.shape[4:], dtype=np.int64)) * x.itemsize
@@ -65,10 +68,12 @@ def all_to_allv(x, counts, capacity, *, layout, direct, send_rows=None, suffix=N
         x.tobytes(), counts.tobytes(),
         None if send_rows is None else np.ascontiguousarray(send_rows, np.int32).tobytes(),
         None if suffix is None else suffix.tobytes(),
+        None if place is None else np.ascontiguousarray(place, np.int32).tobytes(),
         size=size, calls=calls, batch=batch, source_rows=source_rows, num_rows=num_rows, num_chunks=num_chunks,
-        capacity=capacity, row_bytes=row_bytes, suffix_bytes=suffix_bytes, packed=layout == "packed",
-        direct=direct, **options)
-    y = np.frombuffer(done["y"], np.uint8).reshape(calls, size, batch, size * capacity, row_bytes)
+        capacity=capacity, row_bytes=row_bytes, suffix_bytes=suffix_bytes, out_rows=out_rows,
+        packed=layout == "packed", direct=direct, **options)
+    rows = size * capacity if place is None else out_rows
+    y = np.frombuffer(done["y"], np.uint8).reshape(calls, size, batch, rows, row_bytes)
     recv = np.frombuffer(done["recv_counts"], np.int32).reshape(calls, size, batch, size, num_chunks)
     dropped = np.frombuffer(done["dropped"], np.int32).reshape(calls, size, batch, size)
     return y, recv, dropped, with_grid(done)

@@ -146,6 +146,23 @@ def _ffi(target, results, *operands, **attrs):
     return jax.jit(lambda *a: jax.ffi.ffi_call(target, results)(*a, **attrs))(*operands)
 
 
+@pytest.mark.parametrize("place_shape,output_shape,message", [
+    ((1, 3), (1, 4, 2), r"place has shape \[1, 3\], expected \[1, 2\]"),
+    ((1, 2), (1, 4, 3), r"output has shape \[1, 4, 3\] \(48 bytes\), expected \[1, rows, ...\] of 8 bytes per row"),
+])
+def test_ragged_handler_refuses_a_place_table_or_output_that_does_not_fit(place_shape, output_shape, message):
+    """ragged_all_to_all's exchange straight from jax.ffi: the place table must hold N * C entries per batch
+    element and the output whole rows of x's."""
+    x, counts, send_rows = jnp.ones((1, 2, 2), jnp.float32), jnp.ones((1, 1, 1), jnp.int32), jnp.zeros((1, 2),
+                                                                                                    jnp.int32)
+    output = jnp.zeros(output_shape, jnp.float32)
+    outs = (jax.ShapeDtypeStruct(output_shape, jnp.float32), jax.ShapeDtypeStruct((1, 1, 1), jnp.int32),
+            jax.ShapeDtypeStruct((1, 1), jnp.int32))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="jax_ncclx.ragged_all_to_all: " + message):
+        _ffi("ncclx_ragged_all_to_all", outs, jnp.uint32(0), x, counts, send_rows, jnp.zeros(place_shape, jnp.int32),
+             output, **_ONE_MEMBER, capacity=np.int64(2))
+
+
 def test_handlers_refuse_sizes_that_overflow():
     """Attributes straight from jax.ffi (no jax_ncclx lowering): a capacity whose y size wraps around int64
     (y of 4 bytes passed for 2^62 + 1 rows: the copy ran 16 MiB past it) or past the kernels' int32 indices."""

@@ -79,9 +79,9 @@ def test_control_flow_is_seen_from_lowering_rules(monkeypatch):
     seen = []
     lower = jax.ffi.ffi_lowering
 
-    def spy(target):
+    def spy(target, **options):
         seen.append(compat.lowering_may_be_inside_control_flow())
-        return lower(target)
+        return lower(target, **options)
 
     monkeypatch.setattr(jax.ffi, "ffi_lowering", spy)
     mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:2]), ("x",))

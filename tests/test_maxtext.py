@@ -22,9 +22,9 @@ N = 8
 ROUTED = {"psum": "ncclx_all_reduce", "pmax": "ncclx_all_reduce", "pmin": "ncclx_all_reduce",
           "pmean": "ncclx_all_reduce", "all_gather": "ncclx_all_gather", "psum_scatter": "ncclx_reduce_scatter",
           "all_to_all": "ncclx_all_to_all", "ppermute": "ncclx_ppermute",
-          "ragged_all_to_all": "ncclx_all_to_allv_dynamic"}
+          "ragged_all_to_all": "ncclx_ragged_all_to_all"}
 XLA_COLLECTIVES = ("stablehlo.all_reduce", "stablehlo.all_gather", "stablehlo.reduce_scatter",
-                   "stablehlo.all_to_all", "stablehlo.collective_permute", "ragged_all_to_all")
+                   "stablehlo.all_to_all", "stablehlo.collective_permute", "@ragged_all_to_all")
 
 
 def load_example():
@@ -137,7 +137,7 @@ class TestRouteLax:
             fn = jitted(body)
             targets, xla = ncclx_targets(fn, x)
             got = np.asarray(fn(x)).reshape(N, -1)
-        assert {"ncclx_all_to_allv_dynamic", "ncclx_all_gather"} <= targets and not xla, (targets, xla)
+        assert {"ncclx_ragged_all_to_all", "ncclx_all_gather"} <= targets and not xla, (targets, xla)
         for m in range(N):
             group = groups[m % 2]
             assert got[m, 0] == sum(group) and list(got[m, 1:5]) == group, got[m]
@@ -187,5 +187,5 @@ def test_maxtext_sparse_moe_on_jax_ncclx_matches_its_dense_path(layers, shape):
     to every member (slices that overlap in ragged_all_to_all's operand)."""
     example, built = layers
     result = built.compare(*shape, repeats=10)
-    assert "ncclx_all_to_allv_dynamic" in result["custom_calls"], result
+    assert "ncclx_ragged_all_to_all" in result["custom_calls"], result
     assert result["worst_relative"] <= example.RTOL, result

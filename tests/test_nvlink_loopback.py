@@ -3,11 +3,13 @@ arguments the FFI handlers use, each logical rank with its own stream and symmet
 protocols are checked on machines with a single GPU and at rank counts no lent machine has.
 
 Against NumPy, bit for bit: all_reduce in every algorithm and protocol (sums in rank order, 16-bit floats in
-float32), all_gather, all_to_all and reduce_scatter in every protocol, all_to_allv_dynamic on the adversarial count patterns in
-both layouts and both modes (rows written into the peers' outputs, or staged). Flags are reused over
-thousands of calls, with one rank late to every call, and as replays of one CUDA graph; every rank's device
-trace holds one ordered record per call; a rank that never launches, or launches after the timeout, is named
-by every peer. Seeded random configurations reach 5 to 7 ranks, odd sizes and requested block counts. What this does not cover (NVLink, CUDA IPC, the handlers, XLA) the multi-GPU suites do.
+float32), all_gather, all_to_all and reduce_scatter in every protocol, all_to_allv_dynamic on the adversarial
+count patterns in both layouts and both modes (rows written into the peers' outputs, or staged), and placed on
+the rows a place table names (ragged_all_to_all's exchange). Flags are reused over thousands of calls, with
+one rank late to every call, and as replays of one CUDA graph; every rank's device trace holds one ordered
+record per call; a rank that never launches, or launches after the timeout, is named by every peer. Seeded
+random configurations reach 5 to 7 ranks, odd sizes and requested block counts. What this does not cover
+(NVLink, CUDA IPC, the handlers, XLA) the multi-GPU suites do.
 """
 
 import ml_dtypes
@@ -388,6 +390,68 @@ def test_all_to_allv_moe_sized_rows(layout, direct):
     counts = counts_of("overflow", size, 2, calls, 1, rows=rows, capacity=capacity, seed=5)
     actual = loopback.all_to_allv(x, counts, capacity, layout=layout, direct=direct)
     check_all_to_allv(actual, expected_all_to_allv(x, counts, capacity, layout), calls)
+
+
+def place_tables(calls, size, batch, capacity, out_rows, seed):
+    """int32 [calls, ranks, batch, ranks * capacity] place tables: each valid row of the result named at most
+    once (two rows naming one are undefined), the rest -1 or outside [0, out_rows)."""
+    rng = np.random.default_rng(seed)
+    slots = size * capacity
+    tables = np.empty((calls, size, batch, slots), np.int32)
+    for index in np.ndindex(calls, size, batch):
+        table = np.full(slots, -1, np.int32)
+        chosen = rng.choice(slots, size=min(slots, out_rows) * 3 // 4, replace=False)
+        table[chosen] = rng.choice(out_rows, size=len(chosen), replace=False)
+        table[rng.choice(slots, size=2, replace=False)] = [out_rows, -7]  # outside: written nowhere
+        tables[index] = table
+    return tables
+
+
+def expected_placed(x, counts, capacity, place, out_rows, send_rows=None):
+    """NumPy's (y, recv_counts, dropped) of the placed exchange: the padded layout's rows that their source
+    delivered, moved to the rows place names, on a result of 0xA5 bytes (the loopback's unwritten value)."""
+    padded, recv, dropped = expected_all_to_allv(x, counts, capacity, "padded", send_rows)
+    calls, size, batch = padded.shape[:3]
+    y = np.full((calls, size, batch, out_rows, padded.shape[-1]), 0xA5, np.uint8)
+    delivered = np.minimum(recv.sum(axis=-1), capacity)                        # [calls, ranks, batch, sources]
+    for c, me, b in np.ndindex(calls, size, batch):
+        for slot, row in enumerate(place[c, me, b]):
+            source, r = divmod(slot, capacity)
+            if r < delivered[c, me, b, source] and 0 <= row < out_rows:
+                y[c, me, b, row] = padded[c, me, b, slot]
+    return y, recv, dropped
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+@pytest.mark.parametrize("pattern", ["one_peer", "at_capacity", "overflow", "bad", "random"])
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_all_to_allv_placed(size, pattern, direct):
+    """ragged_all_to_all's exchange: rows land on the rows of the result that the receiver's place table
+    names (in direct mode the sender writes them there), and no other row of the result is written."""
+    calls, batch, out_rows = 2, 2, size * CAPACITY + 3
+    rng = np.random.default_rng(size)
+    x = random_array((calls, size, batch, ROWS, FEATURES), np.float32, seed=size)
+    send_rows = rng.integers(-1, ROWS + 1, size=(calls, size, batch, size * CAPACITY)).astype(np.int32)
+    counts = counts_of(pattern, size, 2, calls, batch, rows=size * CAPACITY)
+    place = place_tables(calls, size, batch, CAPACITY, out_rows, seed=size)
+    actual = loopback.all_to_allv(x, counts, CAPACITY, layout="padded", direct=direct, send_rows=send_rows,
+                                  place=place, out_rows=out_rows)
+    check_all_to_allv(actual, expected_placed(x, counts, CAPACITY, place, out_rows, send_rows), calls)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+@pytest.mark.parametrize("schedule", ["late-rank", "graph"])
+def test_all_to_allv_placed_in_rounds_and_replays(schedule, direct):
+    """Rows of 7168 bf16 and a capacity that sends staged pieces in several rounds, each placed as it lands;
+    with a late rank, and as replays of one recorded call."""
+    size, calls, capacity, rows = 4, 3, 48, 160
+    options = dict(late=1, late_us=200) if schedule == "late-rank" else dict(graph=True)
+    x = random_array((calls, size, 1, rows, 7168), ml_dtypes.bfloat16, seed=6)
+    counts = counts_of("overflow", size, 2, calls, 1, rows=rows, capacity=capacity, seed=6)
+    place = place_tables(calls, size, 1, capacity, size * capacity, seed=6)
+    actual = loopback.all_to_allv(x, counts, capacity, layout="padded", direct=direct, place=place,
+                                  out_rows=size * capacity, **options)
+    check_all_to_allv(actual, expected_placed(x, counts, capacity, place, size * capacity), calls)
 
 
 SCHEDULES = {  # param -> (calls, how they are issued)

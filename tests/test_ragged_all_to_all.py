@@ -228,6 +228,64 @@ def test_grad_flows_to_the_landed_operand_rows_and_the_kept_output_rows(backend,
     np.testing.assert_allclose(np.asarray(grads[1]), want_output, rtol=1e-6)
 
 
+@pytest.mark.parametrize("overlapping", [False, True], ids=["disjoint", "same_rows_to_every_peer"])
+def test_jvp_and_vjp_agree(backend, overlapping):
+    """Forward and reverse mode of the linear map (operand, output) -> result: the JVP is the map of the
+    tangents, and <vjp(w), t> == <w, jvp(t)> for every member."""
+    mesh, n = line(backend), len(backend)
+    operands, outputs = inputs(n, jnp.float32, (3,), 50)
+    call = overlapping_call(n, 2, 50, True) if overlapping else valid_call(n, 2, 50)
+    t_operands, t_outputs = inputs(n, jnp.float32, (3,), 52)
+    weights = random_array((n, OUTPUT_ROWS, 3), jnp.float32, 54)
+
+    def per(operand, output, t_operand, t_output, w, *rest):
+        f = lambda a, b: nx.ragged_all_to_all(a, b, *rest, axis_name="x")  # noqa: E731
+        result, tangent = jax.jvp(f, (operand, output), (t_operand, t_output))
+        _, pullback = jax.vjp(f, operand, output)
+        ct_operand, ct_output = pullback(w)
+        forward = jax.lax.psum(jnp.sum(w * tangent), "x")
+        backward = jax.lax.psum(jnp.sum(ct_operand * t_operand) + jnp.sum(ct_output * t_output), "x")
+        return [v[None] for v in (result, tangent, f(t_operand, t_output), forward, backward)]
+
+    spec = P("x")
+    result, tangent, mapped, forward, backward = jax.jit(jax.shard_map(
+        lambda *a: per(*(v[0] for v in a)), mesh=mesh, in_specs=(spec,) * 9, out_specs=spec))(
+            operands, outputs, t_operands, t_outputs, weights, *call)
+    expected, _ = lax_reference(operands, outputs, *call, capacity=OUTPUT_ROWS)
+    for me in range(n):
+        assert_bits_equal(result[me], expected[me])
+    assert_bits_equal(tangent, mapped)
+    np.testing.assert_allclose(np.asarray(forward), np.asarray(backward), rtol=1e-5)
+
+
+def test_rows_land_from_the_exchange_itself(backend):
+    """The HLO guard: one ragged exchange that takes over output's buffer, and no gather or XLA collective
+    after it; the offsets travel by one all_to_all."""
+    mesh, n = line(backend), len(backend)
+    operands, outputs = inputs(n, jnp.float32, (3,), 60)
+    call = valid_call(n, 2, 60)
+    with jax.set_mesh(mesh):
+        hlo = ragged(mesh).lower(operands, outputs, *call).as_text()
+    calls = [line for line in hlo.splitlines() if "custom_call @ncclx_" in line]
+    assert [c.split("custom_call @")[1].split("(")[0].removesuffix("_nvlink") for c in calls] == \
+        ["ncclx_all_to_all", "ncclx_ragged_all_to_all"], calls
+    assert "output_operand_aliases" in calls[1], calls[1]
+    assert not [op for op in ("stablehlo.all_to_all", "stablehlo.all_gather", "@ragged_all_to_all")
+                if op in hlo]
+
+
+def test_checksum_mode_gives_the_same_result(backend, monkeypatch):
+    """JAX_NCCLX_CHECKSUM=1 moves the rows through all_to_allv_dynamic's checksummed padded layout and places
+    them by a scatter: the same bits."""
+    mesh, n = line(backend), len(backend)
+    operands, outputs = inputs(n, jnp.float32, (3,), 70)
+    call = overlapping_call(n, 2, 70, True)
+    plain = np.asarray(ragged(mesh)(operands, outputs, *call))
+    monkeypatch.setenv("JAX_NCCLX_CHECKSUM", "1")
+    assert_bits_equal(ragged(mesh)(operands, outputs, *call), plain)
+    nx.check_errors()
+
+
 def test_vmap_over_a_batch_axis(backend):
     mesh, n = line(backend), len(backend)
     batch = [inputs(n, jnp.float32, (3,), seed) + tuple(valid_call(n, 2, seed)) for seed in (20, 21)]

@@ -139,7 +139,7 @@ TIMED_ELSEWHERE = {
     "reduce_scatter": (lambda v: nx.reduce_scatter(v, "x", scatter_dimension=0, tiled=True), ("REDUCE_SCATTER",)),
     "all_to_allv_dynamic": (lambda v: nx.all_to_allv_dynamic(v, jnp.ones((jax.lax.axis_size("x"),), jnp.int32),
                                                              "x", max_recv_per_peer=1)[0], ("ALL_TO_ALLV_DYNAMIC",)),
-    "ragged_all_to_all": (_ragged_one_row_each, ("ALL_TO_ALLV_DYNAMIC", "ALL_TO_ALL")),
+    "ragged_all_to_all": (_ragged_one_row_each, ("RAGGED_ALL_TO_ALL", "ALL_TO_ALL")),
     "moe.dispatch": (lambda v: nx.moe.dispatch(v, jnp.zeros((v.shape[0], 1), jnp.int32) + jax.lax.axis_index("x"),
                                                num_experts=jax.lax.axis_size("x"), axis_name="x",
                                                capacity=v.shape[0])[0], ("ALL_TO_ALLV_DYNAMIC",)),
@@ -154,7 +154,7 @@ ONE_SECOND_TIMEOUT = (r"did not arrive within 1 s|timed out after 1 s|has not fi
 
 @pytest.mark.parametrize("op", sorted(TIMED_ELSEWHERE))
 def test_per_op_timeouts_govern_every_op(line, monkeypatch, op):
-    """With a 60 s default, the op's own variables (README names them for ragged_all_to_all and moe) make a
+    """With a 60 s default, the op's own variables (docs/configuration.md names them) make a
     missing rank an error after their 1 s, well before the default. (Which rank an error names depends on the
     op: where it has two collectives, the skipped rank goes on to the second and may find its peers missing
     there; a member whose peer gave up first abandons the call.)"""

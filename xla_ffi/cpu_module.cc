@@ -42,6 +42,7 @@ NB_MODULE(_ncclx_cpu, m) {
     targets["ncclx_all_to_all"] = collective(jax_ncclx::CpuAllToAll);
     targets["ncclx_ppermute"] = collective(jax_ncclx::CpuPpermute);
     targets["ncclx_all_to_allv_dynamic"] = collective(jax_ncclx::CpuAllToAllvDynamic);
+    targets["ncclx_ragged_all_to_all"] = collective(jax_ncclx::CpuRaggedAllToAll);
     targets["ncclx_moe_plan_sends"] = Capsule(jax_ncclx::CpuMoePlanSends);
     targets["ncclx_moe_place_received"] = Capsule(jax_ncclx::CpuMoePlaceReceived);
     targets["ncclx_take_rows"] = Capsule(jax_ncclx::CpuTakeRows);

@@ -53,6 +53,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllToAllvDynamic);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LaunchProbe);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllToAllvDynamic);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllToAllvDynamicPrepare);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclRaggedAllToAll);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkRaggedAllToAll);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkRaggedAllToAllPrepare);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllReduce);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllReducePrepare);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllGather);
@@ -414,6 +417,8 @@ NB_MODULE(_ncclx_cuda, m) {
         watched_too("ncclx_ppermute_cmdbuf", jn::NcclPpermuteCmdbufPrepare, jn::NcclPpermuteCmdbuf);
         targets["ncclx_all_to_allv_dynamic"] = jn::Capsule(jn::NcclAllToAllvDynamic);
         watched_too("ncclx_all_to_allv_dynamic_nvlink", jn::NvlinkAllToAllvDynamicPrepare, jn::NvlinkAllToAllvDynamic);
+        targets["ncclx_ragged_all_to_all"] = jn::Capsule(jn::NcclRaggedAllToAll);
+        watched_too("ncclx_ragged_all_to_all_nvlink", jn::NvlinkRaggedAllToAllPrepare, jn::NvlinkRaggedAllToAll);
         watched_too("ncclx_all_reduce_nvlink", jn::NvlinkAllReducePrepare, jn::NvlinkAllReduce);
         watched_too("ncclx_all_gather_nvlink", jn::NvlinkAllGatherPrepare, jn::NvlinkAllGather);
         watched_too("ncclx_all_to_all_nvlink", jn::NvlinkAllToAllPrepare, jn::NvlinkAllToAll);

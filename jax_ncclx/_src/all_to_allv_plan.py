@@ -39,11 +39,17 @@ def peer_spans(counts, num_rows: int, capacity: int):
     return first[..., 0], delivered.sum(axis=-1)
 
 
+_MAX_COMPARED = 64  # segments up to which locate compares every position with every segment end
+
+
 def locate(sizes, positions):
     """Positions in segments of ``sizes`` (non-negative ``[M]``, M >= 1) laid end to end: each position's
     segment (clamped to M - 1), its offset in that segment, and whether it lies inside them at all."""
     ends = jnp.cumsum(sizes)
-    segment = jnp.searchsorted(ends, positions, side="right").astype(jnp.int32)
+    # Not searchsorted's default method: its loop is a while op, which XLA:GPU runs with a host round trip per
+    # step.
+    method = "compare_all" if sizes.shape[0] <= _MAX_COMPARED else "sort"
+    segment = jnp.searchsorted(ends, positions, side="right", method=method).astype(jnp.int32)
     inside = segment < sizes.shape[0]
     segment = jnp.minimum(segment, sizes.shape[0] - 1)
     return segment, positions - (jnp.take(ends, segment) - jnp.take(sizes, segment)), inside

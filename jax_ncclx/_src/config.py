@@ -328,9 +328,10 @@ def xla_records_loops(xla_flags: str | None = None) -> bool:
 
 
 _TIMEOUT_PREFIX = "JAX_NCCLX_TIMEOUT_S_"
-# The ops that JAX_NCCLX_TIMEOUT_S_<OP> can name: every primitive that communicates. ragged_all_to_all and
-# jax_ncclx.moe run on all_to_allv_dynamic (ragged_all_to_all also on all_to_all).
-TIMED_OPS = ("all_gather", "all_reduce", "all_to_all", "all_to_allv_dynamic", "ppermute", "reduce_scatter")
+# The ops that JAX_NCCLX_TIMEOUT_S_<OP> can name: every primitive that communicates. jax_ncclx.moe runs on
+# all_to_allv_dynamic; ragged_all_to_all's offsets travel by all_to_all.
+TIMED_OPS = ("all_gather", "all_reduce", "all_to_all", "all_to_allv_dynamic", "ppermute", "ragged_all_to_all",
+             "reduce_scatter")
 
 
 def _op_timeouts() -> tuple[tuple[str, float], ...]:
@@ -342,7 +343,7 @@ def _op_timeouts() -> tuple[tuple[str, float], ...]:
         if op not in TIMED_OPS:
             raise ValueError(f"{name}: {op!r} is not an op with its own timeout; set one of "
                              + ", ".join(_TIMEOUT_PREFIX + o.upper() for o in TIMED_OPS)
-                             + " (ragged_all_to_all and jax_ncclx.moe run on ALL_TO_ALLV_DYNAMIC)")
+                             + " (jax_ncclx.moe runs on ALL_TO_ALLV_DYNAMIC)")
         timeouts.append((op, _seconds(name, 0.0)))
     return tuple(sorted(timeouts))
 

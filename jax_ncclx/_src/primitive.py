@@ -277,13 +277,15 @@ COLLECTIVE_OPS: set[str] = set()  # the ops that communicate, as JAX_NCCLX_TIMEO
 
 
 def register_lowerings(prim: Primitive, target: str, attrs: Callable[..., dict] = lambda **params: {},
-                       cuda_route: Callable[..., CudaRoute] | None = None):
+                       cuda_route: Callable[..., CudaRoute] | None = None, aliases: dict[int, int] | None = None):
     """Registers CPU and CUDA lowerings of ``prim`` to the FFI target ``target``.
 
     Args:
       attrs: maps the primitive's params (without axis_name) to the op's own FFI attributes.
       cuda_route: maps (ctx, comm_id, size, **params) to the :class:`CudaRoute` of a CUDA call site, where
         ``size`` is the communicator's; by default every call site lowers to ``target`` without workspace.
+      aliases: {operand index: result index} of operands whose buffer the result takes over (XLA's
+        input/output aliasing), so that the handler writes into the operand's values.
     """
     COLLECTIVE_OPS.add(target.removeprefix("ncclx_"))
     for platform in ("cpu", "cuda"):
@@ -291,12 +293,13 @@ def register_lowerings(prim: Primitive, target: str, attrs: Callable[..., dict] 
         # whether a call sits in a loop body changes its target (_lower).
         mlir.register_lowering(
             prim,
-            functools.partial(_lower, target=target, attrs=attrs, platform=platform, cuda_route=cuda_route),
+            functools.partial(_lower, target=target, attrs=attrs, platform=platform, cuda_route=cuda_route,
+                              aliases=aliases or {}),
             platform=platform, cacheable=False,
         )
 
 
-def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **params):
+def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, aliases, **params):
     axis_context = ctx.module_context.axis_context
     if not compat.is_spmd_axis_context(axis_context):
         raise NotImplementedError(f"{target}: jax_ncclx collectives lower only inside jax.shard_map (not pmap)")
@@ -325,6 +328,7 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **par
         # First, ahead of the op's operands, so that a handler's trailing operands may be optional.
         operands = (compat.partition_id(), *operands)
         avals_in.insert(0, jax.core.ShapedArray((), np.uint32))
+        aliases = {operand + 1: result for operand, result in aliases.items()}
         site_info.update(groups=[list(g) for g in groups], transport="cpu", algorithm="rendezvous")
     else:
         module = lib.cuda_module()
@@ -358,11 +362,11 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **par
         algorithm = {1: "one_shot", 2: "two_shot"}.get(int(route.attrs.get("algorithm", 1))) if nvlink else "nccl"
         site_info.update(groups=[[mesh_devices[p].id for p in g] for g in groups], comm_id=comm_id,
                          transport="nvlink" if nvlink else "nccl", algorithm=algorithm)
-    _check_results_fit(op, ctx.avals_out, platform, None if platform == "cpu" else mesh_devices[0])
+    _check_results_fit(op, avals_out, platform, None if platform == "cpu" else mesh_devices[0])
     trace.register_call_site(module, site, site_info)
     faults.install(module, settings.faults)
-    lowered = jax.ffi.ffi_lowering(target)(ctx.replace(avals_in=avals_in, avals_out=avals_out), *operands,
-                                           **op_attrs)
+    lowered = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases or None)(
+        ctx.replace(avals_in=avals_in, avals_out=avals_out), *operands, **op_attrs)
     return lowered[: len(ctx.avals_out)]
 
 
@@ -396,8 +400,10 @@ def register_local_lowerings(prim: Primitive, target: str, attrs: Callable[..., 
 
 
 # Where a result's size comes from, for the error of one too large for the device.
-_SIZED_BY = {"all_to_allv_dynamic": " y is [N, C, ...] rows with C = max_recv_per_peer (moe.dispatch: capacity; "
-                                    "ragged_all_to_all: max_recv_per_peer, by default output's rows): lower it."}
+_SIZED_BY = {"all_to_allv_dynamic": " y is [N, C, ...] rows with C = max_recv_per_peer (moe.dispatch: capacity): "
+                                    "lower it.",
+             "ragged_all_to_all": " Its last result is the workspace of twice [N, C, ...] rows, C = max_recv_per_peer "
+                                  "(by default output's rows): lower it."}
 
 
 def _check_results_fit(op: str, avals_out, platform: str, device) -> None:

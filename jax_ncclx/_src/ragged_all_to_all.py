@@ -1,34 +1,45 @@
-"""ragged_all_to_all: ``jax.lax.ragged_all_to_all``'s arguments and result, moved by all_to_allv_dynamic.
+"""ragged_all_to_all: ``jax.lax.ragged_all_to_all``'s arguments and result, on all_to_allv_dynamic's kernels.
 
 ``jax.lax.ragged_all_to_all`` sends slices of each member's operand to offsets of its peers' output that the
 sender chooses. XLA 0.11.2 runs it 7–130× slower than all_to_allv_dynamic moves the same rows on our H200s
-(README, "Performance"), and XLA:CPU does not run it at all. This function takes the same arguments, so a
-program switches with one line, and runs in three steps:
+(docs/performance.md), and XLA:CPU does not run it at all. This function takes the same arguments, so a
+program switches with one line, and runs in two steps:
 
-1. the slices, peer-major, are the send rows of one all_to_allv_dynamic (``send_rows``: its kernel reads each
-   row where it lies, so nothing is packed first; N * C of them, C = ``max_recv_per_peer``, what the peers
-   can take, so slices that overlap in the operand, as a decode step's combine sends the same rows to every
-   peer, are each sent whole);
-2. that exchange lands each source's rows at ``[source, :capacity]``, and a small all_to_all brings the
-   output offsets that the senders chose for this member;
-3. one gather writes every received row at its offset into a copy of ``output``.
+1. a small all_to_all brings each member the sizes and output offsets of the slices its peers send it, from
+   which it makes its place table: the row of its result each received row lands on (int32 ``[N * C]``,
+   C = ``max_recv_per_peer``; -1 for a row that lands nowhere);
+2. one exchange (the primitive below) sends the slices, peer-major, as send rows read where they lie in the
+   operand (``N * C`` of them, so slices that overlap in the operand, as a decode step's combine sends the
+   same rows to every peer, are each sent whole), and writes every received row on its row of ``output``,
+   whose buffer the result takes over: the NVLink kernel writes the rows there itself, the NCCL path receives
+   them into its workspace and places them with one kernel, the CPU handler copies them there.
 
-Beyond the exchange it costs that gather (a pass over the output), the offsets' all_to_all, the padded
-receive buffer ``[N, C, ...]`` (N times output's rows with the default C) and the int32 ``[N * C]`` send
-rows.
+Beyond the rows it costs the offsets' all_to_all and the int32 ``[N * C]`` send rows and place table. On
+the NCCL path the workspace holds two ``[N, C, ...]`` buffers (the send and receive rows).
+
+Sharding model: varying in, varying out, as the dense ops; outside ``shard_map`` the leading dimension of
+every global array is sharded over the axis. With ``JAX_NCCLX_CHECKSUM=1`` the rows travel through
+all_to_allv_dynamic's padded layout, whose checksum covers each of them, and are then placed by a scatter.
 """
 
+import logging
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import ad
+from jax.interpreters import batching
 from jax.sharding import PartitionSpec as P
 
 from jax_ncclx._src import all_to_allv_plan
 from jax_ncclx._src import axis_groups
+from jax_ncclx._src import config
 from jax_ncclx._src import primitive
+from jax_ncclx._src.ops import all_to_allv_dynamic as exchange
 from jax_ncclx._src.ops.all_to_all import all_to_all
-from jax_ncclx._src.ops.all_to_allv_dynamic import all_to_allv_dynamic
+
+logger = logging.getLogger("jax_ncclx")
 
 _OP = "ragged_all_to_all"
 
@@ -53,9 +64,11 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
       axis_index_groups: as in ``jax.lax`` (static): groups of axis indices, all of one size G, that cover the
         axis once, each exchanging on its own; the four arrays are then ``[G * K]``, slice i going to the
         group's member ``i // K``. Run over the whole axis with nothing sent to other groups
-        (``_src/axis_groups.py``), so the receive buffer is ``[N, C, ...]`` all the same.
+        (``_src/axis_groups.py``), so the tables below are ``N * C`` long all the same.
       max_recv_per_peer: C, the most rows this member takes from one peer, all its slices together (static
-        int >= 0; default O, which no valid call exceeds). It sizes the ``[N, C, ...]`` receive buffer.
+        int >= 0; default O, which no valid call exceeds). It sizes the int32 ``[N * C]`` send rows and place
+        table, the NVLink staging slots (ranks in other processes) and the NCCL path's ``[N, C, ...]``
+        buffers: a smaller C saves memory where the rows from one peer are known to be fewer.
 
     Returns:
       ``[O, ...]`` with output's dtype.
@@ -105,14 +118,20 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
 
     sizes = _peer_sizes(per_member(send_sizes), capacity)
     send_rows = _send_rows(per_member(input_offsets).reshape(-1), sizes.reshape(-1), num_rows, size * capacity)
-    y, recv_counts, _ = all_to_allv_dynamic(operand, sizes, axis_name, max_recv_per_peer=capacity,
-                                            send_rows=send_rows)
-    landing = all_to_all(per_member(output_offsets), axis_name, 0, 0, tiled=True)
-    taken = jnp.minimum(recv_counts, per_member(recv_sizes))
-    source_row = _source_rows(recv_counts, taken, landing, capacity, out_rows)
-    received = y.reshape(size * capacity, *y.shape[2:])
-    landed = jnp.take(received, jnp.maximum(source_row, 0), axis=0)
-    return jnp.where((source_row >= 0).reshape(-1, *([1] * (received.ndim - 1))), landed, output)
+    # What each source sends this member, slice by slice, and where it lands: one all_to_all of [N, 2K].
+    theirs = all_to_all(jnp.concatenate([sizes, per_member(output_offsets)], axis=1), axis_name, 0, 0, tiled=True)
+    arriving, landing = theirs[:, :slices], theirs[:, slices:]
+    place = _place(arriving, jnp.minimum(arriving, per_member(recv_sizes)), landing, capacity, out_rows)
+    if config.current().checksum:
+        logger.info("jax_ncclx.ragged_all_to_all: checksum mode: the rows travel in all_to_allv_dynamic's padded "
+                    "layout, whose checksum covers them, and are placed by a scatter")
+        y, recv_counts, _ = exchange.all_to_allv_dynamic(operand, sizes, axis_name, max_recv_per_peer=capacity,
+                                                         send_rows=send_rows)
+        return _scatter_rows(output, y, recv_counts, place)
+    y, _, _ = ragged_all_to_all_p.bind(
+        primitive.ensure_varying(operand, axis_name)[None], sizes[None], send_rows[None], place[None],
+        primitive.ensure_varying(output, axis_name)[None], axis_name=axis_name, capacity=int(capacity))
+    return y[0]
 
 
 def _peer_sizes(send_sizes, capacity: int):
@@ -129,21 +148,40 @@ def _send_rows(input_offsets, sizes, num_rows: int, num_send: int):
     return jnp.where(inside, jnp.take(input_offsets, slice_of) + within, num_rows)
 
 
-def _source_rows(recv_counts, taken, landing, capacity: int, out_rows: int):
-    """int32 ``[O]``: for each result row, the row of the flattened ``[N * C, ...]`` receive buffer that lands
-    there, or -1 for none. recv_counts, taken (the rows written) and landing (their first result row) are
-    ``[N, K]``, per source and slice."""
-    size = recv_counts.shape[0]
+def _place(arriving, taken, landing, capacity: int, out_rows: int):
+    """int32 ``[N * C]``, the place table: for each of the C rows from each source (source-major), the result
+    row it lands on, or -1. arriving (the rows each slice brings), taken (those written: at most the slice's
+    recv_sizes) and landing (its first result row) are ``[N, K]``, per source and slice."""
+    size = arriving.shape[0]
     # each of a source's C slots: the slice it holds and its row in that slice   [N, C]
     slot = jnp.arange(capacity, dtype=jnp.int32)
-    slice_of, within, inside = jax.vmap(all_to_allv_plan.locate, (0, None))(recv_counts, slot)
+    slice_of, within, inside = jax.vmap(all_to_allv_plan.locate, (0, None))(arriving, slot)
     pick = lambda table: jnp.take_along_axis(table, slice_of, axis=1)  # noqa: E731 - [N, K] -> [N, C]
     destination = pick(landing) + within
     written = inside & (within < pick(taken)) & (destination >= 0) & (destination < out_rows)
-    destination = jnp.where(written, destination, out_rows)  # out of range: dropped by the scatter
-    # Several rows landing on one result row: the highest receive row, i.e. the later source and slice, wins.
-    flat_rows = jnp.arange(size * capacity, dtype=jnp.int32)
-    return jnp.full((out_rows,), -1, jnp.int32).at[destination.reshape(-1)].max(flat_rows, mode="drop")
+    destination = jnp.where(written, destination, out_rows).reshape(-1)
+    # Several rows landing on one result row: the highest slot, i.e. the later source and slice, wins, so
+    # that only it is written.
+    flat = jnp.arange(size * capacity, dtype=jnp.int32)
+    winner = jnp.full((out_rows,), -1, jnp.int32).at[destination].max(flat, mode="drop")
+    wins = jnp.take(winner, destination, mode="fill", fill_value=-1) == flat
+    return jnp.where(wins, destination, -1)
+
+
+def _scatter_rows(output, y, recv_counts, place):
+    """``output [O, ...]`` with the received rows of the padded ``y [N, C, ...]`` (recv_counts ``[N, K]``)
+    written on the rows ``place [N * C]`` names, as the exchange writes them."""
+    rows = _written_rows(recv_counts, place, y.shape[1], output.shape[0])
+    return output.at[rows].set(y.reshape(-1, *y.shape[2:]), mode="drop")
+
+
+def _written_rows(recv_counts, place, capacity: int, out_rows: int):
+    """int32 ``[N * C]``: the result row that each received row (source-major) is written on, ``out_rows`` for
+    none: its place where the row is one its source delivered (recv_counts ``[N, K]``) and the place names a
+    row."""
+    delivered = jnp.minimum(recv_counts.sum(axis=1), capacity)                           # [N]
+    live = (jnp.arange(capacity)[None, :] < delivered[:, None]).reshape(-1)
+    return jnp.where(live & (place >= 0) & (place < out_rows), place, out_rows)
 
 
 def _check(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, peers: int, grouped: bool,
@@ -172,3 +210,89 @@ def _check(operand, output, input_offsets, send_sizes, output_offsets, recv_size
                          f"{ {name: jnp.shape(value)[0] for name, value in named.items()} }")
     capacity = output_shape[0] if max_recv_per_peer is None else max_recv_per_peer
     return next(iter(lengths)) // peers, primitive.check_static_int(capacity, "max_recv_per_peer", _OP, minimum=0)
+
+
+# The placed exchange. Operands: x [B, X, ...], counts int32 [B, N, K], send_rows int32 [B, S] (as
+# all_to_allv_dynamic's), place int32 [B, N * C], output [B, O, ...] with x's trailing shape and dtype. Results:
+# y [B, O, ...], output with row r from source j (r below the rows it delivered) written on row
+# place[b, j * C + r] where that is in [0, O); recv_counts [B, N, K] and dropped [B, N] as all_to_allv_dynamic's.
+# Where two received rows name one row, which is written is not defined (ragged_all_to_all's place table names
+# each row once). Batched like all_to_allv_dynamic: vmap over a non-mesh axis folds into B.
+ragged_all_to_all_p = primitive.make_collective("ragged_all_to_all", multiple_results=True)
+
+
+def _ragged_all_to_all_abstract_eval(x, counts, send_rows, place, output, *, axis_name, capacity):
+    size = jax.lax.axis_size(axis_name)
+    inputs = (x, counts, send_rows, place)
+    outs = [primitive.output_aval(output, axis_name, *inputs),
+            primitive.output_aval(counts, axis_name, x, output, dtype=jnp.int32),
+            primitive.output_aval(counts, axis_name, x, output, shape=(x.shape[0], size), dtype=jnp.int32)]
+    return outs, primitive.effects(axis_name)
+
+
+def _ragged_all_to_all_attrs(*, capacity):
+    return {"capacity": np.int64(capacity)}
+
+
+def _ragged_all_to_all_cuda_route(ctx, comm_id, size, *, capacity):
+    x, counts = ctx.avals_in[:2]
+    return exchange.exchange_route(_OP, comm_id, size, x, counts.shape, tuple(x.shape[2:]), capacity,
+                                   received_apart=True)
+
+
+def _ragged_all_to_all_batching(axis_data, args, dims, *, axis_name, capacity):
+    if primitive.batches_own_axis(axis_data, axis_name, _OP):
+        x, counts, send_rows, place, output = [primitive.members_first(axis_data, a, d) for a, d in zip(args, dims)]
+        # every member's padded rows, then each member's placed into its output   [N, B, ...]
+        y, recv_counts, dropped = exchange.exchange_between_members(x, counts, send_rows, capacity=capacity,
+                                                                    packed=False)
+        placed = jax.vmap(jax.vmap(_scatter_rows))(output, y, recv_counts, place)
+        return [placed, recv_counts, dropped], [0, 0, 0]
+    return primitive.fold_vmap_into_batch(ragged_all_to_all_p, axis_data, args, dims, axis_name=axis_name,
+                                          capacity=capacity)
+
+
+def _ragged_all_to_all_jvp(primals, tangents, *, axis_name, capacity):
+    """Linear in x and output; counts, send_rows and place are integers."""
+    x, counts, send_rows, place, output = primals
+    outs = ragged_all_to_all_p.bind(*primals, axis_name=axis_name, capacity=capacity)
+    tx, t_output = ad.instantiate_zeros(tangents[0]), ad.instantiate_zeros(tangents[4])
+    ty, _, _ = ragged_all_to_all_p.bind(tx, counts, send_rows, place, t_output, axis_name=axis_name,
+                                        capacity=capacity)
+    integer_zeros = [ad.Zero(jax.typeof(v).to_tangent_aval()) for v in outs[1:]]
+    return outs, [ty, *integer_zeros]
+
+
+def _ragged_all_to_all_transpose(cts, x, counts, send_rows, place, output, *, axis_name, capacity):
+    """x's cotangent: each placed row's cotangent, back to the send row it came from (all_to_allv_dynamic's
+    transpose, on the rows gathered into its padded layout); output's: y's, zero on the rows the exchange
+    wrote (which needs the rows each source delivered: one exchange of counts)."""
+    ct_y = ad.instantiate_zeros(cts[0])
+    batch, out_rows = ct_y.shape[:2]
+    size = counts.shape[1]
+    features = ct_y.shape[2:]
+    named = (place >= 0) & (place < out_rows)                                      # [B, N * C]
+    gathered = jnp.take_along_axis(ct_y, jnp.where(named, place, 0).reshape(batch, -1, *([1] * len(features))),
+                                   axis=1)
+    gathered = jnp.where(named.reshape(*named.shape, *([1] * len(features))), gathered, 0)
+    padded = gathered.reshape(batch, size, capacity, *features)
+    ct_x = None
+    if ad.is_undefined_primal(x):
+        ct_x = exchange.all_to_allv_dynamic_transpose([padded, None, None], x, counts, send_rows,
+                                                      axis_name=axis_name, capacity=capacity, packed=False)[0]
+    ct_output = None
+    if ad.is_undefined_primal(output):
+        # what each source delivered here, exchanged with one-byte rows (see all_to_allv_dynamic's transpose)
+        _, recv_counts, _ = exchange.all_to_allv_dynamic_p.bind(
+            jnp.zeros(send_rows.shape, jnp.int8), counts, axis_name=axis_name, capacity=capacity, packed=False)
+        written = jax.vmap(partial(_written_rows, capacity=capacity, out_rows=out_rows))(recv_counts, place)
+        ct_output = jax.vmap(lambda ct, rows: ct.at[rows].set(0, mode="drop"))(ct_y, written)
+    return [ct_x, None, None, None, ct_output]
+
+
+ragged_all_to_all_p.def_effectful_abstract_eval(_ragged_all_to_all_abstract_eval)
+primitive.register_lowerings(ragged_all_to_all_p, "ncclx_ragged_all_to_all", _ragged_all_to_all_attrs,
+                             _ragged_all_to_all_cuda_route, aliases={4: 0})
+batching.fancy_primitive_batchers[ragged_all_to_all_p] = _ragged_all_to_all_batching
+ad.primitive_jvps[ragged_all_to_all_p] = _ragged_all_to_all_jvp
+ad.primitive_transposes[ragged_all_to_all_p] = _ragged_all_to_all_transpose

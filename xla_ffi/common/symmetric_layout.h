@@ -88,6 +88,7 @@ struct alignas(128) SymmetricControl {
   uint64_t output[kMaxNvlinkRanks];                   // set by rank r before `entered`: its output address
                                                       // for call e (same-process ranks write there directly)
   uint64_t recv_counts[kMaxNvlinkRanks];              // the same for its recv_counts output
+  uint64_t place[kMaxNvlinkRanks];                    // the same for its place table (ragged_all_to_all)
   uint64_t epoch;                                     // local: calls finished on this communicator
   uint32_t abort_by;                                  // set by rank r: 1 + r gave up waiting; the
                                                       // communicator is unusable, kernels wait no more

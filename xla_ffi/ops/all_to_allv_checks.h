@@ -14,6 +14,8 @@
 namespace jax_ncclx {
 
 inline constexpr std::string_view kAllToAllvOp = "all_to_allv_dynamic";
+// The same handlers serve ragged_all_to_all's exchange, whose errors name it.
+inline constexpr std::string_view kRaggedAllToAllOp = "ragged_all_to_all";
 
 // What travels: S send rows of row_bytes each per batch element, the leading row_bytes - suffix_bytes taken
 // from x and the rest from the suffix.
@@ -27,10 +29,9 @@ struct AllToAllvSendRows {
 
 // x [B, X, F...], send_rows [B, S] and suffix [B, S, G] with x's dtype; a suffix needs send_rows (the FFI
 // binds both as optional, in this order) and a 3-D x, whose rows it extends to F + G columns.
-inline ffi::ErrorOr<AllToAllvSendRows> GetSendRows(const ffi::AnyBuffer& x,
+inline ffi::ErrorOr<AllToAllvSendRows> GetSendRows(std::string_view op, const ffi::AnyBuffer& x,
                                                    const std::optional<ffi::Buffer<ffi::S32>>& send_rows,
                                                    const std::optional<ffi::AnyBuffer>& suffix) {
-  constexpr std::string_view op = kAllToAllvOp;
   const ffi::Span<const int64_t> x_dims = x.dimensions();
   if (x_dims.size() < 2) {
     return InvalidArgument(op, "x has shape " + DimsString(x_dims) + ", expected [batch, rows, features...]");
@@ -71,13 +72,14 @@ inline ffi::ErrorOr<AllToAllvSendRows> GetSendRows(const ffi::AnyBuffer& x,
 }
 
 // The rest against the send side and the group of num_ranks: capacity >= 0, packed 0 or 1, counts [B, N, K],
-// recv_counts [B, N, K], dropped [B, N] and y of x's dtype holding B x N x capacity rows. Returns K.
-inline ffi::ErrorOr<int64_t> CheckReceiveSide(const AllToAllvSendRows& rows, const ffi::AnyBuffer& x,
+// recv_counts [B, N, K], dropped [B, N] and y of x's dtype holding B x N x capacity rows (unless `placed`:
+// CheckPlace checks y then). Returns K.
+inline ffi::ErrorOr<int64_t> CheckReceiveSide(std::string_view op, const AllToAllvSendRows& rows,
+                                              const ffi::AnyBuffer& x,
                                               ffi::Span<const int64_t> counts_dims, const ffi::AnyBuffer& y,
                                               ffi::Span<const int64_t> recv_counts_dims,
                                               ffi::Span<const int64_t> dropped_dims, int64_t num_ranks,
-                                              int64_t capacity, int64_t packed) {
-  constexpr std::string_view op = kAllToAllvOp;
+                                              int64_t capacity, int64_t packed, bool placed = false) {
   if (capacity < 0 || capacity > kMaxCapacity) {
     return InvalidArgument(op, "capacity is " + std::to_string(capacity) + ", expected 0 to 2^31 - 1");
   }
@@ -96,6 +98,7 @@ inline ffi::ErrorOr<int64_t> CheckReceiveSide(const AllToAllvSendRows& rows, con
     return InvalidArgument(op, "y has dtype " + std::string(DataTypeName(y.element_type())) + ", expected x's " +
                                    std::string(DataTypeName(x.element_type())));
   }
+  if (placed) return num_chunks;
   const std::optional<int64_t> y_bytes = CheckedProduct({rows.batch, num_ranks, capacity, rows.row_bytes});
   if (!y_bytes.has_value() || static_cast<int64_t>(y.size_bytes()) != *y_bytes) {
     return InvalidArgument(op, "y has " + std::to_string(y.size_bytes()) + " bytes, expected batch " +
@@ -104,6 +107,26 @@ inline ffi::ErrorOr<int64_t> CheckReceiveSide(const AllToAllvSendRows& rows, con
                                    std::to_string(rows.row_bytes) + " bytes per row");
   }
   return num_chunks;
+}
+
+// A placed call (ragged_all_to_all): place int32 [B, N * C] and y [B, O, F...] with whole rows of the send
+// side's row_bytes. Returns O.
+inline ffi::ErrorOr<int64_t> CheckPlace(std::string_view op, const AllToAllvSendRows& rows,
+                                        ffi::Span<const int64_t> place_dims,
+                                        const ffi::AnyBuffer& y, int64_t num_ranks, int64_t capacity) {
+  const std::optional<int64_t> slots = CheckedProduct({num_ranks, capacity});
+  if (!slots.has_value()) return InvalidArgument(op, "ranks x capacity overflows int64");
+  NCCLX_RETURN_IF_ERROR(CheckDims(op, "place", place_dims, {rows.batch, *slots}));
+  const ffi::Span<const int64_t> y_dims = y.dimensions();
+  const int64_t out_rows = y_dims.size() >= 2 ? y_dims[1] : -1;
+  const std::optional<int64_t> y_bytes = CheckedProduct({rows.batch, out_rows, rows.row_bytes});
+  if (y_dims.size() < 2 || y_dims[0] != rows.batch || !y_bytes.has_value() ||
+      static_cast<int64_t>(y.size_bytes()) != *y_bytes) {
+    return InvalidArgument(op, "output has shape " + DimsString(y_dims) + " (" + std::to_string(y.size_bytes()) +
+                                   " bytes), expected [" + std::to_string(rows.batch) + ", rows, ...] of " +
+                                   std::to_string(rows.row_bytes) + " bytes per row");
+  }
+  return out_rows;
 }
 
 }  // namespace jax_ncclx

@@ -1,6 +1,8 @@
-// CPU handler of all_to_allv_dynamic. Every participant plans its own sends (PlanSends, the same code the
-// CUDA kernels run), reports its dropped rows, publishes its input, send_rows, suffix and plan, and then pulls
-// from every source the prefix of rows that source planned for it, in the padded or packed receive layout.
+// CPU handlers of all_to_allv_dynamic and of ragged_all_to_all's exchange. Every participant plans its own
+// sends (PlanSends, the same code the CUDA kernels run), reports its dropped rows, publishes its input,
+// send_rows, suffix and plan, and then pulls from every source the prefix of rows that source planned for it,
+// in the padded or packed receive layout, or (ragged_all_to_all) onto the rows of its output that its place
+// table names.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -17,8 +19,6 @@
 
 namespace jax_ncclx {
 namespace {
-
-constexpr std::string_view kOp = kAllToAllvOp;
 
 // One participant's send plan for all batch elements, laid out [batch][peer] ([batch][peer][chunk]), its
 // send_rows (null: x's rows in order) and its suffix (null: none).
@@ -38,25 +38,33 @@ std::vector<int32_t> CorruptCounts(const int32_t* counts, int64_t n) {
 
 // Returns a pending future while its peers have not all arrived (common/rendezvous.h); the work it passes
 // owns its plan and captures buffer pointers by value, as it may run after the handler has returned.
-ffi::Future AllToAllvImpl(ffi::RunId run, CallInstance* instance, PartitionId partition_id, ffi::AnyBuffer x,
-                         ffi::Buffer<ffi::S32> counts, std::optional<ffi::Buffer<ffi::S32>> send_rows,
-                         std::optional<ffi::AnyBuffer> suffix,
-                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
-                         ffi::Result<ffi::Buffer<ffi::S32>> dropped, ffi::Span<const int64_t> groups,
-                         int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace, int64_t capacity,
-                         int64_t packed) {
-  ffi::ErrorOr<AllToAllvSendRows> sent = GetSendRows(x, send_rows, suffix);
+ffi::Future AllToAllvImpl(std::string_view op, ffi::RunId run, CallInstance* instance, PartitionId partition_id,
+                          ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts,
+                          std::optional<ffi::Buffer<ffi::S32>> send_rows, std::optional<ffi::AnyBuffer> suffix,
+                          std::optional<ffi::Buffer<ffi::S32>> place, ffi::Result<ffi::AnyBuffer> y,
+                          ffi::Result<ffi::Buffer<ffi::S32>> recv_counts, ffi::Result<ffi::Buffer<ffi::S32>> dropped,
+                          ffi::Span<const int64_t> groups, int64_t group_size, int64_t site, int64_t timeout_ms,
+                          int64_t trace, int64_t capacity, int64_t packed) {
+  ffi::ErrorOr<AllToAllvSendRows> sent = GetSendRows(op, x, send_rows, suffix);
   if (sent.has_error()) return CompletedFuture(sent.error());
-  ffi::ErrorOr<int64_t> chunks = CheckReceiveSide(*sent, x, counts.dimensions(), *y, recv_counts->dimensions(),
-                                                  dropped->dimensions(), group_size, capacity, packed);
+  ffi::ErrorOr<int64_t> chunks = CheckReceiveSide(op, *sent, x, counts.dimensions(), *y, recv_counts->dimensions(),
+                                                  dropped->dimensions(), group_size, capacity, packed,
+                                                  place.has_value());
   if (chunks.has_error()) return CompletedFuture(chunks.error());
+  int64_t out_rows = 0;  // placed: O, y's rows per batch element
+  if (place.has_value()) {
+    ffi::ErrorOr<int64_t> rows = CheckPlace(op, *sent, place->dimensions(), *y, group_size, capacity);
+    if (rows.has_error()) return CompletedFuture(rows.error());
+    out_rows = *rows;
+  }
+  const int32_t* slots = OptionalData(place);  // placed: y keeps its rows (its output operand's), no zeroing
   const int64_t num_batch = sent->batch, num_peers = group_size, num_chunks = *chunks;
   const int64_t source_rows = sent->source_rows, num_rows = sent->num_rows;
   const int64_t row_bytes = sent->row_bytes, suffix_bytes = sent->suffix_bytes;
   const int64_t x_row_bytes = row_bytes - suffix_bytes;
 
   ffi::ErrorOr<CpuCall> call =
-      BeginCpuCall(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace);
+      BeginCpuCall(op, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace);
   if (call.has_error()) return CompletedFuture(call.error());
   const int32_t* send_counts = counts.typed_data();
   std::vector<int32_t> corrupted;
@@ -80,7 +88,7 @@ ffi::Future AllToAllvImpl(ffi::RunId run, CallInstance* instance, PartitionId pa
   return RunCpuCall(*call, {x.untyped_data(), plan.get()}, out, out_bytes,
                     [=](int64_t rank, const std::vector<Published>& peers) {
     (void)plan;  // owned here: the peers read it until every participant's work has run
-    std::memset(out, 0, out_bytes);
+    if (slots == nullptr) std::memset(out, 0, out_bytes);
     for (int64_t b = 0; b < num_batch; ++b) {
       int64_t packed_row = 0;  // next free row of this batch element in the packed layout
       for (int64_t source = 0; source < num_peers; ++source) {
@@ -89,6 +97,22 @@ ffi::Future AllToAllvImpl(ffi::RunId run, CallInstance* instance, PartitionId pa
         std::copy_n(theirs.delivered_chunks.data() + slot * num_chunks, num_chunks,
                     received + (b * num_peers + source) * num_chunks);
         const int64_t rows = theirs.delivered[slot];
+        if (slots != nullptr) {  // placed: row r lands on row slots[b, source * C + r], where that is in y
+          const int32_t* where = slots + (b * num_peers + source) * capacity;
+          const char* x_rows = static_cast<const char*>(peers[source].data);
+          for (int64_t r = 0; r < rows; ++r) {
+            if (where[r] < 0 || where[r] >= out_rows) continue;
+            const int64_t send_row = theirs.first_row[slot] + r;
+            const int64_t row = SourceRow(theirs.send_rows, num_rows, source_rows, b, send_row);
+            char* out_row = out + (b * out_rows + where[r]) * row_bytes;
+            if (row >= 0) {
+              std::memcpy(out_row, x_rows + row * x_row_bytes, x_row_bytes);
+            } else {
+              std::memset(out_row, 0, x_row_bytes);
+            }
+          }
+          continue;
+        }
         const int64_t dst_row = packed ? packed_row : source * capacity;
         char* dst = out + (b * num_peers * capacity + dst_row) * row_bytes;
         const char* x_rows = static_cast<const char*>(peers[source].data);
@@ -114,9 +138,44 @@ ffi::Future AllToAllvImpl(ffi::RunId run, CallInstance* instance, PartitionId pa
   });
 }
 
+ffi::Future AllToAllvDynamicImpl(ffi::RunId run, CallInstance* instance, PartitionId partition_id, ffi::AnyBuffer x,
+                                 ffi::Buffer<ffi::S32> counts, std::optional<ffi::Buffer<ffi::S32>> send_rows,
+                                 std::optional<ffi::AnyBuffer> suffix, ffi::Result<ffi::AnyBuffer> y,
+                                 ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
+                                 ffi::Result<ffi::Buffer<ffi::S32>> dropped, ffi::Span<const int64_t> groups,
+                                 int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace,
+                                 int64_t capacity, int64_t packed) {
+  return AllToAllvImpl(kAllToAllvOp, run, instance, partition_id, x, counts, send_rows, suffix, std::nullopt, y,
+                       recv_counts, dropped, groups, group_size, site, timeout_ms, trace, capacity, packed);
+}
+
+// `output` is y's buffer (XLA aliases them): the rows that nothing places keep its values.
+ffi::Future RaggedAllToAllImpl(ffi::RunId run, CallInstance* instance, PartitionId partition_id, ffi::AnyBuffer x,
+                               ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::S32> send_rows,
+                               ffi::Buffer<ffi::S32> place, ffi::AnyBuffer /*output*/,
+                               ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
+                               ffi::Result<ffi::Buffer<ffi::S32>> dropped, ffi::Span<const int64_t> groups,
+                               int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace,
+                               int64_t capacity) {
+  return AllToAllvImpl(kRaggedAllToAllOp, run, instance, partition_id, x, counts, send_rows, std::nullopt, place, y,
+                       recv_counts, dropped, groups, group_size, site, timeout_ms, trace, capacity, /*packed=*/0);
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuAllToAllvDynamic, AllToAllvImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuRaggedAllToAll, RaggedAllToAllImpl,
+                              BindCpuGroupAttrs(BindCpuCollective()
+                                                    .Arg<ffi::AnyBuffer>()          // x [B, X, ...]
+                                                    .Arg<ffi::Buffer<ffi::S32>>()   // send_counts [B, N, K]
+                                                    .Arg<ffi::Buffer<ffi::S32>>()   // send_rows [B, S]
+                                                    .Arg<ffi::Buffer<ffi::S32>>()   // place [B, N * C]
+                                                    .Arg<ffi::AnyBuffer>()          // output [B, O, ...] (= y)
+                                                    .Ret<ffi::AnyBuffer>()          // y [B, O, ...]
+                                                    .Ret<ffi::Buffer<ffi::S32>>()   // recv_counts [B, N, K]
+                                                    .Ret<ffi::Buffer<ffi::S32>>())  // dropped [B, N]
+                                  .Attr<int64_t>("capacity"));                      // max rows per source
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuAllToAllvDynamic, AllToAllvDynamicImpl,
                               BindCpuGroupAttrs(BindCpuCollective()
                                                     .Arg<ffi::AnyBuffer>()          // x [B, X, ...]
                                                     .Arg<ffi::Buffer<ffi::S32>>()   // send_counts [B, N, K]

@@ -1,4 +1,4 @@
-// Device kernels of all_to_allv_dynamic (plan, pack, compact) and their host launchers. Device code only:
+// Device kernels of all_to_allv_dynamic (plan, pack, compact, place) and their host launchers. Device code only:
 // the XLA handler that drives them lives in all_to_allv_cuda.cc.
 #include "ops/all_to_allv_kernels.h"
 
@@ -140,6 +140,32 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// One block row per (batch element, source) segment, as CompactRowsKernel: the segment's rows go to the rows of
+// y that `place` names. Its rows are clamped to [0, C] as there, and a place outside [0, O) writes nothing.
+template <typename V>
+__global__ void __launch_bounds__(kThreads)
+    PlaceRowsKernel(AllToAllvShape shape, int64_t units_per_row, const V* __restrict__ recv,
+                    const int32_t* __restrict__ recv_counts, const int32_t* __restrict__ place, int64_t out_rows,
+                    V* __restrict__ y) {
+  const int64_t segments = shape.batch * shape.num_peers;
+  for (int64_t segment = blockIdx.y; segment < segments; segment += gridDim.y) {
+    const int64_t b = segment / shape.num_peers;
+    int64_t rows = 0;
+    for (int64_t chunk = 0; chunk < shape.num_chunks; ++chunk) {
+      rows += max(recv_counts[segment * shape.num_chunks + chunk], 0);
+    }
+    const int64_t live = min(rows, shape.capacity) * units_per_row;
+    const V* src = recv + segment * shape.capacity * units_per_row;
+    const int32_t* slots = place + segment * shape.capacity;
+    V* out = y + b * out_rows * units_per_row;
+    for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < live;
+         i += int64_t{gridDim.x} * blockDim.x) {
+      const int64_t row = slots[i / units_per_row];
+      if (row >= 0 && row < out_rows) out[row * units_per_row + i % units_per_row] = src[i];
+    }
+  }
+}
+
 // Enough blocks to fill the GPU when there are few segments, never more than the segment has work for.
 dim3 SegmentGrid(int64_t segments, int64_t segment_units) {
   const int64_t y = std::min(segments, kMaxGridY);
@@ -209,6 +235,19 @@ cudaError_t LaunchCompactRows(const AllToAllvShape& shape, const void* recv, con
     const int64_t units_per_row = shape.row_bytes / static_cast<int64_t>(sizeof(V));
     CompactRowsKernel<V><<<SegmentGrid(segments, shape.capacity * units_per_row), kThreads, 0, stream>>>(
         shape, units_per_row, static_cast<const V*>(recv), recv_counts, static_cast<V*>(y));
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t LaunchPlaceRows(const AllToAllvShape& shape, const void* recv, const int32_t* recv_counts,
+                            const int32_t* place, int64_t out_rows, void* y, cudaStream_t stream) {
+  const int64_t segments = shape.batch * shape.num_peers;
+  if (segments == 0 || shape.capacity == 0 || shape.row_bytes == 0 || out_rows == 0) return cudaSuccess;
+  return WithWidestUnit({shape.row_bytes}, {recv, y}, [&](auto unit) {
+    using V = decltype(unit);
+    const int64_t units_per_row = shape.row_bytes / static_cast<int64_t>(sizeof(V));
+    PlaceRowsKernel<V><<<SegmentGrid(segments, shape.capacity * units_per_row), kThreads, 0, stream>>>(
+        shape, units_per_row, static_cast<const V*>(recv), recv_counts, place, out_rows, static_cast<V*>(y));
     return cudaGetLastError();
   });
 }

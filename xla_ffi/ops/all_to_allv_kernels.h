@@ -45,6 +45,11 @@ cudaError_t LaunchPackRows(const AllToAllvShape& shape, const void* x, const int
 cudaError_t LaunchCompactRows(const AllToAllvShape& shape, const void* recv, const int32_t* recv_counts,
                               void* y, cudaStream_t stream);
 
+// Writes row r < sum_k recv_counts[b, j, k] of recv [B, N, C, row_bytes] (the rows from source j) on row
+// place[b, j * C + r] of y [B, O, row_bytes] where that is in [0, O); y's other rows are left as they are.
+cudaError_t LaunchPlaceRows(const AllToAllvShape& shape, const void* recv, const int32_t* recv_counts,
+                            const int32_t* place, int64_t out_rows, void* y, cudaStream_t stream);
+
 // What the NVLink kernel keeps in each rank's symmetric data region (symmetric_layout.h): at the start of
 // the low-latency half of the call's parity, N count slots, one per source rank (int32 [B, N, K]: the
 // source's delivered counts, indexed by destination); in the staging area, unless ranks write straight into
@@ -72,7 +77,11 @@ struct NvlinkAllToAllvArgs {
   const int32_t* send_rows = nullptr;   // [B, S]: the row of x each send row takes; null: x's rows in order
   const void* suffix = nullptr;         // [B, S, suffix_bytes] appended to each send row; null: none
   const int32_t* counts = nullptr;      // [B, N, K]
-  void* y = nullptr;                    // [B, N, C, row_bytes] or [B, N * C, row_bytes]
+  void* y = nullptr;                    // [B, N, C, row_bytes] or [B, N * C, row_bytes]; placed: [B, O, row_bytes]
+  // Placed (ragged_all_to_all): row r from source j lands on row place[b, j * C + r] of y, none where that is
+  // outside [0, O), and y's other rows keep their values (no zero rows). Null: the padded or packed layout.
+  const int32_t* place = nullptr;       // [B, N * C]
+  int64_t out_rows = 0;                 // O, rows of y per batch element when placed
   int32_t* recv_counts = nullptr;       // [B, N, K]
   int32_t* dropped = nullptr;           // [B, N]
   const PeerTable* table = nullptr;     // every rank's symmetric memory, as this rank maps it

@@ -17,6 +17,9 @@
 // they leave the receiver: the sender then leaves them, and says so in the pieces' flags. Staged mode (ranks
 // in other processes, reached through CUDA IPC) writes into the peer's symmetric staging slot, and the
 // receiver copies the rows out.
+// Placed calls (ragged_all_to_all, args.place) put row r from source j on the row of y that the receiver's
+// place table names for (j, r), in direct mode the sender through the table the receiver publishes as it
+// enters; they write no zero rows, so y's other rows keep the values XLA left there (its output operand).
 // Flags hold the call's epoch, kept on the device, so the kernel needs no reset and replays inside CUDA
 // graphs. A peer raises `entered` only after its previous call finished, so one set of row buffers is enough.
 #include <algorithm>
@@ -39,13 +42,13 @@ constexpr int kMaxPiecesPerPeer = 64;
 static_assert(kMaxPiecesPerPeer <= kMaxFlagGroups);
 // Direct mode: from this many bytes of zero rows for one peer up, the sender leaves them to the receiver. The
 // receiver's work after its piece arrives costs ~2.5 µs more at the end of the call: with ~1 MiB of zero rows
-// per peer that was slower than sending them on 2xH200 (benchmarks/results/all_to_allv_2gpu_zeros_left.md).
+// per peer that was slower than sending them on 2xH200.
 constexpr int64_t kMinZeroBytesLeftToReceiver = 2 << 20;
 // Staged mode: pieces of at least this many bytes per round are sent, and copied out of the staging slot, in
 // rounds (at most kMaxRounds), so that the copy out runs while later rounds are still on the wire instead of
 // after the last of them (see the receive loop of NvlinkAllToAllvKernel). 256 KiB rather than 512 gives the
 // MoE exchanges at T = 4096 (~0.92 MB pieces) three rounds: their round trip took 2% less on 2xH200 with a
-// process per GPU (benchmarks/results/ab_rounds_256k_2gpu).
+// process per GPU.
 constexpr int64_t kMinBytesPerRound = 256 * 1024;
 constexpr int kMaxRounds = 8;
 static_assert(kMaxRounds < (1 << kRoundBits));
@@ -137,7 +140,7 @@ constexpr int64_t kStagedCounts = 2048;
 // (WarpPlanPeer) rather than a thread (PlanPeer), in a variant of the kernel of its own (kWarpPlan). With one
 // chunk per member, as the MoE exchanges, the warp's shuffles cost more than the thread's walk (the moe
 // dispatch took 0.3 µs longer with the warp, one H100), and the warp's code alone, never run, made their
-// round trip 0.5 µs slower (one H100, benchmarks/PERFORMANCE.md).
+// round trip 0.5 µs slower (one H100).
 constexpr int64_t kMinChunksForWarpPlan = 8;
 
 struct Shared {
@@ -367,8 +370,8 @@ __device__ __forceinline__ bool LeavesZeros(const NvlinkAllToAllvArgs& args, con
 // recv_counts, whose address the peer publishes when it enters (piece 0 in direct mode copies them from
 // shared memory, CopyRecvCounts, or where they did not fit there plans again from the staged counts).
 // `round`: the part of the piece to write (calls of one tile, whose plan the first round leaves in shared
-// memory for the others). kInRounds: as the kernel's (staged calls only, so piece 0 never copies counts).
-template <typename V, bool kInRounds>
+// memory for the others). kInRounds, kPlaced: as the kernel's (staged calls only, so piece 0 never copies counts).
+template <typename V, bool kInRounds, bool kPlaced>
 __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int g,
                           bool planned, Round round) {
   const AllToAllvShape& s = args.shape;
@@ -376,11 +379,16 @@ __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
   const int64_t suffix_units = s.suffix_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t x_units = units_per_row - suffix_units;
   const bool first_piece = g == 0;
+  const bool placed = kPlaced && args.direct;  // rows go where the peer's place table says
   bool leaves_zeros = false;
-  // Row (b, c) for the peer goes to base + b * batch_stride + (shared.c[b] + c) rows.
+  // Row (b, c) for the peer goes to base + b * batch_stride + (shared.c[b] + c) rows; placed, to row
+  // place[b, rank * C + c] of the peer's [B, O] rows.
   V* base;
   int64_t batch_stride;
-  if (args.direct) {
+  if (placed) {
+    base = PeerOutput<V>(args.control, peer);
+    batch_stride = args.out_rows * units_per_row;
+  } else if (args.direct) {
     base = PeerOutput<V>(args.control, peer);
     batch_stride = s.num_peers * s.capacity * units_per_row;
     if (!args.packed) base += args.rank * s.capacity * units_per_row;
@@ -403,8 +411,8 @@ __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
       PlanTile<false>(args, shared, parity, peer, tile, size, emit, first_piece && !planned_tile, planned_tile,
                       [] {});
     }
-    leaves_zeros = LeavesZeros(args, shared, peer);
-    const bool with_zeros = args.direct && !leaves_zeros;
+    leaves_zeros = !kPlaced && LeavesZeros(args, shared, peer);
+    const bool with_zeros = args.direct && !placed && !leaves_zeros;
     for (int64_t i = 0; i < size; ++i) {
       const int64_t bb = tile + i;
       const int64_t first = shared.a[i];
@@ -416,10 +424,19 @@ __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
       // sources tile rows [total, N * C), see ReceivePiece).
       V* zeros = args.packed ? out + (shared.d[i] + args.rank * s.capacity - shared.c[i]) * units_per_row
                              : data + delivered * units_per_row;
+      const int32_t* places =  // placed: the peer's place table for this rank's rows
+          placed ? reinterpret_cast<const int32_t*>(args.control->place[peer]) +
+                       (bb * s.num_peers + args.rank) * s.capacity
+                 : nullptr;
       ForEachSlice(args, with_zeros ? s.capacity : delivered, units_per_row, g,
                    [&](int64_t r, int64_t lo, int64_t hi) {
                      if (r >= delivered) return WarpZero(zeros + (r - delivered) * units_per_row + lo, hi - lo);
-                     V* row = data + r * units_per_row;
+                     int64_t at = r;
+                     if (kPlaced && places != nullptr) {
+                       at = places[r];
+                       if (at < 0 || at >= args.out_rows) return;
+                     }
+                     V* row = data + at * units_per_row;
                      const int64_t send_row = first + r;
                      const int64_t source = SourceRow(args.send_rows, s.num_rows, s.source_rows, bb, send_row);
                      const int64_t x_hi = min(hi, x_units);
@@ -445,8 +462,9 @@ __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
 // (LeavesZeros): those zero rows. The counts that place the piece are in the count slots (staged mode,
 // Emit::kSlot; the direct packed layout, ShareCounts), or in the direct padded layout in recv_counts, which
 // the source's piece 0 wrote. `round`: the part of the piece's rows to copy out (the same part as the source's
-// SendPiece wrote); the first round also writes the zero rows and recv_counts. kInRounds: as the kernel's.
-template <typename V, bool kInRounds>
+// SendPiece wrote); the first round also writes the zero rows and recv_counts. kInRounds, kPlaced: as the
+// kernel's.
+template <typename V, bool kInRounds, bool kPlaced>
 __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int source, int g,
                              bool arrived, Round round) {
   const AllToAllvShape& s = args.shape;
@@ -493,6 +511,19 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
       V* zeros = args.packed ? out + (shared.c[i] + source * s.capacity - shared.b[i]) * units_per_row
                              : data + mine * units_per_row;
       const V* rows = slot + bb * segment_units;
+      if constexpr (kPlaced) {  // staged mode: the source's rows onto the rows its place table names, no zeros
+        const int32_t* places = args.place + (bb * s.num_peers + source) * s.capacity;
+        V* placed_rows = y + bb * args.out_rows * units_per_row;
+        ForEachSlice(
+            args, arrived ? mine : 0, units_per_row, g,
+            [&](int64_t r, int64_t lo, int64_t hi) {
+              const int64_t at = places[r];
+              if (at < 0 || at >= args.out_rows) return;
+              WarpCopy<V, true>(placed_rows + at * units_per_row + lo, rows + r * units_per_row + lo, hi - lo);
+            },
+            round);
+        continue;
+      }
       if constexpr (!kInRounds) {  // one pass: every row left to this rank, data rows then zero rows
         const int64_t first = args.direct ? mine : 0;  // direct mode: the source wrote rows [0, mine) itself
         ForEachSlice(args, s.capacity - first, units_per_row, g, [&](int64_t r, int64_t lo, int64_t hi) {
@@ -534,7 +565,9 @@ __device__ __forceinline__ int SendPeer(const NvlinkAllToAllvArgs& args, int job
 // its own, because the rounds' loop state spills registers of the copy loops, which cost the calls of one
 // round 2-4 us (2xH200, T = 16 and 128). kWarpPlan: calls of kMinChunksForWarpPlan chunks per peer or more
 // (WarpPlans), whose early plan may take a warp per batch element (PlanTile).
-template <typename V, bool kInRounds, bool kWarpPlan>
+// kPlaced: calls with a place table (args.place), a variant of their own so that the other calls keep their
+// registers (the placement pushed every variant to 128 registers and a stack).
+template <typename V, bool kInRounds, bool kWarpPlan, bool kPlaced>
 __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAllvArgs args) {
   __shared__ Shared shared;
   const int num_peers = static_cast<int>(args.shape.num_peers);
@@ -554,6 +587,7 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
     if (threadIdx.x < num_peers) {
       SymmetricControl* peer = args.table->control[threadIdx.x];
       peer->recv_counts[args.rank] = reinterpret_cast<uint64_t>(args.recv_counts);  // published with `entered`
+      peer->place[args.rank] = reinterpret_cast<uint64_t>(args.place);
       if (direct_packed) __threadfence_system();
       PublishOutput(peer, args.rank, args.y, epoch, /*enter=*/true);
     }
@@ -579,7 +613,7 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
   }
   // Consecutive blocks serve different peers. Blocks of neighbouring indices share parts of the chip, and
   // when each run of them served one peer (or the local copy) the exchange took 16% longer at T = 4096 on
-  // 4xH200 (benchmarks/results/all_to_allv_4gpu_slices_peer_major.md against all_to_allv_4gpu_interleaved.md).
+  // 4xH200.
   // Peers rotate by rank so that the ranks start on different links.
   for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
     const int peer = SendPeer(args, job);
@@ -600,7 +634,7 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
     if (__syncthreads_or(!entered)) continue;
     bool zeros_left = false;
     for (int r = 0; r < rounds; ++r) {
-      zeros_left = SendPiece<V, kInRounds>(args, shared, parity, peer, g, planned, Round{r, rounds});
+      zeros_left = SendPiece<V, kInRounds, kPlaced>(args, shared, parity, peer, g, planned, Round{r, rounds});
       // The block's rows are ordered before each release by SendPiece's final barrier.
       if (threadIdx.x == 0 && r + 1 < rounds) {
         StoreRelease(&args.table->control[peer]->progress[args.rank][g], (epoch << kRoundBits) + r + 1);
@@ -653,7 +687,7 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
           }
         }
         if (!args.direct || zeros_left) {
-          ReceivePiece<V, kInRounds>(args, shared, parity, source, g, arrived, Round{r, rounds});
+          ReceivePiece<V, kInRounds, kPlaced>(args, shared, parity, source, g, arrived, Round{r, rounds});
         }
       }
     }
@@ -673,23 +707,37 @@ bool AlignedTo(int64_t width, const NvlinkAllToAllvArgs& args) {
 // Whether a call takes the kernel's kWarpPlan variant. Calls in rounds do not: their pieces are large.
 bool WarpPlans(const AllToAllvShape& shape) { return shape.num_chunks >= kMinChunksForWarpPlan; }
 
-template <bool kInRounds, bool kWarpPlan>
+template <bool kInRounds, bool kWarpPlan, bool kPlaced>
 void Launch(const NvlinkAllToAllvArgs& args, int blocks, cudaStream_t stream) {
   if (AlignedTo(16, args)) {
-    NvlinkAllToAllvKernel<uint4, kInRounds, kWarpPlan><<<blocks, kThreads, 0, stream>>>(args);
+    NvlinkAllToAllvKernel<uint4, kInRounds, kWarpPlan, kPlaced><<<blocks, kThreads, 0, stream>>>(args);
   } else if (AlignedTo(4, args)) {
-    NvlinkAllToAllvKernel<uint32_t, kInRounds, kWarpPlan><<<blocks, kThreads, 0, stream>>>(args);
+    NvlinkAllToAllvKernel<uint32_t, kInRounds, kWarpPlan, kPlaced><<<blocks, kThreads, 0, stream>>>(args);
   } else {
-    NvlinkAllToAllvKernel<uint8_t, kInRounds, kWarpPlan><<<blocks, kThreads, 0, stream>>>(args);
+    NvlinkAllToAllvKernel<uint8_t, kInRounds, kWarpPlan, kPlaced><<<blocks, kThreads, 0, stream>>>(args);
+  }
+}
+
+template <bool kPlaced>
+void LaunchVariant(const NvlinkAllToAllvArgs& args, int blocks, cudaStream_t stream) {
+  if (args.rounds > 1) {
+    Launch<true, false, kPlaced>(args, blocks, stream);
+  } else if (WarpPlans(args.shape)) {
+    Launch<false, true, kPlaced>(args, blocks, stream);
+  } else {
+    Launch<false, false, kPlaced>(args, blocks, stream);
   }
 }
 
 // Lowers *fewest (0: none yet) to the blocks per SM that each variant of the kernel for units V fits.
 template <typename V>
 cudaError_t FitVariants(int* fewest) {
-  for (const void* kernel : {reinterpret_cast<const void*>(NvlinkAllToAllvKernel<V, false, false>),
-                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<V, false, true>),
-                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<V, true, false>)}) {
+  for (const void* kernel : {reinterpret_cast<const void*>(NvlinkAllToAllvKernel<V, false, false, false>),
+                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<V, false, true, false>),
+                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<V, true, false, false>),
+                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<V, false, false, true>),
+                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<V, false, true, true>),
+                             reinterpret_cast<const void*>(NvlinkAllToAllvKernel<V, true, false, true>)}) {
     int fit = 0;
     const cudaError_t status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, kernel, kThreads, 0);
     if (status != cudaSuccess) return status;
@@ -720,7 +768,7 @@ NvlinkGrid ChooseNvlinkGrid(const AllToAllvShape& shape, bool direct, int reques
                        : peers * std::clamp<int64_t>((slot_bytes + kMinBytesPerPiece - 1) / kMinBytesPerPiece, 1,
                                                      kMaxPiecesPerPeer);
   // Every block must be resident at once (blocks wait on each other's peers). By size, one per SM: more did
-  // not move the rows faster in the block sweeps (benchmarks/results/nvlink_blocks_4gpu).
+  // not move the rows faster in the block sweeps on 4xH200.
   blocks = std::clamp<int64_t>(blocks, 1, std::max(1, requested_blocks > 0 ? resident_blocks : sm_count));
   NvlinkGrid grid;
   grid.groups = static_cast<int>(std::clamp<int64_t>((blocks + peers - 1) / peers, 1, kMaxPiecesPerPeer));
@@ -743,12 +791,10 @@ cudaError_t NvlinkAllToAllvBlocksPerSm(int* blocks) {
 }
 
 cudaError_t LaunchNvlinkAllToAllv(const NvlinkAllToAllvArgs& args, int blocks, cudaStream_t stream) {
-  if (args.rounds > 1) {
-    Launch<true, false>(args, blocks, stream);
-  } else if (WarpPlans(args.shape)) {
-    Launch<false, true>(args, blocks, stream);
+  if (args.place != nullptr) {
+    LaunchVariant<true>(args, blocks, stream);
   } else {
-    Launch<false, false>(args, blocks, stream);
+    LaunchVariant<false>(args, blocks, stream);
   }
   return cudaGetLastError();
 }

@@ -416,10 +416,10 @@ nb::dict Collective(const std::string& op, const nb::bytes& x, int size, int cal
 }
 
 nb::dict AllToAllv(const nb::bytes& x, const nb::bytes& counts, const std::optional<nb::bytes>& send_rows,
-                   const std::optional<nb::bytes>& suffix, int size, int calls, int64_t batch, int64_t source_rows,
-                   int64_t num_rows, int64_t num_chunks, int64_t capacity, int64_t row_bytes, int64_t suffix_bytes,
-                   bool packed, bool direct, int blocks, bool trace, bool graph, int64_t timeout_ms, int absent,
-                   int late, int64_t late_us) {
+                   const std::optional<nb::bytes>& suffix, const std::optional<nb::bytes>& place, int size, int calls,
+                   int64_t batch, int64_t source_rows, int64_t num_rows, int64_t num_chunks, int64_t capacity,
+                   int64_t row_bytes, int64_t suffix_bytes, int64_t out_rows, bool packed, bool direct, int blocks,
+                   bool trace, bool graph, int64_t timeout_ms, int absent, int late, int64_t late_us) {
   const Schedule schedule{calls, graph, absent, late, late_us, timeout_ms};
   CheckSchedule(size, schedule);
   Require(batch >= 1 && source_rows >= 0 && num_rows >= 0 && num_chunks >= 1 && capacity >= 0 && row_bytes > 0,
@@ -427,6 +427,7 @@ nb::dict AllToAllv(const nb::bytes& x, const nb::bytes& counts, const std::optio
   Require(suffix_bytes >= 0 && suffix_bytes <= row_bytes && suffix.has_value() == (suffix_bytes > 0),
           "suffix_bytes must be in [0, row_bytes], and positive exactly when a suffix is given");
   Require(send_rows.has_value() || num_rows == source_rows, "without send_rows, num_rows must equal source_rows");
+  Require(!place.has_value() || (!packed && out_rows >= 0), "a place table needs the padded layout and out_rows");
   AllToAllvShape shape;
   shape.batch = batch;
   shape.num_peers = size;
@@ -447,7 +448,7 @@ nb::dict AllToAllv(const nb::bytes& x, const nb::bytes& counts, const std::optio
   std::vector<Operand> operands = {
       {"x", batch * source_rows * (row_bytes - suffix_bytes), false},
       {"counts", batch * size * num_chunks * int64_t{sizeof(int32_t)}, false},
-      {"y", batch * size * capacity * row_bytes, true},
+      {"y", batch * (place ? out_rows : size * capacity) * row_bytes, true},
       {"recv_counts", batch * size * num_chunks * int64_t{sizeof(int32_t)}, true},
       {"dropped", batch * size * int64_t{sizeof(int32_t)}, true},
   };
@@ -461,6 +462,11 @@ nb::dict AllToAllv(const nb::bytes& x, const nb::bytes& counts, const std::optio
   if (suffix) {
     operands.push_back({"suffix", batch * num_rows * suffix_bytes, false});
     inputs.push_back(&*suffix);
+  }
+  const int place_operand = place ? static_cast<int>(operands.size()) : -1;
+  if (place) {
+    operands.push_back({"place", batch * size * capacity * int64_t{sizeof(int32_t)}, false});
+    inputs.push_back(&*place);
   }
   Outcome outcome = Run(resources, ranks, operands, inputs, schedule,
                         [&](int rank, int slot, cudaStream_t stream) {
@@ -484,6 +490,11 @@ nb::dict AllToAllv(const nb::bytes& x, const nb::bytes& counts, const std::optio
                                 reinterpret_cast<const int32_t*>(operands[send_rows_operand].At(slot, rank, size));
                           }
                           if (suffix_operand >= 0) args.suffix = operands[suffix_operand].At(slot, rank, size);
+                          if (place_operand >= 0) {
+                            args.place =
+                                reinterpret_cast<const int32_t*>(operands[place_operand].At(slot, rank, size));
+                            args.out_rows = out_rows;
+                          }
                           args.table = ranks.table[rank];
                           args.control = ranks.control[rank];
                           args.counts_slot_bytes = layout.counts_slot_bytes;
@@ -511,13 +522,16 @@ NB_MODULE(_ncclx_loopback, m) {
         "[calls, size, output bytes], 'ranks': per rank {calls_finished, fault, fault_call, aborted_by,\n"
         "missing, trace (the device timeline of traced calls)}, 'blocks': the grid}.");
   m.def("all_to_allv", &jn::AllToAllv, nb::arg("x"), nb::arg("counts"), nb::arg("send_rows").none(),
-        nb::arg("suffix").none(), nb::kw_only(), nb::arg("size"), nb::arg("calls"), nb::arg("batch"),
-        nb::arg("source_rows"), nb::arg("num_rows"), nb::arg("num_chunks"), nb::arg("capacity"),
-        nb::arg("row_bytes"), nb::arg("suffix_bytes"), nb::arg("packed"), nb::arg("direct"),
+        nb::arg("suffix").none(), nb::arg("place").none(), nb::kw_only(), nb::arg("size"),
+        nb::arg("calls"), nb::arg("batch"), nb::arg("source_rows"), nb::arg("num_rows"), nb::arg("num_chunks"),
+        nb::arg("capacity"), nb::arg("row_bytes"), nb::arg("suffix_bytes"), nb::arg("out_rows"),
+        nb::arg("packed"), nb::arg("direct"),
         nb::arg("blocks") = 0, nb::arg("trace") = false, nb::arg("graph") = false, nb::arg("timeout_ms") = 5000,
         nb::arg("absent") = -1, nb::arg("late") = -1, nb::arg("late_us") = 0,
         "Runs `calls` calls of the NVLink all_to_allv_dynamic kernel on `size` logical ranks of the current\n"
         "GPU. Each input is bytes of [calls, size, ...]: x [B, X, row_bytes - suffix_bytes], counts int32\n"
-        "[B, size, K], send_rows int32 [B, S] or None, suffix [B, S, suffix_bytes] or None. Returns y, recv_counts\n"
-        "and dropped (bytes of [calls, size, ...]), 'ranks' and 'blocks' as collective() does.");
+        "[B, size, K], send_rows int32 [B, S] or None, suffix [B, S, suffix_bytes] or None, place int32\n"
+        "[B, size * capacity] or None (ragged_all_to_all: y is then [B, out_rows, row_bytes], its rows starting as\n"
+        "0xA5 bytes). Returns y, recv_counts and dropped (bytes of [calls, size, ...]), 'ranks' and 'blocks' as\n"
+        "collective() does.");
 }

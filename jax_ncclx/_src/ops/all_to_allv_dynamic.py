@@ -181,34 +181,42 @@ def _align(nbytes: int) -> int:
 
 
 def _all_to_allv_dynamic_cuda_route(ctx, comm_id, size, *, capacity, packed):
-    """The NVLink kernel when the communicator's ranks reach each other over NVLink, else the NCCL path."""
     x, counts, *send_rows_and_suffix = ctx.avals_in
-    batch, _, chunks = counts.shape
-    features = _row_features(x.shape, send_rows_and_suffix[1:])
+    return exchange_route("all_to_allv_dynamic", comm_id, size, x, counts.shape,
+                          _row_features(x.shape, send_rows_and_suffix[1:]), capacity, received_apart=packed)
+
+
+def exchange_route(op: str, comm_id, size, x, counts_shape, features, capacity: int, *, received_apart: bool):
+    """The CUDA route of an exchange on these kernels (``op``: all_to_allv_dynamic or ragged_all_to_all): the
+    NVLink kernel when the communicator's ranks reach each other over NVLink, else the NCCL path, whose
+    workspace holds a receive buffer too when rows do not land where NCCL receives them (``received_apart``:
+    the packed layout, placed rows)."""
+    batch, _, chunks = counts_shape
     row_bytes = int(np.prod(features, dtype=np.int64)) * np.dtype(x.dtype).itemsize
     settings = config.current()
     direct = nvlink.writes_direct(settings)
     if settings.transport != "nccl":
         staging, slots = lib.cuda_module().all_to_allv_symmetric_bytes(batch, size, chunks, capacity, row_bytes,
                                                                        direct)
-        if nvlink.symmetric_memory_ready("all_to_allv_dynamic", comm_id, staging_bytes=staging, slot_bytes=slots):
-            return primitive.CudaRoute("ncclx_all_to_allv_dynamic_nvlink",
+        if nvlink.symmetric_memory_ready(op, comm_id, staging_bytes=staging, slot_bytes=slots):
+            return primitive.CudaRoute(f"ncclx_{op}_nvlink",
                                        {"blocks": np.int64(settings.nvlink_blocks), "direct": np.int64(direct)})
     # NCCL path workspace; must match the layout checked by xla_ffi/ops/all_to_allv_cuda.cc.
     exchange = _align(batch * size * capacity * row_bytes)
-    workspace = exchange * (2 if packed else 1) + _align(batch * size * chunks * 4) + 2 * _align(batch * size * 8)
-    return primitive.CudaRoute("ncclx_all_to_allv_dynamic", workspace_bytes=workspace)
+    workspace = exchange * (2 if received_apart else 1) + _align(batch * size * chunks * 4) + \
+        2 * _align(batch * size * 8)
+    return primitive.CudaRoute(f"ncclx_{op}", workspace_bytes=workspace)
 
 
 def _all_to_allv_dynamic_batching(axis_data, args, dims, *, axis_name, capacity, packed):
     if primitive.batches_own_axis(axis_data, axis_name, "all_to_allv_dynamic"):
         members = [primitive.members_first(axis_data, a, d) for a, d in zip(args, dims)]
-        return _exchange_between_members(*members, capacity=capacity, packed=packed), [0, 0, 0]
+        return exchange_between_members(*members, capacity=capacity, packed=packed), [0, 0, 0]
     return primitive.fold_vmap_into_batch(all_to_allv_dynamic_p, axis_data, args, dims, axis_name=axis_name,
                                           capacity=capacity, packed=packed)
 
 
-def _exchange_between_members(x, counts, *send_rows_and_suffix, capacity, packed):
+def exchange_between_members(x, counts, *send_rows_and_suffix, capacity, packed):
     """The exchange over a vmapped axis, whose members are all here: every operand and result leads with the
     member dimension N (then the primitive's batch B), and the rows move by gathers, clamped as the kernels
     clamp (module docstring)."""
@@ -256,7 +264,7 @@ def _all_to_allv_dynamic_jvp(primals, tangents, *, axis_name, capacity, packed):
     return [y, recv_counts, dropped], [ty, *integer_zeros]
 
 
-def _all_to_allv_dynamic_transpose(cts, x, counts, *send_rows_and_suffix, axis_name, capacity, packed):
+def all_to_allv_dynamic_transpose(cts, x, counts, *send_rows_and_suffix, axis_name, capacity, packed):
     """Sends each received row's cotangent back to the send row it came from (dropped rows get zeros), then,
     with send_rows, sums the send rows' cotangents into the rows of x they read; the suffix's columns of each
     send row's cotangent are the suffix's cotangent."""
@@ -304,4 +312,4 @@ primitive.register_lowerings(all_to_allv_dynamic_p, "ncclx_all_to_allv_dynamic",
                              _all_to_allv_dynamic_cuda_route)
 batching.fancy_primitive_batchers[all_to_allv_dynamic_p] = _all_to_allv_dynamic_batching
 ad.primitive_jvps[all_to_allv_dynamic_p] = _all_to_allv_dynamic_jvp
-ad.primitive_transposes[all_to_allv_dynamic_p] = _all_to_allv_dynamic_transpose
+ad.primitive_transposes[all_to_allv_dynamic_p] = all_to_allv_dynamic_transpose
