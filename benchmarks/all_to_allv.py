@@ -9,14 +9,14 @@ peer in that routing, so nothing is dropped (--capacity-factor F: at least F tim
 headroom of an MoE layer with capacity factor F). Every op is timed per op inside jax.jit(jax.shard_map(...)) as a
 chain of dependent ops per call (--unroll; by default 50, or 10 where the padded buffer passes 64 MB, so that
 the host's dispatch of a call, ~100 µs on 4 GPUs, hides behind the GPUs' work on the previous call); results
-go to <out>/all_to_allv.{json,md,png}.
+go to benchmarks/results/all_to_allv_<N>gpu[_<P>proc].{json,md,png} (<out>/all_to_allv.* with --out).
 
     python benchmarks/all_to_allv.py                        # T = 16, 128, 4096 on all GPUs
     python benchmarks/all_to_allv.py --sweep                # plus T = 16 .. 8192, powers of 2
     python benchmarks/all_to_allv.py --transports auto,nccl # both jax_ncclx transports, one after the other
     python benchmarks/all_to_allv.py --processes 2 --tokens 16,128  # one process per GPU
     python benchmarks/all_to_allv.py --smoke --out /tmp/bench_smoke   # CPU, tiny shapes
-    python benchmarks/all_to_allv.py --from-json benchmarks/results/all_to_allv.json  # redo the .md / .png
+    python benchmarks/all_to_allv.py --from-json benchmarks/results/all_to_allv_2gpu.json  # redo the .md / .png
 
 See benchmarks/README.md for what the columns mean.
 """
@@ -550,7 +550,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results; smoke: a folder "
                         "under the system's temporary directory; --from-json: the JSON's folder)")
-    parser.add_argument("--name", default=NAME, help=f"file stem of the results (default {NAME})")
+    parser.add_argument("--name", help=common.name_help(NAME))
     parser.add_argument("--from-json", type=Path, help="rewrite the .md and .png of an earlier run's JSON, "
                         "without running anything")
     common.add_process_arguments(parser)
@@ -574,7 +574,7 @@ def parse_args(argv=None):
         args.transports = [os.environ.get("JAX_NCCLX_TRANSPORT") or "default"]
     else:
         args.transports = [t.strip() for t in args.transports.split(",") if t.strip()]
-    common.settle_output(args)
+    common.settle_output(args, NAME)
     return parser, args
 
 
@@ -823,8 +823,8 @@ def notes(config: dict, sizes: list) -> str:
         "sizes come from the host, *+ count a2a*: the receive sizes come from a `lax.all_to_all` of the send "
         "sizes in every op (what a layer that knows only its own counts must do). *nx ragged_all_to_all*: "
         "`jax_ncclx.ragged_all_to_all` on the very arguments of `lax.ragged_all_to_all (host sizes)`, with "
-        "`max_recv_per_peer=C` (all_to_allv_dynamic reading the slices in place, an all_to_all of the output "
-        "offsets, a gather into the zeroed buffer).",
+        "`max_recv_per_peer=C` (an all_to_all of the slices' sizes and output offsets, then one exchange that "
+        "reads the slices in place and writes every row at its offset in the zeroed buffer).",
         *([f"- **One process per GPU** ({config['processes']} processes through jax.distributed, every GPU "
            "visible to each): every measurement is exactly `iters` samples of `pipeline` calls in every process "
            "(no cut for slow variants); the medians are process 0's, the JSON's `median_us_by_process` has every "

@@ -6,7 +6,8 @@ sizes; with --processes N: N processes, one per GPU, through jax.distributed). F
 implementation (--impls) runs the same chain of --unroll dependent ops inside one jax.jit(jax.shard_map(...)),
 after a check that it gives exactly jax.lax's result. Size = bytes of each rank's input: all_reduce reduces
 that buffer, all_gather gathers N of them, all_to_all splits it into N blocks and reduce_scatter sums N blocks
-(both rounded up to a multiple of N elements). Results go to <out>/collectives.{json,md,png}.
+(both rounded up to a multiple of N elements). Results go to
+benchmarks/results/collectives_<N>gpu[_<P>proc][_cmdbuf].{json,md,png} (<out>/collectives.* with --out).
 
 Implementations: xla (jax.lax), nx (jax_ncclx with its default thresholds), nx-oneshot / nx-twoshot (the NVLink
 kernels forced at every size; two-shot is all_reduce only), nx-staged / nx-twoshot-staged (the same as nx /
@@ -25,7 +26,7 @@ watchdog's two CUDA events per call: JAX_NCCLX_TIMEOUT_S=0).
     python benchmarks/collectives.py --ops all_reduce --sizes 8,64K,1M --impls xla,nx,nx-traced,nx-nccl,nx-nccl-nowatch,nx-nccl-traced
     python benchmarks/collectives.py --processes 2 --sizes 8,64K --impls xla,nx,nx-nccl-cmdbuf  # a process per GPU
     python benchmarks/collectives.py --smoke --out /tmp/coll  # CPU, small sizes
-    python benchmarks/collectives.py --from-json benchmarks/results/collectives.json  # redo the .md / .png
+    python benchmarks/collectives.py --from-json benchmarks/results/collectives_2gpu.json  # redo the .md / .png
 
 Timing is the harness of benchmarks/README.md: --pipeline calls dispatched back to back per sample, time per
 op = sample time / (pipeline * unroll). Which jax_ncclx path ran (nccl, nvlink-1shot, nvlink-2shot) is read
@@ -368,7 +369,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results; smoke: a temporary "
                         "folder; --from-json: the JSON's folder)")
-    parser.add_argument("--name", default=NAME, help=f"file stem of the results (default {NAME})")
+    parser.add_argument("--name", help=common.name_help(NAME))
     parser.add_argument("--from-json", type=Path, help="rewrite the .md and .png of an earlier run's JSON")
     common.add_process_arguments(parser)
     args = parser.parse_args(argv)
@@ -381,7 +382,7 @@ def parse_args(argv=None):
     args.impls = common.choices(parser, args.impls, IMPLS, "--impls")
     if args.unroll < 1 or args.pipeline < 1 or not args.sizes:
         parser.error("--unroll and --pipeline must be >= 1 and --sizes non-empty")
-    common.settle_output(args)
+    common.settle_output(args, NAME)
     return parser, args
 
 

@@ -433,20 +433,47 @@ def byte_sizes(parser, text, flag: str) -> list:
 
 def start(parser, args, axis: str, skip=(), min_gpus: int = 2) -> tuple:
     """(devices, a one-axis mesh named ``axis`` over them, metadata, run config) for a benchmark run: the
-    devices of :func:`pick_devices`, the config of :func:`run_config`."""
+    devices of :func:`pick_devices`, the config of :func:`run_config`. A ``{topology}`` in ``args.name`` becomes
+    :func:`topology` of the devices."""
     import jax
     import numpy as np
 
     devices = pick_devices(parser, args.smoke, min_gpus)
+    args.name = args.name.replace("{topology}", topology(devices))
     return devices, jax.sharding.Mesh(np.asarray(devices), (axis,)), metadata(devices), run_config(args, skip)
 
 
-def settle_output(args):
-    """Fills ``args.out`` when not given (the JSON's folder with ``--from-json``, a temporary folder with
-    ``--smoke``, else ``benchmarks/results``) and, with ``--from-json``, takes that run's file stem as
-    ``args.name``, so that its files are rewritten whatever ``--name`` says."""
+def topology(devices) -> str:
+    """The part of a results name that says where it ran: ``<N>gpu`` (``<N>cpu`` on CPU devices), then
+    ``_<P>proc`` when P > 1 processes share them, then ``_cmdbuf`` when ``XLA_FLAGS`` ask XLA to record custom
+    calls into command buffers (``--xla_gpu_enable_command_buffer`` naming CUSTOM_CALL)."""
+    import jax
+
+    name = f"{len(devices)}{'gpu' if devices[0].platform == 'gpu' else 'cpu'}"
+    if jax.process_count() > 1:
+        name += f"_{jax.process_count()}proc"
+    flags = re.findall(r"--xla_gpu_enable_command_buffer=(\S*)", os.environ.get("XLA_FLAGS", ""))
+    if flags and "CUSTOM_CALL" in flags[-1].upper() and "-CUSTOM_CALL" not in flags[-1].upper():
+        name += "_cmdbuf"
+    return name
+
+
+def name_help(stem: str) -> str:
+    """The ``--name`` help of a benchmark whose results are called ``stem`` (:func:`settle_output`)."""
+    return (f"file stem of the results (default: {stem}_<N>gpu[_<P>proc][_cmdbuf] in benchmarks/results, {stem} in a "
+            "folder given with --out or with --smoke; a {topology} in it becomes that suffix)")
+
+
+def settle_output(args, stem: str):
+    """Fills ``args.out`` and ``args.name`` when not given. ``args.out``: the JSON's folder with ``--from-json``,
+    a temporary folder with ``--smoke``, else ``benchmarks/results``. ``args.name``: that run's file stem with
+    ``--from-json`` (so that its files are rewritten whatever ``--name`` says); ``<stem>_{topology}`` for a run
+    into ``benchmarks/results``, which keeps one current set per benchmark and topology
+    (``all_to_allv_4gpu``, ``collectives_2gpu_cmdbuf``, ...); ``stem`` in any other folder."""
     if args.from_json:
         args.name = args.from_json.stem
+    elif args.name is None:
+        args.name = stem + "_{topology}" if args.out is None and not args.smoke else stem
     if args.out is None:
         args.out = (args.from_json.parent if args.from_json else
                     Path(tempfile.gettempdir()) / "jax_ncclx_bench_smoke" if args.smoke else RESULTS_DIR)

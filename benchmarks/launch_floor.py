@@ -16,7 +16,8 @@ Besides the time per op, `dispatch us` is how long one call (a chain) takes to r
 waited for before the next: the host's work before the program launches, every op's prepare stage included.
 
 nx minus ffi-kernel is what the collective itself costs (its kernel, flag barrier included); ffi-kernel minus
-xla-kernel is what being a custom call costs. Results go to <out>/launch_floor.{json,md,png}.
+xla-kernel is what being a custom call costs. Results go to
+benchmarks/results/launch_floor_<N>gpu[_cmdbuf].{json,md,png} (<out>/launch_floor.* with --out).
 
 It also runs on one GPU, for the floors alone: nx is then its kernel on a one-rank communicator (no peers to
 wait for) and psum over one device is compiled away, so neither says what a collective costs.
@@ -163,7 +164,7 @@ def parse_args(argv=None):
                         help="calls timed until they return, each waited for (default 100; 0: no dispatch column)")
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results; smoke: a temporary "
                         "folder; --from-json: the JSON's folder)")
-    parser.add_argument("--name", default="launch_floor", help="file stem of the results")
+    parser.add_argument("--name", help=common.name_help("launch_floor"))
     parser.add_argument("--from-json", type=Path, help="rewrite the .md and .png of an earlier run's JSON")
     args = parser.parse_args(argv)
     args.bytes = common.byte_sizes(parser, args.bytes, "--bytes")
@@ -171,7 +172,7 @@ def parse_args(argv=None):
     if args.unroll < 1 or args.pipeline < 1 or args.dispatch_reps < 0 or not args.bytes or min(args.bytes) < 4:
         parser.error("--unroll and --pipeline must be >= 1, --dispatch-reps >= 0, --bytes non-empty and each at "
                      "least 4")
-    common.settle_output(args)
+    common.settle_output(args, "launch_floor")
     return parser, args
 
 

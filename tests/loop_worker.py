@@ -9,7 +9,7 @@ whose body holds only command-buffer handlers (the MoE stack's) can run inside a
 again and again without the host; only the recording is required there. With
 JAX_NCCLX_NCCL_COMMAND_BUFFERS=1 as well, the NCCL-path calls of the loop bodies (ppermute's) must stay out of
 the loop graphs, which the package decides when lowering them: recorded, the decode loop failed to instantiate
-its CUDA graph on 2xH200 (CUDA_ERROR_INVALID_VALUE, XLA 0.11.2; README's "Sharp bits"). Prints CAPTURE OK at
+its CUDA graph on 2xH200 (CUDA_ERROR_INVALID_VALUE, XLA 0.11.2; docs/sharp_bits.md). Prints CAPTURE OK at
 the end.
 """
 

@@ -516,7 +516,7 @@ def test_shmap_psum_transpose_non_zero_cts(backend, jit):
 def test_shmap_vmap_shmap_psum_explicit_mesh(backend, jit):
     """test_vmap_shmap_psum: vmap over a shard_map on an explicit mesh, the batch dimension sharded over "x".
     The vmapped shard_map leaves "x" to the compiler, which cannot partition jax_ncclx's custom calls: jax_ncclx
-    refuses it on purpose, with the error README's "Sharp bits" documents; jax.lax runs it."""
+    refuses it on purpose, with the error docs/sharp_bits.md documents; jax.lax runs it."""
     mesh = mesh_of(backend, (2, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
 
     def run(ops):

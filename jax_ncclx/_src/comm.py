@@ -216,7 +216,7 @@ def shutdown():
     destroy_all()
     jax.clear_caches()
     # GPU calls are numbered per communicator, and the next ones are fresh. A CPU group keeps its key, and a
-    # rank that a fault let run ahead (README, "Reliability and observability") would stay ahead.
+    # rank that a fault let run ahead (docs/reliability.md) would stay ahead.
     lib.cpu_module().restart_sequences()
     with _lock:
         _generation += 1

@@ -51,9 +51,10 @@ class DispatchHandle:
 
     A pytree whose leaves are device arrays, int32 but for ``recv_weights`` (N members, E_local local
     experts, C = capacity, T tokens, k choices). ``axis_name``, ``capacity`` and ``top_k`` are static aux
-    data.
+    data. On the token side this member is the sender (S = send rows, R = min(C, T)); on the expert side
+    it is the receiver.
 
-    Token side (this member as the sender, S = send rows, R = min(C, T)):
+    Token side:
       order: ``[T * k]`` the (token, choice) pairs (flattened row-major) sorted by expert, the send order.
       send_counts: ``[N, E_local]`` pairs this member asked to send to each local expert of each member.
       recv_counts: ``[N, E_local]`` rows each source delivered here, per local expert.
@@ -71,7 +72,7 @@ class DispatchHandle:
       return_row: ``[T, N]`` where token t's row comes back from member m when rows return one per token
         (member m's from row m * R); ``N * R`` where t was not sent to m.
 
-    Expert side (this member as the receiver):
+    Expert side:
       recv_tokens: ``[N]`` token rows each source delivered (source i's at rows i * R of dispatch's exchange).
       expand_rows: ``[N * C]`` the received row behind each expert-major row (``N * R`` past the data).
       pair_entry: ``[N * C]`` ``received row * k + choice`` of each expert-major row (``N * R * k`` past it).
@@ -139,13 +140,14 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
 
     Returns:
       ``(expert_rows, group_sizes, handle)``:
-        expert_rows: ``[N * C, H]`` tokens' dtype, the received rows in expert-major order. Local expert 0's
-          rows come first (source 0's, then source 1's, ...), then local expert 1's, and so on. The rest of
-          the rows are zero.
-        group_sizes: int32 ``[E_local]``, the number of rows for each local expert. Pass it with
-          ``expert_rows`` to ``jax.lax.ragged_dot(expert_rows, w, group_sizes)``, where w is
-          ``[E_local, H, H']``.
-        handle: a ``DispatchHandle`` for ``combine``. ``handle.dropped`` is int32 ``[N]``.
+
+      - expert_rows: ``[N * C, H]`` tokens' dtype, the received rows in expert-major order. Local expert 0's
+        rows come first (source 0's, then source 1's, ...), then local expert 1's, and so on. The rest of
+        the rows are zero.
+      - group_sizes: int32 ``[E_local]``, the number of rows for each local expert. Pass it with
+        ``expert_rows`` to ``jax.lax.ragged_dot(expert_rows, w, group_sizes)``, where w is
+        ``[E_local, H, H']``.
+      - handle: a ``DispatchHandle`` for ``combine``. ``handle.dropped`` is int32 ``[N]``.
 
     Raises:
       NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map``.
@@ -398,7 +400,7 @@ def _weighted_sum(returned, weights, dtype):
 def _exchange(rows, send_counts, axis_name, capacity, send_rows=None, suffix=None):
     """all_to_allv_dynamic into the padded layout, as ``[N * C, H (+ G)]``: the NVLink kernel writes it without
     first sharing every member's counts, which the packed layout needs (6-7 µs less per exchange on 4×H200
-    at T = 16 and 128, benchmarks/results/all_to_allv_4gpu). ``send_rows``: send ``rows[send_rows]``, gathered
+    at T = 16 and 128). ``send_rows``: send ``rows[send_rows]``, gathered
     by the exchange's kernel (no copy of its own); ``suffix``: ``[S, G]`` appended to the send rows."""
     received, recv_counts, dropped = all_to_allv_dynamic(rows, send_counts, axis_name, max_recv_per_peer=capacity,
                                                          layout="padded", send_rows=send_rows, suffix=suffix)

@@ -65,7 +65,7 @@ __device__ __forceinline__ uint64_t GlobalTimerNs() {
 // kInlineReports: where the code of the two ways of giving up goes. Out of line (false) it is one call per
 // wait; inline (true) it is copied into every wait, which makes the small collectives' kernels up to twice
 // as large and some of them spill, but on one H100 left the exchange 0.25 µs faster at T = 128 than the
-// calls did (benchmarks/PERFORMANCE.md), so the exchange keeps it inline.
+// calls did, so the exchange keeps it inline.
 template <bool kInlineReports = false>
 class Patience {
  public:

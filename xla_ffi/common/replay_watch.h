@@ -11,7 +11,7 @@
 // while none of them got past (no count moved). The hung call is the first one on its way after the call
 // that got past last (the device clock orders them; capture order stands for program order); the missing
 // local ranks are those that neither got past it as often nor wait in it too. The kernel costs a graph node
-// per call, hence opt-in; the event record costs nothing measurable (tools/graph_watch_cost.cu).
+// per call, hence opt-in; the event record cost nothing measurable in a graph of 200 calls.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -41,7 +41,7 @@ def all_reduce(x, axis_name, op: str = "sum", *, axis_index_groups=None):
     Returns:
       An array of ``x``'s shape and dtype (int32 for a sum of booleans), the same bits on every member of the
       group. ``sum`` of 16-bit floats accumulates in float32 and rounds once on the CPU backend and in the GPU
-      NVLink kernels (inputs up to ``JAX_NCCLX_NVLINK_MAX_BYTES``, see README); larger inputs go through NCCL,
+      NVLink kernels (inputs up to ``JAX_NCCLX_NVLINK_MAX_BYTES``, docs/configuration.md); larger inputs go through NCCL,
       which accumulates in the input dtype.
 
     Differentiable (``sum`` and ``mean`` are linear; ``max``/``min`` pass the tangent of the members that hold
@@ -56,8 +56,8 @@ def all_reduce(x, axis_name, op: str = "sum", *, axis_index_groups=None):
       ValueError: an unknown ``op``; an axis named twice; ``axis_index_groups`` that do not cover the axis once.
       TypeError: a dtype the op cannot take (not a number or boolean; under a byte; an 8-bit float; the max /
         min of complex numbers).
-      NotImplementedError: a shard_map that leaves a mesh axis of size > 1 to the compiler (README, "Sharp
-        bits").
+      NotImplementedError: a shard_map that leaves a mesh axis of size > 1 to the compiler
+        (docs/sharp_bits.md).
     """
     axis_name = primitive.check_axis_name(axis_name, "all_reduce")
     if op not in (*primitive.REDUCE_OPS, "mean"):
