@@ -50,7 +50,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclPpermute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclPpermuteCmdbuf);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclPpermuteCmdbufPrepare);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllToAllvDynamic);
+#ifdef JAX_NCCLX_TESTING  // test-only (CMakeLists.txt, JAX_NCCLX_TESTING=ON)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LaunchProbe);
+#endif
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllToAllvDynamic);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllToAllvDynamicPrepare);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllReduce);
@@ -418,7 +420,9 @@ NB_MODULE(_ncclx_cuda, m) {
         watched_too("ncclx_all_gather_nvlink", jn::NvlinkAllGatherPrepare, jn::NvlinkAllGather);
         watched_too("ncclx_all_to_all_nvlink", jn::NvlinkAllToAllPrepare, jn::NvlinkAllToAll);
         watched_too("ncclx_reduce_scatter_nvlink", jn::NvlinkReduceScatterPrepare, jn::NvlinkReduceScatter);
+#ifdef JAX_NCCLX_TESTING
         targets["ncclx_launch_probe"] = jn::Capsule(jn::LaunchProbe);
+#endif
         targets["ncclx_moe_plan_sends"] = jn::Capsule(jn::CudaMoePlanSends);
         targets["ncclx_moe_place_received"] = jn::Capsule(jn::CudaMoePlaceReceived);
         targets["ncclx_take_rows"] = jn::Capsule(jn::CudaTakeRows);
