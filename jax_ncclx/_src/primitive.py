@@ -315,7 +315,7 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, **par
     op_attrs = attrs(**params)
     # Every handler takes these (xla_ffi/common/monitor.h, CallAttrs).
     op_attrs.update(site=np.int64(site), timeout_ms=np.int64(settings.timeout_ms_for(op)),
-                    trace=np.int64(settings.trace_attr))
+                    warn_ms=np.int64(settings.warn_ms), trace=np.int64(settings.trace_attr))
     avals_in, avals_out = list(ctx.avals_in), list(ctx.avals_out)
     site_info = dict(op=op, axis=str(axis_name), platform=platform, bytes=_nbytes(ctx.avals_in[0]),
                      dtype=str(ctx.avals_in[0].dtype))

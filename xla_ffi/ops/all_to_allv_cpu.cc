@@ -43,8 +43,8 @@ ffi::Future AllToAllvImpl(ffi::RunId run, CallInstance* instance, PartitionId pa
                          std::optional<ffi::AnyBuffer> suffix,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
                          ffi::Result<ffi::Buffer<ffi::S32>> dropped, ffi::Span<const int64_t> groups,
-                         int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace, int64_t capacity,
-                         int64_t packed) {
+                         int64_t group_size, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
+                         int64_t capacity, int64_t packed) {
   ffi::ErrorOr<AllToAllvSendRows> sent = GetSendRows(x, send_rows, suffix);
   if (sent.has_error()) return CompletedFuture(sent.error());
   ffi::ErrorOr<int64_t> chunks = CheckReceiveSide(*sent, x, counts.dimensions(), *y, recv_counts->dimensions(),
@@ -56,7 +56,8 @@ ffi::Future AllToAllvImpl(ffi::RunId run, CallInstance* instance, PartitionId pa
   const int64_t x_row_bytes = row_bytes - suffix_bytes;
 
   ffi::ErrorOr<CpuCall> call =
-      BeginCpuCall(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace);
+      BeginCpuCall(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, warn_ms,
+                   trace);
   if (call.has_error()) return CompletedFuture(call.error());
   const int32_t* send_counts = counts.typed_data();
   std::vector<int32_t> corrupted;

@@ -141,7 +141,8 @@ ffi::Error AllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi
                                 std::optional<ffi::AnyBuffer> suffix, ffi::Result<ffi::AnyBuffer> y,
                                 ffi::ResultBuffer<ffi::S32> recv_counts, ffi::ResultBuffer<ffi::S32> dropped,
                                 ffi::ResultBuffer<ffi::U8> workspace, int64_t comm_id, int64_t site,
-                                int64_t timeout_ms, int64_t trace, int64_t capacity, int64_t packed) {
+                                int64_t timeout_ms, int64_t warn_ms, int64_t trace, int64_t capacity,
+                                int64_t packed) {
   ffi::ErrorOr<CommRank> comm = LookupCommRank(kOp, comm_id, device_ordinal);
   if (comm.has_error()) return comm.error();
   ffi::ErrorOr<AllToAllvShape> shape =
@@ -159,8 +160,8 @@ ffi::Error AllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi
   int64_t* first_row = reinterpret_cast<int64_t*>(base + layout.first_row);
   int64_t* delivered = reinterpret_cast<int64_t*>(base + layout.delivered);
 
-  ffi::ErrorOr<GpuCall> call = BeginGpuCall(kOp, MakeCallAttrs(site, timeout_ms, trace), comm_id, comm->rank,
-                                            comm->size, device_ordinal, stream);
+  ffi::ErrorOr<GpuCall> call = BeginGpuCall(kOp, MakeCallAttrs(site, timeout_ms, warn_ms, trace), comm_id,
+                                            comm->rank, comm->size, device_ordinal, stream);
   if (call.has_error()) return call.error();
   const int64_t peer_bytes = shape->capacity * shape->row_bytes;
   const int64_t batch_bytes = shape->num_peers * peer_bytes;
@@ -206,8 +207,8 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
                                       std::optional<ffi::AnyBuffer> suffix, ffi::Result<ffi::AnyBuffer> y,
                                       ffi::ResultBuffer<ffi::S32> recv_counts,
                                       ffi::ResultBuffer<ffi::S32> dropped, int64_t comm_id, int64_t site,
-                                      int64_t timeout_ms, int64_t trace, int64_t capacity, int64_t packed,
-                                      int64_t blocks, int64_t direct) {
+                                      int64_t timeout_ms, int64_t warn_ms, int64_t trace, int64_t capacity,
+                                      int64_t packed, int64_t blocks, int64_t direct) {
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckNvlinkFault(kOp, comm_id, *symmetric));
@@ -233,7 +234,7 @@ ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordina
   const NvlinkGrid grid = ChooseNvlinkGrid(*shape, direct == 1, RequestedBlocks(blocks), *sm_count,
                                           *sm_count * *per_sm);
 
-  const CallAttrs attrs = MakeCallAttrs(site, timeout_ms, trace);
+  const CallAttrs attrs = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
   NvlinkAllToAllvArgs args;
   args.shape = *shape;
   args.rank = symmetric->rank;

@@ -29,10 +29,10 @@ struct NcclCall {
 };
 
 ffi::ErrorOr<NcclCall> BeginNcclCall(std::string_view op, cudaStream_t stream, int32_t device_ordinal, int64_t comm_id,
-                                     int64_t site, int64_t timeout_ms, int64_t trace) {
+                                     int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace) {
   ffi::ErrorOr<CommRank> comm = LookupCommRank(op, comm_id, device_ordinal);
   if (comm.has_error()) return comm.error();
-  ffi::ErrorOr<GpuCall> call = BeginGpuCall(op, MakeCallAttrs(site, timeout_ms, trace), comm_id, comm->rank,
+  ffi::ErrorOr<GpuCall> call = BeginGpuCall(op, MakeCallAttrs(site, timeout_ms, warn_ms, trace), comm_id, comm->rank,
                                             comm->size, device_ordinal, stream);
   if (call.has_error()) return call.error();
   return NcclCall{std::move(*comm), *call};
@@ -55,12 +55,12 @@ ffi::ErrorOr<Reduction> GetReduction(std::string_view op, const ffi::AnyBuffer& 
   return Reduction{*dtype, NcclReduceOp(reduced->op), reduced->per_element};
 }
 
-ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                         int64_t trace, int64_t reduce_op) {
+ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                         int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
+                         int64_t reduce_op) {
   constexpr std::string_view kOp = "all_reduce";
   NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
-  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, trace);
+  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, warn_ms, trace);
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;
   ffi::ErrorOr<Reduction> reduction = GetReduction(kOp, x, *y, reduce_op);
@@ -76,12 +76,11 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
   });
 }
 
-ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                         int64_t trace) {
+ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                         int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace) {
   constexpr std::string_view kOp = "all_gather";
   NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
-  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, trace);
+  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, warn_ms, trace);
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;
   NCCLX_RETURN_IF_ERROR(
@@ -96,10 +95,10 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
 
 ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                              ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                             int64_t trace, int64_t reduce_op) {
+                             int64_t warn_ms, int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "reduce_scatter";
   NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
-  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, trace);
+  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, warn_ms, trace);
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;
   ffi::ErrorOr<Reduction> reduction = GetReduction(kOp, x, *y, reduce_op);
@@ -116,12 +115,11 @@ ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device_ordinal, ffi::A
   });
 }
 
-ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                        ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                        int64_t trace) {
+ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                        int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace) {
   constexpr std::string_view kOp = "all_to_all";
   NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
-  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, trace);
+  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, warn_ms, trace);
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;
   NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), comm->size));
@@ -135,12 +133,12 @@ ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   });
 }
 
-ffi::Error PpermuteImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                        ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                        int64_t trace, ffi::Span<const int64_t> sources, ffi::Span<const int64_t> targets) {
+ffi::Error PpermuteImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                        int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
+                        ffi::Span<const int64_t> sources, ffi::Span<const int64_t> targets) {
   constexpr std::string_view kOp = "ppermute";
   NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
-  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, trace);
+  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, warn_ms, trace);
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;
   NCCLX_RETURN_IF_ERROR(CheckPairs(kOp, sources, targets, comm->size));

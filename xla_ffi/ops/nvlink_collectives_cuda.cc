@@ -119,11 +119,10 @@ ffi::Error Launch(std::string_view op, cudaStream_t stream, int32_t device_ordin
   });
 }
 
-ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                         int64_t trace, int64_t reduce_op, int64_t algorithm, int64_t protocol, int64_t blocks,
-                         int64_t direct) {
-  const CallAttrs call = MakeCallAttrs(site, timeout_ms, trace);
+ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                         int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
+                         int64_t reduce_op, int64_t algorithm, int64_t protocol, int64_t blocks, int64_t direct) {
+  const CallAttrs call = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
   constexpr std::string_view kOp = "all_reduce";
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
@@ -142,9 +141,9 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
 
 ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                              ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                             int64_t trace, int64_t reduce_op, int64_t protocol, int64_t blocks) {
+                             int64_t warn_ms, int64_t trace, int64_t reduce_op, int64_t protocol, int64_t blocks) {
   constexpr std::string_view kOp = "reduce_scatter";
-  const CallAttrs call = MakeCallAttrs(site, timeout_ms, trace);
+  const CallAttrs call = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckSameDtype(kOp, x, *y));
@@ -159,11 +158,11 @@ ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device_ordinal, ffi::A
   return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, *args, blocks);
 }
 
-ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                         int64_t trace, int64_t protocol, int64_t blocks, int64_t direct) {
+ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                         int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
+                         int64_t protocol, int64_t blocks, int64_t direct) {
   constexpr std::string_view kOp = "all_gather";
-  const CallAttrs call = MakeCallAttrs(site, timeout_ms, trace);
+  const CallAttrs call = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), symmetric->size * Bytes(x),
@@ -174,11 +173,11 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
   return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, *args, blocks);
 }
 
-ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                        ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                        int64_t trace, int64_t protocol, int64_t blocks, int64_t direct) {
+ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                        int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
+                        int64_t protocol, int64_t blocks, int64_t direct) {
   constexpr std::string_view kOp = "all_to_all";
-  const CallAttrs call = MakeCallAttrs(site, timeout_ms, trace);
+  const CallAttrs call = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), symmetric->size));
