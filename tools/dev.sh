@@ -4,7 +4,8 @@
 # compiles, then runs the main example or the test suite:
 #
 #   bash tools/dev.sh example            # examples/moe_step.py (all GPUs, or 8 virtual CPU devices)
-#   bash tools/dev.sh test [pytest args] # the test suite (GPU tests skip with a reason where no GPU is)
+#   bash tools/dev.sh test [pytest args] # the test suite: where no GPU is, the CPU tests without the slow
+#                                        # cases (about 3 minutes on 2 cores); --slow: every case, as CI runs
 #
 # PYTHON picks the interpreter (default python3.12), VENV the environment folder (default .venv).
 set -euo pipefail
