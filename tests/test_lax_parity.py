@@ -949,7 +949,9 @@ def test_pmap_collective_permute(backend):
                "zip": pmap_like(lambda v: ops.ppermute(v, "i", list(zip(perm, range(n)))), mesh)(
                    jnp.arange(n, dtype=jnp.float32))}
         for name, p in (("grad_shift", shift_right), ("grad_cyclic", rotation)):
-            g = lambda v, p=p: jnp.sum(y * pmap_like(lambda a: ops.ppermute(a, perm=p, axis_name="i"), mesh)(v))
+            def g(v, p=p):
+                return jnp.sum(y * pmap_like(lambda a: ops.ppermute(a, perm=p, axis_name="i"), mesh)(v))
+
             out[name] = jax.grad(g)(xf)
         return out
 
@@ -1363,7 +1365,7 @@ def test_vmap_reduce_scatter_autodiff(one_device):
     with jax.default_device(one_device):
         parity(lambda ops: _jvp_vjp(f_of(ops), (x,)), reduced=True)
         jax.test_util.check_grads(jax.jit(f_of(NX)), (x,), 2, ["fwd", "rev"], 1e-2, 1e-2, eps=1.0)
-    
+
 
 # ==============================================================================================================
 # ragged_collective_test.py

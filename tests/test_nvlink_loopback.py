@@ -3,11 +3,12 @@ arguments the FFI handlers use, each logical rank with its own stream and symmet
 protocols are checked on machines with a single GPU and at rank counts no lent machine has.
 
 Against NumPy, bit for bit: all_reduce in every algorithm and protocol (sums in rank order, 16-bit floats in
-float32), all_gather, all_to_all and reduce_scatter in every protocol, all_to_allv_dynamic on the adversarial count patterns in
-both layouts and both modes (rows written into the peers' outputs, or staged). Flags are reused over
-thousands of calls, with one rank late to every call, and as replays of one CUDA graph; every rank's device
-trace holds one ordered record per call; a rank that never launches, or launches after the timeout, is named
-by every peer. Seeded random configurations reach 5 to 7 ranks, odd sizes and requested block counts. What this does not cover (NVLink, CUDA IPC, the handlers, XLA) the multi-GPU suites do.
+float32), all_gather, all_to_all and reduce_scatter in every protocol, all_to_allv_dynamic on the adversarial
+count patterns in both layouts and both modes (rows written into the peers' outputs, or staged). Flags are
+reused over thousands of calls, with one rank late to every call, and as replays of one CUDA graph; every
+rank's device trace holds one ordered record per call; a rank that never launches, or launches after the
+timeout, is named by every peer. Seeded random configurations reach 5 to 7 ranks, odd sizes and requested
+block counts. What this does not cover (NVLink, CUDA IPC, the handlers, XLA) the multi-GPU suites do.
 """
 
 import ml_dtypes

@@ -532,7 +532,10 @@ def test_counts_stay_bounded_after_a_skipped_rank(line, monkeypatch, layout):
     if line.devices.flat[0].platform != "gpu" or config.current().transport != "nvlink":
         pytest.skip("a property of the NVLink all_to_allv kernel (CPU raises; NCCL outputs are undefined)")
     n, capacity, skipped = line.size, 3, line.size - 1
-    exchange = lambda v, c: nx.all_to_allv_dynamic(v, c, "x", max_recv_per_peer=capacity, layout=layout)[:2]
+
+    def exchange(v, c):
+        return nx.all_to_allv_dynamic(v, c, "x", max_recv_per_peer=capacity, layout=layout)[:2]
+
     x = jnp.ones((n * n * capacity, 2), jnp.float32)
     full = jnp.full((n * n,), capacity, jnp.int32)
     assert (np.asarray(per_shard(line, exchange, n_in=2, n_out=2)(x, full)[1]) == capacity).all()

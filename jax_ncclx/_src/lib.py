@@ -87,8 +87,9 @@ def build_info() -> dict:
       module loads, which needs the CUDA runtime and NCCL libraries, not a GPU: a machine without one reports
       True and skips the GPU tests),
       ``cuda_status`` (why not, otherwise "built"), ``testing`` (True when the test-only modules were built too:
-      ``_ncclx_loopback`` and the launch probe, with ``JAX_NCCLX_TESTING=ON``), ``nccl_version`` / ``nccl_build_version`` (ints like 22809,
-      or None), ``ffi_api_version`` of the XLA headers compiled against, and ``jax_version``.
+      ``_ncclx_loopback`` and the launch probe, with ``JAX_NCCLX_TESTING=ON``), ``nccl_version`` /
+      ``nccl_build_version`` (ints like 22809, or None), ``ffi_api_version`` of the XLA headers compiled
+      against, and ``jax_version``.
     """
     module, reason = _load_cuda()
     return {
