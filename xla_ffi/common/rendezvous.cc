@@ -44,8 +44,7 @@ struct Warning {
 using Warnings = std::multimap<Clock::time_point, Warning>;
 
 struct Round {
-  explicit Round(int64_t size)
-      : published(size), work(size), waiting(size), deadlines(size), arrived(size, false) {}
+  explicit Round(int64_t size) : published(size), work(size), waiting(size), deadlines(size), arrived(size, false) {}
   std::vector<Published> published;
   std::vector<CollectiveWork> work;
   std::vector<std::optional<ffi::Promise>> waiting;  // the futures of the participants that returned pending
@@ -240,11 +239,9 @@ ffi::Future JoinCollective(std::string_view op, std::string what, const RoundKey
   std::shared_ptr<Round>& slot = state.rounds[key];
   if (!slot) slot = std::make_shared<Round>(size);
   std::shared_ptr<Round> round = slot;
-  if (static_cast<int64_t>(round->published.size()) != size || rank < 0 || rank >= size ||
-      round->arrived[rank]) {
+  if (static_cast<int64_t>(round->published.size()) != size || rank < 0 || rank >= size || round->arrived[rank]) {
     return CompletedFuture(InvalidArgument(op, "rank " + std::to_string(rank) + " joined a group of size " +
-                                                   std::to_string(round->published.size()) +
-                                                   " twice or out of range"));
+                                                   std::to_string(round->published.size()) + " twice or out of range"));
   }
   round->arrived[rank] = true;
   ++round->num_arrived;

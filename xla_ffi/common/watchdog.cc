@@ -67,8 +67,7 @@ std::string NvlinkFaultMessage(int64_t comm_id, const std::vector<NvlinkFaultRep
                std::to_string(shown->rank) + "); the communicator is aborted";
   } else {
     message += "was aborted on rank " + std::to_string(shown->rank) + " of " + std::to_string(shown->size) +
-               " because rank " + std::to_string(static_cast<int>(f.aborted_by) - 1) +
-               " timed out waiting for " +
+               " because rank " + std::to_string(static_cast<int>(f.aborted_by) - 1) + " timed out waiting for " +
                (missing.empty() ? std::string("a peer (that rank's error names the missing ranks)")
                                 : "rank(s) " + RankList(missing));
   }
@@ -444,8 +443,8 @@ ffi::ErrorOr<CallBracket> OpenCall(const GpuCall& call, bool watch) {
   }
   if (bracket.skip) return bracket;
   if (call.fault && call.fault->kind == FaultKind::kStall) {
-    NCCLX_RETURN_IF_ERROR(CheckCuda(call.op, "LaunchDeviceStall",
-                                    LaunchDeviceStall(call.fault->delay_ms * 1000000, call.stream)));
+    NCCLX_RETURN_IF_ERROR(
+        CheckCuda(call.op, "LaunchDeviceStall", LaunchDeviceStall(call.fault->delay_ms * 1000000, call.stream)));
   }
   if (!nccl && !call.attrs.trace) return bracket;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;

@@ -66,9 +66,12 @@ uint16_t FloatToHalf(float value) {
 template <typename Acc>
 Acc Combine(ReduceOp op, Acc a, Acc b) {
   switch (op) {
-    case ReduceOp::kSum: return a + b;
-    case ReduceOp::kMax: return a > b ? a : b;
-    case ReduceOp::kMin: return a < b ? a : b;
+    case ReduceOp::kSum:
+      return a + b;
+    case ReduceOp::kMax:
+      return a > b ? a : b;
+    case ReduceOp::kMin:
+      return a < b ? a : b;
   }
   return a;
 }
@@ -87,13 +90,15 @@ void ReduceTyped(ReduceOp op, void* out, const std::vector<Published>& inputs, s
 }
 
 template <typename T>
-T Identity(T value) { return value; }
+T Identity(T value) {
+  return value;
+}
 
 ffi::Error Reduce(std::string_view op_name, ffi::DataType dtype, ReduceOp op, void* out,
                   const std::vector<Published>& inputs, size_t offset, size_t count) {
   switch (dtype) {
-#define NCCLX_REDUCE_CASE(DTYPE, T) \
-  case ffi::DataType::DTYPE:        \
+#define NCCLX_REDUCE_CASE(DTYPE, T)                                              \
+  case ffi::DataType::DTYPE:                                                     \
     ReduceTyped<T, T, Identity<T>, Identity<T>>(op, out, inputs, offset, count); \
     return ffi::Error::Success();
     NCCLX_REDUCE_CASE(F32, float)

@@ -153,9 +153,9 @@ inline ffi::Future RunInGroup(std::string_view op, ffi::RunId run, const CallIns
 }
 
 // Returns a failed future from a handler that returns ffi::Future when `expr` is an error.
-#define NCCLX_RETURN_FUTURE_IF_ERROR(expr)                                    \
-  do {                                                                        \
-    ::xla::ffi::Error ncclx_error_ = (expr);                                  \
+#define NCCLX_RETURN_FUTURE_IF_ERROR(expr)                                                    \
+  do {                                                                                        \
+    ::xla::ffi::Error ncclx_error_ = (expr);                                                  \
     if (ncclx_error_.failure()) return ::jax_ncclx::CompletedFuture(std::move(ncclx_error_)); \
   } while (0)
 
