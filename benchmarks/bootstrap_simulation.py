@@ -164,10 +164,11 @@ def main(argv=None):
               "afterwards. **roots**: unique ids of the largest communicator (one per 1024 ranks above 1024, "
               "at most 32: NCCL's multi-root `ncclCommInitRankScalable`). **kv ops**: key-value operations per "
               "process (one per root of each axis group it is in whose members span processes, none when a "
-              "group is inside one process); **1-root kv ops**: the same with one root per communicator. **positions max**: mesh "
-              "positions a process examines (its own devices, once per axis). **split a-g/rank**: entries a "
-              "membership all-gather moves per rank (what `ncclCommSplit` exchanges), for comparison. NCCL's own "
-              "bootstrap inside each group (`ncclCommInitRank`) is not simulated.")
+              "group is inside one process); **1-root kv ops**: the same with one root per communicator. "
+              "**positions max**: mesh positions a process examines (its own devices, once per axis). "
+              "**split a-g/rank**: entries a membership all-gather moves per rank (what `ncclCommSplit` "
+              "exchanges), for comparison. NCCL's own bootstrap inside each group (`ncclCommInitRank`) is not "
+              "simulated.")
     log(f"done in {log.elapsed():.1f} s")
 
 

@@ -23,7 +23,8 @@ watchdog's two CUDA events per call: JAX_NCCLX_TIMEOUT_S=0).
     python benchmarks/collectives.py --impls xla,nx-oneshot,nx-twoshot,nx-nccl   # where the crossovers are
     python benchmarks/collectives.py --ops all_reduce --sizes 8,64K
     python benchmarks/collectives.py --sizes 8,4K,16K,64K --impls xla,nx,nx-ll,nx-ll128,nx-simple --unroll 200
-    python benchmarks/collectives.py --ops all_reduce --sizes 8,64K,1M --impls xla,nx,nx-traced,nx-nccl,nx-nccl-nowatch,nx-nccl-traced
+    python benchmarks/collectives.py --ops all_reduce --sizes 8,64K,1M \
+        --impls xla,nx,nx-traced,nx-nccl,nx-nccl-nowatch,nx-nccl-traced
     python benchmarks/collectives.py --processes 2 --sizes 8,64K --impls xla,nx,nx-nccl-cmdbuf  # a process per GPU
     python benchmarks/collectives.py --smoke --out /tmp/coll  # CPU, small sizes
     python benchmarks/collectives.py --from-json benchmarks/results/collectives_2gpu.json  # redo the .md / .png
@@ -360,8 +361,8 @@ def parse_args(argv=None):
                         help=f"comma separated subset of {','.join(IMPLS)} (xla always runs: it is the baseline)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--device-trace", action="store_true",
-                        help="compile the jax_ncclx chains with JAX_NCCLX_TRACE=device and add where the NVLink kernels' "
-                        "GPU time went (kernel, idle gap between kernels, send, wait for data, finish)")
+                        help="compile the jax_ncclx chains with JAX_NCCLX_TRACE=device and add where the NVLink "
+                        "kernels' GPU time went (kernel, idle gap between kernels, send, wait for data, finish)")
     parser.add_argument("--unroll", type=int, help="dependent ops per jitted call (default 20; smoke 4)")
     parser.add_argument("--pipeline", type=int, help="calls per timed sample (default 10; smoke 2)")
     parser.add_argument("--iters", type=int, help="the most timed samples (default 20; smoke 3)")

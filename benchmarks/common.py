@@ -249,9 +249,9 @@ def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup
 
     Returns:
       A dict: ``median_us`` and ``min_us`` per op, ``samples_us`` (every timed call, per op), ``reps``,
-      ``ops_per_call``, ``pipeline``, ``compile_s`` (None when fn was not a jit function), ``compiled_info``, ``warmup_s``
-      (the warm-up calls, whole calls), ``dispatch_us`` (with ``dispatch_reps``: the median time until a call
-      returned, whole call) and ``final``, the last call's output (delete it to free its memory at once).
+      ``ops_per_call``, ``pipeline``, ``compile_s`` (None when fn was not a jit function), ``compiled_info``,
+      ``warmup_s`` (the warm-up calls, whole calls), ``dispatch_us`` (with ``dispatch_reps``: the median time
+      until a call returned, whole call) and ``final``, the last call's output (delete it to free its memory at once).
       With several processes (one per GPU, :func:`run_processes`) every process must make the same calls, and
       clocks that differ would make them choose differently: exactly ``warmup`` warm-up calls and ``reps``
       samples of ``pipeline`` calls are made (``max_seconds`` and ``min_reps`` are ignored), the medians are

@@ -45,6 +45,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ncclx as nx  # noqa: E402
+from jax_ncclx._src import lib  # noqa: E402
 
 AXIS = "x"
 IMPLS = ("xla-kernel", "ffi-kernel", "nx", "nx-watched", "psum")
@@ -183,6 +184,9 @@ def main(argv=None):
         document = json.loads(args.from_json.read_text())
         return write(args, document["meta"], document["config"], document["rows"], log)
     devices, mesh, meta, config = common.start(parser, args, AXIS, min_gpus=1)
+    if "ffi-kernel" in args.impls and devices[0].platform == "gpu" and not lib.testing_built():
+        parser.error(f"ffi-kernel times ncclx_launch_probe, a test-only target this build lacks: "
+                     f"{lib.TESTING_BUILD_HINT}; or leave it out with --impls")
     log(f"{len(devices)} × {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}, bytes "
         f"{args.bytes}, impls {args.impls}, unroll {args.unroll}, pipeline {args.pipeline}")
     rows = []

@@ -78,7 +78,7 @@ def main():
     step = jax.jit(jax.shard_map(
         lambda t, r, w: moe_layer(t, r, w, num_experts=args.experts, top_k=args.top_k, capacity=capacity),
         mesh=mesh, in_specs=(P("ep"), P(), P("ep")), out_specs=(P("ep"), P("ep"))))
-    shard = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    shard = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
     inputs = (shard(tokens, P("ep")), shard(router, P()), shard(expert_weights, P("ep")))
 
     out, dropped = jax.block_until_ready(step(*inputs))

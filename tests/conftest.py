@@ -1,7 +1,12 @@
 """Test setup: 8 virtual CPU devices for the CPU backend, and a ``backend`` fixture that runs each test on
 CPU and, where GPUs and the CUDA build exist, on GPU (those params are marked ``gpu``); ``one_device`` does
-the same with one device, for the local ops."""
+the same with one device, for the local ops.
 
+Which tests run where (the hooks at the end): where no GPU is, the GPU tests are not collected; and the slow
+cases (marker ``slow``) run only with ``--slow``, as CI and tools/gpu_check.sh run them. Both are counted in
+one line at the end of the run."""
+
+import collections
 import os
 import subprocess
 import sys
@@ -94,3 +99,95 @@ def one_device(request):
 @pytest.fixture
 def mesh(backend):
     return mesh_2d(backend)
+
+
+# ---- which tests run where -------------------------------------------------------------------------------------
+#
+# Slow cases are the tests marked slow by hand (end-to-end tools, 16 devices, JAX's own pmap-in-vmap suites)
+# and the exhaustive part of every parametrized test of EXHAUSTIVE_FROM cases or more: by default such a test
+# runs the cases that differ from its first case in at most one parameter, so that every value of every
+# parameter runs once; the cases that combine two or more non-first values (every dtype with every op and
+# axis, ...) are marked slow. The platform fixtures (backend, line, ...) are not parameters here: the gpu
+# marker governs them.
+
+EXHAUSTIVE_FROM = 4
+_LEFT_OUT = pytest.StashKey[dict]()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true",
+                     help="also run the slow cases (marker slow: the exhaustive parametrizations and end-to-end "
+                          "tools, tests/conftest.py); CI does")
+
+
+def _parameter_indices(item) -> tuple:
+    """Which value of each of its @pytest.mark.parametrize a case takes (0: the first)."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return ()
+    indices = []
+    for mark in item.iter_markers("parametrize"):
+        names = mark.args[0] if mark.args else mark.kwargs.get("argnames", "")
+        names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+        if names and names[0] in callspec.indices:
+            indices.append(callspec.indices[names[0]])
+    return tuple(indices)
+
+
+def _named_on_command_line(config) -> list[str]:
+    """Node ids given on the command line (path::name...), relative to the root like item.nodeid: what they
+    name runs even when slow."""
+    named = []
+    for arg in config.args:
+        path, sep, rest = arg.partition("::")
+        if sep:
+            relative = os.path.relpath(os.path.abspath(path), str(config.rootpath)).replace(os.sep, "/")
+            named.append(f"{relative}::{rest}")
+    return named
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m filters, so that `-m slow` sees the markers added here
+def pytest_collection_modifyitems(config, items):
+    def family(item):
+        return item.nodeid.split("[")[0]
+
+    cases = collections.defaultdict(set)
+    for item in items:
+        cases[family(item)].add(_parameter_indices(item))
+    for item in items:
+        if len(cases[family(item)]) >= EXHAUSTIVE_FROM and sum(i != 0 for i in _parameter_indices(item)) > 1:
+            item.add_marker(pytest.mark.slow)
+
+    markexpr = config.getoption("markexpr") or ""
+    run_slow = config.getoption("slow") or "slow" in markexpr
+    drop_gpu = "gpu" not in markexpr and not gpu_devices()
+    named = _named_on_command_line(config)
+    kept, dropped, left_out = [], [], {"gpu": 0, "slow": 0}
+    for item in items:
+        reason = None
+        if any(item.nodeid == n or item.nodeid.startswith((n + "[", n + "::")) for n in named):
+            pass
+        elif drop_gpu and item.get_closest_marker("gpu"):
+            reason = "gpu"
+        elif not run_slow and item.get_closest_marker("slow"):
+            reason = "slow"
+        if reason is None:
+            kept.append(item)
+        else:
+            left_out[reason] += 1
+            dropped.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+    config.stash[_LEFT_OUT] = left_out
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    left_out = config.stash.get(_LEFT_OUT, {})
+    parts = []
+    if left_out.get("gpu"):
+        parts.append(f"{left_out['gpu']} GPU tests (no GPU here)")
+    if left_out.get("slow"):
+        parts.append(f"{left_out['slow']} slow cases (run them with --slow, as CI does)")
+    if parts:
+        terminalreporter.write_line("jax_ncclx: not run: " + "; ".join(parts))

@@ -46,7 +46,7 @@ def _route(tokens, router):
 
 
 def _stack(layer, tokens, routers, experts, remat):
-    body = lambda t, weights: (layer(t, *weights), None)
+    body = lambda t, weights: (layer(t, *weights), None)  # noqa: E731
     if remat:
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
     return jax.lax.scan(body, tokens, (routers, experts))[0]
@@ -83,7 +83,7 @@ def dense_moe_stack_loss(tokens, routers, experts, *, remat):
 def moe_stack_programs(mesh, *, remat):
     """(the scanned stack, the dense stack), each jit(value_and_grad): (tokens, routers, experts) -> (loss,
     grads in all three)."""
-    grads = lambda loss: jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    grads = lambda loss: jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))  # noqa: E731
     return grads(moe_stack_loss(mesh, remat=remat)), grads(functools.partial(dense_moe_stack_loss, remat=remat))
 
 

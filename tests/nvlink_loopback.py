@@ -22,11 +22,16 @@ REDUCE_TYPES = {np.dtype(np.float32): 0, np.dtype(ml_dtypes.bfloat16): 1, np.dty
 
 
 def module():
-    """The loopback module; skips the test where no GPU or no CUDA build is."""
+    """The loopback module; skips the test where no GPU or no CUDA build is, and fails where the build lacks
+    the test-only modules (a GPU run must not skip these tests)."""
     reason = gpu_skip_reason(minimum=1)
     if reason:
         pytest.skip(reason)
-    from jax_ncclx import _ncclx_loopback  # built with _ncclx_cuda: failing to import it is a failure
+    from jax_ncclx._src import lib
+
+    if not lib.testing_built():
+        pytest.fail(f"jax_ncclx._ncclx_loopback is test-only and this build lacks it: {lib.TESTING_BUILD_HINT}")
+    from jax_ncclx import _ncclx_loopback  # built: failing to import it is a failure
 
     return _ncclx_loopback
 

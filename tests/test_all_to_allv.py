@@ -173,7 +173,7 @@ def test_feature_shapes(backend, features):
     xs = random_array((n, ROWS, *features), jnp.float32)
     counts = counts_for("random", n, 1, seed=5)
     expected = reference.all_to_allv(list(xs), list(counts), CAPACITY, "padded")
-    prepare = lambda x: x
+    prepare = lambda x: x  # noqa: E731
     if features == (0,):
         # XLA 0.11.2's Shardy pass crashes on a zero-size shard_map *input*; make the empty rows inside instead.
         xs, prepare = random_array((n, ROWS, 1), jnp.float32), lambda x: x[:, :0]
@@ -281,8 +281,11 @@ def test_vmap_over_its_own_axis(pattern, layout, operands):
     over_mesh = jax.shard_map(lambda *a: tuple(o[None] for o in exchange("x")(*(v[0] for v in a))), mesh=mesh,
                               in_specs=(P("x"),) * 4, out_specs=P("x"))
     w = random_array(out[0].shape, jnp.float32, seed=11)
-    grad = lambda g: jax.jit(jax.grad(lambda x, t: (g(x, args[1], args[2], t)[0] * w).sum(), argnums=(0, 1)))(
-        args[0], args[3])
+
+    def grad(g):
+        return jax.jit(jax.grad(lambda x, t: (g(x, args[1], args[2], t)[0] * w).sum(), argnums=(0, 1)))(
+            args[0], args[3])
+
     for ours, theirs in zip(grad(f), grad(over_mesh)):
         np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
 
@@ -313,7 +316,7 @@ def test_grad_sends_cotangents_back(backend, layout):
     w = random_array((n * CAPACITY, 3) if layout == "packed" else (n, CAPACITY, 3), jnp.float32, seed=2)
 
     def loss(x):
-        body = lambda v, c: (nx.all_to_allv_dynamic(v[0], c[0], "x", max_recv_per_peer=CAPACITY,
+        body = lambda v, c: (nx.all_to_allv_dynamic(v[0], c[0], "x", max_recv_per_peer=CAPACITY,  # noqa: E731
                                                     layout=layout)[0] * w).sum()[None]
         return jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x"))(
             x, jnp.asarray(counts)).sum()

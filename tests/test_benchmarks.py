@@ -26,6 +26,7 @@ def run_smoke(script, out_dir, *extra):
     return json.loads((out_dir / (stem + ".json")).read_text())
 
 
+@pytest.mark.slow  # a benchmark end to end in its own process
 def test_collectives_smoke(tmp_path):
     document = run_smoke("collectives.py", tmp_path, "--sizes", "8,4K", "--impls", "xla,nx,nx-twoshot")
     rows = document["rows"]
@@ -36,6 +37,7 @@ def test_collectives_smoke(tmp_path):
     assert all(r["path"] == ("xla" if r["impl"] == "xla" else "cpu") for r in rows)
 
 
+@pytest.mark.slow  # a benchmark end to end in its own process
 def test_all_to_allv_smoke(tmp_path):
     document = run_smoke("all_to_allv.py", tmp_path, "--tokens", "8", "--capacity-factor", "3",
                          "--variants", "nx_padded,nx_packed,nx_ragged,xla_all_to_all")
@@ -46,6 +48,7 @@ def test_all_to_allv_smoke(tmp_path):
     assert rows["nx_padded"]["verified"] and rows["nx_packed"]["verified"] and rows["nx_ragged"]["verified"]
 
 
+@pytest.mark.slow  # a benchmark end to end in its own process
 def test_all_to_allv_moe_smoke(tmp_path):
     """The moe variants and the XLA moe layer are verified before timing, and each moe round trip or dispatch
     carries its ratio to the XLA layer's."""
@@ -71,6 +74,7 @@ def test_results_header_names_the_commit_and_its_note():
     assert "commit 0123456789ab (a scratch build)," in common._meta_line(meta)
 
 
+@pytest.mark.slow  # a benchmark end to end in its own process
 def test_launch_floor_smoke(tmp_path):
     rows = run_smoke("launch_floor.py", tmp_path, "--bytes", "8")["rows"]
     assert [r["impl"] for r in rows] == ["xla-kernel", "nx", "psum"]  # ffi-kernel and nx-watched are CUDA only
@@ -78,6 +82,7 @@ def test_launch_floor_smoke(tmp_path):
     assert [r["ffi_targets"] for r in rows] == [[], ["ncclx_all_reduce"], []]
 
 
+@pytest.mark.slow  # a benchmark end to end in its own process
 def test_routing_kernel_timer_compiles(tmp_path):
     """tools/time_routing_kernels.cu includes the routing kernels' source and calls their launchers: it must
     keep compiling as they change (it runs only on a GPU machine)."""
@@ -175,6 +180,7 @@ def test_all_to_allv_one_process_per_gpu(tmp_path):
     assert all(r["verified"] for r in rows if r["variant"] != "xla_all_to_all")
 
 
+@pytest.mark.slow  # a benchmark end to end in its own process
 def test_processes_launcher_reports_a_failing_process(tmp_path):
     """--processes N starts N copies and ends with the first failure's exit code, printing the other processes'
     last lines: here on CPU every copy stops at once, as the run needs GPUs."""

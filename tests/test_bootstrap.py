@@ -122,6 +122,7 @@ def test_address_all_gather_across_processes():
 
 
 @pytest.mark.parametrize("per_process", [8, 1])
+@pytest.mark.slow  # bootstraps a simulated mesh of processes
 def test_bootstrap_cost_per_process_does_not_grow_with_the_mesh(per_process):
     """Simulated up to 100,000 ranks: with one root per communicator, key-value operations and positions
     examined per process stay the same (O(1) in N), while a membership all-gather would move N entries per

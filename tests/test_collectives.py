@@ -54,7 +54,7 @@ OPS = {
 LINEAR = [name for name in OPS if name not in ("all_reduce_max", "all_reduce_min")]
 # Either axis of the 2-D mesh, or both at once in either order (as for jax.lax: the first axis major).
 AXES = ["a", "b", ("a", "b"), ("b", "a")]
-AXIS_IDS = lambda axis: "+".join(axis)
+AXIS_IDS = lambda axis: "+".join(axis)  # noqa: E731
 
 
 def global_shape(mesh, features=3):
@@ -194,7 +194,7 @@ def test_vmap_over_its_own_axis(name, dtype, in_axis):
     if in_axis is None:
         full = jnp.broadcast_to(full[0], full.shape)
     x = full[0] if in_axis is None else jnp.moveaxis(full, 0, in_axis)
-    call = lambda op, in_axes: jax.jit(jax.vmap(lambda v: op(v, "i"), in_axes=in_axes, axis_size=members,
+    call = lambda op, in_axes: jax.jit(jax.vmap(lambda v: op(v, "i"), in_axes=in_axes, axis_size=members,  # noqa: E731
                                                 axis_name="i"))
     assert_same_up_to_order(call(ours, in_axis)(x), call(ref, 0)(full), dtype, reduces)
     assert "ncclx_" not in str(jax.make_jaxpr(call(ours, in_axis))(x))
@@ -253,7 +253,7 @@ def test_vmap_axis_with_mesh_axes_inside_shard_map(mesh, op, axis, check_vma):
     assert f"axis_name={mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes} " in jaxpr, jaxpr
     if op == "max":
         return  # jax.lax.pmax has no derivative to compare with (test_extreme_reduction_gradient checks ours)
-    grad = lambda f: jax.jit(jax.grad(lambda v: f(v).sum()))(x)
+    grad = lambda f: jax.jit(jax.grad(lambda v: f(v).sum()))(x)  # noqa: E731
     np.testing.assert_allclose(grad(ours), grad(ref), rtol=1e-5, atol=1e-5)
     if op == "mean":
         return  # the members' own gradients below are a psum's
@@ -294,7 +294,7 @@ def test_grad_matches_lax(mesh, name, axis, check_vma):
     ours, ref, _ = OPS[name]
     x = put(random_array(global_shape(mesh), jnp.float32), mesh)
     def loss(op):
-        body = lambda v: jnp.sin(op(jnp.cos(v), axis)).sum()[None, None]
+        body = lambda v: jnp.sin(op(jnp.cos(v), axis)).sum()[None, None]  # noqa: E731
         return jax.jit(jax.grad(lambda v: smap(body, mesh, jit=False, check_vma=check_vma)(v).sum()))
 
     np.testing.assert_allclose(loss(ours)(x), loss(ref)(x), rtol=1e-5, atol=1e-5)

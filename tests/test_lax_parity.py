@@ -802,6 +802,7 @@ ALL_TO_ALL_DTYPES = [np.bool_, np.int8, np.int16, np.int32, np.uint8, np.uint16,
                      jnp.bfloat16, np.float32, np.complex64]
 
 
+@pytest.mark.slow  # pmap in vmap: each compiles several nested programs
 def test_pmap_all_to_all(backend):
     """testAllToAll (split_axis, concat_axis in {0, 1}, every dtype of lax_test_util.all_dtypes but the
     64-bit ones) and testAllToAllNegativeAxes (float32), in one program; random bits, so every bit pattern
@@ -948,7 +949,9 @@ def test_pmap_collective_permute(backend):
                "zip": pmap_like(lambda v: ops.ppermute(v, "i", list(zip(perm, range(n)))), mesh)(
                    jnp.arange(n, dtype=jnp.float32))}
         for name, p in (("grad_shift", shift_right), ("grad_cyclic", rotation)):
-            g = lambda v, p=p: jnp.sum(y * pmap_like(lambda a: ops.ppermute(a, perm=p, axis_name="i"), mesh)(v))
+            def g(v, p=p):
+                return jnp.sum(y * pmap_like(lambda a: ops.ppermute(a, perm=p, axis_name="i"), mesh)(v))
+
             out[name] = jax.grad(g)(xf)
         return out
 
@@ -1085,6 +1088,7 @@ COLLECTIVES = ["psum", "pmean", "pmax", "pmin"]
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no_vma"])
 @pytest.mark.parametrize("shape", [(2, 2, 64, 64), (4, 2, 64, 64)], ids=["WithVmap", "WithVmap2"])
+@pytest.mark.slow  # pmap in vmap: each compiles several nested programs
 def test_vmap_pmap_collectives_with_vmap(backend, shape, check_vma):
     """testCollectivesWithVmap / testCollectivesWithVmap2: each reduction over ("i", "j") with "i" and "j" a
     vmap or a pmap, against jax.lax under vmap / vmap (JAX's reference; jax.lax refuses a vmapped axis in a
@@ -1104,6 +1108,7 @@ def test_vmap_pmap_collectives_with_vmap(backend, shape, check_vma):
 
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["vma", "no_vma"])
+@pytest.mark.slow  # pmap in vmap: each compiles several nested programs
 def test_vmap_pmap_ppermute_with_vmap(backend, check_vma):
     """testPPermuteWithVmap: ppermute over the outer axis "i" (a vmap or a pmap) with an unnamed inner map."""
     perm = [(0, 1), (1, 0)]
@@ -1123,6 +1128,7 @@ def test_vmap_pmap_ppermute_with_vmap(backend, check_vma):
     assert_same(run(NX, "pmap", "vmap", check_vma), lax_vp)
 
 
+@pytest.mark.slow  # pmap in vmap: each compiles several nested programs
 def test_vmap_pmap_ppermute_agrees_with_vmap(backend):
     mesh = pmesh(backend, 3)
     xs = jnp.arange(3) * 10
@@ -1135,6 +1141,7 @@ def test_vmap_pmap_ppermute_agrees_with_vmap(backend):
     assert_same(actual["pmap"], actual["vmap"])
 
 
+@pytest.mark.slow  # pmap in vmap: each compiles several nested programs
 def test_vmap_pmap_all_to_all_in_vmap(backend):
     """testAllToAllInVmap: pmap(vmap(all_to_all over the pmap's axis, in_axes=vmap_axis)), every split_axis,
     concat_axis in 0..2 and vmap_axis in 0..3, in one program."""
@@ -1152,6 +1159,7 @@ def test_vmap_pmap_all_to_all_in_vmap(backend):
     parity(run)
 
 
+@pytest.mark.slow  # pmap in vmap: each compiles several nested programs
 def test_vmap_pmap_all_to_all_vs_vmap(backend):
     """testAllToAllVsVmap: all_to_all over a pmap's axis equals it over vmap(axis_name=) of the same axis."""
     mesh = pmesh(backend)
@@ -1169,6 +1177,7 @@ def test_vmap_pmap_all_to_all_vs_vmap(backend):
 
 
 @pytest.mark.parametrize("prim", ["all_gather", "psum_scatter"])
+@pytest.mark.slow  # pmap in vmap: each compiles several nested programs
 def test_vmap_pmap_with_vmap(backend, prim):
     """testWithVmap: map1(map2(prim over "i"), axis_name="i") for (vmap, pmap) and (pmap, vmap)."""
     x = jnp.ones((2, 2, 2, 64))
@@ -1188,6 +1197,7 @@ def test_vmap_pmap_with_vmap(backend, prim):
 
 @pytest.mark.parametrize("tiled", [False, True], ids=["untiled", "tiled"])
 @pytest.mark.parametrize("prim", ["all_gather", "psum_scatter"])
+@pytest.mark.slow  # pmap in vmap: each compiles several nested programs
 def test_vmap_pmap_vs_vmap(backend, prim, tiled):
     """testVsVmap: vmap(f, axis_name="i") against pmap(f) of 4 members."""
     mesh = pmesh(backend, 4)
@@ -1355,7 +1365,7 @@ def test_vmap_reduce_scatter_autodiff(one_device):
     with jax.default_device(one_device):
         parity(lambda ops: _jvp_vjp(f_of(ops), (x,)), reduced=True)
         jax.test_util.check_grads(jax.jit(f_of(NX)), (x,), 2, ["fwd", "rev"], 1e-2, 1e-2, eps=1.0)
-    
+
 
 # ==============================================================================================================
 # ragged_collective_test.py

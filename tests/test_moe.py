@@ -270,7 +270,7 @@ def test_ragged_dot_layer_and_grads(backend, capacity, weights_in):
         return out, handle.dropped[None]
 
     layer = jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P("x")), out_specs=(P("x"), P("x")))
-    loss = lambda *args: (layer(*args)[0] * cotangent).sum()
+    loss = lambda *args: (layer(*args)[0] * cotangent).sum()  # noqa: E731
     out, dropped = jax.jit(layer)(tokens, router, expert_weights)
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(tokens, router, expert_weights)
 
@@ -279,7 +279,7 @@ def test_ragged_dot_layer_and_grads(backend, capacity, weights_in):
     np.testing.assert_array_equal(dropped, np.stack([d for _, _, d in expected]))
     assert (np.asarray(dropped).sum() > 0) == (capacity == TIGHT)
     delivered = jnp.asarray(delivered.reshape(n * TOKENS, TOP_K), jnp.float32)
-    dense_loss = lambda *args: (dense_layer(*args, delivered) * cotangent).sum()
+    dense_loss = lambda *args: (dense_layer(*args, delivered) * cotangent).sum()  # noqa: E731
     np.testing.assert_allclose(out, dense_layer(tokens, router, expert_weights, delivered), rtol=1e-5, atol=1e-6)
     for grad, ref in zip(grads, jax.grad(dense_loss, argnums=(0, 1, 2))(tokens, router, expert_weights)):
         np.testing.assert_allclose(grad, ref, rtol=1e-4, atol=1e-5)
@@ -371,8 +371,8 @@ def test_2d_mesh_with_replicated_routing(mesh, axis, weights_in):
         per_member = t.reshape(num_members, TOKENS, 1, HIDDEN) * (w * chosen)[None, :, :, None]
         return per_member.sum(axis=2).reshape(-1, HIDDEN)
 
-    sharded = lambda t, w: layer(t, jnp.asarray(ids), w)
-    gradient = lambda f: jax.grad(lambda t, w: (f(t, w) * cotangent).sum(), argnums=(0, 1))
+    sharded = lambda t, w: layer(t, jnp.asarray(ids), w)  # noqa: E731
+    gradient = lambda f: jax.grad(lambda t, w: (f(t, w) * cotangent).sum(), argnums=(0, 1))  # noqa: E731
     np.testing.assert_allclose(jax.jit(sharded)(tokens, weights), dense(tokens, weights), rtol=1e-6, atol=1e-6)
     for grad, ref in zip(jax.jit(gradient(sharded))(tokens, weights), gradient(dense)(tokens, weights)):
         np.testing.assert_allclose(grad, ref, rtol=1e-5, atol=1e-5)

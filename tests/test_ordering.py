@@ -39,6 +39,7 @@ def test_independent_collectives_complete_every_time(devices, case, monkeypatch)
     assert not failures, f"{len(failures)} of {RUNS} executions failed; first: {failures[0]}"
 
 
+@pytest.mark.slow  # its own process with 16 devices
 def test_sixteen_virtual_devices():
     env = dict(os.environ, JAX_NCCLX_TIMEOUT_S="20", JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, ordering_worker.__file__, "16", str(RUNS)], env=env,

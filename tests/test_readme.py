@@ -22,6 +22,7 @@ def test_first_program_runs():
     y = np.asarray(namespace["y"])
     assert y.shape == (n * 4 * n, 4)
     per_member = y.reshape(n, 4 * n, 4)
-    np.testing.assert_array_equal(per_member[:, : 2 * n], np.repeat(np.arange(n), 2)[None, :, None] + 0 * per_member[:, : 2 * n])
+    received = np.repeat(np.arange(n), 2)[None, :, None]  # two rows from each member, valued by their source
+    np.testing.assert_array_equal(per_member[:, : 2 * n], np.broadcast_to(received, per_member[:, : 2 * n].shape))
     np.testing.assert_array_equal(per_member[:, 2 * n:], 0)
     np.testing.assert_array_equal(np.asarray(namespace["recv_counts"]), 2)

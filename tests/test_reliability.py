@@ -353,6 +353,58 @@ def test_nvlink_hang_in_a_replay_fails_the_next_execution():
     run_command_buffer_worker("replay_watch_worker.py", "nvlink", minimum=2)
 
 
+def _late_peer_warnings(text):
+    return [line for line in text.splitlines() if line.startswith("jax_ncclx: warning:")]
+
+
+def test_late_peer_is_warned_about_once_and_the_call_completes(line, monkeypatch, capfd):
+    """A rank later than the grace (JAX_NCCLX_WARN_AFTER_S) but well within the timeout: while its peers wait,
+    one warning on stderr names the op, the call and the missing rank; the call then completes. With the
+    grace at 0 nothing is printed. (The last rank is the late one: on GPU, ranks launched after a late one
+    could be late too.)"""
+    if on_gpu(line) and os.environ["JAX_NCCLX_TRANSPORT"] == "nvlink":
+        pytest.skip("the NVLink kernels bound their waits on the device and report only at the timeout")
+    late = line.size - 1
+    seq = next_seq(line, late)
+    monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", "60")
+    monkeypatch.setenv("JAX_NCCLX_WARN_AFTER_S", "0.3")
+    monkeypatch.setenv("JAX_NCCLX_FAULT", f"delay:rank={late},seq={seq},ms=1500")
+    f = per_shard(line, lambda v: nx.all_reduce(v, "x"))
+    x = jnp.arange(line.size * 4, dtype=jnp.float32).reshape(line.size, 4)
+    capfd.readouterr()
+    np.testing.assert_array_equal(np.asarray(f(x))[0], np.asarray(x).sum(0))
+    warnings = _late_peer_warnings(capfd.readouterr().err)
+    if on_gpu(line):
+        expected = (rf"call #{seq} on communicator \d+ \(all_reduce, axis 'x', call site \d+\) has not finished "
+                    rf"0\.3 s after it could start on rank \d+ of {line.size}: rank\(s\) {late} never reached it; "
+                    r"still waiting, until the timeout of 60 s")
+    else:
+        expected = (rf"all_reduce: call #{seq} \(axis 'x', call site \d+, replica group 0\): rank\(s\) {late} of "
+                    rf"{line.size} have not arrived after 0\.3 s; still waiting, until the timeout of 60 s")
+    assert len(warnings) == 1 and re.search(expected, warnings[0]), warnings
+
+    monkeypatch.setenv("JAX_NCCLX_WARN_AFTER_S", "0")
+    monkeypatch.setenv("JAX_NCCLX_FAULT", f"delay:rank={late},seq={seq + 1},ms=1000")
+    f = per_shard(line, lambda v: nx.all_reduce(v, "x"))  # lowered anew: the grace is read at lowering
+    np.testing.assert_array_equal(np.asarray(f(x))[0], np.asarray(x).sum(0))
+    assert _late_peer_warnings(capfd.readouterr().err) == []
+
+
+def test_warning_grace_reaches_the_handlers(line, monkeypatch):
+    """JAX_NCCLX_WARN_AFTER_S reaches every handler as warn_ms (whole milliseconds, rounded up; default 20 s);
+    a value that is not a number of seconds is refused, naming the variable."""
+    x = jnp.ones((line.size, 4))
+    monkeypatch.delenv("JAX_NCCLX_WARN_AFTER_S", raising=False)
+    f = per_shard(line, lambda v: nx.all_reduce(v, "x"))
+    assert re.findall(r"warn_ms = \d+", f.lower(x).as_text()) == ["warn_ms = 20000"]
+    monkeypatch.setenv("JAX_NCCLX_WARN_AFTER_S", "0.0004")
+    f = per_shard(line, lambda v: nx.all_reduce(v, "x"))
+    assert re.findall(r"warn_ms = \d+", f.lower(x).as_text()) == ["warn_ms = 1"]
+    monkeypatch.setenv("JAX_NCCLX_WARN_AFTER_S", "soon")
+    with pytest.raises(ValueError, match=r"JAX_NCCLX_WARN_AFTER_S='soon' is not valid.*\(0: no warning\)"):
+        config.current()
+
+
 def test_delay_within_the_timeout_shows_in_the_trace(line, monkeypatch, tmp_path):
     """A late rank only slows the call down; the merged trace names it as the late rank."""
     seq = next_seq(line, 1)
@@ -480,7 +532,10 @@ def test_counts_stay_bounded_after_a_skipped_rank(line, monkeypatch, layout):
     if line.devices.flat[0].platform != "gpu" or config.current().transport != "nvlink":
         pytest.skip("a property of the NVLink all_to_allv kernel (CPU raises; NCCL outputs are undefined)")
     n, capacity, skipped = line.size, 3, line.size - 1
-    exchange = lambda v, c: nx.all_to_allv_dynamic(v, c, "x", max_recv_per_peer=capacity, layout=layout)[:2]
+
+    def exchange(v, c):
+        return nx.all_to_allv_dynamic(v, c, "x", max_recv_per_peer=capacity, layout=layout)[:2]
+
     x = jnp.ones((n * n * capacity, 2), jnp.float32)
     full = jnp.full((n * n,), capacity, jnp.int32)
     assert (np.asarray(per_shard(line, exchange, n_in=2, n_out=2)(x, full)[1]) == capacity).all()

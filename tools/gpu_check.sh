@@ -6,10 +6,12 @@
 #
 # Steps run in order (default: build tests multiprocess), each under what is left of BUDGET_S seconds
 # (default 570) so that a slow step cannot cost the logs of the others:
-#   build         pip install --no-build-isolation --no-deps -e .  (the GPU machines have no network)
-#   tests         pytest -m "gpu and not multiprocess" (per-test limit 150 s where pytest-timeout is
-#                 installed, as on the GPU machines; a JUnit XML beside the log) over $ARGS_tests (default:
-#                 tests, all of them)
+#   build         JAX_NCCLX_TESTING=ON pip install --no-build-isolation --no-deps -e .  (the GPU machines have
+#                 no network; the test-only modules, which tests/test_nvlink_loopback.py and
+#                 benchmarks/launch_floor.py need: without them those fail rather than skip)
+#   tests         pytest --slow -m "gpu and not multiprocess" (every case, the slow ones too; per-test limit
+#                 150 s where pytest-timeout is installed, as on the GPU machines; a JUnit XML beside the log)
+#                 over $ARGS_tests (default: tests, all of them)
 #   multiprocess  pytest -m multiprocess (one process per GPU, fault injection)
 #   memcheck      compute-sanitizer --tool memcheck over the adversarial all_to_allv count patterns,
 #                 send_rows indices and suffixes on GPU (test_patterns, test_send_rows_gather_on_the_way,
@@ -60,10 +62,10 @@ run_step() {
     echo "== $step: skipped, ${limit} s left" | tee "$out/$step.log"
     return
   fi
-  local pytest=("$python" -m pytest -p no:cacheprovider -rfE --tb=short)
+  local pytest=("$python" -m pytest -p no:cacheprovider -rfE --tb=short --slow)  # every case (tests/conftest.py)
   "$python" -c "import pytest_timeout" 2>/dev/null && pytest+=(--timeout 150)  # a hang fails with its traceback
   case "$step" in
-    build) cmd=("$python" -m pip install --no-build-isolation --no-deps -e .) ;;
+    build) cmd=(env JAX_NCCLX_TESTING=ON "$python" -m pip install -v --no-build-isolation --no-deps -e .) ;;
     tests)
       local paths
       read -ra paths <<< "${ARGS_tests:-tests}"

@@ -27,7 +27,13 @@ import common  # noqa: E402  (run metadata; sets the benchmark environment, NVLi
 
 import numpy as np  # noqa: E402
 
-from jax_ncclx import _ncclx_loopback as loopback  # noqa: E402
+try:
+    from jax_ncclx import _ncclx_loopback as loopback
+except ImportError:
+    from jax_ncclx._src import lib
+
+    sys.exit(f"time_loopback_collectives.py: jax_ncclx._ncclx_loopback is test-only and this build lacks it: "
+             f"{lib.TESTING_BUILD_HINT}")
 
 PROTOCOLS = {"ll128": 0, "ll": 1, "simple": 2}
 ALGORITHMS = {"one-shot": 1, "two-shot": 2}

@@ -50,7 +50,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclPpermute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclPpermuteCmdbuf);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclPpermuteCmdbufPrepare);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclAllToAllvDynamic);
+#ifdef JAX_NCCLX_TESTING  // test-only (CMakeLists.txt, JAX_NCCLX_TESTING=ON)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(LaunchProbe);
+#endif
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllToAllvDynamic);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllToAllvDynamicPrepare);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NcclRaggedAllToAll);
@@ -110,8 +112,8 @@ void CheckDistinctDevices(std::string_view op, std::vector<int> devices) {
 // up null (a split's NCCL_SPLIT_NOCOLOR) get no communicator. If anything fails, the communicators made so
 // far are aborted. Called without the GIL.
 template <typename Create>
-ffi::ErrorOr<std::map<int32_t, ncclComm_t>> CreateInGroup(std::string_view op,
-                                                          const std::vector<int>& devices, Create create) {
+ffi::ErrorOr<std::map<int32_t, ncclComm_t>> CreateInGroup(std::string_view op, const std::vector<int>& devices,
+                                                          Create create) {
   std::vector<ncclComm_t> comms(devices.size(), nullptr);
   ffi::Error created = KeepingCurrentDevice(op, [&] {
     return InNcclGroup(op, nullptr, [&]() -> ffi::Error {
@@ -172,8 +174,8 @@ int64_t RegisterCommMembers(int nranks, const std::vector<int>& ranks, const std
   std::map<int32_t, CommMember> members;
   for (size_t i = 0; i < ranks.size(); ++i) {
     if (ranks[i] < 0 || ranks[i] >= nranks) {
-      ThrowIfFailed(InvalidArgument(kOp, "rank " + std::to_string(ranks[i]) + " is outside [0, nranks=" +
-                                             std::to_string(nranks) + ")"));
+      ThrowIfFailed(InvalidArgument(kOp, "rank " + std::to_string(ranks[i]) +
+                                             " is outside [0, nranks=" + std::to_string(nranks) + ")"));
     }
     members[devices[i]] = CommMember{ranks[i], nranks};
   }
@@ -190,8 +192,8 @@ void InitComm(int64_t comm_id, const std::map<int, std::vector<nb::bytes>>& uniq
     const auto given = unique_ids.find(device);
     if (given == unique_ids.end() || given->second.empty() || static_cast<int>(given->second.size()) > member.size) {
       ThrowIfFailed(InvalidArgument(kOp, "device " + std::to_string(device) + " of communicator " +
-                                             std::to_string(comm_id) + " needs 1 to nranks=" +
-                                             std::to_string(member.size) + " unique ids, got " +
+                                             std::to_string(comm_id) +
+                                             " needs 1 to nranks=" + std::to_string(member.size) + " unique ids, got " +
                                              std::to_string(given == unique_ids.end() ? 0 : given->second.size())));
     }
     std::vector<ncclUniqueId>& mine = ids.emplace_back();
@@ -266,8 +268,8 @@ void DestroyAll() {
 // The HostExchange of a Python callable: exchange([(device, rank, bytes), ...]) -> [[bytes per rank], ...].
 // Called with the GIL released; takes it for the call.
 HostExchange PythonExchange(nb::callable exchange) {
-  return [exchange = std::move(exchange)](const std::vector<ExchangeEntry>& entries)
-             -> ffi::ErrorOr<std::vector<std::vector<std::string>>> {
+  return [exchange = std::move(exchange)](
+             const std::vector<ExchangeEntry>& entries) -> ffi::ErrorOr<std::vector<std::vector<std::string>>> {
     constexpr std::string_view kOp = "ensure_symmetric";
     nb::gil_scoped_acquire acquire;
     try {
@@ -295,8 +297,7 @@ std::string EnsureSymmetricMemory(int64_t comm_id, int64_t staging_bytes, int64_
   const HostExchange host_exchange = PythonExchange(std::move(exchange));
   ffi::ErrorOr<std::string> reason = [&] {
     nb::gil_scoped_release release;  // collective: blocks until every rank has joined
-    return EnsureSymmetric("ensure_symmetric", comm_id, SymmetricNeed{parity_half_bytes, staging_bytes},
-                           host_exchange);
+    return EnsureSymmetric("ensure_symmetric", comm_id, SymmetricNeed{parity_half_bytes, staging_bytes}, host_exchange);
   }();
   StartWatchdog();  // reports NVLink kernels that give up waiting as soon as they do
   return ValueOrThrow(std::move(reason));
@@ -346,7 +347,7 @@ std::vector<std::tuple<int, int, std::vector<TraceTuple>>> DeviceTrace(int64_t c
 }
 
 std::tuple<int64_t, int64_t> AllToAllvSymmetricBytes(int64_t batch, int64_t num_peers, int64_t num_chunks,
-                                                      int64_t capacity, int64_t row_bytes, bool direct) {
+                                                     int64_t capacity, int64_t row_bytes, bool direct) {
   AllToAllvShape shape;
   shape.batch = batch;
   shape.num_peers = num_peers;
@@ -423,7 +424,9 @@ NB_MODULE(_ncclx_cuda, m) {
         watched_too("ncclx_all_gather_nvlink", jn::NvlinkAllGatherPrepare, jn::NvlinkAllGather);
         watched_too("ncclx_all_to_all_nvlink", jn::NvlinkAllToAllPrepare, jn::NvlinkAllToAll);
         watched_too("ncclx_reduce_scatter_nvlink", jn::NvlinkReduceScatterPrepare, jn::NvlinkReduceScatter);
+#ifdef JAX_NCCLX_TESTING
         targets["ncclx_launch_probe"] = jn::Capsule(jn::LaunchProbe);
+#endif
         targets["ncclx_moe_plan_sends"] = jn::Capsule(jn::CudaMoePlanSends);
         targets["ncclx_moe_place_received"] = jn::Capsule(jn::CudaMoePlaceReceived);
         targets["ncclx_take_rows"] = jn::Capsule(jn::CudaTakeRows);
@@ -432,8 +435,9 @@ NB_MODULE(_ncclx_cuda, m) {
       "FFI handler capsules of the CUDA backend, by target name.");
   m.def("nccl_version", &jn::NcclVersion,
         "NCCL_VERSION_CODE of the NCCL library loaded at run time (e.g. 22809 for 2.28.9).");
-  m.def("nccl_build_version", [] { return NCCL_VERSION_CODE; },
-        "NCCL_VERSION_CODE of the nccl.h this module was compiled against.");
+  m.def(
+      "nccl_build_version", [] { return NCCL_VERSION_CODE; },
+      "NCCL_VERSION_CODE of the nccl.h this module was compiled against.");
   m.def("cuda_runtime_version", &jn::CudaRuntimeVersion,
         "Version of the CUDA runtime loaded at run time (e.g. 13000 for 13.0).");
   m.def("device_memory_used", &jn::DeviceMemoryUsed, nb::arg("device"),
@@ -482,8 +486,8 @@ NB_MODULE(_ncclx_cuda, m) {
         return std::make_tuple(counts.launches, counts.captured);
       },
       "(host launches, launches recorded into CUDA graphs) of every NVLink handler.");
-  m.def("nvlink_collective_bytes", &jn::NvlinkCollectiveBytes, nb::arg("op"), nb::arg("algorithm"),
-        nb::arg("protocol"), nb::arg("bytes"), nb::arg("size"), nb::arg("element_bytes"), nb::arg("direct"),
+  m.def("nvlink_collective_bytes", &jn::NvlinkCollectiveBytes, nb::arg("op"), nb::arg("algorithm"), nb::arg("protocol"),
+        nb::arg("bytes"), nb::arg("size"), nb::arg("element_bytes"), nb::arg("direct"),
         "Low-latency slot bytes per call parity that the NVLink kernel of `op` ('all_reduce', 'all_gather',\n"
         "'all_to_all') needs for `bytes` of input per rank on `size` ranks; algorithm 1 one-shot, 2 two-shot;\n"
         "protocol (one-shot) 0 LL128, 1 LL, 2 simple; direct: the call writes into the peers' outputs where it\n"
@@ -514,7 +518,8 @@ NB_MODULE(_ncclx_cuda, m) {
       " [(comm_id, sequence, description)] of each communicator's latest call that finished only after half\n"
       " its timeout).");
   m.def(
-      "watch_now", [] {
+      "watch_now",
+      [] {
         nb::gil_scoped_release release;
         jn::WatchNow();
       },
@@ -529,7 +534,8 @@ NB_MODULE(_ncclx_cuda, m) {
       "Records `message` as communicator `comm_id`'s fault and stops its local NCCL communicators (abort, or\n"
       "revoke when CUDA graphs hold calls on them).");
   m.def(
-      "stop_watchdog", [] {
+      "stop_watchdog",
+      [] {
         nb::gil_scoped_release release;
         jn::StopWatchdog();
       },

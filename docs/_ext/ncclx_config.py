@@ -207,7 +207,8 @@ class ConfigTable(SphinxDirective):
         self.env.note_dependency(str(ROOT / "pyproject.toml"))
         self.env.note_dependency(str(ROOT / "CMakeLists.txt"))
         lines = ["(runtime-variables)=", "## Runtime", "",
-                 "Read when a program is lowered (compiled); see [When a setting applies](#when-a-setting-applies).", "",
+                 "Read when a program is lowered (compiled); see "
+                 "[When a setting applies](#when-a-setting-applies).", "",
                  "| variable | default | values | meaning |", "| --- | --- | --- | --- |"]
         details = []
         for variable, default, accepted, names in rows:

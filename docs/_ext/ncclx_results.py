@@ -176,7 +176,8 @@ class ResultsTable(SphinxDirective):
         """One op (``:ops:``), one column per implementation (``:impls:``): median µs per op by size."""
         (op,) = _list(self.options.get("ops"))
         impls = _list(self.options["impls"])
-        median = {(r["bytes"], r["impl"]): r.get("median_us") for r in rows if r["op"] == op and r.get("status") == "ok"}
+        median = {(r["bytes"], r["impl"]): r.get("median_us") for r in rows
+                  if r["op"] == op and r.get("status") == "ok"}
         sizes = sorted({size for size, _ in median})
         lines = [f"| {op}, bytes per rank | " + " | ".join(f"`{i}`" for i in impls) + " |",
                  "| --- |" + " --- |" * len(impls)]

@@ -20,6 +20,10 @@ class Config:
         ``JAX_NCCLX_TIMEOUT_S_<OP>`` (e.g. ``JAX_NCCLX_TIMEOUT_S_ALL_TO_ALLV_DYNAMIC``) overrides it for one
         op, see :meth:`timeout_s_for`. 0 waits forever (no device deadline, no watchdog on NCCL calls).
       op_timeouts_s: those per-op overrides, by op name.
+      warn_after_s: seconds a participant waits for late peers before one warning on stderr names the call and
+        the ranks still missing; it goes on waiting until the timeout (``JAX_NCCLX_WARN_AFTER_S``, default 20;
+        0: no warning). CPU collectives and the GPU's NCCL calls warn; the NVLink kernels, which bound their
+        waits on the device, report only at the timeout.
       transport: how GPU ops that have an NVLink kernel move data (``JAX_NCCLX_TRANSPORT``): ``"auto"``
         (default) uses the NVLink kernel when every rank of the communicator reaches every other through
         NVLink peer access and NCCL otherwise, logging why; ``"nvlink"`` makes the fallback an error;
@@ -97,6 +101,7 @@ class Config:
 
     timeout_s: float = 600.0
     op_timeouts_s: tuple[tuple[str, float], ...] = ()
+    warn_after_s: float = 20.0
     transport: str = "auto"
     nvlink_blocks: int = 0
     nvlink_oneshot_max_bytes: int | None = None
@@ -129,6 +134,11 @@ class Config:
     def timeout_s_for(self, op: str) -> float:
         """The timeout of ``op`` ("all_reduce", ...): its ``JAX_NCCLX_TIMEOUT_S_<OP>`` if set, else timeout_s."""
         return dict(self.op_timeouts_s).get(op, self.timeout_s)
+
+    @property
+    def warn_ms(self) -> int:
+        """The handlers' ``warn_ms`` attribute: the warning's grace in whole milliseconds, rounded up (0: none)."""
+        return math.ceil(self.warn_after_s * 1000)
 
     def timeout_ms_for(self, op: str) -> int:
         """The handlers' ``timeout_ms`` attribute for ``op``: its timeout in whole milliseconds, rounded up, so that
@@ -209,7 +219,7 @@ NVLINK_PROTOCOLS = ("ll128", "ll", "simple")  # in the order of the kernels' pro
 _MAX_TIMEOUT_S = 1e9  # about 32 years, and its nanoseconds still fit the watchdog's uint64
 
 
-def _seconds(name: str, default: float) -> float:
+def _seconds(name: str, default: float, zero: str = "no timeout") -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -219,7 +229,7 @@ def _seconds(name: str, default: float) -> float:
         value = -1.0
     if not 0 <= value <= _MAX_TIMEOUT_S:  # also refuses nan and inf: the handlers take whole milliseconds
         raise ValueError(f"{name}={raw!r} is not valid: it must be a number of seconds from 0 to {_MAX_TIMEOUT_S:.0e} "
-                         "(0: no timeout)")
+                         f"(0: {zero})")
     return value
 
 
@@ -354,6 +364,7 @@ def current() -> Config:
     return Config(
         timeout_s=_seconds("JAX_NCCLX_TIMEOUT_S", Config.timeout_s),
         op_timeouts_s=op_timeouts,
+        warn_after_s=_seconds("JAX_NCCLX_WARN_AFTER_S", Config.warn_after_s, zero="no warning"),
         transport=_choice("JAX_NCCLX_TRANSPORT", Config.transport, TRANSPORTS),
         nvlink_blocks=_non_negative_int("JAX_NCCLX_NVLINK_BLOCKS", Config.nvlink_blocks),
         nvlink_oneshot_max_bytes=_non_negative_int("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES", None),

@@ -69,6 +69,16 @@ def cuda_target_names() -> frozenset:
     return frozenset(module.registrations()) if module is not None else frozenset()
 
 
+# How to build what only the tests and benchmarks use (CMakeLists.txt), for their messages when it is absent.
+TESTING_BUILD_HINT = ("rebuild with the test-only modules: JAX_NCCLX_TESTING=ON pip install --no-build-isolation "
+                      "--no-deps -e .  (tools/dev.sh and tools/gpu_check.sh set it)")
+
+
+def testing_built() -> bool:
+    """Whether this build has the test-only modules (JAX_NCCLX_TESTING=ON with the CUDA handlers)."""
+    return getattr(_build_config, "TESTING_STATUS", "") == "built"
+
+
 def build_info() -> dict:
     """What this installation of jax_ncclx can do.
 
@@ -76,14 +86,17 @@ def build_info() -> dict:
       A dict with ``cpu`` (always True), ``cuda`` (True when the CUDA/NCCL handlers are built and their
       module loads, which needs the CUDA runtime and NCCL libraries, not a GPU: a machine without one reports
       True and skips the GPU tests),
-      ``cuda_status`` (why not, otherwise "built"), ``nccl_version`` / ``nccl_build_version`` (ints like 22809,
-      or None), ``ffi_api_version`` of the XLA headers compiled against, and ``jax_version``.
+      ``cuda_status`` (why not, otherwise "built"), ``testing`` (True when the test-only modules were built too:
+      ``_ncclx_loopback`` and the launch probe, with ``JAX_NCCLX_TESTING=ON``), ``nccl_version`` /
+      ``nccl_build_version`` (ints like 22809, or None), ``ffi_api_version`` of the XLA headers compiled
+      against, and ``jax_version``.
     """
     module, reason = _load_cuda()
     return {
         "cpu": True,
         "cuda": module is not None,
         "cuda_status": "built" if module is not None else reason,
+        "testing": testing_built(),
         "nccl_version": module.nccl_version() if module else None,
         "nccl_build_version": module.nccl_build_version() if module else None,
         "ffi_api_version": tuple(_ncclx_cpu.ffi_api_version()),

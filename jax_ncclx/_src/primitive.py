@@ -198,7 +198,10 @@ def fold_vmap_into_batch(prim: Primitive, axis_data, args, dims, **params):
     args = [batching.bdim_at_front(a, d, axis_data.size) for a, d in zip(args, dims)]
     vmapped, batch = args[0].shape[:2]
     outs = prim.bind(*(a.reshape(vmapped * batch, *a.shape[2:]) for a in args), **params)
-    unfold = lambda out: out.reshape(vmapped, batch, *out.shape[1:])
+
+    def unfold(out):
+        return out.reshape(vmapped, batch, *out.shape[1:])
+
     if not prim.multiple_results:
         return unfold(outs), 0
     return [unfold(out) for out in outs], [0] * len(outs)
@@ -318,7 +321,7 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, alias
     op_attrs = attrs(**params)
     # Every handler takes these (xla_ffi/common/monitor.h, CallAttrs).
     op_attrs.update(site=np.int64(site), timeout_ms=np.int64(settings.timeout_ms_for(op)),
-                    trace=np.int64(settings.trace_attr))
+                    warn_ms=np.int64(settings.warn_ms), trace=np.int64(settings.trace_attr))
     avals_in, avals_out = list(ctx.avals_in), list(ctx.avals_out)
     site_info = dict(op=op, axis=str(axis_name), platform=platform, bytes=_nbytes(ctx.avals_in[0]),
                      dtype=str(ctx.avals_in[0].dtype))
@@ -499,7 +502,9 @@ def _padded_spec(spec, ndim: int) -> tuple:
 
 
 def _mesh_with_axis(args, axis_name):
-    has_axes = lambda mesh: mesh is not None and not mesh.empty and set(axes_of(axis_name)) <= set(mesh.axis_names)
+    def has_axes(mesh):
+        return mesh is not None and not mesh.empty and set(axes_of(axis_name)) <= set(mesh.axis_names)
+
     concrete = compat.concrete_context_mesh()
     if has_axes(concrete):
         return concrete

@@ -70,8 +70,8 @@ NCCLX_HOST_DEVICE inline PeerPlan PlanPeer(const int32_t* counts, int64_t num_ch
 // each a dependent shared-memory read). That walk costs ~90 cycles per chunk, the warp ~15 shuffles whatever
 // the counts, so the warp pays off from a few chunks per peer on. Every lane returns the plan; the lane of each
 // chunk writes the rows of it that reach the peer into delivered_chunks[chunk] (when not null).
-__device__ inline PeerPlan WarpPlanPeer(const int32_t* counts, int64_t num_chunks, int64_t num_rows,
-                                        int64_t capacity, int64_t peer, int32_t* delivered_chunks) {
+__device__ inline PeerPlan WarpPlanPeer(const int32_t* counts, int64_t num_chunks, int64_t num_rows, int64_t capacity,
+                                        int64_t peer, int32_t* delivered_chunks) {
   constexpr unsigned kAllLanes = 0xffffffffu;
   const int lane = static_cast<int>(threadIdx.x % 32);
   auto warp_sum = [](int64_t v) {
@@ -114,9 +114,9 @@ __device__ inline PeerPlan WarpPlanPeer(const int32_t* counts, int64_t num_chunk
 
 // PlanPeer for every peer. delivered_chunks: [num_peers * num_chunks]; first_row / delivered / dropped:
 // [num_peers].
-NCCLX_HOST_DEVICE inline void PlanSends(const int32_t* counts, int64_t num_peers, int64_t num_chunks,
-                                        int64_t num_rows, int64_t capacity, int32_t* delivered_chunks,
-                                        int64_t* first_row, int64_t* delivered, int32_t* dropped) {
+NCCLX_HOST_DEVICE inline void PlanSends(const int32_t* counts, int64_t num_peers, int64_t num_chunks, int64_t num_rows,
+                                        int64_t capacity, int32_t* delivered_chunks, int64_t* first_row,
+                                        int64_t* delivered, int32_t* dropped) {
   for (int64_t peer = 0; peer < num_peers; ++peer) {
     int32_t* peer_chunks = delivered_chunks + peer * num_chunks;
     const PeerPlan plan = PlanPeer(counts, num_chunks, num_rows, capacity, peer,
@@ -130,8 +130,8 @@ NCCLX_HOST_DEVICE inline void PlanSends(const int32_t* counts, int64_t num_peers
 // The row of x that send row `s` of batch element `b` takes, as a flat row of x [B, source_rows, ...]: s
 // itself without an index, else send_rows[b, s] ([B, num_rows] int32); -1 (send a zero row) when the index
 // falls outside x.
-NCCLX_HOST_DEVICE inline int64_t SourceRow(const int32_t* send_rows, int64_t num_rows, int64_t source_rows,
-                                           int64_t b, int64_t s) {
+NCCLX_HOST_DEVICE inline int64_t SourceRow(const int32_t* send_rows, int64_t num_rows, int64_t source_rows, int64_t b,
+                                           int64_t s) {
   if (send_rows == nullptr) return b * source_rows + s;
   const int64_t row = send_rows[b * num_rows + s];
   return row >= 0 && row < source_rows ? b * source_rows + row : -1;

@@ -27,8 +27,7 @@ inline ffi::Error Internal(std::string_view op, std::string_view message) {
 }
 
 inline ffi::Error DeadlineExceeded(std::string_view op, std::string_view message) {
-  return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                    "jax_ncclx " + std::string(op) + ": " + std::string(message));
+  return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, "jax_ncclx " + std::string(op) + ": " + std::string(message));
 }
 
 // XLA's short name of `dtype` ("f32", "bf16", ...), for messages.
@@ -127,8 +126,9 @@ inline ffi::ErrorOr<ReducedDtype> GetReducedDtype(std::string_view op, ffi::Data
       return ReducedDtype{decoded, dtype == ffi::C64 ? ffi::F32 : ffi::F64, 2};
     case ffi::PRED:
       if (decoded == ReduceOp::kSum) {
-        return InvalidArgument(op, "cannot sum dtype pred into pred; a sum of booleans is counted in s32 (jax_ncclx "
-                                   "casts them before the call)");
+        return InvalidArgument(op,
+                               "cannot sum dtype pred into pred; a sum of booleans is counted in s32 (jax_ncclx "
+                               "casts them before the call)");
       }
       return ReducedDtype{decoded, ffi::U8, 1};
     default:
@@ -189,8 +189,8 @@ inline ffi::Error CheckWholeBytes(std::string_view op, std::string_view name, ff
 inline ffi::Error CheckDims(std::string_view op, std::string_view name, ffi::Span<const int64_t> dims,
                             std::initializer_list<int64_t> expected) {
   if (std::equal(dims.begin(), dims.end(), expected.begin(), expected.end())) return ffi::Error::Success();
-  return InvalidArgument(op, std::string(name) + " has shape " + DimsString(dims) + ", expected " +
-                                 DimsString(expected));
+  return InvalidArgument(op,
+                         std::string(name) + " has shape " + DimsString(dims) + ", expected " + DimsString(expected));
 }
 
 // A positive value that never changes in the process (a device attribute, an occupancy), asked of `query` (an
@@ -205,8 +205,8 @@ ffi::ErrorOr<int> AskOnce(std::atomic<int>& known, Query query) {
 
 }  // namespace jax_ncclx
 
-#define NCCLX_RETURN_IF_ERROR(expr)         \
-  do {                                      \
-    ::xla::ffi::Error ncclx_error_ = (expr); \
+#define NCCLX_RETURN_IF_ERROR(expr)                  \
+  do {                                               \
+    ::xla::ffi::Error ncclx_error_ = (expr);         \
     if (ncclx_error_.failure()) return ncclx_error_; \
   } while (false)

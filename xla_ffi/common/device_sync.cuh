@@ -71,7 +71,13 @@ class Patience {
  public:
   __device__ Patience(const PeerTable* table, SymmetricControl* control, int rank, int size, uint64_t epoch,
                       TraceKernel kernel, int64_t site, uint64_t timeout_ns)
-      : table_(table), control_(control), rank_(rank), size_(size), epoch_(epoch), kernel_(kernel), site_(site),
+      : table_(table),
+        control_(control),
+        rank_(rank),
+        size_(size),
+        epoch_(epoch),
+        kernel_(kernel),
+        site_(site),
         timeout_ns_(timeout_ns) {}  // an abort is seen at the first check: reading it here would stall the call
 
   // Waits until the epoch in *flag (kFlagNote aside) is at least `value`, a flag that `peer` raises; `seen`
@@ -178,8 +184,7 @@ class Patience {
   // Another rank aborted the communicator: records who and whom it missed, unless this rank's record already
   // holds a fault.
   __device__ __forceinline__ static void ReportAborted(const PeerTable* table, const SymmetricControl* control,
-                                                       int size, TraceKernel kernel, uint64_t epoch,
-                                                       int64_t site) {
+                                                       int size, TraceKernel kernel, uint64_t epoch, int64_t site) {
     volatile NvlinkFault* fault = table->fault;
     if (fault->state != kNvlinkHealthy) return;
     Describe(fault, kernel, epoch, site);
@@ -299,8 +304,8 @@ __device__ __forceinline__ uint32_t TakeTicket(SymmetricControl* control, uint64
 
 // Ends the call: publishes `epoch` for the next call (the block of the last ticket, or the only block) and,
 // when traced, the last block to finish records the timeline. Every thread of every block calls it.
-__device__ __forceinline__ void FinishCall(SymmetricControl* control, uint64_t epoch, uint32_t ticket,
-                                           CallTrace& trace, TraceKernel kernel) {
+__device__ __forceinline__ void FinishCall(SymmetricControl* control, uint64_t epoch, uint32_t ticket, CallTrace& trace,
+                                           TraceKernel kernel) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   if (gridDim.x == 1) {  // no other block to count; the next kernel on the stream sees the store

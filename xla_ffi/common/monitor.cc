@@ -88,8 +88,7 @@ bool ApplyDelayOrSkip(const std::optional<InjectedFault>& fault, bool stall_on_h
 }
 
 int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();
 }
 

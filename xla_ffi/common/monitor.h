@@ -1,5 +1,5 @@
 // What every handler, CPU or CUDA, reports and consults about its calls, independent of how data moves:
-//   * the attributes the Python lowering gives every call ("site", "timeout_ms", "trace");
+//   * the attributes the Python lowering gives every call ("site", "timeout_ms", "warn_ms", "trace");
 //   * the axis each call site runs over, for error messages (registered at lowering);
 //   * sequence numbers: the n-th call a rank makes on a communicator (0, 1, 2, ...), the same on every rank
 //     of a healthy program, so that traces of different ranks line up and faults can name a call;
@@ -23,6 +23,7 @@ namespace jax_ncclx {
 struct CallAttrs {
   int64_t site = 0;          // call site id, unique per lowered call in the process
   int64_t timeout_ms = 0;    // how long a participant waits for its peers; 0: forever
+  int64_t warn_ms = 0;       // after how long waiting for late peers prints one warning; 0: never
   bool trace = false;        // record the call in the trace ring (attribute trace == 1)
   bool trace_device = false;  // NVLink kernels stamp their device timeline (trace == 1 or 2)
 };
@@ -32,6 +33,7 @@ auto BindCallAttrs(Binding binding) {
   return std::move(binding)
       .template Attr<int64_t>("site")
       .template Attr<int64_t>("timeout_ms")
+      .template Attr<int64_t>("warn_ms")
       .template Attr<int64_t>("trace");
 }
 
@@ -39,8 +41,9 @@ auto BindCallAttrs(Binding binding) {
 // would overflow. Python's settings stay far below; a negative one, from no jax_ncclx lowering, waits forever.
 inline constexpr int64_t kMaxTimeoutMs = int64_t{1} << 40;
 
-inline CallAttrs MakeCallAttrs(int64_t site, int64_t timeout_ms, int64_t trace) {
-  return CallAttrs{site, std::clamp<int64_t>(timeout_ms, 0, kMaxTimeoutMs), trace == 1, trace == 1 || trace == 2};
+inline CallAttrs MakeCallAttrs(int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace) {
+  return CallAttrs{site, std::clamp<int64_t>(timeout_ms, 0, kMaxTimeoutMs),
+                   std::clamp<int64_t>(warn_ms, 0, kMaxTimeoutMs), trace == 1, trace == 1 || trace == 2};
 }
 
 // Call sites: the axis name of each, for messages ("axis 'x'"). Unknown sites are described by number.

@@ -38,13 +38,13 @@ inline void DefineMonitorBindings(nanobind::module_& m, std::function<void(CallR
   m.def(
       "call_records",
       [resolve, cleared]() {
-        std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int32_t, int32_t, int64_t, int64_t, int64_t,
-                               int64_t, int32_t>>
+        std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int32_t, int32_t, int64_t, int64_t, int64_t, int64_t,
+                               int32_t>>
             out;
         for (CallRecord& r : TakeCallRecords()) {
           if (resolve) resolve(r);
-          out.emplace_back(r.site, r.comm, r.group, r.sequence, r.rank, r.device, r.enqueue_ns, r.start_ns,
-                           r.arrive_ns, r.end_ns, r.injected);
+          out.emplace_back(r.site, r.comm, r.group, r.sequence, r.rank, r.device, r.enqueue_ns, r.start_ns, r.arrive_ns,
+                           r.end_ns, r.injected);
         }
         if (cleared) cleared();
         return out;

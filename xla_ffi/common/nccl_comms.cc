@@ -158,8 +158,7 @@ std::vector<std::pair<int64_t, std::string>> CommAsyncErrors() {
       std::lock_guard<std::mutex> slot_lock(slot->mu);
       if (slot->state != SlotState::kLive) break;
       ncclResult_t async = ncclSuccess;
-      if (ncclCommGetAsyncError(slot->comm, &async) != ncclSuccess || async == ncclSuccess ||
-          async == ncclInProgress) {
+      if (ncclCommGetAsyncError(slot->comm, &async) != ncclSuccess || async == ncclSuccess || async == ncclInProgress) {
         continue;
       }
       std::string why = ncclGetErrorString(async);
@@ -248,8 +247,9 @@ ffi::ErrorOr<CommRank> LookupCommRank(std::string_view op, int64_t comm_id, int3
     }
   }
   if (members != registry.members.end() && comms == registry.comms.end()) {
-    return Internal(op, "communicator " + std::to_string(comm_id) + " has no NCCL communicators: jax_ncclx "
-                        "creates them when it compiles an op that goes through NCCL, and did not for this one");
+    return Internal(op, "communicator " + std::to_string(comm_id) +
+                            " has no NCCL communicators: jax_ncclx "
+                            "creates them when it compiles an op that goes through NCCL, and did not for this one");
   }
   return InvalidArgument(op, "no communicator " + std::to_string(comm_id) + " for device " +
                                  std::to_string(device_ordinal) +
@@ -281,10 +281,9 @@ ffi::Error DestroyAllComms(std::string_view op) {
         }
         if (state == SlotState::kAborted) continue;  // freed already
         // A revoked (or stopping) communicator cannot be finalized: abort frees it without.
-        ffi::Error destroyed =
-            state == SlotState::kLive
-                ? CheckNccl(op, "ncclCommDestroy", ncclCommDestroy(slot->comm), slot->comm)
-                : CheckNccl(op, "ncclCommAbort", ncclCommAbort(slot->comm), slot->comm);
+        ffi::Error destroyed = state == SlotState::kLive
+                                   ? CheckNccl(op, "ncclCommDestroy", ncclCommDestroy(slot->comm), slot->comm)
+                                   : CheckNccl(op, "ncclCommAbort", ncclCommAbort(slot->comm), slot->comm);
         if (destroyed.failure() && first_failure.success()) first_failure = std::move(destroyed);
       }
     }
@@ -302,8 +301,7 @@ ffi::Error CheckNccl(std::string_view op, std::string_view call, ncclResult_t re
 
 ffi::Error CheckCuda(std::string_view op, std::string_view call, cudaError_t result) {
   if (result == cudaSuccess) return ffi::Error::Success();
-  return Internal(op, std::string(call) + " failed: " + cudaGetErrorName(result) + ": " +
-                          cudaGetErrorString(result));
+  return Internal(op, std::string(call) + " failed: " + cudaGetErrorName(result) + ": " + cudaGetErrorString(result));
 }
 
 ffi::ErrorOr<ncclDataType_t> NcclReductionType(std::string_view op, ffi::DataType dtype) {

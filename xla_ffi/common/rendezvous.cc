@@ -1,8 +1,10 @@
-// Implementation of the CPU rendezvous: one global table of rounds guarded by a mutex, a thread that fails the
-// rounds whose peers are late, and a pool of threads that complete the waiting participants' futures.
+// Implementation of the CPU rendezvous: one global table of rounds guarded by a mutex, a thread that warns
+// about and then fails the rounds whose peers are late, and a pool of threads that complete the waiting
+// participants' futures.
 // Collectives on the CPU backend are for development and CI, so clarity wins over lock-free speed here.
 #include "common/rendezvous.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
@@ -14,6 +16,8 @@
 #include <thread>
 #include <tuple>
 #include <utility>
+
+#include "common/monitor.h"
 
 namespace jax_ncclx {
 namespace {
@@ -31,13 +35,21 @@ struct Deadline {
 };
 using Deadlines = std::multimap<Clock::time_point, Deadline>;
 
+// A round's late-peer warning, due `warn_after` after its first participant began to wait.
+struct Warning {
+  Round* round;  // the entry is erased before its round is freed
+  std::string op, what;
+  std::chrono::milliseconds warn_after, timeout;
+};
+using Warnings = std::multimap<Clock::time_point, Warning>;
+
 struct Round {
-  explicit Round(int64_t size)
-      : published(size), work(size), waiting(size), deadlines(size), arrived(size, false) {}
+  explicit Round(int64_t size) : published(size), work(size), waiting(size), deadlines(size), arrived(size, false) {}
   std::vector<Published> published;
   std::vector<CollectiveWork> work;
   std::vector<std::optional<ffi::Promise>> waiting;  // the futures of the participants that returned pending
   std::vector<std::optional<Deadlines::iterator>> deadlines;  // their entries in State::deadlines
+  std::optional<Warnings::iterator> warning;                  // its entry in State::warnings, until due
   std::vector<bool> arrived;
   int64_t num_arrived = 0;
   bool abandoned = false;  // a participant gave up waiting for arrivals; everyone else fails too
@@ -50,7 +62,8 @@ struct State {
   std::map<RoundKey, std::shared_ptr<Round>> rounds;
   std::map<std::pair<int64_t, int64_t>, std::pair<int64_t, int64_t>> sequences;  // (op, partition) -> (run, next)
   Deadlines deadlines;
-  std::condition_variable deadlines_changed;
+  Warnings warnings;
+  std::condition_variable deadlines_changed;  // or warnings
   bool reaper_started = false;
 
   std::mutex completions_mu;
@@ -111,12 +124,32 @@ void CompleteLater(ffi::Promise promise, ffi::Error error) {
   }).detach();
 }
 
-// Erases the timeouts of `round`'s waiting participants. Called with state.mu held.
+// Erases the timeouts of `round`'s waiting participants and its warning. Called with state.mu held.
 void ForgetDeadlines(State& state, Round& round) {
   for (std::optional<Deadlines::iterator>& entry : round.deadlines) {
     if (entry) state.deadlines.erase(*entry);
     entry.reset();
   }
+  if (round.warning) state.warnings.erase(*round.warning);
+  round.warning.reset();
+}
+
+// Prints the warning of a round whose peers are late: once, on stderr (the process's log, as XLA's own
+// warnings about a stuck rendezvous), naming the call and the ranks still missing. Called with state.mu held.
+void WarnLate(State& state, const Warning& due) {
+  Round& round = *due.round;
+  state.warnings.erase(*round.warning);
+  round.warning.reset();
+  const std::string waiting = due.timeout.count() > 0
+                                  ? "until the timeout of " + DescribeSeconds(due.timeout.count() * 1000000) +
+                                        " (JAX_NCCLX_TIMEOUT_S; "
+                                  : "with no timeout (JAX_NCCLX_TIMEOUT_S=0; ";
+  const std::string message = due.op + ": " + due.what + ": rank(s) " + MissingRanks(round.arrived) + " of " +
+                              std::to_string(round.arrived.size()) + " have not arrived after " +
+                              DescribeSeconds(due.warn_after.count() * 1000000) + "; still waiting, " + waiting +
+                              "JAX_NCCLX_WARN_AFTER_S sets when this is printed)";
+  std::fprintf(stderr, "jax_ncclx: warning: %s\n", message.c_str());
+  std::fflush(stderr);
 }
 
 // Fails every participant of `round` that is waiting; the one whose timeout expired names the missing ranks,
@@ -141,23 +174,31 @@ void Abandon(State& state, Round& round, const Deadline& expired) {
   round.work.assign(round.work.size(), nullptr);
 }
 
-// Fails the rounds whose participants waited past their timeout. An abandoned round stays in the table, so
-// that a rank arriving late learns why.
+// Warns about the rounds whose peers are late past the grace, and fails those whose participants waited past
+// their timeout. An abandoned round stays in the table, so that a rank arriving late learns why.
 void RunReaper() {
   State& state = GetState();
   std::unique_lock<std::mutex> lock(state.mu);
   for (;;) {
-    if (state.deadlines.empty()) {
+    if (state.deadlines.empty() && state.warnings.empty()) {
       state.deadlines_changed.wait(lock);
       continue;
     }
-    auto first = state.deadlines.begin();
-    if (Clock::now() < first->first) {
-      state.deadlines_changed.wait_until(lock, first->first);
+    const Clock::time_point now = Clock::now();
+    if (!state.warnings.empty() && state.warnings.begin()->first <= now) {
+      const Warning due = state.warnings.begin()->second;
+      WarnLate(state, due);  // erases the entry
       continue;
     }
-    Deadline expired = first->second;
-    Abandon(state, *expired.round, expired);  // erases `first` with the round's other timeouts
+    if (!state.deadlines.empty() && state.deadlines.begin()->first <= now) {
+      const Deadline expired = state.deadlines.begin()->second;
+      Abandon(state, *expired.round, expired);  // erases the entry with the round's other timeouts
+      continue;
+    }
+    Clock::time_point next = Clock::time_point::max();
+    if (!state.deadlines.empty()) next = state.deadlines.begin()->first;
+    if (!state.warnings.empty()) next = std::min(next, state.warnings.begin()->first);
+    state.deadlines_changed.wait_until(lock, next);
   }
 }
 
@@ -191,17 +232,16 @@ ffi::Future CompletedFuture(ffi::Error error) {
 }
 
 ffi::Future JoinCollective(std::string_view op, std::string what, const RoundKey& key, int64_t rank, int64_t size,
-                           Published mine, std::chrono::milliseconds timeout, CollectiveWork work) {
+                           Published mine, std::chrono::milliseconds timeout, std::chrono::milliseconds warn_after,
+                           CollectiveWork work) {
   State& state = GetState();
   std::unique_lock<std::mutex> lock(state.mu);
   std::shared_ptr<Round>& slot = state.rounds[key];
   if (!slot) slot = std::make_shared<Round>(size);
   std::shared_ptr<Round> round = slot;
-  if (static_cast<int64_t>(round->published.size()) != size || rank < 0 || rank >= size ||
-      round->arrived[rank]) {
+  if (static_cast<int64_t>(round->published.size()) != size || rank < 0 || rank >= size || round->arrived[rank]) {
     return CompletedFuture(InvalidArgument(op, "rank " + std::to_string(rank) + " joined a group of size " +
-                                                   std::to_string(round->published.size()) +
-                                                   " twice or out of range"));
+                                                   std::to_string(round->published.size()) + " twice or out of range"));
   }
   round->arrived[rank] = true;
   ++round->num_arrived;
@@ -216,13 +256,23 @@ ffi::Future JoinCollective(std::string_view op, std::string what, const RoundKey
     ffi::Promise promise;
     ffi::Future future(promise);
     round->waiting[rank] = std::move(promise);
-    if (timeout.count() > 0) {
+    // The first to wait schedules the round's warning, if it comes before the timeout.
+    const bool warn = round->num_arrived == 1 && warn_after.count() > 0 &&
+                      (timeout.count() == 0 || warn_after < timeout);
+    if (timeout.count() > 0 || warn) {
       if (!state.reaper_started) {
         state.reaper_started = true;
         std::thread(RunReaper).detach();
       }
-      round->deadlines[rank] = state.deadlines.emplace(
-          Clock::now() + timeout, Deadline{round.get(), rank, std::string(op), std::move(what), timeout});
+      const Clock::time_point now = Clock::now();
+      if (warn) {
+        round->warning = state.warnings.emplace(now + warn_after,
+                                                Warning{round.get(), std::string(op), what, warn_after, timeout});
+      }
+      if (timeout.count() > 0) {
+        round->deadlines[rank] = state.deadlines.emplace(now + timeout, Deadline{round.get(), rank, std::string(op),
+                                                                                 std::move(what), timeout});
+      }
       state.deadlines_changed.notify_one();
     }
     return future;

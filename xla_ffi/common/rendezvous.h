@@ -51,9 +51,12 @@ using CollectiveWork = std::function<ffi::Error(const std::vector<Published>&)>;
 // Joins one collective as `rank` of `size`, publishing `mine`. Returns a future that completes once every
 // participant's work has run, with this participant's work's error if any. A peer that does not arrive
 // within `timeout` (0: wait forever) fails every participant that did with an error naming the call
-// (`what`) and the ranks that are missing; a participant arriving after that fails at once.
+// (`what`) and the ranks that are missing; a participant arriving after that fails at once. A round still
+// short of peers `warn_after` after its first participant arrived (0: never; only when shorter than the
+// timeout) prints one warning to stderr naming the call and the ranks still missing, and keeps waiting.
 ffi::Future JoinCollective(std::string_view op, std::string what, const RoundKey& key, int64_t rank, int64_t size,
-                           Published mine, std::chrono::milliseconds timeout, CollectiveWork work);
+                           Published mine, std::chrono::milliseconds timeout, std::chrono::milliseconds warn_after,
+                           CollectiveWork work);
 
 // A future that is already complete with `error` (success or not), for a handler that returns before it
 // joins a collective.

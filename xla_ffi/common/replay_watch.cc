@@ -70,8 +70,9 @@ ffi::Error AddChunk(std::string_view op, std::vector<MarkChunk>& chunks) {
   MarkChunk chunk;
   cudaStream_t side = nullptr;
   ffi::Error made = [&]() -> ffi::Error {
-    NCCLX_RETURN_IF_ERROR(CheckCuda(
-        op, "cudaHostAlloc", cudaHostAlloc(&chunk.host, kMarkBytes, cudaHostAllocMapped | cudaHostAllocPortable)));
+    NCCLX_RETURN_IF_ERROR(
+        CheckCuda(op, "cudaHostAlloc",
+                  cudaHostAlloc(&chunk.host, kMarkBytes, cudaHostAllocMapped | cudaHostAllocPortable)));
     std::fill(chunk.host, chunk.host + kMarksPerChunk, ReplayMark{});
     NCCLX_RETURN_IF_ERROR(
         CheckCuda(op, "cudaHostGetDevicePointer",
@@ -189,8 +190,10 @@ ffi::Error WatchCapturedCall(const WatchedCall& call, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(w.mu);
   if (w.calls.size() >= kMaxCapturedCalls) {
     if (!w.said_full) {
-      std::fprintf(stderr, "jax_ncclx: %zu NCCL calls captured into CUDA graphs are watched; later captures are "
-                   "not (JAX_NCCLX_WATCH_REPLAYS)\n", kMaxCapturedCalls);
+      std::fprintf(stderr,
+                   "jax_ncclx: %zu NCCL calls captured into CUDA graphs are watched; later captures are "
+                   "not (JAX_NCCLX_WATCH_REPLAYS)\n",
+                   kMaxCapturedCalls);
       w.said_full = true;
     }
     return ffi::Error::Success();

@@ -107,8 +107,7 @@ ffi::ErrorOr<std::vector<std::vector<T>>> AllGather(std::string_view op, const s
   static_assert(std::is_trivially_copyable_v<T>);
   std::vector<ExchangeEntry> entries(ranks.size());
   for (size_t i = 0; i < ranks.size(); ++i) {
-    entries[i] = {ranks[i].device, ranks[i].rank,
-                  std::string(reinterpret_cast<const char*>(&mine[i]), sizeof(T))};
+    entries[i] = {ranks[i].device, ranks[i].rank, std::string(reinterpret_cast<const char*>(&mine[i]), sizeof(T))};
   }
   ffi::ErrorOr<std::vector<std::vector<std::string>>> blobs = exchange(entries);
   if (blobs.has_error()) return blobs.error();
@@ -160,9 +159,8 @@ std::string Unreachable(const LocalRank& self, const std::vector<RankInfo>& info
 }
 
 // Maps `info`'s region (or returns its pointer when it lives in this process).
-ffi::ErrorOr<void*> MapPeer(std::string_view op, const LocalRank& self, const RankInfo& mine,
-                            const RankInfo& info, uint64_t ptr, const cudaIpcMemHandle_t& handle,
-                            bool* imported) {
+ffi::ErrorOr<void*> MapPeer(std::string_view op, const LocalRank& self, const RankInfo& mine, const RankInfo& info,
+                            uint64_t ptr, const cudaIpcMemHandle_t& handle, bool* imported) {
   *imported = info.pid != mine.pid;
   if (!*imported) {
     if (info.device != self.device) {
@@ -176,8 +174,8 @@ ffi::ErrorOr<void*> MapPeer(std::string_view op, const LocalRank& self, const Ra
     return reinterpret_cast<void*>(ptr);
   }
   void* mapped = nullptr;
-  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaIpcOpenMemHandle",
-                                  cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess)));
+  NCCLX_RETURN_IF_ERROR(
+      CheckCuda(op, "cudaIpcOpenMemHandle", cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess)));
   return mapped;
 }
 
@@ -248,9 +246,8 @@ ffi::ErrorOr<std::string> Grow(std::string_view op, CommMemory& memory, const Sy
       rank.peers.fault = static_cast<NvlinkFault*>(fault_on_device);
       rank.imported.assign(rank.size, false);
     }
-    NCCLX_RETURN_IF_ERROR(
-        CheckCuda(op, "cudaMalloc (data region of " + std::to_string(data_bytes) + " bytes)",
-                  cudaMalloc(reinterpret_cast<void**>(&rank.data), data_bytes)));
+    NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaMalloc (data region of " + std::to_string(data_bytes) + " bytes)",
+                                    cudaMalloc(reinterpret_cast<void**>(&rank.data), data_bytes)));
     // Low-latency words carry a nonzero tag: zeroed memory never passes for a word that arrived.
     NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaMemset (data region)", cudaMemset(rank.data, 0, data_bytes)));
     rank.layout = layout;
@@ -263,7 +260,8 @@ ffi::ErrorOr<std::string> Grow(std::string_view op, CommMemory& memory, const Sy
                                     cudaDeviceGetPCIBusId(info.pci_bus_id, sizeof(info.pci_bus_id), rank.device)));
     info.control_ptr = reinterpret_cast<uint64_t>(rank.control);
     info.data_ptr = reinterpret_cast<uint64_t>(rank.data);
-    NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaIpcGetMemHandle", cudaIpcGetMemHandle(&info.control_handle, rank.control)));
+    NCCLX_RETURN_IF_ERROR(
+        CheckCuda(op, "cudaIpcGetMemHandle", cudaIpcGetMemHandle(&info.control_handle, rank.control)));
     NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaIpcGetMemHandle", cudaIpcGetMemHandle(&info.data_handle, rank.data)));
   }
   ffi::ErrorOr<std::vector<std::vector<RankInfo>>> infos = AllGather(op, ranks, mine, exchange);
@@ -296,8 +294,8 @@ ffi::ErrorOr<std::string> Grow(std::string_view op, CommMemory& memory, const Sy
       const RankInfo& info = all[peer];
       bool imported = false;
       if (first) {
-        ffi::ErrorOr<void*> control =
-            MapPeer(op, rank, all[rank.rank], info, info.control_ptr, info.control_handle, &imported);
+        ffi::ErrorOr<void*> control = MapPeer(op, rank, all[rank.rank], info, info.control_ptr, info.control_handle,
+                                              &imported);
         if (control.has_error()) return control.error();
         rank.peers.control[peer] = static_cast<SymmetricControl*>(*control);
       }
@@ -341,8 +339,7 @@ ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, 
   if (!first) {
     if (!memory->unavailable.empty()) return memory->unavailable;
     const bool big_enough = std::all_of(memory->ranks.begin(), memory->ranks.end(), [&](const LocalRank& rank) {
-      return rank.layout.parity_half_bytes >= need.parity_half_bytes &&
-             rank.layout.staging_bytes >= need.staging_bytes;
+      return rank.layout.parity_half_bytes >= need.parity_half_bytes && rank.layout.staging_bytes >= need.staging_bytes;
     });
     if (big_enough) return std::string();
   } else {

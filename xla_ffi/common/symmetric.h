@@ -48,8 +48,8 @@ struct ExchangeEntry {
 // Exchanges small blobs among the ranks of a communicator on the host (jax_ncclx passes one that goes
 // through JAX's key-value store, or stays in memory when every rank is local): given every local rank's entry,
 // returns for each of them, in the same order, the blobs of all ranks of its group in rank order. Collective.
-using HostExchange = std::function<ffi::ErrorOr<std::vector<std::vector<std::string>>>(
-    const std::vector<ExchangeEntry>&)>;
+using HostExchange =
+    std::function<ffi::ErrorOr<std::vector<std::vector<std::string>>>(const std::vector<ExchangeEntry>&)>;
 
 // Makes sure every rank of communicator `comm_id` has a data region that meets `need`, mapped by all its
 // peers; addresses and IPC handles travel through `exchange`, not through NCCL (a NCCL collective would make

@@ -67,8 +67,7 @@ std::string NvlinkFaultMessage(int64_t comm_id, const std::vector<NvlinkFaultRep
                std::to_string(shown->rank) + "); the communicator is aborted";
   } else {
     message += "was aborted on rank " + std::to_string(shown->rank) + " of " + std::to_string(shown->size) +
-               " because rank " + std::to_string(static_cast<int>(f.aborted_by) - 1) +
-               " timed out waiting for " +
+               " because rank " + std::to_string(static_cast<int>(f.aborted_by) - 1) + " timed out waiting for " +
                (missing.empty() ? std::string("a peer (that rank's error names the missing ranks)")
                                 : "rank(s) " + RankList(missing));
   }
@@ -151,6 +150,7 @@ struct Watchdog {
   std::map<int64_t, Watched> last_done;  // comm_id -> its most recent call seen done (event returned)
   std::map<int64_t, std::pair<int64_t, std::string>> late;  // comm_id -> (sequence, description) of its
                                                              // latest call done after half its timeout
+  std::map<int64_t, int64_t> warned;  // comm_id -> the latest call of it that got its late-peer warning
   bool running = false;
   bool stop = false;
   std::thread* thread = nullptr;  // never destroyed: joined by StopWatchdog
@@ -162,8 +162,10 @@ Watchdog& GetWatchdog() {
 }
 
 WatchedCall DescribeWatchedCall(const GpuCall& call) {
-  return {call.op, call.attrs.site, call.comm_id, call.rank, call.size, call.device, call.sequence,
-          call.attrs.timeout_ms * 1000000};
+  WatchedCall watched{call.op, call.attrs.site, call.comm_id, call.rank, call.size, call.device, call.sequence};
+  watched.timeout_ns = call.attrs.timeout_ms * 1000000;
+  watched.warn_ns = call.attrs.warn_ms * 1000000;
+  return watched;
 }
 
 // "call #7 on communicator 3 (all_reduce, axis 'x', call site 2)", for messages.
@@ -174,34 +176,59 @@ std::string DescribeCall(const WatchedCall& call) {
 
 constexpr auto kPollInterval = std::chrono::milliseconds(20);
 
-// The message for `hung`, a call that did not finish in time or (`nccl_error` set) that NCCL ended early
-// because a peer aborted or died: which local ranks of its communicator never queued that call.
-std::string HangMessage(Watchdog& w, const WatchedCall& hung, const std::string& nccl_error = "") {
+// Who is missing from `call`, as far as this process can tell: the local ranks of its communicator that never
+// queued it, or that every local rank did (`*elsewhere` set when the communicator has ranks in other
+// processes, among which the missing ones then are). `completed`: "did not complete" or "has not completed".
+std::string MissingFrom(Watchdog& w, const WatchedCall& call, const std::string& completed, bool* elsewhere) {
   std::set<int> never, local;
-  ffi::ErrorOr<std::map<int32_t, CommMember>> members = CommMembers("watchdog", hung.comm_id);
+  ffi::ErrorOr<std::map<int32_t, CommMember>> members = CommMembers("watchdog", call.comm_id);
   if (members.has_value()) {
     for (const auto& [device, member] : *members) {
       local.insert(member.rank);
-      const auto reached = w.reached.find({hung.comm_id, member.rank});
-      if (reached == w.reached.end() || reached->second < hung.sequence) never.insert(member.rank);
+      const auto reached = w.reached.find({call.comm_id, member.rank});
+      if (reached == w.reached.end() || reached->second < call.sequence) never.insert(member.rank);
     }
   }
+  *elsewhere = false;
+  if (!never.empty()) return "rank(s) " + RankList(never) + " never reached it";
+  if (static_cast<int>(local.size()) < call.size) {
+    *elsewhere = true;
+    return "every rank in this process (" + RankList(local) +
+           ") reached it; the missing rank(s) are among those in other processes (NCCL does not say which)";
+  }
+  return "every rank reached it, but NCCL " + completed + " it";
+}
+
+// The message for `hung`, a call that did not finish in time or (`nccl_error` set) that NCCL ended early
+// because a peer aborted or died: which local ranks of its communicator never queued that call.
+std::string HangMessage(Watchdog& w, const WatchedCall& hung, const std::string& nccl_error = "") {
   std::string message = DescribeCall(hung) + " " +
                         (nccl_error.empty()
                              ? "has not finished " + DescribeSeconds(hung.timeout_ns) + " after it could start"
                              : "was ended by NCCL (" + nccl_error + ": a peer aborted or died)") +
                         " on rank " + std::to_string(hung.rank) + " of " + std::to_string(hung.size) +
                         (nccl_error.empty() ? " (JAX_NCCLX_TIMEOUT_S): " : ": ");
-  if (!never.empty()) {
-    message += "rank(s) " + RankList(never) + " never reached it";
-  } else if (static_cast<int>(local.size()) < hung.size) {
-    message += "every rank in this process (" + RankList(local) +
-               ") reached it; the missing rank(s) are among those in other processes (NCCL does not say which)";
-    w.unnamed.emplace(hung.comm_id, hung.sequence);
-  } else {
-    message += "every rank reached it, but NCCL did not complete it";
-  }
+  bool elsewhere = false;
+  message += MissingFrom(w, hung, "did not complete", &elsewhere);
+  if (elsewhere) w.unnamed.emplace(hung.comm_id, hung.sequence);
   return message + "; the communicator is aborted";
+}
+
+// The late-peer warning of `call`, unfinished `waited_ns` after it could start (`queueing`: its handler is
+// still inside NCCL's launch), or "" when none is due: past its grace, before its timeout, and once per call
+// on a communicator however many local ranks wait in it. Called with w.mu held.
+std::string LateWarning(Watchdog& w, const WatchedCall& call, int64_t waited_ns, bool queueing) {
+  if (call.warn_ns <= 0 || call.warn_ns >= call.timeout_ns || waited_ns <= call.warn_ns) return "";
+  int64_t& warned = w.warned.try_emplace(call.comm_id, -1).first->second;
+  if (warned >= call.sequence) return "";
+  warned = call.sequence;
+  bool elsewhere = false;
+  return DescribeCall(call) + " " +
+         (queueing ? "is still being queued by NCCL (connection set-up waits for the peers) " : "has not finished ") +
+         DescribeSeconds(call.warn_ns) + " after it could start on rank " + std::to_string(call.rank) + " of " +
+         std::to_string(call.size) + ": " + MissingFrom(w, call, "has not completed", &elsewhere) +
+         "; still waiting, until the timeout of " + DescribeSeconds(call.timeout_ns) +
+         " (JAX_NCCLX_TIMEOUT_S; JAX_NCCLX_WARN_AFTER_S sets when this is printed)";
 }
 
 // One pass over the watched calls. A rank's calls run in order on its stream, so only the oldest unfinished
@@ -212,6 +239,7 @@ std::string HangMessage(Watchdog& w, const WatchedCall& hung, const std::string&
 void WatchOnce(Watchdog& w) {
   std::vector<std::pair<int64_t, std::string>> hangs;
   std::vector<std::pair<int64_t, std::string>> stuck_launches;
+  std::vector<std::string> warnings;
   const std::vector<std::pair<int64_t, std::string>> async_errors = CommAsyncErrors();  // outside w.mu
   {
     std::lock_guard<std::mutex> lock(w.mu);
@@ -231,6 +259,9 @@ void WatchOnce(Watchdog& w) {
       if (it->end == nullptr) {
         // Still inside NCCL's launch: NCCL sets up connections on first use, which waits for the peers on the
         // host. An abort would wait for the launch to return (the handler's CommLease), so only report it.
+        if (std::string warning = LateWarning(w, it->call, now - it->opened_ns, /*queueing=*/true); !warning.empty()) {
+          warnings.push_back(std::move(warning));
+        }
         if (!it->reported && now - it->opened_ns > it->call.timeout_ns) {
           it->reported = true;
           std::string message = HangMessage(w, it->call);
@@ -263,6 +294,9 @@ void WatchOnce(Watchdog& w) {
       }
       if (now - it->started_ns > it->call.timeout_ns && !hung(it->call.comm_id)) {
         hangs.emplace_back(it->call.comm_id, HangMessage(w, it->call));
+      } else if (std::string warning = LateWarning(w, it->call, now - it->started_ns, /*queueing=*/false);
+                 !warning.empty()) {
+        warnings.push_back(std::move(warning));
       }
       ++it;
     }
@@ -290,6 +324,9 @@ void WatchOnce(Watchdog& w) {
       }
     }
   }
+  // On stderr, as XLA's own warnings about a stuck collective: the call goes on waiting.
+  for (const std::string& warning : warnings) std::fprintf(stderr, "jax_ncclx: warning: %s\n", warning.c_str());
+  if (!warnings.empty()) std::fflush(stderr);
   for (const auto& [comm_id, message] : stuck_launches) RecordCommFault(comm_id, message);
   for (const auto& [comm_id, message] : hangs) AbortComm(comm_id, message);
   for (const auto& [comm_id, message] : FindHungReplays()) AbortComm(comm_id, message);
@@ -366,6 +403,7 @@ void ForgetWatchedCalls() {
   w.unnamed.clear();
   w.last_done.clear();
   w.late.clear();
+  w.warned.clear();
   ForgetCapturedCalls();
 }
 
@@ -405,8 +443,8 @@ ffi::ErrorOr<CallBracket> OpenCall(const GpuCall& call, bool watch) {
   }
   if (bracket.skip) return bracket;
   if (call.fault && call.fault->kind == FaultKind::kStall) {
-    NCCLX_RETURN_IF_ERROR(CheckCuda(call.op, "LaunchDeviceStall",
-                                    LaunchDeviceStall(call.fault->delay_ms * 1000000, call.stream)));
+    NCCLX_RETURN_IF_ERROR(
+        CheckCuda(call.op, "LaunchDeviceStall", LaunchDeviceStall(call.fault->delay_ms * 1000000, call.stream)));
   }
   if (!nccl && !call.attrs.trace) return bracket;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;

@@ -7,7 +7,9 @@
 //     than its timeout ago and has not finished is declared hung, its communicator is aborted (ncclCommAbort
 //     makes the NCCL kernels return) and every later call on it fails with a message naming the call and the
 //     local ranks that never reached it. A handler stuck inside NCCL's launch itself (NCCL sets up connections
-//     on first use, waiting for the peers on the host) is reported the same way but not aborted. No abort
+//     on first use, waiting for the peers on the host) is reported the same way but not aborted. A call still
+//     unfinished after its grace (attribute warn_ms, JAX_NCCLX_WARN_AFTER_S), shorter than its timeout, first
+//     gets one warning on stderr naming it and the ranks missing, once per call on a communicator. No abort
 //     frees a communicator under a handler: a rank whose handler is queueing work on it is stopped when the
 //     handler returns (CommLease, nccl_comms.h).
 //   * The same bracket applies injected faults (monitor.h) and, under JAX_NCCLX_TRACE=1, records the call
@@ -56,6 +58,7 @@ struct WatchedCall {
   int32_t device = 0;
   int64_t sequence = 0;
   int64_t timeout_ns = 0;
+  int64_t warn_ns = 0;  // the late-peer warning's grace (0: none)
 };
 
 // Numbers the call and looks up its injected fault; fails with the communicator's recorded fault, if any.

@@ -55,16 +55,15 @@ inline ffi::ErrorOr<AllToAllvSendRows> GetSendRows(std::string_view op, const ff
   if (!suffix.has_value()) return rows;
   const ffi::Span<const int64_t> suffix_dims = suffix->dimensions();
   if (x_dims.size() != 3) {
-    return InvalidArgument(op, "x has shape " + DimsString(x_dims) +
-                                   " with a suffix, expected [batch, rows, features]");
+    return InvalidArgument(op,
+                           "x has shape " + DimsString(x_dims) + " with a suffix, expected [batch, rows, features]");
   }
   if (suffix->element_type() != x.element_type() || suffix_dims.size() != 3 || suffix_dims[0] != rows.batch ||
       suffix_dims[1] != rows.num_rows) {
     return InvalidArgument(op, "suffix is " + std::string(DataTypeName(suffix->element_type())) +
                                    DimsString(suffix_dims) + ", expected x's " +
-                                   std::string(DataTypeName(x.element_type())) + " and [" +
-                                   std::to_string(rows.batch) + ", " + std::to_string(rows.num_rows) +
-                                   ", columns] (send_rows' rows)");
+                                   std::string(DataTypeName(x.element_type())) + " and [" + std::to_string(rows.batch) +
+                                   ", " + std::to_string(rows.num_rows) + ", columns] (send_rows' rows)");
   }
   rows.suffix_bytes = suffix_dims[2] * item;
   rows.row_bytes += rows.suffix_bytes;
@@ -75,9 +74,8 @@ inline ffi::ErrorOr<AllToAllvSendRows> GetSendRows(std::string_view op, const ff
 // recv_counts [B, N, K], dropped [B, N] and y of x's dtype holding B x N x capacity rows (unless `placed`:
 // CheckPlace checks y then). Returns K.
 inline ffi::ErrorOr<int64_t> CheckReceiveSide(std::string_view op, const AllToAllvSendRows& rows,
-                                              const ffi::AnyBuffer& x,
-                                              ffi::Span<const int64_t> counts_dims, const ffi::AnyBuffer& y,
-                                              ffi::Span<const int64_t> recv_counts_dims,
+                                              const ffi::AnyBuffer& x, ffi::Span<const int64_t> counts_dims,
+                                              const ffi::AnyBuffer& y, ffi::Span<const int64_t> recv_counts_dims,
                                               ffi::Span<const int64_t> dropped_dims, int64_t num_ranks,
                                               int64_t capacity, int64_t packed, bool placed = false) {
   if (capacity < 0 || capacity > kMaxCapacity) {
@@ -112,8 +110,8 @@ inline ffi::ErrorOr<int64_t> CheckReceiveSide(std::string_view op, const AllToAl
 // A placed call (ragged_all_to_all): place int32 [B, N * C] and y [B, O, F...] with whole rows of the send
 // side's row_bytes. Returns O.
 inline ffi::ErrorOr<int64_t> CheckPlace(std::string_view op, const AllToAllvSendRows& rows,
-                                        ffi::Span<const int64_t> place_dims,
-                                        const ffi::AnyBuffer& y, int64_t num_ranks, int64_t capacity) {
+                                        ffi::Span<const int64_t> place_dims, const ffi::AnyBuffer& y, int64_t num_ranks,
+                                        int64_t capacity) {
   const std::optional<int64_t> slots = CheckedProduct({num_ranks, capacity});
   if (!slots.has_value()) return InvalidArgument(op, "ranks x capacity overflows int64");
   NCCLX_RETURN_IF_ERROR(CheckDims(op, "place", place_dims, {rows.batch, *slots}));

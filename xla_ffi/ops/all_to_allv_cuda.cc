@@ -40,14 +40,13 @@ ffi::ErrorOr<AllToAllvShape> GetShape(std::string_view op, const ffi::AnyBuffer&
                                       const std::optional<ffi::Buffer<ffi::S32>>& send_rows,
                                       const std::optional<ffi::AnyBuffer>& suffix,
                                       const std::optional<ffi::Buffer<ffi::S32>>& place, const ffi::AnyBuffer& y,
-                                      const ffi::Buffer<ffi::S32>& recv_counts,
-                                      const ffi::Buffer<ffi::S32>& dropped, int num_ranks, int64_t capacity,
-                                      int64_t packed, int64_t* out_rows) {
+                                      const ffi::Buffer<ffi::S32>& recv_counts, const ffi::Buffer<ffi::S32>& dropped,
+                                      int num_ranks, int64_t capacity, int64_t packed, int64_t* out_rows) {
   ffi::ErrorOr<AllToAllvSendRows> rows = GetSendRows(op, x, send_rows, suffix);
   if (rows.has_error()) return rows.error();
-  ffi::ErrorOr<int64_t> num_chunks =
-      CheckReceiveSide(op, *rows, x, counts.dimensions(), y, recv_counts.dimensions(), dropped.dimensions(), num_ranks,
-                       capacity, packed, place.has_value());
+  ffi::ErrorOr<int64_t> num_chunks = CheckReceiveSide(op, *rows, x, counts.dimensions(), y, recv_counts.dimensions(),
+                                                      dropped.dimensions(), num_ranks, capacity, packed,
+                                                      place.has_value());
   if (num_chunks.has_error()) return num_chunks.error();
   *out_rows = 0;
   if (place.has_value()) {
@@ -108,8 +107,8 @@ ffi::ErrorOr<const int32_t*> CountsToSend(std::string_view op, const GpuCall& ca
     return counts.typed_data();
   }
   void* corrupted = nullptr;
-  NCCLX_RETURN_IF_ERROR(CheckCuda(op, "cudaMallocAsync",
-                                  cudaMallocAsync(&corrupted, counts.size_bytes(), call.stream)));
+  NCCLX_RETURN_IF_ERROR(
+      CheckCuda(op, "cudaMallocAsync", cudaMallocAsync(&corrupted, counts.size_bytes(), call.stream)));
   NCCLX_RETURN_IF_ERROR(CheckCuda(op, "corrupt counts kernel launch",
                                   LaunchCorruptCounts(counts.typed_data(), static_cast<int32_t*>(corrupted),
                                                       counts.element_count(), call.stream)));
@@ -128,8 +127,8 @@ ffi::ErrorOr<int> KernelBlocksPerSm() {
   static std::atomic<int> known{0};
   return AskOnce(known, []() -> ffi::ErrorOr<int> {
     int per_sm = 0;
-    NCCLX_RETURN_IF_ERROR(CheckCuda(kAllToAllvOp, "cudaOccupancyMaxActiveBlocksPerMultiprocessor",
-                                    NvlinkAllToAllvBlocksPerSm(&per_sm)));
+    NCCLX_RETURN_IF_ERROR(
+        CheckCuda(kAllToAllvOp, "cudaOccupancyMaxActiveBlocksPerMultiprocessor", NvlinkAllToAllvBlocksPerSm(&per_sm)));
     if (per_sm < 1) return Internal(kAllToAllvOp, "the NVLink kernel fits no block on an SM of this GPU");
     return per_sm;
   });
@@ -154,7 +153,8 @@ ffi::Error NcclImpl(std::string_view op, cudaStream_t stream, int32_t device_ord
                     std::optional<ffi::AnyBuffer> suffix, std::optional<ffi::Buffer<ffi::S32>> place,
                     ffi::Result<ffi::AnyBuffer> y, ffi::ResultBuffer<ffi::S32> recv_counts,
                     ffi::ResultBuffer<ffi::S32> dropped, ffi::ResultBuffer<ffi::U8> workspace, int64_t comm_id,
-                    int64_t site, int64_t timeout_ms, int64_t trace, int64_t capacity, int64_t packed) {
+                    int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace, int64_t capacity,
+                    int64_t packed) {
   ffi::ErrorOr<CommRank> comm = LookupCommRank(op, comm_id, device_ordinal);
   if (comm.has_error()) return comm.error();
   int64_t out_rows = 0;
@@ -174,7 +174,7 @@ ffi::Error NcclImpl(std::string_view op, cudaStream_t stream, int32_t device_ord
   int64_t* first_row = reinterpret_cast<int64_t*>(base + layout.first_row);
   int64_t* delivered = reinterpret_cast<int64_t*>(base + layout.delivered);
 
-  ffi::ErrorOr<GpuCall> call = BeginGpuCall(op, MakeCallAttrs(site, timeout_ms, trace), comm_id, comm->rank,
+  ffi::ErrorOr<GpuCall> call = BeginGpuCall(op, MakeCallAttrs(site, timeout_ms, warn_ms, trace), comm_id, comm->rank,
                                             comm->size, device_ordinal, stream);
   if (call.has_error()) return call.error();
   const int64_t peer_bytes = shape->capacity * shape->row_bytes;
@@ -187,24 +187,23 @@ ffi::Error NcclImpl(std::string_view op, cudaStream_t stream, int32_t device_ord
                                     LaunchPlanSends(*shape, *send_counts, delivered_chunks, first_row, delivered,
                                                     dropped->typed_data(), stream)));
     NCCLX_RETURN_IF_ERROR(ReleaseCounts(op, *call, counts, *send_counts));
-    NCCLX_RETURN_IF_ERROR(
-        CheckCuda(op, "pack kernel launch",
-                  LaunchPackRows(*shape, x.untyped_data(), OptionalData(send_rows), OptionalData(suffix),
-                                 first_row, delivered, send, stream)));
+    NCCLX_RETURN_IF_ERROR(CheckCuda(op, "pack kernel launch",
+                                    LaunchPackRows(*shape, x.untyped_data(), OptionalData(send_rows),
+                                                   OptionalData(suffix), first_row, delivered, send, stream)));
     NCCLX_RETURN_IF_ERROR(InNcclGroup(op, comm->comm, [&]() -> ffi::Error {
       for (int64_t b = 0; b < shape->batch; ++b) {
         if (peer_bytes > 0) {
           NCCLX_RETURN_IF_ERROR(CheckNccl(op, "ncclAlltoAll (rows)",
-                                          ncclAlltoAll(send + b * batch_bytes, recv + b * batch_bytes,
-                                                       peer_bytes, ncclInt8, comm->comm, stream),
+                                          ncclAlltoAll(send + b * batch_bytes, recv + b * batch_bytes, peer_bytes,
+                                                       ncclInt8, comm->comm, stream),
                                           comm->comm));
         }
         if (shape->num_chunks > 0) {
-          NCCLX_RETURN_IF_ERROR(CheckNccl(op, "ncclAlltoAll (recv_counts)",
-                                          ncclAlltoAll(delivered_chunks + b * batch_counts,
-                                                       recv_counts->typed_data() + b * batch_counts,
-                                                       shape->num_chunks, ncclInt32, comm->comm, stream),
-                                          comm->comm));
+          NCCLX_RETURN_IF_ERROR(
+              CheckNccl(op, "ncclAlltoAll (recv_counts)",
+                        ncclAlltoAll(delivered_chunks + b * batch_counts, recv_counts->typed_data() + b * batch_counts,
+                                     shape->num_chunks, ncclInt32, comm->comm, stream),
+                        comm->comm));
         }
       }
       return ffi::Error::Success();
@@ -225,7 +224,8 @@ ffi::Error NvlinkImpl(std::string_view op, cudaStream_t stream, int32_t device_o
                       std::optional<ffi::AnyBuffer> suffix, std::optional<ffi::Buffer<ffi::S32>> place,
                       ffi::Result<ffi::AnyBuffer> y, ffi::ResultBuffer<ffi::S32> recv_counts,
                       ffi::ResultBuffer<ffi::S32> dropped, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                      int64_t trace, int64_t capacity, int64_t packed, int64_t blocks, int64_t direct) {
+                      int64_t warn_ms, int64_t trace, int64_t capacity, int64_t packed, int64_t blocks,
+                      int64_t direct) {
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(op, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckNvlinkFault(op, comm_id, *symmetric));
@@ -239,10 +239,10 @@ ffi::Error NvlinkImpl(std::string_view op, cudaStream_t stream, int32_t device_o
   const NvlinkAllToAllvLayout layout = LayOutNvlinkAllToAllv(*shape, direct == 1);
   if (layout.staging_bytes > symmetric->staging_bytes || layout.counts_bytes > symmetric->parity_half_bytes) {
     return Internal(op, "the symmetric memory holds " + std::to_string(symmetric->staging_bytes) +
-                             " staging bytes and " + std::to_string(symmetric->parity_half_bytes) +
-                             " low-latency bytes per parity, but this call needs " +
-                             std::to_string(layout.staging_bytes) + " and " + std::to_string(layout.counts_bytes) +
-                             "; they are sized when the program is lowered by jax_ncclx");
+                            " staging bytes and " + std::to_string(symmetric->parity_half_bytes) +
+                            " low-latency bytes per parity, but this call needs " +
+                            std::to_string(layout.staging_bytes) + " and " + std::to_string(layout.counts_bytes) +
+                            "; they are sized when the program is lowered by jax_ncclx");
   }
   if (shape->batch == 0) return ffi::Error::Success();
   ffi::ErrorOr<int> sm_count = SmCount(op, device_ordinal);
@@ -250,9 +250,9 @@ ffi::Error NvlinkImpl(std::string_view op, cudaStream_t stream, int32_t device_o
   ffi::ErrorOr<int> per_sm = KernelBlocksPerSm();
   if (per_sm.has_error()) return per_sm.error();
   const NvlinkGrid grid = ChooseNvlinkGrid(*shape, direct == 1, RequestedBlocks(blocks), *sm_count,
-                                          *sm_count * *per_sm);
+                                           *sm_count * *per_sm);
 
-  const CallAttrs attrs = MakeCallAttrs(site, timeout_ms, trace);
+  const CallAttrs attrs = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
   NvlinkAllToAllvArgs args;
   args.shape = *shape;
   args.rank = symmetric->rank;
@@ -275,16 +275,15 @@ ffi::Error NvlinkImpl(std::string_view op, cudaStream_t stream, int32_t device_o
   args.control = symmetric->control;
   args.counts_slot_bytes = layout.counts_slot_bytes;
   args.rows_slot_bytes = layout.rows_slot_bytes;
-  ffi::ErrorOr<GpuCall> call =
-      BeginGpuCall(op, attrs, comm_id, symmetric->rank, symmetric->size, device_ordinal, stream);
+  ffi::ErrorOr<GpuCall> call = BeginGpuCall(op, attrs, comm_id, symmetric->rank, symmetric->size, device_ordinal,
+                                            stream);
   if (call.has_error()) return call.error();
   return RunGpuCall(*call, /*watch=*/false, y->untyped_data(), y->size_bytes(), [&]() -> ffi::Error {
     ffi::ErrorOr<const int32_t*> send_counts = CountsToSend(op, *call, counts);
     if (send_counts.has_error()) return send_counts.error();
     args.counts = *send_counts;
     NCCLX_RETURN_IF_ERROR(CountNvlinkLaunch(op, stream));
-    NCCLX_RETURN_IF_ERROR(
-        CheckCuda(op, "NVLink kernel launch", LaunchNvlinkAllToAllv(args, grid.blocks, stream)));
+    NCCLX_RETURN_IF_ERROR(CheckCuda(op, "NVLink kernel launch", LaunchNvlinkAllToAllv(args, grid.blocks, stream)));
     return ReleaseCounts(op, *call, counts, *send_counts);
   });
 }
@@ -294,34 +293,32 @@ ffi::Error NcclAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal,
                                     std::optional<ffi::AnyBuffer> suffix, ffi::Result<ffi::AnyBuffer> y,
                                     ffi::ResultBuffer<ffi::S32> recv_counts, ffi::ResultBuffer<ffi::S32> dropped,
                                     ffi::ResultBuffer<ffi::U8> workspace, int64_t comm_id, int64_t site,
-                                    int64_t timeout_ms, int64_t trace, int64_t capacity, int64_t packed) {
+                                    int64_t timeout_ms, int64_t warn_ms, int64_t trace, int64_t capacity,
+                                    int64_t packed) {
   return NcclImpl(kAllToAllvOp, stream, device_ordinal, x, counts, send_rows, suffix, std::nullopt, y, recv_counts,
-                  dropped, workspace, comm_id, site, timeout_ms, trace, capacity, packed);
+                  dropped, workspace, comm_id, site, timeout_ms, warn_ms, trace, capacity, packed);
 }
 
 ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                                      ffi::Buffer<ffi::S32> counts,
-                                      std::optional<ffi::Buffer<ffi::S32>> send_rows,
+                                      ffi::Buffer<ffi::S32> counts, std::optional<ffi::Buffer<ffi::S32>> send_rows,
                                       std::optional<ffi::AnyBuffer> suffix, ffi::Result<ffi::AnyBuffer> y,
-                                      ffi::ResultBuffer<ffi::S32> recv_counts,
-                                      ffi::ResultBuffer<ffi::S32> dropped, int64_t comm_id, int64_t site,
-                                      int64_t timeout_ms, int64_t trace, int64_t capacity, int64_t packed,
-                                      int64_t blocks, int64_t direct) {
+                                      ffi::ResultBuffer<ffi::S32> recv_counts, ffi::ResultBuffer<ffi::S32> dropped,
+                                      int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
+                                      int64_t capacity, int64_t packed, int64_t blocks, int64_t direct) {
   return NvlinkImpl(kAllToAllvOp, stream, device_ordinal, x, counts, send_rows, suffix, std::nullopt, y, recv_counts,
-                    dropped, comm_id, site, timeout_ms, trace, capacity, packed, blocks, direct);
+                    dropped, comm_id, site, timeout_ms, warn_ms, trace, capacity, packed, blocks, direct);
 }
 
 // ragged_all_to_all's exchange: `output` is y's buffer (XLA aliases them), so the rows nothing places keep
 // its values.
 ffi::Error NcclRaggedAllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                                   ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::S32> send_rows,
-                                  ffi::Buffer<ffi::S32> place, ffi::AnyBuffer /*output*/,
-                                  ffi::Result<ffi::AnyBuffer> y, ffi::ResultBuffer<ffi::S32> recv_counts,
-                                  ffi::ResultBuffer<ffi::S32> dropped, ffi::ResultBuffer<ffi::U8> workspace,
-                                  int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t trace,
-                                  int64_t capacity) {
+                                  ffi::Buffer<ffi::S32> place, ffi::AnyBuffer /*output*/, ffi::Result<ffi::AnyBuffer> y,
+                                  ffi::ResultBuffer<ffi::S32> recv_counts, ffi::ResultBuffer<ffi::S32> dropped,
+                                  ffi::ResultBuffer<ffi::U8> workspace, int64_t comm_id, int64_t site,
+                                  int64_t timeout_ms, int64_t warn_ms, int64_t trace, int64_t capacity) {
   return NcclImpl(kRaggedAllToAllOp, stream, device_ordinal, x, counts, send_rows, std::nullopt, place, y, recv_counts,
-                  dropped, workspace, comm_id, site, timeout_ms, trace, capacity, /*packed=*/0);
+                  dropped, workspace, comm_id, site, timeout_ms, warn_ms, trace, capacity, /*packed=*/0);
 }
 
 ffi::Error NvlinkRaggedAllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
@@ -329,10 +326,11 @@ ffi::Error NvlinkRaggedAllToAllImpl(cudaStream_t stream, int32_t device_ordinal,
                                     ffi::Buffer<ffi::S32> place, ffi::AnyBuffer /*output*/,
                                     ffi::Result<ffi::AnyBuffer> y, ffi::ResultBuffer<ffi::S32> recv_counts,
                                     ffi::ResultBuffer<ffi::S32> dropped, int64_t comm_id, int64_t site,
-                                    int64_t timeout_ms, int64_t trace, int64_t capacity, int64_t blocks,
-                                    int64_t direct) {
+                                    int64_t timeout_ms, int64_t warn_ms, int64_t trace, int64_t capacity,
+                                    int64_t blocks, int64_t direct) {
   return NvlinkImpl(kRaggedAllToAllOp, stream, device_ordinal, x, counts, send_rows, std::nullopt, place, y,
-                    recv_counts, dropped, comm_id, site, timeout_ms, trace, capacity, /*packed=*/0, blocks, direct);
+                    recv_counts, dropped, comm_id, site, timeout_ms, warn_ms, trace, capacity, /*packed=*/0, blocks,
+                    direct);
 }
 
 // The arguments of ragged_all_to_all's exchange on both transports.
@@ -352,40 +350,36 @@ auto BindRaggedAllToAll() {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    NcclRaggedAllToAll, NcclRaggedAllToAllImpl,
-    BindCallAttrs(BindRaggedAllToAll()
-                      .Ret<ffi::Buffer<ffi::U8>>()  // workspace: [W]
-                      .Attr<int64_t>("comm_id"))     // comm_id
-        .Attr<int64_t>("capacity"));               // capacity
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclRaggedAllToAll, NcclRaggedAllToAllImpl,
+                              BindCallAttrs(BindRaggedAllToAll()
+                                                .Ret<ffi::Buffer<ffi::U8>>()  // workspace: [W]
+                                                .Attr<int64_t>("comm_id"))     // comm_id
+                                  .Attr<int64_t>("capacity"));               // capacity
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    NvlinkRaggedAllToAll, NvlinkRaggedAllToAllImpl,
-    BindCallAttrs(BindRaggedAllToAll().Attr<int64_t>("comm_id"))  // comm_id
-        .Attr<int64_t>("capacity")                 // capacity
-        .Attr<int64_t>("blocks")                   // blocks (0 = chosen by size)
-        .Attr<int64_t>("direct"),                  // direct: 1 = write into the peers' outputs
-    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkRaggedAllToAll, NvlinkRaggedAllToAllImpl,
+                              BindCallAttrs(BindRaggedAllToAll().Attr<int64_t>("comm_id"))  // comm_id
+                                  .Attr<int64_t>("capacity")                 // capacity
+                                  .Attr<int64_t>("blocks")                   // blocks (0 = chosen by size)
+                                  .Attr<int64_t>("direct"),  // direct: 1 = write into the peers' outputs
+                              {ffi::Traits::kCmdBufferCompatible});
 NCCLX_DEFINE_PREPARE_HANDLER(NvlinkRaggedAllToAllPrepare, "ragged_all_to_all");
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    NcclAllToAllvDynamic, NcclAllToAllvDynamicImpl,
-    BindCallAttrs(BindAllToAllv()
-                      .Ret<ffi::Buffer<ffi::U8>>()  // workspace: [W]
-                      .Attr<int64_t>("comm_id"))     // comm_id
-        .Attr<int64_t>("capacity")                 // capacity
-        .Attr<int64_t>("packed"));                 // packed
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclAllToAllvDynamic, NcclAllToAllvDynamicImpl,
+                              BindCallAttrs(BindAllToAllv()
+                                                .Ret<ffi::Buffer<ffi::U8>>()  // workspace: [W]
+                                                .Attr<int64_t>("comm_id"))  // comm_id
+                                  .Attr<int64_t>("capacity")  // capacity
+                                  .Attr<int64_t>("packed"));  // packed
 
 // Safe in command buffers: one kernel launch whose arguments are fixed for the program (peer addresses are
 // read from the stable peer table, epochs live on the device).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    NvlinkAllToAllvDynamic, NvlinkAllToAllvDynamicImpl,
-    BindCallAttrs(BindAllToAllv().Attr<int64_t>("comm_id"))  // comm_id
-        .Attr<int64_t>("capacity")                 // capacity
-        .Attr<int64_t>("packed")                   // packed
-        .Attr<int64_t>("blocks")                   // blocks (0 = chosen by size)
-        .Attr<int64_t>("direct"),                  // direct: 1 = write into the peers' outputs
-    {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllToAllvDynamic, NvlinkAllToAllvDynamicImpl,
+                              BindCallAttrs(BindAllToAllv().Attr<int64_t>("comm_id"))  // comm_id
+                                  .Attr<int64_t>("capacity")  // capacity
+                                  .Attr<int64_t>("packed")  // packed
+                                  .Attr<int64_t>("blocks")  // blocks (0 = chosen by size)
+                                  .Attr<int64_t>("direct"),  // direct: 1 = write into the peers' outputs
+                              {ffi::Traits::kCmdBufferCompatible});
 // Under JAX_NCCLX_WATCH_REPLAYS=1: replays never call the handler, so this refuses a failed communicator's.
 NCCLX_DEFINE_PREPARE_HANDLER(NvlinkAllToAllvDynamicPrepare, "all_to_allv_dynamic");
 

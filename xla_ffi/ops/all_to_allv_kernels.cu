@@ -30,8 +30,8 @@ __global__ void PlanSendsKernel(AllToAllvShape shape, const int32_t* __restrict_
   for (int64_t b = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; b < shape.batch;
        b += int64_t{gridDim.x} * blockDim.x) {
     PlanSends(counts + b * per_batch, shape.num_peers, shape.num_chunks, shape.num_rows, shape.capacity,
-              delivered_chunks + b * per_batch, first_row + b * shape.num_peers,
-              delivered + b * shape.num_peers, dropped + b * shape.num_peers);
+              delivered_chunks + b * per_batch, first_row + b * shape.num_peers, delivered + b * shape.num_peers,
+              dropped + b * shape.num_peers);
   }
 }
 
@@ -158,8 +158,7 @@ __global__ void __launch_bounds__(kThreads)
     const V* src = recv + segment * shape.capacity * units_per_row;
     const int32_t* slots = place + segment * shape.capacity;
     V* out = y + b * out_rows * units_per_row;
-    for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < live;
-         i += int64_t{gridDim.x} * blockDim.x) {
+    for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < live; i += int64_t{gridDim.x} * blockDim.x) {
       const int64_t row = slots[i / units_per_row];
       if (row >= 0 && row < out_rows) out[row * units_per_row + i % units_per_row] = src[i];
     }
@@ -171,8 +170,7 @@ dim3 SegmentGrid(int64_t segments, int64_t segment_units) {
   const int64_t y = std::min(segments, kMaxGridY);
   const int64_t wanted_x = (kTargetBlocks + y - 1) / y;
   const int64_t needed_x = (segment_units + kThreads - 1) / kThreads;
-  return dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min(wanted_x, needed_x))),
-              static_cast<unsigned>(y));
+  return dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min(wanted_x, needed_x))), static_cast<unsigned>(y));
 }
 
 bool AlignedTo(int64_t width, std::initializer_list<int64_t> sizes, std::initializer_list<const void*> buffers) {
@@ -205,14 +203,13 @@ cudaError_t LaunchPlanSends(const AllToAllvShape& shape, const int32_t* counts, 
   if (shape.batch == 0) return cudaSuccess;
   constexpr int kPlanThreads = 128;
   const int64_t blocks = std::min((shape.batch + kPlanThreads - 1) / kPlanThreads, kTargetBlocks);
-  PlanSendsKernel<<<static_cast<unsigned>(blocks), kPlanThreads, 0, stream>>>(
-      shape, counts, delivered_chunks, first_row, delivered, dropped);
+  PlanSendsKernel<<<static_cast<unsigned>(blocks), kPlanThreads, 0, stream>>>(shape, counts, delivered_chunks,
+                                                                              first_row, delivered, dropped);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchPackRows(const AllToAllvShape& shape, const void* x, const int32_t* send_rows,
-                           const void* suffix, const int64_t* first_row, const int64_t* delivered, void* send,
-                           cudaStream_t stream) {
+cudaError_t LaunchPackRows(const AllToAllvShape& shape, const void* x, const int32_t* send_rows, const void* suffix,
+                           const int64_t* first_row, const int64_t* delivered, void* send, cudaStream_t stream) {
   const int64_t segments = shape.batch * shape.num_peers;
   if (segments == 0 || shape.capacity == 0 || shape.row_bytes == 0) return cudaSuccess;
   return WithWidestUnit({shape.row_bytes, shape.suffix_bytes}, {x, suffix, send}, [&](auto unit) {
@@ -226,8 +223,8 @@ cudaError_t LaunchPackRows(const AllToAllvShape& shape, const void* x, const int
   });
 }
 
-cudaError_t LaunchCompactRows(const AllToAllvShape& shape, const void* recv, const int32_t* recv_counts,
-                              void* y, cudaStream_t stream) {
+cudaError_t LaunchCompactRows(const AllToAllvShape& shape, const void* recv, const int32_t* recv_counts, void* y,
+                              cudaStream_t stream) {
   const int64_t segments = shape.batch * shape.num_peers;
   if (segments == 0 || shape.capacity == 0 || shape.row_bytes == 0) return cudaSuccess;
   return WithWidestUnit({shape.row_bytes}, {recv, y}, [&](auto unit) {

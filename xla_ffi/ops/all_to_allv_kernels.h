@@ -35,15 +35,14 @@ cudaError_t LaunchPlanSends(const AllToAllvShape& shape, const int32_t* counts, 
 // c < delivered[b, j], else zero bytes. x is [B, X, row_bytes - suffix_bytes]; send row s is x[b, s], or
 // x[b, send_rows[b, s]] when send_rows ([B, S] int32) is not null (SourceRow), followed by suffix[b, s] when
 // the suffix is not null.
-cudaError_t LaunchPackRows(const AllToAllvShape& shape, const void* x, const int32_t* send_rows,
-                           const void* suffix, const int64_t* first_row, const int64_t* delivered, void* send,
-                           cudaStream_t stream);
+cudaError_t LaunchPackRows(const AllToAllvShape& shape, const void* x, const int32_t* send_rows, const void* suffix,
+                           const int64_t* first_row, const int64_t* delivered, void* send, cudaStream_t stream);
 
 // Builds y [B, N * C, row_bytes] from recv [B, N, C, row_bytes], where source j sent
 // sum_k recv_counts[b, j, k] rows followed by zero rows: y[b] holds the rows of source 0, then those of
 // source 1, ..., then zeros.
-cudaError_t LaunchCompactRows(const AllToAllvShape& shape, const void* recv, const int32_t* recv_counts,
-                              void* y, cudaStream_t stream);
+cudaError_t LaunchCompactRows(const AllToAllvShape& shape, const void* recv, const int32_t* recv_counts, void* y,
+                              cudaStream_t stream);
 
 // Writes row r < sum_k recv_counts[b, j, k] of recv [B, N, C, row_bytes] (the rows from source j) on row
 // place[b, j * C + r] of y [B, O, row_bytes] where that is in [0, O); y's other rows are left as they are.

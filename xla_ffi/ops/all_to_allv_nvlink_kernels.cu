@@ -169,8 +169,7 @@ __device__ __forceinline__ int32_t* CountSlot(const NvlinkAllToAllvArgs& args, i
                                     source * args.counts_slot_bytes);
 }
 
-__device__ __forceinline__ const int32_t* LocalCountSlot(const NvlinkAllToAllvArgs& args, int parity,
-                                                         int source) {
+__device__ __forceinline__ const int32_t* LocalCountSlot(const NvlinkAllToAllvArgs& args, int parity, int source) {
   return CountSlot(args, args.rank, parity, source);
 }
 
@@ -330,12 +329,12 @@ __device__ void PlanTile(const NvlinkAllToAllvArgs& args, Shared& shared, int pa
       delivered_chunks = reinterpret_cast<int32_t*>(args.control->recv_counts[peer]) +
                          (b * s.num_peers + args.rank) * s.num_chunks;
     }
-    const PeerPlan plan =
-        warp_per_element
-            ? WarpPlanPeer(counts.Send(i), s.num_chunks, s.num_rows, s.capacity, peer, delivered_chunks)
-            : PlanPeer(counts.Send(i), s.num_chunks, s.num_rows, s.capacity, peer, [&](int64_t chunk, int32_t rows) {
-                if (delivered_chunks != nullptr) delivered_chunks[chunk] = rows;
-              });
+    const PeerPlan plan = warp_per_element ? WarpPlanPeer(counts.Send(i), s.num_chunks, s.num_rows, s.capacity, peer,
+                                                          delivered_chunks)
+                                           : PlanPeer(counts.Send(i), s.num_chunks, s.num_rows, s.capacity, peer,
+                                                      [&](int64_t chunk, int32_t rows) {
+                                                        if (delivered_chunks != nullptr) delivered_chunks[chunk] = rows;
+                                                      });
     if (!warp_per_element || threadIdx.x % 32 == 0) {
       if (dropped) args.dropped[b * s.num_peers + peer] = plan.dropped;
       int64_t before = 0, total = 0;
@@ -372,8 +371,8 @@ __device__ __forceinline__ bool LeavesZeros(const NvlinkAllToAllvArgs& args, con
 // `round`: the part of the piece to write (calls of one tile, whose plan the first round leaves in shared
 // memory for the others). kInRounds, kPlaced: as the kernel's (staged calls only, so piece 0 never copies counts).
 template <typename V, bool kInRounds, bool kPlaced>
-__device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int g,
-                          bool planned, Round round) {
+__device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int parity, int peer, int g, bool planned,
+                          Round round) {
   const AllToAllvShape& s = args.shape;
   const int64_t units_per_row = s.row_bytes / static_cast<int64_t>(sizeof(V));
   const int64_t suffix_units = s.suffix_bytes / static_cast<int64_t>(sizeof(V));
@@ -402,14 +401,13 @@ __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
   for (int64_t tile = 0; tile < s.batch; tile += tile_size) {
     const int64_t size = min(tile_size, s.batch - tile);
     const bool planned_tile = planned && tile == 0;
-    const Emit emit = first_piece && args.direct     ? Emit::kRecvCounts
+    const Emit emit = first_piece && args.direct      ? Emit::kRecvCounts
                       : !planned_tile && !args.direct ? Emit::kSlot
                                                       : Emit::kNone;
     if (!kInRounds && round.index == 0 && planned_tile && emit == Emit::kRecvCounts && RecvCountsInShared(args)) {
       CopyRecvCounts(args, shared, peer);
     } else if (round.index == 0 && (!planned_tile || emit == Emit::kRecvCounts)) {
-      PlanTile<false>(args, shared, parity, peer, tile, size, emit, first_piece && !planned_tile, planned_tile,
-                      [] {});
+      PlanTile<false>(args, shared, parity, peer, tile, size, emit, first_piece && !planned_tile, planned_tile, [] {});
     }
     leaves_zeros = !kPlaced && LeavesZeros(args, shared, peer);
     const bool with_zeros = args.direct && !placed && !leaves_zeros;
@@ -428,28 +426,29 @@ __device__ bool SendPiece(const NvlinkAllToAllvArgs& args, Shared& shared, int p
           placed ? reinterpret_cast<const int32_t*>(args.control->place[peer]) +
                        (bb * s.num_peers + args.rank) * s.capacity
                  : nullptr;
-      ForEachSlice(args, with_zeros ? s.capacity : delivered, units_per_row, g,
-                   [&](int64_t r, int64_t lo, int64_t hi) {
-                     if (r >= delivered) return WarpZero(zeros + (r - delivered) * units_per_row + lo, hi - lo);
-                     int64_t at = r;
-                     if (kPlaced && places != nullptr) {
-                       at = places[r];
-                       if (at < 0 || at >= args.out_rows) return;
-                     }
-                     V* row = data + at * units_per_row;
-                     const int64_t send_row = first + r;
-                     const int64_t source = SourceRow(args.send_rows, s.num_rows, s.source_rows, bb, send_row);
-                     const int64_t x_hi = min(hi, x_units);
-                     if (lo < x_hi && source < 0) WarpZero(row + lo, x_hi - lo);
-                     if (lo < x_hi && source >= 0) WarpCopy<V, false>(row + lo, x + source * x_units + lo, x_hi - lo);
-                     const int64_t suffix_lo = max(lo, x_units);
-                     if (suffix_lo < hi) {
-                       WarpCopy<V, false>(row + suffix_lo,
-                                          suffix + (bb * s.num_rows + send_row) * suffix_units + suffix_lo - x_units,
-                                          hi - suffix_lo);
-                     }
-                   },
-                   round);
+      ForEachSlice(
+          args, with_zeros ? s.capacity : delivered, units_per_row, g,
+          [&](int64_t r, int64_t lo, int64_t hi) {
+            if (r >= delivered) return WarpZero(zeros + (r - delivered) * units_per_row + lo, hi - lo);
+            int64_t at = r;
+            if (kPlaced && places != nullptr) {
+              at = places[r];
+              if (at < 0 || at >= args.out_rows) return;
+            }
+            V* row = data + at * units_per_row;
+            const int64_t send_row = first + r;
+            const int64_t source = SourceRow(args.send_rows, s.num_rows, s.source_rows, bb, send_row);
+            const int64_t x_hi = min(hi, x_units);
+            if (lo < x_hi && source < 0) WarpZero(row + lo, x_hi - lo);
+            if (lo < x_hi && source >= 0) WarpCopy<V, false>(row + lo, x + source * x_units + lo, x_hi - lo);
+            const int64_t suffix_lo = max(lo, x_units);
+            if (suffix_lo < hi) {
+              WarpCopy<V, false>(row + suffix_lo,
+                                 suffix + (bb * s.num_rows + send_row) * suffix_units + suffix_lo - x_units,
+                                 hi - suffix_lo);
+            }
+          },
+          round);
     }
     __syncthreads();
   }
@@ -545,9 +544,8 @@ __device__ void ReceivePiece(const NvlinkAllToAllvArgs& args, Shared& shared, in
             round);
       }
       if (round.index == 0) {
-        ForEachSlice(args, s.capacity - mine, units_per_row, g, [&](int64_t r, int64_t lo, int64_t hi) {
-          WarpZero(zeros + r * units_per_row + lo, hi - lo);
-        });
+        ForEachSlice(args, s.capacity - mine, units_per_row, g,
+                     [&](int64_t r, int64_t lo, int64_t hi) { WarpZero(zeros + r * units_per_row + lo, hi - lo); });
       }
     }
     __syncthreads();
@@ -579,7 +577,7 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
   const int rounds = kInRounds ? args.rounds : 1;  // SendPiece keeps the tile's plan from its first round
   CallTrace trace(args.control, epoch, args.trace);
   Patience</*kInlineReports=*/true> patience(args.table, args.control, args.rank, num_peers, epoch, kTraceAllToAllv,
-                                            args.site, args.timeout_ns);
+                                             args.site, args.timeout_ns);
   if (threadIdx.x == 0) trace.Start();
 
   if (blockIdx.x == 0) {
@@ -657,9 +655,9 @@ __global__ void __launch_bounds__(kThreads) NvlinkAllToAllvKernel(NvlinkAllToAll
     for (int r = 0; r < rounds; ++r) {
       // Round r of a piece has landed once its progress flag counts r + 1 rounds, the last once it arrived.
       auto landed = [&](int q, uint64_t* seen = nullptr) {
-        return r + 1 == rounds ? patience.AtLeast(&args.control->arrived[q][g], epoch, q, seen)
-                               : patience.AtLeast(&args.control->progress[q][g], (epoch << kRoundBits) + r + 1,
-                                                  q, seen);
+        return r + 1 == rounds
+                   ? patience.AtLeast(&args.control->arrived[q][g], epoch, q, seen)
+                   : patience.AtLeast(&args.control->progress[q][g], (epoch << kRoundBits) + r + 1, q, seen);
       };
       for (int k = 0; k < (rounds > 1 ? num_peers : 1); ++k) {
         const int source = (first_source - k + num_peers) % num_peers;
@@ -751,8 +749,8 @@ cudaError_t FitVariants(int* fewest) {
 NvlinkAllToAllvLayout LayOutNvlinkAllToAllv(const AllToAllvShape& shape, bool direct) {
   auto align = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
   NvlinkAllToAllvLayout layout;
-  layout.counts_slot_bytes =
-      align(shape.batch * shape.num_peers * shape.num_chunks * static_cast<int64_t>(sizeof(int32_t)));
+  layout.counts_slot_bytes = align(shape.batch * shape.num_peers * shape.num_chunks *
+                                   static_cast<int64_t>(sizeof(int32_t)));
   layout.counts_bytes = shape.num_peers * layout.counts_slot_bytes;
   layout.rows_slot_bytes = direct ? 0 : align(shape.batch * shape.capacity * shape.row_bytes);
   layout.staging_bytes = shape.num_peers * layout.rows_slot_bytes;

@@ -66,9 +66,12 @@ uint16_t FloatToHalf(float value) {
 template <typename Acc>
 Acc Combine(ReduceOp op, Acc a, Acc b) {
   switch (op) {
-    case ReduceOp::kSum: return a + b;
-    case ReduceOp::kMax: return a > b ? a : b;
-    case ReduceOp::kMin: return a < b ? a : b;
+    case ReduceOp::kSum:
+      return a + b;
+    case ReduceOp::kMax:
+      return a > b ? a : b;
+    case ReduceOp::kMin:
+      return a < b ? a : b;
   }
   return a;
 }
@@ -87,13 +90,15 @@ void ReduceTyped(ReduceOp op, void* out, const std::vector<Published>& inputs, s
 }
 
 template <typename T>
-T Identity(T value) { return value; }
+T Identity(T value) {
+  return value;
+}
 
 ffi::Error Reduce(std::string_view op_name, ffi::DataType dtype, ReduceOp op, void* out,
                   const std::vector<Published>& inputs, size_t offset, size_t count) {
   switch (dtype) {
-#define NCCLX_REDUCE_CASE(DTYPE, T) \
-  case ffi::DataType::DTYPE:        \
+#define NCCLX_REDUCE_CASE(DTYPE, T)                                              \
+  case ffi::DataType::DTYPE:                                                     \
     ReduceTyped<T, T, Identity<T>, Identity<T>>(op, out, inputs, offset, count); \
     return ffi::Error::Success();
     NCCLX_REDUCE_CASE(F32, float)
@@ -123,7 +128,7 @@ ffi::Error Reduce(std::string_view op_name, ffi::DataType dtype, ReduceOp op, vo
 
 ffi::Future AllReduceImpl(ffi::RunId run, CallInstance* instance, PartitionId partition_id, ffi::AnyBuffer x,
                           ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
-                          int64_t site, int64_t timeout_ms, int64_t trace, int64_t reduce_op) {
+                          int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "all_reduce";
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(kOp, x.element_type(), reduce_op);
@@ -132,34 +137,33 @@ ffi::Future AllReduceImpl(ffi::RunId run, CallInstance* instance, PartitionId pa
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckSameBytes(kOp, x, *y));
   void* out = y->untyped_data();
   const size_t count = x.element_count() * reduced->per_element;
-  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
-                    {x.untyped_data()}, out, y->size_bytes(),
+  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, warn_ms,
+                    trace, {x.untyped_data()}, out, y->size_bytes(),
                     [reduced = *reduced, out, count](int64_t, const std::vector<Published>& peers) {
-    return Reduce(kOp, reduced.dtype, reduced.op, out, peers, 0, count);
-  });
+                      return Reduce(kOp, reduced.dtype, reduced.op, out, peers, 0, count);
+                    });
 }
 
 ffi::Future AllGatherImpl(ffi::RunId run, CallInstance* instance, PartitionId partition_id, ffi::AnyBuffer x,
                           ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
-                          int64_t site, int64_t timeout_ms, int64_t trace) {
+                          int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace) {
   constexpr std::string_view kOp = "all_gather";
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   const size_t chunk = x.size_bytes();
   NCCLX_RETURN_FUTURE_IF_ERROR(
       CheckBytes(kOp, "output", Bytes(*y), group_size * Bytes(x), RanksTimes(group_size, Bytes(x))));
   char* out = static_cast<char*>(y->untyped_data());
-  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
-                    {x.untyped_data()}, out, y->size_bytes(),
+  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, warn_ms,
+                    trace, {x.untyped_data()}, out, y->size_bytes(),
                     [out, chunk](int64_t, const std::vector<Published>& peers) {
-    for (size_t r = 0; r < peers.size(); ++r) std::memcpy(out + r * chunk, peers[r].data, chunk);
-    return ffi::Error::Success();
-  });
+                      for (size_t r = 0; r < peers.size(); ++r) std::memcpy(out + r * chunk, peers[r].data, chunk);
+                      return ffi::Error::Success();
+                    });
 }
 
 ffi::Future ReduceScatterImpl(ffi::RunId run, CallInstance* instance, PartitionId partition_id, ffi::AnyBuffer x,
-                              ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups,
-                              int64_t group_size, int64_t site, int64_t timeout_ms, int64_t trace,
-                              int64_t reduce_op) {
+                              ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
+                              int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "reduce_scatter";
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(kOp, x.element_type(), reduce_op);
@@ -170,54 +174,55 @@ ffi::Future ReduceScatterImpl(ffi::RunId run, CallInstance* instance, PartitionI
       CheckBytes(kOp, "input", Bytes(x), group_size * Bytes(*y), RanksTimes(group_size, Bytes(*y))));
   void* out = y->untyped_data();
   const size_t count = y->element_count() * reduced->per_element;
-  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
-                    {x.untyped_data()}, out, y->size_bytes(),
+  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, warn_ms,
+                    trace, {x.untyped_data()}, out, y->size_bytes(),
                     [reduced = *reduced, out, count](int64_t rank, const std::vector<Published>& peers) {
-    return Reduce(kOp, reduced.dtype, reduced.op, out, peers, rank * count, count);
-  });
+                      return Reduce(kOp, reduced.dtype, reduced.op, out, peers, rank * count, count);
+                    });
 }
 
 ffi::Future AllToAllImpl(ffi::RunId run, CallInstance* instance, PartitionId partition_id, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
-                         int64_t site, int64_t timeout_ms, int64_t trace) {
+                         int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace) {
   constexpr std::string_view kOp = "all_to_all";
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), group_size));
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckSameBytes(kOp, x, *y));
   const size_t chunk = x.size_bytes() / group_size;
   char* out = static_cast<char*>(y->untyped_data());
-  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
-                    {x.untyped_data()}, out, y->size_bytes(),
+  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, warn_ms,
+                    trace, {x.untyped_data()}, out, y->size_bytes(),
                     [out, chunk](int64_t rank, const std::vector<Published>& peers) {
-    for (size_t r = 0; r < peers.size(); ++r) {
-      std::memcpy(out + r * chunk, static_cast<const char*>(peers[r].data) + rank * chunk, chunk);
-    }
-    return ffi::Error::Success();
-  });
+                      for (size_t r = 0; r < peers.size(); ++r) {
+                        std::memcpy(out + r * chunk, static_cast<const char*>(peers[r].data) + rank * chunk, chunk);
+                      }
+                      return ffi::Error::Success();
+                    });
 }
 
 ffi::Future PpermuteImpl(ffi::RunId run, CallInstance* instance, PartitionId partition_id, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
-                         int64_t site, int64_t timeout_ms, int64_t trace, ffi::Span<const int64_t> sources,
-                         ffi::Span<const int64_t> targets) {
+                         int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
+                         ffi::Span<const int64_t> sources, ffi::Span<const int64_t> targets) {
   constexpr std::string_view kOp = "ppermute";
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckPairs(kOp, sources, targets, group_size));
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckSameBytes(kOp, x, *y));
   void* out = y->untyped_data();
   const size_t bytes = y->size_bytes();
-  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, trace,
-                    {x.untyped_data()}, out, bytes,
-                    [out, bytes, sources = std::vector<int64_t>(sources.begin(), sources.end())](
-                        int64_t rank, const std::vector<Published>& peers) {
-    const int64_t source = sources[rank];
-    if (source < 0) {
-      std::memset(out, 0, bytes);
-    } else {
-      std::memcpy(out, peers[source].data, bytes);
-    }
-    return ffi::Error::Success();
-  });
+  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, warn_ms,
+                    trace, {x.untyped_data()}, out, bytes,
+                    [out, bytes,
+                     sources = std::vector<int64_t>(sources.begin(),
+                                                    sources.end())](int64_t rank, const std::vector<Published>& peers) {
+                      const int64_t source = sources[rank];
+                      if (source < 0) {
+                        std::memset(out, 0, bytes);
+                      } else {
+                        std::memcpy(out, peers[source].data, bytes);
+                      }
+                      return ffi::Error::Success();
+                    });
 }
 
 // Binding prefix shared by the single-operand collectives: run id and partition id, operand, result.

@@ -29,10 +29,10 @@ struct NcclCall {
 };
 
 ffi::ErrorOr<NcclCall> BeginNcclCall(std::string_view op, cudaStream_t stream, int32_t device_ordinal, int64_t comm_id,
-                                     int64_t site, int64_t timeout_ms, int64_t trace) {
+                                     int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace) {
   ffi::ErrorOr<CommRank> comm = LookupCommRank(op, comm_id, device_ordinal);
   if (comm.has_error()) return comm.error();
-  ffi::ErrorOr<GpuCall> call = BeginGpuCall(op, MakeCallAttrs(site, timeout_ms, trace), comm_id, comm->rank,
+  ffi::ErrorOr<GpuCall> call = BeginGpuCall(op, MakeCallAttrs(site, timeout_ms, warn_ms, trace), comm_id, comm->rank,
                                             comm->size, device_ordinal, stream);
   if (call.has_error()) return call.error();
   return NcclCall{std::move(*comm), *call};
@@ -55,12 +55,12 @@ ffi::ErrorOr<Reduction> GetReduction(std::string_view op, const ffi::AnyBuffer& 
   return Reduction{*dtype, NcclReduceOp(reduced->op), reduced->per_element};
 }
 
-ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                         int64_t trace, int64_t reduce_op) {
+ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                         int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
+                         int64_t reduce_op) {
   constexpr std::string_view kOp = "all_reduce";
   NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
-  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, trace);
+  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, warn_ms, trace);
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;
   ffi::ErrorOr<Reduction> reduction = GetReduction(kOp, x, *y, reduce_op);
@@ -76,16 +76,14 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
   });
 }
 
-ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                         int64_t trace) {
+ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                         int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace) {
   constexpr std::string_view kOp = "all_gather";
   NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
-  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, trace);
+  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, warn_ms, trace);
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;
-  NCCLX_RETURN_IF_ERROR(
-      CheckBytes(kOp, "output", Bytes(*y), comm->size * Bytes(x), RanksTimes(comm->size, Bytes(x))));
+  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), comm->size * Bytes(x), RanksTimes(comm->size, Bytes(x))));
   if (Bytes(x) == 0) return ffi::Error::Success();
   return RunGpuCall(nccl->call, /*watch=*/true, y->untyped_data(), Bytes(*y), [&] {
     return CheckNccl(kOp, "ncclAllGather",
@@ -96,32 +94,30 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
 
 ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                              ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                             int64_t trace, int64_t reduce_op) {
+                             int64_t warn_ms, int64_t trace, int64_t reduce_op) {
   constexpr std::string_view kOp = "reduce_scatter";
   NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
-  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, trace);
+  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, warn_ms, trace);
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;
   ffi::ErrorOr<Reduction> reduction = GetReduction(kOp, x, *y, reduce_op);
   if (reduction.has_error()) return reduction.error();
-  NCCLX_RETURN_IF_ERROR(
-      CheckBytes(kOp, "input", Bytes(x), comm->size * Bytes(*y), RanksTimes(comm->size, Bytes(*y))));
+  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "input", Bytes(x), comm->size * Bytes(*y), RanksTimes(comm->size, Bytes(*y))));
   if (Bytes(x) == 0) return ffi::Error::Success();
   const size_t count = y->element_count() * reduction->per_element;
   return RunGpuCall(nccl->call, /*watch=*/true, y->untyped_data(), Bytes(*y), [&] {
     return CheckNccl(kOp, "ncclReduceScatter",
-                     ncclReduceScatter(x.untyped_data(), y->untyped_data(), count, reduction->dtype,
-                                       reduction->op, comm->comm, stream),
+                     ncclReduceScatter(x.untyped_data(), y->untyped_data(), count, reduction->dtype, reduction->op,
+                                       comm->comm, stream),
                      comm->comm);
   });
 }
 
-ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                        ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                        int64_t trace) {
+ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                        int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace) {
   constexpr std::string_view kOp = "all_to_all";
   NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
-  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, trace);
+  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, warn_ms, trace);
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;
   NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), comm->size));
@@ -129,18 +125,18 @@ ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   if (Bytes(x) == 0) return ffi::Error::Success();
   return RunGpuCall(nccl->call, /*watch=*/true, y->untyped_data(), Bytes(*y), [&] {
     return CheckNccl(kOp, "ncclAlltoAll",
-                     ncclAlltoAll(x.untyped_data(), y->untyped_data(), Bytes(x) / comm->size, ncclInt8,
-                                  comm->comm, stream),
+                     ncclAlltoAll(x.untyped_data(), y->untyped_data(), Bytes(x) / comm->size, ncclInt8, comm->comm,
+                                  stream),
                      comm->comm);
   });
 }
 
-ffi::Error PpermuteImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                        ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                        int64_t trace, ffi::Span<const int64_t> sources, ffi::Span<const int64_t> targets) {
+ffi::Error PpermuteImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                        int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
+                        ffi::Span<const int64_t> sources, ffi::Span<const int64_t> targets) {
   constexpr std::string_view kOp = "ppermute";
   NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
-  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, trace);
+  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, warn_ms, trace);
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;
   NCCLX_RETURN_IF_ERROR(CheckPairs(kOp, sources, targets, comm->size));
@@ -154,27 +150,24 @@ ffi::Error PpermuteImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
     // CheckPairs makes a rank its own source exactly when it is its own target: a local copy, no NCCL.
     if (source == comm->rank) {
       return CheckCuda(kOp, "cudaMemcpyAsync",
-                       cudaMemcpyAsync(y->untyped_data(), x.untyped_data(), bytes, cudaMemcpyDeviceToDevice,
-                                       stream));
+                       cudaMemcpyAsync(y->untyped_data(), x.untyped_data(), bytes, cudaMemcpyDeviceToDevice, stream));
     }
     if (source < 0) {
-      NCCLX_RETURN_IF_ERROR(
-          CheckCuda(kOp, "cudaMemsetAsync", cudaMemsetAsync(y->untyped_data(), 0, bytes, stream)));
+      NCCLX_RETURN_IF_ERROR(CheckCuda(kOp, "cudaMemsetAsync", cudaMemsetAsync(y->untyped_data(), 0, bytes, stream)));
       if (target < 0) return ffi::Error::Success();
     }
     // Send and receive in one group: with both issued together, rings of ranks cannot deadlock.
     return InNcclGroup(kOp, comm->comm, [&]() -> ffi::Error {
       if (target >= 0) {
-        NCCLX_RETURN_IF_ERROR(CheckNccl(
-            kOp, "ncclSend",
-            ncclSend(x.untyped_data(), bytes, ncclInt8, static_cast<int>(target), comm->comm, stream),
-            comm->comm));
+        NCCLX_RETURN_IF_ERROR(
+            CheckNccl(kOp, "ncclSend",
+                      ncclSend(x.untyped_data(), bytes, ncclInt8, static_cast<int>(target), comm->comm, stream),
+                      comm->comm));
       }
       if (source < 0) return ffi::Error::Success();
-      return CheckNccl(
-          kOp, "ncclRecv",
-          ncclRecv(y->untyped_data(), bytes, ncclInt8, static_cast<int>(source), comm->comm, stream),
-          comm->comm);
+      return CheckNccl(kOp, "ncclRecv",
+                       ncclRecv(y->untyped_data(), bytes, ncclInt8, static_cast<int>(source), comm->comm, stream),
+                       comm->comm);
     });
   });
 }
@@ -186,13 +179,12 @@ ffi::Error PpermuteImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
 // the prepare stage of cuda_collective.h, registered with it as the "_watched" target that the lowering takes under
 // JAX_NCCLX_WATCH_REPLAYS=1. Replays do not come back to the host: the watchdog times them only through the marks of
 // JAX_NCCLX_WATCH_REPLAYS (common/replay_watch.h).
-#define NCCLX_DEFINE_NCCL_HANDLER(name, op, impl, binding)                                                \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl, binding);                                                     \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Cmdbuf, impl, binding, {ffi::Traits::kCmdBufferCompatible});       \
+#define NCCLX_DEFINE_NCCL_HANDLER(name, op, impl, binding)                                         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl, binding);                                              \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Cmdbuf, impl, binding, {ffi::Traits::kCmdBufferCompatible}); \
   NCCLX_DEFINE_PREPARE_HANDLER(name##CmdbufPrepare, op)
 
-NCCLX_DEFINE_NCCL_HANDLER(NcclAllReduce, "all_reduce", AllReduceImpl,
-                          BindCudaCollective().Attr<int64_t>("reduce_op"));
+NCCLX_DEFINE_NCCL_HANDLER(NcclAllReduce, "all_reduce", AllReduceImpl, BindCudaCollective().Attr<int64_t>("reduce_op"));
 NCCLX_DEFINE_NCCL_HANDLER(NcclAllGather, "all_gather", AllGatherImpl,
                           BindCudaCollective());  // y: [N, *x.shape]
 NCCLX_DEFINE_NCCL_HANDLER(NcclReduceScatter, "reduce_scatter", ReduceScatterImpl,

@@ -39,7 +39,7 @@ inline auto BindCpuCollective() {
 }
 
 // Appends the attributes every CPU collective takes, in the order the handlers' parameters after the
-// buffers expect: groups, group_size, site, timeout_ms, trace.
+// buffers expect: groups, group_size, site, timeout_ms, warn_ms, trace.
 template <typename Binding>
 auto BindCpuGroupAttrs(Binding binding) {
   return BindCallAttrs(std::move(binding)
@@ -69,14 +69,13 @@ inline int64_t CpuCommKey(ffi::Span<const int64_t> groups, int64_t group_idx) {
 }
 
 inline ffi::ErrorOr<CpuCall> BeginCpuCall(std::string_view op, ffi::RunId run, const CallInstance* instance,
-                                          uint32_t partition_id,
-                                          ffi::Span<const int64_t> groups, int64_t group_size, int64_t site,
-                                          int64_t timeout_ms, int64_t trace) {
+                                          uint32_t partition_id, ffi::Span<const int64_t> groups, int64_t group_size,
+                                          int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace) {
   ffi::ErrorOr<GroupPosition> position = FindGroupPosition(op, groups, group_size, partition_id);
   if (position.has_error()) return position.error();
   CpuCall call;
   call.op = op;
-  call.attrs = MakeCallAttrs(site, timeout_ms, trace);
+  call.attrs = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
   call.position = *position;
   call.partition_id = partition_id;
   call.group_size = group_size;
@@ -120,7 +119,7 @@ inline ffi::Future RunCpuCall(const CpuCall& call, Published mine, void* output,
   std::string what = "call #" + std::to_string(call.sequence) + " (" + DescribeCallSite(call.attrs.site) +
                      ", replica group " + std::to_string(call.position.group_idx) + ")";
   return JoinCollective(call.op, std::move(what), call.round, rank, call.group_size, mine,
-                        std::chrono::milliseconds(call.attrs.timeout_ms),
+                        std::chrono::milliseconds(call.attrs.timeout_ms), std::chrono::milliseconds(call.attrs.warn_ms),
                         [=, work = std::move(work)](const std::vector<Published>& peers) mutable {
                           if (peers.empty()) {  // the round failed: the call ends without its peers
                             if (trace) {
@@ -143,20 +142,20 @@ inline ffi::Future RunCpuCall(const CpuCall& call, Published mine, void* output,
 }
 
 // BeginCpuCall then RunCpuCall, for handlers that need nothing in between.
-inline ffi::Future RunInGroup(std::string_view op, ffi::RunId run, const CallInstance* instance,
-                              uint32_t partition_id, ffi::Span<const int64_t> groups, int64_t group_size,
-                              int64_t site, int64_t timeout_ms, int64_t trace, Published mine, void* output,
-                              size_t output_bytes, CpuWork work) {
-  ffi::ErrorOr<CpuCall> call =
-      BeginCpuCall(op, run, instance, partition_id, groups, group_size, site, timeout_ms, trace);
+inline ffi::Future RunInGroup(std::string_view op, ffi::RunId run, const CallInstance* instance, uint32_t partition_id,
+                              ffi::Span<const int64_t> groups, int64_t group_size, int64_t site, int64_t timeout_ms,
+                              int64_t warn_ms, int64_t trace, Published mine, void* output, size_t output_bytes,
+                              CpuWork work) {
+  ffi::ErrorOr<CpuCall> call = BeginCpuCall(op, run, instance, partition_id, groups, group_size, site, timeout_ms,
+                                            warn_ms, trace);
   if (call.has_error()) return CompletedFuture(call.error());
   return RunCpuCall(*call, mine, output, output_bytes, std::move(work));
 }
 
 // Returns a failed future from a handler that returns ffi::Future when `expr` is an error.
-#define NCCLX_RETURN_FUTURE_IF_ERROR(expr)                                    \
-  do {                                                                        \
-    ::xla::ffi::Error ncclx_error_ = (expr);                                  \
+#define NCCLX_RETURN_FUTURE_IF_ERROR(expr)                                                    \
+  do {                                                                                        \
+    ::xla::ffi::Error ncclx_error_ = (expr);                                                  \
     if (ncclx_error_.failure()) return ::jax_ncclx::CompletedFuture(std::move(ncclx_error_)); \
   } while (0)
 

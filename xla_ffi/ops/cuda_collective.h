@@ -40,12 +40,9 @@ inline xla::ffi::Error CheckCommBeforeExecution(std::string_view op, xla::ffi::D
 }
 
 // Defines `name`, the prepare stage above for the handlers of `op`.
-#define NCCLX_DEFINE_PREPARE_HANDLER(name, op)                                     \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                   \
-      name,                                                                        \
-      [](::xla::ffi::Dictionary attrs) {                                           \
-        return ::jax_ncclx::CheckCommBeforeExecution(op, attrs);                   \
-      },                                                                           \
+#define NCCLX_DEFINE_PREPARE_HANDLER(name, op)                                                             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                           \
+      name, [](::xla::ffi::Dictionary attrs) { return ::jax_ncclx::CheckCommBeforeExecution(op, attrs); }, \
       ::xla::ffi::Ffi::BindPrepare().Attrs())
 
 }  // namespace jax_ncclx

@@ -89,10 +89,10 @@ struct PlaceReceivedResults {
   int32_t* expand_rows = nullptr;      // [N * C] the received row of each expert-major row; N * R if none
   int32_t* to_expert_major = nullptr;  // [N * C] the same with one row per pair, C per source; N * C if none
   int32_t* to_source_major = nullptr;  // [N * C] the expert-major row of each row sent back; N * C if none
-  int32_t* pair_entry = nullptr;       // [N * C] received row * k + choice of each expert-major row; N * R * k if none
-  int32_t* row_pairs = nullptr;        // [N * R, k] the expert-major row of each received row's choice; N * C if none
-  int32_t* send_back_rows = nullptr;   // [N * R] the received rows of every source, packed from row 0; N * R after
-  float* recv_weights = nullptr;       // [N * R, k] the router weights in the suffixes (with_weights), else [N * R, 0]
+  int32_t* pair_entry = nullptr;  // [N * C] received row * k + choice of each expert-major row; N * R * k if none
+  int32_t* row_pairs = nullptr;  // [N * R, k] the expert-major row of each received row's choice; N * C if none
+  int32_t* send_back_rows = nullptr;  // [N * R] the received rows of every source, packed from row 0; N * R after
+  float* recv_weights = nullptr;  // [N * R, k] the router weights in the suffixes (with_weights), else [N * R, 0]
 };
 
 // A pair's sort key: its expert, or E for an id outside [0, E) (no expert: sorts last, counted nowhere).

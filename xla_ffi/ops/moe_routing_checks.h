@@ -41,8 +41,10 @@ inline ffi::ErrorOr<PlanSendsShape> GetPlanSendsShape(const ffi::Buffer<ffi::S32
   }
   if (num_members < 1 || num_experts < 1 || num_experts % num_members != 0 || num_experts > kMaxRoutingExperts) {
     return InvalidArgument(op, "num_experts " + std::to_string(num_experts) + " and num_members " +
-                                   std::to_string(num_members) + ": expected num_experts a multiple of num_members, "
-                                   "at most " + std::to_string(kMaxRoutingExperts));
+                                   std::to_string(num_members) +
+                                   ": expected num_experts a multiple of num_members, "
+                                   "at most " +
+                                   std::to_string(kMaxRoutingExperts));
   }
   if (capacity < 1 || capacity > kMaxCapacity) {
     return InvalidArgument(op, "capacity is " + std::to_string(capacity) + ", expected 1 to 2^31 - 1");
@@ -52,8 +54,8 @@ inline ffi::ErrorOr<PlanSendsShape> GetPlanSendsShape(const ffi::Buffer<ffi::S32
   NCCLX_RETURN_IF_ERROR(
       CheckIndexable(op, "the (member, token, choice) table", num_members * shape.num_tokens * shape.top_k));
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "send_suffix", shape.num_rows() * shape.suffix_words()));
-  NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the tag values", shape.rows_per_member() * shape.top_k *
-                                                                 shape.local_experts()));
+  NCCLX_RETURN_IF_ERROR(
+      CheckIndexable(op, "the tag values", shape.rows_per_member() * shape.top_k * shape.local_experts()));
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the return slots", num_members * capacity));
   return shape;
 }
@@ -72,15 +74,15 @@ inline ffi::Error CheckPlanSendsResults(const PlanSendsShape& s, const Int32Resu
       CheckDims(op, "send_suffix", send_suffix->dimensions(), {s.batch, s.num_rows(), s.suffix_words()}));
   NCCLX_RETURN_IF_ERROR(CheckDims(op, "token_counts", token_counts->dimensions(), {s.batch, s.num_members}));
   NCCLX_RETURN_IF_ERROR(CheckDims(op, "return_slot", return_slot->dimensions(), {s.batch, s.num_pairs()}));
-  NCCLX_RETURN_IF_ERROR(
-      CheckDims(op, "return_row", return_row->dimensions(), {s.batch, s.num_tokens, s.num_members}));
+  NCCLX_RETURN_IF_ERROR(CheckDims(op, "return_row", return_row->dimensions(), {s.batch, s.num_tokens, s.num_members}));
   return CheckDims(op, "dropped", dropped->dimensions(), {s.batch, s.num_members});
 }
 
 // The buffers both handlers of plan_sends bind (after any context), and the attributes (after any scratch).
 template <typename Binding>
 auto BindPlanSendsBuffers(Binding binding) {
-  return std::move(binding).template Arg<ffi::Buffer<ffi::S32>>()  // expert_ids [B, T, k]
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::S32>>()  // expert_ids [B, T, k]
       .template OptionalArg<ffi::Buffer<ffi::F32>>()    // weights [B, T, k]
       .template Ret<ffi::Buffer<ffi::S32>>()            // order [B, T * k]
       .template Ret<ffi::Buffer<ffi::S32>>()            // send_counts [B, N, E / N]
@@ -94,7 +96,8 @@ auto BindPlanSendsBuffers(Binding binding) {
 
 template <typename Binding>
 auto BindPlanSendsAttrs(Binding binding) {
-  return std::move(binding).template Attr<int64_t>("num_experts")
+  return std::move(binding)
+      .template Attr<int64_t>("num_experts")
       .template Attr<int64_t>("num_members")
       .template Attr<int64_t>("capacity");
 }
@@ -103,17 +106,15 @@ inline PlanSendsResults PlanSendsData(const Int32Result& order, const Int32Resul
                                       const Int32Result& send_token, const Int32Result& send_suffix,
                                       const Int32Result& token_counts, const Int32Result& return_slot,
                                       const Int32Result& return_row, const Int32Result& dropped) {
-  return {order->typed_data(),        send_counts->typed_data(),  send_token->typed_data(),
-          send_suffix->typed_data(),  token_counts->typed_data(), return_slot->typed_data(),
-          return_row->typed_data(),   dropped->typed_data()};
+  return {order->typed_data(),        send_counts->typed_data(), send_token->typed_data(), send_suffix->typed_data(),
+          token_counts->typed_data(), return_slot->typed_data(), return_row->typed_data(), dropped->typed_data()};
 }
 
 // rows: [B, N * R, ...] any dtype, each row's suffix at byte suffix_offset (SuffixWords(top_k, with_weights)).
 inline ffi::ErrorOr<PlaceReceivedShape> GetPlaceReceivedShape(const ffi::AnyBuffer& rows,
                                                               const ffi::Buffer<ffi::S32>& recv_tokens,
-                                                              int64_t local_experts, int64_t capacity,
-                                                              int64_t top_k, int64_t suffix_offset,
-                                                              int64_t with_weights) {
+                                                              int64_t local_experts, int64_t capacity, int64_t top_k,
+                                                              int64_t suffix_offset, int64_t with_weights) {
   constexpr std::string_view op = kPlaceReceivedOp;
   const auto token_dims = recv_tokens.dimensions();
   if (token_dims.size() != 2 || token_dims[1] < 1) {
@@ -133,17 +134,20 @@ inline ffi::ErrorOr<PlaceReceivedShape> GetPlaceReceivedShape(const ffi::AnyBuff
       suffix_offset > row_bytes || suffix_offset + 4 * SuffixWords(top_k, with_weights == 1) > row_bytes) {
     return InvalidArgument(op, "top_k " + std::to_string(top_k) + ", with_weights " + std::to_string(with_weights) +
                                    " and suffix_offset " + std::to_string(suffix_offset) + ": expected top_k >= 1, " +
-                                   "with_weights 0 or 1, and the suffix inside the rows' " +
-                                   std::to_string(row_bytes) + " bytes");
+                                   "with_weights 0 or 1, and the suffix inside the rows' " + std::to_string(row_bytes) +
+                                   " bytes");
   }
   if (local_experts < 1 || local_experts > kMaxRoutingExperts || token_dims[1] * local_experts > kMaxRoutingExperts ||
       capacity < 1 || capacity > kMaxCapacity) {
     return InvalidArgument(op, "local_experts " + std::to_string(local_experts) + " and capacity " +
-                                   std::to_string(capacity) + ": expected both >= 1, capacity below 2^31 and "
-                                   "members * local_experts at most " + std::to_string(kMaxRoutingExperts));
+                                   std::to_string(capacity) +
+                                   ": expected both >= 1, capacity below 2^31 and "
+                                   "members * local_experts at most " +
+                                   std::to_string(kMaxRoutingExperts));
   }
-  PlaceReceivedShape shape{token_dims[0], token_dims[1], row_dims[1] / token_dims[1], top_k,        local_experts,
-                           capacity,      row_bytes,     suffix_offset,               with_weights == 1};
+  PlaceReceivedShape shape{token_dims[0], token_dims[1], row_dims[1] / token_dims[1],
+                           top_k,         local_experts, capacity,
+                           row_bytes,     suffix_offset, with_weights == 1};
   // The kernel scans the tag counts twice and the rows once, in one int32 scan.
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the tags (scanned as 2 * tags + rows)", (2 * top_k + 1) * row_dims[1]));
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the tag values", shape.rows_per_source * shape.top_k * local_experts));
@@ -174,7 +178,8 @@ inline ffi::Error CheckPlaceReceivedResults(const PlaceReceivedShape& s, const I
 // The buffers and attributes both handlers of place_received bind (after any context).
 template <typename Binding>
 auto BindPlaceReceived(Binding binding) {
-  return std::move(binding).template Arg<ffi::AnyBuffer>()  // rows [B, N * R, ...], with their suffixes
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // rows [B, N * R, ...], with their suffixes
       .template Arg<ffi::Buffer<ffi::S32>>()            // recv_tokens [B, N]
       .template Ret<ffi::Buffer<ffi::S32>>()            // recv_counts [B, N, E_local]
       .template Ret<ffi::Buffer<ffi::S32>>()            // group_sizes [B, E_local]

@@ -91,14 +91,13 @@ void PlanSendsOne(const PlanSendsShape& shape, const int32_t* ids, const float* 
 
 ffi::Error PlanSendsImpl(ffi::Buffer<ffi::S32> expert_ids, std::optional<ffi::Buffer<ffi::F32>> weights,
                          Int32Result order, Int32Result send_counts, Int32Result send_token, Int32Result send_suffix,
-                         Int32Result token_counts, Int32Result return_slot, Int32Result return_row,
-                         Int32Result dropped, int64_t num_experts, int64_t num_members, int64_t capacity) {
+                         Int32Result token_counts, Int32Result return_slot, Int32Result return_row, Int32Result dropped,
+                         int64_t num_experts, int64_t num_members, int64_t capacity) {
   ffi::ErrorOr<PlanSendsShape> shape = GetPlanSendsShape(expert_ids, weights, num_experts, num_members, capacity);
   if (shape.has_error()) return shape.error();
   const PlanSendsShape& s = *shape;
-  NCCLX_RETURN_IF_ERROR(
-      CheckPlanSendsResults(s, order, send_counts, send_token, send_suffix, token_counts, return_slot, return_row,
-                            dropped));
+  NCCLX_RETURN_IF_ERROR(CheckPlanSendsResults(s, order, send_counts, send_token, send_suffix, token_counts, return_slot,
+                                              return_row, dropped));
   const PlanSendsResults all = PlanSendsData(order, send_counts, send_token, send_suffix, token_counts, return_slot,
                                              return_row, dropped);
   for (int64_t b = 0; b < s.batch; ++b) {
@@ -187,13 +186,13 @@ ffi::Error PlaceReceivedImpl(ffi::AnyBuffer received, ffi::Buffer<ffi::S32> recv
                              Int32Result to_source_major, Int32Result pair_entry, Int32Result row_pairs,
                              Int32Result send_back_rows, Float32Result recv_weights, int64_t local_experts,
                              int64_t capacity, int64_t top_k, int64_t suffix_offset, int64_t with_weights) {
-  ffi::ErrorOr<PlaceReceivedShape> shape = GetPlaceReceivedShape(received, recv_tokens, local_experts, capacity,
-                                                                 top_k, suffix_offset, with_weights);
+  ffi::ErrorOr<PlaceReceivedShape> shape = GetPlaceReceivedShape(received, recv_tokens, local_experts, capacity, top_k,
+                                                                 suffix_offset, with_weights);
   if (shape.has_error()) return shape.error();
   const PlaceReceivedShape& s = *shape;
-  NCCLX_RETURN_IF_ERROR(
-      CheckPlaceReceivedResults(s, recv_counts, group_sizes, expand_rows, to_expert_major, to_source_major,
-                                pair_entry, row_pairs, send_back_rows, recv_weights));
+  NCCLX_RETURN_IF_ERROR(CheckPlaceReceivedResults(s, recv_counts, group_sizes, expand_rows, to_expert_major,
+                                                  to_source_major, pair_entry, row_pairs, send_back_rows,
+                                                  recv_weights));
   const PlaceReceivedResults all = PlaceReceivedData(recv_counts, group_sizes, expand_rows, to_expert_major,
                                                      to_source_major, pair_entry, row_pairs, send_back_rows,
                                                      recv_weights);

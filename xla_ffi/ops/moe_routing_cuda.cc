@@ -22,14 +22,13 @@ ffi::Error PlanSendsImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> expert_ids,
                          int64_t capacity) {
   ffi::ErrorOr<PlanSendsShape> shape = GetPlanSendsShape(expert_ids, weights, num_experts, num_members, capacity);
   if (shape.has_error()) return shape.error();
-  NCCLX_RETURN_IF_ERROR(
-      CheckPlanSendsResults(*shape, order, send_counts, send_token, send_suffix, token_counts, return_slot,
-                            return_row, dropped));
+  NCCLX_RETURN_IF_ERROR(CheckPlanSendsResults(*shape, order, send_counts, send_token, send_suffix, token_counts,
+                                              return_slot, return_row, dropped));
   NCCLX_RETURN_IF_ERROR(CheckDims(kPlanSendsOp, "scratch", scratch->dimensions(), {PlanSendsScratchBytes(*shape)}));
   return CheckCuda(kPlanSendsOp, "kernel launch",
                    LaunchPlanSends(*shape, expert_ids.typed_data(), weights ? weights->typed_data() : nullptr,
-                                   PlanSendsData(order, send_counts, send_token, send_suffix, token_counts,
-                                                 return_slot, return_row, dropped),
+                                   PlanSendsData(order, send_counts, send_token, send_suffix, token_counts, return_slot,
+                                                 return_row, dropped),
                                    static_cast<int32_t*>(scratch->untyped_data()), stream));
 }
 
@@ -39,12 +38,12 @@ ffi::Error PlaceReceivedImpl(cudaStream_t stream, ffi::AnyBuffer received, ffi::
                              Int32Result row_pairs, Int32Result send_back_rows, Float32Result recv_weights,
                              int64_t local_experts, int64_t capacity, int64_t top_k, int64_t suffix_offset,
                              int64_t with_weights) {
-  ffi::ErrorOr<PlaceReceivedShape> shape = GetPlaceReceivedShape(received, recv_tokens, local_experts, capacity,
-                                                                 top_k, suffix_offset, with_weights);
+  ffi::ErrorOr<PlaceReceivedShape> shape = GetPlaceReceivedShape(received, recv_tokens, local_experts, capacity, top_k,
+                                                                 suffix_offset, with_weights);
   if (shape.has_error()) return shape.error();
-  NCCLX_RETURN_IF_ERROR(
-      CheckPlaceReceivedResults(*shape, recv_counts, group_sizes, expand_rows, to_expert_major, to_source_major,
-                                pair_entry, row_pairs, send_back_rows, recv_weights));
+  NCCLX_RETURN_IF_ERROR(CheckPlaceReceivedResults(*shape, recv_counts, group_sizes, expand_rows, to_expert_major,
+                                                  to_source_major, pair_entry, row_pairs, send_back_rows,
+                                                  recv_weights));
   return CheckCuda(kPlaceReceivedOp, "kernel launch",
                    LaunchPlaceReceived(*shape, static_cast<const uint8_t*>(received.untyped_data()),
                                        recv_tokens.typed_data(),

@@ -340,8 +340,8 @@ __global__ void __launch_bounds__(kThreads)
     const int32_t member = by.capacity.Div(slot), entry = first_row[member] * k + by.capacity.Mod(slot);
     const int32_t row = row_of[member * T + by.top_k.Div(pair)] - first_row[member];
     if (entry < S * k) {
-      suffix[by.top_k.Div(entry) * words + by.top_k.Mod(entry)] =
-          (row * k + by.top_k.Mod(pair)) * local + by.local_experts.Mod(ids[pair]);
+      suffix[by.top_k.Div(entry) * words + by.top_k.Mod(entry)] = (row * k + by.top_k.Mod(pair)) * local +
+                                                                  by.local_experts.Mod(ids[pair]);
     }
   }
 }
@@ -439,8 +439,8 @@ __global__ void __launch_bounds__(kThreads)
       const int32_t j = BlockAt(expert_major, blocks, x + total);
       const int32_t e = by.members.Div(j), source = by.members.Mod(j);
       // Source i's tags list its pairs sorted by expert: expert e's start after its earlier experts'.
-      const int32_t in_list =
-          source_major[source * local + e] - source_major[source * local] + x + total - expert_major[j];
+      const int32_t in_list = source_major[source * local + e] - source_major[source * local] + x + total -
+                              expert_major[j];
       if (in_list < C) expert_row = source * C + in_list;
       const int32_t tag = tag_at(source * per_source + in_list);  // (row * k + choice) * E_local + local expert
       if (tag >= 0 && by.tags_per_row.Div(tag) < R) {
@@ -449,8 +449,9 @@ __global__ void __launch_bounds__(kThreads)
         row_pairs[entry] = x;
       }
       const int32_t i = BlockAt(source_major, blocks, x);
-      source_row =
-          min(expert_major[by.local_experts.Mod(i) * N + by.local_experts.Div(i)] - total + x - source_major[i], rows);
+      source_row = min(expert_major[by.local_experts.Mod(i) * N + by.local_experts.Div(i)] - total + x -
+                           source_major[i],
+                       rows);
     }
     expand_rows[x] = expand;
     pair_entry[x] = entry;
@@ -530,8 +531,8 @@ cudaError_t LaunchPlanSends(const PlanSendsShape& shape, const int32_t* expert_i
   const int64_t member_tokens = shape.num_members * shape.num_tokens;
   const bool row_of_in_shared = blocks == 1 && sort_ints + member_tokens <= shared_ints;
   const size_t bytes = (sort_ints + (row_of_in_shared ? member_tokens : 0)) * sizeof(int32_t);
-  const PlanSendsDivisors by{Divisor(shape.top_k), Divisor(shape.local_experts()), Divisor(shape.num_tokens),
-                             Divisor(shape.capacity), Divisor(shape.suffix_words()), Divisor(blocks * sort_warps),
+  const PlanSendsDivisors by{Divisor(shape.top_k),    Divisor(shape.local_experts()), Divisor(shape.num_tokens),
+                             Divisor(shape.capacity), Divisor(shape.suffix_words()),  Divisor(blocks * sort_warps),
                              Divisor(sort_warps)};
   return LaunchClusters(kernel, shape.batch, blocks, threads, bytes, stream, shape, static_cast<int>(sort_warps),
                         row_of_in_shared, by, expert_ids, weights, results, scratch);
@@ -549,8 +550,7 @@ cudaError_t LaunchPlaceReceived(const PlaceReceivedShape& shape, const uint8_t* 
   const PlaceReceivedDivisors by{Divisor(shape.top_k), Divisor(shape.local_experts), Divisor(shape.num_members),
                                  Divisor(shape.rows_per_source * shape.top_k),
                                  Divisor(shape.top_k * shape.local_experts)};
-  return LaunchClusters(kernel, shape.batch, blocks, threads, bytes, stream, shape, by, received, recv_tokens,
-                        results);
+  return LaunchClusters(kernel, shape.batch, blocks, threads, bytes, stream, shape, by, received, recv_tokens, results);
 }
 
 }  // namespace jax_ncclx

@@ -73,8 +73,8 @@ ffi::ErrorOr<NvlinkCollectiveArgs> ArgsFor(std::string_view name, NvlinkCollecti
 }
 
 // ArgsFor, plus the reduction and the element type it reduces (a complex number's parts, see GetReducedDtype).
-ffi::ErrorOr<NvlinkCollectiveArgs> ReductionArgsFor(std::string_view name, NvlinkCollective op,
-                                                    const ffi::AnyBuffer& x, ffi::AnyBuffer& y, const CallAttrs& call,
+ffi::ErrorOr<NvlinkCollectiveArgs> ReductionArgsFor(std::string_view name, NvlinkCollective op, const ffi::AnyBuffer& x,
+                                                    ffi::AnyBuffer& y, const CallAttrs& call,
                                                     const SymmetricRank& symmetric, int64_t protocol, int64_t direct,
                                                     int64_t reduce_op) {
   ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(name, x.element_type(), reduce_op);
@@ -119,11 +119,10 @@ ffi::Error Launch(std::string_view op, cudaStream_t stream, int32_t device_ordin
   });
 }
 
-ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                         int64_t trace, int64_t reduce_op, int64_t algorithm, int64_t protocol, int64_t blocks,
-                         int64_t direct) {
-  const CallAttrs call = MakeCallAttrs(site, timeout_ms, trace);
+ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                         int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
+                         int64_t reduce_op, int64_t algorithm, int64_t protocol, int64_t blocks, int64_t direct) {
+  const CallAttrs call = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
   constexpr std::string_view kOp = "all_reduce";
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
@@ -131,10 +130,11 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
   NCCLX_RETURN_IF_ERROR(CheckSameBytes(kOp, x, *y));
   if (algorithm != static_cast<int64_t>(NvlinkAlgorithm::kOneShot) &&
       algorithm != static_cast<int64_t>(NvlinkAlgorithm::kTwoShot)) {
-    return InvalidArgument(kOp, "algorithm is " + std::to_string(algorithm) + ", expected 1 (one-shot) or 2 (two-shot)");
+    return InvalidArgument(kOp,
+                           "algorithm is " + std::to_string(algorithm) + ", expected 1 (one-shot) or 2 (two-shot)");
   }
-  ffi::ErrorOr<NvlinkCollectiveArgs> args = ReductionArgsFor(kOp, NvlinkCollective::kAllReduce, x, *y, call,
-                                                              *symmetric, protocol, direct, reduce_op);
+  ffi::ErrorOr<NvlinkCollectiveArgs> args = ReductionArgsFor(kOp, NvlinkCollective::kAllReduce, x, *y, call, *symmetric,
+                                                             protocol, direct, reduce_op);
   if (args.has_error()) return args.error();
   args->algorithm = static_cast<NvlinkAlgorithm>(algorithm);
   return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, *args, blocks);
@@ -142,49 +142,49 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
 
 ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                              ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                             int64_t trace, int64_t reduce_op, int64_t protocol, int64_t blocks) {
+                             int64_t warn_ms, int64_t trace, int64_t reduce_op, int64_t protocol, int64_t blocks) {
   constexpr std::string_view kOp = "reduce_scatter";
-  const CallAttrs call = MakeCallAttrs(site, timeout_ms, trace);
+  const CallAttrs call = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckSameDtype(kOp, x, *y));
   NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), symmetric->size));
-  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), Bytes(x) / symmetric->size,
-                                   "the input's " + std::to_string(Bytes(x)) + " over " +
-                                       std::to_string(symmetric->size) + " ranks"));
+  NCCLX_RETURN_IF_ERROR(
+      CheckBytes(kOp, "output", Bytes(*y), Bytes(x) / symmetric->size,
+                 "the input's " + std::to_string(Bytes(x)) + " over " + std::to_string(symmetric->size) + " ranks"));
   // Nothing to write into a peer's output: the blocks a rank reduces must sit in its slots.
   ffi::ErrorOr<NvlinkCollectiveArgs> args = ReductionArgsFor(kOp, NvlinkCollective::kReduceScatter, x, *y, call,
-                                                              *symmetric, protocol, /*direct=*/0, reduce_op);
+                                                             *symmetric, protocol, /*direct=*/0, reduce_op);
   if (args.has_error()) return args.error();
   return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, *args, blocks);
 }
 
-ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                         ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                         int64_t trace, int64_t protocol, int64_t blocks, int64_t direct) {
+ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                         int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
+                         int64_t protocol, int64_t blocks, int64_t direct) {
   constexpr std::string_view kOp = "all_gather";
-  const CallAttrs call = MakeCallAttrs(site, timeout_ms, trace);
+  const CallAttrs call = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
-  NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), symmetric->size * Bytes(x),
-                                   RanksTimes(symmetric->size, Bytes(x))));
-  ffi::ErrorOr<NvlinkCollectiveArgs> args =
-      ArgsFor(kOp, NvlinkCollective::kAllGather, x, *y, call, *symmetric, protocol, direct);
+  NCCLX_RETURN_IF_ERROR(
+      CheckBytes(kOp, "output", Bytes(*y), symmetric->size * Bytes(x), RanksTimes(symmetric->size, Bytes(x))));
+  ffi::ErrorOr<NvlinkCollectiveArgs> args = ArgsFor(kOp, NvlinkCollective::kAllGather, x, *y, call, *symmetric,
+                                                    protocol, direct);
   if (args.has_error()) return args.error();
   return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, *args, blocks);
 }
 
-ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                        ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                        int64_t trace, int64_t protocol, int64_t blocks, int64_t direct) {
+ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                        int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
+                        int64_t protocol, int64_t blocks, int64_t direct) {
   constexpr std::string_view kOp = "all_to_all";
-  const CallAttrs call = MakeCallAttrs(site, timeout_ms, trace);
+  const CallAttrs call = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), symmetric->size));
   NCCLX_RETURN_IF_ERROR(CheckSameBytes(kOp, x, *y));
-  ffi::ErrorOr<NvlinkCollectiveArgs> args =
-      ArgsFor(kOp, NvlinkCollective::kAllToAll, x, *y, call, *symmetric, protocol, direct);
+  ffi::ErrorOr<NvlinkCollectiveArgs> args = ArgsFor(kOp, NvlinkCollective::kAllToAll, x, *y, call, *symmetric, protocol,
+                                                    direct);
   if (args.has_error()) return args.error();
   return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, *args, blocks);
 }
@@ -195,17 +195,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllReduce, AllReduceImpl,
                               BindCudaCollective()
                                   .Attr<int64_t>("reduce_op")  // 0 sum, 1 max, 2 min
                                   .Attr<int64_t>("algorithm")  // 1 one-shot, 2 two-shot
-                                  .Attr<int64_t>("protocol")   // 0 LL128, 1 LL, 2 simple (one-shot)
-                                  .Attr<int64_t>("blocks")     // 0 = by size
-                                  .Attr<int64_t>("direct"),    // 1 = write into the peers' outputs where it can
+                                  .Attr<int64_t>("protocol")  // 0 LL128, 1 LL, 2 simple (one-shot)
+                                  .Attr<int64_t>("blocks")  // 0 = by size
+                                  .Attr<int64_t>("direct"),  // 1 = write into the peers' outputs where it can
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllGather, AllGatherImpl,
-                              BindCudaCollective()
-                                  .Attr<int64_t>("protocol")
-                                  .Attr<int64_t>("blocks")
-                                  .Attr<int64_t>("direct"),
-                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NvlinkAllGather, AllGatherImpl,
+    BindCudaCollective().Attr<int64_t>("protocol").Attr<int64_t>("blocks").Attr<int64_t>("direct"),
+    {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkReduceScatter, ReduceScatterImpl,
                               BindCudaCollective()
@@ -214,12 +212,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkReduceScatter, ReduceScatterImpl,
                                   .Attr<int64_t>("blocks"),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllToAll, AllToAllImpl,
-                              BindCudaCollective()
-                                  .Attr<int64_t>("protocol")
-                                  .Attr<int64_t>("blocks")
-                                  .Attr<int64_t>("direct"),
-                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NvlinkAllToAll, AllToAllImpl,
+    BindCudaCollective().Attr<int64_t>("protocol").Attr<int64_t>("blocks").Attr<int64_t>("direct"),
+    {ffi::Traits::kCmdBufferCompatible});
 
 NCCLX_DEFINE_PREPARE_HANDLER(NvlinkAllReducePrepare, "all_reduce");
 NCCLX_DEFINE_PREPARE_HANDLER(NvlinkAllGatherPrepare, "all_gather");

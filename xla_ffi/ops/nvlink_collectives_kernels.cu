@@ -76,8 +76,8 @@ struct SlotLayout {
   bool into_outputs = false;
 };
 
-SlotLayout LayOutSlots(NvlinkCollective op, NvlinkAlgorithm algorithm, NvlinkProtocol protocol, int64_t bytes,
-                       int size, int element_bytes, bool direct) {
+SlotLayout LayOutSlots(NvlinkCollective op, NvlinkAlgorithm algorithm, NvlinkProtocol protocol, int64_t bytes, int size,
+                       int element_bytes, bool direct) {
   SlotLayout layout;
   const int64_t simple_base = WordsArea(size) + LinesArea(size);
   if (algorithm == NvlinkAlgorithm::kTwoShot) {
@@ -578,7 +578,7 @@ __global__ void __launch_bounds__(kThreads) TwoShotKernel(Call call, TraceKernel
   for (int k = 1; !direct && k < n; ++k) {
     const int source = (me + k) % n;
     BlockCopy<V, true, kThreads>(y + source * chunk, Slot<V>(call, me, parity, source, call.slots.gather_offset), lo,
-                       end_in(source));
+                                 end_in(source));
   }
   FinishCall(args.control, epoch, state.ticket, trace, kernel);
 }
@@ -645,8 +645,8 @@ int64_t NvlinkCollectiveSlotBytes(NvlinkCollective op, NvlinkAlgorithm algorithm
 }
 
 int ChooseNvlinkCollectiveBlocks(const NvlinkCollectiveArgs& args, int requested, int sm_count) {
-  const SlotLayout slots =
-      LayOutSlots(args.op, args.algorithm, args.protocol, args.bytes, args.size, args.element_bytes, args.direct);
+  const SlotLayout slots = LayOutSlots(args.op, args.algorithm, args.protocol, args.bytes, args.size,
+                                       args.element_bytes, args.direct);
   const bool two_shot = args.algorithm == NvlinkAlgorithm::kTwoShot;
   const int64_t range_bytes = two_shot ? slots.chunk_bytes : slots.segment_bytes;
   int64_t by_size = (range_bytes + kBytesPerBlock - 1) / kBytesPerBlock;
@@ -660,13 +660,11 @@ int ChooseNvlinkCollectiveBlocks(const NvlinkCollectiveArgs& args, int requested
 }
 
 cudaError_t LaunchNvlinkCollective(const NvlinkCollectiveArgs& args, int blocks, cudaStream_t stream) {
-  const Call call{args, LayOutSlots(args.op, args.algorithm, args.protocol, args.bytes, args.size,
-                                    args.element_bytes, args.direct)};
+  const Call call{args, LayOutSlots(args.op, args.algorithm, args.protocol, args.bytes, args.size, args.element_bytes,
+                                    args.direct)};
   if (!Reduces(args.op)) {
     const int64_t segment = call.slots.segment_bytes;
-    auto fits = [&](int64_t width) {
-      return segment % width == 0 && Aligned(args.x, width) && Aligned(args.y, width);
-    };
+    auto fits = [&](int64_t width) { return segment % width == 0 && Aligned(args.x, width) && Aligned(args.y, width); };
     if (fits(16)) return LaunchAs<uint4, Move>(call, blocks, stream);
     if (fits(4)) return LaunchAs<unsigned int, Move>(call, blocks, stream);
     return LaunchAs<unsigned char, Move>(call, blocks, stream);

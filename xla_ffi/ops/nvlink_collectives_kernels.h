@@ -74,7 +74,7 @@ static_assert(kMaxOneShotBlocks <= kMaxFlagGroups);
 struct NvlinkCollectiveArgs {
   NvlinkCollective op = NvlinkCollective::kAllReduce;
   NvlinkAlgorithm algorithm = NvlinkAlgorithm::kOneShot;
-  ReduceOp reduce = ReduceOp::kSum;        // all_reduce and reduce_scatter
+  ReduceOp reduce = ReduceOp::kSum;  // all_reduce and reduce_scatter
   ReduceType reduce_type = ReduceType::kF32;  // all_reduce and reduce_scatter
   NvlinkProtocol protocol = NvlinkProtocol::kLL128;  // one-shot only
   int element_bytes = 1;
@@ -83,11 +83,11 @@ struct NvlinkCollectiveArgs {
   int64_t bytes = 0;  // of x on each rank (all_to_all, reduce_scatter: N blocks of bytes / N)
   bool direct = false;  // write into the peers' outputs where the algorithm can (every rank in this process)
   bool trace = false;
-  int64_t site = 0;         // call site, for the fault record
+  int64_t site = 0;  // call site, for the fault record
   uint64_t timeout_ns = 0;  // how long a wait for a peer may last (device_sync.cuh, Patience)
   const void* x = nullptr;
   void* y = nullptr;  // all_reduce, all_to_all: bytes; all_gather: N * bytes (block i from rank i);
-                      // reduce_scatter: bytes / N
+  // reduce_scatter: bytes / N
   const PeerTable* table = nullptr;
   SymmetricControl* control = nullptr;
 };

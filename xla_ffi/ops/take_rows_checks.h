@@ -36,8 +36,8 @@ inline ffi::ErrorOr<TakeRowsShape> GetTakeRowsShape(const ffi::AnyBuffer& x, con
   int64_t suffix_width = 0;
   if (suffix.has_value()) {
     const auto suffix_dims = suffix->dimensions();
-    if (suffix->element_type() != x.element_type() || suffix_dims.size() != 3 ||
-        suffix_dims[0] != shape.batch || suffix_dims[1] != shape.rows) {
+    if (suffix->element_type() != x.element_type() || suffix_dims.size() != 3 || suffix_dims[0] != shape.batch ||
+        suffix_dims[1] != shape.rows) {
       return InvalidArgument(op, "suffix is " + std::string(DataTypeName(suffix->element_type())) +
                                      DimsString(suffix_dims) + ", expected x's " +
                                      std::string(DataTypeName(x.element_type())) + " and [" +
@@ -62,7 +62,8 @@ inline ffi::ErrorOr<TakeRowsShape> GetTakeRowsShape(const ffi::AnyBuffer& x, con
 // The buffers both handlers bind (after any context).
 template <typename Binding>
 auto BindTakeRows(Binding binding) {
-  return std::move(binding).template Arg<ffi::AnyBuffer>()  // x [B, X, F]
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // x [B, X, F]
       .template Arg<ffi::Buffer<ffi::S32>>()                // index [B, M]
       .template OptionalArg<ffi::AnyBuffer>()               // suffix [B, M, G]
       .template Ret<ffi::AnyBuffer>();                      // out [B, M, W + G]

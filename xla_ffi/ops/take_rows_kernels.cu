@@ -63,8 +63,7 @@ __global__ void __launch_bounds__(kThreads)
       const V* src = row >= 0 && row < shape.source_rows ? x + (b * shape.source_rows + row) * x_units : nullptr;
       CopyChunk(dst, src, chunk * kChunkUnits, take_units, lane);
     } else {
-      CopyChunk(dst + take_units, suffix + r * suffix_units, (chunk - take_chunks) * kChunkUnits, suffix_units,
-                lane);
+      CopyChunk(dst + take_units, suffix + r * suffix_units, (chunk - take_chunks) * kChunkUnits, suffix_units, lane);
     }
   }
 }
@@ -80,8 +79,9 @@ cudaError_t Launch(const TakeRowsShape& shape, const void* x, const int32_t* ind
                    cudaStream_t stream) {
   const int64_t items = shape.batch * shape.rows * RowChunks(shape, sizeof(V));
   const int64_t blocks = std::min((items + kWarpsPerBlock - 1) / kWarpsPerBlock, kMaxBlocks);
-  TakeRowsKernel<V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      shape, static_cast<const V*>(x), index, static_cast<const V*>(suffix), static_cast<V*>(out));
+  TakeRowsKernel<V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(shape, static_cast<const V*>(x), index,
+                                                                            static_cast<const V*>(suffix),
+                                                                            static_cast<V*>(out));
   return cudaGetLastError();
 }
 

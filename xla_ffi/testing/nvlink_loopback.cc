@@ -254,8 +254,8 @@ void ReplayAsGraph(Resources& resources, const Ranks& ranks, const std::vector<O
       if (operand.output) {
         Check(cudaMemsetAsync(operand.At(fixed, 0, size), kUnwritten, bytes, origin), "cudaMemsetAsync");
       } else {
-        Check(cudaMemcpyAsync(operand.At(fixed, 0, size), operand.At(call, 0, size), bytes,
-                              cudaMemcpyDeviceToDevice, origin),
+        Check(cudaMemcpyAsync(operand.At(fixed, 0, size), operand.At(call, 0, size), bytes, cudaMemcpyDeviceToDevice,
+                              origin),
               "cudaMemcpyAsync (inputs in)");
       }
     }
@@ -286,9 +286,8 @@ Outcome Run(Resources& resources, const Ranks& ranks, std::vector<Operand>& oper
     if (operand.output) continue;
     const nb::bytes& given = *host_inputs.at(next_input++);
     Require(static_cast<int64_t>(given.size()) == int64_t{calls} * size * operand.bytes,
-            operand.name + " has " + std::to_string(given.size()) + " bytes, expected calls (" +
-                std::to_string(calls) + ") x ranks (" + std::to_string(size) + ") x " +
-                std::to_string(operand.bytes));
+            operand.name + " has " + std::to_string(given.size()) + " bytes, expected calls (" + std::to_string(calls) +
+                ") x ranks (" + std::to_string(size) + ") x " + std::to_string(operand.bytes));
     Check(cudaMemcpy(operand.device, given.c_str(), given.size(), cudaMemcpyHostToDevice),
           "cudaMemcpy (" + operand.name + ")");
   }
@@ -361,9 +360,9 @@ nb::dict ToDict(Outcome outcome, const std::vector<std::string>& names, int bloc
   return result;
 }
 
-nb::dict Collective(const std::string& op, const nb::bytes& x, int size, int calls, int64_t bytes,
-                    int element_bytes, int algorithm, int protocol, int reduce_op, int reduce_type, bool direct,
-                    int blocks, bool trace, bool graph, int64_t timeout_ms, int absent, int late, int64_t late_us) {
+nb::dict Collective(const std::string& op, const nb::bytes& x, int size, int calls, int64_t bytes, int element_bytes,
+                    int algorithm, int protocol, int reduce_op, int reduce_type, bool direct, int blocks, bool trace,
+                    bool graph, int64_t timeout_ms, int absent, int late, int64_t late_us) {
   const Schedule schedule{calls, graph, absent, late, late_us, timeout_ms};
   CheckSchedule(size, schedule);
   NvlinkCollectiveArgs args;
@@ -401,17 +400,16 @@ nb::dict Collective(const std::string& op, const nb::bytes& x, int size, int cal
                           : args.op == NvlinkCollective::kReduceScatter ? bytes / size
                                                                         : bytes;
   std::vector<Operand> operands = {{"x", bytes, false}, {"y", y_bytes, true}};
-  Outcome outcome = Run(resources, ranks, operands, {&x}, schedule,
-                        [&](int rank, int slot, cudaStream_t stream) {
-                          NvlinkCollectiveArgs mine = args;
-                          mine.rank = rank;
-                          mine.site = rank;
-                          mine.table = ranks.table[rank];
-                          mine.control = ranks.control[rank];
-                          mine.x = operands[0].At(slot, rank, size);
-                          mine.y = operands[1].At(slot, rank, size);
-                          return LaunchNvlinkCollective(mine, grid, stream);
-                        });
+  Outcome outcome = Run(resources, ranks, operands, {&x}, schedule, [&](int rank, int slot, cudaStream_t stream) {
+    NvlinkCollectiveArgs mine = args;
+    mine.rank = rank;
+    mine.site = rank;
+    mine.table = ranks.table[rank];
+    mine.control = ranks.control[rank];
+    mine.x = operands[0].At(slot, rank, size);
+    mine.y = operands[1].At(slot, rank, size);
+    return LaunchNvlinkCollective(mine, grid, stream);
+  });
   return ToDict(std::move(outcome), {"y"}, grid);
 }
 
@@ -468,39 +466,36 @@ nb::dict AllToAllv(const nb::bytes& x, const nb::bytes& counts, const std::optio
     operands.push_back({"place", batch * size * capacity * int64_t{sizeof(int32_t)}, false});
     inputs.push_back(&*place);
   }
-  Outcome outcome = Run(resources, ranks, operands, inputs, schedule,
-                        [&](int rank, int slot, cudaStream_t stream) {
-                          NvlinkAllToAllvArgs args;
-                          args.shape = shape;
-                          args.rank = rank;
-                          args.groups = grid.groups;
-                          args.rounds = grid.rounds;
-                          args.packed = packed;
-                          args.direct = direct;
-                          args.trace = trace;
-                          args.site = rank;
-                          args.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000;
-                          args.x = operands[0].At(slot, rank, size);
-                          args.counts = reinterpret_cast<const int32_t*>(operands[1].At(slot, rank, size));
-                          args.y = operands[2].At(slot, rank, size);
-                          args.recv_counts = reinterpret_cast<int32_t*>(operands[3].At(slot, rank, size));
-                          args.dropped = reinterpret_cast<int32_t*>(operands[4].At(slot, rank, size));
-                          if (send_rows_operand >= 0) {
-                            args.send_rows =
-                                reinterpret_cast<const int32_t*>(operands[send_rows_operand].At(slot, rank, size));
-                          }
-                          if (suffix_operand >= 0) args.suffix = operands[suffix_operand].At(slot, rank, size);
-                          if (place_operand >= 0) {
-                            args.place =
-                                reinterpret_cast<const int32_t*>(operands[place_operand].At(slot, rank, size));
-                            args.out_rows = out_rows;
-                          }
-                          args.table = ranks.table[rank];
-                          args.control = ranks.control[rank];
-                          args.counts_slot_bytes = layout.counts_slot_bytes;
-                          args.rows_slot_bytes = layout.rows_slot_bytes;
-                          return LaunchNvlinkAllToAllv(args, grid.blocks, stream);
-                        });
+  Outcome outcome = Run(resources, ranks, operands, inputs, schedule, [&](int rank, int slot, cudaStream_t stream) {
+    NvlinkAllToAllvArgs args;
+    args.shape = shape;
+    args.rank = rank;
+    args.groups = grid.groups;
+    args.rounds = grid.rounds;
+    args.packed = packed;
+    args.direct = direct;
+    args.trace = trace;
+    args.site = rank;
+    args.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000;
+    args.x = operands[0].At(slot, rank, size);
+    args.counts = reinterpret_cast<const int32_t*>(operands[1].At(slot, rank, size));
+    args.y = operands[2].At(slot, rank, size);
+    args.recv_counts = reinterpret_cast<int32_t*>(operands[3].At(slot, rank, size));
+    args.dropped = reinterpret_cast<int32_t*>(operands[4].At(slot, rank, size));
+    if (send_rows_operand >= 0) {
+      args.send_rows = reinterpret_cast<const int32_t*>(operands[send_rows_operand].At(slot, rank, size));
+    }
+    if (suffix_operand >= 0) args.suffix = operands[suffix_operand].At(slot, rank, size);
+    if (place_operand >= 0) {
+      args.place = reinterpret_cast<const int32_t*>(operands[place_operand].At(slot, rank, size));
+      args.out_rows = out_rows;
+    }
+    args.table = ranks.table[rank];
+    args.control = ranks.control[rank];
+    args.counts_slot_bytes = layout.counts_slot_bytes;
+    args.rows_slot_bytes = layout.rows_slot_bytes;
+    return LaunchNvlinkAllToAllv(args, grid.blocks, stream);
+  });
   return ToDict(std::move(outcome), {"y", "recv_counts", "dropped"}, grid.blocks);
 }
 
@@ -510,11 +505,11 @@ nb::dict AllToAllv(const nb::bytes& x, const nb::bytes& counts, const std::optio
 NB_MODULE(_ncclx_loopback, m) {
   namespace jn = jax_ncclx;
   m.doc() = "Test-only: jax_ncclx's NVLink kernels with several ranks on one GPU (see nvlink_loopback.cc).";
-  m.def("collective", &jn::Collective, nb::arg("op"), nb::arg("x"), nb::kw_only(), nb::arg("size"),
-        nb::arg("calls"), nb::arg("bytes"), nb::arg("element_bytes"), nb::arg("algorithm") = 1,
-        nb::arg("protocol") = 0, nb::arg("reduce_op") = 0, nb::arg("reduce_type") = 0, nb::arg("direct") = false,
-        nb::arg("blocks") = 0, nb::arg("trace") = false, nb::arg("graph") = false, nb::arg("timeout_ms") = 5000,
-        nb::arg("absent") = -1, nb::arg("late") = -1, nb::arg("late_us") = 0,
+  m.def("collective", &jn::Collective, nb::arg("op"), nb::arg("x"), nb::kw_only(), nb::arg("size"), nb::arg("calls"),
+        nb::arg("bytes"), nb::arg("element_bytes"), nb::arg("algorithm") = 1, nb::arg("protocol") = 0,
+        nb::arg("reduce_op") = 0, nb::arg("reduce_type") = 0, nb::arg("direct") = false, nb::arg("blocks") = 0,
+        nb::arg("trace") = false, nb::arg("graph") = false, nb::arg("timeout_ms") = 5000, nb::arg("absent") = -1,
+        nb::arg("late") = -1, nb::arg("late_us") = 0,
         "Runs `calls` calls of one NVLink collective ('all_reduce', 'all_gather', 'all_to_all') on `size`\n"
         "logical ranks of the current GPU. x: bytes of [calls, size, bytes]; attributes as the FFI handler's.\n"
         "absent: a rank that never launches (its peers must give up and name it); late: a rank whose stream\n"
@@ -522,10 +517,9 @@ NB_MODULE(_ncclx_loopback, m) {
         "[calls, size, output bytes], 'ranks': per rank {calls_finished, fault, fault_call, aborted_by,\n"
         "missing, trace (the device timeline of traced calls)}, 'blocks': the grid}.");
   m.def("all_to_allv", &jn::AllToAllv, nb::arg("x"), nb::arg("counts"), nb::arg("send_rows").none(),
-        nb::arg("suffix").none(), nb::arg("place").none(), nb::kw_only(), nb::arg("size"),
-        nb::arg("calls"), nb::arg("batch"), nb::arg("source_rows"), nb::arg("num_rows"), nb::arg("num_chunks"),
-        nb::arg("capacity"), nb::arg("row_bytes"), nb::arg("suffix_bytes"), nb::arg("out_rows"),
-        nb::arg("packed"), nb::arg("direct"),
+        nb::arg("suffix").none(), nb::arg("place").none(), nb::kw_only(), nb::arg("size"), nb::arg("calls"),
+        nb::arg("batch"), nb::arg("source_rows"), nb::arg("num_rows"), nb::arg("num_chunks"), nb::arg("capacity"),
+        nb::arg("row_bytes"), nb::arg("suffix_bytes"), nb::arg("out_rows"), nb::arg("packed"), nb::arg("direct"),
         nb::arg("blocks") = 0, nb::arg("trace") = false, nb::arg("graph") = false, nb::arg("timeout_ms") = 5000,
         nb::arg("absent") = -1, nb::arg("late") = -1, nb::arg("late_us") = 0,
         "Runs `calls` calls of the NVLink all_to_allv_dynamic kernel on `size` logical ranks of the current\n"

@@ -41,8 +41,8 @@ def all_reduce(x, axis_name, op: str = "sum", *, axis_index_groups=None):
     Returns:
       An array of ``x``'s shape and dtype (int32 for a sum of booleans), the same bits on every member of the
       group. ``sum`` of 16-bit floats accumulates in float32 and rounds once on the CPU backend and in the GPU
-      NVLink kernels (inputs up to ``JAX_NCCLX_NVLINK_MAX_BYTES``, docs/configuration.md); larger inputs go through NCCL,
-      which accumulates in the input dtype.
+      NVLink kernels (inputs up to ``JAX_NCCLX_NVLINK_MAX_BYTES``, docs/configuration.md); larger inputs go
+      through NCCL, which accumulates in the input dtype.
 
     Differentiable (``sum`` and ``mean`` are linear; ``max``/``min`` pass the tangent of the members that hold
     the extreme, averaged over ties) and vmap-able, over non-mesh axes (one collective) or over the op's own

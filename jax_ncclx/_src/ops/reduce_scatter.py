@@ -38,8 +38,8 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_group
     Returns:
       Block ``axis_index`` of the sum, with ``x``'s dtype (int32 for booleans), summed in rank order. Sums of
       16-bit floats accumulate in float32 and round once on the CPU backend and in the GPU NVLink kernel (f32,
-      bf16, f16, int32 and complex64 inputs up to ``JAX_NCCLX_NVLINK_MAX_BYTES``, docs/configuration.md); other inputs go
-      through NCCL, which accumulates in the input dtype.
+      bf16, f16, int32 and complex64 inputs up to ``JAX_NCCLX_NVLINK_MAX_BYTES``, docs/configuration.md); other
+      inputs go through NCCL, which accumulates in the input dtype.
 
     Differentiable (linear; the transpose is an all_gather) and vmap-able, over non-mesh axes (one
     collective) or over the op's own axis (local work, as in ``jax.lax``).
