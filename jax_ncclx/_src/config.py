@@ -75,7 +75,7 @@ class Config:
         (``JAX_NCCLX_NCCL_COMMAND_BUFFERS=1``; default 0), so that XLA records their NCCL launches into the
         CUDA graphs of its command buffers with the rest of the program (XLA records custom calls there by
         default, in runs of at least 5 recordable ops): 1.3-2.9x faster than XLA's own collectives on
-        2xH200 with one process, 1.05-2.7x with one per GPU (README, "Small-message collectives"). The cost:
+        2xH200 with one process, 1.05-2.7x with one per GPU (docs/performance.md, "Small collectives"). The cost:
         a replayed graph does not come back to the host, so the watchdog times those calls only with
         ``watch_replays``; without it a peer that never arrives hangs them instead of failing with its name.
         The NVLink kernels bound their own waits and are recorded either way. Where ``XLA_FLAGS`` record loops
@@ -91,12 +91,12 @@ class Config:
         with ``nccl_command_buffers``) lowers (at compile time) to a handler with a prepare stage that makes an
         execution fail once its communicator has failed, instead of replaying on it with undefined outputs.
         That costs host time in every execution, before the program launches: 0.6 us per call in a program of
-        200 NVLink calls on one H100, up to 1.7 in programs of 20 (README, "Calls inside CUDA graphs").
+        200 NVLink calls on one H100, up to 1.7 in programs of 20 (docs/reliability.md, "Calls inside CUDA graphs").
       nccl_max_ctas: the most thread blocks (channels) NCCL may use per call on communicators created from
         now on (``JAX_NCCLX_NCCL_MAX_CTAS``, NCCL's ``ncclConfig_t.maxCTAs``; default 0: NCCL's choice, 24-32
         on H200). NCCL allocates a few KiB per channel at init, each in its own 2 MiB cuMem granule, so an idle
         communicator holds about 6 MiB per channel: fewer channels make it leaner, at the cost of NCCL's
-        bandwidth on large messages (README, "Start-up and memory").
+        bandwidth on large messages (docs/performance.md, "Start-up and memory").
     """
 
     timeout_s: float = 600.0
@@ -263,7 +263,7 @@ def _non_negative_int(name: str, default):
 # up to 256 KiB (15.3 vs 21.0 us), two-shot from 1 MiB (23.0 vs 34.2); NVLink all_reduce and all_to_all beat
 # XLA up to 16 MiB, all_gather up to 4 MiB (1.14x) and not at 16 MiB (0.90x); every op loses at 64 MiB.
 # reduce_scatter (one-shot, with all_to_all's traffic: block j of every rank to rank j) takes all_to_all's
-# limits: on 2xH200 (collectives_2gpu_5a52361.md) it beats psum_scatter and NCCL up to 16 MiB (1.40x there);
+# limits: on 2xH200 (benchmarks/results/collectives_2gpu) it beats psum_scatter and NCCL up to 16 MiB (1.40x there);
 # 4 and 8 GPUs not measured.
 _EVERY_OP_UP_TO_16_MIB = {"all_reduce": 16 << 20, "all_gather": 16 << 20, "all_to_all": 16 << 20,
                           "reduce_scatter": 16 << 20}
@@ -276,12 +276,12 @@ NVLINK_THRESHOLDS = {
 
 # GPU count -> {op: segment bytes (what one rank sends one peer) from which "auto" takes LL128 over LL}, by
 # the same nearest-count rule; counts above 4 take the 4-GPU entry (protocols not measured on 8).
-# 2xH200 (collectives_2gpu_protocols.md): LL is 0.1-0.3 us faster at 8 B, level at 4 KiB, and LL128 moves
-# all_to_all's 8 KiB segments 0.4 us faster. 4xH200 (collectives_4gpu_protocols*.md, plain and in command
+# 2xH200: LL is 0.1-0.3 us faster at 8 B, level at 4 KiB, and LL128 moves
+# all_to_all's 8 KiB segments 0.4 us faster. 4xH200 (plain and in command
 # buffers): LL128 is 0.3-0.8 us faster for all_gather and all_to_all at every size from 8 B, while all_reduce
 # keeps LL up to 4 KiB (0.1-0.2 us faster) and is faster in LL128 from 16 KiB (8 KiB, between the two, was
 # not measured: it keeps the 2-GPU value). reduce_scatter takes all_reduce's values (its receivers reduce the
-# words they poll, as one-shot all_reduce's do); on 2xH200 (reduce_scatter_2gpu_protocols.md) LL and LL128
+# words they poll, as one-shot all_reduce's do); on 2xH200 LL and LL128
 # were level at 8 B, LL 0.2 us faster at 4 KiB and LL128 0.5 us faster at 16 KiB; 4 GPUs not measured.
 NVLINK_LL128_MIN_BYTES = {
     2: {"all_reduce": 8 << 10, "all_gather": 8 << 10, "all_to_all": 8 << 10, "reduce_scatter": 8 << 10},

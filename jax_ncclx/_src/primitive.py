@@ -351,7 +351,7 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, alias
             if settings.nccl_command_buffers and f"{target}_cmdbuf" in lib.cuda_target_names():
                 if config.xla_records_loops() and compat.lowering_may_be_inside_control_flow():
                     # NCCL's graph-mixing nodes make XLA's loop and conditional graphs fail to instantiate
-                    # (README, "Sharp bits"): this call stays out of graphs, the rest of the body stays in.
+                    # (docs/sharp_bits.md): this call stays out of graphs, the rest of the body stays in.
                     logger.info("jax_ncclx: %s call site %d sits in a loop or conditional that XLA records into "
                                 "a command buffer, or in a jitted function that one may call: it runs from the "
                                 "host, not from the graph", op, site)
