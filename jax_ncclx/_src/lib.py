@@ -11,9 +11,19 @@ import logging
 
 import jax
 
-from jax_ncclx import _build_config
-from jax_ncclx import _ncclx_cpu
-from jax_ncclx._src import compat
+import os
+
+try:
+    from jax_ncclx import _build_config
+    from jax_ncclx import _ncclx_cpu
+except ImportError as e:  # the source tree has no built modules: say so rather than a circular-import riddle
+    _here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    raise ImportError(
+        f"jax_ncclx: imported from {_here}, a source tree without the built modules ({e}). Run Python from "
+        "another directory to use the installed package, or build into this tree with `pip install -e .` "
+        "(tools/dev.sh does)") from e
+
+from jax_ncclx._src import compat  # noqa: E402 - after the check above
 
 logger = logging.getLogger("jax_ncclx")
 
@@ -32,7 +42,9 @@ def _load_cuda():
         jax.devices()  # initialise JAX's backends first: the CUDA plugin loads libcudart and libnccl
         from jax_ncclx import _ncclx_cuda
     except ImportError as e:
-        return None, f"the CUDA module failed to load: {e}"
+        hint = " (NCCL's runtime: pip install nvidia-nccl-cu13, or install jax_ncclx[cuda])" if "nccl" in str(e) \
+            else ""
+        return None, f"the CUDA module failed to load: {e}{hint}"
     for name, capsule in _ncclx_cuda.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
     atexit.register(_ncclx_cuda.stop_watchdog)  # before the CUDA runtime goes away
