@@ -73,11 +73,11 @@ def skip_degenerate_tuple(mesh, axis):
                     "(4 or more GPUs; the CPU runs have one)")
 
 
-@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
-def backend(request):
-    """Devices of one backend: "cpu" (8 virtual devices) or "gpu" (all local GPUs)."""
+def backend_devices(request, minimum_gpus: int = 2):
+    """The devices of the backend a fixture's param names: "cpu" (8 virtual devices) or "gpu" (all local
+    GPUs, skipped with fewer than ``minimum_gpus``)."""
     if request.param == "gpu":
-        reason = gpu_skip_reason()
+        reason = gpu_skip_reason(minimum=minimum_gpus)
         if reason:
             pytest.skip(reason)
         return gpu_devices()
@@ -85,15 +85,22 @@ def backend(request):
 
 
 @pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def backend(request):
+    """Devices of one backend: "cpu" (8 virtual devices) or "gpu" (all local GPUs, at least 2)."""
+    return backend_devices(request)
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def any_backend(request):
+    """As ``backend``, but one GPU is enough: an axis of one member still runs the op's kernels."""
+    return backend_devices(request, minimum_gpus=1)
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
 def one_device(request):
     """One device of a backend, for the local ops (no communication): CPU, or the first GPU of any machine
     with one."""
-    if request.param == "gpu":
-        reason = gpu_skip_reason(minimum=1)
-        if reason:
-            pytest.skip(reason)
-        return gpu_devices()[0]
-    return jax.devices("cpu")[0]
+    return backend_devices(request, minimum_gpus=1)[0]
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import gpu_skip_reason, gpu_devices
 
 sys.path.insert(0, os.path.dirname(__file__))
 import ordering_worker  # noqa: E402
@@ -22,14 +21,9 @@ import ordering_worker  # noqa: E402
 RUNS = 10
 
 
-@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
-def devices(request):
-    if request.param == "gpu":
-        reason = gpu_skip_reason(minimum=1)
-        if reason:
-            pytest.skip(reason)
-        return gpu_devices()
-    return jax.devices("cpu")
+@pytest.fixture
+def devices(any_backend):
+    return any_backend
 
 
 @pytest.mark.parametrize("case", ordering_worker.CASES)

@@ -18,16 +18,11 @@ from helpers import assert_bits_equal, random_array
 OPERAND_ROWS, OUTPUT_ROWS = 24, 40
 
 
-@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
-def backend(request):
-    """conftest's, but one GPU is enough: on an axis of one member every slice goes to the member itself, through
-    the same exchange, place table and aliased output."""
-    if request.param == "gpu":
-        reason = gpu_skip_reason(minimum=1)
-        if reason:
-            pytest.skip(reason)
-        return gpu_devices()
-    return jax.devices("cpu")
+@pytest.fixture
+def backend(any_backend):
+    """One GPU is enough: on an axis of one member every slice goes to the member itself, through the same
+    exchange, place table and aliased output."""
+    return any_backend
 
 
 def lax_reference(operands, outputs, input_offsets, send_sizes, output_offsets, recv_sizes, capacity):
