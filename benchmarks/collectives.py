@@ -17,7 +17,8 @@ protocol at every size, instead of the default LL below 8 KiB and LL128 from the
 nx-nccl (JAX_NCCLX_TRANSPORT=nccl), nx-nccl-cmdbuf (the same, with the NCCL handlers recorded into XLA's
 command buffers: JAX_NCCLX_NCCL_COMMAND_BUFFERS=1); and what
 tracing and timeouts cost: nx-traced / nx-nccl-traced (JAX_NCCLX_TRACE=1), nx-nccl-nowatch (NCCL without the
-watchdog's two CUDA events per call: JAX_NCCLX_TIMEOUT_S=0).
+watchdog's two CUDA events per call: JAX_NCCLX_TIMEOUT_S=0), nx-nowarn (NVLink without the watchdog's event per
+call for the late-peer warning: JAX_NCCLX_WARN_AFTER_S=0).
 
     python benchmarks/collectives.py                          # 8 B .. 64 MB on all GPUs: xla, nx, nx-nccl
     python benchmarks/collectives.py --impls xla,nx-oneshot,nx-twoshot,nx-nccl   # where the crossovers are
@@ -89,6 +90,7 @@ IMPLS = {  # name -> JAX_NCCLX_* settings while its programs compile (None: jax.
     "nx-traced": {"JAX_NCCLX_TRACE": "1"},
     "nx-nccl-traced": {"JAX_NCCLX_TRANSPORT": "nccl", "JAX_NCCLX_TRACE": "1"},
     "nx-nccl-nowatch": {"JAX_NCCLX_TRANSPORT": "nccl", "JAX_NCCLX_TIMEOUT_S": "0"},
+    "nx-nowarn": {"JAX_NCCLX_WARN_AFTER_S": "0"},
 }
 SETTINGS = sorted({key for env in IMPLS.values() if env for key in env} | {"JAX_NCCLX_TRACE"})
 TRACED_IMPLS = ("nx-traced", "nx-nccl-traced")
@@ -327,7 +329,8 @@ def notes(config: dict) -> str:
         "nx-nccl = JAX_NCCLX_TRANSPORT=nccl; nx-nccl-cmdbuf = the same, recorded into XLA's command buffers "
         "(JAX_NCCLX_NCCL_COMMAND_BUFFERS=1); nx-traced / nx-nccl-traced = "
         "the same with JAX_NCCLX_TRACE=1 (every call recorded); nx-nccl-nowatch = NCCL without the watchdog's "
-        "event per call (JAX_NCCLX_TIMEOUT_S=0).",
+        "event per call (JAX_NCCLX_TIMEOUT_S=0); nx-nowarn = the default without the late-peer warning's event per "
+        "call (JAX_NCCLX_WARN_AFTER_S=0).",
         "- **speedup** = jax.lax median / this row's median (> 1: faster than XLA). **path**: what the "
         "compiled jax_ncclx program calls (nccl, nvlink-1shot, nvlink-2shot, or cpu); jax.lax rows say xla.",
         "- **handler runs/op** (NVLink rows): how often the host ran jax_ncclx's handler per op and GPU while "

@@ -362,8 +362,6 @@ def test_late_peer_is_warned_about_once_and_the_call_completes(line, monkeypatch
     one warning on stderr names the op, the call and the missing rank; the call then completes. With the
     grace at 0 nothing is printed. (The last rank is the late one: on GPU, ranks launched after a late one
     could be late too.)"""
-    if on_gpu(line) and os.environ["JAX_NCCLX_TRANSPORT"] == "nvlink":
-        pytest.skip("the NVLink kernels bound their waits on the device and report only at the timeout")
     late = line.size - 1
     seq = next_seq(line, late)
     monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", "60")
@@ -388,6 +386,38 @@ def test_late_peer_is_warned_about_once_and_the_call_completes(line, monkeypatch
     f = per_shard(line, lambda v: nx.all_reduce(v, "x"))  # lowered anew: the grace is read at lowering
     np.testing.assert_array_equal(np.asarray(f(x))[0], np.asarray(x).sum(0))
     assert _late_peer_warnings(capfd.readouterr().err) == []
+
+
+@pytest.mark.gpu
+def test_nvlink_call_held_past_the_grace_is_warned_about(monkeypatch, capfd):
+    """An NVLink call that cannot finish within the grace gets the warning too, from the watchdog (its kernels
+    bound their own wait but say nothing before the timeout); the call then completes. One GPU is enough: a
+    stall fault holds the stream of an axis of one member."""
+    reason = gpu_skip_reason(minimum=1)
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.delenv("JAX_NCCLX_FAULT", raising=False)
+    monkeypatch.setenv("JAX_NCCLX_TRACE", "1")
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nvlink")
+    comm.destroy_all()
+    try:
+        mesh = jax.sharding.Mesh(np.asarray(gpu_devices()[:1]), ("x",))
+        seq = next_seq(mesh, 0)
+        monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", "60")
+        monkeypatch.setenv("JAX_NCCLX_WARN_AFTER_S", "0.3")
+        monkeypatch.setenv("JAX_NCCLX_FAULT", f"stall:rank=0,seq={seq},ms=1500")
+        f = per_shard(mesh, lambda v: nx.all_reduce(v, "x"))
+        x = jnp.arange(4, dtype=jnp.float32).reshape(1, 4)
+        assert re.findall(r"ncclx_all_reduce\w*", f.lower(x).as_text()) == ["ncclx_all_reduce_nvlink"]
+        capfd.readouterr()
+        np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(x))
+        warnings = _late_peer_warnings(capfd.readouterr().err)
+        expected = (rf"call #{seq} on communicator \d+ \(all_reduce, axis 'x', call site \d+\) has not finished "
+                    r"0\.3 s after it could start on rank 0 of 1: every rank reached it, but the NVLink kernel "
+                    r"has not completed it; still waiting, until the timeout of 60 s")
+        assert len(warnings) == 1 and re.search(expected, warnings[0]), warnings
+    finally:
+        comm.destroy_all()
 
 
 def test_warning_grace_reaches_the_handlers(line, monkeypatch):

@@ -22,8 +22,7 @@ class Config:
       op_timeouts_s: those per-op overrides, by op name.
       warn_after_s: seconds a participant waits for late peers before one warning on stderr names the call and
         the ranks still missing; it goes on waiting until the timeout (``JAX_NCCLX_WARN_AFTER_S``, default 20;
-        0: no warning). CPU collectives and the GPU's NCCL calls warn; the NVLink kernels, which bound their
-        waits on the device, report only at the timeout.
+        0: no warning). Every path warns except calls replayed from a CUDA graph (command buffers).
       transport: how GPU ops that have an NVLink kernel move data (``JAX_NCCLX_TRANSPORT``): ``"auto"``
         (default) uses the NVLink kernel when every rank of the communicator reaches every other through
         NVLink peer access and NCCL otherwise, logging why; ``"nvlink"`` makes the fallback an error;

@@ -138,6 +138,7 @@ struct Watched {
   cudaEvent_t end = nullptr;  // recorded after the call's work; null while the handler is inside NCCL's launch
   int64_t started_ns = 0;     // when the watchdog saw the rank's previous watched call done (see WatchOnce)
   bool reported = false;      // a launch that never returned was reported
+  bool warn_only = false;     // an NVLink call: its kernels bound their own wait, so it only gets the warning
 };
 
 struct Watchdog {
@@ -179,7 +180,8 @@ constexpr auto kPollInterval = std::chrono::milliseconds(20);
 // Who is missing from `call`, as far as this process can tell: the local ranks of its communicator that never
 // queued it, or that every local rank did (`*elsewhere` set when the communicator has ranks in other
 // processes, among which the missing ones then are). `completed`: "did not complete" or "has not completed".
-std::string MissingFrom(Watchdog& w, const WatchedCall& call, const std::string& completed, bool* elsewhere) {
+std::string MissingFrom(Watchdog& w, const WatchedCall& call, const std::string& completed, bool* elsewhere,
+                        bool nvlink = false) {
   std::set<int> never, local;
   ffi::ErrorOr<std::map<int32_t, CommMember>> members = CommMembers("watchdog", call.comm_id);
   if (members.has_value()) {
@@ -196,7 +198,7 @@ std::string MissingFrom(Watchdog& w, const WatchedCall& call, const std::string&
     return "every rank in this process (" + RankList(local) +
            ") reached it; the missing rank(s) are among those in other processes (NCCL does not say which)";
   }
-  return "every rank reached it, but NCCL " + completed + " it";
+  return std::string("every rank reached it, but ") + (nvlink ? "the NVLink kernel " : "NCCL ") + completed + " it";
 }
 
 // The message for `hung`, a call that did not finish in time or (`nccl_error` set) that NCCL ended early
@@ -217,7 +219,7 @@ std::string HangMessage(Watchdog& w, const WatchedCall& hung, const std::string&
 // The late-peer warning of `call`, unfinished `waited_ns` after it could start (`queueing`: its handler is
 // still inside NCCL's launch), or "" when none is due: past its grace, before its timeout, and once per call
 // on a communicator however many local ranks wait in it. Called with w.mu held.
-std::string LateWarning(Watchdog& w, const WatchedCall& call, int64_t waited_ns, bool queueing) {
+std::string LateWarning(Watchdog& w, const WatchedCall& call, int64_t waited_ns, bool queueing, bool nvlink = false) {
   if (call.warn_ns <= 0 || call.warn_ns >= call.timeout_ns || waited_ns <= call.warn_ns) return "";
   int64_t& warned = w.warned.try_emplace(call.comm_id, -1).first->second;
   if (warned >= call.sequence) return "";
@@ -226,7 +228,7 @@ std::string LateWarning(Watchdog& w, const WatchedCall& call, int64_t waited_ns,
   return DescribeCall(call) + " " +
          (queueing ? "is still being queued by NCCL (connection set-up waits for the peers) " : "has not finished ") +
          DescribeSeconds(call.warn_ns) + " after it could start on rank " + std::to_string(call.rank) + " of " +
-         std::to_string(call.size) + ": " + MissingFrom(w, call, "has not completed", &elsewhere) +
+         std::to_string(call.size) + ": " + MissingFrom(w, call, "has not completed", &elsewhere, nvlink) +
          "; still waiting, until the timeout of " + DescribeSeconds(call.timeout_ns) +
          " (JAX_NCCLX_TIMEOUT_S; JAX_NCCLX_WARN_AFTER_S sets when this is printed)";
 }
@@ -277,10 +279,10 @@ void WatchOnce(Watchdog& w) {
       if (ended != cudaErrorNotReady) {  // done (or its device failed: nothing left to wait for)
         ReturnEvent(it->end);
         it->end = nullptr;
-        w.last_done[it->call.comm_id] = *it;
+        if (!it->warn_only) w.last_done[it->call.comm_id] = *it;
         // Within a host NCCL gives no error when peers abort: their abort can end this rank's kernel early,
         // near their timeout. Such a call is worth asking the other processes about (comm.py, check_errors).
-        if (now - it->started_ns > it->call.timeout_ns / 2) {
+        if (!it->warn_only && now - it->started_ns > it->call.timeout_ns / 2) {
           const WatchedCall& late = it->call;
           w.late[late.comm_id] = {late.sequence, DescribeCall(late) + " finished only " +
                                                      DescribeSeconds(now - it->started_ns) +
@@ -292,9 +294,10 @@ void WatchOnce(Watchdog& w) {
         busy.erase(rank_key);  // the rank's next call may start now
         continue;
       }
-      if (now - it->started_ns > it->call.timeout_ns && !hung(it->call.comm_id)) {
+      if (!it->warn_only && now - it->started_ns > it->call.timeout_ns && !hung(it->call.comm_id)) {
         hangs.emplace_back(it->call.comm_id, HangMessage(w, it->call));
-      } else if (std::string warning = LateWarning(w, it->call, now - it->started_ns, /*queueing=*/false);
+      } else if (std::string warning =
+                     LateWarning(w, it->call, now - it->started_ns, /*queueing=*/false, it->warn_only);
                  !warning.empty()) {
         warnings.push_back(std::move(warning));
       }
@@ -437,6 +440,10 @@ ffi::ErrorOr<CallBracket> OpenCall(const GpuCall& call, bool watch) {
   CallBracket bracket;
   const bool nccl = watch;
   watch = watch && call.attrs.timeout_ms > 0;  // JAX_NCCLX_TIMEOUT_S=0: no watchdog
+  // NVLink kernels time themselves out on the device but say nothing before: the watchdog gives them the
+  // late-peer warning from an event after the launch, as it does NCCL calls.
+  const bool warn_only = !nccl && call.attrs.timeout_ms > 0 && call.attrs.warn_ms > 0 &&
+                         call.attrs.warn_ms < call.attrs.timeout_ms;
   bracket.skip = ApplyDelayOrSkip(call.fault, /*stall_on_host=*/false);
   if (call.fault && call.fault->kind == FaultKind::kDelay) {  // the communicator may have failed meanwhile
     NCCLX_RETURN_IF_ERROR(CheckCommUsable(call.op, call.comm_id));
@@ -446,7 +453,7 @@ ffi::ErrorOr<CallBracket> OpenCall(const GpuCall& call, bool watch) {
     NCCLX_RETURN_IF_ERROR(
         CheckCuda(call.op, "LaunchDeviceStall", LaunchDeviceStall(call.fault->delay_ms * 1000000, call.stream)));
   }
-  if (!nccl && !call.attrs.trace) return bracket;
+  if (!nccl && !warn_only && !call.attrs.trace) return bracket;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   NCCLX_RETURN_IF_ERROR(CheckCuda(call.op, "cudaStreamIsCapturing", cudaStreamIsCapturing(call.stream, &capture)));
   if (capture != cudaStreamCaptureStatusNone) {
@@ -455,6 +462,7 @@ ffi::ErrorOr<CallBracket> OpenCall(const GpuCall& call, bool watch) {
     bracket.watch_replays = watch && WatchReplays();
     return bracket;
   }
+  watch = watch || warn_only;
   if (!watch && !call.attrs.trace) return bracket;
   if (call.attrs.trace) {
     NCCLX_RETURN_IF_ERROR(EnsureAnchor(call.op, call.device));
@@ -476,6 +484,7 @@ ffi::ErrorOr<CallBracket> OpenCall(const GpuCall& call, bool watch) {
     Watched watched;
     watched.call = DescribeWatchedCall(call);
     watched.opened_ns = NowNs();
+    watched.warn_only = warn_only;
     Watchdog& w = GetWatchdog();
     {
       std::lock_guard<std::mutex> lock(w.mu);

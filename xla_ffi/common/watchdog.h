@@ -1,7 +1,8 @@
 // How the CUDA handlers keep their promise that no call waits forever, and how they record and perturb calls.
 //
 //   * NVLink kernels bound their own waits on the device (device_sync.cuh, Patience) and report in a fault
-//     record in pinned host memory, which their handlers read before every call (CheckNvlinkFault).
+//     record in pinned host memory, which their handlers read before every call (CheckNvlinkFault). The
+//     watchdog times them too, from an event after each launch, but only for the late-peer warning below.
 //   * NCCL work cannot be bounded from outside, so its handlers record a CUDA event after each call and a
 //     watchdog thread checks them: a call that could start (the rank's previous watched call was done) more
 //     than its timeout ago and has not finished is declared hung, its communicator is aborted (ncclCommAbort
