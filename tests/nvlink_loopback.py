@@ -86,3 +86,24 @@ def all_to_allv(x, counts, capacity, *, layout, direct, send_rows=None, suffix=N
 
 def with_grid(done):
     return [dict(state, blocks=done["blocks"]) for state in done["ranks"]]
+
+
+MOE_COMBINE_TYPES = {np.dtype(np.float32): 0, np.dtype(ml_dtypes.bfloat16): 1, np.dtype(np.float16): 2}
+
+
+def moe_combine(expert_out, row_pairs, weights, recv_tokens, return_row, **options):
+    """moe.combine's NVLink kernel. expert_out [calls, ranks, N * C, H'] (float32, bfloat16 or float16),
+    row_pairs int32 [calls, ranks, N * R, k], weights float32 of the same shape, recv_tokens int32 [calls,
+    ranks, N], return_row int32 [calls, ranks, T, N]. Returns (out [calls, ranks, T, H'], ranks)."""
+    expert_out = np.ascontiguousarray(expert_out)
+    calls, size, expert_rows, hidden = expert_out.shape
+    rows, top_k = row_pairs.shape[2:]
+    tokens = return_row.shape[2]
+    done = module().moe_combine(
+        expert_out.tobytes(), np.ascontiguousarray(row_pairs, np.int32).tobytes(),
+        np.ascontiguousarray(weights, np.float32).tobytes(), np.ascontiguousarray(recv_tokens, np.int32).tobytes(),
+        np.ascontiguousarray(return_row, np.int32).tobytes(), size=size, calls=calls,
+        type=MOE_COMBINE_TYPES[expert_out.dtype], expert_rows=expert_rows, rows_per_member=rows // size,
+        top_k=top_k, tokens=tokens, hidden=hidden, **options)
+    out = np.frombuffer(done["out"], expert_out.dtype).reshape(calls, size, tokens, hidden)
+    return out, with_grid(done)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from conftest import gpu_devices, gpu_skip_reason
 from helpers import assert_same, random_array
 from jax_ncclx import moe
 
@@ -135,6 +136,76 @@ def test_dispatch_and_round_trip(backend, capacity, weights_in):
     rows, sizes, dropped, out = run_dispatch_combine(line_mesh(backend), tokens, ids, weights, num_experts, capacity,
                                                      weights_in)
     check_against_reference(tokens, ids, weights, num_experts, capacity, rows, sizes, dropped, out)
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu-nvlink", marks=pytest.mark.gpu),
+                        pytest.param("gpu-nccl", marks=pytest.mark.gpu)])
+def combine_path(request, monkeypatch):
+    """(devices, the FFI target combine's forward pass must lower to): on CPU the exchange chain; on every
+    local GPU (one is enough) the NVLink kernel, or with JAX_NCCLX_TRANSPORT=nccl the chain over NCCL."""
+    if request.param == "cpu":
+        return jax.devices("cpu"), "ncclx_all_to_allv_dynamic"
+    reason = gpu_skip_reason(minimum=1)
+    if reason:
+        pytest.skip(reason)
+    transport = request.param.removeprefix("gpu-")
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", transport)
+    return gpu_devices(), "ncclx_moe_combine_nvlink" if transport == "nvlink" else "ncclx_all_to_allv_dynamic"
+
+
+@pytest.mark.parametrize("capacity", [AMPLE, TIGHT], ids=["ample", "tight"])
+def test_combine_with_dispatch_weights_on_every_path(combine_path, capacity):
+    """combine(expert_out, handle) is one NVLink kernel on GPU and the exchange chain elsewhere: both give the
+    reference's round trip (experts scale rows by their index, so a row at the wrong expert shows), and the
+    gradient in tokens and weights is the dense one."""
+    devices, target = combine_path
+    n = len(devices)
+    num_experts = 2 * n
+    mesh = line_mesh(devices)
+    tokens = random_array((n, TOKENS, HIDDEN), jnp.float32)
+    ids = random_ids(n, num_experts, seed=capacity)
+    weights = random_array((n, TOKENS, TOP_K), jnp.float32, seed=1)
+
+    def round_trip(t, i, w):
+        return dispatch_and_combine(t[0], i[0], w[0], weights_in="dispatch", expert=scaled_by_expert("x"),
+                                    num_experts=num_experts, axis_name="x", capacity=capacity)[3][None]
+
+    f = jax.jit(jax.shard_map(round_trip, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x")))
+    forward = f.lower(tokens, ids, weights).as_text()
+    assert target in forward and ("ncclx_moe_combine_nvlink" in forward) == (target == "ncclx_moe_combine_nvlink")
+    _, delivered = reference_dispatch(tokens, ids, num_experts, capacity)
+    masked = weights * delivered * (1 + ids)
+    np.testing.assert_allclose(f(tokens, ids, weights), (tokens[:, :, None, :] * masked[..., None]).sum(2),
+                               rtol=1e-6, atol=1e-6)
+    grad_t, grad_w = jax.jit(jax.grad(lambda t, i, w: f(t, i, w).sum(), argnums=(0, 2)))(tokens, ids, weights)
+    np.testing.assert_allclose(grad_t, np.broadcast_to(masked.sum(-1, keepdims=True), grad_t.shape), rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(grad_w, tokens.sum(-1)[..., None] * delivered * (1 + ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_combine_kernel_takes_decode_sizes(monkeypatch):
+    """The NVLink kernel takes combine where a member's rows fit its 4 MiB; a larger call, and rows it cannot
+    move as 16-byte vectors, lower to the exchange chain (lowering only)."""
+    reason = gpu_skip_reason(minimum=1)
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "auto")
+    mesh = line_mesh(gpu_devices()[:1])
+
+    def lowered(tokens, hidden):
+        def body(t, i, w):
+            rows, _, handle = moe.dispatch(t, i, weights=w, num_experts=2, axis_name="x", capacity=tokens)
+            return moe.combine(rows, handle)
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x")))
+        args = (jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16), jax.ShapeDtypeStruct((tokens, 2), jnp.int32),
+                jax.ShapeDtypeStruct((tokens, 2), jnp.float32))
+        return f.lower(*args).as_text()
+
+    assert "ncclx_moe_combine_nvlink" in lowered(256, 7168)          # 256 rows of 14 KiB: 3.5 MiB
+    assert "ncclx_moe_combine_nvlink" not in lowered(512, 7168)      # 7 MiB
+    assert "ncclx_moe_combine_nvlink" not in lowered(16, 7)          # 14-byte rows
 
 
 @pytest.mark.parametrize("capacity", [AMPLE, TIGHT], ids=["ample", "tight"])

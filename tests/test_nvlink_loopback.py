@@ -164,7 +164,8 @@ def test_a_late_rank_leaves_results_exact(case, late):
     assert bad.size == 0, f"{bad.size} of {calls} calls differ, the first is call {bad[0]}"
 
 
-TRACE_KERNELS = {"all_to_allv": 1, "all_reduce": 2, "all_gather": 3, "all_to_all": 4, "reduce_scatter": 5}
+TRACE_KERNELS = {"all_to_allv": 1, "all_reduce": 2, "all_gather": 3, "all_to_all": 4, "reduce_scatter": 5,
+                 "moe.combine": 6}
 
 
 def assert_timelines(ranks, calls, kernel):
@@ -480,6 +481,113 @@ def test_all_to_allv_missing_rank_is_named(direct):
     x = random_array((calls, size, 1, ROWS, FEATURES), np.float32, seed=4)
     counts = counts_of("random", size, 1, calls, 1, seed=4)
     *_, ranks = loopback.all_to_allv(x, counts, CAPACITY, layout="padded", direct=direct, absent=1, timeout_ms=200)
+    assert_absent_rank_named(ranks, absent=1, calls=calls)
+
+
+# ---- moe.combine ---------------------------------------------------------------------------------------------
+# Routings as dispatch leaves them, consistent across ranks: source s sends member m its first counts[s, m] of
+# a random choice of its tokens; m's row s * R + r is the r-th of them, with k random expert-major rows (or
+# none: N * C) and weights; return_row on s names where each token's row from m lands.
+
+MOE_PATTERNS = ("random", "all_dropped", "empty_members", "one_token_everywhere", "at_capacity")
+
+
+def moe_routing(pattern, size, calls, tokens, capacity, top_k, seed):
+    rng = np.random.default_rng(seed)
+    R = min(capacity, tokens)
+    expert_rows = size * capacity
+    row_pairs = np.full((calls, size, size * R, top_k), expert_rows, np.int32)
+    weights = rng.normal(size=row_pairs.shape).astype(np.float32)
+    recv_tokens = np.zeros((calls, size, size), np.int32)
+    return_row = np.full((calls, size, tokens, size), size * R, np.int32)
+    for c in range(calls):
+        for s in range(size):
+            for m in range(size):
+                count = {"random": int(rng.integers(0, R + 1)), "all_dropped": int(rng.integers(0, R + 1)),
+                         "empty_members": R if m == 0 else 0, "one_token_everywhere": min(1, R),
+                         "at_capacity": R}[pattern]
+                sent = rng.permutation(tokens)[:count]
+                recv_tokens[c, m, s] = count
+                return_row[c, s, sent, m] = m * R + np.arange(count)
+                pairs = rng.integers(0, expert_rows, size=(count, top_k))
+                if pattern == "random":  # some choices elsewhere or dropped
+                    pairs = np.where(rng.random(pairs.shape) < 0.3, expert_rows, pairs)
+                if pattern != "all_dropped":
+                    row_pairs[c, m, s * R:s * R + count] = pairs
+    return row_pairs, weights, recv_tokens, return_row
+
+
+def expected_moe_combine(expert_out, row_pairs, weights, recv_tokens, return_row):
+    """In float64: each member's weighted sums rounded to the dtype, then each token's rows added."""
+    calls, size, expert_rows, hidden = expert_out.shape
+    tokens, R = return_row.shape[2], row_pairs.shape[2] // size
+    sums = np.zeros((calls, size, row_pairs.shape[2], hidden))  # on each member, per received row
+    for c in range(calls):
+        for m in range(size):
+            here = row_pairs[c, m] < expert_rows
+            picked = expert_out[c, m].astype(np.float64)[np.where(here, row_pairs[c, m], 0)]
+            sums[c, m] = np.sum(picked * np.where(here, weights[c, m], 0.0)[..., None], axis=1)
+    sums = sums.astype(expert_out.dtype).astype(np.float64)
+    out = np.zeros((calls, size, tokens, hidden))
+    for c in range(calls):
+        for s in range(size):
+            for m in range(size):
+                landed = return_row[c, s, :, m] < size * R
+                r = return_row[c, s, landed, m] - m * R  # the r-th row s sent m: m's received row s * R + r
+                out[c, s, landed] += sums[c, m, s * R + r]
+    return out
+
+
+def check_moe_combine(actual, expert_out, routing, calls):
+    out, ranks = actual
+    assert_healthy(ranks, calls)
+    expected = expected_moe_combine(expert_out, *routing)
+    # float32 accumulation against float64, and one rounding of the members' sums that may land either way
+    tolerance = {np.dtype(np.float32): 1e-5, np.dtype(ml_dtypes.bfloat16): 2 ** -7,
+                 np.dtype(np.float16): 2 ** -10}[np.dtype(out.dtype)]
+    scale = np.abs(expected).max() + 1
+    np.testing.assert_allclose(out.astype(np.float64), expected, rtol=2 * tolerance, atol=2 * tolerance * scale)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
+@pytest.mark.parametrize("pattern", MOE_PATTERNS)
+@pytest.mark.parametrize("size", [1, 2, 4, 8])
+def test_moe_combine(size, pattern, dtype):
+    """The expert side's weighted sums reach their tokens, summed over the members, for the adversarial
+    routings; three calls, so both parity halves and their reuse are in play."""
+    calls, tokens, capacity, top_k, hidden = 3, 16, 12, 4, 256
+    routing = moe_routing(pattern, size, calls, tokens, capacity, top_k, seed=size)
+    expert_out = random_array((calls, size, size * capacity, hidden), dtype, seed=size)
+    check_moe_combine(loopback.moe_combine(expert_out, *routing), expert_out, routing, calls)
+
+
+@pytest.mark.parametrize("tokens, hidden", [(1, 8), (128, 7168)], ids=["one-token", "decode-rows"])
+def test_moe_combine_shapes(tokens, hidden):
+    """One token of one 16-byte vector, and DeepSeek-sized rows (7168 bfloat16) at 128 tokens on 8 ranks."""
+    size, calls, top_k = 8, 2, 8
+    routing = moe_routing("random", size, calls, tokens, tokens, top_k, seed=tokens)
+    expert_out = random_array((calls, size, size * tokens, hidden), ml_dtypes.bfloat16, seed=tokens)
+    check_moe_combine(loopback.moe_combine(expert_out, *routing), expert_out, routing, calls)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_moe_combine_many_calls(schedule):
+    """New routings every call on one set of flags and slots: call after call, as replays of one recorded call
+    and with rank 2 late to every call (its peers write its next parity half while it reads the last)."""
+    size, (calls, options) = 4, SCHEDULES[schedule]
+    calls = min(calls, 100)
+    routing = moe_routing("random", size, calls, 8, 8, 2, seed=5)
+    expert_out = random_array((calls, size, size * 8, 64), np.float32, seed=5)
+    actual = loopback.moe_combine(expert_out, *routing, trace=True, **options)
+    check_moe_combine(actual, expert_out, routing, calls)
+    assert_timelines(actual[1], calls, kernel="moe.combine")
+
+
+def test_moe_combine_missing_rank_is_named():
+    size, calls = 4, 2
+    routing = moe_routing("random", size, calls, 8, 8, 2, seed=6)
+    expert_out = random_array((calls, size, size * 8, 64), np.float32, seed=6)
+    _, ranks = loopback.moe_combine(expert_out, *routing, absent=1, timeout_ms=200)
     assert_absent_rank_named(ranks, absent=1, calls=calls)
 
 

@@ -27,6 +27,7 @@
 #include "common/symmetric.h"
 #include "common/watchdog.h"
 #include "ops/all_to_allv_kernels.h"
+#include "ops/moe_combine.h"
 #include "ops/nvlink_collectives_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -66,6 +67,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllToAll);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkAllToAllPrepare);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkReduceScatter);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkReduceScatterPrepare);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkMoeCombine);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkMoeCombinePrepare);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaMoePlanSends);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaMoePlaceReceived);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaTakeRows);
@@ -424,6 +427,7 @@ NB_MODULE(_ncclx_cuda, m) {
         watched_too("ncclx_all_gather_nvlink", jn::NvlinkAllGatherPrepare, jn::NvlinkAllGather);
         watched_too("ncclx_all_to_all_nvlink", jn::NvlinkAllToAllPrepare, jn::NvlinkAllToAll);
         watched_too("ncclx_reduce_scatter_nvlink", jn::NvlinkReduceScatterPrepare, jn::NvlinkReduceScatter);
+        watched_too("ncclx_moe_combine_nvlink", jn::NvlinkMoeCombinePrepare, jn::NvlinkMoeCombine);
 #ifdef JAX_NCCLX_TESTING
         targets["ncclx_launch_probe"] = jn::Capsule(jn::LaunchProbe);
 #endif
@@ -492,6 +496,18 @@ NB_MODULE(_ncclx_cuda, m) {
         "'all_to_all') needs for `bytes` of input per rank on `size` ranks; algorithm 1 one-shot, 2 two-shot;\n"
         "protocol (one-shot) 0 LL128, 1 LL, 2 simple; direct: the call writes into the peers' outputs where it\n"
         "can (two-shot: no all-gather slots; simple all_gather / all_to_all: no slots).");
+  m.attr("MOE_COMBINE_MAX_TOP_K") = jn::kMaxMoeCombineTopK;
+  m.def(
+      "moe_combine_slot_bytes",
+      [](int size, int64_t rows_per_member, int64_t hidden, int element_bytes) {
+        if (size < 1 || size > jn::kMaxNvlinkRanks || rows_per_member < 0 || hidden < 0 || element_bytes < 1) {
+          throw std::invalid_argument("moe_combine_slot_bytes: bad sizes");
+        }
+        return jn::MoeCombineSlotBytes(size, rows_per_member, hidden, element_bytes);
+      },
+      nb::arg("size"), nb::arg("rows_per_member"), nb::arg("hidden"), nb::arg("element_bytes"),
+      "Low-latency slot bytes per call parity that moe.combine's NVLink kernel needs on `size` ranks for\n"
+      "`rows_per_member` token rows per member of `hidden` elements of `element_bytes` each.");
   jn::DefineMonitorBindings(m, jn::ResolveCallRecord, jn::ResetTraceAnchors);
   m.def(
       "faults",

@@ -39,6 +39,7 @@ import numpy as np
 
 from jax_ncclx._src import compat
 from jax_ncclx._src import primitive
+from jax_ncclx._src.ops import moe_combine
 from jax_ncclx._src.ops import moe_routing
 from jax_ncclx._src.ops.all_to_allv_dynamic import all_to_allv_dynamic
 from jax_ncclx._src.ops.take_rows import take_rows
@@ -359,7 +360,8 @@ _combine.defvjp(_combine_fwd, _combine_bwd)
 
 @jax.custom_vjp
 def _combine_reduced(expert_out, handle):
-    return _reduce_back(expert_out, _pair_weights(handle), handle).astype(expert_out.dtype)
+    return moe_combine.combine_reduced(expert_out, handle.row_pairs, handle.recv_weights, handle.recv_tokens,
+                                       handle.send_back_rows, handle.return_row, handle.axis_name)
 
 
 def _combine_reduced_fwd(expert_out, handle):
@@ -376,7 +378,8 @@ def _combine_reduced_bwd(residuals, ct_out):
     weights = _pair_weights(handle)
     per_row = jnp.take(weights.reshape(-1), handle.pair_entry, mode="fill", fill_value=0)
     ct_expert_out = (take_rows(received, handle.expand_rows).astype(jnp.float32) * per_row[:, None])
-    ct_weights = jnp.sum(_pairs_of_rows(expert_out, handle) * received.astype(jnp.float32)[:, None, :], axis=2)
+    pairs = moe_combine.pairs_of_rows(expert_out, handle.row_pairs)
+    ct_weights = jnp.sum(pairs * received.astype(jnp.float32)[:, None, :], axis=2)
     # Choices of other members (or dropped) picked zero rows, so their weights get zero cotangents.
     ct_handle = dataclasses.replace(handle, **{**{f: None for f in _ARRAY_FIELDS}, "recv_weights": ct_weights})
     return ct_expert_out.astype(expert_out.dtype), ct_handle
@@ -408,14 +411,6 @@ def _exchange(rows, send_counts, axis_name, capacity, send_rows=None, suffix=Non
     return received.reshape(num_members * rows_per_member, columns), recv_counts, dropped
 
 
-def _gather_rows(rows, index):
-    """``rows[index]``, zero where the index is out of bounds (the routing's rows past the data). An XLA gather,
-    not ``take_rows``: its users reduce the rows right away, and XLA fuses the gather into that reduction."""
-    dimensions = jax.lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,))
-    return jax.lax.gather(rows, index[:, None], dimensions, slice_sizes=(1, rows.shape[1]),
-                          mode=jax.lax.GatherScatterMode.FILL_OR_DROP, fill_value=0)
-
-
 def _send_out(pair_rows, handle):
     """``[T * k, H]`` one row per (token, choice) pair -> ``[N * C, H]`` expert-major rows on the expert side."""
     received, _, _ = _exchange(pair_rows, handle.send_counts, handle.axis_name, handle.capacity,
@@ -427,7 +422,7 @@ def _send_back(expert_rows, handle):
     """``[N * C, H']`` expert-major rows -> ``[T * k, H']`` one per pair on the token side, zero if not delivered."""
     returned, _, _ = _exchange(expert_rows, handle.recv_counts, handle.axis_name, handle.capacity,
                                send_rows=handle.to_source_major)
-    return _gather_rows(returned, handle.return_slot)
+    return moe_combine.gather_rows(returned, handle.return_slot)
 
 
 def _rows_per_member(handle):
@@ -441,30 +436,18 @@ def _pair_weights(handle):
     return jnp.where(handle.row_pairs < handle.expand_rows.shape[0], handle.recv_weights, 0.0)
 
 
-def _pairs_of_rows(expert_rows, handle):
-    """``[N * C, H']`` expert-major rows -> float32 ``[N * R, k, H']``: the rows of each received row's pairs,
-    zero where a choice is not this member's."""
-    picked = _gather_rows(expert_rows, handle.row_pairs.reshape(-1))
-    return picked.reshape(*handle.row_pairs.shape, -1).astype(jnp.float32)
-
-
 def _reduce_back(expert_rows, weights, handle):
     """``[N * C, H']`` expert-major rows -> float32 ``[T, H']`` on the token side: each member sums the rows
     of each token's pairs in float32, weighted by ``weights`` (``[N * R, k]``, None: unit weights), and sends
     one row per token back in expert_rows' dtype."""
-    picked = _pairs_of_rows(expert_rows, handle)
-    summed = picked.sum(axis=1) if weights is None else jnp.sum(picked * weights[:, :, None], axis=1)
-    return _return_per_token(summed.astype(expert_rows.dtype), handle)
+    return moe_combine.reduce_back(expert_rows, handle.row_pairs, weights, handle.recv_tokens,
+                                   handle.send_back_rows, handle.return_row, handle.axis_name)
 
 
 def _return_per_token(rows, handle):
-    """``[N * R, W]``, one row per received token row (source i's from row i * R) -> float32 ``[T, W]`` on
-    the token side: each member sends its rows back to their sources, which add up each token's rows."""
-    returned, _, _ = _exchange(rows, handle.recv_tokens, handle.axis_name, _rows_per_member(handle),
-                               send_rows=handle.send_back_rows)
-    num_tokens, num_members = handle.return_row.shape
-    per_member = _gather_rows(returned, handle.return_row.reshape(-1)).reshape(num_tokens, num_members, -1)
-    return per_member.astype(jnp.float32).sum(axis=1)
+    """``[N * R, W]``, one row per received token row -> float32 ``[T, W]`` on the token side."""
+    return moe_combine.return_per_token(rows, handle.recv_tokens, handle.send_back_rows, handle.return_row,
+                                        handle.axis_name)
 
 
 # ---- argument checks ---------------------------------------------------------------------------------------

@@ -268,41 +268,57 @@ def members_first(axis_data, x, d):
 
 @dataclasses.dataclass(frozen=True)
 class CudaRoute:
-    """How one CUDA call site lowers: the FFI target, extra attributes, and the byte size of a workspace
-    result (None: the handler takes none)."""
+    """How one CUDA call site lowers: the FFI target, extra attributes, the byte size of a workspace
+    result (None: the handler takes none), and the operands the target takes, by index (None: all)."""
 
     target: str
     attrs: dict = dataclasses.field(default_factory=dict)
     workspace_bytes: int | None = None
+    operands: tuple[int, ...] | None = None
 
 
 COLLECTIVE_OPS: set[str] = set()  # the ops that communicate, as JAX_NCCLX_TIMEOUT_S_<OP> names them
 
 
 def register_lowerings(prim: Primitive, target: str, attrs: Callable[..., dict] = lambda **params: {},
-                       cuda_route: Callable[..., CudaRoute] | None = None, aliases: dict[int, int] | None = None):
+                       cuda_route: Callable[..., CudaRoute | None] | None = None,
+                       aliases: dict[int, int] | None = None, fallback: Callable | None = None,
+                       timeout_op: str | None = None):
     """Registers CPU and CUDA lowerings of ``prim`` to the FFI target ``target``.
 
     Args:
       attrs: maps the primitive's params (without axis_name) to the op's own FFI attributes.
       cuda_route: maps (ctx, comm_id, size, **params) to the :class:`CudaRoute` of a CUDA call site, where
         ``size`` is the communicator's; by default every call site lowers to ``target`` without workspace.
+        None (with ``fallback``): the call site lowers to ``fallback``.
       aliases: {operand index: result index} of operands whose buffer the result takes over (XLA's
         input/output aliasing), so that the handler writes into the operand's values.
+      fallback: for a fused op, the same computation in other jax_ncclx ops, as a function of the operands
+        and (axis_name, **params): what the CPU lowers and what CUDA call sites lower where the fused kernel
+        cannot run.
+      timeout_op: the op whose timeout (``JAX_NCCLX_TIMEOUT_S_<OP>``) governs the call; default: its own.
     """
-    COLLECTIVE_OPS.add(target.removeprefix("ncclx_"))
+    timeout_op = timeout_op or target.removeprefix("ncclx_")
+    COLLECTIVE_OPS.add(timeout_op)
     for platform in ("cpu", "cuda"):
         # Not cached: JAX would reuse one lowering for equal calls, but each call site gets its own id, and
         # whether a call sits in a loop body changes its target (_lower).
         mlir.register_lowering(
             prim,
             functools.partial(_lower, target=target, attrs=attrs, platform=platform, cuda_route=cuda_route,
-                              aliases=aliases or {}),
+                              aliases=aliases or {}, fallback=fallback, timeout_op=timeout_op),
             platform=platform, cacheable=False,
         )
 
 
-def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, aliases, **params):
+def _lower_fallback(ctx, operands, fallback, axis_name, params):
+    lowered = mlir.lower_fun(functools.partial(fallback, axis_name=axis_name, **params),
+                             multiple_results=len(ctx.avals_out) > 1)
+    return lowered(ctx, *operands)
+
+
+def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, aliases, fallback, timeout_op,
+           **params):
     axis_context = ctx.module_context.axis_context
     if not compat.is_spmd_axis_context(axis_context):
         raise NotImplementedError(f"{target}: jax_ncclx collectives lower only inside jax.shard_map (not pmap)")
@@ -313,6 +329,8 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, alias
             f"jax_ncclx.{op}: jax.shard_map must make every mesh axis of size > 1 manual; its axis_names leave "
             f"{', '.join(map(repr, automatic))} to the compiler. Leave out axis_names (or name those axes too) and "
             "give their dimensions in in_specs / out_specs.")
+    if platform == "cpu" and fallback is not None:
+        return _lower_fallback(ctx, operands, fallback, axis_name, params)
     groups = compat.replica_groups(axis_context, axes_of(axis_name))
     for aval in ctx.avals_in:  # also for primitives bound directly, past the public functions' checks
         check_whole_bytes(aval.dtype, op)
@@ -320,7 +338,7 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, alias
     site = next(_call_site_ids)
     op_attrs = attrs(**params)
     # Every handler takes these (xla_ffi/common/monitor.h, CallAttrs).
-    op_attrs.update(site=np.int64(site), timeout_ms=np.int64(settings.timeout_ms_for(op)),
+    op_attrs.update(site=np.int64(site), timeout_ms=np.int64(settings.timeout_ms_for(timeout_op)),
                     warn_ms=np.int64(settings.warn_ms), trace=np.int64(settings.trace_attr))
     avals_in, avals_out = list(ctx.avals_in), list(ctx.avals_out)
     site_info = dict(op=op, axis=str(axis_name), platform=platform, bytes=_nbytes(ctx.avals_in[0]),
@@ -339,7 +357,12 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, alias
         mesh_devices = list(mesh.devices.flat)
         comm_id = comm.communicator_for(mesh, axis_name)
         route = cuda_route(ctx, comm_id, len(groups[0]), **params) if cuda_route is not None else CudaRoute(target)
+        if route is None:
+            return _lower_fallback(ctx, operands, fallback, axis_name, params)
         target = route.target
+        if route.operands is not None:
+            operands = tuple(operands[i] for i in route.operands)
+            avals_in = [avals_in[i] for i in route.operands]
         op_attrs.update(route.attrs, comm_id=np.int64(comm_id))
         if route.workspace_bytes is not None:
             avals_out.append(jax.core.ShapedArray((route.workspace_bytes,), np.uint8))

@@ -32,7 +32,8 @@ from jax_ncclx._src import lib
 logger = logging.getLogger("jax_ncclx")
 
 # TraceKernel (xla_ffi/common/symmetric_layout.h)
-KERNELS = {1: "all_to_allv_dynamic", 2: "all_reduce", 3: "all_gather", 4: "all_to_all", 5: "reduce_scatter"}
+KERNELS = {1: "all_to_allv_dynamic", 2: "all_reduce", 3: "all_gather", 4: "all_to_all", 5: "reduce_scatter",
+           6: "moe.combine"}
 _FIELDS = ("epoch", "start_ns", "peers_ns", "sent_ns", "data_ns", "end_ns", "blocks", "kernel")
 _CALL_FIELDS = ("site", "comm", "group_index", "seq", "rank", "device", "enqueue_ns", "start_ns", "arrive_ns",
                 "end_ns", "injected")

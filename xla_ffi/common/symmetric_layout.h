@@ -54,6 +54,7 @@ enum TraceKernel : uint32_t {
   kTraceAllGather = 3,
   kTraceAllToAll = 4,
   kTraceReduceScatter = 5,
+  kTraceMoeCombine = 6,
 };
 
 // Whether ring slot `slot` holds a complete record: one whose epoch (written last) belongs to that slot.

@@ -33,6 +33,8 @@ std::string KernelName(uint32_t kernel) {
       return "all_to_all";
     case kTraceReduceScatter:
       return "reduce_scatter";
+    case kTraceMoeCombine:
+      return "moe.combine";
   }
   return "kernel " + std::to_string(kernel);
 }
@@ -296,8 +298,8 @@ void WatchOnce(Watchdog& w) {
       }
       if (!it->warn_only && now - it->started_ns > it->call.timeout_ns && !hung(it->call.comm_id)) {
         hangs.emplace_back(it->call.comm_id, HangMessage(w, it->call));
-      } else if (std::string warning =
-                     LateWarning(w, it->call, now - it->started_ns, /*queueing=*/false, it->warn_only);
+      } else if (std::string warning = LateWarning(w, it->call, now - it->started_ns, /*queueing=*/false,
+                                                   it->warn_only);
                  !warning.empty()) {
         warnings.push_back(std::move(warning));
       }

@@ -79,7 +79,7 @@ struct SlotLayout {
 SlotLayout LayOutSlots(NvlinkCollective op, NvlinkAlgorithm algorithm, NvlinkProtocol protocol, int64_t bytes, int size,
                        int element_bytes, bool direct) {
   SlotLayout layout;
-  const int64_t simple_base = WordsArea(size) + LinesArea(size);
+  const int64_t simple_base = NvlinkLowLatencyAreaBytes(size);
   if (algorithm == NvlinkAlgorithm::kTwoShot) {
     // Chunks of whole 16-byte packs, so every chunk boundary keeps the vector path aligned.
     const int64_t elements = bytes / element_bytes;
@@ -638,6 +638,8 @@ cudaError_t LaunchReduceType(const Call& call, int blocks, cudaStream_t stream) 
 }
 
 }  // namespace
+
+int64_t NvlinkLowLatencyAreaBytes(int size) { return WordsArea(size) + LinesArea(size); }
 
 int64_t NvlinkCollectiveSlotBytes(NvlinkCollective op, NvlinkAlgorithm algorithm, NvlinkProtocol protocol,
                                   int64_t bytes, int size, int element_bytes, bool direct) {

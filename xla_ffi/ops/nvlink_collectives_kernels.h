@@ -92,6 +92,10 @@ struct NvlinkCollectiveArgs {
   SymmetricControl* control = nullptr;
 };
 
+// Bytes at the start of every parity half that the LL words and LL128 lines own (their stale words must never
+// come from another kernel's data); other kernels' slots start past them.
+int64_t NvlinkLowLatencyAreaBytes(int size);
+
 // Bytes of low-latency slots per call parity (PeerTable::parity_half_bytes) a call needs, a multiple of 256.
 int64_t NvlinkCollectiveSlotBytes(NvlinkCollective op, NvlinkAlgorithm algorithm, NvlinkProtocol protocol,
                                   int64_t bytes, int size, int element_bytes, bool direct);

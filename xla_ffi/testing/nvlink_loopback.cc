@@ -32,6 +32,7 @@
 
 #include "common/symmetric_layout.h"
 #include "ops/all_to_allv_kernels.h"
+#include "ops/moe_combine.h"
 #include "ops/nvlink_collectives_kernels.h"
 
 namespace nb = nanobind;
@@ -499,6 +500,57 @@ nb::dict AllToAllv(const nb::bytes& x, const nb::bytes& counts, const std::optio
   return ToDict(std::move(outcome), {"y", "recv_counts", "dropped"}, grid.blocks);
 }
 
+nb::dict MoeCombine(const nb::bytes& expert_out, const nb::bytes& row_pairs, const nb::bytes& weights,
+                    const nb::bytes& recv_tokens, const nb::bytes& return_row, int size, int calls, int type,
+                    int64_t expert_rows, int64_t rows_per_member, int top_k, int64_t tokens, int64_t hidden, int blocks,
+                    bool trace, bool graph, int64_t timeout_ms, int absent, int late, int64_t late_us) {
+  const Schedule schedule{calls, graph, absent, late, late_us, timeout_ms};
+  CheckSchedule(size, schedule);
+  Require(type >= 0 && type <= 2, "type is " + std::to_string(type) + ", expected 0 (f32), 1 (bf16) or 2 (f16)");
+  const int element_bytes = type == 0 ? 4 : 2;
+  Require(expert_rows >= 0 && rows_per_member >= 0 && top_k >= 1 && top_k <= kMaxMoeCombineTopK && tokens >= 0 &&
+              hidden >= 0 && hidden * element_bytes % 16 == 0,
+          "bad sizes: rows, tokens and hidden must be non-negative, top_k positive, rows a multiple of 16 bytes");
+  MoeCombineArgs args;
+  args.type = static_cast<MoeCombineType>(type);
+  args.size = size;
+  args.top_k = top_k;
+  args.rows_per_member = rows_per_member;
+  args.expert_rows = expert_rows;
+  args.tokens = tokens;
+  args.hidden = hidden;
+  args.trace = trace;
+  args.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000;
+  const int grid = ChooseMoeCombineBlocks(args, blocks, SmsPerRank(size));
+  Resources resources;
+  Ranks ranks(resources, size, MoeCombineSlotBytes(size, rows_per_member, hidden, element_bytes), 0);
+  const int64_t received = int64_t{size} * rows_per_member;
+  std::vector<Operand> operands = {
+      {"expert_out", expert_rows * hidden * element_bytes, false},
+      {"row_pairs", received * top_k * int64_t{sizeof(int32_t)}, false},
+      {"weights", received * top_k * int64_t{sizeof(float)}, false},
+      {"recv_tokens", size * int64_t{sizeof(int32_t)}, false},
+      {"return_row", tokens * size * int64_t{sizeof(int32_t)}, false},
+      {"out", tokens * hidden * element_bytes, true},
+  };
+  Outcome outcome = Run(resources, ranks, operands, {&expert_out, &row_pairs, &weights, &recv_tokens, &return_row},
+                        schedule, [&](int rank, int slot, cudaStream_t stream) {
+                          MoeCombineArgs mine = args;
+                          mine.rank = rank;
+                          mine.site = rank;
+                          mine.expert_out = operands[0].At(slot, rank, size);
+                          mine.row_pairs = reinterpret_cast<const int32_t*>(operands[1].At(slot, rank, size));
+                          mine.weights = reinterpret_cast<const float*>(operands[2].At(slot, rank, size));
+                          mine.recv_tokens = reinterpret_cast<const int32_t*>(operands[3].At(slot, rank, size));
+                          mine.return_row = reinterpret_cast<const int32_t*>(operands[4].At(slot, rank, size));
+                          mine.out = operands[5].At(slot, rank, size);
+                          mine.table = ranks.table[rank];
+                          mine.control = ranks.control[rank];
+                          return LaunchMoeCombine(mine, grid, stream);
+                        });
+  return ToDict(std::move(outcome), {"out"}, grid);
+}
+
 }  // namespace
 }  // namespace jax_ncclx
 
@@ -528,4 +580,14 @@ NB_MODULE(_ncclx_loopback, m) {
         "[B, size * capacity] or None (ragged_all_to_all: y is then [B, out_rows, row_bytes], its rows starting as\n"
         "0xA5 bytes). Returns y, recv_counts and dropped (bytes of [calls, size, ...]), 'ranks' and 'blocks' as\n"
         "collective() does.");
+  m.def("moe_combine", &jn::MoeCombine, nb::arg("expert_out"), nb::arg("row_pairs"), nb::arg("weights"),
+        nb::arg("recv_tokens"), nb::arg("return_row"), nb::kw_only(), nb::arg("size"), nb::arg("calls"),
+        nb::arg("type"), nb::arg("expert_rows"), nb::arg("rows_per_member"), nb::arg("top_k"), nb::arg("tokens"),
+        nb::arg("hidden"), nb::arg("blocks") = 0, nb::arg("trace") = false, nb::arg("graph") = false,
+        nb::arg("timeout_ms") = 5000, nb::arg("absent") = -1, nb::arg("late") = -1, nb::arg("late_us") = 0,
+        "Runs `calls` calls of moe.combine's NVLink kernel on `size` logical ranks of the current GPU. Each\n"
+        "input is bytes of [calls, size, ...]: expert_out [expert_rows, hidden] of `type` (0 f32, 1 bf16, 2 f16),\n"
+        "row_pairs int32 [size * rows_per_member, top_k], weights float32 of the same shape, recv_tokens int32\n"
+        "[size], return_row int32 [tokens, size]. Returns out (bytes of [calls, size, tokens, hidden]), 'ranks'\n"
+        "and 'blocks' as collective() does.");
 }

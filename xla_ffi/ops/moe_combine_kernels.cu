@@ -1,0 +1,256 @@
+// The NVLink kernel of moe.combine (see moe_combine.h for the algorithm and the slots).
+//
+// Every block does both halves, over (row, 16-byte vector) items shared out among all the grid's threads: on
+// the expert side each received row's sum over its k choices (in float32, rounded once, as the exchange chain
+// sends it), then one flag per member; on the token side, once every (member, block) flag holds the epoch,
+// each token's members' rows added in float32 in member order.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "common/device_sync.cuh"
+#include "common/symmetric_layout.h"
+#include "ops/moe_combine.h"
+#include "ops/nvlink_collectives_kernels.h"
+
+namespace jax_ncclx {
+namespace {
+
+constexpr int kThreads = 512;
+// Choices loaded together on the expert side; vectors per lane loaded together on the token side.
+constexpr int kChunk = 8;
+constexpr int kTokenVectors = 2;
+static_assert(kMaxMoeCombineBlocks <= kMaxFlagGroups);
+
+int64_t RowBytes(int64_t hidden, int element_bytes) { return (hidden * element_bytes + 15) / 16 * 16; }
+
+// One 16-byte vector of T as float32 and back.
+template <typename T>
+struct Vector;
+
+template <>
+struct Vector<float> {
+  static constexpr int kLanes = 4;
+  __device__ static void Add(float* acc, uint4 v, float w) {
+    acc[0] += w * __uint_as_float(v.x);
+    acc[1] += w * __uint_as_float(v.y);
+    acc[2] += w * __uint_as_float(v.z);
+    acc[3] += w * __uint_as_float(v.w);
+  }
+  __device__ static uint4 Round(const float* acc) {
+    return make_uint4(__float_as_uint(acc[0]), __float_as_uint(acc[1]), __float_as_uint(acc[2]),
+                      __float_as_uint(acc[3]));
+  }
+};
+
+template <typename T, typename T2, float2 (*ToFloat2)(T2), T2 (*FromFloat2)(float2)>
+struct HalfVector {
+  static constexpr int kLanes = 8;
+  __device__ static void Add(float* acc, uint4 v, float w) {
+    const T2* pairs = reinterpret_cast<const T2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = ToFloat2(pairs[i]);
+      acc[2 * i] += w * f.x;
+      acc[2 * i + 1] += w * f.y;
+    }
+  }
+  __device__ static uint4 Round(const float* acc) {
+    uint4 v;
+    T2* pairs = reinterpret_cast<T2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) pairs[i] = FromFloat2(make_float2(acc[2 * i], acc[2 * i + 1]));
+    return v;
+  }
+};
+
+__device__ float2 Bf16ToFloat2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+__device__ __nv_bfloat162 Float2ToBf16(float2 v) { return __float22bfloat162_rn(v); }
+__device__ float2 F16ToFloat2(__half2 v) { return __half22float2(v); }
+__device__ __half2 Float2ToF16(float2 v) { return __float22half2_rn(v); }
+
+template <>
+struct Vector<__nv_bfloat16> : HalfVector<__nv_bfloat16, __nv_bfloat162, Bf16ToFloat2, Float2ToBf16> {};
+template <>
+struct Vector<__half> : HalfVector<__half, __half2, F16ToFloat2, Float2ToF16> {};
+
+struct Call {
+  MoeCombineArgs args;
+  int64_t slot_base;  // where the slots start in a parity half: past the LL areas
+};
+
+// Row `row` of `owner`'s slots for calls of `parity`.
+__device__ __forceinline__ uint4* SlotRow(const Call& call, int owner, int parity, int64_t row, int64_t row_vectors) {
+  const PeerTable* table = call.args.table;
+  return reinterpret_cast<uint4*>(table->data[owner] + parity * table->parity_half_bytes + call.slot_base) +
+         row * row_vectors;
+}
+
+// How one side's rows are shared out: warp-sized units of (row, piece of its vectors), as many pieces per row as
+// it takes to give every warp of the grid work, so a few decode rows still spread over every SM while
+// prefill rows go whole to a warp, which reads the row's indices once.
+struct Units {
+  int64_t pieces;     // per row
+  int64_t piece_len;  // vectors per piece
+  __device__ Units(int64_t rows, int64_t vectors, int64_t warps) {
+    const int64_t most = (vectors + 31) / 32;  // a piece of at least one vector per lane
+    pieces = rows == 0 ? 1 : min(most, max(int64_t{1}, (warps + rows - 1) / rows));
+    piece_len = (vectors + pieces - 1) / pieces;
+  }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
+  using V = Vector<T>;
+  const MoeCombineArgs& args = call.args;
+  const uint64_t epoch = CallEpoch(args.control);
+  const uint32_t ticket = TakeTicket(args.control, epoch);
+  const int parity = static_cast<int>(epoch & 1);
+  CallTrace trace(args.control, epoch, args.trace);
+  Patience<> patience(args.table, args.control, args.rank, args.size, epoch, kTraceMoeCombine, args.site,
+                      args.timeout_ns);
+  if (threadIdx.x == 0) {
+    trace.Start();
+    trace.PeersEntered();  // nothing to wait for before writing: the slots of this parity are free
+  }
+  const int n = args.size;
+  const int me = args.rank;
+  const int k = args.top_k;
+  const int64_t R = args.rows_per_member;
+  const int64_t vectors = args.hidden / V::kLanes;  // per row
+  const uint4* expert_out = static_cast<const uint4*>(args.expert_out);
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t{gridDim.x} * (kThreads / 32);
+  const int64_t first_unit = int64_t{blockIdx.x} * (kThreads / 32) + threadIdx.x / 32;
+  // Per warp: the current row's k pair indices, then their weights (as bits), read once per unit.
+  extern __shared__ int32_t shared[];
+  int32_t* row_pairs = shared + (threadIdx.x / 32) * 2 * k;
+  float* row_weights = reinterpret_cast<float*>(row_pairs + k);
+
+  // Expert side: received row i = s * R + r is source s's r-th token row; its sum goes to row me * R + r of
+  // s's slots. kChunk choices are loaded before any is added, so their latencies overlap.
+  const Units expert(n * R, vectors, warps);
+  for (int64_t unit = first_unit; unit < n * R * expert.pieces; unit += warps) {
+    const int64_t i = unit / expert.pieces;
+    const int64_t lo = (unit - i * expert.pieces) * expert.piece_len;
+    const int s = static_cast<int>(i / R);
+    const int64_t r = i - s * R;
+    if (r >= args.recv_tokens[s]) continue;  // the same on every lane
+    for (int j = lane; j < k; j += 32) {
+      row_pairs[j] = args.row_pairs[i * k + j];
+      row_weights[j] = args.weights[i * k + j];
+    }
+    __syncwarp();
+    uint4* to = SlotRow(call, s, parity, me * R + r, vectors);
+    const int64_t hi = min(vectors, lo + expert.piece_len);
+    for (int64_t v = lo + lane; v < hi; v += 32) {
+      float acc[V::kLanes] = {};
+      for (int j0 = 0; j0 < k; j0 += kChunk) {
+        uint4 rows[kChunk];
+        float w[kChunk];
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u) {
+          const int j = j0 + u;
+          const int64_t pair = j < k ? row_pairs[j] : args.expert_rows;
+          const bool here = pair < args.expert_rows;
+          w[u] = here ? row_weights[j] : 0.0f;
+          rows[u] = here ? expert_out[pair * vectors + v] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u) V::Add(acc, rows[u], w[u]);
+      }
+      to[v] = V::Round(acc);
+    }
+    __syncwarp();  // the indices stay until every lane is done with them
+  }
+  __syncthreads();  // every thread's writes come before the releases
+  if (threadIdx.x < n) {
+    StoreRelease(&args.table->control[threadIdx.x]->arrived[me][blockIdx.x], epoch);
+  }
+  if (threadIdx.x == 0) trace.Sent();
+
+  // Token side: every member's every block has written its rows here.
+  const int grid = static_cast<int>(gridDim.x);
+  bool came = true;
+  for (int flag = threadIdx.x; came && flag < n * grid; flag += kThreads) {
+    const int member = flag / grid;
+    came = patience.AtLeast(&args.control->arrived[member][flag % grid], epoch, member);
+  }
+  __syncthreads_or(!came);  // a wait that gave up leaves stale rows, never a hang
+  if (threadIdx.x == 0) trace.DataArrived();
+
+  // Each lane adds kTokenVectors vectors of every member at once: with few members one row per token is
+  // all there is to read, and its latency would otherwise be paid vector by vector.
+  uint4* out = static_cast<uint4*>(args.out);
+  const Units token(args.tokens, vectors, warps);
+  for (int64_t unit = first_unit; unit < args.tokens * token.pieces; unit += warps) {
+    const int64_t t = unit / token.pieces;
+    const int64_t lo = (unit - t * token.pieces) * token.piece_len;
+    const int64_t hi = min(vectors, lo + token.piece_len);
+    const uint4* from[kMaxNvlinkRanks];
+#pragma unroll
+    for (int m = 0; m < kMaxNvlinkRanks; ++m) {
+      const int64_t row = m < n ? args.return_row[t * n + m] : n * R;
+      from[m] = row < n * R ? SlotRow(call, me, parity, row, vectors) : nullptr;
+    }
+    for (int64_t v0 = lo + lane; v0 < hi; v0 += 32 * kTokenVectors) {
+      float acc[kTokenVectors][V::kLanes] = {};
+#pragma unroll
+      for (int m = 0; m < kMaxNvlinkRanks; ++m) {
+        uint4 rows[kTokenVectors];
+#pragma unroll
+        for (int u = 0; u < kTokenVectors; ++u) {
+          const int64_t v = v0 + u * 32;
+          rows[u] = from[m] != nullptr && v < hi ? __ldcg(from[m] + v) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < kTokenVectors; ++u) V::Add(acc[u], rows[u], 1.0f);
+      }
+#pragma unroll
+      for (int u = 0; u < kTokenVectors; ++u) {
+        if (v0 + u * 32 < hi) out[t * vectors + v0 + u * 32] = V::Round(acc[u]);
+      }
+    }
+  }
+  FinishCall(args.control, epoch, ticket, trace, kTraceMoeCombine);
+}
+
+}  // namespace
+
+size_t MoeCombineSharedBytes(int top_k) { return size_t{kThreads / 32} * 2 * top_k * sizeof(int32_t); }
+
+int64_t MoeCombineSlotBytes(int size, int64_t rows_per_member, int64_t hidden, int element_bytes) {
+  const int64_t bytes = NvlinkLowLatencyAreaBytes(size) + size * rows_per_member * RowBytes(hidden, element_bytes);
+  return (bytes + 255) / 256 * 256;
+}
+
+int ChooseMoeCombineBlocks(const MoeCombineArgs& args, int requested, int sm_count) {
+  // A thread per 16-byte vector of the larger side, up to a block per SM (every block waits for every other,
+  // so all must be resident at once) and the flags.
+  const int64_t lanes = args.type == MoeCombineType::kF32 ? 4 : 8;
+  const int64_t items = std::max(args.size * args.rows_per_member, args.tokens) * (args.hidden / lanes);
+  const int64_t by_size = (items + kThreads - 1) / kThreads;
+  const int cap = std::min(kMaxMoeCombineBlocks, std::max(1, sm_count));
+  return static_cast<int>(std::clamp<int64_t>(requested > 0 ? requested : by_size, 1, cap));
+}
+
+cudaError_t LaunchMoeCombine(const MoeCombineArgs& args, int blocks, cudaStream_t stream) {
+  const Call call{args, NvlinkLowLatencyAreaBytes(args.size)};
+  const size_t shared = MoeCombineSharedBytes(args.top_k);
+  switch (args.type) {
+    case MoeCombineType::kF32:
+      MoeCombineKernel<float><<<blocks, kThreads, shared, stream>>>(call);
+      break;
+    case MoeCombineType::kBF16:
+      MoeCombineKernel<__nv_bfloat16><<<blocks, kThreads, shared, stream>>>(call);
+      break;
+    case MoeCombineType::kF16:
+      MoeCombineKernel<__half><<<blocks, kThreads, shared, stream>>>(call);
+      break;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace jax_ncclx
