@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ncclx as nx
+from jax_ncclx._src import contract
 
 
 @pytest.fixture
@@ -303,7 +304,7 @@ def test_nvlink_protocol_setting(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     settings = config.current()
     assert settings.nvlink_protocol == "auto" and settings.nvlink_ll128_min_bytes is None
-    ll128, ll = (config.NVLINK_PROTOCOLS.index(p) for p in ("ll128", "ll"))
+    ll128, ll = (contract.NVLINK_PROTOCOLS.index(p) for p in ("ll128", "ll"))
     for size in (2, 4, 8):  # all_reduce: LL128 from 8 KiB on every GPU count
         assert nvlink.oneshot_protocol("all_reduce", (8 << 10) - 4, size, settings) == ll
         assert nvlink.oneshot_protocol("all_reduce", 8 << 10, size, settings) == ll128
@@ -331,13 +332,12 @@ def test_nvlink_slots_follow_the_protocol():
     """The slots a one-shot call needs follow the protocol: LL128 lines (120 payload bytes per 128) take less
     than LL words (4 per 8), and a segment past 64 KiB or of a size that is not whole 4-byte words goes simple
     whatever the setting."""
-    from jax_ncclx._src import config
     from jax_ncclx._src import lib
 
     cuda = lib.cuda_module_if_available()
     if cuda is None:
         pytest.skip("the slot sizes come from the CUDA module, which is built only where nvcc is")
-    ll128, ll, simple = (config.NVLINK_PROTOCOLS.index(p) for p in ("ll128", "ll", "simple"))
+    ll128, ll, simple = (contract.NVLINK_PROTOCOLS.index(p) for p in ("ll128", "ll", "simple"))
 
     def slots(protocol, nbytes, op="all_reduce", size=4):
         return cuda.nvlink_collective_bytes(op, 1, protocol, nbytes, size, 4, False)
@@ -374,7 +374,7 @@ def test_nvlink_direct_setting(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     settings = config.current()
     assert settings.nvlink_direct and settings.nvlink_direct_min_bytes == 4 << 20
-    one, two = nvlink.ONE_SHOT, nvlink.TWO_SHOT
+    one, two = contract.ONE_SHOT, contract.TWO_SHOT
 
     def direct(op, nbytes, size, algorithm=one, settings=settings):
         return nvlink.collective_direct(op, algorithm, nbytes, size, settings)
@@ -418,3 +418,22 @@ def test_empty_arrays_are_defined(backend, op):
     f = jax.jit(jax.shard_map(call, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
     y = jax.block_until_ready(f(x))
     assert y.shape == shape(n) and y.dtype == jnp.float32
+
+
+def test_both_native_modules_carry_one_contract():
+    """The enums and limits Python reads come from the native modules (xla_ffi/common/contract.h): the CPU
+    module's and the CUDA module's tables are the same, and every name the settings accept is one of them."""
+    from jax_ncclx._src import config
+    from jax_ncclx._src import lib
+
+    native = lib.cpu_module().contract()
+    assert contract.FAULT_KINDS == ("delay", "skip", "corrupt_counts", "corrupt_payload", "stall")
+    assert contract.REDUCE_OPS == native["reduce_ops"] and set(contract.REDUCE_OPS) == {"sum", "max", "min"}
+    assert contract.NVLINK_PROTOCOLS == ("ll128", "ll", "simple")
+    assert set(contract.TRACE_KERNELS.values()) >= {"all_to_allv_dynamic", "all_reduce", "moe.combine"}
+    assert (contract.MAX_CAPACITY, contract.MAX_EXPERTS, contract.MAX_NVLINK_RANKS) == (2**31 - 1, 2048, 8)
+    with pytest.raises(ValueError, match="kind one of delay, skip, corrupt_counts, corrupt_payload, stall"):
+        config.parse_faults("melt:rank=0,seq=1")
+    cuda = lib.cuda_module_if_available()
+    if cuda is not None:
+        assert cuda.contract() == native

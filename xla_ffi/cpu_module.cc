@@ -1,6 +1,7 @@
 // The always-built extension module: FFI capsules of the CPU handlers, and what this build contains.
 #include <nanobind/nanobind.h>
 
+#include "common/contract_bindings.h"
 #include "common/monitor_bindings.h"
 #include "ops/cpu_handlers.h"
 #include "xla/ffi/api/c_api.h"
@@ -19,6 +20,7 @@ nb::capsule DataCapsule(const void* data) { return nb::capsule(const_cast<void*>
 }  // namespace
 
 NB_MODULE(_ncclx_cpu, m) {
+  jax_ncclx::DefineContractBindings(m);
   m.def(
       "types",
       [] {

@@ -21,12 +21,14 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/contract_bindings.h"
 #include "common/monitor_bindings.h"
 #include "common/nccl_comms.h"
 #include "common/replay_watch.h"
 #include "common/symmetric.h"
 #include "common/watchdog.h"
 #include "ops/all_to_allv_kernels.h"
+#include "ops/moe_routing_kernels.h"
 #include "ops/moe_combine.h"
 #include "ops/nvlink_collectives_kernels.h"
 #include "xla/ffi/api/ffi.h"
@@ -361,6 +363,25 @@ std::tuple<int64_t, int64_t> AllToAllvSymmetricBytes(int64_t batch, int64_t num_
   return {layout.staging_bytes, layout.counts_bytes};
 }
 
+int64_t AllToAllvWorkspaceBytes(int64_t batch, int64_t num_peers, int64_t num_chunks, int64_t capacity,
+                                int64_t row_bytes, bool received_apart) {
+  AllToAllvShape shape;
+  shape.batch = batch;
+  shape.num_peers = num_peers;
+  shape.num_chunks = num_chunks;
+  shape.capacity = capacity;
+  shape.row_bytes = row_bytes;
+  return NcclAllToAllvWorkspaceBytes(shape, received_apart);
+}
+
+int64_t PlanSendsScratch(int64_t batch, int64_t num_tokens, int64_t num_members) {
+  PlanSendsShape shape;
+  shape.batch = batch;
+  shape.num_tokens = num_tokens;
+  shape.num_members = num_members;
+  return PlanSendsScratchBytes(shape);
+}
+
 int64_t NvlinkCollectiveBytes(const std::string& op, int algorithm, int protocol, int64_t bytes, int size,
                               int element_bytes, bool direct) {
   const std::optional<NvlinkCollective> named = NvlinkCollectiveNamed(op);
@@ -509,6 +530,7 @@ NB_MODULE(_ncclx_cuda, m) {
       "Low-latency slot bytes per call parity that moe.combine's NVLink kernel needs on `size` ranks for\n"
       "`rows_per_member` token rows per member of `hidden` elements of `element_bytes` each.");
   jn::DefineMonitorBindings(m, jn::ResolveCallRecord, jn::ResetTraceAnchors);
+  jn::DefineContractBindings(m);
   m.def(
       "faults",
       [] {
@@ -559,6 +581,12 @@ NB_MODULE(_ncclx_cuda, m) {
   m.def("set_watch_replays", &jn::SetWatchReplays, nb::arg("watch"),
         "Whether NCCL calls captured into CUDA graphs from now on are watched in their replays\n"
         "(JAX_NCCLX_WATCH_REPLAYS; xla_ffi/common/replay_watch.h).");
+  m.def("all_to_allv_workspace_bytes", &jn::AllToAllvWorkspaceBytes, nb::arg("batch"), nb::arg("num_peers"),
+        nb::arg("num_chunks"), nb::arg("capacity"), nb::arg("row_bytes"), nb::arg("received_apart"),
+        "Bytes of the NCCL path's workspace for an exchange of `batch` x `num_peers` x `capacity` rows of\n"
+        "`row_bytes` (received_apart: the packed layout and placed calls, which receive rows apart).");
+  m.def("moe_plan_sends_scratch_bytes", &jn::PlanSendsScratch, nb::arg("batch"), nb::arg("num_tokens"),
+        nb::arg("num_members"), "Bytes of device scratch that moe's plan_sends kernel takes.");
   m.def("all_to_allv_symmetric_bytes", &jn::AllToAllvSymmetricBytes, nb::arg("batch"), nb::arg("num_peers"),
         nb::arg("num_chunks"), nb::arg("capacity"), nb::arg("row_bytes"), nb::arg("direct"),
         "(staging bytes, low-latency bytes per call parity) the NVLink all_to_allv_dynamic kernel needs for\n"

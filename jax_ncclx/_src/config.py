@@ -9,6 +9,8 @@ import math
 import os
 import re
 
+from jax_ncclx._src import contract
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -145,7 +147,6 @@ class Config:
         return math.ceil(self.timeout_s_for(op) * 1000)
 
 
-FAULT_KINDS = ("delay", "skip", "corrupt_counts", "corrupt_payload", "stall")  # xla_ffi/common/monitor.h FaultKind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,12 +187,12 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
                 values[key] = (int(first), int(last if dash else first))
         except ValueError:
             values = None
-        if kind not in FAULT_KINDS or values is None or not {"rank", "seq"} <= set(values) or \
+        if kind not in contract.FAULT_KINDS or values is None or not {"rank", "seq"} <= set(values) or \
                 not set(values) <= {"rank", "seq", "ms"} or min(min(pair) for pair in values.values()) < 0 or \
                 values["seq"][0] > values["seq"][1]:
             raise ValueError(
                 f"JAX_NCCLX_FAULT: cannot parse {item!r}; expected kind:rank=R,seq=S[,ms=M] (seq may be a range "
-                f"A-B with A <= B) with kind one of {', '.join(FAULT_KINDS)} and non-negative integers")
+                f"A-B with A <= B) with kind one of {', '.join(contract.FAULT_KINDS)} and non-negative integers")
         (rank, _), (first, last), (ms, _) = values["rank"], values["seq"], values.get("ms", (0, 0))
         if len(faults) + last - first + 1 > MAX_FAULTS:
             raise ValueError(f"JAX_NCCLX_FAULT: more than {MAX_FAULTS} faults ({text!r})")
@@ -212,7 +213,6 @@ def describe_faults(faults: tuple[Fault, ...]) -> str:
 
 
 TRANSPORTS = ("auto", "nvlink", "nccl")
-NVLINK_PROTOCOLS = ("ll128", "ll", "simple")  # in the order of the kernels' protocol attribute
 
 
 _MAX_TIMEOUT_S = 1e9  # about 32 years, and its nanoseconds still fit the watchdog's uint64
@@ -368,7 +368,8 @@ def current() -> Config:
         nvlink_blocks=_non_negative_int("JAX_NCCLX_NVLINK_BLOCKS", Config.nvlink_blocks),
         nvlink_oneshot_max_bytes=_non_negative_int("JAX_NCCLX_NVLINK_ONESHOT_MAX_BYTES", None),
         nvlink_max_bytes=_non_negative_int("JAX_NCCLX_NVLINK_MAX_BYTES", None),
-        nvlink_protocol=_choice("JAX_NCCLX_NVLINK_PROTOCOL", Config.nvlink_protocol, ("auto",) + NVLINK_PROTOCOLS),
+        nvlink_protocol=_choice("JAX_NCCLX_NVLINK_PROTOCOL", Config.nvlink_protocol,
+                                ("auto",) + contract.NVLINK_PROTOCOLS),
         nvlink_ll128_min_bytes=_non_negative_int("JAX_NCCLX_NVLINK_LL128_MIN_BYTES", None),
         nvlink_direct=_choice("JAX_NCCLX_NVLINK_DIRECT", "1", ("0", "1")) == "1",
         nvlink_direct_min_bytes=_non_negative_int("JAX_NCCLX_NVLINK_DIRECT_MIN_BYTES",

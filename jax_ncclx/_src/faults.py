@@ -6,6 +6,7 @@ that runs the program being lowered. The handlers apply them by rank and call nu
 import logging
 
 from jax_ncclx._src import config
+from jax_ncclx._src import contract
 
 logger = logging.getLogger("jax_ncclx")
 
@@ -16,7 +17,7 @@ def install(module, faults: tuple[config.Fault, ...]):
     """Makes ``module`` inject exactly ``faults`` from now on (no call when they are already installed)."""
     if _installed.get(id(module), ()) == faults:
         return
-    module.set_faults([(config.FAULT_KINDS.index(f.kind), f.rank, f.seq, f.ms) for f in faults])
+    module.set_faults([(contract.FAULT_KINDS.index(f.kind), f.rank, f.seq, f.ms) for f in faults])
     _installed[id(module)] = faults
     if faults:
         logger.warning("jax_ncclx: injecting faults (JAX_NCCLX_FAULT): %s", config.describe_faults(faults))

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ncclx._src import compat
+from jax_ncclx._src import contract
 from jax_ncclx._src import primitive
 from jax_ncclx._src.ops import moe_combine
 from jax_ncclx._src.ops import moe_routing
@@ -157,11 +158,11 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
     axis_name = _check_bound_axis(axis_name, "dispatch")
     num_members = jax.lax.axis_size(axis_name)
     primitive.check_static_int(num_experts, "num_experts", "moe.dispatch", minimum=1)
-    if num_experts % num_members or num_experts > moe_routing.MAX_EXPERTS:
+    if num_experts % num_members or num_experts > contract.MAX_EXPERTS:
         raise ValueError(f"jax_ncclx.moe.dispatch: num_experts ({num_experts}) must be a multiple of the size "
-                         f"of axis {axis_name!r} ({num_members}) and at most {moe_routing.MAX_EXPERTS} (the "
+                         f"of axis {axis_name!r} ({num_members}) and at most {contract.MAX_EXPERTS} (the "
                          "routing kernels count experts in shared memory)")
-    primitive.check_static_int(capacity, "capacity", "moe.dispatch", minimum=1, maximum=primitive.MAX_CAPACITY)
+    primitive.check_static_int(capacity, "capacity", "moe.dispatch", minimum=1, maximum=contract.MAX_CAPACITY)
     _check_matrix(tokens, "tokens", "dispatch", jnp.floating)
     _check_matrix(expert_ids, "expert_ids", "dispatch", jnp.integer)
     if jnp.shape(expert_ids)[0] != jnp.shape(tokens)[0] or jnp.shape(expert_ids)[1] < 1:

@@ -25,12 +25,12 @@ import numpy as np
 
 from jax_ncclx._src import comm
 from jax_ncclx._src import config
+from jax_ncclx._src import contract
 from jax_ncclx._src import lib
 from jax_ncclx._src.primitive import CudaRoute
 
 logger = logging.getLogger("jax_ncclx")
 
-ONE_SHOT, TWO_SHOT = 1, 2
 # What the all_reduce and reduce_scatter kernels reduce (xla_ffi/ops/nvlink_collectives_cuda.cc checks the same
 # list); complex numbers reduce as pairs of their real dtype.
 REDUCE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32)
@@ -73,7 +73,7 @@ def collective_direct(op: str, algorithm: int, nbytes: int, size: int, settings:
     if not writes_direct(settings) or op == "reduce_scatter":  # it reduces what lands in its slots
         return False
     if op == "all_reduce":
-        return algorithm == TWO_SHOT
+        return algorithm == contract.TWO_SHOT
     segment = nbytes // size if op in SENDS_BLOCKS else nbytes
     return (size - 1) * segment >= settings.nvlink_direct_min_bytes
 
@@ -87,7 +87,7 @@ def oneshot_protocol(op: str, nbytes: int, size: int, settings: config.Config) -
     if protocol == "auto":
         segment = nbytes // size if op in SENDS_BLOCKS else nbytes
         protocol = "ll128" if segment >= config.ll128_min_bytes(size, op, settings) else "ll"
-    return config.NVLINK_PROTOCOLS.index(protocol)
+    return contract.NVLINK_PROTOCOLS.index(protocol)
 
 
 def route_of(op: str) -> Callable[..., CudaRoute]:
@@ -114,7 +114,7 @@ def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
         logger.debug("jax_ncclx: %s of %s takes NCCL: the NVLink kernels reduce %s (and complex numbers of them)",
                      op, x.dtype, ", ".join(np.dtype(d).name for d in REDUCE_DTYPES))
         return nccl
-    algorithm = ONE_SHOT if op != "all_reduce" or nbytes <= oneshot_max else TWO_SHOT
+    algorithm = contract.ONE_SHOT if op != "all_reduce" or nbytes <= oneshot_max else contract.TWO_SHOT
     protocol = oneshot_protocol(op, nbytes, size, settings)
     direct = collective_direct(op, algorithm, nbytes, size, settings)
     slots = lib.cuda_module().nvlink_collective_bytes(op, algorithm, protocol, nbytes, size, element.itemsize,

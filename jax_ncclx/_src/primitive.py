@@ -39,8 +39,6 @@ from jax_ncclx._src import faults
 from jax_ncclx._src import lib
 from jax_ncclx._src import trace
 
-REDUCE_OPS = {"sum": 0, "max": 1, "min": 2}
-
 logger = logging.getLogger("jax_ncclx")
 
 _call_site_ids = itertools.count(1)
@@ -70,10 +68,6 @@ def check_axis_name(axis_name, op: str) -> Hashable:
 def axes_of(axis_name) -> tuple:
     """The mesh axes of a checked ``axis_name`` (see :func:`check_axis_name`), as a tuple."""
     return axis_name if isinstance(axis_name, tuple) else (axis_name,)
-
-
-# The largest capacity (rows or pairs per member) the handlers take: their kernels index rows with int32.
-MAX_CAPACITY = 2**31 - 1
 
 
 def check_static_int(value, name: str, op: str, *, minimum: int | None = None, maximum: int | None = None) -> int:

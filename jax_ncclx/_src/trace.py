@@ -27,13 +27,12 @@ import numpy as np
 
 from jax_ncclx._src import comm
 from jax_ncclx._src import config
+from jax_ncclx._src import contract
 from jax_ncclx._src import lib
 
 logger = logging.getLogger("jax_ncclx")
 
 # TraceKernel (xla_ffi/common/symmetric_layout.h)
-KERNELS = {1: "all_to_allv_dynamic", 2: "all_reduce", 3: "all_gather", 4: "all_to_all", 5: "reduce_scatter",
-           6: "moe.combine"}
 _FIELDS = ("epoch", "start_ns", "peers_ns", "sent_ns", "data_ns", "end_ns", "blocks", "kernel")
 _CALL_FIELDS = ("site", "comm", "group_index", "seq", "rank", "device", "enqueue_ns", "start_ns", "arrive_ns",
                 "end_ns", "injected")
@@ -69,7 +68,7 @@ def _describe(raw: tuple, on_gpu: bool, device_ids: dict[int, int]) -> dict:
                 bytes=info.get("bytes"), dtype=info.get("dtype"), transport=info.get("transport"),
                 algorithm=info.get("algorithm"), enqueue_ns=r["enqueue_ns"], start_ns=r["start_ns"],
                 arrive_ns=r["arrive_ns"], end_ns=r["end_ns"],
-                injected=config.FAULT_KINDS[injected] if injected >= 0 else None, site=r["site"], comm=r["comm"])
+                injected=contract.FAULT_KINDS[injected] if injected >= 0 else None, site=r["site"], comm=r["comm"])
 
 
 def records() -> list[dict]:
@@ -236,7 +235,7 @@ def device_timeline(comm_ids=None) -> list[dict]:
         for device, rank, calls in module.device_trace(comm_id):
             for call in calls:
                 record = dict(zip(_FIELDS, call), comm_id=comm_id, device=device, rank=rank)
-                record["kernel"] = KERNELS.get(record["kernel"], str(record["kernel"]))
+                record["kernel"] = contract.TRACE_KERNELS.get(record["kernel"], str(record["kernel"]))
                 records.append(record)
     return records
 

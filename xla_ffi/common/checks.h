@@ -11,7 +11,7 @@
 #include <string>
 #include <string_view>
 
-#include "common/reduce_op.h"
+#include "common/contract.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {
@@ -152,10 +152,6 @@ template <ffi::DataType dtype>
 const ffi::NativeType<dtype>* OptionalData(const std::optional<ffi::Buffer<dtype>>& buffer) {
   return buffer.has_value() ? buffer->typed_data() : nullptr;
 }
-
-// The largest capacity (rows or pairs per member) a handler takes: kernels index rows with int32. Python's
-// primitive.MAX_CAPACITY is the same bound.
-inline constexpr int64_t kMaxCapacity = std::numeric_limits<int32_t>::max();
 
 // The product of `factors` (each >= 0), or nothing where it overflows int64: attributes come from the caller
 // and sizes computed from them must not wrap around into a size some buffer passes.

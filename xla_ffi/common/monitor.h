@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "common/contract.h"
+
 namespace jax_ncclx {
 
 // Attributes every jax_ncclx custom call carries, in this order, before the op's own.
@@ -60,8 +62,6 @@ int64_t NextSequence(int64_t comm, int rank);
 void RestartSequences();
 
 // ---- fault injection ---------------------------------------------------------------------------------------
-
-enum class FaultKind : int { kDelay = 0, kSkip = 1, kCorruptCounts = 2, kCorruptPayload = 3, kStall = 4 };
 
 struct InjectedFault {
   FaultKind kind = FaultKind::kDelay;

@@ -22,10 +22,10 @@
 
 #include <cstdint>
 
+#include "common/contract.h"
+
 namespace jax_ncclx {
 
-// Ranks one NVLink communicator may have (one host's NVLink domain).
-constexpr int kMaxNvlinkRanks = 8;
 // Arrival flags per source rank: the pieces ("groups") a kernel splits one peer's rows into, or the blocks
 // of a collective times its phases.
 constexpr int kMaxFlagGroups = 128;
@@ -46,15 +46,6 @@ struct DeviceTraceRecord {
   uint32_t blocks;
   uint32_t kernel;  // which kernel (TraceKernel)
   uint64_t reserved;
-};
-
-enum TraceKernel : uint32_t {
-  kTraceAllToAllv = 1,
-  kTraceAllReduce = 2,
-  kTraceAllGather = 3,
-  kTraceAllToAll = 4,
-  kTraceReduceScatter = 5,
-  kTraceMoeCombine = 6,
 };
 
 // Whether ring slot `slot` holds a complete record: one whose epoch (written last) belongs to that slot.

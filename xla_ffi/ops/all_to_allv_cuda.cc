@@ -68,8 +68,7 @@ ffi::ErrorOr<AllToAllvShape> GetShape(std::string_view op, const ffi::AnyBuffer&
 
 int64_t Align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
-// Byte offsets of the workspace pieces, each 256-byte aligned, in this order. The Python side sizes the
-// workspace with the same formula.
+// Byte offsets of the workspace pieces, each 256-byte aligned, in this order.
 struct WorkspaceLayout {
   int64_t send = 0;              // [B, N, C, row_bytes] padded rows to send
   int64_t recv = 0;              // [B, N, C, row_bytes] padded rows received (packed and placed only)
@@ -349,6 +348,10 @@ auto BindRaggedAllToAll() {
 }
 
 }  // namespace
+
+int64_t NcclAllToAllvWorkspaceBytes(const AllToAllvShape& shape, bool received_apart) {
+  return LayOutWorkspace(shape, received_apart).total;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclRaggedAllToAll, NcclRaggedAllToAllImpl,
                               BindCallAttrs(BindRaggedAllToAll()

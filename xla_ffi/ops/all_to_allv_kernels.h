@@ -62,6 +62,10 @@ struct NvlinkAllToAllvLayout {
 };
 NvlinkAllToAllvLayout LayOutNvlinkAllToAllv(const AllToAllvShape& shape, bool direct);
 
+// Bytes of the NCCL path's workspace (all_to_allv_cuda.cc), which the lowering allocates as a result.
+// `received_apart`: the packed layout and placed calls, whose rows NCCL cannot receive where they end up.
+int64_t NcclAllToAllvWorkspaceBytes(const AllToAllvShape& shape, bool received_apart);
+
 struct NvlinkAllToAllvArgs {
   AllToAllvShape shape;
   int rank = 0;

@@ -12,12 +12,10 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/contract.h"
 #include "common/host_device.h"
 
 namespace jax_ncclx {
-
-// The most experts the routing handles: the CUDA kernels keep per-expert counters in shared memory.
-constexpr int64_t kMaxRoutingExperts = 2048;
 
 // Words of int32 that each of dispatch's send rows carries after its token (its suffix): the k tags, padded
 // with -1 to a multiple of 4 words (16 bytes, so that rows of 16-byte multiples stay so), then, when dispatch

@@ -32,7 +32,7 @@
 #include <string_view>
 
 #include "common/host_device.h"
-#include "common/reduce_op.h"
+#include "common/contract.h"
 #include "common/symmetric_layout.h"
 
 namespace jax_ncclx {
@@ -57,13 +57,8 @@ NCCLX_HOST_DEVICE inline bool Reduces(NvlinkCollective op) {
   return op == NvlinkCollective::kAllReduce || op == NvlinkCollective::kReduceScatter;
 }
 
-enum class NvlinkAlgorithm : int { kOneShot = 1, kTwoShot = 2 };  // two-shot: all_reduce only
 // Element types the all_reduce kernels reduce. 16-bit floats accumulate in f32 and round once.
 enum class ReduceType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kS32 = 3 };
-// The protocol attribute: the one a one-shot call prefers (the segment may force simple). LL128 relies on
-// NVLink delivering a warp's aligned 128-byte store whole, as NCCL's LL128 does; LL is the fallback for a
-// platform where that does not hold.
-enum class NvlinkProtocol : int { kLL128 = 0, kLL = 1, kSimple = 2 };
 
 // The most thread blocks a call uses, one arrival flag per block and phase (kMaxFlagGroups in all): two-shot
 // has two phases; one-shot keeps the cap its block counts were measured with.

@@ -3,14 +3,14 @@
 The primitive gathers onto a new leading dimension ([N, *x.shape], entry i from axis index i); the public
 function moves that dimension to ``axis`` and merges it for ``tiled``, so the FFI call always moves
 contiguous blocks. Sharding model: varying in, varying out (as ``jax.lax.all_gather``); outside
-``shard_map`` the leading dimension of the global array is sharded over the axis.
+``shard_map`` the leading dimension of the global array is sharded over the axis. Its transpose is
+reduce_scatter, registered by ``reduce_scatter.py`` (which imports this module, not the other way round).
 """
 
 from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax.interpreters import ad
 from jax.interpreters import batching
 from jax.sharding import PartitionSpec as P
 
@@ -111,17 +111,6 @@ def _all_gather_batching(axis_data, args, dims, *, axis_name, invariant=False):
     return all_gather_p.bind(x, axis_name=axis_name, invariant=invariant), None if d is None else d + 1
 
 
-def _all_gather_transpose(ct, x, *, axis_name, invariant=False):
-    from jax_ncclx._src.ops.reduce_scatter import reduce_scatter_p
-
-    ct = ad.instantiate_zeros(ct)
-    if invariant:  # every member holds the whole cotangent: this member's block of it is its gradient
-        mine = jnp.take(ct, jax.lax.axis_index(axis_name), axis=0)
-        return [primitive.ensure_varying(mine, axis_name)]
-    return [reduce_scatter_p.bind(ct, axis_name=axis_name)]
-
-
 all_gather_p.def_effectful_abstract_eval(_all_gather_abstract_eval)
 primitive.register_lowerings(all_gather_p, "ncclx_all_gather", cuda_route=nvlink.route_of("all_gather"))
 batching.fancy_primitive_batchers[all_gather_p] = _all_gather_batching
-ad.deflinear2(all_gather_p, _all_gather_transpose)

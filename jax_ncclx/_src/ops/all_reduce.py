@@ -18,6 +18,7 @@ from jax_ncclx._src import axis_groups
 from jax_ncclx._src import checksum
 from jax_ncclx._src import compat
 from jax_ncclx._src import config
+from jax_ncclx._src import contract
 from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
 from jax_ncclx._src.ops.all_gather import all_gather
@@ -60,8 +61,8 @@ def all_reduce(x, axis_name, op: str = "sum", *, axis_index_groups=None):
         (docs/sharp_bits.md).
     """
     axis_name = primitive.check_axis_name(axis_name, "all_reduce")
-    if op not in (*primitive.REDUCE_OPS, "mean"):
-        raise ValueError(f"jax_ncclx.all_reduce: op must be one of {sorted((*primitive.REDUCE_OPS, 'mean'))}, "
+    if op not in (*contract.REDUCE_OPS, "mean"):
+        raise ValueError(f"jax_ncclx.all_reduce: op must be one of {sorted((*contract.REDUCE_OPS, 'mean'))}, "
                          f"got {op!r}")
     if not primitive.is_bound(axis_name):
         return primitive.global_view(partial(all_reduce, axis_name=axis_name, op=op,
@@ -114,7 +115,7 @@ def _all_reduce_abstract_eval(x, *, axis_name, op):
 
 
 def _all_reduce_attrs(*, op):
-    return {"reduce_op": np.int64(primitive.REDUCE_OPS[op])}
+    return {"reduce_op": np.int64(contract.REDUCE_OPS[op])}
 
 
 

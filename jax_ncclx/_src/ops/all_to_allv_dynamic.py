@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jax_ncclx._src import all_to_allv_plan
 from jax_ncclx._src import checksum
 from jax_ncclx._src import config
+from jax_ncclx._src import contract
 from jax_ncclx._src import lib
 from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
@@ -90,7 +91,7 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
     """
     axis_name = primitive.check_axis_name(axis_name, "all_to_allv_dynamic")
     max_recv_per_peer = primitive.check_static_int(max_recv_per_peer, "max_recv_per_peer", "all_to_allv_dynamic",
-                                                   minimum=0, maximum=primitive.MAX_CAPACITY)
+                                                   minimum=0, maximum=contract.MAX_CAPACITY)
     if layout not in LAYOUTS:
         raise ValueError(f"jax_ncclx.all_to_allv_dynamic: layout must be one of {LAYOUTS}, got {layout!r}")
     optional = {name: value for name, value in (("send_rows", send_rows), ("suffix", suffix)) if value is not None}
@@ -176,10 +177,6 @@ def _all_to_allv_dynamic_attrs(*, capacity, packed):
     return {"capacity": np.int64(capacity), "packed": np.int64(packed)}
 
 
-def _align(nbytes: int) -> int:
-    return (nbytes + 255) // 256 * 256
-
-
 def _all_to_allv_dynamic_cuda_route(ctx, comm_id, size, *, capacity, packed):
     x, counts, *send_rows_and_suffix = ctx.avals_in
     return exchange_route("all_to_allv_dynamic", comm_id, size, x, counts.shape,
@@ -201,10 +198,7 @@ def exchange_route(op: str, comm_id, size, x, counts_shape, features, capacity: 
         if nvlink.symmetric_memory_ready(op, comm_id, staging_bytes=staging, slot_bytes=slots):
             return primitive.CudaRoute(f"ncclx_{op}_nvlink",
                                        {"blocks": np.int64(settings.nvlink_blocks), "direct": np.int64(direct)})
-    # NCCL path workspace; must match the layout checked by xla_ffi/ops/all_to_allv_cuda.cc.
-    exchange = _align(batch * size * capacity * row_bytes)
-    workspace = exchange * (2 if received_apart else 1) + _align(batch * size * chunks * 4) + \
-        2 * _align(batch * size * 8)
+    workspace = lib.cuda_module().all_to_allv_workspace_bytes(batch, size, chunks, capacity, row_bytes, received_apart)
     return primitive.CudaRoute(f"ncclx_{op}", workspace_bytes=workspace)
 
 

@@ -21,9 +21,10 @@ import numpy as np
 from jax.interpreters import ad
 from jax.interpreters import batching
 
+from jax_ncclx._src import contract
+from jax_ncclx._src import lib
 from jax_ncclx._src import primitive
 
-MAX_EXPERTS = 2048  # kMaxRoutingExperts in xla_ffi/ops/moe_routing.h: per-expert counters in shared memory
 
 
 class SendPlan(NamedTuple):
@@ -153,12 +154,12 @@ def place_received(received, recv_tokens, *, local_experts: int, capacity: int, 
 
 
 def _check_sizes(*, num_experts, num_members, capacity):
-    if not 1 <= num_experts <= MAX_EXPERTS or num_experts % num_members:
+    if not 1 <= num_experts <= contract.MAX_EXPERTS or num_experts % num_members:
         raise ValueError(f"jax_ncclx.moe: num_experts must be a multiple of the axis size ({num_members}) and at "
-                         f"most {MAX_EXPERTS} (the routing kernels count experts in shared memory), got "
+                         f"most {contract.MAX_EXPERTS} (the routing kernels count experts in shared memory), got "
                          f"{num_experts}")
-    if not 1 <= capacity <= primitive.MAX_CAPACITY:
-        raise ValueError(f"jax_ncclx.moe: capacity must be 1 to {primitive.MAX_CAPACITY}, got {capacity}")
+    if not 1 <= capacity <= contract.MAX_CAPACITY:
+        raise ValueError(f"jax_ncclx.moe: capacity must be 1 to {contract.MAX_CAPACITY}, got {capacity}")
 
 
 plan_sends_p = primitive.make_local("moe_plan_sends", multiple_results=True)
@@ -195,7 +196,7 @@ def _place_received_abstract_eval(rows_in, recv_tokens, *, local_experts, capaci
 
 def _plan_sends_scratch_bytes(avals_in, *, num_members, **params):
     batch, num_tokens, _ = avals_in[0].shape
-    return batch * num_members * num_tokens * 4  # PlanSendsScratchBytes in moe_routing_kernels.cu
+    return lib.cuda_module().moe_plan_sends_scratch_bytes(batch, num_tokens, num_members)
 
 
 def _jvp(prim, primals, tangents, **params):

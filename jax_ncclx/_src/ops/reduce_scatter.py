@@ -3,6 +3,7 @@
 The primitive takes blocks on a leading dimension ([N, *y.shape] -> y, member i gets the sum of block i); the
 public function moves ``scatter_dimension`` to the front first. Sharding model: varying in, varying out (as
 ``jax.lax.psum_scatter``); outside ``shard_map`` the leading dimension of the global array is sharded.
+Each of reduce_scatter and all_gather is the other's transpose; both rules are registered here.
 """
 
 from functools import partial
@@ -15,8 +16,10 @@ from jax.interpreters import batching
 from jax.sharding import PartitionSpec as P
 
 from jax_ncclx._src import axis_groups
+from jax_ncclx._src import contract
 from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
+from jax_ncclx._src.ops.all_gather import all_gather_p
 from jax_ncclx._src.ops.all_to_all import all_to_all
 
 
@@ -103,7 +106,7 @@ def _reduce_scatter_abstract_eval(x, *, axis_name):
 
 
 def _reduce_scatter_attrs():
-    return {"reduce_op": np.int64(primitive.REDUCE_OPS["sum"])}
+    return {"reduce_op": np.int64(contract.REDUCE_OPS["sum"])}
 
 
 
@@ -121,9 +124,15 @@ def _reduce_scatter_batching(axis_data, args, dims, *, axis_name):
 
 
 def _reduce_scatter_transpose(ct, x, *, axis_name):
-    from jax_ncclx._src.ops.all_gather import all_gather_p
-
     return [all_gather_p.bind(ad.instantiate_zeros(ct), axis_name=axis_name, invariant=False)]
+
+
+def _all_gather_transpose(ct, x, *, axis_name, invariant=False):
+    ct = ad.instantiate_zeros(ct)
+    if invariant:  # every member holds the whole cotangent: this member's block of it is its gradient
+        mine = jnp.take(ct, jax.lax.axis_index(axis_name), axis=0)
+        return [primitive.ensure_varying(mine, axis_name)]
+    return [reduce_scatter_p.bind(ct, axis_name=axis_name)]
 
 
 reduce_scatter_p.def_effectful_abstract_eval(_reduce_scatter_abstract_eval)
@@ -131,3 +140,4 @@ primitive.register_lowerings(reduce_scatter_p, "ncclx_reduce_scatter", _reduce_s
                              nvlink.route_of("reduce_scatter"))
 batching.fancy_primitive_batchers[reduce_scatter_p] = _reduce_scatter_batching
 ad.deflinear2(reduce_scatter_p, _reduce_scatter_transpose)
+ad.deflinear2(all_gather_p, _all_gather_transpose)

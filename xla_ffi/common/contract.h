@@ -1,0 +1,78 @@
+// What the Python half and the handlers must agree on, defined here once: the enums that FFI attributes carry,
+// each with the name Python gives its values, and the limits the lowering checks before a handler would.
+// Both native modules export it (contract(), contract_bindings.h) and jax_ncclx/_src/contract.py reads it
+// from there, so Python holds no copy. Plain C++: host code, device code and the CPU module include it.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+
+namespace jax_ncclx {
+
+// Injected faults (monitor.h), as JAX_NCCLX_FAULT names them.
+enum class FaultKind : int { kDelay = 0, kSkip = 1, kCorruptCounts = 2, kCorruptPayload = 3, kStall = 4 };
+
+// The reductions of all_reduce and reduce_scatter, as their reduce_op attribute carries them.
+enum class ReduceOp : int { kSum = 0, kMax = 1, kMin = 2 };
+
+// The algorithm attribute of the NVLink all_reduce; two-shot is all_reduce only.
+enum class NvlinkAlgorithm : int { kOneShot = 1, kTwoShot = 2 };
+
+// The protocol attribute: the one a one-shot call prefers (the segment may force simple). LL128 relies on
+// NVLink delivering a warp's aligned 128-byte store whole, as NCCL's LL128 does; LL is the fallback for a
+// platform where that does not hold.
+enum class NvlinkProtocol : int { kLL128 = 0, kLL = 1, kSimple = 2 };
+
+// Which NVLink kernel a device-side trace record or fault record comes from.
+enum TraceKernel : uint32_t {
+  kTraceAllToAllv = 1,
+  kTraceAllReduce = 2,
+  kTraceAllGather = 3,
+  kTraceAllToAll = 4,
+  kTraceReduceScatter = 5,
+  kTraceMoeCombine = 6,
+};
+
+// Ranks one NVLink communicator may have (one host's NVLink domain).
+constexpr int kMaxNvlinkRanks = 8;
+
+// The largest capacity (rows or pairs per member) a handler takes: kernels index rows with int32.
+inline constexpr int64_t kMaxCapacity = std::numeric_limits<int32_t>::max();
+
+// The most experts the routing handles: the CUDA kernels keep per-expert counters in shared memory.
+constexpr int64_t kMaxRoutingExperts = 2048;
+
+// A value's name, for the tables Python reads.
+struct Named {
+  const char* name;
+  int64_t value;
+};
+
+inline constexpr Named kFaultKindNames[] = {
+    {"delay", static_cast<int64_t>(FaultKind::kDelay)},
+    {"skip", static_cast<int64_t>(FaultKind::kSkip)},
+    {"corrupt_counts", static_cast<int64_t>(FaultKind::kCorruptCounts)},
+    {"corrupt_payload", static_cast<int64_t>(FaultKind::kCorruptPayload)},
+    {"stall", static_cast<int64_t>(FaultKind::kStall)},
+};
+inline constexpr Named kReduceOpNames[] = {
+    {"sum", static_cast<int64_t>(ReduceOp::kSum)},
+    {"max", static_cast<int64_t>(ReduceOp::kMax)},
+    {"min", static_cast<int64_t>(ReduceOp::kMin)},
+};
+inline constexpr Named kNvlinkAlgorithmNames[] = {
+    {"one_shot", static_cast<int64_t>(NvlinkAlgorithm::kOneShot)},
+    {"two_shot", static_cast<int64_t>(NvlinkAlgorithm::kTwoShot)},
+};
+inline constexpr Named kNvlinkProtocolNames[] = {
+    {"ll128", static_cast<int64_t>(NvlinkProtocol::kLL128)},
+    {"ll", static_cast<int64_t>(NvlinkProtocol::kLL)},
+    {"simple", static_cast<int64_t>(NvlinkProtocol::kSimple)},
+};
+inline constexpr Named kTraceKernelNames[] = {
+    {"all_to_allv_dynamic", kTraceAllToAllv}, {"all_reduce", kTraceAllReduce},
+    {"all_gather", kTraceAllGather},          {"all_to_all", kTraceAllToAll},
+    {"reduce_scatter", kTraceReduceScatter},  {"moe.combine", kTraceMoeCombine},
+};
+
+}  // namespace jax_ncclx
