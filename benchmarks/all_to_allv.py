@@ -46,7 +46,7 @@ import jax_ncclx as nx  # noqa: E402
 import xla_moe  # noqa: E402
 from jax_ncclx import moe  # noqa: E402
 from jax_ncclx._src import config as nx_config  # noqa: E402
-from jax_ncclx._src import primitive as nx_primitive  # noqa: E402
+from jax_ncclx._src import lowering as nx_lowering  # noqa: E402
 
 AXIS = "ep"
 NAME = "all_to_allv"
@@ -425,7 +425,7 @@ def path_of(targets: list, platform: str) -> str:
     """How the data moved, from the compiled program: "xla" (no jax_ncclx collective), "cpu", "nvlink" (the
     NVLink kernel), "nccl", or "nvlink+nccl" (both). Local ops (moe routing, row copies) move nothing between
     devices and do not count."""
-    targets = [t for t in targets if t not in nx_primitive.LOCAL_TARGETS]
+    targets = [t for t in targets if t not in nx_lowering.LOCAL_TARGETS]
     if not targets:
         return "xla"
     if platform == "cpu":

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ncclx as nx
 from jax_ncclx._src import contract
+from jax_ncclx._src import lowering
 
 
 @pytest.fixture
@@ -266,9 +267,8 @@ def test_per_op_timeouts_name_ops_that_have_them(monkeypatch):
     """Every op that communicates can have its own timeout, and a name that is none of them is an error, not
     silently the default."""
     from jax_ncclx._src import config
-    from jax_ncclx._src import primitive
 
-    assert set(config.TIMED_OPS) == primitive.COLLECTIVE_OPS
+    assert set(config.TIMED_OPS) == lowering.COLLECTIVE_OPS
     monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S_ALL_TO_ALLV_DYNAMIC", "30")
     assert config.current().timeout_s_for("all_to_allv_dynamic") == 30
     monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S_ALLREDUCE", "2")

@@ -49,7 +49,7 @@ def test_loops_in_command_buffers(loops_in_graphs, nccl_recorded):
     """Both programs, compiled once and run with new inputs, with custom calls captured (and whole loops): they
     must match XLA's programs, and the handlers must have been recorded into a graph (and replayed, where only
     custom calls are captured; see loop_worker.py). With the NCCL handlers recordable too, the NCCL-path calls
-    in the loop bodies must stay out of XLA's loop graphs (primitive._lower), or those fail to instantiate."""
+    in the loop bodies must stay out of XLA's loop graphs (lowering._lower), or those fail to instantiate."""
     env = {"JAX_NCCLX_NCCL_COMMAND_BUFFERS": "1"} if nccl_recorded else {}
     if loops_in_graphs:
         run_command_buffer_worker("loop_worker.py", "--loops-in-graphs", minimum=1,

@@ -40,6 +40,7 @@ import numpy as np
 from jax_ncclx._src import compat
 from jax_ncclx._src import contract
 from jax_ncclx._src import primitive
+from jax_ncclx._src import validation
 from jax_ncclx._src.ops import moe_combine
 from jax_ncclx._src.ops import moe_routing
 from jax_ncclx._src.ops.all_to_allv_dynamic import all_to_allv_dynamic
@@ -157,12 +158,12 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
     """
     axis_name = _check_bound_axis(axis_name, "dispatch")
     num_members = jax.lax.axis_size(axis_name)
-    primitive.check_static_int(num_experts, "num_experts", "moe.dispatch", minimum=1)
+    validation.check_static_int(num_experts, "num_experts", "moe.dispatch", minimum=1)
     if num_experts % num_members or num_experts > contract.MAX_EXPERTS:
         raise ValueError(f"jax_ncclx.moe.dispatch: num_experts ({num_experts}) must be a multiple of the size "
                          f"of axis {axis_name!r} ({num_members}) and at most {contract.MAX_EXPERTS} (the "
                          "routing kernels count experts in shared memory)")
-    primitive.check_static_int(capacity, "capacity", "moe.dispatch", minimum=1, maximum=contract.MAX_CAPACITY)
+    validation.check_static_int(capacity, "capacity", "moe.dispatch", minimum=1, maximum=contract.MAX_CAPACITY)
     _check_matrix(tokens, "tokens", "dispatch", jnp.floating)
     _check_matrix(expert_ids, "expert_ids", "dispatch", jnp.integer)
     if jnp.shape(expert_ids)[0] != jnp.shape(tokens)[0] or jnp.shape(expert_ids)[1] < 1:
@@ -182,7 +183,7 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
             raise ValueError(f"jax_ncclx.moe.dispatch: wire_dtype must be None, float8_e4m3fn or float8_e5m2, "
                              f"got {wire_dtype!r}")
         wire_dtype = named
-    arrays = (tokens, primitive.as_int32(expert_ids)) + (() if weights is None else (weights,))
+    arrays = (tokens, validation.as_int32(expert_ids)) + (() if weights is None else (weights,))
     tokens, expert_ids, *weights = _vary_together(axis_name, arrays)
     return _dispatch(tokens, weights[0] if weights else None, expert_ids, int(num_experts), axis_name,
                      int(capacity), wire_dtype)
@@ -474,8 +475,8 @@ def _vary_over(array, axes):
 
 
 def _check_bound_axis(axis_name, op):
-    axis_name = primitive.check_axis_name(axis_name, f"moe.{op}")
-    if not primitive.is_bound(axis_name):
+    axis_name = validation.check_axis_name(axis_name, f"moe.{op}")
+    if not validation.is_bound(axis_name):
         raise NameError(f"jax_ncclx.moe.{op}: unbound axis name {axis_name!r}; call it inside jax.shard_map "
                         "over the expert-parallel mesh axis")
     return axis_name

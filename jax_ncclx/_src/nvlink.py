@@ -27,7 +27,7 @@ from jax_ncclx._src import comm
 from jax_ncclx._src import config
 from jax_ncclx._src import contract
 from jax_ncclx._src import lib
-from jax_ncclx._src.primitive import CudaRoute
+from jax_ncclx._src.lowering import CudaRoute
 
 logger = logging.getLogger("jax_ncclx")
 
@@ -91,7 +91,7 @@ def oneshot_protocol(op: str, nbytes: int, size: int, settings: config.Config) -
 
 
 def route_of(op: str) -> Callable[..., CudaRoute]:
-    """The ``cuda_route`` of :func:`primitive.register_lowerings` for the dense op ``op``: its route does not
+    """The ``cuda_route`` of :func:`lowering.register_lowerings` for the dense op ``op``: its route does not
     depend on the primitive's params (an all_reduce's reduction included)."""
     return lambda ctx, comm_id, size, **params: collective_route(op, ctx, comm_id, size)
 

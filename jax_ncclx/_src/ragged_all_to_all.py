@@ -35,7 +35,10 @@ from jax.sharding import PartitionSpec as P
 from jax_ncclx._src import all_to_allv_plan
 from jax_ncclx._src import axis_groups
 from jax_ncclx._src import config
+from jax_ncclx._src import global_view
+from jax_ncclx._src import lowering
 from jax_ncclx._src import primitive
+from jax_ncclx._src import validation
 from jax_ncclx._src.ops import all_to_allv_dynamic as exchange
 from jax_ncclx._src.ops.all_to_all import all_to_all
 
@@ -95,12 +98,12 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
         ``axis_name`` along its leading dimension, or whose leading dimension the axis size does not divide.
       NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map`` (and no mesh shards the operands).
     """
-    axis_name = primitive.check_axis_name(axis_name, _OP)
+    axis_name = validation.check_axis_name(axis_name, _OP)
     args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
-    if not primitive.is_bound(axis_name):
+    if not validation.is_bound(axis_name):
         op = partial(ragged_all_to_all, axis_name=axis_name, axis_index_groups=axis_index_groups,
                      max_recv_per_peer=max_recv_per_peer)
-        return primitive.global_view(op, args, axis_name, _OP, (P(axis_name),) * len(args), P(axis_name))
+        return global_view.global_view(op, args, axis_name, _OP, (P(axis_name),) * len(args), P(axis_name))
 
     size = jax.lax.axis_size(axis_name)
     groups = axis_groups.canonical(axis_index_groups, size, _OP)
@@ -113,7 +116,7 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     def per_member(values):
         """int32 ``[N, K]`` from this member's ``[G * K]`` (its group's members, in group order): zeros for
         the members of other groups, so that nothing goes to them or is taken from them."""
-        values = primitive.as_int32(values).reshape(peers, slices)
+        values = validation.as_int32(values).reshape(peers, slices)
         return values if groups is None else axis_groups.spread_blocks(values, groups, axis_name)
 
     sizes = _peer_sizes(per_member(send_sizes), capacity)
@@ -188,7 +191,7 @@ def _check(operand, output, input_offsets, send_sizes, output_offsets, recv_size
            max_recv_per_peer):
     """Validates the arguments; returns (K slices per peer, capacity C). ``peers``: the axis size N, or the
     group size G where ``grouped``."""
-    primitive.check_dtype(operand, _OP)
+    validation.check_dtype(operand, _OP)
     operand_shape, output_shape = jnp.shape(operand), jnp.shape(output)
     if len(operand_shape) < 1 or operand_shape[1:] != output_shape[1:] or \
             jax.typeof(operand).dtype != jax.typeof(output).dtype:
@@ -209,7 +212,7 @@ def _check(operand, output, input_offsets, send_sizes, output_offsets, recv_size
                          f"length, a multiple of {what}, got "
                          f"{ {name: jnp.shape(value)[0] for name, value in named.items()} }")
     capacity = output_shape[0] if max_recv_per_peer is None else max_recv_per_peer
-    return next(iter(lengths)) // peers, primitive.check_static_int(capacity, "max_recv_per_peer", _OP, minimum=0)
+    return next(iter(lengths)) // peers, validation.check_static_int(capacity, "max_recv_per_peer", _OP, minimum=0)
 
 
 # The placed exchange. Operands: x [B, X, ...], counts int32 [B, N, K], send_rows int32 [B, S] (as
@@ -291,7 +294,7 @@ def _ragged_all_to_all_transpose(cts, x, counts, send_rows, place, output, *, ax
 
 
 ragged_all_to_all_p.def_effectful_abstract_eval(_ragged_all_to_all_abstract_eval)
-primitive.register_lowerings(ragged_all_to_all_p, "ncclx_ragged_all_to_all", _ragged_all_to_all_attrs,
+lowering.register_lowerings(ragged_all_to_all_p, "ncclx_ragged_all_to_all", _ragged_all_to_all_attrs,
                              _ragged_all_to_all_cuda_route, aliases={4: 0})
 batching.fancy_primitive_batchers[ragged_all_to_all_p] = _ragged_all_to_all_batching
 ad.primitive_jvps[ragged_all_to_all_p] = _ragged_all_to_all_jvp

@@ -22,7 +22,7 @@ import threading
 import jax
 import numpy as np
 
-from jax_ncclx._src import primitive
+from jax_ncclx._src import validation
 from jax_ncclx._src.ops.all_gather import all_gather
 from jax_ncclx._src.ops.all_reduce import all_reduce
 from jax_ncclx._src.ops.all_to_all import all_to_all
@@ -89,7 +89,7 @@ def route_lax(*, ragged_max_recv_per_peer: int | None = None):
     """
     global _open_scopes
     if ragged_max_recv_per_peer is not None:
-        primitive.check_static_int(ragged_max_recv_per_peer, "ragged_max_recv_per_peer", "route_lax", minimum=0)
+        validation.check_static_int(ragged_max_recv_per_peer, "ragged_max_recv_per_peer", "route_lax", minimum=0)
     with _lock:
         if not _open_scopes:
             for name in ROUTED_OPS:
@@ -171,7 +171,7 @@ def _refusal(name: str, a: dict) -> str | None:
         return "no axis named"
     if any(isinstance(n, (int, np.integer)) for n in names):
         return f"positional axes in axis_name={axis_name!r}"
-    unbound = [n for n in names if not primitive.is_bound(n)]
+    unbound = [n for n in names if not validation.is_bound(n)]
     if unbound:
         return f"axis {unbound[0]!r} is not bound by an enclosing shard_map or vmap"
     data = (a["operand"], a["output"]) if name == "ragged_all_to_all" else a["x"]
@@ -181,7 +181,7 @@ def _refusal(name: str, a: dict) -> str | None:
     reduce_op = {"pmean": "sum", "psum_scatter": "sum"}.get(name, _REDUCTIONS.get(name))
     for leaf in leaves:
         try:
-            primitive.check_dtype(leaf, _TWINS[name].__name__, reduce_op=reduce_op)
+            validation.check_dtype(leaf, _TWINS[name].__name__, reduce_op=reduce_op)
         except TypeError as error:
             return str(error)
     mesh = jax.sharding.get_abstract_mesh()

@@ -17,8 +17,11 @@ from jax.sharding import PartitionSpec as P
 from jax_ncclx._src import axis_groups
 from jax_ncclx._src import checksum
 from jax_ncclx._src import config
+from jax_ncclx._src import global_view
+from jax_ncclx._src import lowering
 from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
+from jax_ncclx._src import validation
 
 
 def all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bool = False, to: str = "varying"):
@@ -53,20 +56,20 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bo
       NotImplementedError: vmap over ``axis_name`` inside a tuple with mesh axes; a shard_map that leaves a mesh
         axis of size > 1 to the compiler; ``to="reduced"``, or ``"invarying"`` with ``axis_index_groups``.
     """
-    axis_name = primitive.check_axis_name(axis_name, "all_gather")
+    axis_name = validation.check_axis_name(axis_name, "all_gather")
     if to not in ("varying", "invarying"):
         raise (NotImplementedError if to == "reduced" else ValueError)(
             f"jax_ncclx.all_gather: to must be 'varying' or 'invarying', got {to!r}")
     if to == "invarying" and axis_index_groups is not None:  # the result differs between groups
         raise NotImplementedError("jax_ncclx.all_gather: to='invarying' with axis_index_groups")
-    if not primitive.is_bound(axis_name):
-        return primitive.global_view(partial(all_gather, axis_name=axis_name, axis_index_groups=axis_index_groups,
+    if not validation.is_bound(axis_name):
+        return global_view.global_view(partial(all_gather, axis_name=axis_name, axis_index_groups=axis_index_groups,
                                              axis=axis, tiled=tiled, to=to), (x,),
                                      axis_name, "all_gather", P(axis_name), P(axis_name))
     groups = axis_groups.canonical(axis_index_groups, jax.lax.axis_size(axis_name), "all_gather")
 
     def one(leaf):
-        primitive.check_dtype(leaf, "all_gather")
+        validation.check_dtype(leaf, "all_gather")
         ndim = jnp.ndim(leaf)
         out_axis = _normalize_axis(axis, ndim if tiled else ndim + 1, "all_gather")
         y = all_gather_p.bind(primitive.ensure_varying(leaf, axis_name), axis_name=axis_name,
@@ -85,7 +88,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bo
 
 
 def _normalize_axis(axis: int, ndim: int, op: str) -> int:
-    axis = primitive.check_static_int(axis, "axis", op)
+    axis = validation.check_static_int(axis, "axis", op)
     if not -ndim <= axis < ndim:
         raise ValueError(f"jax_ncclx.{op}: axis {axis} is out of range for a result of rank {ndim}")
     return axis % ndim
@@ -112,5 +115,5 @@ def _all_gather_batching(axis_data, args, dims, *, axis_name, invariant=False):
 
 
 all_gather_p.def_effectful_abstract_eval(_all_gather_abstract_eval)
-primitive.register_lowerings(all_gather_p, "ncclx_all_gather", cuda_route=nvlink.route_of("all_gather"))
+lowering.register_lowerings(all_gather_p, "ncclx_all_gather", cuda_route=nvlink.route_of("all_gather"))
 batching.fancy_primitive_batchers[all_gather_p] = _all_gather_batching

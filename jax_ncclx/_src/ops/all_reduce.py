@@ -19,8 +19,11 @@ from jax_ncclx._src import checksum
 from jax_ncclx._src import compat
 from jax_ncclx._src import config
 from jax_ncclx._src import contract
+from jax_ncclx._src import global_view
+from jax_ncclx._src import lowering
 from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
+from jax_ncclx._src import validation
 from jax_ncclx._src.ops.all_gather import all_gather
 
 
@@ -60,12 +63,12 @@ def all_reduce(x, axis_name, op: str = "sum", *, axis_index_groups=None):
       NotImplementedError: a shard_map that leaves a mesh axis of size > 1 to the compiler
         (docs/sharp_bits.md).
     """
-    axis_name = primitive.check_axis_name(axis_name, "all_reduce")
+    axis_name = validation.check_axis_name(axis_name, "all_reduce")
     if op not in (*contract.REDUCE_OPS, "mean"):
         raise ValueError(f"jax_ncclx.all_reduce: op must be one of {sorted((*contract.REDUCE_OPS, 'mean'))}, "
                          f"got {op!r}")
-    if not primitive.is_bound(axis_name):
-        return primitive.global_view(partial(all_reduce, axis_name=axis_name, op=op,
+    if not validation.is_bound(axis_name):
+        return global_view.global_view(partial(all_reduce, axis_name=axis_name, op=op,
                                              axis_index_groups=axis_index_groups), (x,), axis_name,
                                      "all_reduce", P(axis_name), P(axis_name))
     groups = axis_groups.canonical(axis_index_groups, jax.lax.axis_size(axis_name), "all_reduce",
@@ -77,7 +80,7 @@ def all_reduce(x, axis_name, op: str = "sum", *, axis_index_groups=None):
         return jax.tree.map(lambda leaf: _reduce_within_groups(leaf, axis_name, op, groups), x)
 
     def one(leaf):
-        operand, restore = primitive.reduction_operand(leaf, "all_reduce", op)
+        operand, restore = validation.reduction_operand(leaf, "all_reduce", op)
         y = all_reduce_p.bind(primitive.ensure_varying(operand, axis_name), axis_name=axis_name, op=op)
         if config.current().checksum:
             checksum.verify_all_reduce(axis_name, y)
@@ -89,11 +92,11 @@ def all_reduce(x, axis_name, op: str = "sum", *, axis_index_groups=None):
 def _reduce_within_groups(leaf, axis_name, op: str, groups):
     """all_reduce within ``groups``: every member's array gathered, this member's group reduced here, in axis
     order as the handlers reduce (axis_groups.py)."""
-    operand, restore = primitive.reduction_operand(jnp.asarray(leaf), "all_reduce", op)
+    operand, restore = validation.reduction_operand(jnp.asarray(leaf), "all_reduce", op)
     everyone = all_gather(operand, axis_name)                                   # [N, ...]
     mine = axis_groups.same_group(groups, axis_name).reshape(-1, *([1] * operand.ndim))
     if op == "sum":
-        accumulation = primitive.accumulation_dtype(operand.dtype)
+        accumulation = validation.accumulation_dtype(operand.dtype)
         total = jnp.sum(jnp.where(mine, everyone, jnp.zeros((), operand.dtype)), axis=0, dtype=accumulation)
         return restore(total.astype(operand.dtype))
     pick = jnp.max if op == "max" else jnp.min
@@ -121,19 +124,19 @@ def _all_reduce_attrs(*, op):
 
 def _all_reduce_batching(axis_data, args, dims, *, axis_name, op):
     (x,), (d,) = args, dims
-    axes = primitive.axes_of(axis_name)
+    axes = validation.axes_of(axis_name)
     if axis_data.name not in axes:
         return all_reduce_p.bind(x, axis_name=axis_name, op=op), d
     # vmap over the op's own axis: its members are x's batch entries, reduced here; the other axes of a tuple
     # then reduce that once more, in the same accumulation dtype (as jax.lax.psum does).
     members = primitive.members_first(axis_data, x, d)
     if op == "sum":
-        y = jnp.sum(members, axis=0, dtype=primitive.accumulation_dtype(x.dtype))
+        y = jnp.sum(members, axis=0, dtype=validation.accumulation_dtype(x.dtype))
     else:
         y = (jnp.max if op == "max" else jnp.min)(members, axis=0)
     rest = tuple(name for name in axes if name != axis_data.name)
     if rest:
-        y = all_reduce_p.bind(y, axis_name=primitive.check_axis_name(rest, "all_reduce"), op=op)
+        y = all_reduce_p.bind(y, axis_name=validation.check_axis_name(rest, "all_reduce"), op=op)
     return y.astype(x.dtype), None
 
 
@@ -161,7 +164,7 @@ def _all_reduce_transpose(ct, x, *, axis_name, op):
 
 
 all_reduce_p.def_effectful_abstract_eval(_all_reduce_abstract_eval)
-primitive.register_lowerings(all_reduce_p, "ncclx_all_reduce", _all_reduce_attrs, nvlink.route_of("all_reduce"))
+lowering.register_lowerings(all_reduce_p, "ncclx_all_reduce", _all_reduce_attrs, nvlink.route_of("all_reduce"))
 batching.fancy_primitive_batchers[all_reduce_p] = _all_reduce_batching
 ad.primitive_jvps[all_reduce_p] = _all_reduce_jvp
 ad.primitive_transposes[all_reduce_p] = _all_reduce_transpose

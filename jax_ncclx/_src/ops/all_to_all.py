@@ -18,8 +18,11 @@ from jax.sharding import PartitionSpec as P
 from jax_ncclx._src import axis_groups
 from jax_ncclx._src import checksum
 from jax_ncclx._src import config
+from jax_ncclx._src import global_view
+from jax_ncclx._src import lowering
 from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
+from jax_ncclx._src import validation
 
 
 def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, axis_index_groups=None, tiled: bool = False):
@@ -58,16 +61,16 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, axis_index_gr
     axis (local work), and over an axis in a tuple with others, vmapped or mesh axes (as ``jax.lax``: the
     vmapped part is a local transpose, the rest one all_to_all).
     """
-    axis_name = primitive.check_axis_name(axis_name, "all_to_all")
-    if not primitive.is_bound(axis_name):
-        return primitive.global_view(
+    axis_name = validation.check_axis_name(axis_name, "all_to_all")
+    if not validation.is_bound(axis_name):
+        return global_view.global_view(
             partial(all_to_all, axis_name=axis_name, split_axis=split_axis, concat_axis=concat_axis,
                     axis_index_groups=axis_index_groups, tiled=tiled),
             (x,), axis_name, "all_to_all", P(axis_name), P(axis_name))
     groups = axis_groups.canonical(axis_index_groups, jax.lax.axis_size(axis_name), "all_to_all")
     size = jax.lax.axis_size(axis_name) if groups is None else len(groups[0])
     for name, value in (("split_axis", split_axis), ("concat_axis", concat_axis)):
-        primitive.check_static_int(value, name, "all_to_all")
+        validation.check_static_int(value, name, "all_to_all")
 
     def one(leaf):
         ndim = jnp.ndim(leaf)
@@ -79,7 +82,7 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, axis_index_gr
         if (tiled and extent % size) or (not tiled and extent != size):
             need = f"a multiple of the axis size {size} (tiled)" if tiled else f"the axis size {size}"
             raise ValueError(f"jax_ncclx.all_to_all: split_axis {split} has size {extent}; it must be {need}")
-        primitive.check_dtype(leaf, "all_to_all")
+        validation.check_dtype(leaf, "all_to_all")
         front = jnp.moveaxis(leaf, split, 0)
         blocks = front.reshape(size, extent // size, *front.shape[1:])
         if groups is None:
@@ -110,7 +113,7 @@ def _all_to_all_abstract_eval(x, *, axis_name):
 
 def _all_to_all_batching(axis_data, args, dims, *, axis_name):
     (x,), (d,) = args, dims
-    axes = primitive.axes_of(axis_name)
+    axes = validation.axes_of(axis_name)
     if axis_data.name in axes and len(axes) > 1:
         return _exchange_over_tuple_with_vmapped_axis(axis_data, x, d, axes), 0
     if primitive.batches_own_axis(axis_data, axis_name, "all_to_all"):
@@ -148,6 +151,6 @@ def _all_to_all_transpose(ct, x, *, axis_name):
 
 
 all_to_all_p.def_effectful_abstract_eval(_all_to_all_abstract_eval)
-primitive.register_lowerings(all_to_all_p, "ncclx_all_to_all", cuda_route=nvlink.route_of("all_to_all"))
+lowering.register_lowerings(all_to_all_p, "ncclx_all_to_all", cuda_route=nvlink.route_of("all_to_all"))
 batching.fancy_primitive_batchers[all_to_all_p] = _all_to_all_batching
 ad.deflinear2(all_to_all_p, _all_to_all_transpose)

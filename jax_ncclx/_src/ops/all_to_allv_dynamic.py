@@ -31,9 +31,12 @@ from jax_ncclx._src import all_to_allv_plan
 from jax_ncclx._src import checksum
 from jax_ncclx._src import config
 from jax_ncclx._src import contract
+from jax_ncclx._src import global_view
 from jax_ncclx._src import lib
+from jax_ncclx._src import lowering
 from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
+from jax_ncclx._src import validation
 from jax_ncclx._src.ops.take_rows import add_rows
 from jax_ncclx._src.ops.take_rows import outside_to_end
 
@@ -89,18 +92,18 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
       NotImplementedError: vmap over ``axis_name`` inside a tuple with mesh axes; a shard_map that leaves a mesh
         axis of size > 1 to the compiler.
     """
-    axis_name = primitive.check_axis_name(axis_name, "all_to_allv_dynamic")
-    max_recv_per_peer = primitive.check_static_int(max_recv_per_peer, "max_recv_per_peer", "all_to_allv_dynamic",
+    axis_name = validation.check_axis_name(axis_name, "all_to_allv_dynamic")
+    max_recv_per_peer = validation.check_static_int(max_recv_per_peer, "max_recv_per_peer", "all_to_allv_dynamic",
                                                    minimum=0, maximum=contract.MAX_CAPACITY)
     if layout not in LAYOUTS:
         raise ValueError(f"jax_ncclx.all_to_allv_dynamic: layout must be one of {LAYOUTS}, got {layout!r}")
     optional = {name: value for name, value in (("send_rows", send_rows), ("suffix", suffix)) if value is not None}
-    if not primitive.is_bound(axis_name):
+    if not validation.is_bound(axis_name):
         def op(x, send_counts, *values):
             return all_to_allv_dynamic(x, send_counts, axis_name, max_recv_per_peer=max_recv_per_peer,
                                        layout=layout, **dict(zip(optional, values)))
         args = (x, send_counts, *optional.values())
-        return primitive.global_view(op, args, axis_name, "all_to_allv_dynamic", (P(axis_name),) * len(args),
+        return global_view.global_view(op, args, axis_name, "all_to_allv_dynamic", (P(axis_name),) * len(args),
                                      (P(axis_name),) * 3)
 
     size = jax.lax.axis_size(axis_name)
@@ -130,11 +133,11 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
                 f"{suffix_dtype}{list(suffix_shape)}")
         if send_rows is None:  # the kernels take a suffix only after send_rows
             send_rows = jnp.arange(num_rows, dtype=jnp.int32)
-    primitive.check_dtype(x, "all_to_allv_dynamic")
-    extra = () if send_rows is None else (primitive.as_int32(send_rows)[None],)
+    validation.check_dtype(x, "all_to_allv_dynamic")
+    extra = () if send_rows is None else (validation.as_int32(send_rows)[None],)
     if suffix is not None:
         extra += (primitive.ensure_varying(suffix, axis_name)[None],)
-    counts = primitive.as_int32(send_counts).reshape(1, size, -1)
+    counts = validation.as_int32(send_counts).reshape(1, size, -1)
     y, recv_counts, dropped = all_to_allv_dynamic_p.bind(
         primitive.ensure_varying(x, axis_name)[None], counts, *extra, axis_name=axis_name,
         capacity=int(max_recv_per_peer), packed=layout == "packed")
@@ -196,10 +199,10 @@ def exchange_route(op: str, comm_id, size, x, counts_shape, features, capacity: 
         staging, slots = lib.cuda_module().all_to_allv_symmetric_bytes(batch, size, chunks, capacity, row_bytes,
                                                                        direct)
         if nvlink.symmetric_memory_ready(op, comm_id, staging_bytes=staging, slot_bytes=slots):
-            return primitive.CudaRoute(f"ncclx_{op}_nvlink",
+            return lowering.CudaRoute(f"ncclx_{op}_nvlink",
                                        {"blocks": np.int64(settings.nvlink_blocks), "direct": np.int64(direct)})
     workspace = lib.cuda_module().all_to_allv_workspace_bytes(batch, size, chunks, capacity, row_bytes, received_apart)
-    return primitive.CudaRoute(f"ncclx_{op}", workspace_bytes=workspace)
+    return lowering.CudaRoute(f"ncclx_{op}", workspace_bytes=workspace)
 
 
 def _all_to_allv_dynamic_batching(axis_data, args, dims, *, axis_name, capacity, packed):
@@ -302,7 +305,7 @@ def all_to_allv_dynamic_transpose(cts, x, counts, *send_rows_and_suffix, axis_na
 
 
 all_to_allv_dynamic_p.def_effectful_abstract_eval(_all_to_allv_dynamic_abstract_eval)
-primitive.register_lowerings(all_to_allv_dynamic_p, "ncclx_all_to_allv_dynamic", _all_to_allv_dynamic_attrs,
+lowering.register_lowerings(all_to_allv_dynamic_p, "ncclx_all_to_allv_dynamic", _all_to_allv_dynamic_attrs,
                              _all_to_allv_dynamic_cuda_route)
 batching.fancy_primitive_batchers[all_to_allv_dynamic_p] = _all_to_allv_dynamic_batching
 ad.primitive_jvps[all_to_allv_dynamic_p] = _all_to_allv_dynamic_jvp

@@ -37,6 +37,7 @@ from jax.interpreters import batching
 
 from jax_ncclx._src import config
 from jax_ncclx._src import lib
+from jax_ncclx._src import lowering
 from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
 from jax_ncclx._src.ops.all_to_allv_dynamic import all_to_allv_dynamic
@@ -142,7 +143,7 @@ def _route(ctx, comm_id, size):
     slots = module.moe_combine_slot_bytes(size, rows_per_member, hidden, dtype.itemsize)
     if not nvlink.symmetric_memory_ready("moe.combine", comm_id, slot_bytes=slots):
         return None
-    return primitive.CudaRoute("ncclx_moe_combine_nvlink", dict(blocks=np.int64(settings.nvlink_blocks)),
+    return lowering.CudaRoute("ncclx_moe_combine_nvlink", dict(blocks=np.int64(settings.nvlink_blocks)),
                                operands=(0, 1, 2, 3, 5))  # send_back_rows is the chain's only
 
 
@@ -154,6 +155,6 @@ def _moe_combine_batching(axis_data, args, dims, *, axis_name):
 
 
 moe_combine_p.def_effectful_abstract_eval(_moe_combine_abstract_eval)
-primitive.register_lowerings(moe_combine_p, "ncclx_moe_combine", cuda_route=_route, fallback=_exchange_chain,
+lowering.register_lowerings(moe_combine_p, "ncclx_moe_combine", cuda_route=_route, fallback=_exchange_chain,
                              timeout_op="all_to_allv_dynamic")
 batching.fancy_primitive_batchers[moe_combine_p] = _moe_combine_batching

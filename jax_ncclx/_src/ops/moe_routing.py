@@ -23,6 +23,7 @@ from jax.interpreters import batching
 
 from jax_ncclx._src import contract
 from jax_ncclx._src import lib
+from jax_ncclx._src import lowering
 from jax_ncclx._src import primitive
 
 
@@ -206,13 +207,13 @@ def _jvp(prim, primals, tangents, **params):
 
 plan_sends_p.def_abstract_eval(_plan_sends_abstract_eval)
 place_received_p.def_abstract_eval(_place_received_abstract_eval)
-primitive.register_local_lowerings(
+lowering.register_local_lowerings(
     plan_sends_p, "ncclx_moe_plan_sends",
     lambda *, num_experts, num_members, capacity: dict(num_experts=np.int64(num_experts),
                                                        num_members=np.int64(num_members),
                                                        capacity=np.int64(capacity)),
     cuda_scratch_bytes=_plan_sends_scratch_bytes)
-primitive.register_local_lowerings(
+lowering.register_local_lowerings(
     place_received_p, "ncclx_moe_place_received",
     lambda *, local_experts, capacity, top_k, suffix_offset, with_weights: dict(
         local_experts=np.int64(local_experts), capacity=np.int64(capacity), top_k=np.int64(top_k),

@@ -16,7 +16,10 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ncclx._src import checksum
 from jax_ncclx._src import config
+from jax_ncclx._src import global_view
+from jax_ncclx._src import lowering
 from jax_ncclx._src import primitive
+from jax_ncclx._src import validation
 
 
 def ppermute(x, axis_name, perm):
@@ -42,9 +45,9 @@ def ppermute(x, axis_name, perm):
       NotImplementedError: vmap over ``axis_name`` inside a tuple with mesh axes; a shard_map that leaves a mesh
         axis of size > 1 to the compiler.
     """
-    axis_name = primitive.check_axis_name(axis_name, "ppermute")
-    if not primitive.is_bound(axis_name):
-        return primitive.global_view(partial(ppermute, axis_name=axis_name, perm=perm), (x,), axis_name,
+    axis_name = validation.check_axis_name(axis_name, "ppermute")
+    if not validation.is_bound(axis_name):
+        return global_view.global_view(partial(ppermute, axis_name=axis_name, perm=perm), (x,), axis_name,
                                      "ppermute", P(axis_name), P(axis_name))
     size = jax.lax.axis_size(axis_name)
     sources, targets = [-1] * size, [-1] * size
@@ -52,7 +55,7 @@ def ppermute(x, axis_name, perm):
         sources[dst], targets[src] = src, dst
 
     def one(leaf):
-        primitive.check_dtype(leaf, "ppermute")
+        validation.check_dtype(leaf, "ppermute")
         y = ppermute_p.bind(primitive.ensure_varying(leaf, axis_name), axis_name=axis_name,
                             sources=tuple(sources), targets=tuple(targets))
         if config.current().checksum:
@@ -116,6 +119,6 @@ def _ppermute_transpose(ct, x, *, axis_name, sources, targets):
 
 
 ppermute_p.def_effectful_abstract_eval(_ppermute_abstract_eval)
-primitive.register_lowerings(ppermute_p, "ncclx_ppermute", _ppermute_attrs)
+lowering.register_lowerings(ppermute_p, "ncclx_ppermute", _ppermute_attrs)
 batching.fancy_primitive_batchers[ppermute_p] = _ppermute_batching
 ad.deflinear2(ppermute_p, _ppermute_transpose)

@@ -17,8 +17,11 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ncclx._src import axis_groups
 from jax_ncclx._src import contract
+from jax_ncclx._src import global_view
+from jax_ncclx._src import lowering
 from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
+from jax_ncclx._src import validation
 from jax_ncclx._src.ops.all_gather import all_gather_p
 from jax_ncclx._src.ops.all_to_all import all_to_all
 
@@ -58,10 +61,10 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_group
       NotImplementedError: vmap over ``axis_name`` inside a tuple with mesh axes; a shard_map that leaves a mesh
         axis of size > 1 to the compiler.
     """
-    axis_name = primitive.check_axis_name(axis_name, "reduce_scatter")
-    scatter_dimension = primitive.check_static_int(scatter_dimension, "scatter_dimension", "reduce_scatter")
-    if not primitive.is_bound(axis_name):
-        return primitive.global_view(
+    axis_name = validation.check_axis_name(axis_name, "reduce_scatter")
+    scatter_dimension = validation.check_static_int(scatter_dimension, "scatter_dimension", "reduce_scatter")
+    if not validation.is_bound(axis_name):
+        return global_view.global_view(
             partial(reduce_scatter, axis_name=axis_name, scatter_dimension=scatter_dimension,
                     axis_index_groups=axis_index_groups, tiled=tiled),
             (x,), axis_name, "reduce_scatter", P(axis_name), P(axis_name))
@@ -79,7 +82,7 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_group
             need = f"a multiple of the axis size {size} (tiled)" if tiled else f"the axis size {size}"
             raise ValueError(f"jax_ncclx.reduce_scatter: dimension {dim} has size {extent}; it must be {need}")
         front = jnp.moveaxis(leaf, dim, 0)
-        blocks, restore = primitive.reduction_operand(front.reshape(size, extent // size, *front.shape[1:]),
+        blocks, restore = validation.reduction_operand(front.reshape(size, extent // size, *front.shape[1:]),
                                                       "reduce_scatter", "sum")
         if groups is None:
             y = restore(reduce_scatter_p.bind(primitive.ensure_varying(blocks, axis_name), axis_name=axis_name))
@@ -94,7 +97,7 @@ def _sum_within_groups(blocks, axis_name, groups):
     """reduce_scatter of ``blocks`` ``[G, ...]`` within ``groups``: block p goes to the group's p-th member,
     zeros to everyone else, and each member sums what it received in axis order (axis_groups.py)."""
     received = all_to_all(axis_groups.spread_blocks(blocks, groups, axis_name), axis_name, 0, 0)  # [N, ...]
-    total = jnp.sum(received, axis=0, dtype=primitive.accumulation_dtype(blocks.dtype))
+    total = jnp.sum(received, axis=0, dtype=validation.accumulation_dtype(blocks.dtype))
     return total.astype(blocks.dtype)
 
 
@@ -114,7 +117,7 @@ def _reduce_scatter_batching(axis_data, args, dims, *, axis_name):
     (x,), (d,) = args, dims
     if primitive.batches_own_axis(axis_data, axis_name, "reduce_scatter"):
         members = primitive.members_first(axis_data, x, d)  # [members, blocks, ...]
-        total = jnp.sum(members, axis=0, dtype=primitive.accumulation_dtype(x.dtype))
+        total = jnp.sum(members, axis=0, dtype=validation.accumulation_dtype(x.dtype))
         return total.astype(x.dtype), 0  # member m keeps block m
     if d is None:  # a vmap that maps no operand of this call
         return reduce_scatter_p.bind(x, axis_name=axis_name), None
@@ -136,7 +139,7 @@ def _all_gather_transpose(ct, x, *, axis_name, invariant=False):
 
 
 reduce_scatter_p.def_effectful_abstract_eval(_reduce_scatter_abstract_eval)
-primitive.register_lowerings(reduce_scatter_p, "ncclx_reduce_scatter", _reduce_scatter_attrs,
+lowering.register_lowerings(reduce_scatter_p, "ncclx_reduce_scatter", _reduce_scatter_attrs,
                              nvlink.route_of("reduce_scatter"))
 batching.fancy_primitive_batchers[reduce_scatter_p] = _reduce_scatter_batching
 ad.deflinear2(reduce_scatter_p, _reduce_scatter_transpose)

@@ -19,6 +19,7 @@ import numpy as np
 from jax.interpreters import ad
 from jax.interpreters import batching
 
+from jax_ncclx._src import lowering
 from jax_ncclx._src import primitive
 
 
@@ -100,7 +101,7 @@ def _take_rows_transpose(ct, x, index, *suffix, width):
 
 
 take_rows_p.def_abstract_eval(_take_rows_abstract_eval)
-primitive.register_local_lowerings(take_rows_p, "ncclx_take_rows", lambda *, width: {})
+lowering.register_local_lowerings(take_rows_p, "ncclx_take_rows", lambda *, width: {})
 batching.fancy_primitive_batchers[take_rows_p] = functools.partial(primitive.fold_vmap_into_batch, take_rows_p)
 ad.primitive_jvps[take_rows_p] = _take_rows_jvp
 ad.primitive_transposes[take_rows_p] = _take_rows_transpose
