@@ -18,7 +18,7 @@ from jax_ncclx._src.ops.all_to_all import all_to_all as all_to_all
 from jax_ncclx._src.ops.all_to_allv_dynamic import all_to_allv_dynamic as all_to_allv_dynamic
 from jax_ncclx._src.ops.ppermute import ppermute as ppermute
 from jax_ncclx._src.ops.reduce_scatter import reduce_scatter as reduce_scatter
-from jax_ncclx._src.ragged_all_to_all import ragged_all_to_all as ragged_all_to_all
+from jax_ncclx._src.ops.ragged_all_to_all import ragged_all_to_all as ragged_all_to_all
 from jax_ncclx._src.route_lax import route_lax as route_lax
 
 __version__ = "0.1.0"

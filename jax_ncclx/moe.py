@@ -6,8 +6,8 @@ weights. Each is one ``all_to_allv_dynamic`` call, its counts kept on the device
 backward pass.
 """
 
-from jax_ncclx._src.moe import DispatchHandle as DispatchHandle
-from jax_ncclx._src.moe import combine as combine
-from jax_ncclx._src.moe import dispatch as dispatch
+from jax_ncclx._src.ops.moe import DispatchHandle as DispatchHandle
+from jax_ncclx._src.ops.moe import combine as combine
+from jax_ncclx._src.ops.moe import dispatch as dispatch
 
 __all__ = ["DispatchHandle", "combine", "dispatch"]

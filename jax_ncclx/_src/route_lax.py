@@ -28,7 +28,7 @@ from jax_ncclx._src.ops.all_reduce import all_reduce
 from jax_ncclx._src.ops.all_to_all import all_to_all
 from jax_ncclx._src.ops.ppermute import ppermute
 from jax_ncclx._src.ops.reduce_scatter import reduce_scatter
-from jax_ncclx._src.ragged_all_to_all import ragged_all_to_all
+from jax_ncclx._src.ops.ragged_all_to_all import ragged_all_to_all
 
 logger = logging.getLogger("jax_ncclx")
 
