@@ -1,11 +1,11 @@
 // Kernel-only timing of moe's routing kernels (plan_sends, place_received) on one GPU: a diagnostic for
-// changes to xla_ffi/ops/moe_routing_kernels.cu, not a benchmark (no XLA baseline; time the moe layer with
+// changes to xla_ffi/ops/moe/moe_routing_kernels.cu, not a benchmark (no XLA baseline; time the moe layer with
 // benchmarks/all_to_allv.py). Build and run from the repository root on a GPU machine:
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Ixla_ffi tools/time_routing_kernels.cu -o /tmp/time_routing && /tmp/time_routing
 //
 // To time another version of the kernels, point ROUTING_KERNELS at its file (an absolute path), e.g. one from git:
-//   git show HEAD~1:xla_ffi/ops/moe_routing_kernels.cu > /tmp/old.cu
+//   git show HEAD~1:xla_ffi/ops/moe/moe_routing_kernels.cu > /tmp/old.cu
 //   nvcc ... -DROUTING_KERNELS='"/tmp/old.cu"' tools/time_routing_kernels.cu -o /tmp/time_routing_old
 //
 // Shapes: the all_to_allv benchmark's routing, 8 experts per member, top-8 of distinct experts drawn at random,
@@ -14,7 +14,7 @@
 // R * k entries sorted by local expert, the first C of them live), not the rows of a real exchange. Each
 // kernel is captured 100 times back to back in a CUDA graph; the time per launch is the median of 20 replays.
 #ifndef ROUTING_KERNELS
-#define ROUTING_KERNELS "ops/moe_routing_kernels.cu"
+#define ROUTING_KERNELS "ops/moe/moe_routing_kernels.cu"
 #endif
 #include ROUTING_KERNELS
 

@@ -3,7 +3,7 @@
 
 #include "common/contract_bindings.h"
 #include "common/monitor_bindings.h"
-#include "ops/cpu_handlers.h"
+#include "common/cpu_handlers.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;

@@ -27,10 +27,10 @@
 #include "common/replay_watch.h"
 #include "common/symmetric.h"
 #include "common/watchdog.h"
-#include "ops/all_to_allv_kernels.h"
-#include "ops/moe_routing_kernels.h"
-#include "ops/moe_combine.h"
-#include "ops/nvlink_collectives_kernels.h"
+#include "ops/all_to_allv/all_to_allv_kernels.h"
+#include "ops/moe/moe_routing_kernels.h"
+#include "ops/moe/moe_combine.h"
+#include "ops/collectives/nvlink_collectives_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;

@@ -140,7 +140,7 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, alias
         if not nvlink:
             comm.ensure_nccl(comm_id)
             # The NCCL handlers registered twice, the second "<target>_cmdbuf" marked command-buffer compatible
-            # (xla_ffi/ops/collectives_cuda.cc; all_to_allv_dynamic's is not among them).
+            # (xla_ffi/ops/collectives/collectives_cuda.cc; all_to_allv_dynamic's is not among them).
             if settings.nccl_command_buffers and f"{target}_cmdbuf" in lib.cuda_target_names():
                 if config.xla_records_loops() and compat.lowering_may_be_inside_control_flow():
                     # NCCL's graph-mixing nodes make XLA's loop and conditional graphs fail to instantiate
@@ -152,7 +152,7 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, alias
                     target += "_cmdbuf"
                     module.set_watch_replays(settings.watch_replays)  # read when XLA captures the call
         # Targets XLA may record into CUDA graphs also come "_watched": with a prepare stage that refuses an
-        # execution on a failed communicator (xla_ffi/ops/cuda_collective.h), at a host cost in every execution.
+        # execution on a failed communicator (xla_ffi/common/cuda_collective.h), at a host cost in every execution.
         if settings.watch_replays and f"{target}_watched" in lib.cuda_target_names():
             target += "_watched"
         algorithm = {1: "one_shot", 2: "two_shot"}.get(int(route.attrs.get("algorithm", 1))) if nvlink else "nccl"

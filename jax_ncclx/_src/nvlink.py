@@ -31,8 +31,8 @@ from jax_ncclx._src.lowering import CudaRoute
 
 logger = logging.getLogger("jax_ncclx")
 
-# What the all_reduce and reduce_scatter kernels reduce (xla_ffi/ops/nvlink_collectives_cuda.cc checks the same
-# list); complex numbers reduce as pairs of their real dtype.
+# What the all_reduce and reduce_scatter kernels reduce (xla_ffi/ops/collectives/nvlink_collectives_cuda.cc
+# checks the same list); complex numbers reduce as pairs of their real dtype.
 REDUCE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32)
 REDUCTIONS = ("all_reduce", "reduce_scatter")
 # Ops whose one-shot call sends each peer one block of the input (nbytes / size), not all of it.

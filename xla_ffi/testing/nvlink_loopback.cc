@@ -31,9 +31,9 @@
 #include <vector>
 
 #include "common/symmetric_layout.h"
-#include "ops/all_to_allv_kernels.h"
-#include "ops/moe_combine.h"
-#include "ops/nvlink_collectives_kernels.h"
+#include "ops/all_to_allv/all_to_allv_kernels.h"
+#include "ops/moe/moe_combine.h"
+#include "ops/collectives/nvlink_collectives_kernels.h"
 
 namespace nb = nanobind;
 

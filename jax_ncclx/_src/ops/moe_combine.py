@@ -14,7 +14,7 @@ R = min(C, T) token rows per member, T tokens, k choices):
 and returns ``[T, H']`` in expert_out's dtype. Each member's sum is taken in float32 and rounded to
 expert_out's dtype once; the token side adds the members' rows in float32, in member order.
 
-On CUDA it is one NVLink kernel (``ncclx_moe_combine_nvlink``, xla_ffi/ops/moe_combine.h) where the kernel can
+On CUDA it is one NVLink kernel (``ncclx_moe_combine_nvlink``, xla_ffi/ops/moe/moe_combine.h) where the kernel can
 run: the communicator reaches every member through NVLink; expert_out is float32, bfloat16 or float16 with rows
 of a multiple of 16 bytes; top-k is at most the kernel's ``MOE_COMBINE_MAX_TOP_K`` (256); and a member's R
 rows take at most ``FUSED_MAX_MEMBER_BYTES`` (4 MiB: decode sizes, e.g. 256 tokens of 7168 bf16). Elsewhere, on
@@ -44,7 +44,7 @@ from jax_ncclx._src.ops.all_to_allv_dynamic import all_to_allv_dynamic
 
 logger = logging.getLogger("jax_ncclx")
 
-# Element types the NVLink kernel reads and writes (xla_ffi/ops/moe_combine_cuda.cc checks the same list).
+# Element types the NVLink kernel reads and writes (xla_ffi/ops/moe/moe_combine_cuda.cc checks the same list).
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # The most bytes of rows one member's share of the kernel's slots may hold (R rows of H'): decode sizes. Above it
 # the exchange chain is faster (its XLA gather reads at HBM speed, the kernel's loads do not yet) and needs no

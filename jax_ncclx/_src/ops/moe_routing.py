@@ -1,7 +1,7 @@
 """The routing arithmetic of ``jax_ncclx.moe.dispatch``, as two local ops (no communication).
 
 ``plan_sends`` runs on the sender before the exchange, ``place_received`` on the receiver after it. Each is one
-custom call: a CUDA kernel on one thread block cluster (``xla_ffi/ops/moe_routing_kernels.cu``), a loop on CPU
+custom call: a CUDA kernel on one thread block cluster (``xla_ffi/ops/moe/moe_routing_kernels.cu``), a loop on CPU
 (``moe_routing_cpu.cc``), where the same arithmetic in ``jax.numpy`` took ~20 XLA kernels of ~1.4 µs each.
 The docstrings below are the specification both handlers follow; ``tests/reference.py`` implements it in
 NumPy.
@@ -57,7 +57,7 @@ class Placement(NamedTuple):
 
 def suffix_words(top_k: int, with_weights: bool) -> int:
     """Words (int32) of a send row's suffix: k tags padded to a multiple of 4 (16 bytes, so that rows of
-    16-byte multiples stay so), then as many for the weights (SuffixWords in xla_ffi/ops/moe_routing.h)."""
+    16-byte multiples stay so), then as many for the weights (SuffixWords in xla_ffi/ops/moe/moe_routing.h)."""
     return -(-top_k // 4) * 4 * (2 if with_weights else 1)
 
 

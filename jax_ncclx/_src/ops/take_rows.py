@@ -2,7 +2,7 @@
 
 The row copies of ``jax_ncclx.moe.dispatch`` (tokens into send rows with their tags; received rows into the
 expert-major layout) as one local custom call: a CUDA kernel that copies 16 bytes per lane where the rows
-allow it (``xla_ffi/ops/take_rows_kernels.cu``), a loop on CPU. XLA's gather of the same rows moves one
+allow it (``xla_ffi/ops/take_rows/take_rows_kernels.cu``), a loop on CPU. XLA's gather of the same rows moves one
 element at a time and took about twice as long for bf16 rows of 14 KiB.
 
 The primitive is batched: x ``[B, X, F]``, index ``[B, M]`` and the suffix ``[B, M, G]`` lead with a batch

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "common/checks.h"
-#include "ops/collective_checks.h"
-#include "ops/cpu_collective.h"
+#include "ops/collectives/collective_checks.h"
+#include "common/cpu_collective.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {

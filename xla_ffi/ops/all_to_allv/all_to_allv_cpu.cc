@@ -13,8 +13,8 @@
 
 #include "common/all_to_allv_plan.h"
 #include "common/checks.h"
-#include "ops/all_to_allv_checks.h"
-#include "ops/cpu_collective.h"
+#include "ops/all_to_allv/all_to_allv_checks.h"
+#include "common/cpu_collective.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {

@@ -9,7 +9,7 @@
 #include <utility>
 
 #include "common/checks.h"
-#include "ops/take_rows.h"
+#include "ops/take_rows/take_rows.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {

@@ -16,9 +16,9 @@
 #include "common/nccl_comms.h"
 #include "common/symmetric.h"
 #include "common/watchdog.h"
-#include "ops/collective_checks.h"
-#include "ops/cuda_collective.h"
-#include "ops/nvlink_collectives_kernels.h"
+#include "ops/collectives/collective_checks.h"
+#include "common/cuda_collective.h"
+#include "ops/collectives/nvlink_collectives_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {

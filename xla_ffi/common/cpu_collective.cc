@@ -3,8 +3,8 @@
 #include <cstdint>
 #include <memory>
 
-#include "ops/cpu_collective.h"
-#include "ops/cpu_handlers.h"
+#include "common/cpu_collective.h"
+#include "common/cpu_handlers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {

@@ -13,8 +13,8 @@
 #include "common/nccl_comms.h"
 #include "common/symmetric.h"
 #include "common/watchdog.h"
-#include "ops/cuda_collective.h"
-#include "ops/moe_combine.h"
+#include "common/cuda_collective.h"
+#include "ops/moe/moe_combine.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {

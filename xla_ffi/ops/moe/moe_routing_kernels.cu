@@ -12,7 +12,7 @@
 // 7.0 and 5.8 (tools/time_routing_kernels.cu on one H200, builds with one block size forced, 2 members, 16
 // experts, top-8). At prefill sizes 1024 threads are fastest (plan_sends at T = 4096: 32.8 µs against 42.4
 // with 256).
-#include "ops/moe_routing_kernels.h"
+#include "ops/moe/moe_routing_kernels.h"
 
 #include <cooperative_groups.h>
 

@@ -26,7 +26,7 @@
 
 #include "common/device_sync.cuh"
 #include "common/symmetric_layout.h"
-#include "ops/nvlink_collectives_kernels.h"
+#include "ops/collectives/nvlink_collectives_kernels.h"
 
 namespace jax_ncclx {
 namespace {

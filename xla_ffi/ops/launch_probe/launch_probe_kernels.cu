@@ -1,4 +1,4 @@
-#include "ops/launch_probe_kernels.h"
+#include "ops/launch_probe/launch_probe_kernels.h"
 
 namespace jax_ncclx {
 namespace {

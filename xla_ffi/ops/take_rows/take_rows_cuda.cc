@@ -6,8 +6,8 @@
 
 #include "common/checks.h"
 #include "common/nccl_comms.h"
-#include "ops/take_rows_checks.h"
-#include "ops/take_rows_kernels.h"
+#include "ops/take_rows/take_rows_checks.h"
+#include "ops/take_rows/take_rows_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {

@@ -7,8 +7,8 @@
 
 #include "common/checks.h"
 #include "common/nccl_comms.h"
-#include "ops/moe_routing_checks.h"
-#include "ops/moe_routing_kernels.h"
+#include "ops/moe/moe_routing_checks.h"
+#include "ops/moe/moe_routing_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {

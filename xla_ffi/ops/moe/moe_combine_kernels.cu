@@ -12,8 +12,8 @@
 
 #include "common/device_sync.cuh"
 #include "common/symmetric_layout.h"
-#include "ops/moe_combine.h"
-#include "ops/nvlink_collectives_kernels.h"
+#include "ops/moe/moe_combine.h"
+#include "ops/collectives/nvlink_collectives_kernels.h"
 
 namespace jax_ncclx {
 namespace {

@@ -14,8 +14,8 @@
 #include "common/monitor.h"
 #include "common/nccl_comms.h"
 #include "common/watchdog.h"
-#include "ops/collective_checks.h"
-#include "ops/cuda_collective.h"
+#include "ops/collectives/collective_checks.h"
+#include "common/cuda_collective.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {

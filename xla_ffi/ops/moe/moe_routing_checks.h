@@ -10,7 +10,7 @@
 #include <utility>
 
 #include "common/checks.h"
-#include "ops/moe_routing.h"
+#include "ops/moe/moe_routing.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {

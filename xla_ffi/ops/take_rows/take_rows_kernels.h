@@ -3,7 +3,7 @@
 
 #include <cuda_runtime.h>
 
-#include "ops/take_rows.h"
+#include "ops/take_rows/take_rows.h"
 
 namespace jax_ncclx {
 

@@ -1,6 +1,6 @@
 // Device kernels of all_to_allv_dynamic (plan, pack, compact, place) and their host launchers. Device code only:
 // the XLA handler that drives them lives in all_to_allv_cuda.cc.
-#include "ops/all_to_allv_kernels.h"
+#include "ops/all_to_allv/all_to_allv_kernels.h"
 
 #include <algorithm>
 #include <cstdint>

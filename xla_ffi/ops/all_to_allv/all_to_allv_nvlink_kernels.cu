@@ -28,7 +28,7 @@
 #include "common/all_to_allv_plan.h"
 #include "common/device_sync.cuh"
 #include "common/symmetric_layout.h"
-#include "ops/all_to_allv_kernels.h"
+#include "ops/all_to_allv/all_to_allv_kernels.h"
 
 namespace jax_ncclx {
 namespace {

@@ -7,7 +7,7 @@
 
 #include "common/checks.h"
 #include "common/nccl_comms.h"
-#include "ops/launch_probe_kernels.h"
+#include "ops/launch_probe/launch_probe_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {

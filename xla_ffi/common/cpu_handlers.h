@@ -3,7 +3,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#include "ops/cpu_collective.h"
+#include "common/cpu_collective.h"
 
 namespace jax_ncclx {
 

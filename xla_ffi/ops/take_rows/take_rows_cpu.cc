@@ -3,8 +3,8 @@
 #include <cstring>
 #include <optional>
 
-#include "ops/take_rows.h"
-#include "ops/take_rows_checks.h"
+#include "ops/take_rows/take_rows.h"
+#include "ops/take_rows/take_rows_checks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {

@@ -4,7 +4,7 @@
 // (chunk 0 of every row, then chunk 1, ...): moe's expert-major rows read each received row once per local
 // expert it goes to, and one chunk column of the received rows fits in L2 where the whole rows do not.
 // (XLA's gather, which moe.dispatch used before, copies element by element: 2-byte units for bf16 rows.)
-#include "ops/take_rows_kernels.h"
+#include "ops/take_rows/take_rows_kernels.h"
 
 #include <algorithm>
 #include <cstdint>

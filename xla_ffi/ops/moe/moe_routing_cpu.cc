@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "common/checks.h"
-#include "ops/moe_routing.h"
-#include "ops/moe_routing_checks.h"
+#include "ops/moe/moe_routing.h"
+#include "ops/moe/moe_routing_checks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {

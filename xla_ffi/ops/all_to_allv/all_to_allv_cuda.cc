@@ -26,9 +26,9 @@
 #include "common/nccl_comms.h"
 #include "common/symmetric.h"
 #include "common/watchdog.h"
-#include "ops/all_to_allv_checks.h"
-#include "ops/all_to_allv_kernels.h"
-#include "ops/cuda_collective.h"
+#include "ops/all_to_allv/all_to_allv_checks.h"
+#include "ops/all_to_allv/all_to_allv_kernels.h"
+#include "common/cuda_collective.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {

@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "ops/moe_routing.h"
+#include "ops/moe/moe_routing.h"
 
 namespace jax_ncclx {
 
