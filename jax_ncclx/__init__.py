@@ -6,11 +6,11 @@ CPU backend (N virtual devices) and on NVIDIA GPUs through NCCL.
 
 from jax_ncclx import moe as moe
 from jax_ncclx import trace as trace
-from jax_ncclx._src.comm import CollectiveError as CollectiveError
-from jax_ncclx._src.comm import check_errors as check_errors
 from jax_ncclx._src.comm import init as init
 from jax_ncclx._src.comm import memory_stats as memory_stats
 from jax_ncclx._src.comm import shutdown as shutdown
+from jax_ncclx._src.health import CollectiveError as CollectiveError
+from jax_ncclx._src.health import check_errors as check_errors
 from jax_ncclx._src.lib import build_info as build_info
 from jax_ncclx._src.ops.all_gather import all_gather as all_gather
 from jax_ncclx._src.ops.all_reduce import all_reduce as all_reduce

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ncclx as nx
 from jax_ncclx._src import comm
 from jax_ncclx._src import config
+from jax_ncclx._src import health
 from jax_ncclx._src import lib
 
 from conftest import gpu_devices, gpu_skip_reason, run_command_buffer_worker
@@ -697,17 +698,17 @@ def test_late_call_is_checked_with_the_other_processes(monkeypatch, peer_reporte
     error) fails here when another process published its progress for it, and passes when none did; either
     way this process publishes how far it got, once."""
     group = (0, 1, 2, 3)
-    store = _FakeStore({comm._progress_key(group, 5) + "0": json.dumps({0: 5})} if peer_reported else {})
+    store = _FakeStore({health._progress_key(group, 5) + "0": json.dumps({0: 5})} if peer_reported else {})
     module = _FakeWatchdogModule()
-    monkeypatch.setattr(comm.compat, "distributed_client", lambda: store)
-    monkeypatch.setattr(comm.jax, "process_index", lambda: 1)
-    monkeypatch.setattr(comm, "_PROGRESS_WAIT_S", 0.2)
-    monkeypatch.setattr(comm, "_comm_groups", {7: group})
-    monkeypatch.setattr(comm, "_late_calls_checked", set())
-    monkeypatch.setattr(comm, "_progress_published", set())
-    assert comm._check_late_calls(module) == ({7: 5} if peer_reported else {})
-    assert json.loads(store.values[comm._progress_key(group, 5) + "1"]) == {"1": 5}
+    monkeypatch.setattr(health.compat, "distributed_client", lambda: store)
+    monkeypatch.setattr(health.jax, "process_index", lambda: 1)
+    monkeypatch.setattr(health, "_PROGRESS_WAIT_S", 0.2)
+    monkeypatch.setattr(health.comm, "group_devices", {7: group}.get)
+    monkeypatch.setattr(health, "_late_calls_checked", set())
+    monkeypatch.setattr(health, "_progress_published", set())
+    assert health._check_late_calls(module) == ({7: 5} if peer_reported else {})
+    assert json.loads(store.values[health._progress_key(group, 5) + "1"]) == {"1": 5}
     if peer_reported:
         assert re.search(r"call #5 on communicator 7 .*process\(es\) 0 found it hung", module.aborted[7])
     assert module.aborted == {} or peer_reported
-    assert comm._check_late_calls(module) == {}  # asked once
+    assert health._check_late_calls(module) == {}  # asked once

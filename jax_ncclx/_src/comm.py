@@ -20,13 +20,11 @@ group with ``ncclCommInitRank`` (``ncclCommInitRankScalable`` with several roots
 and no key-value traffic when a group lives in one process.
 """
 
-import atexit
+import dataclasses
 import functools
 import hashlib
-import json
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -40,13 +38,27 @@ from jax_ncclx._src import lib
 logger = logging.getLogger("jax_ncclx")
 
 _lock = threading.Lock()
-_axis_comms: dict[tuple, int] = {}  # (device ids, mesh shape, axis), the named axes merged last -> comm_id
-_comm_groups: dict[int, tuple[int, ...]] = {}  # comm_id -> device ids of its ranks (this process's first group)
-_comm_exchanges: dict[int, "_AddressExchange"] = {}  # comm_id -> how its ranks swap symmetric-memory addresses
-_nccl_pending: dict[int, Callable[[], None]] = {}  # comm_id -> creates its NCCL communicators (not made yet)
-_nccl_failed: dict[int, str] = {}  # comm_id -> why creating its NCCL communicators failed
-_generation = 0  # shutdowns so far: names this generation's keys in the key-value store
 _KV_TIMEOUT_MS = 10 * 60 * 1000
+
+
+@dataclasses.dataclass
+class _Registry:
+    """Every communicator of this process, guarded by ``_lock``; :func:`destroy_all` forgets it all at once."""
+
+    axis_comms: dict = dataclasses.field(default_factory=dict)  # (device ids, mesh shape, axis) -> comm_id
+    groups: dict = dataclasses.field(default_factory=dict)  # comm_id -> device ids of its ranks (first group)
+    exchanges: dict = dataclasses.field(default_factory=dict)  # comm_id -> how ranks swap symmetric addresses
+    nccl_pending: dict = dataclasses.field(default_factory=dict)  # comm_id -> creates its NCCL communicators
+    nccl_failed: dict = dataclasses.field(default_factory=dict)  # comm_id -> why creating them failed
+    nvlink_refusals_logged: set = dataclasses.field(default_factory=set)  # comm_ids that cannot use NVLink
+
+
+_registry = _Registry()
+_generation = 0  # shutdowns so far: names this generation's keys in the key-value store; survives destroy_all
+# What other modules keep per communicator and must forget with them (health.py's answers), and what starts
+# with the first communicator (its progress publisher): registered by those modules, so this one needs none.
+_on_destroy: list[Callable[[], None]] = []
+_on_register: list[Callable[[], None]] = []
 
 
 class _JaxKeyValueStore(bootstrap.KeyValueStore):
@@ -101,8 +113,8 @@ def communicator_for(mesh: jax.sharding.Mesh, axis_name) -> int:
     axis = len(shape) - 1
     key = (tuple(d.id for d in devices), shape, axis)
     with _lock:
-        if key in _axis_comms:
-            return _axis_comms[key]
+        if key in _registry.axis_comms:
+            return _registry.axis_comms[key]
         me = jax.process_index()
         local = [p for p, d in enumerate(devices) if d.process_index == me]
         roots = config.current().init_roots(shape[axis])
@@ -117,16 +129,17 @@ def communicator_for(mesh: jax.sharding.Mesh, axis_name) -> int:
                 ordinals[position] = devices[position].local_hardware_id
                 group_of[ordinals[position]] = group.key
         comm_id = lib.cuda_module().register_comm(shape[axis], ranks, list(ordinals.values()))
-        _nccl_pending[comm_id] = functools.partial(_create_nccl, comm_id, mesh_key, groups, ordinals, me, kv)
-        _comm_exchanges[comm_id] = _AddressExchange(f"jax_ncclx/{mesh_key}", group_of, shape[axis], kv)
+        _registry.nccl_pending[comm_id] = functools.partial(_create_nccl, comm_id, mesh_key, groups, ordinals, me, kv)
+        _registry.exchanges[comm_id] = _AddressExchange(f"jax_ncclx/{mesh_key}", group_of, shape[axis], kv)
         if groups:
             first = groups[0].members[0][1]
-            _comm_groups[comm_id] = tuple(devices[bootstrap.position_of_rank(shape, axis, first, r)].id
+            _registry.groups[comm_id] = tuple(devices[bootstrap.position_of_rank(shape, axis, first, r)].id
                                           for r in range(shape[axis]))
         logger.info("jax_ncclx: communicator %d along axis %r of a %s mesh (%d local group(s), %d root(s) each)",
                     comm_id, axis_name, "x".join(map(str, mesh.devices.shape)), len(groups), roots)
-        _axis_comms[key] = comm_id
-    _start_progress_publisher()
+        _registry.axis_comms[key] = comm_id
+    for hook in _on_register:
+        hook()
     return comm_id
 
 
@@ -155,16 +168,16 @@ def ensure_nccl(comm_id: int):
       RuntimeError: creating them failed (now, or at an earlier attempt, whose error it repeats).
     """
     with _lock:
-        if comm_id in _nccl_failed:
+        if comm_id in _registry.nccl_failed:
             raise RuntimeError(f"jax_ncclx: creating the NCCL communicators of communicator {comm_id} failed "
-                               f"earlier: {_nccl_failed[comm_id]}")
-        create = _nccl_pending.pop(comm_id, None)
+                               f"earlier: {_registry.nccl_failed[comm_id]}")
+        create = _registry.nccl_pending.pop(comm_id, None)
         if create is None:
             return
         try:
             create()
         except Exception as error:
-            _nccl_failed[comm_id] = str(error)
+            _registry.nccl_failed[comm_id] = str(error)
             raise
 
 
@@ -225,27 +238,25 @@ def shutdown():
 def destroy_all():
     """Frees every communicator and its symmetric memory (after their work finished), so that the next
     lowering makes fresh ones; programs compiled before keep stale comm_ids and fail clearly."""
+    global _registry
     with _lock:
-        if _axis_comms:  # else there is nothing to free, and CUDA may not even be usable here
+        if _registry.axis_comms:  # else there is nothing to free, and CUDA may not even be usable here
             lib.cuda_module().destroy_all()
-        _axis_comms.clear()
-        _comm_groups.clear()
-        _comm_exchanges.clear()
-        _nccl_pending.clear()
-        _nccl_failed.clear()
-        _nvlink_refusals_logged.clear()
-        _progress_published.clear()
-        _remote_progress_seen.clear()
-        _late_calls_checked.clear()
+        _registry = _Registry()
+    for hook in _on_destroy:
+        hook()
+
+
+def group_devices(comm_id: int) -> tuple[int, ...] | None:
+    """The device ids of ``comm_id``'s ranks (this process's first group of it), or None for an unknown one."""
+    with _lock:
+        return _registry.groups.get(comm_id)
 
 
 def all_comm_ids() -> list[int]:
     """Every communicator made so far (one per mesh axis and device grouping), by comm_id."""
     with _lock:
-        return sorted(set(_axis_comms.values()))
-
-
-_nvlink_refusals_logged: set[int] = set()
+        return sorted(set(_registry.axis_comms.values()))
 
 
 def nvlink_symmetric_memory(comm_id: int, op: str, *, staging_bytes: int = 0, slot_bytes: int = 0) -> str:
@@ -260,9 +271,9 @@ def nvlink_symmetric_memory(comm_id: int, op: str, *, staging_bytes: int = 0, sl
       through NVLink peer access, ...), the same on every rank and logged once per communicator.
     """
     with _lock:
-        reason = lib.cuda_module().ensure_symmetric(comm_id, staging_bytes, slot_bytes, _comm_exchanges[comm_id])
-        if reason and comm_id not in _nvlink_refusals_logged:
-            _nvlink_refusals_logged.add(comm_id)
+        reason = lib.cuda_module().ensure_symmetric(comm_id, staging_bytes, slot_bytes, _registry.exchanges[comm_id])
+        if reason and comm_id not in _registry.nvlink_refusals_logged:
+            _registry.nvlink_refusals_logged.add(comm_id)
             logger.warning("jax_ncclx: communicator %d cannot use NVLink kernels (%s); %s and later ops on it use "
                            "NCCL", comm_id, reason, op)
     return reason
@@ -287,173 +298,3 @@ def memory_stats() -> list[dict]:
     return [dict(comm_id=comm_id, device=device, nccl_init_bytes=nccl_init, symmetric_data_bytes=data,
                  low_latency_bytes=low_latency, control_bytes=control, pinned_host_bytes=pinned)
             for comm_id, device, nccl_init, data, low_latency, control, pinned in module.comm_memory()]
-
-
-class CollectiveError(RuntimeError):
-    """A collective went wrong: it timed out (or was aborted because a peer's did), or its payload failed the
-    checksum (``JAX_NCCLX_CHECKSUM=1``)."""
-
-
-def check_errors():
-    """Raises :class:`CollectiveError` naming every communicator of this process that stopped working and
-    every checksum mismatch seen since the last call.
-
-    A GPU collective whose peers do not arrive within its timeout stops waiting on the device (NVLink kernels)
-    or is aborted by the watchdog (NCCL; with several processes, which remote rank is missing is asked of the
-    other processes here, waiting up to 3 s for their answer); the program that contained it completes with
-    undefined outputs, and every later jax_ncclx call on that communicator fails with the same message (until
-    :func:`shutdown`). With several processes, an NCCL call that finished only after half its timeout is
-    also checked with the other processes (up to 3 s, once): a peer's abort can end it early with garbage
-    and no NCCL error, so if another process found it hung, it fails here too. Call this after
-    ``jax.block_until_ready`` to learn of it at once. CPU-backend collectives raise from the program itself.
-    """
-    from jax_ncclx._src import checksum  # the ops import this module
-
-    module = lib.cuda_module_if_available()
-    problems = []
-    if module is not None:
-        several = jax.process_count() > 1
-        remote = _check_late_calls(module) if several else {}
-        unnamed = dict(module.watchdog_state()[1]) if several else {}
-        for comm_id, message in module.faults():
-            sequence = unnamed.get(comm_id, remote.get(comm_id))
-            if sequence is not None:
-                message += "; in other processes: " + _remote_progress(module, comm_id, sequence)
-            problems.append(f"communicator {comm_id}: {message}")
-    problems += checksum.take_mismatches()
-    if problems:
-        raise CollectiveError("jax_ncclx: " + "\n".join(problems))
-
-
-_PROGRESS_WAIT_S = 3.0
-_remote_progress_seen: dict[tuple[int, int], str] = {}
-_late_calls_checked: set[tuple[int, int]] = set()
-
-
-def _check_late_calls(module) -> dict[int, int]:
-    """Asks the other processes about NCCL calls of this process that finished only after half their timeout.
-    Within a host NCCL reports no error when a peer aborts its communicator, and that abort can end this
-    rank's kernel early, with garbage outputs, just before its own watchdog would have fired. If another
-    process published its progress for such a call (its watchdog found the call hung or ended by a peer), the
-    outputs here are undefined too: the local communicator is aborted with a message naming the call.
-    Publishes this process's progress first, so that those processes learn that its ranks reached the call.
-    Waits up to 3 s per late call (each is asked about once).
-
-    Returns:
-      comm_id -> sequence of each communicator aborted here.
-    """
-    client = compat.distributed_client()
-    if client is None:
-        return {}
-    module.watch_now()  # a call that just finished is seen now, not at the watchdog's next pass
-    faulty = {comm_id for comm_id, _ in module.faults()}
-    me, aborted = jax.process_index(), {}
-    for comm_id, sequence, description in module.watchdog_state()[2]:
-        if comm_id in faulty or (comm_id, sequence) in _late_calls_checked:
-            continue
-        _late_calls_checked.add((comm_id, sequence))
-        with _lock:
-            group = _comm_groups.get(comm_id)
-        if group is None:
-            continue
-        _publish_progress(module, client, me, comm_id, sequence)
-        key = _progress_key(group, sequence)
-        deadline = time.monotonic() + _PROGRESS_WAIT_S
-        while True:
-            reporters = sorted(int(k.rstrip("/").rsplit("/", 1)[-1]) for k, _ in client.key_value_dir_get(key))
-            reporters = [p for p in reporters if p != me]
-            if reporters or time.monotonic() > deadline:
-                break
-            time.sleep(_PUBLISH_POLL_S)
-        if reporters:
-            module.abort_comm(comm_id, f"{description}, and process(es) {', '.join(map(str, reporters))} found it "
-                              "hung or ended by a peer: its outputs here are undefined; the communicator is aborted")
-            aborted[comm_id] = sequence
-    return aborted
-
-
-def _progress_key(group: tuple[int, ...], sequence: int) -> str:
-    return f"jax_ncclx/progress/{hashlib.sha1(repr(group).encode()).hexdigest()}/{sequence}/"
-
-
-def _publish_progress(module, client, me: int, comm_id: int, sequence: int) -> None:
-    """Puts in the key-value store how far this process's ranks of ``comm_id`` got (once per hung call)."""
-    with _lock:
-        group = _comm_groups.get(comm_id)
-        if group is None or (comm_id, sequence) in _progress_published:
-            return
-        _progress_published.add((comm_id, sequence))
-    mine = {rank: reached for c, rank, reached in module.watchdog_state()[0] if c == comm_id}
-    client.key_value_set(_progress_key(group, sequence) + str(me), json.dumps(mine))
-    logger.debug("jax_ncclx: published the progress of communicator %d for call #%d: %s", comm_id, sequence, mine)
-
-
-_progress_published: set[tuple[int, int]] = set()
-_publisher_started = threading.Event()
-_publisher_stop = threading.Event()
-_PUBLISH_POLL_S = 0.05
-
-
-def _start_progress_publisher() -> None:
-    """With several processes, a thread publishes this process's progress as soon as the watchdog finds an
-    NCCL call hung or ended by a peer's failure: the main thread may stay blocked for long (``ncclCommAbort``
-    waits on NCCL's own threads), and the other processes' :func:`check_errors` only wait a few seconds for
-    the answer. The thread touches no JAX state, and stops at exit."""
-    client = compat.distributed_client()
-    if client is None or jax.process_count() == 1 or _publisher_started.is_set():
-        return
-    _publisher_started.set()
-    module, me = lib.cuda_module(), jax.process_index()
-
-    def publish_until_exit():
-        while not _publisher_stop.wait(_PUBLISH_POLL_S):
-            try:
-                for comm_id, sequence in module.watchdog_state()[1]:
-                    _publish_progress(module, client, me, comm_id, sequence)
-            except Exception:  # noqa: BLE001 - check_errors publishes too
-                logger.warning("jax_ncclx: the progress publisher stopped", exc_info=True)
-                return
-
-    atexit.register(_publisher_stop.set)
-    threading.Thread(target=publish_until_exit, name="jax_ncclx-progress", daemon=True).start()
-
-
-def _remote_progress(module, comm_id: int, sequence: int) -> str:
-    """Names the ranks of other processes that did not reach NCCL call ``sequence`` on ``comm_id``, which NCCL
-    cannot tell: every process publishes how far its ranks got in JAX's key-value store (its publisher thread
-    when its watchdog finds the hang, or this function) and reads the others'. A process that does not answer
-    within a few seconds died, hangs elsewhere or never joined the call, and is so named."""
-    if (comm_id, sequence) in _remote_progress_seen:
-        return _remote_progress_seen[comm_id, sequence]
-    client = compat.distributed_client()
-    with _lock:
-        group = _comm_groups.get(comm_id)
-    if client is None or group is None:
-        return "unknown (no jax.distributed key-value store)"
-    process_of = {d.id: d.process_index for d in jax.devices()}
-    me = jax.process_index()
-    key = _progress_key(group, sequence)
-    try:
-        _publish_progress(module, client, me, comm_id, sequence)
-    except Exception:  # noqa: BLE001 - the others then name this process's ranks as silent
-        logger.warning("jax_ncclx: could not publish this process's progress", exc_info=True)
-    deadline = time.monotonic() + _PROGRESS_WAIT_S
-    behind, silent = [], []
-    for process in sorted({process_of[d] for d in group} - {me}):
-        ranks = [r for r, d in enumerate(group) if process_of[d] == process]
-        try:
-            wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
-            theirs = json.loads(client.blocking_key_value_get(key + str(process), wait_ms))
-        except Exception:  # noqa: BLE001 - no answer in time
-            silent += ranks
-            continue
-        behind += [r for r in ranks if theirs.get(str(r), -1) < sequence]
-    parts = []
-    if behind:
-        parts.append(f"rank(s) {', '.join(map(str, behind))} never reached it (their processes say so)")
-    if silent:
-        parts.append(f"rank(s) {', '.join(map(str, silent))} did not report their progress within "
-                     f"{_PROGRESS_WAIT_S:g} s (their process died, hangs elsewhere, or never joined this call)")
-    answer = "; ".join(parts) or "every rank reached it"
-    _remote_progress_seen[comm_id, sequence] = answer
-    return answer
