@@ -437,3 +437,28 @@ def test_both_native_modules_carry_one_contract():
     cuda = lib.cuda_module_if_available()
     if cuda is not None:
         assert cuda.contract() == native
+
+
+def test_cuda_handlers_are_looked_up_in_one_table():
+    """The lowering finds every CUDA target in the CUDA module's handler table (no names built from parts):
+    each communicating op has its NCCL handler and, where it has an NVLink kernel, a watched twin of it; the
+    dense ops' NCCL handlers have command-buffer twins, watched too; and the table holds exactly the targets
+    the module registers."""
+    from jax_ncclx._src import lib
+
+    module = lib.cuda_module_if_available()
+    if module is None:
+        pytest.skip("the handler table is the CUDA module's, which is built only where nvcc is")
+    table = module.handler_table()
+    assert sorted(t[4] for t in table) == sorted(module.registrations())
+    assert len({t[:4] for t in table}) == len(table)
+    dense = ("all_reduce", "all_gather", "all_to_all", "reduce_scatter", "ppermute")
+    for op in (*dense, "all_to_allv_dynamic", "ragged_all_to_all"):
+        assert lib.cuda_target(op, "nccl") == f"ncclx_{op}"
+    for op in ("all_reduce", "all_gather", "all_to_all", "reduce_scatter", "all_to_allv_dynamic",
+               "ragged_all_to_all", "moe_combine"):
+        assert lib.cuda_target(op, "nvlink") and lib.cuda_target(op, "nvlink", watched=True)
+    for op in dense:
+        assert lib.cuda_target(op, "nccl", cmdbuf=True) and lib.cuda_target(op, "nccl", cmdbuf=True, watched=True)
+    assert lib.cuda_target("all_to_allv_dynamic", "nccl", cmdbuf=True) is None
+    assert lib.cuda_target("ppermute", "nvlink") is None

@@ -414,6 +414,74 @@ int CudaRuntimeVersion() {
   return version;
 }
 
+// Every CUDA handler, by what the lowering chooses it by: the op, its transport and its variants. A handler XLA
+// may record into a command buffer (an NVLink kernel, an NCCL call marked compatible) comes twice: as is, and
+// watched, with the prepare stage that refuses an execution on a failed communicator, since replays never call
+// the handler (the lowering's choice under JAX_NCCLX_WATCH_REPLAYS=1: it costs host time in every execution).
+struct Handler {
+  const char* target;     // the FFI target name
+  const char* op;         // the op whose lowering takes it (the primitive's name without "ncclx_")
+  const char* transport;  // "nccl", "nvlink", or "local" (no communication)
+  bool cmdbuf;            // an NCCL handler marked command-buffer compatible
+  bool watched;           // with the prepare stage
+  nb::object capsule;
+};
+
+std::vector<Handler> Handlers() {
+  return {
+      {"ncclx_all_reduce", "all_reduce", "nccl", false, false, Capsule(NcclAllReduce)},
+      {"ncclx_all_reduce_cmdbuf", "all_reduce", "nccl", true, false, Capsule(NcclAllReduceCmdbuf)},
+      {"ncclx_all_reduce_cmdbuf_watched", "all_reduce", "nccl", true, true,
+       Stages(NcclAllReduceCmdbufPrepare, NcclAllReduceCmdbuf)},
+      {"ncclx_all_gather", "all_gather", "nccl", false, false, Capsule(NcclAllGather)},
+      {"ncclx_all_gather_cmdbuf", "all_gather", "nccl", true, false, Capsule(NcclAllGatherCmdbuf)},
+      {"ncclx_all_gather_cmdbuf_watched", "all_gather", "nccl", true, true,
+       Stages(NcclAllGatherCmdbufPrepare, NcclAllGatherCmdbuf)},
+      {"ncclx_reduce_scatter", "reduce_scatter", "nccl", false, false, Capsule(NcclReduceScatter)},
+      {"ncclx_reduce_scatter_cmdbuf", "reduce_scatter", "nccl", true, false, Capsule(NcclReduceScatterCmdbuf)},
+      {"ncclx_reduce_scatter_cmdbuf_watched", "reduce_scatter", "nccl", true, true,
+       Stages(NcclReduceScatterCmdbufPrepare, NcclReduceScatterCmdbuf)},
+      {"ncclx_all_to_all", "all_to_all", "nccl", false, false, Capsule(NcclAllToAll)},
+      {"ncclx_all_to_all_cmdbuf", "all_to_all", "nccl", true, false, Capsule(NcclAllToAllCmdbuf)},
+      {"ncclx_all_to_all_cmdbuf_watched", "all_to_all", "nccl", true, true,
+       Stages(NcclAllToAllCmdbufPrepare, NcclAllToAllCmdbuf)},
+      {"ncclx_ppermute", "ppermute", "nccl", false, false, Capsule(NcclPpermute)},
+      {"ncclx_ppermute_cmdbuf", "ppermute", "nccl", true, false, Capsule(NcclPpermuteCmdbuf)},
+      {"ncclx_ppermute_cmdbuf_watched", "ppermute", "nccl", true, true,
+       Stages(NcclPpermuteCmdbufPrepare, NcclPpermuteCmdbuf)},
+      {"ncclx_all_to_allv_dynamic", "all_to_allv_dynamic", "nccl", false, false, Capsule(NcclAllToAllvDynamic)},
+      {"ncclx_all_to_allv_dynamic_nvlink", "all_to_allv_dynamic", "nvlink", false, false,
+       Capsule(NvlinkAllToAllvDynamic)},
+      {"ncclx_all_to_allv_dynamic_nvlink_watched", "all_to_allv_dynamic", "nvlink", false, true,
+       Stages(NvlinkAllToAllvDynamicPrepare, NvlinkAllToAllvDynamic)},
+      {"ncclx_ragged_all_to_all", "ragged_all_to_all", "nccl", false, false, Capsule(NcclRaggedAllToAll)},
+      {"ncclx_ragged_all_to_all_nvlink", "ragged_all_to_all", "nvlink", false, false, Capsule(NvlinkRaggedAllToAll)},
+      {"ncclx_ragged_all_to_all_nvlink_watched", "ragged_all_to_all", "nvlink", false, true,
+       Stages(NvlinkRaggedAllToAllPrepare, NvlinkRaggedAllToAll)},
+      {"ncclx_all_reduce_nvlink", "all_reduce", "nvlink", false, false, Capsule(NvlinkAllReduce)},
+      {"ncclx_all_reduce_nvlink_watched", "all_reduce", "nvlink", false, true,
+       Stages(NvlinkAllReducePrepare, NvlinkAllReduce)},
+      {"ncclx_all_gather_nvlink", "all_gather", "nvlink", false, false, Capsule(NvlinkAllGather)},
+      {"ncclx_all_gather_nvlink_watched", "all_gather", "nvlink", false, true,
+       Stages(NvlinkAllGatherPrepare, NvlinkAllGather)},
+      {"ncclx_all_to_all_nvlink", "all_to_all", "nvlink", false, false, Capsule(NvlinkAllToAll)},
+      {"ncclx_all_to_all_nvlink_watched", "all_to_all", "nvlink", false, true,
+       Stages(NvlinkAllToAllPrepare, NvlinkAllToAll)},
+      {"ncclx_reduce_scatter_nvlink", "reduce_scatter", "nvlink", false, false, Capsule(NvlinkReduceScatter)},
+      {"ncclx_reduce_scatter_nvlink_watched", "reduce_scatter", "nvlink", false, true,
+       Stages(NvlinkReduceScatterPrepare, NvlinkReduceScatter)},
+      {"ncclx_moe_combine_nvlink", "moe_combine", "nvlink", false, false, Capsule(NvlinkMoeCombine)},
+      {"ncclx_moe_combine_nvlink_watched", "moe_combine", "nvlink", false, true,
+       Stages(NvlinkMoeCombinePrepare, NvlinkMoeCombine)},
+#ifdef JAX_NCCLX_TESTING
+      {"ncclx_launch_probe", "launch_probe", "local", false, false, Capsule(LaunchProbe)},
+#endif
+      {"ncclx_moe_plan_sends", "moe_plan_sends", "local", false, false, Capsule(CudaMoePlanSends)},
+      {"ncclx_moe_place_received", "moe_place_received", "local", false, false, Capsule(CudaMoePlaceReceived)},
+      {"ncclx_take_rows", "take_rows", "local", false, false, Capsule(CudaTakeRows)},
+  };
+}
+
 }  // namespace
 }  // namespace jax_ncclx
 
@@ -423,41 +491,22 @@ NB_MODULE(_ncclx_cuda, m) {
       "registrations",
       [] {
         nb::dict targets;
-        // Handlers that XLA may record into command buffers twice: as is, and (+ "_watched", the lowering's
-        // choice under JAX_NCCLX_WATCH_REPLAYS=1) with the prepare stage that refuses an execution on a failed
-        // communicator, since replays never call the handler; it costs host time in every execution.
-        const auto watched_too = [&](const std::string& name, auto* prepare, auto* execute) {
-          targets[name.c_str()] = jn::Capsule(execute);
-          targets[(name + "_watched").c_str()] = jn::Stages(prepare, execute);
-        };
-        targets["ncclx_all_reduce"] = jn::Capsule(jn::NcclAllReduce);
-        watched_too("ncclx_all_reduce_cmdbuf", jn::NcclAllReduceCmdbufPrepare, jn::NcclAllReduceCmdbuf);
-        targets["ncclx_all_gather"] = jn::Capsule(jn::NcclAllGather);
-        watched_too("ncclx_all_gather_cmdbuf", jn::NcclAllGatherCmdbufPrepare, jn::NcclAllGatherCmdbuf);
-        targets["ncclx_reduce_scatter"] = jn::Capsule(jn::NcclReduceScatter);
-        watched_too("ncclx_reduce_scatter_cmdbuf", jn::NcclReduceScatterCmdbufPrepare, jn::NcclReduceScatterCmdbuf);
-        targets["ncclx_all_to_all"] = jn::Capsule(jn::NcclAllToAll);
-        watched_too("ncclx_all_to_all_cmdbuf", jn::NcclAllToAllCmdbufPrepare, jn::NcclAllToAllCmdbuf);
-        targets["ncclx_ppermute"] = jn::Capsule(jn::NcclPpermute);
-        watched_too("ncclx_ppermute_cmdbuf", jn::NcclPpermuteCmdbufPrepare, jn::NcclPpermuteCmdbuf);
-        targets["ncclx_all_to_allv_dynamic"] = jn::Capsule(jn::NcclAllToAllvDynamic);
-        watched_too("ncclx_all_to_allv_dynamic_nvlink", jn::NvlinkAllToAllvDynamicPrepare, jn::NvlinkAllToAllvDynamic);
-        targets["ncclx_ragged_all_to_all"] = jn::Capsule(jn::NcclRaggedAllToAll);
-        watched_too("ncclx_ragged_all_to_all_nvlink", jn::NvlinkRaggedAllToAllPrepare, jn::NvlinkRaggedAllToAll);
-        watched_too("ncclx_all_reduce_nvlink", jn::NvlinkAllReducePrepare, jn::NvlinkAllReduce);
-        watched_too("ncclx_all_gather_nvlink", jn::NvlinkAllGatherPrepare, jn::NvlinkAllGather);
-        watched_too("ncclx_all_to_all_nvlink", jn::NvlinkAllToAllPrepare, jn::NvlinkAllToAll);
-        watched_too("ncclx_reduce_scatter_nvlink", jn::NvlinkReduceScatterPrepare, jn::NvlinkReduceScatter);
-        watched_too("ncclx_moe_combine_nvlink", jn::NvlinkMoeCombinePrepare, jn::NvlinkMoeCombine);
-#ifdef JAX_NCCLX_TESTING
-        targets["ncclx_launch_probe"] = jn::Capsule(jn::LaunchProbe);
-#endif
-        targets["ncclx_moe_plan_sends"] = jn::Capsule(jn::CudaMoePlanSends);
-        targets["ncclx_moe_place_received"] = jn::Capsule(jn::CudaMoePlaceReceived);
-        targets["ncclx_take_rows"] = jn::Capsule(jn::CudaTakeRows);
+        for (const jn::Handler& handler : jn::Handlers()) targets[handler.target] = handler.capsule;
         return targets;
       },
       "FFI handler capsules of the CUDA backend, by target name.");
+  m.def(
+      "handler_table",
+      [] {
+        nb::list table;
+        for (const jn::Handler& handler : jn::Handlers()) {
+          table.append(nb::make_tuple(handler.op, handler.transport, handler.cmdbuf, handler.watched, handler.target));
+        }
+        return table;
+      },
+      "(op, transport, cmdbuf, watched, target) of every CUDA handler: what the lowering looks a target up by.\n"
+      "transport: 'nccl', 'nvlink' or 'local' (no communication); cmdbuf: the NCCL handler marked command-buffer\n"
+      "compatible; watched: with the prepare stage that refuses an execution on a failed communicator.");
   m.def("nccl_version", &jn::NcclVersion,
         "NCCL_VERSION_CODE of the NCCL library loaded at run time (e.g. 22809 for 2.28.9).");
   m.def(

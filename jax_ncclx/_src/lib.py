@@ -75,10 +75,20 @@ def cuda_module_if_available():
 
 
 @functools.cache
-def cuda_target_names() -> frozenset:
-    """The names of the FFI targets the CUDA module registers (none when this build or machine lacks it)."""
+def _cuda_handlers() -> dict:
     module = cuda_module_if_available()
-    return frozenset(module.registrations()) if module is not None else frozenset()
+    if module is None:
+        return {}
+    return {(op, transport, cmdbuf, watched): target for op, transport, cmdbuf, watched, target in
+            module.handler_table()}
+
+
+def cuda_target(op: str, transport: str, *, cmdbuf: bool = False, watched: bool = False) -> str | None:
+    """The FFI target of ``op``'s CUDA handler on ``transport`` ("nccl", "nvlink" or "local"), in the variant
+    asked for (``cmdbuf``: the NCCL handler marked command-buffer compatible; ``watched``: with the prepare
+    stage that refuses an execution on a failed communicator), from the CUDA module's handler table; None
+    where there is no such handler (or no CUDA module)."""
+    return _cuda_handlers().get((op, transport, cmdbuf, watched))
 
 
 # How to build what only the tests and benchmarks use (CMakeLists.txt), for their messages when it is absent.

@@ -38,10 +38,12 @@ _call_site_ids = itertools.count(1)
 
 @dataclasses.dataclass(frozen=True)
 class CudaRoute:
-    """How one CUDA call site lowers: the FFI target, extra attributes, the byte size of a workspace
-    result (None: the handler takes none), and the operands the target takes, by index (None: all)."""
+    """How one CUDA call site lowers: the transport whose handler it takes ("nccl" or "nvlink"; the target
+    comes from the CUDA module's handler table, :func:`lib.cuda_target`), extra attributes, the byte size of a
+    workspace result (None: the handler takes none), and the operands the target takes, by index (None:
+    all)."""
 
-    target: str
+    transport: str = "nccl"
     attrs: dict = dataclasses.field(default_factory=dict)
     workspace_bytes: int | None = None
     operands: tuple[int, ...] | None = None
@@ -126,22 +128,22 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, alias
         mesh = _concrete_mesh(axis_context.mesh, target)
         mesh_devices = list(mesh.devices.flat)
         comm_id = comm.communicator_for(mesh, axis_name)
-        route = cuda_route(ctx, comm_id, len(groups[0]), **params) if cuda_route is not None else CudaRoute(target)
+        route = cuda_route(ctx, comm_id, len(groups[0]), **params) if cuda_route is not None else CudaRoute()
         if route is None:
             return _lower_fallback(ctx, operands, fallback, axis_name, params)
-        target = route.target
         if route.operands is not None:
             operands = tuple(operands[i] for i in route.operands)
             avals_in = [avals_in[i] for i in route.operands]
         op_attrs.update(route.attrs, comm_id=np.int64(comm_id))
         if route.workspace_bytes is not None:
             avals_out.append(jax.core.ShapedArray((route.workspace_bytes,), np.uint8))
-        nvlink = target.endswith("_nvlink")
+        nvlink = route.transport == "nvlink"
+        cmdbuf = False
         if not nvlink:
             comm.ensure_nccl(comm_id)
-            # The NCCL handlers registered twice, the second "<target>_cmdbuf" marked command-buffer compatible
+            # The dense ops' NCCL handlers come twice, once marked command-buffer compatible
             # (xla_ffi/ops/collectives/collectives_cuda.cc; all_to_allv_dynamic's is not among them).
-            if settings.nccl_command_buffers and f"{target}_cmdbuf" in lib.cuda_target_names():
+            if settings.nccl_command_buffers and lib.cuda_target(op, "nccl", cmdbuf=True):
                 if config.xla_records_loops() and compat.lowering_may_be_inside_control_flow():
                     # NCCL's graph-mixing nodes make XLA's loop and conditional graphs fail to instantiate
                     # (docs/sharp_bits.md): this call stays out of graphs, the rest of the body stays in.
@@ -149,12 +151,14 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, alias
                                 "a command buffer, or in a jitted function that one may call: it runs from the "
                                 "host, not from the graph", op, site)
                 else:
-                    target += "_cmdbuf"
+                    cmdbuf = True
                     module.set_watch_replays(settings.watch_replays)  # read when XLA captures the call
-        # Targets XLA may record into CUDA graphs also come "_watched": with a prepare stage that refuses an
+        # Handlers XLA may record into CUDA graphs also come watched: with a prepare stage that refuses an
         # execution on a failed communicator (xla_ffi/common/cuda_collective.h), at a host cost in every execution.
-        if settings.watch_replays and f"{target}_watched" in lib.cuda_target_names():
-            target += "_watched"
+        watched = settings.watch_replays and lib.cuda_target(op, route.transport, cmdbuf=cmdbuf, watched=True)
+        target = lib.cuda_target(op, route.transport, cmdbuf=cmdbuf, watched=bool(watched))
+        if target is None:
+            raise NotImplementedError(f"jax_ncclx.{op}: this build has no CUDA handler for it on {route.transport}")
         algorithm = {1: "one_shot", 2: "two_shot"}.get(int(route.attrs.get("algorithm", 1))) if nvlink else "nccl"
         site_info.update(groups=[[mesh_devices[p].id for p in g] for g in groups], comm_id=comm_id,
                          transport="nvlink" if nvlink else "nccl", algorithm=algorithm)

@@ -104,7 +104,7 @@ def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
     nbytes = int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
     settings = config.current()
     oneshot_max, nvlink_max = config.nvlink_thresholds(size, op, settings)
-    nccl = CudaRoute(f"ncclx_{op}")
+    nccl = CudaRoute()
     if settings.transport == "nccl" or nbytes == 0 or nbytes > nvlink_max:
         return nccl
     element = np.dtype(x.dtype)  # what the kernel handles one by one: a complex number's parts in reductions
@@ -126,5 +126,5 @@ def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
         route_attrs["direct"] = np.int64(direct)
     if op == "all_reduce":
         route_attrs["algorithm"] = np.int64(algorithm)
-    return CudaRoute(f"ncclx_{op}_nvlink", route_attrs)
+    return CudaRoute("nvlink", route_attrs)
 

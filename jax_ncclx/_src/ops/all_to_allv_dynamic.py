@@ -199,10 +199,10 @@ def exchange_route(op: str, comm_id, size, x, counts_shape, features, capacity: 
         staging, slots = lib.cuda_module().all_to_allv_symmetric_bytes(batch, size, chunks, capacity, row_bytes,
                                                                        direct)
         if nvlink.symmetric_memory_ready(op, comm_id, staging_bytes=staging, slot_bytes=slots):
-            return lowering.CudaRoute(f"ncclx_{op}_nvlink",
-                                       {"blocks": np.int64(settings.nvlink_blocks), "direct": np.int64(direct)})
+            attrs = {"blocks": np.int64(settings.nvlink_blocks), "direct": np.int64(direct)}
+            return lowering.CudaRoute("nvlink", attrs)
     workspace = lib.cuda_module().all_to_allv_workspace_bytes(batch, size, chunks, capacity, row_bytes, received_apart)
-    return lowering.CudaRoute(f"ncclx_{op}", workspace_bytes=workspace)
+    return lowering.CudaRoute(workspace_bytes=workspace)
 
 
 def _all_to_allv_dynamic_batching(axis_data, args, dims, *, axis_name, capacity, packed):

@@ -143,7 +143,7 @@ def _route(ctx, comm_id, size):
     slots = module.moe_combine_slot_bytes(size, rows_per_member, hidden, dtype.itemsize)
     if not nvlink.symmetric_memory_ready("moe.combine", comm_id, slot_bytes=slots):
         return None
-    return lowering.CudaRoute("ncclx_moe_combine_nvlink", dict(blocks=np.int64(settings.nvlink_blocks)),
+    return lowering.CudaRoute("nvlink", dict(blocks=np.int64(settings.nvlink_blocks)),
                                operands=(0, 1, 2, 3, 5))  # send_back_rows is the chain's only
 
 
