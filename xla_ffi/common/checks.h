@@ -12,6 +12,7 @@
 #include <string_view>
 
 #include "common/contract.h"
+#include "common/contract_attrs.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {
@@ -111,11 +112,11 @@ struct ReducedDtype {
   int64_t per_element;  // values of `dtype` in one element of the buffer
 };
 
-inline ffi::ErrorOr<ReducedDtype> GetReducedDtype(std::string_view op, ffi::DataType dtype, int64_t reduce_op) {
-  if (reduce_op < 0 || reduce_op > 2) {
-    return InvalidArgument(op, "reduce_op is " + std::to_string(reduce_op) + ", expected 0 (sum), 1 (max) or 2 (min)");
+inline ffi::ErrorOr<ReducedDtype> GetReducedDtype(std::string_view op, ffi::DataType dtype, ReduceOp decoded) {
+  if (!ValidReduceOp(decoded)) {
+    return InvalidArgument(op, "reduce_op is " + std::to_string(static_cast<int>(decoded)) +
+                                   ", expected 0 (sum), 1 (max) or 2 (min)");
   }
-  const ReduceOp decoded = static_cast<ReduceOp>(reduce_op);
   switch (dtype) {
     case ffi::C64:
     case ffi::C128:

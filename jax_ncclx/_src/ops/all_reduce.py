@@ -118,7 +118,7 @@ def _all_reduce_abstract_eval(x, *, axis_name, op):
 
 
 def _all_reduce_attrs(*, op):
-    return {"reduce_op": np.int64(contract.REDUCE_OPS[op])}
+    return {"reduce_op": np.int32(contract.REDUCE_OPS[op])}  # enum attributes travel as int32
 
 
 

@@ -109,7 +109,7 @@ def _reduce_scatter_abstract_eval(x, *, axis_name):
 
 
 def _reduce_scatter_attrs():
-    return {"reduce_op": np.int64(contract.REDUCE_OPS["sum"])}
+    return {"reduce_op": np.int32(contract.REDUCE_OPS["sum"])}  # enum attributes travel as int32
 
 
 

@@ -128,7 +128,7 @@ ffi::Error Reduce(std::string_view op_name, ffi::DataType dtype, ReduceOp op, vo
 
 ffi::Future AllReduceImpl(ffi::RunId run, CallInstance* instance, PartitionId partition_id, ffi::AnyBuffer x,
                           ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
-                          int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace, int64_t reduce_op) {
+                          int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace, ReduceOp reduce_op) {
   constexpr std::string_view kOp = "all_reduce";
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(kOp, x.element_type(), reduce_op);
@@ -163,7 +163,7 @@ ffi::Future AllGatherImpl(ffi::RunId run, CallInstance* instance, PartitionId pa
 
 ffi::Future ReduceScatterImpl(ffi::RunId run, CallInstance* instance, PartitionId partition_id, ffi::AnyBuffer x,
                               ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
-                              int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace, int64_t reduce_op) {
+                              int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace, ReduceOp reduce_op) {
   constexpr std::string_view kOp = "reduce_scatter";
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(kOp, x.element_type(), reduce_op);
@@ -235,10 +235,10 @@ auto BindSingleOperand() {
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuAllReduce, AllReduceImpl,
-                              BindCpuGroupAttrs(BindSingleOperand()).Attr<int64_t>("reduce_op"));
+                              BindCpuGroupAttrs(BindSingleOperand()).Attr<ReduceOp>("reduce_op"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuAllGather, AllGatherImpl, BindCpuGroupAttrs(BindSingleOperand()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuReduceScatter, ReduceScatterImpl,
-                              BindCpuGroupAttrs(BindSingleOperand()).Attr<int64_t>("reduce_op"));
+                              BindCpuGroupAttrs(BindSingleOperand()).Attr<ReduceOp>("reduce_op"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuAllToAll, AllToAllImpl, BindCpuGroupAttrs(BindSingleOperand()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuPpermute, PpermuteImpl,
                               BindCpuGroupAttrs(BindSingleOperand())

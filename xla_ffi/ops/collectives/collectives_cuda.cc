@@ -46,7 +46,7 @@ struct Reduction {
 };
 
 ffi::ErrorOr<Reduction> GetReduction(std::string_view op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& y,
-                                     int64_t reduce_op) {
+                                     ReduceOp reduce_op) {
   NCCLX_RETURN_IF_ERROR(CheckSameDtype(op, x, y));
   ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(op, x.element_type(), reduce_op);
   if (reduced.has_error()) return reduced.error();
@@ -57,7 +57,7 @@ ffi::ErrorOr<Reduction> GetReduction(std::string_view op, const ffi::AnyBuffer& 
 
 ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                          int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
-                         int64_t reduce_op) {
+                         ReduceOp reduce_op) {
   constexpr std::string_view kOp = "all_reduce";
   NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, warn_ms, trace);
@@ -94,7 +94,7 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
 
 ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                              ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                             int64_t warn_ms, int64_t trace, int64_t reduce_op) {
+                             int64_t warn_ms, int64_t trace, ReduceOp reduce_op) {
   constexpr std::string_view kOp = "reduce_scatter";
   NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, warn_ms, trace);
@@ -184,11 +184,11 @@ ffi::Error PpermuteImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name##Cmdbuf, impl, binding, {ffi::Traits::kCmdBufferCompatible}); \
   NCCLX_DEFINE_PREPARE_HANDLER(name##CmdbufPrepare, op)
 
-NCCLX_DEFINE_NCCL_HANDLER(NcclAllReduce, "all_reduce", AllReduceImpl, BindCudaCollective().Attr<int64_t>("reduce_op"));
+NCCLX_DEFINE_NCCL_HANDLER(NcclAllReduce, "all_reduce", AllReduceImpl, BindCudaCollective().Attr<ReduceOp>("reduce_op"));
 NCCLX_DEFINE_NCCL_HANDLER(NcclAllGather, "all_gather", AllGatherImpl,
                           BindCudaCollective());  // y: [N, *x.shape]
 NCCLX_DEFINE_NCCL_HANDLER(NcclReduceScatter, "reduce_scatter", ReduceScatterImpl,
-                          BindCudaCollective().Attr<int64_t>("reduce_op"));  // x: [N, *y.shape]
+                          BindCudaCollective().Attr<ReduceOp>("reduce_op"));  // x: [N, *y.shape]
 NCCLX_DEFINE_NCCL_HANDLER(NcclAllToAll, "all_to_all", AllToAllImpl, BindCudaCollective());  // x, y: [N, ...]
 NCCLX_DEFINE_NCCL_HANDLER(NcclPpermute, "ppermute", PpermuteImpl,
                           BindCudaCollective()

@@ -40,18 +40,18 @@ ffi::ErrorOr<ReduceType> GetReduceType(std::string_view op, ffi::DataType dtype)
   }
 }
 
-ffi::ErrorOr<NvlinkProtocol> GetProtocol(std::string_view op, int64_t protocol) {
-  if (protocol < 0 || protocol > 2) {
-    return InvalidArgument(op,
-                           "protocol is " + std::to_string(protocol) + ", expected 0 (LL128), 1 (LL) or 2 (simple)");
+ffi::ErrorOr<NvlinkProtocol> GetProtocol(std::string_view op, NvlinkProtocol protocol) {
+  if (!ValidNvlinkProtocol(protocol)) {
+    return InvalidArgument(op, "protocol is " + std::to_string(static_cast<int>(protocol)) +
+                                   ", expected 0 (LL128), 1 (LL) or 2 (simple)");
   }
-  return static_cast<NvlinkProtocol>(protocol);
+  return protocol;
 }
 
 // The fields every op's call fills in the same way.
 ffi::ErrorOr<NvlinkCollectiveArgs> ArgsFor(std::string_view name, NvlinkCollective op, const ffi::AnyBuffer& x,
                                            ffi::AnyBuffer& y, const CallAttrs& call, const SymmetricRank& symmetric,
-                                           int64_t protocol, int64_t direct) {
+                                           NvlinkProtocol protocol, int64_t direct) {
   NCCLX_RETURN_IF_ERROR(CheckWholeBytes(name, "x", x.element_type()));
   ffi::ErrorOr<NvlinkProtocol> chosen = GetProtocol(name, protocol);
   if (chosen.has_error()) return chosen.error();
@@ -75,8 +75,8 @@ ffi::ErrorOr<NvlinkCollectiveArgs> ArgsFor(std::string_view name, NvlinkCollecti
 // ArgsFor, plus the reduction and the element type it reduces (a complex number's parts, see GetReducedDtype).
 ffi::ErrorOr<NvlinkCollectiveArgs> ReductionArgsFor(std::string_view name, NvlinkCollective op, const ffi::AnyBuffer& x,
                                                     ffi::AnyBuffer& y, const CallAttrs& call,
-                                                    const SymmetricRank& symmetric, int64_t protocol, int64_t direct,
-                                                    int64_t reduce_op) {
+                                                    const SymmetricRank& symmetric, NvlinkProtocol protocol,
+                                                    int64_t direct, ReduceOp reduce_op) {
   ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(name, x.element_type(), reduce_op);
   if (reduced.has_error()) return reduced.error();
   ffi::ErrorOr<ReduceType> type = GetReduceType(name, reduced->dtype);
@@ -121,28 +121,29 @@ ffi::Error Launch(std::string_view op, cudaStream_t stream, int32_t device_ordin
 
 ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                          int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
-                         int64_t reduce_op, int64_t algorithm, int64_t protocol, int64_t blocks, int64_t direct) {
+                         ReduceOp reduce_op, NvlinkAlgorithm algorithm, NvlinkProtocol protocol, int64_t blocks,
+                         int64_t direct) {
   const CallAttrs call = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
   constexpr std::string_view kOp = "all_reduce";
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckSameDtype(kOp, x, *y));
   NCCLX_RETURN_IF_ERROR(CheckSameBytes(kOp, x, *y));
-  if (algorithm != static_cast<int64_t>(NvlinkAlgorithm::kOneShot) &&
-      algorithm != static_cast<int64_t>(NvlinkAlgorithm::kTwoShot)) {
-    return InvalidArgument(kOp,
-                           "algorithm is " + std::to_string(algorithm) + ", expected 1 (one-shot) or 2 (two-shot)");
+  if (!ValidNvlinkAlgorithm(algorithm)) {
+    return InvalidArgument(kOp, "algorithm is " + std::to_string(static_cast<int>(algorithm)) +
+                                    ", expected 1 (one-shot) or 2 (two-shot)");
   }
   ffi::ErrorOr<NvlinkCollectiveArgs> args = ReductionArgsFor(kOp, NvlinkCollective::kAllReduce, x, *y, call, *symmetric,
                                                              protocol, direct, reduce_op);
   if (args.has_error()) return args.error();
-  args->algorithm = static_cast<NvlinkAlgorithm>(algorithm);
+  args->algorithm = algorithm;
   return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, *args, blocks);
 }
 
 ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                              ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                             int64_t warn_ms, int64_t trace, int64_t reduce_op, int64_t protocol, int64_t blocks) {
+                             int64_t warn_ms, int64_t trace, ReduceOp reduce_op, NvlinkProtocol protocol,
+                             int64_t blocks) {
   constexpr std::string_view kOp = "reduce_scatter";
   const CallAttrs call = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
@@ -161,7 +162,7 @@ ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device_ordinal, ffi::A
 
 ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                          int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
-                         int64_t protocol, int64_t blocks, int64_t direct) {
+                         NvlinkProtocol protocol, int64_t blocks, int64_t direct) {
   constexpr std::string_view kOp = "all_gather";
   const CallAttrs call = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
@@ -176,7 +177,7 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
 
 ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                         int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
-                        int64_t protocol, int64_t blocks, int64_t direct) {
+                        NvlinkProtocol protocol, int64_t blocks, int64_t direct) {
   constexpr std::string_view kOp = "all_to_all";
   const CallAttrs call = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
@@ -193,28 +194,28 @@ ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllReduce, AllReduceImpl,
                               BindCudaCollective()
-                                  .Attr<int64_t>("reduce_op")  // 0 sum, 1 max, 2 min
-                                  .Attr<int64_t>("algorithm")  // 1 one-shot, 2 two-shot
-                                  .Attr<int64_t>("protocol")  // 0 LL128, 1 LL, 2 simple (one-shot)
+                                  .Attr<ReduceOp>("reduce_op")  // 0 sum, 1 max, 2 min
+                                  .Attr<NvlinkAlgorithm>("algorithm")  // 1 one-shot, 2 two-shot
+                                  .Attr<NvlinkProtocol>("protocol")  // 0 LL128, 1 LL, 2 simple (one-shot)
                                   .Attr<int64_t>("blocks")  // 0 = by size
                                   .Attr<int64_t>("direct"),  // 1 = write into the peers' outputs where it can
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NvlinkAllGather, AllGatherImpl,
-    BindCudaCollective().Attr<int64_t>("protocol").Attr<int64_t>("blocks").Attr<int64_t>("direct"),
+    BindCudaCollective().Attr<NvlinkProtocol>("protocol").Attr<int64_t>("blocks").Attr<int64_t>("direct"),
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkReduceScatter, ReduceScatterImpl,
                               BindCudaCollective()
-                                  .Attr<int64_t>("reduce_op")  // 0 sum (the only one the Python op sends)
-                                  .Attr<int64_t>("protocol")
+                                  .Attr<ReduceOp>("reduce_op")  // 0 sum (the only one the Python op sends)
+                                  .Attr<NvlinkProtocol>("protocol")
                                   .Attr<int64_t>("blocks"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NvlinkAllToAll, AllToAllImpl,
-    BindCudaCollective().Attr<int64_t>("protocol").Attr<int64_t>("blocks").Attr<int64_t>("direct"),
+    BindCudaCollective().Attr<NvlinkProtocol>("protocol").Attr<int64_t>("blocks").Attr<int64_t>("direct"),
     {ffi::Traits::kCmdBufferCompatible});
 
 NCCLX_DEFINE_PREPARE_HANDLER(NvlinkAllReducePrepare, "all_reduce");
