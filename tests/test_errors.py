@@ -140,8 +140,9 @@ def test_sub_byte_dtypes_are_refused_when_bound_directly(line):
 
 
 # The CPU handlers' call attributes for a group of one, as a lowering passes them (tests calling jax.ffi).
-_ONE_MEMBER = dict(groups=np.array([0], np.int64), group_size=np.int64(1), site=np.int64(987654),
-                   timeout_ms=np.int64(5000), warn_ms=np.int64(0), trace=np.int64(0))
+_ONE_MEMBER = dict(groups=np.array([0], np.int64), group_size=np.int64(1),
+                   call=dict(site=np.int64(987654), timeout_ms=np.int64(5000), warn_ms=np.int64(0),
+                             trace=np.int64(0)))
 
 
 def _ffi(target, results, *operands, **attrs):

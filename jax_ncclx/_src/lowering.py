@@ -109,9 +109,9 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, alias
     settings = config.current()
     site = next(_call_site_ids)
     op_attrs = attrs(**params)
-    # Every handler takes these (xla_ffi/common/monitor.h, CallAttrs).
-    op_attrs.update(site=np.int64(site), timeout_ms=np.int64(settings.timeout_ms_for(timeout_op)),
-                    warn_ms=np.int64(settings.warn_ms), trace=np.int64(settings.trace_attr))
+    # Every handler takes this dictionary (xla_ffi/common/monitor.h, RawCallAttrs).
+    op_attrs["call"] = dict(site=np.int64(site), timeout_ms=np.int64(settings.timeout_ms_for(timeout_op)),
+                            warn_ms=np.int64(settings.warn_ms), trace=np.int64(settings.trace_attr))
     avals_in, avals_out = list(ctx.avals_in), list(ctx.avals_out)
     site_info = dict(op=op, axis=str(axis_name), platform=platform, bytes=_nbytes(ctx.avals_in[0]),
                      dtype=str(ctx.avals_in[0].dtype))

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/contract_attrs.h"
 #include "common/checks.h"
 #include "common/groups.h"
 #include "common/monitor.h"
@@ -39,7 +40,7 @@ inline auto BindCpuCollective() {
 }
 
 // Appends the attributes every CPU collective takes, in the order the handlers' parameters after the
-// buffers expect: groups, group_size, site, timeout_ms, warn_ms, trace.
+// buffers expect: groups, group_size, call_attrs.
 template <typename Binding>
 auto BindCpuGroupAttrs(Binding binding) {
   return BindCallAttrs(std::move(binding)
@@ -70,12 +71,12 @@ inline int64_t CpuCommKey(ffi::Span<const int64_t> groups, int64_t group_idx) {
 
 inline ffi::ErrorOr<CpuCall> BeginCpuCall(std::string_view op, ffi::RunId run, const CallInstance* instance,
                                           uint32_t partition_id, ffi::Span<const int64_t> groups, int64_t group_size,
-                                          int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace) {
+                                          RawCallAttrs call_attrs) {
   ffi::ErrorOr<GroupPosition> position = FindGroupPosition(op, groups, group_size, partition_id);
   if (position.has_error()) return position.error();
   CpuCall call;
   call.op = op;
-  call.attrs = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
+  call.attrs = MakeCallAttrs(call_attrs);
   call.position = *position;
   call.partition_id = partition_id;
   call.group_size = group_size;
@@ -143,11 +144,9 @@ inline ffi::Future RunCpuCall(const CpuCall& call, Published mine, void* output,
 
 // BeginCpuCall then RunCpuCall, for handlers that need nothing in between.
 inline ffi::Future RunInGroup(std::string_view op, ffi::RunId run, const CallInstance* instance, uint32_t partition_id,
-                              ffi::Span<const int64_t> groups, int64_t group_size, int64_t site, int64_t timeout_ms,
-                              int64_t warn_ms, int64_t trace, Published mine, void* output, size_t output_bytes,
-                              CpuWork work) {
-  ffi::ErrorOr<CpuCall> call = BeginCpuCall(op, run, instance, partition_id, groups, group_size, site, timeout_ms,
-                                            warn_ms, trace);
+                              ffi::Span<const int64_t> groups, int64_t group_size, RawCallAttrs call_attrs,
+                              Published mine, void* output, size_t output_bytes, CpuWork work) {
+  ffi::ErrorOr<CpuCall> call = BeginCpuCall(op, run, instance, partition_id, groups, group_size, call_attrs);
   if (call.has_error()) return CompletedFuture(call.error());
   return RunCpuCall(*call, mine, output, output_bytes, std::move(work));
 }

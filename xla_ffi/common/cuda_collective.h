@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string_view>
 
+#include "common/contract_attrs.h"
 #include "common/monitor.h"
 #include "common/nccl_comms.h"
 #include "xla/ffi/api/ffi.h"

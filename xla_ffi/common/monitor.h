@@ -30,22 +30,28 @@ struct CallAttrs {
   bool trace_device = false;  // NVLink kernels stamp their device timeline (trace == 1 or 2)
 };
 
+// The attribute `call` of every handler, as the lowering passes it (a dictionary of int64s; its FFI decoding
+// is registered in contract_attrs.h): what MakeCallAttrs turns into CallAttrs.
+struct RawCallAttrs {
+  int64_t site = 0;
+  int64_t timeout_ms = 0;
+  int64_t warn_ms = 0;
+  int64_t trace = 0;  // 1: the call is traced; 2: only the NVLink kernels' device timeline
+};
+
 template <typename Binding>
 auto BindCallAttrs(Binding binding) {
-  return std::move(binding)
-      .template Attr<int64_t>("site")
-      .template Attr<int64_t>("timeout_ms")
-      .template Attr<int64_t>("warn_ms")
-      .template Attr<int64_t>("trace");
+  return std::move(binding).template Attr<RawCallAttrs>("call");
 }
 
 // The longest timeout the handlers keep (about 31 years): they count it in nanoseconds, which a larger one
 // would overflow. Python's settings stay far below; a negative one, from no jax_ncclx lowering, waits forever.
 inline constexpr int64_t kMaxTimeoutMs = int64_t{1} << 40;
 
-inline CallAttrs MakeCallAttrs(int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace) {
-  return CallAttrs{site, std::clamp<int64_t>(timeout_ms, 0, kMaxTimeoutMs),
-                   std::clamp<int64_t>(warn_ms, 0, kMaxTimeoutMs), trace == 1, trace == 1 || trace == 2};
+inline CallAttrs MakeCallAttrs(const RawCallAttrs& raw) {
+  return CallAttrs{raw.site, std::clamp<int64_t>(raw.timeout_ms, 0, kMaxTimeoutMs),
+                   std::clamp<int64_t>(raw.warn_ms, 0, kMaxTimeoutMs), raw.trace == 1,
+                   raw.trace == 1 || raw.trace == 2};
 }
 
 // Call sites: the axis name of each, for messages ("axis 'x'"). Unknown sites are described by number.

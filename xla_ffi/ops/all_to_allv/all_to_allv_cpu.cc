@@ -43,8 +43,8 @@ ffi::Future AllToAllvImpl(std::string_view op, ffi::RunId run, CallInstance* ins
                           std::optional<ffi::Buffer<ffi::S32>> send_rows, std::optional<ffi::AnyBuffer> suffix,
                           std::optional<ffi::Buffer<ffi::S32>> place, ffi::Result<ffi::AnyBuffer> y,
                           ffi::Result<ffi::Buffer<ffi::S32>> recv_counts, ffi::Result<ffi::Buffer<ffi::S32>> dropped,
-                          ffi::Span<const int64_t> groups, int64_t group_size, int64_t site, int64_t timeout_ms,
-                          int64_t warn_ms, int64_t trace, int64_t capacity, int64_t packed) {
+                          ffi::Span<const int64_t> groups, int64_t group_size, RawCallAttrs call_attrs,
+                          int64_t capacity, int64_t packed) {
   ffi::ErrorOr<AllToAllvSendRows> sent = GetSendRows(op, x, send_rows, suffix);
   if (sent.has_error()) return CompletedFuture(sent.error());
   ffi::ErrorOr<int64_t> chunks = CheckReceiveSide(op, *sent, x, counts.dimensions(), *y, recv_counts->dimensions(),
@@ -63,8 +63,8 @@ ffi::Future AllToAllvImpl(std::string_view op, ffi::RunId run, CallInstance* ins
   const int64_t row_bytes = sent->row_bytes, suffix_bytes = sent->suffix_bytes;
   const int64_t x_row_bytes = row_bytes - suffix_bytes;
 
-  ffi::ErrorOr<CpuCall> call = BeginCpuCall(op, run, instance, partition_id.typed_data()[0], groups, group_size, site,
-                                            timeout_ms, warn_ms, trace);
+  ffi::ErrorOr<CpuCall> call = BeginCpuCall(op, run, instance, partition_id.typed_data()[0], groups, group_size,
+                                            call_attrs);
   if (call.has_error()) return CompletedFuture(call.error());
   const int32_t* send_counts = counts.typed_data();
   std::vector<int32_t> corrupted;
@@ -143,10 +143,9 @@ ffi::Future AllToAllvDynamicImpl(ffi::RunId run, CallInstance* instance, Partiti
                                  std::optional<ffi::AnyBuffer> suffix, ffi::Result<ffi::AnyBuffer> y,
                                  ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
                                  ffi::Result<ffi::Buffer<ffi::S32>> dropped, ffi::Span<const int64_t> groups,
-                                 int64_t group_size, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
-                                 int64_t capacity, int64_t packed) {
+                                 int64_t group_size, RawCallAttrs call_attrs, int64_t capacity, int64_t packed) {
   return AllToAllvImpl(kAllToAllvOp, run, instance, partition_id, x, counts, send_rows, suffix, std::nullopt, y,
-                       recv_counts, dropped, groups, group_size, site, timeout_ms, warn_ms, trace, capacity, packed);
+                       recv_counts, dropped, groups, group_size, call_attrs, capacity, packed);
 }
 
 // `output` is y's buffer (XLA aliases them): the rows that nothing places keep its values.
@@ -155,10 +154,9 @@ ffi::Future RaggedAllToAllImpl(ffi::RunId run, CallInstance* instance, Partition
                                ffi::Buffer<ffi::S32> place, ffi::AnyBuffer /*output*/, ffi::Result<ffi::AnyBuffer> y,
                                ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
                                ffi::Result<ffi::Buffer<ffi::S32>> dropped, ffi::Span<const int64_t> groups,
-                               int64_t group_size, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
-                               int64_t capacity) {
+                               int64_t group_size, RawCallAttrs call_attrs, int64_t capacity) {
   return AllToAllvImpl(kRaggedAllToAllOp, run, instance, partition_id, x, counts, send_rows, std::nullopt, place, y,
-                       recv_counts, dropped, groups, group_size, site, timeout_ms, warn_ms, trace, capacity,
+                       recv_counts, dropped, groups, group_size, call_attrs, capacity,
                        /*packed=*/0);
 }
 

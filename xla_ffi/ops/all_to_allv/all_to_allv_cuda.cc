@@ -152,8 +152,7 @@ ffi::Error NcclImpl(std::string_view op, cudaStream_t stream, int32_t device_ord
                     std::optional<ffi::AnyBuffer> suffix, std::optional<ffi::Buffer<ffi::S32>> place,
                     ffi::Result<ffi::AnyBuffer> y, ffi::ResultBuffer<ffi::S32> recv_counts,
                     ffi::ResultBuffer<ffi::S32> dropped, ffi::ResultBuffer<ffi::U8> workspace, int64_t comm_id,
-                    int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace, int64_t capacity,
-                    int64_t packed) {
+                    RawCallAttrs call_attrs, int64_t capacity, int64_t packed) {
   ffi::ErrorOr<CommRank> comm = LookupCommRank(op, comm_id, device_ordinal);
   if (comm.has_error()) return comm.error();
   int64_t out_rows = 0;
@@ -173,8 +172,8 @@ ffi::Error NcclImpl(std::string_view op, cudaStream_t stream, int32_t device_ord
   int64_t* first_row = reinterpret_cast<int64_t*>(base + layout.first_row);
   int64_t* delivered = reinterpret_cast<int64_t*>(base + layout.delivered);
 
-  ffi::ErrorOr<GpuCall> call = BeginGpuCall(op, MakeCallAttrs(site, timeout_ms, warn_ms, trace), comm_id, comm->rank,
-                                            comm->size, device_ordinal, stream);
+  ffi::ErrorOr<GpuCall> call = BeginGpuCall(op, MakeCallAttrs(call_attrs), comm_id, comm->rank, comm->size,
+                                            device_ordinal, stream);
   if (call.has_error()) return call.error();
   const int64_t peer_bytes = shape->capacity * shape->row_bytes;
   const int64_t batch_bytes = shape->num_peers * peer_bytes;
@@ -222,9 +221,8 @@ ffi::Error NvlinkImpl(std::string_view op, cudaStream_t stream, int32_t device_o
                       ffi::Buffer<ffi::S32> counts, std::optional<ffi::Buffer<ffi::S32>> send_rows,
                       std::optional<ffi::AnyBuffer> suffix, std::optional<ffi::Buffer<ffi::S32>> place,
                       ffi::Result<ffi::AnyBuffer> y, ffi::ResultBuffer<ffi::S32> recv_counts,
-                      ffi::ResultBuffer<ffi::S32> dropped, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                      int64_t warn_ms, int64_t trace, int64_t capacity, int64_t packed, int64_t blocks,
-                      int64_t direct) {
+                      ffi::ResultBuffer<ffi::S32> dropped, int64_t comm_id, RawCallAttrs call_attrs, int64_t capacity,
+                      int64_t packed, int64_t blocks, int64_t direct) {
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(op, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckNvlinkFault(op, comm_id, *symmetric));
@@ -251,7 +249,7 @@ ffi::Error NvlinkImpl(std::string_view op, cudaStream_t stream, int32_t device_o
   const NvlinkGrid grid = ChooseNvlinkGrid(*shape, direct == 1, RequestedBlocks(blocks), *sm_count,
                                            *sm_count * *per_sm);
 
-  const CallAttrs attrs = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
+  const CallAttrs attrs = MakeCallAttrs(call_attrs);
   NvlinkAllToAllvArgs args;
   args.shape = *shape;
   args.rank = symmetric->rank;
@@ -260,7 +258,7 @@ ffi::Error NvlinkImpl(std::string_view op, cudaStream_t stream, int32_t device_o
   args.packed = packed == 1;
   args.direct = direct == 1;
   args.trace = attrs.trace_device;
-  args.site = site;
+  args.site = attrs.site;
   args.timeout_ns = static_cast<uint64_t>(attrs.timeout_ms) * 1000000;
   args.x = x.untyped_data();
   args.send_rows = OptionalData(send_rows);
@@ -291,21 +289,20 @@ ffi::Error NcclAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal,
                                     ffi::Buffer<ffi::S32> counts, std::optional<ffi::Buffer<ffi::S32>> send_rows,
                                     std::optional<ffi::AnyBuffer> suffix, ffi::Result<ffi::AnyBuffer> y,
                                     ffi::ResultBuffer<ffi::S32> recv_counts, ffi::ResultBuffer<ffi::S32> dropped,
-                                    ffi::ResultBuffer<ffi::U8> workspace, int64_t comm_id, int64_t site,
-                                    int64_t timeout_ms, int64_t warn_ms, int64_t trace, int64_t capacity,
-                                    int64_t packed) {
+                                    ffi::ResultBuffer<ffi::U8> workspace, int64_t comm_id, RawCallAttrs call_attrs,
+                                    int64_t capacity, int64_t packed) {
   return NcclImpl(kAllToAllvOp, stream, device_ordinal, x, counts, send_rows, suffix, std::nullopt, y, recv_counts,
-                  dropped, workspace, comm_id, site, timeout_ms, warn_ms, trace, capacity, packed);
+                  dropped, workspace, comm_id, call_attrs, capacity, packed);
 }
 
 ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                                       ffi::Buffer<ffi::S32> counts, std::optional<ffi::Buffer<ffi::S32>> send_rows,
                                       std::optional<ffi::AnyBuffer> suffix, ffi::Result<ffi::AnyBuffer> y,
                                       ffi::ResultBuffer<ffi::S32> recv_counts, ffi::ResultBuffer<ffi::S32> dropped,
-                                      int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
-                                      int64_t capacity, int64_t packed, int64_t blocks, int64_t direct) {
+                                      int64_t comm_id, RawCallAttrs call_attrs, int64_t capacity, int64_t packed,
+                                      int64_t blocks, int64_t direct) {
   return NvlinkImpl(kAllToAllvOp, stream, device_ordinal, x, counts, send_rows, suffix, std::nullopt, y, recv_counts,
-                    dropped, comm_id, site, timeout_ms, warn_ms, trace, capacity, packed, blocks, direct);
+                    dropped, comm_id, call_attrs, capacity, packed, blocks, direct);
 }
 
 // ragged_all_to_all's exchange: `output` is y's buffer (XLA aliases them), so the rows nothing places keep
@@ -314,22 +311,20 @@ ffi::Error NcclRaggedAllToAllImpl(cudaStream_t stream, int32_t device_ordinal, f
                                   ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::S32> send_rows,
                                   ffi::Buffer<ffi::S32> place, ffi::AnyBuffer /*output*/, ffi::Result<ffi::AnyBuffer> y,
                                   ffi::ResultBuffer<ffi::S32> recv_counts, ffi::ResultBuffer<ffi::S32> dropped,
-                                  ffi::ResultBuffer<ffi::U8> workspace, int64_t comm_id, int64_t site,
-                                  int64_t timeout_ms, int64_t warn_ms, int64_t trace, int64_t capacity) {
+                                  ffi::ResultBuffer<ffi::U8> workspace, int64_t comm_id, RawCallAttrs call_attrs,
+                                  int64_t capacity) {
   return NcclImpl(kRaggedAllToAllOp, stream, device_ordinal, x, counts, send_rows, std::nullopt, place, y, recv_counts,
-                  dropped, workspace, comm_id, site, timeout_ms, warn_ms, trace, capacity, /*packed=*/0);
+                  dropped, workspace, comm_id, call_attrs, capacity, /*packed=*/0);
 }
 
 ffi::Error NvlinkRaggedAllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                                     ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::S32> send_rows,
                                     ffi::Buffer<ffi::S32> place, ffi::AnyBuffer /*output*/,
                                     ffi::Result<ffi::AnyBuffer> y, ffi::ResultBuffer<ffi::S32> recv_counts,
-                                    ffi::ResultBuffer<ffi::S32> dropped, int64_t comm_id, int64_t site,
-                                    int64_t timeout_ms, int64_t warn_ms, int64_t trace, int64_t capacity,
-                                    int64_t blocks, int64_t direct) {
+                                    ffi::ResultBuffer<ffi::S32> dropped, int64_t comm_id, RawCallAttrs call_attrs,
+                                    int64_t capacity, int64_t blocks, int64_t direct) {
   return NvlinkImpl(kRaggedAllToAllOp, stream, device_ordinal, x, counts, send_rows, std::nullopt, place, y,
-                    recv_counts, dropped, comm_id, site, timeout_ms, warn_ms, trace, capacity, /*packed=*/0, blocks,
-                    direct);
+                    recv_counts, dropped, comm_id, call_attrs, capacity, /*packed=*/0, blocks, direct);
 }
 
 // The arguments of ragged_all_to_all's exchange on both transports.

@@ -128,7 +128,7 @@ ffi::Error Reduce(std::string_view op_name, ffi::DataType dtype, ReduceOp op, vo
 
 ffi::Future AllReduceImpl(ffi::RunId run, CallInstance* instance, PartitionId partition_id, ffi::AnyBuffer x,
                           ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
-                          int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace, ReduceOp reduce_op) {
+                          RawCallAttrs call_attrs, ReduceOp reduce_op) {
   constexpr std::string_view kOp = "all_reduce";
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(kOp, x.element_type(), reduce_op);
@@ -137,8 +137,8 @@ ffi::Future AllReduceImpl(ffi::RunId run, CallInstance* instance, PartitionId pa
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckSameBytes(kOp, x, *y));
   void* out = y->untyped_data();
   const size_t count = x.element_count() * reduced->per_element;
-  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, warn_ms,
-                    trace, {x.untyped_data()}, out, y->size_bytes(),
+  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, call_attrs,
+                    {x.untyped_data()}, out, y->size_bytes(),
                     [reduced = *reduced, out, count](int64_t, const std::vector<Published>& peers) {
                       return Reduce(kOp, reduced.dtype, reduced.op, out, peers, 0, count);
                     });
@@ -146,15 +146,15 @@ ffi::Future AllReduceImpl(ffi::RunId run, CallInstance* instance, PartitionId pa
 
 ffi::Future AllGatherImpl(ffi::RunId run, CallInstance* instance, PartitionId partition_id, ffi::AnyBuffer x,
                           ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
-                          int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace) {
+                          RawCallAttrs call_attrs) {
   constexpr std::string_view kOp = "all_gather";
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   const size_t chunk = x.size_bytes();
   NCCLX_RETURN_FUTURE_IF_ERROR(
       CheckBytes(kOp, "output", Bytes(*y), group_size * Bytes(x), RanksTimes(group_size, Bytes(x))));
   char* out = static_cast<char*>(y->untyped_data());
-  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, warn_ms,
-                    trace, {x.untyped_data()}, out, y->size_bytes(),
+  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, call_attrs,
+                    {x.untyped_data()}, out, y->size_bytes(),
                     [out, chunk](int64_t, const std::vector<Published>& peers) {
                       for (size_t r = 0; r < peers.size(); ++r) std::memcpy(out + r * chunk, peers[r].data, chunk);
                       return ffi::Error::Success();
@@ -163,7 +163,7 @@ ffi::Future AllGatherImpl(ffi::RunId run, CallInstance* instance, PartitionId pa
 
 ffi::Future ReduceScatterImpl(ffi::RunId run, CallInstance* instance, PartitionId partition_id, ffi::AnyBuffer x,
                               ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
-                              int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace, ReduceOp reduce_op) {
+                              RawCallAttrs call_attrs, ReduceOp reduce_op) {
   constexpr std::string_view kOp = "reduce_scatter";
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(kOp, x.element_type(), reduce_op);
@@ -174,8 +174,8 @@ ffi::Future ReduceScatterImpl(ffi::RunId run, CallInstance* instance, PartitionI
       CheckBytes(kOp, "input", Bytes(x), group_size * Bytes(*y), RanksTimes(group_size, Bytes(*y))));
   void* out = y->untyped_data();
   const size_t count = y->element_count() * reduced->per_element;
-  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, warn_ms,
-                    trace, {x.untyped_data()}, out, y->size_bytes(),
+  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, call_attrs,
+                    {x.untyped_data()}, out, y->size_bytes(),
                     [reduced = *reduced, out, count](int64_t rank, const std::vector<Published>& peers) {
                       return Reduce(kOp, reduced.dtype, reduced.op, out, peers, rank * count, count);
                     });
@@ -183,15 +183,15 @@ ffi::Future ReduceScatterImpl(ffi::RunId run, CallInstance* instance, PartitionI
 
 ffi::Future AllToAllImpl(ffi::RunId run, CallInstance* instance, PartitionId partition_id, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
-                         int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace) {
+                         RawCallAttrs call_attrs) {
   constexpr std::string_view kOp = "all_to_all";
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), group_size));
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckSameBytes(kOp, x, *y));
   const size_t chunk = x.size_bytes() / group_size;
   char* out = static_cast<char*>(y->untyped_data());
-  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, warn_ms,
-                    trace, {x.untyped_data()}, out, y->size_bytes(),
+  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, call_attrs,
+                    {x.untyped_data()}, out, y->size_bytes(),
                     [out, chunk](int64_t rank, const std::vector<Published>& peers) {
                       for (size_t r = 0; r < peers.size(); ++r) {
                         std::memcpy(out + r * chunk, static_cast<const char*>(peers[r].data) + rank * chunk, chunk);
@@ -202,16 +202,15 @@ ffi::Future AllToAllImpl(ffi::RunId run, CallInstance* instance, PartitionId par
 
 ffi::Future PpermuteImpl(ffi::RunId run, CallInstance* instance, PartitionId partition_id, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> y, ffi::Span<const int64_t> groups, int64_t group_size,
-                         int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
-                         ffi::Span<const int64_t> sources, ffi::Span<const int64_t> targets) {
+                         RawCallAttrs call_attrs, ffi::Span<const int64_t> sources, ffi::Span<const int64_t> targets) {
   constexpr std::string_view kOp = "ppermute";
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckPairs(kOp, sources, targets, group_size));
   NCCLX_RETURN_FUTURE_IF_ERROR(CheckSameBytes(kOp, x, *y));
   void* out = y->untyped_data();
   const size_t bytes = y->size_bytes();
-  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, site, timeout_ms, warn_ms,
-                    trace, {x.untyped_data()}, out, bytes,
+  return RunInGroup(kOp, run, instance, partition_id.typed_data()[0], groups, group_size, call_attrs,
+                    {x.untyped_data()}, out, bytes,
                     [out, bytes,
                      sources = std::vector<int64_t>(sources.begin(),
                                                     sources.end())](int64_t rank, const std::vector<Published>& peers) {

@@ -29,11 +29,11 @@ struct NcclCall {
 };
 
 ffi::ErrorOr<NcclCall> BeginNcclCall(std::string_view op, cudaStream_t stream, int32_t device_ordinal, int64_t comm_id,
-                                     int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace) {
+                                     RawCallAttrs call_attrs) {
   ffi::ErrorOr<CommRank> comm = LookupCommRank(op, comm_id, device_ordinal);
   if (comm.has_error()) return comm.error();
-  ffi::ErrorOr<GpuCall> call = BeginGpuCall(op, MakeCallAttrs(site, timeout_ms, warn_ms, trace), comm_id, comm->rank,
-                                            comm->size, device_ordinal, stream);
+  ffi::ErrorOr<GpuCall> call = BeginGpuCall(op, MakeCallAttrs(call_attrs), comm_id, comm->rank, comm->size,
+                                            device_ordinal, stream);
   if (call.has_error()) return call.error();
   return NcclCall{std::move(*comm), *call};
 }
@@ -56,11 +56,10 @@ ffi::ErrorOr<Reduction> GetReduction(std::string_view op, const ffi::AnyBuffer& 
 }
 
 ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                         int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
-                         ReduceOp reduce_op) {
+                         int64_t comm_id, RawCallAttrs call_attrs, ReduceOp reduce_op) {
   constexpr std::string_view kOp = "all_reduce";
   NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
-  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, warn_ms, trace);
+  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, call_attrs);
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;
   ffi::ErrorOr<Reduction> reduction = GetReduction(kOp, x, *y, reduce_op);
@@ -77,10 +76,10 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
 }
 
 ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                         int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace) {
+                         int64_t comm_id, RawCallAttrs call_attrs) {
   constexpr std::string_view kOp = "all_gather";
   NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
-  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, warn_ms, trace);
+  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, call_attrs);
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;
   NCCLX_RETURN_IF_ERROR(CheckBytes(kOp, "output", Bytes(*y), comm->size * Bytes(x), RanksTimes(comm->size, Bytes(x))));
@@ -93,11 +92,11 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
 }
 
 ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                             ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                             int64_t warn_ms, int64_t trace, ReduceOp reduce_op) {
+                             ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, RawCallAttrs call_attrs,
+                             ReduceOp reduce_op) {
   constexpr std::string_view kOp = "reduce_scatter";
   NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
-  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, warn_ms, trace);
+  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, call_attrs);
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;
   ffi::ErrorOr<Reduction> reduction = GetReduction(kOp, x, *y, reduce_op);
@@ -114,10 +113,10 @@ ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device_ordinal, ffi::A
 }
 
 ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                        int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace) {
+                        int64_t comm_id, RawCallAttrs call_attrs) {
   constexpr std::string_view kOp = "all_to_all";
   NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
-  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, warn_ms, trace);
+  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, call_attrs);
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;
   NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), comm->size));
@@ -132,11 +131,11 @@ ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuf
 }
 
 ffi::Error PpermuteImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                        int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
-                        ffi::Span<const int64_t> sources, ffi::Span<const int64_t> targets) {
+                        int64_t comm_id, RawCallAttrs call_attrs, ffi::Span<const int64_t> sources,
+                        ffi::Span<const int64_t> targets) {
   constexpr std::string_view kOp = "ppermute";
   NCCLX_RETURN_IF_ERROR(CheckWholeBytes(kOp, "x", x.element_type()));
-  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, site, timeout_ms, warn_ms, trace);
+  ffi::ErrorOr<NcclCall> nccl = BeginNcclCall(kOp, stream, device_ordinal, comm_id, call_attrs);
   if (nccl.has_error()) return nccl.error();
   const CommRank* comm = &nccl->comm;
   NCCLX_RETURN_IF_ERROR(CheckPairs(kOp, sources, targets, comm->size));

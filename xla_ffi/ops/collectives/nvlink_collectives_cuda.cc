@@ -120,10 +120,9 @@ ffi::Error Launch(std::string_view op, cudaStream_t stream, int32_t device_ordin
 }
 
 ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                         int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
-                         ReduceOp reduce_op, NvlinkAlgorithm algorithm, NvlinkProtocol protocol, int64_t blocks,
-                         int64_t direct) {
-  const CallAttrs call = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
+                         int64_t comm_id, RawCallAttrs call_attrs, ReduceOp reduce_op, NvlinkAlgorithm algorithm,
+                         NvlinkProtocol protocol, int64_t blocks, int64_t direct) {
+  const CallAttrs call = MakeCallAttrs(call_attrs);
   constexpr std::string_view kOp = "all_reduce";
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
@@ -141,11 +140,10 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
 }
 
 ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
-                             ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, int64_t site, int64_t timeout_ms,
-                             int64_t warn_ms, int64_t trace, ReduceOp reduce_op, NvlinkProtocol protocol,
-                             int64_t blocks) {
+                             ffi::Result<ffi::AnyBuffer> y, int64_t comm_id, RawCallAttrs call_attrs,
+                             ReduceOp reduce_op, NvlinkProtocol protocol, int64_t blocks) {
   constexpr std::string_view kOp = "reduce_scatter";
-  const CallAttrs call = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
+  const CallAttrs call = MakeCallAttrs(call_attrs);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckSameDtype(kOp, x, *y));
@@ -161,10 +159,10 @@ ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device_ordinal, ffi::A
 }
 
 ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                         int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
-                         NvlinkProtocol protocol, int64_t blocks, int64_t direct) {
+                         int64_t comm_id, RawCallAttrs call_attrs, NvlinkProtocol protocol, int64_t blocks,
+                         int64_t direct) {
   constexpr std::string_view kOp = "all_gather";
-  const CallAttrs call = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
+  const CallAttrs call = MakeCallAttrs(call_attrs);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(
@@ -176,10 +174,10 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
 }
 
 ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
-                        int64_t comm_id, int64_t site, int64_t timeout_ms, int64_t warn_ms, int64_t trace,
-                        NvlinkProtocol protocol, int64_t blocks, int64_t direct) {
+                        int64_t comm_id, RawCallAttrs call_attrs, NvlinkProtocol protocol, int64_t blocks,
+                        int64_t direct) {
   constexpr std::string_view kOp = "all_to_all";
-  const CallAttrs call = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
+  const CallAttrs call = MakeCallAttrs(call_attrs);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckEvenSplit(kOp, Bytes(x), symmetric->size));

@@ -44,9 +44,9 @@ ffi::Error CheckDtype(std::string_view name, const ffi::AnyBuffer& buffer, ffi::
 
 ffi::Error MoeCombineImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer expert_out,
                           ffi::AnyBuffer row_pairs, ffi::AnyBuffer weights, ffi::AnyBuffer recv_tokens,
-                          ffi::AnyBuffer return_row, ffi::Result<ffi::AnyBuffer> out, int64_t comm_id, int64_t site,
-                          int64_t timeout_ms, int64_t warn_ms, int64_t trace, int64_t blocks) {
-  const CallAttrs attrs = MakeCallAttrs(site, timeout_ms, warn_ms, trace);
+                          ffi::AnyBuffer return_row, ffi::Result<ffi::AnyBuffer> out, int64_t comm_id,
+                          RawCallAttrs call_attrs, int64_t blocks) {
+  const CallAttrs attrs = MakeCallAttrs(call_attrs);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   const int n = symmetric->size;
@@ -95,7 +95,7 @@ ffi::Error MoeCombineImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyB
   args.tokens = tokens;
   args.hidden = hidden;
   args.trace = attrs.trace_device;
-  args.site = site;
+  args.site = attrs.site;
   args.timeout_ns = static_cast<uint64_t>(attrs.timeout_ms) * 1000000;
   args.expert_out = expert_out.untyped_data();
   args.row_pairs = static_cast<const int32_t*>(row_pairs.untyped_data());
