@@ -26,6 +26,7 @@ from jax.interpreters import mlir
 from jax_ncclx._src import comm
 from jax_ncclx._src import compat
 from jax_ncclx._src import config
+from jax_ncclx._src import contract
 from jax_ncclx._src import faults
 from jax_ncclx._src import lib
 from jax_ncclx._src import trace
@@ -159,7 +160,8 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, alias
         target = lib.cuda_target(op, route.transport, cmdbuf=cmdbuf, watched=bool(watched))
         if target is None:
             raise NotImplementedError(f"jax_ncclx.{op}: this build has no CUDA handler for it on {route.transport}")
-        algorithm = {1: "one_shot", 2: "two_shot"}.get(int(route.attrs.get("algorithm", 1))) if nvlink else "nccl"
+        names = {contract.ONE_SHOT: "one_shot", contract.TWO_SHOT: "two_shot"}
+        algorithm = names.get(int(route.attrs.get("algorithm", contract.ONE_SHOT))) if nvlink else "nccl"
         site_info.update(groups=[[mesh_devices[p].id for p in g] for g in groups], comm_id=comm_id,
                          transport="nvlink" if nvlink else "nccl", algorithm=algorithm)
     _check_results_fit(op, avals_out, platform, None if platform == "cpu" else mesh_devices[0])

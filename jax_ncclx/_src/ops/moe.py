@@ -377,7 +377,7 @@ def _combine_reduced_bwd(residuals, ct_out):
     expert_out, handle = residuals
     received, _, _ = _exchange(ct_out, handle.token_counts, handle.axis_name, _rows_per_member(handle),
                                send_rows=handle.send_token)
-    weights = _pair_weights(handle)
+    weights = moe_combine.pair_weights(handle.row_pairs, handle.recv_weights, handle.expand_rows.shape[0])
     per_row = jnp.take(weights.reshape(-1), handle.pair_entry, mode="fill", fill_value=0)
     ct_expert_out = (take_rows(received, handle.expand_rows).astype(jnp.float32) * per_row[:, None])
     pairs = moe_combine.pairs_of_rows(expert_out, handle.row_pairs)
@@ -431,11 +431,6 @@ def _rows_per_member(handle):
     """R = min(C, T): the rows per member of the exchanges that carry one row per token."""
     return handle.row_pairs.shape[0] // jax.lax.axis_size(handle.axis_name)
 
-
-def _pair_weights(handle):
-    """float32 ``[N * R, k]``: each received row's weight for each choice, zero where the choice is not
-    this member's (or was dropped)."""
-    return jnp.where(handle.row_pairs < handle.expand_rows.shape[0], handle.recv_weights, 0.0)
 
 
 def _reduce_back(expert_rows, weights, handle):

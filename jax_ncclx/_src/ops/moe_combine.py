@@ -89,6 +89,12 @@ def return_per_token(rows, recv_tokens, send_back_rows, return_row, axis_name):
     return per_member.astype(jnp.float32).sum(axis=1)
 
 
+def pair_weights(row_pairs, weights, expert_rows: int):
+    """float32 ``[N * R, k]``: each received row's weight for each choice, zero where the choice is not this
+    member's (or was dropped): where ``row_pairs`` is at or past ``expert_rows`` (N * C)."""
+    return jnp.where(row_pairs < expert_rows, weights, 0.0)
+
+
 def reduce_back(expert_rows, row_pairs, weights, recv_tokens, send_back_rows, return_row, axis_name):
     """float32 ``[T, H']``: the sum of ``combine_reduced`` before its final rounding, by the exchange chain.
     ``weights`` None: unit weights (dispatch's backward pass)."""
@@ -96,7 +102,7 @@ def reduce_back(expert_rows, row_pairs, weights, recv_tokens, send_back_rows, re
     if weights is None:
         summed = picked.sum(axis=1)
     else:
-        here = jnp.where(row_pairs < expert_rows.shape[0], weights, 0.0)
+        here = pair_weights(row_pairs, weights, expert_rows.shape[0])
         summed = jnp.sum(picked * here[:, :, None], axis=1)
     return return_per_token(summed.astype(expert_rows.dtype), recv_tokens, send_back_rows, return_row, axis_name)
 

@@ -22,6 +22,8 @@ namespace jax_ncclx {
 // The element types the kernel reads and writes; it accumulates in float32.
 enum class MoeCombineType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
+inline int MoeCombineElementBytes(MoeCombineType type) { return type == MoeCombineType::kF32 ? 4 : 2; }
+
 struct MoeCombineArgs {
   MoeCombineType type = MoeCombineType::kF32;
   int rank = 0;

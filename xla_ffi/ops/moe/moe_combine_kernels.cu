@@ -24,8 +24,6 @@ constexpr int kChunk = 8;
 constexpr int kTokenVectors = 2;
 static_assert(kMaxMoeCombineBlocks <= kMaxFlagGroups);
 
-int64_t RowBytes(int64_t hidden, int element_bytes) { return (hidden * element_bytes + 15) / 16 * 16; }
-
 // One 16-byte vector of T as float32 and back.
 template <typename T>
 struct Vector;
@@ -222,15 +220,15 @@ __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
 size_t MoeCombineSharedBytes(int top_k) { return size_t{kThreads / 32} * 2 * top_k * sizeof(int32_t); }
 
 int64_t MoeCombineSlotBytes(int size, int64_t rows_per_member, int64_t hidden, int element_bytes) {
-  const int64_t bytes = NvlinkLowLatencyAreaBytes(size) + size * rows_per_member * RowBytes(hidden, element_bytes);
+  const int64_t bytes = NvlinkLowLatencyAreaBytes(size) + size * rows_per_member * hidden * element_bytes;
   return (bytes + 255) / 256 * 256;
 }
 
 int ChooseMoeCombineBlocks(const MoeCombineArgs& args, int requested, int sm_count) {
   // A thread per 16-byte vector of the larger side, up to a block per SM (every block waits for every other,
   // so all must be resident at once) and the flags.
-  const int64_t lanes = args.type == MoeCombineType::kF32 ? 4 : 8;
-  const int64_t items = std::max(args.size * args.rows_per_member, args.tokens) * (args.hidden / lanes);
+  const int64_t vectors = args.hidden * MoeCombineElementBytes(args.type) / 16;  // per row
+  const int64_t items = std::max(args.size * args.rows_per_member, args.tokens) * vectors;
   const int64_t by_size = (items + kThreads - 1) / kThreads;
   const int cap = std::min(kMaxMoeCombineBlocks, std::max(1, sm_count));
   return static_cast<int>(std::clamp<int64_t>(requested > 0 ? requested : by_size, 1, cap));
