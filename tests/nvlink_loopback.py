@@ -107,3 +107,51 @@ def moe_combine(expert_out, row_pairs, weights, recv_tokens, return_row, **optio
         top_k=top_k, tokens=tokens, hidden=hidden, **options)
     out = np.frombuffer(done["out"], expert_out.dtype).reshape(calls, size, tokens, hidden)
     return out, with_grid(done)
+
+
+# moe.dispatch's results in the kernel's order, each (name, int32 or float32, shape from T, k, N, E_local, C, R, S).
+MOE_DISPATCH_RESULTS = [
+    ("group_sizes", np.int32, lambda T, k, N, L, C, R, S: (L,)),
+    ("order", np.int32, lambda T, k, N, L, C, R, S: (T * k,)),
+    ("send_counts", np.int32, lambda T, k, N, L, C, R, S: (N, L)),
+    ("recv_counts", np.int32, lambda T, k, N, L, C, R, S: (N, L)),
+    ("to_expert_major", np.int32, lambda T, k, N, L, C, R, S: (N * C,)),
+    ("to_source_major", np.int32, lambda T, k, N, L, C, R, S: (N * C,)),
+    ("return_slot", np.int32, lambda T, k, N, L, C, R, S: (T * k,)),
+    ("dropped", np.int32, lambda T, k, N, L, C, R, S: (N,)),
+    ("send_token", np.int32, lambda T, k, N, L, C, R, S: (S,)),
+    ("token_counts", np.int32, lambda T, k, N, L, C, R, S: (N,)),
+    ("return_row", np.int32, lambda T, k, N, L, C, R, S: (T, N)),
+    ("recv_tokens", np.int32, lambda T, k, N, L, C, R, S: (N,)),
+    ("expand_rows", np.int32, lambda T, k, N, L, C, R, S: (N * C,)),
+    ("pair_entry", np.int32, lambda T, k, N, L, C, R, S: (N * C,)),
+    ("row_pairs", np.int32, lambda T, k, N, L, C, R, S: (N * R, k)),
+    ("send_back_rows", np.int32, lambda T, k, N, L, C, R, S: (N * R,)),
+]
+
+
+def moe_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, **options):
+    """moe.dispatch's NVLink kernel. tokens [calls, ranks, T, H] (any dtype, rows of a multiple of 16 bytes),
+    expert_ids int32 [calls, ranks, T, k], weights float32 of the same shape or None. Returns (a dict of every
+    result by name, expert_rows [calls, ranks, N * C, H] in tokens' dtype and recv_weights float32 [calls,
+    ranks, N * R, k or 0] among them, ranks)."""
+    tokens = np.ascontiguousarray(tokens)
+    calls, size, num_tokens, hidden = tokens.shape
+    top_k = expert_ids.shape[-1]
+    with_weights = weights is not None
+    weights = np.zeros(expert_ids.shape, np.float32) if weights is None else weights
+    done = module().moe_dispatch(
+        tokens.tobytes(), np.ascontiguousarray(expert_ids, np.int32).tobytes(),
+        np.ascontiguousarray(weights, np.float32).tobytes(), size=size, calls=calls, num_tokens=num_tokens,
+        row_bytes=hidden * tokens.itemsize, top_k=top_k, num_experts=num_experts, capacity=capacity,
+        with_weights=with_weights, **options)
+    R = min(capacity, num_tokens)
+    dims = (num_tokens, top_k, size, num_experts // size, capacity, R,
+            min(num_tokens * min(top_k, size), size * capacity))
+    results = {name: np.frombuffer(done[name], dtype).reshape(calls, size, *shape(*dims))
+               for name, dtype, shape in MOE_DISPATCH_RESULTS}
+    results["expert_rows"] = np.frombuffer(done["expert_rows"], tokens.dtype).reshape(calls, size, size * capacity,
+                                                                                    hidden)
+    results["recv_weights"] = np.frombuffer(done["recv_weights"], np.float32).reshape(
+        calls, size, size * R, top_k if with_weights else 0)
+    return results, with_grid(done)

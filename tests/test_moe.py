@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from conftest import gpu_devices, gpu_skip_reason
 from helpers import assert_same, random_array
 from jax_ncclx import moe
+from jax_ncclx._src.ops import moe_dispatch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import xla_moe  # noqa: E402
@@ -208,6 +209,84 @@ def test_combine_kernel_takes_decode_sizes(monkeypatch):
     assert "ncclx_moe_combine_nvlink" not in lowered(16, 7)          # 14-byte rows
 
 
+def dispatch_routing(pattern, tokens=16, top_k=4, num_experts=8):
+    """(expert ids [T, k], capacity) for one member: skewed ids with -1 and ids >= E, all on one expert, none,
+    a capacity exactly the number of valid pairs, one that drops, one token."""
+    rng = np.random.default_rng(len(pattern))
+    ids = np.minimum(rng.integers(0, num_experts, (tokens, top_k)), rng.integers(0, num_experts, (tokens, top_k)))
+    ids = np.where(rng.random(ids.shape) < 0.1, -1, np.where(rng.random(ids.shape) < 0.05, num_experts + 2, ids))
+    if pattern == "one_expert":
+        ids = np.full_like(ids, 3)
+    elif pattern == "no_expert":
+        ids = np.full_like(ids, -1)
+    elif pattern == "one_token":
+        ids = ids[:1]
+    valid = int(np.sum((ids >= 0) & (ids < num_experts)))
+    capacity = {"at_capacity": max(valid, 1), "tight": 3}.get(pattern, ids.size)
+    return ids.astype(np.int32), capacity
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weighted", [False, True], ids=["", "weights"])
+@pytest.mark.parametrize("pattern", ["random", "one_expert", "no_expert", "at_capacity", "tight", "one_token"])
+def test_dispatch_kernel_gives_the_chains_results(monkeypatch, pattern, weighted):
+    """On one GPU, dispatch's NVLink kernel and the exchange chain (over NCCL) give the same expert rows,
+    group sizes and handle arrays, bit for bit, for adversarial routings."""
+    reason = gpu_skip_reason(minimum=1)
+    if reason:
+        pytest.skip(reason)
+    mesh = line_mesh(gpu_devices()[:1])
+    ids, capacity = dispatch_routing(pattern)
+    tokens = random_array((ids.shape[0], 64), jnp.bfloat16, seed=2)
+    weights = random_array(ids.shape, jnp.float32, seed=3)
+
+    def run(transport):
+        monkeypatch.setenv("JAX_NCCLX_TRANSPORT", transport)
+
+        def body(t, i, w):
+            return tuple(moe_dispatch.dispatch_rows(t, i, w if weighted else None, num_experts=8, axis_name="x",
+                                                    capacity=capacity))
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x")))
+        return f.lower(tokens, ids, weights).as_text(), [np.asarray(o) for o in f(tokens, ids, weights)]
+
+    fused_text, fused = run("auto")
+    chain_text, chain = run("nccl")
+    assert "ncclx_moe_dispatch_nvlink" in fused_text and "ncclx_moe_dispatch_nvlink" not in chain_text
+    for name, got, expected in zip(moe_dispatch.Dispatched._fields, fused, chain):
+        assert got.shape == expected.shape and got.dtype == expected.dtype, name
+        np.testing.assert_array_equal(got.view(np.uint16) if got.dtype == jnp.bfloat16 else got,
+                                      expected.view(np.uint16) if got.dtype == jnp.bfloat16 else expected,
+                                      err_msg=name)
+
+
+@pytest.mark.gpu
+def test_dispatch_kernel_takes_decode_sizes(monkeypatch):
+    """The NVLink kernel takes dispatch at decode sizes; more pairs than its plan holds, rows past 4 MiB per
+    member, rows it cannot move as 16-byte vectors and the 8-bit wire lower to the exchange chain."""
+    reason = gpu_skip_reason(minimum=1)
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "auto")
+    mesh = line_mesh(gpu_devices()[:1])
+
+    def lowered(tokens, hidden, top_k=8, wire_dtype=None):
+        def body(t, i):
+            return moe.dispatch(t, i, num_experts=8, axis_name="x", capacity=tokens * top_k,
+                                wire_dtype=wire_dtype)[0]
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 2, out_specs=P("x")))
+        args = (jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16),
+                jax.ShapeDtypeStruct((tokens, top_k), jnp.int32))
+        return f.lower(*args).as_text()
+
+    assert "ncclx_moe_dispatch_nvlink" in lowered(128, 7168)                   # 128 rows of 14 KiB per member
+    assert "ncclx_moe_dispatch_nvlink" not in lowered(512, 7168)               # 4096 pairs
+    assert "ncclx_moe_dispatch_nvlink" not in lowered(256, 16384)              # 8 MiB per member
+    assert "ncclx_moe_dispatch_nvlink" not in lowered(16, 7)                   # 14-byte rows
+    assert "ncclx_moe_dispatch_nvlink" not in lowered(16, 256, wire_dtype=jnp.float8_e4m3fn)
+
+
 @pytest.mark.parametrize("capacity", [AMPLE, TIGHT], ids=["ample", "tight"])
 def test_benchmark_xla_layer_matches_the_reference(backend, capacity):
     """benchmarks/xla_moe.py, the XLA-only layer that benchmarks/all_to_allv.py times moe against, gives the
@@ -279,11 +358,16 @@ def test_each_token_crosses_once_per_member(backend):
         np.testing.assert_array_equal(sizes[m], ref_sizes)
     np.testing.assert_allclose(out, (tokens[:, :, None, :] * weights[..., None]).sum(axis=2), rtol=1e-6, atol=1e-6)
 
-    def body(t, i):
-        return moe.dispatch(t, i, num_experts=num_experts, axis_name="x", capacity=capacity)[0]
+    def traced(body):
+        return jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 2, out_specs=P("x")))(
+            tokens.reshape(-1, HIDDEN), ids.reshape(-1, top_k))
 
-    jaxpr = jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 2, out_specs=P("x")))(
-        tokens.reshape(-1, HIDDEN), ids.reshape(-1, top_k))
+    # dispatch is one op; its exchange chain (what CPU and NCCL lower) holds the one exchange.
+    jaxpr = traced(lambda t, i: moe.dispatch(t, i, num_experts=num_experts, axis_name="x", capacity=capacity)[0])
+    assert [e.primitive.name for e in _equations(jaxpr.jaxpr) if e.primitive.name.startswith("ncclx_")] == [
+        "ncclx_moe_dispatch"]
+    jaxpr = traced(lambda t, i: moe_dispatch._exchange_chain(t, i, axis_name="x", num_experts=num_experts,
+                                                            num_members=n, capacity=capacity, wire_dtype=None)[0])
     exchanges = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "ncclx_all_to_allv_dynamic"]
     assert len(exchanges) == 1
     # T * min(k, N) send rows (not T * k) read straight from the tokens, each H values followed by the k int32
@@ -537,10 +621,10 @@ def test_8bit_wire(backend, wire_dtype):
         return rows[None], sizes[None], handle.dropped[None]
 
     mapped = jax.shard_map(body, mesh=line_mesh(backend), in_specs=(P("x"),) * 2, out_specs=P("x"))
-    exchanges = [e for e in _equations(jax.make_jaxpr(mapped)(tokens, ids).jaxpr)
-                 if e.primitive.name == "ncclx_all_to_allv_dynamic"]
-    assert [(e.invars[0].aval.dtype, e.invars[0].aval.shape[-1]) for e in exchanges] == \
-        [(np.uint8, hidden + 4 * hidden // 128)]
+    # The 8-bit wire takes the exchange chain on every backend: its one exchange moves uint8 rows.
+    exchanges = [line for line in jax.jit(mapped).lower(tokens, ids).as_text().splitlines()
+                 if "ncclx_all_to_allv_dynamic" in line and "custom_call" in line]
+    assert len(exchanges) == 1 and f"x{hidden + 4 * hidden // 128}xui8>" in exchanges[0].split("->")[0]
     rows, sizes, dropped = (np.asarray(o) for o in jax.jit(mapped)(tokens, ids))
     assert rows.dtype == np.float32
     rounding = 2.0 ** -(jnp.finfo(wire_dtype).nmant + 1)  # half a unit in the last place, relative

@@ -19,6 +19,7 @@ import pytest
 import nvlink_loopback as loopback
 import reference
 from helpers import assert_bits_equal, random_array, random_bits
+from jax_ncclx._src import contract
 
 pytestmark = pytest.mark.gpu
 
@@ -164,8 +165,7 @@ def test_a_late_rank_leaves_results_exact(case, late):
     assert bad.size == 0, f"{bad.size} of {calls} calls differ, the first is call {bad[0]}"
 
 
-TRACE_KERNELS = {"all_to_allv": 1, "all_reduce": 2, "all_gather": 3, "all_to_all": 4, "reduce_scatter": 5,
-                 "moe.combine": 6}
+TRACE_KERNELS = {name: kernel for kernel, name in contract.TRACE_KERNELS.items()}
 
 
 def assert_timelines(ranks, calls, kernel):
@@ -472,7 +472,7 @@ def test_all_to_allv_many_calls(schedule, direct):
     counts = counts_of("overflow", size, 2, calls, 1, seed=9)
     actual = loopback.all_to_allv(x, counts, CAPACITY, layout="packed", direct=direct, trace=True, **options)
     check_all_to_allv(actual, expected_all_to_allv(x, counts, CAPACITY, "packed"), calls)
-    assert_timelines(actual[-1], calls, kernel="all_to_allv")
+    assert_timelines(actual[-1], calls, kernel="all_to_allv_dynamic")
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
@@ -588,6 +588,122 @@ def test_moe_combine_missing_rank_is_named():
     routing = moe_routing("random", size, calls, 8, 8, 2, seed=6)
     expert_out = random_array((calls, size, size * 8, 64), np.float32, seed=6)
     _, ranks = loopback.moe_combine(expert_out, *routing, absent=1, timeout_ms=200)
+    assert_absent_rank_named(ranks, absent=1, calls=calls)
+
+
+# ---- moe.dispatch ----------------------------------------------------------------------------------------------
+# The kernel against the NumPy reference of the chain it replaces (reference.moe_plan_sends on every rank, the
+# suffixes as the exchange moves them, reference.moe_place_received, the rows expanded), every result bit for bit.
+
+DISPATCH_PATTERNS = ("random", "one_expert", "no_expert", "empty_members", "at_capacity", "tight")
+
+
+def dispatch_routing(pattern, size, calls, tokens, top_k, num_experts, seed):
+    """(expert ids [calls, size, T, k], capacity) of a named pattern: ids skewed to low experts with some -1
+    and some >= E (random), all on expert 0, none, only member 0's experts, a capacity exactly the largest
+    load any rank gives any member, or one that drops."""
+    rng = np.random.default_rng(seed)
+    shape = (calls, size, tokens, top_k)
+    ids = np.minimum(rng.integers(0, num_experts, size=shape), rng.integers(0, num_experts, size=shape))
+    ids = np.where(rng.random(shape) < 0.05, -1, np.where(rng.random(shape) < 0.02, num_experts + 3, ids))
+    if pattern == "one_expert":
+        ids = np.zeros(shape)
+    elif pattern == "no_expert":
+        ids = np.full(shape, -1)
+    elif pattern == "empty_members":
+        ids = rng.integers(0, num_experts // size, size=shape)
+    ids = ids.astype(np.int32)
+    local = num_experts // size
+    valid = (ids >= 0) & (ids < num_experts)
+    loads = [np.bincount(ids[c, r][valid[c, r]] // local, minlength=size).max(initial=0)
+             for c in range(calls) for r in range(size)]
+    capacity = {"at_capacity": max(1, max(loads)), "tight": 2}.get(pattern, tokens * top_k)
+    return ids, capacity
+
+
+def expected_moe_dispatch(tokens, ids, weights, num_experts, capacity):
+    """Per (call, rank), the dict of results the chain gives: plan, exchange, placement, expansion."""
+    calls, size, num_tokens, hidden = tokens.shape
+    top_k, R, local = ids.shape[-1], min(capacity, num_tokens), num_experts // size
+    expected = []
+    for c in range(calls):
+        plans = [reference.moe_plan_sends(ids[c, r], num_experts, size, capacity,
+                                          None if weights is None else weights[c, r]) for r in range(size)]
+        per_rank = []
+        for me, (suffixes, recv_tokens) in enumerate(reference.moe_exchange_suffixes(plans, R)):
+            placed = reference.moe_place_received(suffixes, recv_tokens, local, capacity, top_k, weights is not None)
+            received = np.zeros((size * R, hidden), tokens.dtype)
+            for source, plan in enumerate(plans):
+                first = int(np.sum(plan["token_counts"][:me]))
+                sent = plan["send_token"][first: first + plan["token_counts"][me]]
+                received[source * R: source * R + len(sent)] = tokens[c, source, sent]
+            expand = placed["expand_rows"]
+            rows = np.where((expand < size * R)[:, None], received[np.minimum(expand, size * R - 1)], 0)
+            plan = {name: value for name, value in plans[me].items() if name != "send_suffix"}
+            per_rank.append({**plan, **placed, "recv_tokens": recv_tokens, "expert_rows": rows.astype(tokens.dtype)})
+        expected.append(per_rank)
+    return expected
+
+
+def check_moe_dispatch(actual, tokens, ids, weights, num_experts, capacity):
+    results, ranks = actual
+    calls, size = tokens.shape[:2]
+    assert_healthy(ranks, calls)
+    for c, per_rank in enumerate(expected_moe_dispatch(tokens, ids, weights, num_experts, capacity)):
+        for rank, expected in enumerate(per_rank):
+            for name, value in expected.items():
+                got = results[name][c, rank]
+                try:
+                    assert_bits_equal(got, np.asarray(value, got.dtype))
+                except AssertionError as error:
+                    raise AssertionError(f"{name} of call {c} on rank {rank}: {error}") from None
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["", "weights"])
+@pytest.mark.parametrize("pattern", DISPATCH_PATTERNS)
+@pytest.mark.parametrize("size", [1, 2, 4, 8])
+def test_moe_dispatch(size, pattern, weighted):
+    """Every result of the dispatch kernel equals the chain's for the adversarial routings; three calls, so
+    both parity halves and their reuse are in play."""
+    calls, tokens, top_k, hidden = 3, 16, 4, 64
+    num_experts = 4 * size
+    ids, capacity = dispatch_routing(pattern, size, calls, tokens, top_k, num_experts, seed=size)
+    x = random_array((calls, size, tokens, hidden), np.float32, seed=size)
+    weights = random_array(ids.shape, np.float32, seed=size + 1) if weighted else None
+    actual = loopback.moe_dispatch(x, ids, weights, num_experts=num_experts, capacity=capacity)
+    check_moe_dispatch(actual, x, ids, weights, num_experts, capacity)
+
+
+@pytest.mark.parametrize("tokens, top_k, hidden, experts", [(1, 1, 8, 8), (1, 8, 64, 64), (128, 8, 7168, 256)],
+                         ids=["one-token-top-1", "one-token", "decode-rows"])
+def test_moe_dispatch_shapes(tokens, top_k, hidden, experts):
+    """T = 1 (one 16-byte vector per row), and DeepSeek-V3's decode shape: 128 tokens of 7168 bfloat16, top-8
+    of 256 experts on 8 ranks."""
+    size, calls = 8, 2
+    ids, capacity = dispatch_routing("random", size, calls, tokens, top_k, experts, seed=tokens)
+    x = random_array((calls, size, tokens, hidden), ml_dtypes.bfloat16, seed=tokens)
+    weights = random_array(ids.shape, np.float32, seed=3)
+    actual = loopback.moe_dispatch(x, ids, weights, num_experts=experts, capacity=capacity)
+    check_moe_dispatch(actual, x, ids, weights, experts, capacity)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_moe_dispatch_many_calls(schedule):
+    """New routings every call on one set of flags and slots, as for combine."""
+    size, (calls, options) = 4, SCHEDULES[schedule]
+    calls = min(calls, 60)
+    ids, capacity = dispatch_routing("tight", size, calls, 8, 2, 8, seed=7)
+    x = random_array((calls, size, 8, 16), np.float32, seed=7)
+    actual = loopback.moe_dispatch(x, ids, None, num_experts=8, capacity=capacity, trace=True, **options)
+    check_moe_dispatch(actual, x, ids, None, 8, capacity)
+    assert_timelines(actual[1], calls, kernel="moe.dispatch")
+
+
+def test_moe_dispatch_missing_rank_is_named():
+    size, calls = 4, 2
+    ids, capacity = dispatch_routing("random", size, calls, 8, 2, 8, seed=8)
+    x = random_array((calls, size, 8, 16), np.float32, seed=8)
+    _, ranks = loopback.moe_dispatch(x, ids, None, num_experts=8, capacity=capacity, absent=1, timeout_ms=200)
     assert_absent_rank_named(ranks, absent=1, calls=calls)
 
 

@@ -30,6 +30,7 @@
 #include "ops/all_to_allv/all_to_allv_kernels.h"
 #include "ops/moe/moe_routing_kernels.h"
 #include "ops/moe/moe_combine.h"
+#include "ops/moe/moe_dispatch.h"
 #include "ops/collectives/nvlink_collectives_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -71,6 +72,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkReduceScatter);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkReduceScatterPrepare);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkMoeCombine);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkMoeCombinePrepare);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkMoeDispatch);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkMoeDispatchPrepare);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaMoePlanSends);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaMoePlaceReceived);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaTakeRows);
@@ -473,6 +476,9 @@ std::vector<Handler> Handlers() {
       {"ncclx_moe_combine_nvlink", "moe_combine", "nvlink", false, false, Capsule(NvlinkMoeCombine)},
       {"ncclx_moe_combine_nvlink_watched", "moe_combine", "nvlink", false, true,
        Stages(NvlinkMoeCombinePrepare, NvlinkMoeCombine)},
+      {"ncclx_moe_dispatch_nvlink", "moe_dispatch", "nvlink", false, false, Capsule(NvlinkMoeDispatch)},
+      {"ncclx_moe_dispatch_nvlink_watched", "moe_dispatch", "nvlink", false, true,
+       Stages(NvlinkMoeDispatchPrepare, NvlinkMoeDispatch)},
 #ifdef JAX_NCCLX_TESTING
       {"ncclx_launch_probe", "launch_probe", "local", false, false, Capsule(LaunchProbe)},
 #endif
@@ -578,6 +584,20 @@ NB_MODULE(_ncclx_cuda, m) {
       nb::arg("size"), nb::arg("rows_per_member"), nb::arg("hidden"), nb::arg("element_bytes"),
       "Low-latency slot bytes per call parity that moe.combine's NVLink kernel needs on `size` ranks for\n"
       "`rows_per_member` token rows per member of `hidden` elements of `element_bytes` each.");
+  m.attr("MOE_DISPATCH_MAX_TOP_K") = jn::kMaxMoeDispatchTopK;
+  m.attr("MOE_DISPATCH_MAX_PAIRS") = jn::kMaxMoeDispatchPairs;
+  m.attr("MOE_DISPATCH_MAX_MEMBER_TOKENS") = jn::kMaxMoeDispatchMemberTokens;
+  m.def(
+      "moe_dispatch_slot_bytes",
+      [](int size, int64_t rows_per_member, int top_k, int64_t row_bytes, bool with_weights) {
+        if (size < 1 || size > jn::kMaxNvlinkRanks || rows_per_member < 0 || top_k < 1 || row_bytes < 0) {
+          throw std::invalid_argument("moe_dispatch_slot_bytes: bad sizes");
+        }
+        return jn::MoeDispatchSlotBytes(size, rows_per_member, top_k, row_bytes, with_weights);
+      },
+      nb::arg("size"), nb::arg("rows_per_member"), nb::arg("top_k"), nb::arg("row_bytes"), nb::arg("with_weights"),
+      "Low-latency slot bytes per call parity that moe.dispatch's NVLink kernel needs on `size` ranks for\n"
+      "`rows_per_member` token rows per member of `row_bytes` bytes each, with top-k tags (and weights).");
   jn::DefineMonitorBindings(m, jn::ResolveCallRecord, jn::ResetTraceAnchors);
   jn::DefineContractBindings(m);
   m.def(

@@ -31,6 +31,7 @@ enum TraceKernel : uint32_t {
   kTraceAllToAll = 4,
   kTraceReduceScatter = 5,
   kTraceMoeCombine = 6,
+  kTraceMoeDispatch = 7,
 };
 
 // Ranks one NVLink communicator may have (one host's NVLink domain).
@@ -73,6 +74,7 @@ inline constexpr Named kTraceKernelNames[] = {
     {"all_to_allv_dynamic", kTraceAllToAllv}, {"all_reduce", kTraceAllReduce},
     {"all_gather", kTraceAllGather},          {"all_to_all", kTraceAllToAll},
     {"reduce_scatter", kTraceReduceScatter},  {"moe.combine", kTraceMoeCombine},
+    {"moe.dispatch", kTraceMoeDispatch},
 };
 
 }  // namespace jax_ncclx

@@ -35,6 +35,8 @@ std::string KernelName(uint32_t kernel) {
       return "reduce_scatter";
     case kTraceMoeCombine:
       return "moe.combine";
+    case kTraceMoeDispatch:
+      return "moe.dispatch";
   }
   return "kernel " + std::to_string(kernel);
 }

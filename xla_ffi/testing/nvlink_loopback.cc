@@ -33,6 +33,7 @@
 #include "common/symmetric_layout.h"
 #include "ops/all_to_allv/all_to_allv_kernels.h"
 #include "ops/moe/moe_combine.h"
+#include "ops/moe/moe_dispatch.h"
 #include "ops/collectives/nvlink_collectives_kernels.h"
 
 namespace nb = nanobind;
@@ -551,6 +552,99 @@ nb::dict MoeCombine(const nb::bytes& expert_out, const nb::bytes& row_pairs, con
   return ToDict(std::move(outcome), {"out"}, grid);
 }
 
+// moe.dispatch's results, in the order MoeDispatch returns them (and the FFI handler's results but the rows).
+constexpr const char* kMoeDispatchResults[] = {"expert_rows",    "group_sizes",     "order",           "send_counts",
+                                               "recv_counts",    "to_expert_major", "to_source_major", "return_slot",
+                                               "dropped",        "send_token",      "token_counts",    "return_row",
+                                               "recv_tokens",    "expand_rows",     "pair_entry",      "row_pairs",
+                                               "send_back_rows", "recv_weights"};
+
+nb::dict MoeDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids, const nb::bytes& weights, int size,
+                     int calls, int64_t num_tokens, int64_t row_bytes, int top_k, int64_t num_experts, int64_t capacity,
+                     bool with_weights, int blocks, bool trace, bool graph, int64_t timeout_ms, int absent, int late,
+                     int64_t late_us) {
+  const Schedule schedule{calls, graph, absent, late, late_us, timeout_ms};
+  CheckSchedule(size, schedule);
+  Require(num_tokens >= 1 && top_k >= 1 && top_k <= kMaxMoeDispatchTopK && row_bytes >= 0 && row_bytes % 16 == 0 &&
+              num_tokens * top_k <= kMaxMoeDispatchPairs && size * num_tokens <= kMaxMoeDispatchMemberTokens,
+          "bad sizes: tokens and top_k positive within the kernel's limits, rows a multiple of 16 bytes");
+  Require(num_experts >= 1 && num_experts % size == 0 && num_experts <= kMaxRoutingExperts && capacity >= 1,
+          "bad sizes: num_experts a multiple of size up to the routing's limit, capacity positive");
+  MoeDispatchArgs args;
+  args.size = size;
+  args.top_k = top_k;
+  args.tokens = num_tokens;
+  args.num_experts = num_experts;
+  args.capacity = capacity;
+  args.row_bytes = row_bytes;
+  args.with_weights = with_weights;
+  args.trace = trace;
+  args.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000;
+  const PlanSendsShape shape = args.plan_shape();
+  const int64_t T = num_tokens, k = top_k, N = size, L = num_experts / size, NC = N * capacity;
+  const int64_t R = shape.rows_per_member(), S = shape.num_rows(), I = sizeof(int32_t);
+  const int grid = ChooseMoeDispatchBlocks(args, blocks, SmsPerRank(size));
+  Resources resources;
+  Ranks ranks(resources, size, MoeDispatchSlotBytes(size, R, top_k, row_bytes, with_weights), 0);
+  std::vector<Operand> operands = {
+      {"tokens", T * row_bytes, false},
+      {"expert_ids", T * k * I, false},
+      {"weights", T * k * I, false},
+      {"expert_rows", NC * row_bytes, true},
+      {"group_sizes", L * I, true},
+      {"order", T * k * I, true},
+      {"send_counts", N * L * I, true},
+      {"recv_counts", N * L * I, true},
+      {"to_expert_major", NC * I, true},
+      {"to_source_major", NC * I, true},
+      {"return_slot", T * k * I, true},
+      {"dropped", N * I, true},
+      {"send_token", S * I, true},
+      {"token_counts", N * I, true},
+      {"return_row", T * N * I, true},
+      {"recv_tokens", N * I, true},
+      {"expand_rows", NC * I, true},
+      {"pair_entry", NC * I, true},
+      {"row_pairs", N * R * k * I, true},
+      {"send_back_rows", N * R * I, true},
+      {"recv_weights", N * R * (with_weights ? k : 0) * I, true},
+  };
+  Outcome outcome = Run(resources, ranks, operands, {&tokens, &expert_ids, &weights}, schedule,
+                        [&](int rank, int slot, cudaStream_t stream) {
+                          MoeDispatchArgs mine = args;
+                          auto at = [&](int i) { return operands[i].At(slot, rank, size); };
+                          auto ints = [&](int i) { return reinterpret_cast<int32_t*>(at(i)); };
+                          mine.rank = rank;
+                          mine.site = rank;
+                          mine.tokens_in = at(0);
+                          mine.expert_ids = ints(1);
+                          mine.weights = with_weights ? reinterpret_cast<const float*>(at(2)) : nullptr;
+                          mine.expert_rows = at(3);
+                          mine.placed.group_sizes = ints(4);
+                          mine.plan.order = ints(5);
+                          mine.plan.send_counts = ints(6);
+                          mine.placed.recv_counts = ints(7);
+                          mine.placed.to_expert_major = ints(8);
+                          mine.placed.to_source_major = ints(9);
+                          mine.plan.return_slot = ints(10);
+                          mine.plan.dropped = ints(11);
+                          mine.plan.send_token = ints(12);
+                          mine.plan.token_counts = ints(13);
+                          mine.plan.return_row = ints(14);
+                          mine.recv_tokens = ints(15);
+                          mine.placed.expand_rows = ints(16);
+                          mine.placed.pair_entry = ints(17);
+                          mine.placed.row_pairs = ints(18);
+                          mine.placed.send_back_rows = ints(19);
+                          mine.placed.recv_weights = reinterpret_cast<float*>(at(20));
+                          mine.table = ranks.table[rank];
+                          mine.control = ranks.control[rank];
+                          return LaunchMoeDispatch(mine, grid, stream);
+                        });
+  return ToDict(std::move(outcome),
+                std::vector<std::string>(std::begin(kMoeDispatchResults), std::end(kMoeDispatchResults)), grid);
+}
+
 }  // namespace
 }  // namespace jax_ncclx
 
@@ -590,4 +684,14 @@ NB_MODULE(_ncclx_loopback, m) {
         "row_pairs int32 [size * rows_per_member, top_k], weights float32 of the same shape, recv_tokens int32\n"
         "[size], return_row int32 [tokens, size]. Returns out (bytes of [calls, size, tokens, hidden]), 'ranks'\n"
         "and 'blocks' as collective() does.");
+  m.def("moe_dispatch", &jn::MoeDispatch, nb::arg("tokens"), nb::arg("expert_ids"), nb::arg("weights"), nb::kw_only(),
+        nb::arg("size"), nb::arg("calls"), nb::arg("num_tokens"), nb::arg("row_bytes"), nb::arg("top_k"),
+        nb::arg("num_experts"), nb::arg("capacity"), nb::arg("with_weights"), nb::arg("blocks") = 0,
+        nb::arg("trace") = false, nb::arg("graph") = false, nb::arg("timeout_ms") = 5000, nb::arg("absent") = -1,
+        nb::arg("late") = -1, nb::arg("late_us") = 0,
+        "Runs `calls` calls of moe.dispatch's NVLink kernel on `size` logical ranks of the current GPU. Each\n"
+        "input is bytes of [calls, size, ...]: tokens [num_tokens, row_bytes], expert_ids int32 [num_tokens,\n"
+        "top_k], weights float32 of the same shape (read with with_weights only). Returns every result of the\n"
+        "kernel by name (bytes of [calls, size, ...], shapes as the FFI handler's), 'ranks' and 'blocks' as\n"
+        "collective() does.");
 }

@@ -1,5 +1,6 @@
-"""MoE dispatch and combine over one expert-parallel mesh axis (or several taken as one), each one
-``all_to_allv_dynamic`` call.
+"""MoE dispatch and combine over one expert-parallel mesh axis (or several taken as one). At decode sizes on
+NVLink each is one kernel (``moe_dispatch.py``, ``moe_combine.py``); elsewhere each is a chain of jax_ncclx
+ops around one ``all_to_allv_dynamic`` call. Both give the same values.
 
 Expert placement: with N members on ``axis_name`` and E experts, E_local = E // N and expert e lives on member
 e // E_local (by ``jax.lax.axis_index(axis_name)``) as its local expert e % E_local. ``dispatch`` gives every
@@ -42,8 +43,7 @@ from jax_ncclx._src import contract
 from jax_ncclx._src import primitive
 from jax_ncclx._src import validation
 from jax_ncclx._src.ops import moe_combine
-from jax_ncclx._src.ops import moe_routing
-from jax_ncclx._src.ops.all_to_allv_dynamic import all_to_allv_dynamic
+from jax_ncclx._src.ops import moe_dispatch
 from jax_ncclx._src.ops.take_rows import take_rows
 
 
@@ -110,7 +110,6 @@ class DispatchHandle:
 _ARRAY_FIELDS = [f.name for f in dataclasses.fields(DispatchHandle) if not f.metadata.get("static")]
 
 WIRE_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
-SCALE_BLOCK = 128  # elements per scale on an 8-bit wire (the whole row when H is not a multiple of it)
 
 
 def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, weights=None, wire_dtype=None):
@@ -247,35 +246,12 @@ def combine(expert_out, handle: DispatchHandle, weights=None):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _dispatch(tokens, weights, expert_ids, num_experts, axis_name, capacity, wire_dtype):
-    num_members = jax.lax.axis_size(axis_name)
-    top_k = expert_ids.shape[1]
-    plan = moe_routing.plan_sends(expert_ids, weights, num_experts=num_experts, num_members=num_members,
-                                  capacity=capacity)
-    # Quantized before the copy into send rows: T rows to encode, not S.
-    source = tokens if wire_dtype is None else _encode(tokens, wire_dtype)
-    width = source.shape[1]
-    # The exchange reads each token row and appends its tags (and weights) as it sends them: no send-side copy.
-    # A member gets each token at most once: R = min(C, T) rows per source, so the padded layout's zero rows
-    # after the data (written over NVLink too) stay few.
-    received, recv_tokens, _ = _exchange(source, plan.token_counts, axis_name, min(capacity, tokens.shape[0]),
-                                         send_rows=plan.send_token,
-                                         suffix=_as_columns(plan.send_suffix, source.dtype))
-    placed = moe_routing.place_received(received, recv_tokens, local_experts=num_experts // num_members,
-                                        capacity=capacity, top_k=top_k, suffix_offset=width * source.dtype.itemsize,
-                                        with_weights=weights is not None)
-    expert_rows = take_rows(received, placed.expand_rows, width=width)
-    if wire_dtype is not None:
-        expert_rows = _decode(expert_rows, tokens.shape[1], wire_dtype, tokens.dtype)
-    handle = DispatchHandle(
-        order=plan.order, send_counts=plan.send_counts, recv_counts=placed.recv_counts,
-        to_expert_major=placed.to_expert_major, to_source_major=placed.to_source_major,
-        return_slot=plan.return_slot, dropped=plan.dropped, send_token=plan.send_token,
-        token_counts=plan.token_counts, return_row=plan.return_row, recv_tokens=recv_tokens,
-        expand_rows=placed.expand_rows, pair_entry=placed.pair_entry, row_pairs=placed.row_pairs,
-        send_back_rows=placed.send_back_rows,
-        recv_weights=None if weights is None else placed.recv_weights,
-        axis_name=axis_name, capacity=capacity, top_k=top_k)
-    return expert_rows, placed.group_sizes, handle
+    out = moe_dispatch.dispatch_rows(tokens, expert_ids, weights, num_experts=num_experts, axis_name=axis_name,
+                                     capacity=capacity, wire_dtype=wire_dtype)
+    fields = {name: getattr(out, name) for name in _ARRAY_FIELDS if name != "recv_weights"}
+    handle = DispatchHandle(**fields, recv_weights=None if weights is None else out.recv_weights,
+                            axis_name=axis_name, capacity=capacity, top_k=expert_ids.shape[1])
+    return out.expert_rows, out.group_sizes, handle
 
 
 def _dispatch_fwd(tokens, weights, expert_ids, num_experts, axis_name, capacity, wire_dtype):
@@ -296,42 +272,6 @@ def _dispatch_bwd(num_experts, axis_name, capacity, wire_dtype, residuals, cotan
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
-
-
-def _scale_block(hidden):
-    return SCALE_BLOCK if hidden % SCALE_BLOCK == 0 else hidden
-
-
-def _encode(rows, wire_dtype):
-    """``[R, H]`` float rows -> ``[R, H + 4 * H / block]`` uint8: H values in wire_dtype, then the float32 scales.
-
-    Each block's scale maps its largest magnitude to wire_dtype's largest finite value; an all-zero block
-    gets scale 0 (and decodes to zeros, like the exchange's padding rows).
-    """
-    num_rows, hidden = rows.shape
-    block = _scale_block(hidden)
-    values = rows.astype(jnp.float32).reshape(num_rows, hidden // block, block)
-    scale = jnp.max(jnp.abs(values), axis=2) / float(jnp.finfo(wire_dtype).max)
-    quantized = (values / jnp.where(scale > 0, scale, 1.0)[..., None]).astype(wire_dtype)
-    return jnp.concatenate([jax.lax.bitcast_convert_type(quantized.reshape(num_rows, hidden), jnp.uint8),
-                            jax.lax.bitcast_convert_type(scale, jnp.uint8).reshape(num_rows, -1)], axis=1)
-
-
-def _decode(wire_rows, hidden, wire_dtype, dtype):
-    """The inverse of ``_encode``: ``[R, H + 4 * H / block]`` uint8 -> ``[R, H]`` dtype."""
-    num_rows = wire_rows.shape[0]
-    block = _scale_block(hidden)
-    values = jax.lax.bitcast_convert_type(wire_rows[:, :hidden], wire_dtype).astype(jnp.float32)
-    scale = jax.lax.bitcast_convert_type(wire_rows[:, hidden:].reshape(num_rows, -1, 4), jnp.float32)
-    return (values.reshape(num_rows, -1, block) * scale[..., None]).reshape(num_rows, hidden).astype(dtype)
-
-
-def _as_columns(words, dtype):
-    """int32 ``[S, w]`` -> ``[S, w * 4 / itemsize]`` dtype with the same bits (w even for 8-byte dtypes: the
-    suffixes are multiples of 4 words)."""
-    if np.dtype(dtype).itemsize == 8:
-        words = words.reshape(words.shape[0], -1, 2)
-    return jax.lax.bitcast_convert_type(words, dtype).reshape(words.shape[0], -1)
 
 
 # ---- combine -----------------------------------------------------------------------------------------------
@@ -375,7 +315,7 @@ def _combine_reduced_bwd(residuals, ct_out):
     and member); each pair's row is scaled by its weight, and each weight's cotangent is the dot product of
     its row with the pair's expert output."""
     expert_out, handle = residuals
-    received, _, _ = _exchange(ct_out, handle.token_counts, handle.axis_name, _rows_per_member(handle),
+    received, _, _ = moe_dispatch.exchange(ct_out, handle.token_counts, handle.axis_name, _rows_per_member(handle),
                                send_rows=handle.send_token)
     weights = moe_combine.pair_weights(handle.row_pairs, handle.recv_weights, handle.expand_rows.shape[0])
     per_row = jnp.take(weights.reshape(-1), handle.pair_entry, mode="fill", fill_value=0)
@@ -402,27 +342,16 @@ def _weighted_sum(returned, weights, dtype):
 
 # ---- the exchanges, shared by the forward and backward passes -----------------------------------------------
 
-def _exchange(rows, send_counts, axis_name, capacity, send_rows=None, suffix=None):
-    """all_to_allv_dynamic into the padded layout, as ``[N * C, H (+ G)]``: the NVLink kernel writes it without
-    first sharing every member's counts, which the packed layout needs (6-7 µs less per exchange on 4×H200
-    at T = 16 and 128). ``send_rows``: send ``rows[send_rows]``, gathered
-    by the exchange's kernel (no copy of its own); ``suffix``: ``[S, G]`` appended to the send rows."""
-    received, recv_counts, dropped = all_to_allv_dynamic(rows, send_counts, axis_name, max_recv_per_peer=capacity,
-                                                         layout="padded", send_rows=send_rows, suffix=suffix)
-    num_members, rows_per_member, columns = received.shape
-    return received.reshape(num_members * rows_per_member, columns), recv_counts, dropped
-
-
 def _send_out(pair_rows, handle):
     """``[T * k, H]`` one row per (token, choice) pair -> ``[N * C, H]`` expert-major rows on the expert side."""
-    received, _, _ = _exchange(pair_rows, handle.send_counts, handle.axis_name, handle.capacity,
+    received, _, _ = moe_dispatch.exchange(pair_rows, handle.send_counts, handle.axis_name, handle.capacity,
                                send_rows=handle.order)
     return take_rows(received, handle.to_expert_major)
 
 
 def _send_back(expert_rows, handle):
     """``[N * C, H']`` expert-major rows -> ``[T * k, H']`` one per pair on the token side, zero if not delivered."""
-    returned, _, _ = _exchange(expert_rows, handle.recv_counts, handle.axis_name, handle.capacity,
+    returned, _, _ = moe_dispatch.exchange(expert_rows, handle.recv_counts, handle.axis_name, handle.capacity,
                                send_rows=handle.to_source_major)
     return moe_combine.gather_rows(returned, handle.return_slot)
 

@@ -1,0 +1,82 @@
+// moe.dispatch in one NVLink kernel at decode sizes: the routing (plan_sends), the exchange and the placement
+// (place_received) with the expansion into expert-major rows, which the chain runs as four calls, in one
+// launch. It writes every result the chain writes, with the same values (moe_routing.h specifies them).
+//
+// Every block first plans the sends itself, in shared memory (the same plan in each: no grid barrier before
+// the rows go out), then sends its share of the rows. Slots: in every rank's low-latency half of the call's
+// parity (symmetric_layout.h), past the LL areas: a 16-byte header per source (its token count), then
+// [N * R] rows of row_bytes + suffix bytes, source s's rows from row s * R (the exchange's padded layout).
+// Source s writes its r-th row to member m at row s * R + r of m's slots, the row's suffix right after the
+// token's bytes, and raises arrived[s][b] on m for each of its blocks b. Once every (source, block) flag holds
+// the call's epoch, every block places the received tags (again the same placement in each) and copies its
+// share of the expert-major rows out of the slots. As for the combine kernel, writers never wait for readers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/symmetric_layout.h"
+#include "ops/moe/moe_routing.h"
+
+namespace jax_ncclx {
+
+struct MoeDispatchArgs {
+  int rank = 0;
+  int size = 1;               // N
+  int top_k = 1;              // k
+  int64_t tokens = 0;         // T
+  int64_t num_experts = 0;    // E, a multiple of N
+  int64_t capacity = 0;       // C
+  int64_t row_bytes = 0;      // a token row's bytes (H elements), a multiple of 16
+  bool with_weights = false;  // the rows carry their token's router weights
+  bool trace = false;
+  int64_t site = 0;
+  uint64_t timeout_ns = 0;
+  const void* tokens_in = nullptr;    // [T, H]
+  const int32_t* expert_ids = nullptr;  // [T, k]
+  const float* weights = nullptr;     // [T, k] float32, or null without weights
+  void* expert_rows = nullptr;        // [N * C, H] the received rows expert-major, zero past the data
+  PlanSendsResults plan;              // the sender's results, but send_suffix (it travels in the slots only)
+  int32_t* recv_tokens = nullptr;     // [N] token rows each source delivered
+  PlaceReceivedResults placed;        // the receiver's results
+  const PeerTable* table = nullptr;
+  SymmetricControl* control = nullptr;
+
+  NCCLX_HOST_DEVICE PlanSendsShape plan_shape() const {
+    PlanSendsShape shape;
+    shape.batch = 1;
+    shape.num_tokens = tokens;
+    shape.top_k = top_k;
+    shape.num_experts = num_experts;
+    shape.num_members = size;
+    shape.capacity = capacity;
+    shape.with_weights = with_weights;
+    return shape;
+  }
+};
+
+// Bytes of a slot row: the token's bytes, then its suffix (tags, and weights), a multiple of 16.
+int64_t MoeDispatchSlotRowBytes(int top_k, int64_t row_bytes, bool with_weights);
+
+// Bytes of each parity half a call needs (PeerTable::parity_half_bytes), a multiple of 256.
+int64_t MoeDispatchSlotBytes(int size, int64_t rows_per_member, int top_k, int64_t row_bytes, bool with_weights);
+
+// Where the kernel can run: every block keeps the plan and the placement in shared memory (48 KiB), so at
+// most kMaxMoeDispatchPairs pairs (T * k) and kMaxMoeDispatchMemberTokens (N * T), and top-k at most
+// kMaxMoeDispatchTopK. Larger calls take the chain.
+constexpr int64_t kMaxMoeDispatchPairs = 2048;
+constexpr int64_t kMaxMoeDispatchMemberTokens = 2048;
+constexpr int kMaxMoeDispatchTopK = 32;
+
+// The most blocks a call takes: each raises its own arrival flag on every member.
+constexpr int kMaxMoeDispatchBlocks = kMaxFlagGroups;
+
+// Thread blocks for a call: `requested` (0 = by size), capped by kMaxMoeDispatchBlocks and the SMs.
+int ChooseMoeDispatchBlocks(const MoeDispatchArgs& args, int requested, int sm_count);
+
+// Queues the call's kernel on `stream`; cudaGetLastError() of the launch.
+cudaError_t LaunchMoeDispatch(const MoeDispatchArgs& args, int blocks, cudaStream_t stream);
+
+}  // namespace jax_ncclx
