@@ -53,8 +53,8 @@ ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Any
   const auto token_dims = tokens.dimensions();
   const auto id_dims = expert_ids.dimensions();
   if (token_dims.size() != 2 || id_dims.size() != 2 || id_dims[0] != token_dims[0]) {
-    return InvalidArgument(kOp, "tokens must be [T, H] and expert_ids [T, k], got " + DimsString(token_dims) +
-                                    " and " + DimsString(id_dims));
+    return InvalidArgument(kOp, "tokens must be [T, H] and expert_ids [T, k], got " + DimsString(token_dims) + " and " +
+                                    DimsString(id_dims));
   }
   if (expert_ids.element_type() != ffi::S32) {
     return InvalidArgument(kOp, "expert_ids has dtype " + std::string(DataTypeName(expert_ids.element_type())) +
@@ -64,10 +64,10 @@ ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Any
   const int64_t element_bytes = ffi::ByteWidth(tokens.element_type());
   if (num_experts < 1 || num_experts % n != 0 || num_experts > kMaxRoutingExperts || capacity < 1 ||
       n * capacity > kMaxCapacity) {
-    return InvalidArgument(kOp, "num_experts " + std::to_string(num_experts) + " must be a multiple of N = " +
-                                    std::to_string(n) + " up to " + std::to_string(kMaxRoutingExperts) +
-                                    ", and N * capacity (capacity " + std::to_string(capacity) + ") at most " +
-                                    std::to_string(kMaxCapacity));
+    return InvalidArgument(kOp, "num_experts " + std::to_string(num_experts) +
+                                    " must be a multiple of N = " + std::to_string(n) + " up to " +
+                                    std::to_string(kMaxRoutingExperts) + ", and N * capacity (capacity " +
+                                    std::to_string(capacity) + ") at most " + std::to_string(kMaxCapacity));
   }
   if (k < 1 || k > kMaxMoeDispatchTopK || T * k > kMaxMoeDispatchPairs || n * T > kMaxMoeDispatchMemberTokens ||
       (H * element_bytes) % 16 != 0) {
