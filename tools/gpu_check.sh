@@ -29,6 +29,9 @@
 #                 60 s with the error that names it, and the Python stacks are printed at 120 s). API
 #                 errors are not reported: cudaDeviceEnablePeerAccess answers "already enabled" once XLA has
 #                 enabled it, by design, and the sanitizer counts each of those
+#   moe_sanitize  compute-sanitizer memcheck, then racecheck (shared-memory hazards), over the MoE kernels on
+#                 one GPU: test_moe.py's kernel cases (against the chain) and the loopback's moe_dispatch and
+#                 moe_combine cases with 2 to 8 ranks, the shapes sweep left out (minutes under the sanitizer)
 #   startup | collectives | all_to_allv | launch_floor   benchmarks/<step>.py --out OUT_DIR $ARGS_<step>
 #                 (e.g. ARGS_all_to_allv="--experts-per-rank 32 --name all_to_allv_8gpu")
 #   collectives_cmdbuf | all_to_allv_cmdbuf | launch_floor_cmdbuf   the same benchmark with custom calls
@@ -87,6 +90,12 @@ run_step() {
                     { echo '== GPU processes before the worker:'; $apps || true; } &&
                     JAX_NCCLX_TRANSPORT=nvlink JAX_NCCLX_TIMEOUT_S=60 WORKER_STACKS_AFTER_S=120 \
                     timeout 180 ${sanitizer[*]} $python tests/command_buffer_worker.py") ;;
+    moe_sanitize)
+      local sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer) --report-api-errors no --error-exitcode 86 --print-limit 20"
+      local single="${pytest[*]} -q -m gpu tests/test_moe.py -k kernel"
+      local loopback="${pytest[*]} -q -m gpu tests/test_nvlink_loopback.py -k 'moe and not shapes'"
+      cmd=(bash -c "for tool in memcheck racecheck; do echo == \$tool; $sanitizer --tool \$tool $single &&
+                    $sanitizer --tool \$tool $loopback || exit; done") ;;
     startup | collectives | all_to_allv | launch_floor | collectives_cmdbuf | all_to_allv_cmdbuf | launch_floor_cmdbuf)
       local args_var="ARGS_$step" extra
       read -ra extra <<< "${!args_var:-}"

@@ -1,4 +1,5 @@
-"""In-kernel time of the small-message NVLink collectives on one GPU: a diagnostic, not a benchmark.
+"""In-kernel time of the small-message NVLink collectives and of the MoE kernels on one GPU: a diagnostic, not
+a benchmark.
 
 On a machine with one GPU the collectives benchmark cannot run, but the test-only module ``_ncclx_loopback``
 runs the same kernels with 2 to 8 logical ranks on the one GPU, each rank on its own stream (no link is
@@ -10,12 +11,19 @@ advanced in steps of 0.256 µs on an H100):
   without the streams' launch skew. It moves with changes to the kernels' own code;
 * ``span``: the last end minus the first start, skew included.
 
+For ``moe.dispatch`` and ``moe.combine`` (``--moe``: decode sizes, hidden 7168 bf16, top-8 of 8 experts per
+rank, random routing, capacity the largest load any rank gives any member) it also splits the last rank's
+call (the one that finds every peer already in) into
+
+* ``own``: its time in the kernel outside the wait for peers (start to rows sent, then flags seen to end);
+* ``handshake``: rows sent to every peer's flag seen (the cross-rank handshake once all are in).
+
 Medians over the calls after the first 50. The JSON also holds the run's metadata (device, versions, commit:
 set ``BENCH_GIT_COMMIT`` on a lent machine, as for the benchmarks). There is no XLA baseline: compare two
 builds of the kernels in the same session (``tools/ab_trees.sh`` builds both; run this with each side's
 ``PYTHONPATH``), never with XLA.
 
-    python tools/time_loopback_collectives.py OUT.json [--ranks 2,4] [--calls 400]
+    python tools/time_loopback_collectives.py OUT.json [--ranks 2,4] [--calls 400] [--moe 16,128]
 """
 import argparse
 import json
@@ -49,6 +57,8 @@ CASES = (
     ("all_to_all", 4096, "ll128", "one-shot"),
 )
 SKIPPED_CALLS = 50
+MOE_SHAPE = dict(hidden=7168, top_k=8, experts_per_rank=8)  # bf16 rows, as benchmarks/all_to_allv.py
+MOE_SKIPPED_CALLS = 10  # the outputs of every call stay on the GPU: fewer calls at these sizes
 
 
 def time_case(op, nbytes, protocol, algorithm, ranks, calls):
@@ -70,15 +80,70 @@ def time_case(op, nbytes, protocol, algorithm, ranks, calls):
     return after_last, span
 
 
+def trace_of(done, calls, what):
+    """(start, sent, data, end) ns, each [ranks, calls], of a loopback call's healthy ranks."""
+    for rank, state in enumerate(done["ranks"]):
+        if state["fault"] != "healthy" or len(state["trace"]) != calls:
+            raise RuntimeError(f"{what}: rank {rank} is {state['fault']} with {len(state['trace'])} of {calls} "
+                               "calls traced")
+    return [np.array([[call[f"{key}_ns"] for call in state["trace"]] for state in done["ranks"]], np.float64)
+            for key in ("start", "sent", "data", "end")]
+
+
+def moe_times(start, sent, data, end, skipped):
+    """after_last, span, own and handshake (µs, medians over calls after `skipped`) of [ranks, calls] records."""
+    start, sent, data, end = (a[:, skipped:] for a in (start, sent, data, end))
+    last = np.argmax(start, axis=0)  # per call, the rank that started last
+    pick = lambda a: a[last, np.arange(a.shape[1])]  # noqa: E731
+    own = (pick(sent) - pick(start)) + (pick(end) - pick(data))
+    return dict(after_last_us=float(np.median(end.max(0) - start.max(0))) / 1e3,
+                span_us=float(np.median(end.max(0) - start.min(0))) / 1e3,
+                own_us=float(np.median(own)) / 1e3,
+                handshake_us=float(np.median(pick(data) - pick(sent))) / 1e3)
+
+
+def time_moe(ranks, tokens, calls):
+    """dispatch's and combine's moe_times at T = `tokens` on `ranks` logical ranks (graph replay, traced)."""
+    import ml_dtypes
+
+    hidden, top_k, local = MOE_SHAPE["hidden"], MOE_SHAPE["top_k"], MOE_SHAPE["experts_per_rank"]
+    num_experts = local * ranks
+    rng = np.random.default_rng(0)
+    ids = np.argsort(rng.random((calls, ranks, tokens, num_experts)), axis=-1)[..., :top_k].astype(np.int32)
+    capacity = int(max(np.bincount(ids[c, r].ravel() // local, minlength=ranks).max()
+                       for c in range(calls) for r in range(ranks)))
+    x = rng.standard_normal((calls, ranks, tokens, hidden)).astype(ml_dtypes.bfloat16)
+    weights = rng.random((calls, ranks, tokens, top_k)).astype(np.float32)
+    done = loopback.moe_dispatch(x.tobytes(), ids.tobytes(), weights.tobytes(), size=ranks, calls=calls,
+                                 num_tokens=tokens, row_bytes=hidden * 2, top_k=top_k, num_experts=num_experts,
+                                 capacity=capacity, with_weights=True, trace=True, graph=True)
+    what = f"moe.dispatch T={tokens} on {ranks} ranks"
+    dispatch = moe_times(*trace_of(done, calls, what), MOE_SKIPPED_CALLS)
+    rows = ranks * min(capacity, tokens)
+    # combine sums each token's pairs on the expert side with dispatch's weights, as moe.combine does
+    done = loopback.moe_combine(done["expert_rows"], done["row_pairs"], done["recv_weights"], done["recv_tokens"],
+                                done["return_row"], size=ranks, calls=calls, type=1, expert_rows=ranks * capacity,
+                                rows_per_member=rows // ranks, top_k=top_k, tokens=tokens, hidden=hidden,
+                                trace=True, graph=True)
+    combine = moe_times(*trace_of(done, calls, f"moe.combine T={tokens} on {ranks} ranks"), MOE_SKIPPED_CALLS)
+    return capacity, {"moe.dispatch": dispatch, "moe.combine": combine}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", help="JSON file for the results")
     parser.add_argument("--ranks", default="2,4", help="logical rank counts, comma-separated (2 to 8)")
     parser.add_argument("--calls", type=int, default=400, help=f"calls per case (more than {SKIPPED_CALLS}, "
                         "at most 1024, the trace ring)")
+    parser.add_argument("--moe", default="", help="token counts per rank for moe.dispatch and moe.combine, "
+                        "comma separated (e.g. 16,128; default: none)")
+    parser.add_argument("--moe-calls", type=int, default=60, help=f"calls per MoE case (more than "
+                        f"{MOE_SKIPPED_CALLS}; each call's rows stay on the GPU)")
     args = parser.parse_args()
     if not SKIPPED_CALLS < args.calls <= 1024:
         parser.error(f"--calls {args.calls}: expected {SKIPPED_CALLS + 1} to 1024")
+    if not MOE_SKIPPED_CALLS < args.moe_calls <= 1024:
+        parser.error(f"--moe-calls {args.moe_calls}: expected {MOE_SKIPPED_CALLS + 1} to 1024")
     rank_counts = [int(r) for r in args.ranks.split(",")]
     if not all(2 <= r <= 8 for r in rank_counts):
         parser.error(f"--ranks {args.ranks}: every count must be 2 to 8")
@@ -91,8 +156,18 @@ def main():
                                 after_last_us=after_last, span_us=span))
             print(f"{f'{op} {nbytes} B {protocol} {algorithm}, {ranks} ranks':44s} {after_last:10.2f} {span:8.2f}",
                   flush=True)
+    if args.moe:
+        print(f"{'case':44s} {'after_last':>10s} {'span':>8s} {'own':>8s} {'handshake':>10s}  (µs, medians)")
+    for ranks in rank_counts if args.moe else ():
+        for tokens in (int(t) for t in args.moe.split(",")):
+            capacity, times = time_moe(ranks, tokens, args.moe_calls)
+            for op, t in times.items():
+                results.append(dict(op=op, tokens=tokens, capacity=capacity, ranks=ranks, **MOE_SHAPE, **t))
+                print(f"{f'{op} T={tokens} (C={capacity}), {ranks} ranks':44s} {t['after_last_us']:10.2f} "
+                      f"{t['span_us']:8.2f} {t['own_us']:8.2f} {t['handshake_us']:10.2f}", flush=True)
     # After the timing: the metadata starts JAX's GPU client, which must not share the GPU with the calls.
-    document = {"meta": common.metadata(), "calls": args.calls, "skipped_calls": SKIPPED_CALLS, "results": results}
+    document = {"meta": common.metadata(), "calls": args.calls, "skipped_calls": SKIPPED_CALLS,
+                "moe_calls": args.moe_calls, "moe_skipped_calls": MOE_SKIPPED_CALLS, "results": results}
     with open(args.out, "w") as f:
         json.dump(document, f, indent=1)
 
