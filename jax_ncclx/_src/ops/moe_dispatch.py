@@ -112,9 +112,10 @@ def _exchange_chain(tokens, expert_ids, *weights, axis_name, num_experts, num_me
     placed = moe_routing.place_received(received, recv_tokens, local_experts=num_experts // num_members,
                                         capacity=capacity, top_k=top_k, suffix_offset=width * source.dtype.itemsize,
                                         with_weights=weights is not None)
+    if wire_dtype is not None:  # dequantized before the expansion: N * R rows to decode, not N * C
+        received = _decode(received[:, :width], tokens.shape[1], wire_dtype, tokens.dtype)
+        width = tokens.shape[1]
     expert_rows = take_rows(received, placed.expand_rows, width=width)
-    if wire_dtype is not None:
-        expert_rows = _decode(expert_rows, tokens.shape[1], wire_dtype, tokens.dtype)
     return list(Dispatched(
         expert_rows=expert_rows, group_sizes=placed.group_sizes, order=plan.order, send_counts=plan.send_counts,
         recv_counts=placed.recv_counts, to_expert_major=placed.to_expert_major,
