@@ -13,6 +13,7 @@
 #include "common/device_sync.cuh"
 #include "common/symmetric_layout.h"
 #include "ops/moe/moe_combine.h"
+#include "ops/moe/moe_device.cuh"
 #include "ops/collectives/nvlink_collectives_kernels.h"
 
 namespace jax_ncclx {
@@ -85,19 +86,6 @@ __device__ __forceinline__ uint4* SlotRow(const Call& call, int owner, int parit
   return reinterpret_cast<uint4*>(table->data[owner] + parity * table->parity_half_bytes + call.slot_base) +
          row * row_vectors;
 }
-
-// How one side's rows are shared out: warp-sized units of (row, piece of its vectors), as many pieces per row as
-// it takes to give every warp of the grid work, so a few decode rows still spread over every SM while
-// prefill rows go whole to a warp, which reads the row's indices once.
-struct Units {
-  int64_t pieces;     // per row
-  int64_t piece_len;  // vectors per piece
-  __device__ Units(int64_t rows, int64_t vectors, int64_t warps) {
-    const int64_t most = (vectors + 31) / 32;  // a piece of at least one vector per lane
-    pieces = rows == 0 ? 1 : min(most, max(int64_t{1}, (warps + rows - 1) / rows));
-    piece_len = (vectors + pieces - 1) / pieces;
-  }
-};
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {

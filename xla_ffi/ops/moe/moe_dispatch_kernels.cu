@@ -12,6 +12,7 @@
 #include "common/device_sync.cuh"
 #include "common/symmetric_layout.h"
 #include "ops/collectives/nvlink_collectives_kernels.h"
+#include "ops/moe/moe_device.cuh"
 #include "ops/moe/moe_dispatch.h"
 
 namespace jax_ncclx {
@@ -45,37 +46,6 @@ __device__ int32_t ScanBlock(int32_t n, Value value, Emit emit, BlockScan::TempS
   __syncthreads();  // emit's writes are visible, and the storage may be used again
   return total;
 }
-
-// The largest j < n with starts[j] <= x, for ascending starts with starts[0] <= x.
-__device__ inline int32_t BlockAt(const int32_t* starts, int32_t n, int32_t x) {
-  int32_t low = 0, high = n - 1;
-  while (low < high) {
-    const int32_t mid = (low + high + 1) / 2;
-    if (starts[mid] <= x) {
-      low = mid;
-    } else {
-      high = mid - 1;
-    }
-  }
-  return low;
-}
-
-__device__ inline unsigned LanesBelow() {
-  unsigned mask;
-  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(mask));
-  return mask;
-}
-
-// How rows are shared out: warp-sized units of (row, piece of its vectors), as in the combine kernel.
-struct Units {
-  int64_t pieces;     // per row
-  int64_t piece_len;  // vectors per piece
-  __device__ Units(int64_t rows, int64_t vectors, int64_t warps) {
-    const int64_t most = max(int64_t{1}, (vectors + 31) / 32);
-    pieces = rows == 0 ? 1 : min(most, max(int64_t{1}, (warps + rows - 1) / rows));
-    piece_len = (vectors + pieces - 1) / pieces;
-  }
-};
 
 struct Call {
   MoeDispatchArgs args;

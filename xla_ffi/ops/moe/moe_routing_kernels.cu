@@ -21,6 +21,8 @@
 
 #include <cub/block/block_scan.cuh>
 
+#include "ops/moe/moe_device.cuh"
+
 namespace jax_ncclx {
 namespace {
 
@@ -40,24 +42,6 @@ struct ScanShared {
 // Indices are int32 throughout (the handlers check that they fit): 64-bit division is slow on GPUs.
 __device__ inline int32_t Min(int32_t a, int32_t b) { return a < b ? a : b; }
 
-// Division of a non-negative int32 by a divisor fixed for the call, set up on the host: a multiply-high, an
-// add and a shift (Granlund and Montgomery) instead of an integer division's ~20 dependent instructions,
-// which every index of these kernels would wait for (with the shapes' divisors known at compile time, the
-// kernels at T = 16 took 1.0-1.5 µs less, kernel-only on one H200).
-struct Divisor {
-  uint32_t divisor = 1, multiplier = 0, shift = 0;
-  Divisor() = default;
-  // A zero divisor (an empty dimension, which the kernels never divide by) is taken as 1.
-  explicit Divisor(int64_t d) : divisor(static_cast<uint32_t>(std::max<int64_t>(d, 1))) {
-    while ((uint64_t{1} << shift) < divisor) ++shift;
-    multiplier = static_cast<uint32_t>((uint64_t{1} << 32) * ((uint64_t{1} << shift) - divisor) / divisor + 1);
-  }
-  __device__ int32_t Div(int32_t n) const {
-    return static_cast<int32_t>((__umulhi(static_cast<uint32_t>(n), multiplier) + static_cast<uint32_t>(n)) >> shift);
-  }
-  __device__ int32_t Mod(int32_t n) const { return n - Div(n) * static_cast<int32_t>(divisor); }
-};
-
 // The divisors of a plan_sends call.
 struct PlanSendsDivisors {
   Divisor top_k, local_experts, tokens, capacity, suffix_words, segments, sort_warps;
@@ -67,12 +51,6 @@ struct PlanSendsDivisors {
 struct PlaceReceivedDivisors {
   Divisor top_k, local_experts, members, per_source, tags_per_row;  // per_source = R * k, tags_per_row = k * E_local
 };
-
-__device__ inline unsigned LanesBelow() {
-  unsigned mask;
-  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(mask));
-  return mask;
-}
 
 // Barriers and shared memory of a cluster that may be a single block, where the plain block-local forms serve.
 struct Cluster {
@@ -130,57 +108,6 @@ __device__ int32_t Scan(Cluster& cluster, int32_t n, bool across_cluster, Value 
     __syncthreads();
   }
   return total;
-}
-
-// The largest j < n with starts[j] <= x, for ascending starts with starts[0] <= x: the block holding x when
-// blocks j start at starts[j] (empty blocks share their successor's start).
-__device__ inline int32_t BlockAt(const int32_t* starts, int32_t n, int32_t x) {
-  int32_t low = 0, high = n - 1;
-  while (low < high) {
-    const int32_t mid = (low + high + 1) / 2;
-    if (starts[mid] <= x) {
-      low = mid;
-    } else {
-      high = mid - 1;
-    }
-  }
-  return low;
-}
-
-// Calls apply(i, load(i)) for i = first, first + stride, ... below n, the loads of kBatch of them issued
-// before their applies: a loop whose body stores waits a memory round trip per iteration otherwise, as the
-// compiler does not move loads above stores it cannot prove disjoint.
-template <int kBatch = 4, typename Load, typename Apply>
-__device__ void Strided(int32_t first, int32_t n, int32_t stride, Load load, Apply apply) {
-  for (int64_t base = first; base < n; base += kBatch * stride) {
-    decltype(load(0)) loaded[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      if (base + u * stride < n) loaded[u] = load(static_cast<int32_t>(base + u * stride));
-    }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      if (base + u * stride < n) apply(static_cast<int32_t>(base + u * stride), loaded[u]);
-    }
-  }
-}
-
-// Calls visit(pair, live, key, same) for the pairs of segment [begin, end), 32 at a time, where same is the
-// mask of the lanes with the same key. Lanes past the end are not live and get keys that match nobody. Each
-// chunk's ids are loaded while the chunk before it is visited, so a segment's loads do not wait in turn.
-template <typename Visit>
-__device__ void WalkSegment(const int32_t* __restrict__ ids, int32_t num_experts, int32_t begin, int32_t end,
-                            Visit visit) {
-  const int lane = threadIdx.x % 32;
-  auto load = [&](int32_t pair) { return pair < end ? ids[pair] : 0; };
-  int32_t next = load(begin + lane);
-  for (int32_t base = begin; base < end; base += 32) {
-    const int32_t pair = base + lane, id = next;
-    next = load(pair + 32);
-    const bool live = pair < end;
-    const int32_t key = live ? RoutingKey(id, num_experts) : num_experts + 1 + lane;
-    visit(pair, live, key, __match_any_sync(0xffffffffu, key));
-  }
 }
 
 // A stable counting sort of the pairs by key: the pairs split into one contiguous segment per sorting warp
