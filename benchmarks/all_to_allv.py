@@ -546,7 +546,8 @@ def parse_args(argv=None):
                         help=f"comma separated subset of {','.join(VARIANTS)}")
     parser.add_argument("--device-trace", action="store_true",
                         help="compile with JAX_NCCLX_TRACE=device and add, per jax_ncclx variant on NVLink, the GPU's "
-                        "own timeline: kernel time, idle gap between kernels, wait for peers (medians)")
+                        "own timeline: kernel time, idle gap between kernels, wait for peers, send, wait for data, "
+                        "finish, and moe dispatch's plan (medians)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results; smoke: a folder "
                         "under the system's temporary directory; --from-json: the JSON's folder)")
@@ -762,7 +763,8 @@ MD_COLUMNS = [
 TRACE_COLUMNS = [  # with --device-trace: (key, markdown header, progress-table header, format)
     ("dev_kernel_us", "GPU kernel µs", "kernel us", ".1f"), ("dev_gap_us", "GPU idle gap µs", "gap us", ".1f"),
     ("dev_wait_peers_us", "wait for peers µs", "peers us", ".1f"), ("dev_send_us", "send µs", "send us", ".1f"),
-    ("dev_wait_data_us", "wait for data µs", "data us", ".1f"),
+    ("dev_wait_data_us", "wait for data µs", "data us", ".1f"), ("dev_finish_us", "finish µs", "finish us", ".1f"),
+    ("dev_ready_us", "dispatch plan µs", "plan us", ".1f"),
 ]
 
 

@@ -635,6 +635,24 @@ def test_device_trace_records_every_call(backend, monkeypatch):
     assert summary["calls"] == len(records) and summary["kernel_us"] > 0
 
 
+def test_device_trace_summary():
+    """summarize's phases are medians of spans within each call; a field the call did not set (older than its
+    start, such as ready_ns outside moe.dispatch) is left out, and a phase no call has is None."""
+    from jax_ncclx._src import trace
+
+    def call(epoch, start, ready, peers, sent, data, end):
+        return dict(comm_id=1, device=0, rank=0, epoch=epoch, start_ns=start, ready_ns=ready, peers_ns=peers,
+                    sent_ns=sent, data_ns=data, end_ns=end, blocks=1, kernel="moe.dispatch")
+
+    summary = trace.summarize([call(1, 1000, 3000, 1000, 4000, 5000, 9000),
+                               call(2, 10000, 14000, 10000, 15000, 16000, 20000),
+                               call(3, 30000, 0, 30000, 31000, 32000, 34000)])
+    assert summary["calls"] == 3 and summary["kernel_us"] == 8.0
+    assert summary["ready_us"] == 3.0  # calls 1 and 2 only: call 3 holds no time of its own there
+    assert summary["send_us"] == 3.0 and summary["finish_us"] == 4.0 and summary["gap_us"] == 5.5
+    assert trace.summarize([call(1, 1000, 0, 1000, 4000, 5000, 9000)])["ready_us"] is None
+
+
 @pytest.mark.gpu
 def test_nvlink_kernel_inside_command_buffers():
     """With custom calls captured into CUDA graphs, the NVLink kernel gives the reference results call after

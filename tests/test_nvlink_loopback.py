@@ -179,6 +179,8 @@ def assert_timelines(ranks, calls, kernel):
             assert r["kernel"] == TRACE_KERNELS[kernel] and r["blocks"] == state["blocks"], (rank, r)
             assert previous_end <= r["start_ns"] <= r["peers_ns"] <= r["sent_ns"] <= r["end_ns"], (rank, r)
             assert r["peers_ns"] <= r["data_ns"] <= r["end_ns"], (rank, r)
+            if kernel == "moe.dispatch":  # its plan comes before the rows go out
+                assert r["start_ns"] <= r["ready_ns"] <= r["sent_ns"], (rank, r)
             previous_end = r["end_ns"]
 
 

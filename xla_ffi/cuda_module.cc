@@ -336,8 +336,8 @@ std::vector<MemoryRow> MemoryHeld() {
 }
 
 // (device, rank, records) per local rank; each record is (epoch, start_ns, peers_ns, sent_ns, data_ns, end_ns,
-// blocks, kernel).
-using TraceTuple = std::tuple<uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint32_t, uint32_t>;
+// blocks, kernel, ready_ns).
+using TraceTuple = std::tuple<uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint32_t, uint32_t, uint64_t>;
 std::vector<std::tuple<int, int, std::vector<TraceTuple>>> DeviceTrace(int64_t comm_id) {
   ffi::ErrorOr<std::vector<RankTrace>> traces = [&] {
     nb::gil_scoped_release release;  // waits for the devices
@@ -347,7 +347,8 @@ std::vector<std::tuple<int, int, std::vector<TraceTuple>>> DeviceTrace(int64_t c
   for (const RankTrace& trace : ValueOrThrow(std::move(traces))) {
     std::vector<TraceTuple> records;
     for (const DeviceTraceRecord& r : trace.records) {
-      records.emplace_back(r.epoch, r.start_ns, r.peers_ns, r.sent_ns, r.data_ns, r.end_ns, r.blocks, r.kernel);
+      records.emplace_back(r.epoch, r.start_ns, r.peers_ns, r.sent_ns, r.data_ns, r.end_ns, r.blocks, r.kernel,
+                           r.ready_ns);
     }
     result.emplace_back(trace.device, trace.rank, std::move(records));
   }
@@ -557,7 +558,7 @@ NB_MODULE(_ncclx_cuda, m) {
   m.def("device_trace", &jn::DeviceTrace, nb::arg("comm_id"),
         "Device timelines of the traced NVLink kernel calls on communicator `comm_id` (the last 1024): per\n"
         "local rank (device, rank, [(epoch, start_ns, peers_ns, sent_ns, data_ns, end_ns, blocks,\n"
-        "kernel), ...]),\n"
+        "kernel, ready_ns), ...]),\n"
         "oldest first, times from the GPU's %globaltimer. Waits for the local devices to go idle.");
   m.def(
       "nvlink_launch_counts",

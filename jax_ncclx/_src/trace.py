@@ -33,7 +33,7 @@ from jax_ncclx._src import lib
 logger = logging.getLogger("jax_ncclx")
 
 # TraceKernel (xla_ffi/common/symmetric_layout.h)
-_FIELDS = ("epoch", "start_ns", "peers_ns", "sent_ns", "data_ns", "end_ns", "blocks", "kernel")
+_FIELDS = ("epoch", "start_ns", "peers_ns", "sent_ns", "data_ns", "end_ns", "blocks", "kernel", "ready_ns")
 _CALL_FIELDS = ("site", "comm", "group_index", "seq", "rank", "device", "enqueue_ns", "start_ns", "arrive_ns",
                 "end_ns", "injected")
 _MAX_HISTORY = 1 << 20
@@ -224,6 +224,7 @@ def device_timeline(comm_ids=None) -> list[dict]:
     Returns:
       One dict per (call, rank): ``comm_id``, ``device``, ``rank``, ``epoch`` (the call's number on its
       communicator), ``kernel`` (name), ``blocks``, and ``start_ns``, ``peers_ns``, ``sent_ns``, ``data_ns``, ``end_ns``
+      and ``ready_ns`` (the last block had done its own work before its first write: moe.dispatch's plan)
       (GPU clock; a ``*_ns`` that no block of the call set holds an older call's time). Empty on a CPU-only
       build or when no traced NVLink kernel ran.
     """
@@ -245,11 +246,12 @@ def summarize(records: list[dict]) -> dict:
 
     Returns:
       ``calls`` (records summarized), ``kernel_us`` (start to end), ``wait_peers_us`` (start until the last
-      block's peer entered: lateness of the other GPUs), ``send_us`` (peers entered until the last block had
-      sent its rows), ``wait_data_us`` (peers entered until the last block's data arrived), ``finish_us`` (data
-      arrived until the end), and ``gap_us``: from the end of one call to the start of the next call on the
-      same GPU, for consecutive calls (idle GPU time between kernels, e.g. waiting for the host to launch). A
-      value is None when no record has it.
+      block's peer entered: lateness of the other GPUs), ``send_us`` (peers entered until the last block had sent
+      its rows), ``wait_data_us`` (peers entered until the last block's data arrived), ``finish_us`` (data arrived
+      until the end), ``ready_us`` (start until the last block had done its own work before sending:
+      moe.dispatch's plan; None for the other kernels), and ``gap_us``: from the end of one call to the start of
+      the next call on the same GPU, for consecutive calls (idle GPU time between kernels, e.g. waiting for the
+      host to launch). A value is None when no record has it.
     """
     def median(values):
         values = [v / 1e3 for v in values]
@@ -268,4 +270,5 @@ def summarize(records: list[dict]) -> dict:
     return dict(calls=len(valid), kernel_us=median(spans("start_ns", "end_ns")),
                 wait_peers_us=median(spans("start_ns", "peers_ns")), send_us=median(spans("peers_ns", "sent_ns")),
                 wait_data_us=median(spans("peers_ns", "data_ns")),
-                finish_us=median(spans("data_ns", "end_ns")), gap_us=median(gaps))
+                finish_us=median(spans("data_ns", "end_ns")), ready_us=median(spans("start_ns", "ready_ns")),
+                gap_us=median(gaps))

@@ -252,6 +252,7 @@ class CallTrace {
     if (record_ != nullptr && blockIdx.x == 0) record_->start_ns = GlobalTimerNs();
   }
   __device__ void PeersEntered() { Latest(&record_->peers_ns); }
+  __device__ void Ready() { Latest(&record_->ready_ns); }
   __device__ void Sent() { Latest(&record_->sent_ns); }
   __device__ void DataArrived() { Latest(&record_->data_ns); }
   // By the last block to finish, before it publishes `epoch`.

@@ -45,7 +45,8 @@ struct DeviceTraceRecord {
   uint64_t end_ns;    // the last block finished
   uint32_t blocks;
   uint32_t kernel;  // which kernel (TraceKernel)
-  uint64_t reserved;
+  uint64_t ready_ns;  // the last block had done its own work before its first write (moe.dispatch: the plan;
+                      // set only by kernels with such work)
 };
 
 // Whether ring slot `slot` holds a complete record: one whose epoch (written last) belongs to that slot.

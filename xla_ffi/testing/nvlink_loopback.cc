@@ -214,6 +214,7 @@ nb::list TraceOf(const SymmetricControl* control) {
     call["epoch"] = record.epoch;
     call["start_ns"] = record.start_ns;
     call["peers_ns"] = record.peers_ns;
+    call["ready_ns"] = record.ready_ns;
     call["sent_ns"] = record.sent_ns;
     call["data_ns"] = record.data_ns;
     call["end_ns"] = record.end_ns;

@@ -210,6 +210,8 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   // row_pairs' "no pair" entries before the flags: a block places its rows' entries after every block's flag.
   for (int32_t i = thread; i < N * R * k; i += threads) args.placed.row_pairs[i] = N * C;
 
+  if (tid == 0) trace.Ready();
+
   // ---- send: each send row's token bytes, then its suffix, to row me * R + r of its member's slots ----
   // Tag `entry` of member m's list (the entry-th of its delivered pairs, or -1).
   auto tag_of = [&](int32_t m, int32_t entry) {
