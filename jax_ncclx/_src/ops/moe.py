@@ -158,10 +158,12 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
     axis_name = _check_bound_axis(axis_name, "dispatch")
     num_members = jax.lax.axis_size(axis_name)
     validation.check_static_int(num_experts, "num_experts", "moe.dispatch", minimum=1)
-    if num_experts % num_members or num_experts > contract.MAX_EXPERTS:
+    if num_experts % num_members:
         raise ValueError(f"jax_ncclx.moe.dispatch: num_experts ({num_experts}) must be a multiple of the size "
-                         f"of axis {axis_name!r} ({num_members}) and at most {contract.MAX_EXPERTS} (the "
-                         "routing kernels count experts in shared memory)")
+                         f"of axis {axis_name!r} ({num_members})")
+    if num_experts > contract.MAX_EXPERTS:
+        raise ValueError(f"jax_ncclx.moe.dispatch: num_experts ({num_experts}) must be at most "
+                         f"{contract.MAX_EXPERTS} (the routing kernels count experts in shared memory)")
     validation.check_static_int(capacity, "capacity", "moe.dispatch", minimum=1, maximum=contract.MAX_CAPACITY)
     _check_matrix(tokens, "tokens", "dispatch", jnp.floating)
     _check_matrix(expert_ids, "expert_ids", "dispatch", jnp.integer)
@@ -179,8 +181,9 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
         except TypeError:  # not a dtype at all, e.g. "fp8"
             named = None
         if named is None or not any(named == np.dtype(d) for d in WIRE_DTYPES):
+            got = repr(wire_dtype) if named is None else named.name
             raise ValueError(f"jax_ncclx.moe.dispatch: wire_dtype must be None, float8_e4m3fn or float8_e5m2, "
-                             f"got {wire_dtype!r}")
+                             f"got {got}")
         wire_dtype = named
     arrays = (tokens, validation.as_int32(expert_ids)) + (() if weights is None else (weights,))
     tokens, expert_ids, *weights = _vary_together(axis_name, arrays)
@@ -209,7 +212,7 @@ def combine(expert_out, handle: DispatchHandle, weights=None):
         Rows past ``sum(group_sizes)`` are ignored.
       handle: the ``DispatchHandle`` from ``dispatch``.
       weights: None (the weights given to ``dispatch``), or ``[T, k]`` any float dtype, the router weight of
-        each (token, choice) pair.
+        each (token, choice) pair; then ``dispatch`` must have had none.
 
     Returns:
       ``[T, H']`` with expert_out's dtype. With ``weights``, the sum is accumulated in the promoted dtype of
@@ -233,6 +236,9 @@ def combine(expert_out, handle: DispatchHandle, weights=None):
                              "dispatch(..., weights=...)")
         (expert_out,) = _vary_together(handle.axis_name, (expert_out,), jax.tree.leaves(handle))
         return _combine_reduced(expert_out, handle)
+    if handle.recv_weights is not None:
+        raise ValueError("jax_ncclx.moe.combine: weights were given to dispatch too; give them to one of the two "
+                         "(dispatch, or here), not both")
     _check_matrix(weights, "weights", "combine", jnp.floating)
     pairs_shape = (handle.order.shape[0] // handle.top_k, handle.top_k)
     if jnp.shape(weights) != pairs_shape:
