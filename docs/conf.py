@@ -13,6 +13,11 @@ DOCS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(DOCS, "_ext"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # autodoc imports jax_ncclx (built, CPU suffices); no GPU needed
 
+try:  # once here: autodoc would report each later import of a half-imported package as a riddle
+    import jax_ncclx  # noqa: F401
+except ImportError as error:
+    raise SystemExit(f"docs/conf.py: {error}") from None
+
 project = "jax_ncclx"
 author = "the jax_ncclx authors"
 copyright = "the jax_ncclx authors"  # noqa: A001 - Sphinx's name
