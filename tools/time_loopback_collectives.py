@@ -24,6 +24,7 @@ builds of the kernels in the same session (``tools/ab_trees.sh`` builds both; ru
 ``PYTHONPATH``), never with XLA.
 
     python tools/time_loopback_collectives.py OUT.json [--ranks 2,4] [--calls 400] [--moe 16,128]
+        [--moe-blocks 0,16,32]   (--ranks 1: the MoE kernels on an axis of one, their fixed cost)
 """
 import argparse
 import json
@@ -102,8 +103,9 @@ def moe_times(start, sent, data, end, skipped):
                 handshake_us=float(np.median(pick(data) - pick(sent))) / 1e3)
 
 
-def time_moe(ranks, tokens, calls):
-    """dispatch's and combine's moe_times at T = `tokens` on `ranks` logical ranks (graph replay, traced)."""
+def time_moe(ranks, tokens, calls, blocks):
+    """dispatch's and combine's moe_times at T = `tokens` on `ranks` logical ranks (graph replay, traced), with
+    `blocks` thread blocks per kernel (0: chosen by size)."""
     import ml_dtypes
 
     hidden, top_k, local = MOE_SHAPE["hidden"], MOE_SHAPE["top_k"], MOE_SHAPE["experts_per_rank"]
@@ -116,7 +118,7 @@ def time_moe(ranks, tokens, calls):
     weights = rng.random((calls, ranks, tokens, top_k)).astype(np.float32)
     done = loopback.moe_dispatch(x.tobytes(), ids.tobytes(), weights.tobytes(), size=ranks, calls=calls,
                                  num_tokens=tokens, row_bytes=hidden * 2, top_k=top_k, num_experts=num_experts,
-                                 capacity=capacity, with_weights=True, trace=True, graph=True)
+                                 capacity=capacity, with_weights=True, trace=True, graph=True, blocks=blocks)
     what = f"moe.dispatch T={tokens} on {ranks} ranks"
     dispatch = moe_times(*trace_of(done, calls, what), MOE_SKIPPED_CALLS)
     rows = ranks * min(capacity, tokens)
@@ -124,7 +126,7 @@ def time_moe(ranks, tokens, calls):
     done = loopback.moe_combine(done["expert_rows"], done["row_pairs"], done["recv_weights"], done["recv_tokens"],
                                 done["return_row"], size=ranks, calls=calls, type=1, expert_rows=ranks * capacity,
                                 rows_per_member=rows // ranks, top_k=top_k, tokens=tokens, hidden=hidden,
-                                trace=True, graph=True)
+                                trace=True, graph=True, blocks=blocks)
     combine = moe_times(*trace_of(done, calls, f"moe.combine T={tokens} on {ranks} ranks"), MOE_SKIPPED_CALLS)
     return capacity, {"moe.dispatch": dispatch, "moe.combine": combine}
 
@@ -137,6 +139,8 @@ def main():
                         "at most 1024, the trace ring)")
     parser.add_argument("--moe", default="", help="token counts per rank for moe.dispatch and moe.combine, "
                         "comma separated (e.g. 16,128; default: none)")
+    parser.add_argument("--moe-blocks", default="0", help="thread blocks per MoE kernel, comma separated (0: "
+                        "chosen by size, as the library does)")
     parser.add_argument("--moe-calls", type=int, default=60, help=f"calls per MoE case (more than "
                         f"{MOE_SKIPPED_CALLS}; each call's rows stay on the GPU)")
     args = parser.parse_args()
@@ -145,11 +149,11 @@ def main():
     if not MOE_SKIPPED_CALLS < args.moe_calls <= 1024:
         parser.error(f"--moe-calls {args.moe_calls}: expected {MOE_SKIPPED_CALLS + 1} to 1024")
     rank_counts = [int(r) for r in args.ranks.split(",")]
-    if not all(2 <= r <= 8 for r in rank_counts):
-        parser.error(f"--ranks {args.ranks}: every count must be 2 to 8")
+    if not all(1 <= r <= 8 for r in rank_counts):
+        parser.error(f"--ranks {args.ranks}: every count must be 1 to 8 (1: the MoE kernels only)")
     results = []
     print(f"{'case':44s} {'after_last':>10s} {'span':>8s}  (µs, medians)")
-    for ranks in rank_counts:
+    for ranks in (r for r in rank_counts if r > 1):
         for op, nbytes, protocol, algorithm in CASES:
             after_last, span = time_case(op, nbytes, protocol, algorithm, ranks, args.calls)
             results.append(dict(op=op, bytes=nbytes, protocol=protocol, algorithm=algorithm, ranks=ranks,
@@ -160,11 +164,14 @@ def main():
         print(f"{'case':44s} {'after_last':>10s} {'span':>8s} {'own':>8s} {'handshake':>10s}  (µs, medians)")
     for ranks in rank_counts if args.moe else ():
         for tokens in (int(t) for t in args.moe.split(",")):
-            capacity, times = time_moe(ranks, tokens, args.moe_calls)
-            for op, t in times.items():
-                results.append(dict(op=op, tokens=tokens, capacity=capacity, ranks=ranks, **MOE_SHAPE, **t))
-                print(f"{f'{op} T={tokens} (C={capacity}), {ranks} ranks':44s} {t['after_last_us']:10.2f} "
-                      f"{t['span_us']:8.2f} {t['own_us']:8.2f} {t['handshake_us']:10.2f}", flush=True)
+            for blocks in (int(b) for b in args.moe_blocks.split(",")):
+                capacity, times = time_moe(ranks, tokens, args.moe_calls, blocks)
+                for op, t in times.items():
+                    results.append(dict(op=op, tokens=tokens, capacity=capacity, ranks=ranks, blocks=blocks,
+                                        **MOE_SHAPE, **t))
+                    case = f"{op} T={tokens} (C={capacity}), {ranks} ranks" + (f", {blocks} blocks" if blocks else "")
+                    print(f"{case:44s} {t['after_last_us']:10.2f} {t['span_us']:8.2f} {t['own_us']:8.2f} "
+                          f"{t['handshake_us']:10.2f}", flush=True)
     # After the timing: the metadata starts JAX's GPU client, which must not share the GPU with the calls.
     document = {"meta": common.metadata(), "calls": args.calls, "skipped_calls": SKIPPED_CALLS,
                 "moe_calls": args.moe_calls, "moe_skipped_calls": MOE_SKIPPED_CALLS, "results": results}
