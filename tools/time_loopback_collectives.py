@@ -62,6 +62,22 @@ MOE_SHAPE = dict(hidden=7168, top_k=8, experts_per_rank=8)  # bf16 rows, as benc
 MOE_SKIPPED_CALLS = 10  # the outputs of every call stay on the GPU: fewer calls at these sizes
 
 
+def trace_of(done, calls, what, keys):
+    """The ``<key>_ns`` times of every traced call, each [ranks, calls], of a loopback run whose ranks are all
+    healthy (else RuntimeError naming `what`)."""
+    for rank, state in enumerate(done["ranks"]):
+        if state["fault"] != "healthy" or len(state["trace"]) != calls:
+            raise RuntimeError(f"{what}: rank {rank} is {state['fault']} with {len(state['trace'])} of {calls} "
+                               "calls traced")
+    return [np.array([[call[f"{key}_ns"] for call in state["trace"]] for state in done["ranks"]], np.float64)
+            for key in keys]
+
+
+def after_last_and_span(start, end):
+    """after_last and span (µs, medians over calls) of [ranks, calls] start and end times."""
+    return float(np.median(end.max(0) - start.max(0))) / 1e3, float(np.median(end.max(0) - start.min(0))) / 1e3
+
+
 def time_case(op, nbytes, protocol, algorithm, ranks, calls):
     """(after_last, span) in µs, medians over calls of ``op`` on float32 ones."""
     elements = nbytes // 4 * (ranks if op == "all_to_all" else 1)
@@ -69,26 +85,8 @@ def time_case(op, nbytes, protocol, algorithm, ranks, calls):
     done = loopback.collective(op, x.tobytes(), size=ranks, calls=calls, bytes=elements * 4, element_bytes=4,
                                algorithm=ALGORITHMS[algorithm], protocol=PROTOCOLS[protocol], trace=True,
                                graph=True)
-    for rank, state in enumerate(done["ranks"]):
-        if state["fault"] != "healthy" or len(state["trace"]) != calls:
-            raise RuntimeError(f"{op} {nbytes} B on {ranks} ranks: rank {rank} is {state['fault']} with "
-                               f"{len(state['trace'])} of {calls} calls traced")
-    start = np.array([[call["start_ns"] for call in state["trace"]] for state in done["ranks"]], np.float64)
-    end = np.array([[call["end_ns"] for call in state["trace"]] for state in done["ranks"]], np.float64)
-    start, end = start[:, SKIPPED_CALLS:], end[:, SKIPPED_CALLS:]
-    after_last = float(np.median(end.max(0) - start.max(0))) / 1e3
-    span = float(np.median(end.max(0) - start.min(0))) / 1e3
-    return after_last, span
-
-
-def trace_of(done, calls, what):
-    """(start, sent, data, end) ns, each [ranks, calls], of a loopback call's healthy ranks."""
-    for rank, state in enumerate(done["ranks"]):
-        if state["fault"] != "healthy" or len(state["trace"]) != calls:
-            raise RuntimeError(f"{what}: rank {rank} is {state['fault']} with {len(state['trace'])} of {calls} "
-                               "calls traced")
-    return [np.array([[call[f"{key}_ns"] for call in state["trace"]] for state in done["ranks"]], np.float64)
-            for key in ("start", "sent", "data", "end")]
+    start, end = trace_of(done, calls, f"{op} {nbytes} B on {ranks} ranks", ("start", "end"))
+    return after_last_and_span(start[:, SKIPPED_CALLS:], end[:, SKIPPED_CALLS:])
 
 
 def moe_times(start, sent, data, end, skipped):
@@ -97,9 +95,8 @@ def moe_times(start, sent, data, end, skipped):
     last = np.argmax(start, axis=0)  # per call, the rank that started last
     pick = lambda a: a[last, np.arange(a.shape[1])]  # noqa: E731
     own = (pick(sent) - pick(start)) + (pick(end) - pick(data))
-    return dict(after_last_us=float(np.median(end.max(0) - start.max(0))) / 1e3,
-                span_us=float(np.median(end.max(0) - start.min(0))) / 1e3,
-                own_us=float(np.median(own)) / 1e3,
+    after_last, span = after_last_and_span(start, end)
+    return dict(after_last_us=after_last, span_us=span, own_us=float(np.median(own)) / 1e3,
                 handshake_us=float(np.median(pick(data) - pick(sent))) / 1e3)
 
 
@@ -119,22 +116,25 @@ def time_moe(ranks, tokens, calls, blocks):
     done = loopback.moe_dispatch(x.tobytes(), ids.tobytes(), weights.tobytes(), size=ranks, calls=calls,
                                  num_tokens=tokens, row_bytes=hidden * 2, top_k=top_k, num_experts=num_experts,
                                  capacity=capacity, with_weights=True, trace=True, graph=True, blocks=blocks)
-    what = f"moe.dispatch T={tokens} on {ranks} ranks"
-    dispatch = moe_times(*trace_of(done, calls, what), MOE_SKIPPED_CALLS)
+    phases = ("start", "sent", "data", "end")
+    dispatch = moe_times(*trace_of(done, calls, f"moe.dispatch T={tokens} on {ranks} ranks", phases),
+                         MOE_SKIPPED_CALLS)
     rows = ranks * min(capacity, tokens)
     # combine sums each token's pairs on the expert side with dispatch's weights, as moe.combine does
     done = loopback.moe_combine(done["expert_rows"], done["row_pairs"], done["recv_weights"], done["recv_tokens"],
                                 done["return_row"], size=ranks, calls=calls, type=1, expert_rows=ranks * capacity,
                                 rows_per_member=rows // ranks, top_k=top_k, tokens=tokens, hidden=hidden,
                                 trace=True, graph=True, blocks=blocks)
-    combine = moe_times(*trace_of(done, calls, f"moe.combine T={tokens} on {ranks} ranks"), MOE_SKIPPED_CALLS)
+    combine = moe_times(*trace_of(done, calls, f"moe.combine T={tokens} on {ranks} ranks", phases),
+                        MOE_SKIPPED_CALLS)
     return capacity, {"moe.dispatch": dispatch, "moe.combine": combine}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", help="JSON file for the results")
-    parser.add_argument("--ranks", default="2,4", help="logical rank counts, comma-separated (2 to 8)")
+    parser.add_argument("--ranks", default="2,4", help="logical rank counts, comma-separated (2 to 8; 1 for "
+                        "the MoE kernels only)")
     parser.add_argument("--calls", type=int, default=400, help=f"calls per case (more than {SKIPPED_CALLS}, "
                         "at most 1024, the trace ring)")
     parser.add_argument("--moe", default="", help="token counts per rank for moe.dispatch and moe.combine, "

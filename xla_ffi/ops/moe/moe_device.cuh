@@ -1,6 +1,6 @@
 // Device helpers the MoE kernels share (the routing kernels, and moe.dispatch's kernel, which does their work
 // in one launch, and moe.combine's): fast division by a call's fixed divisors, how rows are shared out among
-// warps, lane masks, block lookups and batched loads.
+// warps, lane masks, block lookups and a walk over a segment of pairs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -63,24 +63,6 @@ __device__ inline int32_t BlockAt(const int32_t* starts, int32_t n, int32_t x) {
     }
   }
   return low;
-}
-
-// Calls apply(i, load(i)) for i = first, first + stride, ... below n, the loads of kBatch of them issued
-// before their applies: a loop whose body stores waits a memory round trip per iteration otherwise, as the
-// compiler does not move loads above stores it cannot prove disjoint.
-template <int kBatch = 4, typename Load, typename Apply>
-__device__ void Strided(int32_t first, int32_t n, int32_t stride, Load load, Apply apply) {
-  for (int64_t base = first; base < n; base += kBatch * stride) {
-    decltype(load(0)) loaded[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      if (base + u * stride < n) loaded[u] = load(static_cast<int32_t>(base + u * stride));
-    }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      if (base + u * stride < n) apply(static_cast<int32_t>(base + u * stride), loaded[u]);
-    }
-  }
 }
 
 // Calls visit(pair, live, key, same) for the pairs of segment [begin, end), 32 at a time, where same is the

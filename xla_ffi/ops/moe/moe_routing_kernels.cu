@@ -110,6 +110,24 @@ __device__ int32_t Scan(Cluster& cluster, int32_t n, bool across_cluster, Value 
   return total;
 }
 
+// Calls apply(i, load(i)) for i = first, first + stride, ... below n, the loads of kBatch of them issued
+// before their applies: a loop whose body stores waits a memory round trip per iteration otherwise, as the
+// compiler does not move loads above stores it cannot prove disjoint.
+template <int kBatch = 4, typename Load, typename Apply>
+__device__ void Strided(int32_t first, int32_t n, int32_t stride, Load load, Apply apply) {
+  for (int64_t base = first; base < n; base += kBatch * stride) {
+    decltype(load(0)) loaded[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (base + u * stride < n) loaded[u] = load(static_cast<int32_t>(base + u * stride));
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (base + u * stride < n) apply(static_cast<int32_t>(base + u * stride), loaded[u]);
+    }
+  }
+}
+
 // A stable counting sort of the pairs by key: the pairs split into one contiguous segment per sorting warp
 // of the cluster (sort_warps per block, rank-major), each warp walks its own, and lanes with equal keys find
 // each other with __match_any_sync, so the order within a key is segment order, then lane order. Pass 1
