@@ -20,7 +20,8 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-constexpr int64_t kHeaderBytes = 256;  // a 16-byte token count per source, ahead of the rows
+constexpr int64_t kHeaderBytes = 256;
+constexpr size_t kDefaultSharedBytes = 48 * 1024;  // shared memory a kernel gets without opting in  // a 16-byte token count per source, ahead of the rows
 static_assert(16 * kMaxNvlinkRanks <= kHeaderBytes);
 static_assert(kMaxMoeDispatchBlocks <= kMaxFlagGroups);
 
@@ -58,26 +59,62 @@ __device__ __forceinline__ uint8_t* Slots(const Call& call, int owner, int parit
   return table->data[owner] + parity * table->parity_half_bytes + call.slot_base;
 }
 
+// Copies vectors [lo, hi) of a row with the 32 lanes of a warp, kBatch loads in flight per lane before their
+// stores (a loop of load-then-store waits out a memory round trip per vector); from == nullptr writes zeros.
+// kFromPeers: `from` was written by other GPUs during the kernel, so it is read past L1.
+template <bool kFromPeers>
+__device__ __forceinline__ void WarpCopy(uint4* __restrict__ to, const uint4* __restrict__ from, int64_t lo,
+                                         int64_t hi, int lane) {
+  constexpr int kBatch = 4;
+  for (int64_t v = lo + lane; v < hi; v += 32 * kBatch) {
+    uint4 x[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t i = v + 32 * u;
+      x[u] = from == nullptr || i >= hi ? make_uint4(0, 0, 0, 0) : kFromPeers ? __ldcg(from + i) : from[i];
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (v + 32 * u < hi) to[v + 32 * u] = x[u];
+    }
+  }
+}
+
+// Pairs are sorted by per-warp counting: sort warp w takes a contiguous range of pairs and a histogram row of
+// E + 1 counters; at most kSortCounters counters in all, so fewer sort warps for many experts.
+constexpr int32_t kSortCounters = 8192;
+
+__host__ __device__ inline int32_t SortWarps(int64_t num_experts) {
+  const int64_t fit = kSortCounters / (num_experts + 1);
+  return static_cast<int32_t>(fit < 1 ? 1 : fit > kWarps ? kWarps : fit);
+}
+
 // The plan's shared memory (ints): what the send and the tags need.
 struct Plan {
   int16_t* key;         // [P] each pair's routing key (RoutingKey)
   int32_t* sorted;      // [P] the pairs sorted stably by key (the result `order`)
-  int32_t* next;        // [E + 1] per key: the counts, then the next free place in `sorted`
+  int32_t* counts;      // [E + 1] pairs per key
   int32_t* key_start;   // [E + 2] where each key starts in `sorted`
   int32_t* row_of;      // [N * T] (member, token): its send row, or -1
   int32_t* first_row;   // [N + 1] each member's first send row
   int32_t* send_token;  // [S] the token of each send row
+  int32_t* histogram;   // [sort warps][E + 1] per sort warp and key: its pairs, then its next place in `sorted`
 };
+
+__host__ __device__ inline int64_t PlanInts(int64_t P, int64_t E, int64_t N, int64_t T) {
+  return P + (E + 1) + (E + 2) + N * T + (N + 1) + N * T + SortWarps(E) * (E + 1);
+}
 
 __device__ Plan LayOutPlan(int32_t* shared, int32_t P, int32_t E, int32_t N, int32_t T) {
   Plan plan;
   plan.sorted = shared;
-  plan.next = plan.sorted + P;
-  plan.key_start = plan.next + (E + 1);
+  plan.counts = plan.sorted + P;
+  plan.key_start = plan.counts + (E + 1);
   plan.row_of = plan.key_start + (E + 2);
   plan.first_row = plan.row_of + N * T;
   plan.send_token = plan.first_row + (N + 1);
-  plan.key = reinterpret_cast<int16_t*>(plan.send_token + N * T);
+  plan.histogram = plan.send_token + N * T;
+  plan.key = reinterpret_cast<int16_t*>(plan.histogram + SortWarps(E) * (E + 1));
   return plan;
 }
 
@@ -88,7 +125,19 @@ struct Placement {
   int32_t* expert_major;  // [E_local][N] total + where block (e, i) starts, expert-major
   int32_t* packed_start;  // [N] 2 * total + where source i's received rows start, packed
   int32_t* delivered;     // [N] token rows each source delivered, clamped to [0, R]
+  uint32_t* pair_of;      // [N * R * k] per expert-major row below the total: its list entry << 16 | its pair
+                          // (received row * k + choice, kNoPair if none); kNoRow where no entry maps to it
 };
+constexpr uint32_t kNoPair = 0xffffu;
+constexpr uint32_t kNoRow = 0xffffffffu;
+static_assert(int64_t{kMaxNvlinkRanks} * kMaxMoeDispatchPairs < kNoPair, "a pair and a list entry take 16 bits");
+
+// Tags a thread of the placement holds in registers: every tag of the call, kThreads apart.
+constexpr int kTagsPerThread = static_cast<int>((kMaxNvlinkRanks * kMaxMoeDispatchPairs + kThreads - 1) / kThreads);
+
+__host__ __device__ inline int64_t PlacementInts(int64_t N, int64_t E, int64_t entries) {
+  return 3 * E + 2 * N + entries;
+}
 
 __device__ Placement LayOutPlacement(int32_t* shared, int32_t N, int32_t L) {
   Placement placed;
@@ -97,6 +146,7 @@ __device__ Placement LayOutPlacement(int32_t* shared, int32_t N, int32_t L) {
   placed.expert_major = placed.source_major + N * L;
   placed.packed_start = placed.expert_major + N * L;
   placed.delivered = placed.packed_start + N;
+  placed.pair_of = reinterpret_cast<uint32_t*>(placed.delivered + N);
   return placed;
 }
 
@@ -118,7 +168,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   const int32_t P = T * k, R = min(C, T);
   const PlanSendsShape shape = args.plan_shape();
   const int32_t S = static_cast<int32_t>(shape.num_rows());
-  const int32_t words = static_cast<int32_t>(shape.suffix_words()), padded = static_cast<int32_t>(PaddedWords(k));
+  const int32_t padded = static_cast<int32_t>(PaddedWords(k));
   const int32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int32_t thread = blockIdx.x * kThreads + tid, threads = gridDim.x * kThreads;
   const int64_t warps = int64_t{gridDim.x} * kWarps;
@@ -127,41 +177,65 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   extern __shared__ int32_t shared[];
   __shared__ BlockScan::TempStorage scan;
 
+  // The token rows into L2 while the plan is made (each block a share): the send reads them from there.
+  const char* token_bytes = static_cast<const char*>(args.tokens_in);
+  for (int64_t at = int64_t{thread} * 128; at < int64_t{T} * args.row_bytes; at += int64_t{threads} * 128) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(token_bytes + at));
+  }
+
   // ---- plan: plan_sends' arithmetic for this member, in shared memory ----
   const Plan plan = LayOutPlan(shared, P, E, N, T);
-  for (int32_t i = tid; i <= E; i += kThreads) plan.next[i] = 0;
+  const int32_t sort_warps = SortWarps(E), keys = E + 1;
+  for (int32_t i = tid; i < keys; i += kThreads) plan.counts[i] = 0;
+  for (int32_t i = tid; i < sort_warps * keys; i += kThreads) plan.histogram[i] = 0;
   for (int32_t i = tid; i < N * T; i += kThreads) plan.row_of[i] = 0;
   for (int32_t i = tid; i < S; i += kThreads) plan.send_token[i] = T;
   __syncthreads();
   for (int32_t p = tid; p < P; p += kThreads) {
     const int32_t key = RoutingKey(args.expert_ids[p], E);
     plan.key[p] = static_cast<int16_t>(key);
-    atomicAdd(&plan.next[key], 1);
+    atomicAdd(&plan.counts[key], 1);
   }
   __syncthreads();
-  ScanBlock(
-      E + 1, [&](int32_t e) { return plan.next[e]; },
-      [&](int32_t e, int32_t start, int32_t) {
-        plan.key_start[e] = start;
-        plan.next[e] = start;
-      },
-      scan);
-  if (tid == 0) plan.key_start[E + 1] = P;
-  // A stable counting sort by one warp, 32 pairs at a time: lanes with equal keys find each other with
-  // __match_any_sync and take consecutive places in pair order. Decode sizes have few chunks.
-  if (warp == 0) {
-    for (int32_t base = 0; base < P; base += 32) {
+  // A stable counting sort: sort warp w takes pairs [w * chunk, (w + 1) * chunk), 32 at a time; lanes with
+  // equal keys find each other with __match_any_sync, and the first of them counts (then places) them all.
+  const int32_t chunk = (P + sort_warps - 1) / sort_warps;
+  const int32_t sort_begin = min(P, warp * chunk), sort_end = min(P, sort_begin + chunk);
+  int32_t* histogram = plan.histogram + warp * keys;
+  auto sort_pass = [&](bool place) {
+    if (warp >= sort_warps) return;
+    for (int32_t base = sort_begin; base < sort_end; base += 32) {
       const int32_t p = base + lane;
-      const bool live = p < P;
-      const int32_t key = live ? plan.key[p] : E + 1 + lane;
+      const bool live = p < sort_end;
+      const int32_t key = live ? plan.key[p] : keys + lane;
       const unsigned same = __match_any_sync(0xffffffffu, key);
-      const int32_t start = live ? plan.next[key] : 0;
+      const bool leader = live && lane == __ffs(same) - 1;
+      if (place) {
+        const int32_t start = live ? histogram[key] : 0;
+        __syncwarp();
+        if (leader) histogram[key] = start + __popc(same);
+        if (live) plan.sorted[start + __popc(same & LanesBelow())] = p;
+      } else if (leader) {
+        histogram[key] += __popc(same);
+      }
       __syncwarp();
-      if (live && lane == __ffs(same) - 1) plan.next[key] = start + __popc(same);
-      __syncwarp();
-      if (live) plan.sorted[start + __popc(same & LanesBelow())] = p;
+    }
+  };
+  sort_pass(false);
+  ScanBlock(
+      keys, [&](int32_t e) { return plan.counts[e]; }, [&](int32_t e, int32_t start, int32_t) { plan.key_start[e] = start; },
+      scan);
+  if (tid == 0) plan.key_start[keys] = P;
+  for (int32_t key = tid; key < keys; key += kThreads) {  // each sort warp's first place per key
+    int32_t running = plan.key_start[key];
+    for (int32_t w = 0; w < sort_warps; ++w) {
+      const int32_t pairs = plan.histogram[w * keys + key];
+      plan.histogram[w * keys + key] = running;
+      running += pairs;
     }
   }
+  __syncthreads();
+  sort_pass(true);
   __syncthreads();
   // Which pairs each member takes (its first C in the order), and the tokens that go to it.
   for (int32_t position = tid; position < P; position += kThreads) {
@@ -207,8 +281,10 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     const int32_t member = i / T, token = i % T, row = plan.row_of[i];
     out.return_row[token * N + member] = row >= 0 ? member * R + row - plan.first_row[member] : N * R;
   }
-  // row_pairs' "no pair" entries before the flags: a block places its rows' entries after every block's flag.
+  // row_pairs' and to_source_major's "none" entries before the flags: a block places its rows' entries after
+  // every block's flag.
   for (int32_t i = thread; i < N * R * k; i += threads) args.placed.row_pairs[i] = N * C;
+  for (int32_t i = thread; i < N * C; i += threads) args.placed.to_source_major[i] = N * C;
 
   if (tid == 0) trace.Ready();
 
@@ -233,11 +309,8 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     while (m + 1 < N && plan.first_row[m + 1] <= g) ++m;
     const int32_t r = g - plan.first_row[m], token = plan.send_token[g];
     uint4* to = reinterpret_cast<uint4*>(Slots(call, m, parity) + kHeaderBytes + (int64_t{me} * R + r) * call.slot_row);
-    for (int64_t v = lo + lane; v < hi; v += 32) {
-      if (v < row_vectors) {
-        to[v] = tokens[int64_t{token} * row_vectors + v];
-        continue;
-      }
+    WarpCopy<false>(to, tokens + int64_t{token} * row_vectors, lo, min(hi, row_vectors), lane);
+    for (int64_t v = max(lo, row_vectors) + lane; v < hi; v += 32) {  // the suffix: tags, then weights
       int32_t word[4];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
@@ -272,31 +345,41 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   const uint8_t* mine = Slots(call, me, parity);
   const uint8_t* rows = mine + kHeaderBytes;
   const int32_t per_source = R * k, entries = N * per_source, blocks = N * L, NC = N * C;
-  auto tag_at = [&](int32_t entry) {  // entry i of the tags read as one list: tag i % k of received row i / k
+  auto suffix_word = [&](int32_t entry, int32_t word) {  // word `word` of the suffix of entry's received row
     return __ldcg(reinterpret_cast<const int32_t*>(rows + int64_t{entry / k} * call.slot_row + args.row_bytes) +
-                  entry % k);
+                  word);
   };
+  // One round of loads: the token counts, every tag (entry i of the list is tag i % k of received row i / k)
+  // and this thread's share of the weights; rows past a source's data hold another call's bytes.
+  const int32_t got = tid < N ? __ldcg(reinterpret_cast<const int32_t*>(mine + 16 * tid)) : 0;
+  int32_t tags[kTagsPerThread];
+#pragma unroll
+  for (int u = 0; u < kTagsPerThread; ++u) {
+    const int32_t entry = tid + u * kThreads;
+    tags[u] = entry < entries ? suffix_word(entry, entry % k) : -1;
+  }
+  const int32_t weight_entry = args.with_weights ? thread : entries;
+  const float first_weight = weight_entry < entries ? __int_as_float(suffix_word(weight_entry, padded + weight_entry % k)) : 0.0f;
   const Placement placed = LayOutPlacement(shared, N, L);
   for (int32_t i = tid; i < blocks; i += kThreads) placed.counts[i] = 0;
-  for (int32_t s = tid; s < N; s += kThreads) {
-    const int32_t got = __ldcg(reinterpret_cast<const int32_t*>(mine + 16 * s));
-    placed.delivered[s] = min(max(got, 0), R);
-    if (blockIdx.x == 0) args.recv_tokens[s] = got;
+  if (tid < N) {
+    placed.delivered[tid] = min(max(got, 0), R);
+    if (blockIdx.x == 0) args.recv_tokens[tid] = got;
   }
   __syncthreads();
-  for (int32_t entry = tid; entry < entries; entry += kThreads) {
-    const int32_t source = entry / per_source, tag = tag_at(entry);
-    if ((entry - source * per_source) / k < placed.delivered[source] && tag >= 0) {
-      atomicAdd(&placed.counts[source * L + tag % L], 1);
+#pragma unroll
+  for (int u = 0; u < kTagsPerThread; ++u) {
+    const int32_t entry = tid + u * kThreads, source = entry / per_source;
+    if (entry < entries && (entry - source * per_source) / k < placed.delivered[source] && tags[u] >= 0) {
+      atomicAdd(&placed.counts[source * L + tags[u] % L], 1);
+    } else {
+      tags[u] = -1;
     }
   }
-  if (args.with_weights) {  // rows past a source's data hold another call's bytes: their weights are zeros
-    for (int32_t entry = thread; entry < entries; entry += threads) {
-      const int32_t source = entry / per_source, row = entry / k;
-      const float weight = __ldcg(reinterpret_cast<const float*>(rows + int64_t{row} * call.slot_row + args.row_bytes) +
-                                  padded + entry % k);
-      args.placed.recv_weights[entry] = (row - source * R) < placed.delivered[source] ? weight : 0.0f;
-    }
+  for (int32_t entry = weight_entry; entry < entries; entry += threads) {
+    const int32_t source = entry / per_source, row = entry / k;
+    const float weight = entry == weight_entry ? first_weight : __int_as_float(suffix_word(entry, padded + entry % k));
+    args.placed.recv_weights[entry] = (row - source * R) < placed.delivered[source] ? weight : 0.0f;
   }
   __syncthreads();
   const int32_t scanned = ScanBlock(
@@ -308,44 +391,44 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
       },
       [&](int32_t i, int32_t start, int32_t) { placed.source_major[i] = start; }, scan);
   const int32_t total = placed.expert_major[0], delivered = scanned - 2 * total;
+  // Each valid tag's expert-major row x: its source's list is sorted by local expert, so entry j of source s
+  // with expert e is row j - (where e starts in s's list) of block (e, s).
+  for (int32_t x = tid; x < total; x += kThreads) placed.pair_of[x] = kNoRow;
+  __syncthreads();
+#pragma unroll
+  for (int u = 0; u < kTagsPerThread; ++u) {
+    if (tags[u] < 0) continue;
+    const int32_t entry = tid + u * kThreads, source = entry / per_source, j = entry - source * per_source;
+    const int32_t e = tags[u] % L, row = tags[u] / (k * L);
+    const int32_t x = placed.expert_major[e * N + source] - total + j -
+                      (placed.source_major[source * L + e] - placed.source_major[source * L]);
+    const uint32_t pair = row < R ? static_cast<uint32_t>((source * R + row) * k + tags[u] / L % k) : kNoPair;
+    if (x >= 0 && x < total) placed.pair_of[x] = static_cast<uint32_t>(entry) << 16 | pair;
+  }
+  __syncthreads();
   for (int32_t i = thread; i < blocks; i += threads) args.placed.recv_counts[i] = placed.counts[i];
   for (int32_t e = thread; e < L; e += threads) {
     int32_t sum = 0;
     for (int32_t source = 0; source < N; ++source) sum += placed.counts[source * L + e];
     args.placed.group_sizes[e] = sum;
   }
-  // Expert-major row x: its source, its entry in the source's list and the received row behind it.
-  struct Row {
-    int32_t source, in_list, expand;
-  };
-  auto row_at = [&](int32_t x) {
-    Row row{0, 0, N * R};
-    if (x >= total) return row;
-    const int32_t j = BlockAt(placed.expert_major, blocks, x + total);
-    const int32_t e = j / N;
-    row.source = j % N;
-    row.in_list = placed.source_major[row.source * L + e] - placed.source_major[row.source * L] + x + total -
-                  placed.expert_major[j];
-    return row;
-  };
   for (int32_t x = thread; x < NC; x += threads) {
-    int32_t expand = N * R, entry = entries, expert_row = NC, source_row = NC;
-    if (x < total) {
-      const Row row = row_at(x);
-      if (row.in_list < C) expert_row = row.source * C + row.in_list;
-      const int32_t tag = tag_at(row.source * per_source + row.in_list);  // (row * k + choice) * E_local + expert
-      if (tag >= 0 && tag / (k * L) < R) {
-        expand = row.source * R + tag / (k * L);
-        entry = expand * k + tag / L % k;
+    int32_t expand = N * R, entry = entries, expert_row = NC;
+    const uint32_t of = x < total ? placed.pair_of[x] : kNoRow;
+    if (of != kNoRow) {
+      const int32_t list = static_cast<int32_t>(of >> 16), source = list / per_source, j = list - source * per_source;
+      if (j < C) expert_row = source * C + j;
+      if ((of & kNoPair) != kNoPair) {
+        entry = static_cast<int32_t>(of & kNoPair);
+        expand = entry / k;
         args.placed.row_pairs[entry] = x;
       }
-      const int32_t i = BlockAt(placed.source_major, blocks, x);
-      source_row = min(placed.expert_major[i % L * N + i / L] - total + x - placed.source_major[i], NC);
+      const int32_t source_row = placed.source_major[source * L] + j;  // the same row, source-major
+      if (source_row < NC) args.placed.to_source_major[source_row] = x;
     }
     args.placed.expand_rows[x] = expand;
     args.placed.pair_entry[x] = entry;
     args.placed.to_expert_major[x] = expert_row;
-    args.placed.to_source_major[x] = source_row;
   }
   for (int32_t s = thread; s < N * R; s += threads) {
     int32_t back = N * R;
@@ -363,16 +446,12 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     const int32_t x = static_cast<int32_t>(unit / expand.pieces);
     const int64_t lo = (unit - int64_t{x} * expand.pieces) * expand.piece_len;
     const int64_t hi = min(row_vectors, lo + expand.piece_len);
+    const uint32_t of = x < total ? placed.pair_of[x] : kNoRow;
     const uint4* from = nullptr;
-    if (x < total) {
-      const Row row = row_at(x);
-      const int32_t tag = tag_at(row.source * per_source + row.in_list);
-      if (tag >= 0 && tag / (k * L) < R) {
-        from = reinterpret_cast<const uint4*>(rows + (int64_t{row.source} * R + tag / (k * L)) * call.slot_row);
-      }
+    if (of != kNoRow && (of & kNoPair) != kNoPair) {
+      from = reinterpret_cast<const uint4*>(rows + int64_t{static_cast<int32_t>(of & kNoPair) / k} * call.slot_row);
     }
-    uint4* to = expert_rows + int64_t{x} * row_vectors;
-    for (int64_t v = lo + lane; v < hi; v += 32) to[v] = from != nullptr ? __ldcg(from + v) : make_uint4(0, 0, 0, 0);
+    WarpCopy<true>(expert_rows + int64_t{x} * row_vectors, from, lo, hi, lane);
   }
   FinishCall(args.control, epoch, ticket, trace, kTraceMoeDispatch);
 }
@@ -380,9 +459,9 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
 // Shared memory of a call's plan and placement (they share it), in bytes.
 size_t SharedBytes(const MoeDispatchArgs& args) {
   const int64_t P = args.tokens * args.top_k, E = args.num_experts, N = args.size, T = args.tokens;
-  const int64_t plan_ints = P + (E + 1) + (E + 2) + N * T + (N + 1) + N * T;
-  const int64_t plan_bytes = plan_ints * 4 + P * 2;
-  const int64_t place_bytes = (3 * E + 2 * N) * 4;
+  const int64_t entries = N * std::min(args.capacity, T) * args.top_k;
+  const int64_t plan_bytes = PlanInts(P, E, N, T) * 4 + P * 2;
+  const int64_t place_bytes = PlacementInts(N, E, entries) * 4;
   return static_cast<size_t>((std::max(plan_bytes, place_bytes) + 15) / 16 * 16);
 }
 
@@ -412,7 +491,14 @@ int ChooseMoeDispatchBlocks(const MoeDispatchArgs& args, int requested, int sm_c
 cudaError_t LaunchMoeDispatch(const MoeDispatchArgs& args, int blocks, cudaStream_t stream) {
   const Call call{args, NvlinkLowLatencyAreaBytes(args.size),
                   MoeDispatchSlotRowBytes(args.top_k, args.row_bytes, args.with_weights)};
-  MoeDispatchKernel<<<blocks, kThreads, SharedBytes(args), stream>>>(call);
+  const size_t shared = SharedBytes(args);
+  // Past the default (with the scan's static storage), the kernel must opt in; not a stream operation.
+  if (shared + sizeof(BlockScan::TempStorage) > kDefaultSharedBytes) {
+    const cudaError_t opted = cudaFuncSetAttribute(MoeDispatchKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(shared));
+    if (opted != cudaSuccess) return opted;
+  }
+  MoeDispatchKernel<<<blocks, kThreads, shared, stream>>>(call);
   return cudaGetLastError();
 }
 
