@@ -21,7 +21,8 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int64_t kHeaderBytes = 256;
-constexpr size_t kDefaultSharedBytes = 48 * 1024;  // shared memory a kernel gets without opting in  // a 16-byte token count per source, ahead of the rows
+constexpr size_t kDefaultSharedBytes =
+    48 * 1024;  // shared memory a kernel gets without opting in  // a 16-byte token count per source, ahead of the rows
 static_assert(16 * kMaxNvlinkRanks <= kHeaderBytes);
 static_assert(kMaxMoeDispatchBlocks <= kMaxFlagGroups);
 
@@ -51,7 +52,7 @@ __device__ int32_t ScanBlock(int32_t n, Value value, Emit emit, BlockScan::TempS
 struct Call {
   MoeDispatchArgs args;
   int64_t slot_base;  // where the header starts in a parity half: past the LL areas
-  int64_t slot_row;   // bytes of a slot row
+  int64_t slot_row;  // bytes of a slot row
 };
 
 __device__ __forceinline__ uint8_t* Slots(const Call& call, int owner, int parity) {
@@ -63,8 +64,8 @@ __device__ __forceinline__ uint8_t* Slots(const Call& call, int owner, int parit
 // stores (a loop of load-then-store waits out a memory round trip per vector); from == nullptr writes zeros.
 // kFromPeers: `from` was written by other GPUs during the kernel, so it is read past L1.
 template <bool kFromPeers>
-__device__ __forceinline__ void WarpCopy(uint4* __restrict__ to, const uint4* __restrict__ from, int64_t lo,
-                                         int64_t hi, int lane) {
+__device__ __forceinline__ void WarpCopy(uint4* __restrict__ to, const uint4* __restrict__ from, int64_t lo, int64_t hi,
+                                         int lane) {
   constexpr int kBatch = 4;
   for (int64_t v = lo + lane; v < hi; v += 32 * kBatch) {
     uint4 x[kBatch];
@@ -91,14 +92,14 @@ __host__ __device__ inline int32_t SortWarps(int64_t num_experts) {
 
 // The plan's shared memory (ints): what the send and the tags need.
 struct Plan {
-  int16_t* key;         // [P] each pair's routing key (RoutingKey)
-  int32_t* sorted;      // [P] the pairs sorted stably by key (the result `order`)
-  int32_t* counts;      // [E + 1] pairs per key
-  int32_t* key_start;   // [E + 2] where each key starts in `sorted`
-  int32_t* row_of;      // [N * T] (member, token): its send row, or -1
-  int32_t* first_row;   // [N + 1] each member's first send row
+  int16_t* key;  // [P] each pair's routing key (RoutingKey)
+  int32_t* sorted;  // [P] the pairs sorted stably by key (the result `order`)
+  int32_t* counts;  // [E + 1] pairs per key
+  int32_t* key_start;  // [E + 2] where each key starts in `sorted`
+  int32_t* row_of;  // [N * T] (member, token): its send row, or -1
+  int32_t* first_row;  // [N + 1] each member's first send row
   int32_t* send_token;  // [S] the token of each send row
-  int32_t* histogram;   // [sort warps][E + 1] per sort warp and key: its pairs, then its next place in `sorted`
+  int32_t* histogram;  // [sort warps][E + 1] per sort warp and key: its pairs, then its next place in `sorted`
 };
 
 __host__ __device__ inline int64_t PlanInts(int64_t P, int64_t E, int64_t N, int64_t T) {
@@ -120,13 +121,13 @@ __device__ Plan LayOutPlan(int32_t* shared, int32_t P, int32_t E, int32_t N, int
 
 // The placement's shared memory, over the plan's (which is done with by then).
 struct Placement {
-  int32_t* counts;        // [N][E_local] valid tags per (source, local expert)
+  int32_t* counts;  // [N][E_local] valid tags per (source, local expert)
   int32_t* source_major;  // [N][E_local] where block (i, e) starts, source-major
   int32_t* expert_major;  // [E_local][N] total + where block (e, i) starts, expert-major
   int32_t* packed_start;  // [N] 2 * total + where source i's received rows start, packed
-  int32_t* delivered;     // [N] token rows each source delivered, clamped to [0, R]
-  uint32_t* pair_of;      // [N * R * k] per expert-major row below the total: its list entry << 16 | its pair
-                          // (received row * k + choice, kNoPair if none); kNoRow where no entry maps to it
+  int32_t* delivered;  // [N] token rows each source delivered, clamped to [0, R]
+  uint32_t* pair_of;  // [N * R * k] per expert-major row below the total: its list entry << 16 | its pair
+  // (received row * k + choice, kNoPair if none); kNoRow where no entry maps to it
 };
 constexpr uint32_t kNoPair = 0xffffu;
 constexpr uint32_t kNoRow = 0xffffffffu;
@@ -223,8 +224,8 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   };
   sort_pass(false);
   ScanBlock(
-      keys, [&](int32_t e) { return plan.counts[e]; }, [&](int32_t e, int32_t start, int32_t) { plan.key_start[e] = start; },
-      scan);
+      keys, [&](int32_t e) { return plan.counts[e]; },
+      [&](int32_t e, int32_t start, int32_t) { plan.key_start[e] = start; }, scan);
   if (tid == 0) plan.key_start[keys] = P;
   for (int32_t key = tid; key < keys; key += kThreads) {  // each sort warp's first place per key
     int32_t running = plan.key_start[key];
@@ -346,8 +347,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   const uint8_t* rows = mine + kHeaderBytes;
   const int32_t per_source = R * k, entries = N * per_source, blocks = N * L, NC = N * C;
   auto suffix_word = [&](int32_t entry, int32_t word) {  // word `word` of the suffix of entry's received row
-    return __ldcg(reinterpret_cast<const int32_t*>(rows + int64_t{entry / k} * call.slot_row + args.row_bytes) +
-                  word);
+    return __ldcg(reinterpret_cast<const int32_t*>(rows + int64_t{entry / k} * call.slot_row + args.row_bytes) + word);
   };
   // One round of loads: the token counts, every tag (entry i of the list is tag i % k of received row i / k)
   // and this thread's share of the weights; rows past a source's data hold another call's bytes.
@@ -359,7 +359,9 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     tags[u] = entry < entries ? suffix_word(entry, entry % k) : -1;
   }
   const int32_t weight_entry = args.with_weights ? thread : entries;
-  const float first_weight = weight_entry < entries ? __int_as_float(suffix_word(weight_entry, padded + weight_entry % k)) : 0.0f;
+  const float first_weight = weight_entry < entries
+                                 ? __int_as_float(suffix_word(weight_entry, padded + weight_entry % k))
+                                 : 0.0f;
   const Placement placed = LayOutPlacement(shared, N, L);
   for (int32_t i = tid; i < blocks; i += kThreads) placed.counts[i] = 0;
   if (tid < N) {
