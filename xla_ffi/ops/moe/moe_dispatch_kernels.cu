@@ -49,8 +49,14 @@ __device__ int32_t ScanBlock(int32_t n, Value value, Emit emit, BlockScan::TempS
   return total;
 }
 
+// The call's divisors (Divisor: a multiply and a shift per index instead of a division).
+struct Divisors {
+  Divisor top_k, local, tokens, per_source, tags_per_row;  // k, E_local, T, R * k, k * E_local
+};
+
 struct Call {
   MoeDispatchArgs args;
+  Divisors by;
   int64_t slot_base;  // where the header starts in a parity half: past the LL areas
   int64_t slot_row;  // bytes of a slot row
 };
@@ -153,6 +159,7 @@ __device__ Placement LayOutPlacement(int32_t* shared, int32_t N, int32_t L) {
 
 __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   const MoeDispatchArgs& args = call.args;
+  const Divisors& by = call.by;
   const uint64_t epoch = CallEpoch(args.control);
   const uint32_t ticket = TakeTicket(args.control, epoch);
   const int parity = static_cast<int>(epoch & 1);
@@ -242,18 +249,19 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   for (int32_t position = tid; position < P; position += kThreads) {
     const int32_t pair = plan.sorted[position], key = plan.key[pair];
     if (key < E) {
-      const int32_t member = key / L;
-      if (position - plan.key_start[member * L] < C) plan.row_of[member * T + pair / k] = 1;
+      const int32_t member = by.local.Div(key);
+      if (position - plan.key_start[member * L] < C) plan.row_of[member * T + by.top_k.Div(pair)] = 1;
     }
   }
   __syncthreads();
   ScanBlock(
       N * T, [&](int32_t i) { return plan.row_of[i]; },
       [&](int32_t i, int32_t row, int32_t goes) {
-        if (i % T == 0) plan.first_row[i / T] = row;
+        const int32_t member = by.tokens.Div(i), token = i - member * T;
+        if (token == 0) plan.first_row[member] = row;
         if (i == N * T - 1) plan.first_row[N] = row + goes;
         plan.row_of[i] = goes ? row : -1;
-        if (goes) plan.send_token[row] = i % T;
+        if (goes) plan.send_token[row] = token;
       },
       scan);
   if (N * T == 0 && tid <= N) plan.first_row[tid] = 0;
@@ -265,7 +273,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     const int32_t pair = plan.sorted[position], key = plan.key[pair];
     int32_t slot = N * C;
     if (key < E) {
-      const int32_t member = key / L, offset = position - plan.key_start[member * L];
+      const int32_t member = by.local.Div(key), offset = position - plan.key_start[member * L];
       if (offset < C) slot = member * C + offset;
     }
     out.order[position] = pair;
@@ -279,7 +287,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   }
   for (int32_t i = thread; i < S; i += threads) out.send_token[i] = plan.send_token[i];
   for (int32_t i = thread; i < N * T; i += threads) {
-    const int32_t member = i / T, token = i % T, row = plan.row_of[i];
+    const int32_t member = by.tokens.Div(i), token = i - member * T, row = plan.row_of[i];
     out.return_row[token * N + member] = row >= 0 ? member * R + row - plan.first_row[member] : N * R;
   }
   // row_pairs' and to_source_major's "none" entries before the flags: a block places its rows' entries after
@@ -295,9 +303,9 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     const int32_t begin = plan.key_start[m * L];
     const int32_t delivered = min(C, plan.key_start[(m + 1) * L] - begin);
     if (entry >= delivered) return -1;
-    const int32_t pair = plan.sorted[begin + entry], token = pair / k;
+    const int32_t pair = plan.sorted[begin + entry], token = by.top_k.Div(pair);
     const int32_t row = plan.row_of[m * T + token] - plan.first_row[m];
-    return (row * k + pair - token * k) * L + plan.key[pair] % L;
+    return (row * k + pair - token * k) * L + by.local.Mod(plan.key[pair]);
   };
   const int32_t sent_rows = plan.first_row[N];
   const uint4* tokens = static_cast<const uint4*>(args.tokens_in);
@@ -347,7 +355,8 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   const uint8_t* rows = mine + kHeaderBytes;
   const int32_t per_source = R * k, entries = N * per_source, blocks = N * L, NC = N * C;
   auto suffix_word = [&](int32_t entry, int32_t word) {  // word `word` of the suffix of entry's received row
-    return __ldcg(reinterpret_cast<const int32_t*>(rows + int64_t{entry / k} * call.slot_row + args.row_bytes) + word);
+    return __ldcg(
+        reinterpret_cast<const int32_t*>(rows + int64_t{by.top_k.Div(entry)} * call.slot_row + args.row_bytes) + word);
   };
   // One round of loads: the token counts, every tag (entry i of the list is tag i % k of received row i / k)
   // and this thread's share of the weights; rows past a source's data hold another call's bytes.
@@ -356,11 +365,11 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
 #pragma unroll
   for (int u = 0; u < kTagsPerThread; ++u) {
     const int32_t entry = tid + u * kThreads;
-    tags[u] = entry < entries ? suffix_word(entry, entry % k) : -1;
+    tags[u] = entry < entries ? suffix_word(entry, by.top_k.Mod(entry)) : -1;
   }
   const int32_t weight_entry = args.with_weights ? thread : entries;
   const float first_weight = weight_entry < entries
-                                 ? __int_as_float(suffix_word(weight_entry, padded + weight_entry % k))
+                                 ? __int_as_float(suffix_word(weight_entry, padded + by.top_k.Mod(weight_entry)))
                                  : 0.0f;
   const Placement placed = LayOutPlacement(shared, N, L);
   for (int32_t i = tid; i < blocks; i += kThreads) placed.counts[i] = 0;
@@ -371,16 +380,17 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   __syncthreads();
 #pragma unroll
   for (int u = 0; u < kTagsPerThread; ++u) {
-    const int32_t entry = tid + u * kThreads, source = entry / per_source;
-    if (entry < entries && (entry - source * per_source) / k < placed.delivered[source] && tags[u] >= 0) {
-      atomicAdd(&placed.counts[source * L + tags[u] % L], 1);
+    const int32_t entry = tid + u * kThreads, source = by.per_source.Div(entry);
+    if (entry < entries && by.top_k.Div(entry - source * per_source) < placed.delivered[source] && tags[u] >= 0) {
+      atomicAdd(&placed.counts[source * L + by.local.Mod(tags[u])], 1);
     } else {
       tags[u] = -1;
     }
   }
   for (int32_t entry = weight_entry; entry < entries; entry += threads) {
-    const int32_t source = entry / per_source, row = entry / k;
-    const float weight = entry == weight_entry ? first_weight : __int_as_float(suffix_word(entry, padded + entry % k));
+    const int32_t source = by.per_source.Div(entry), row = by.top_k.Div(entry);
+    const float weight = entry == weight_entry ? first_weight
+                                               : __int_as_float(suffix_word(entry, padded + by.top_k.Mod(entry)));
     args.placed.recv_weights[entry] = (row - source * R) < placed.delivered[source] ? weight : 0.0f;
   }
   __syncthreads();
@@ -400,11 +410,12 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
 #pragma unroll
   for (int u = 0; u < kTagsPerThread; ++u) {
     if (tags[u] < 0) continue;
-    const int32_t entry = tid + u * kThreads, source = entry / per_source, j = entry - source * per_source;
-    const int32_t e = tags[u] % L, row = tags[u] / (k * L);
+    const int32_t entry = tid + u * kThreads, source = by.per_source.Div(entry), j = entry - source * per_source;
+    const int32_t e = by.local.Mod(tags[u]), row = by.tags_per_row.Div(tags[u]);
     const int32_t x = placed.expert_major[e * N + source] - total + j -
                       (placed.source_major[source * L + e] - placed.source_major[source * L]);
-    const uint32_t pair = row < R ? static_cast<uint32_t>((source * R + row) * k + tags[u] / L % k) : kNoPair;
+    const uint32_t pair = row < R ? static_cast<uint32_t>((source * R + row) * k + by.top_k.Mod(by.local.Div(tags[u])))
+                                  : kNoPair;
     if (x >= 0 && x < total) placed.pair_of[x] = static_cast<uint32_t>(entry) << 16 | pair;
   }
   __syncthreads();
@@ -418,11 +429,12 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     int32_t expand = N * R, entry = entries, expert_row = NC;
     const uint32_t of = x < total ? placed.pair_of[x] : kNoRow;
     if (of != kNoRow) {
-      const int32_t list = static_cast<int32_t>(of >> 16), source = list / per_source, j = list - source * per_source;
+      const int32_t list = static_cast<int32_t>(of >> 16), source = by.per_source.Div(list),
+                    j = list - source * per_source;
       if (j < C) expert_row = source * C + j;
       if ((of & kNoPair) != kNoPair) {
         entry = static_cast<int32_t>(of & kNoPair);
-        expand = entry / k;
+        expand = by.top_k.Div(entry);
         args.placed.row_pairs[entry] = x;
       }
       const int32_t source_row = placed.source_major[source * L] + j;  // the same row, source-major
@@ -451,7 +463,8 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     const uint32_t of = x < total ? placed.pair_of[x] : kNoRow;
     const uint4* from = nullptr;
     if (of != kNoRow && (of & kNoPair) != kNoPair) {
-      from = reinterpret_cast<const uint4*>(rows + int64_t{static_cast<int32_t>(of & kNoPair) / k} * call.slot_row);
+      from = reinterpret_cast<const uint4*>(rows +
+                                            int64_t{by.top_k.Div(static_cast<int32_t>(of & kNoPair))} * call.slot_row);
     }
     WarpCopy<true>(expert_rows + int64_t{x} * row_vectors, from, lo, hi, lane);
   }
@@ -491,7 +504,10 @@ int ChooseMoeDispatchBlocks(const MoeDispatchArgs& args, int requested, int sm_c
 }
 
 cudaError_t LaunchMoeDispatch(const MoeDispatchArgs& args, int blocks, cudaStream_t stream) {
-  const Call call{args, NvlinkLowLatencyAreaBytes(args.size),
+  const int64_t local = args.num_experts / args.size, R = std::min(args.capacity, args.tokens);
+  const Divisors by{Divisor(args.top_k), Divisor(local), Divisor(args.tokens), Divisor(R * args.top_k),
+                    Divisor(args.top_k * local)};
+  const Call call{args, by, NvlinkLowLatencyAreaBytes(args.size),
                   MoeDispatchSlotRowBytes(args.top_k, args.row_bytes, args.with_weights)};
   const size_t shared = SharedBytes(args);
   // Past the default (with the scan's static storage), the kernel must opt in; not a stream operation.
