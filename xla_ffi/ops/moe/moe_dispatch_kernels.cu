@@ -20,9 +20,8 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-constexpr int64_t kHeaderBytes = 256;
-constexpr size_t kDefaultSharedBytes =
-    48 * 1024;  // shared memory a kernel gets without opting in  // a 16-byte token count per source, ahead of the rows
+constexpr int64_t kHeaderBytes = 256;              // a 16-byte token count per source, ahead of the rows
+constexpr size_t kDefaultSharedBytes = 48 * 1024;  // shared memory a kernel gets without opting in
 static_assert(16 * kMaxNvlinkRanks <= kHeaderBytes);
 static_assert(kMaxMoeDispatchBlocks <= kMaxFlagGroups);
 
@@ -471,6 +470,19 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   FinishCall(args.control, epoch, ticket, trace, kTraceMoeDispatch);
 }
 
+// The most shared memory any call within the handlers' limits takes (SharedBytes' maximum over them).
+constexpr int64_t kMostPlanBytes = (kMaxMoeDispatchPairs + 2 * kMaxRoutingExperts + 3 +
+                                    2 * kMaxMoeDispatchMemberTokens + kMaxNvlinkRanks + 1 + kSortCounters + kWarps) *
+                                       4 +
+                                   kMaxMoeDispatchPairs * 2;
+constexpr int64_t kMostPlacementBytes = (3 * kMaxRoutingExperts + 2 * kMaxNvlinkRanks +
+                                         int64_t{kMaxNvlinkRanks} * kMaxMoeDispatchPairs) *
+                                        4;
+constexpr size_t kMostSharedBytes = ((kMostPlanBytes > kMostPlacementBytes ? kMostPlanBytes : kMostPlacementBytes) +
+                                     15) /
+                                    16 * 16;
+static_assert(kMostSharedBytes + sizeof(BlockScan::TempStorage) <= 227 * 1024, "past an sm_90 block's opt-in");
+
 // Shared memory of a call's plan and placement (they share it), in bytes.
 size_t SharedBytes(const MoeDispatchArgs& args) {
   const int64_t P = args.tokens * args.top_k, E = args.num_experts, N = args.size, T = args.tokens;
@@ -509,11 +521,18 @@ cudaError_t LaunchMoeDispatch(const MoeDispatchArgs& args, int blocks, cudaStrea
                     Divisor(args.top_k * local)};
   const Call call{args, by, NvlinkLowLatencyAreaBytes(args.size),
                   MoeDispatchSlotRowBytes(args.top_k, args.row_bytes, args.with_weights)};
+  // The placement holds every received tag in registers and packs list entries in 16 bits: the handlers'
+  // limits (N <= 8, T * k <= kMaxMoeDispatchPairs) keep within both; a call past them is refused here too.
+  if (args.size > kMaxNvlinkRanks || args.size * R * args.top_k > int64_t{kTagsPerThread} * kThreads) {
+    return cudaErrorInvalidValue;
+  }
   const size_t shared = SharedBytes(args);
-  // Past the default (with the scan's static storage), the kernel must opt in; not a stream operation.
+  if (shared > kMostSharedBytes) return cudaErrorInvalidValue;
+  // Past the default (with the scan's static storage), the kernel must opt in: always to the most any call
+  // takes, so that calls of other sizes (on other streams, or replayed from graphs) never lower the limit.
   if (shared + sizeof(BlockScan::TempStorage) > kDefaultSharedBytes) {
     const cudaError_t opted = cudaFuncSetAttribute(MoeDispatchKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   static_cast<int>(shared));
+                                                   static_cast<int>(kMostSharedBytes));
     if (opted != cudaSuccess) return opted;
   }
   MoeDispatchKernel<<<blocks, kThreads, shared, stream>>>(call);
