@@ -204,31 +204,16 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     atomicAdd(&plan.counts[key], 1);
   }
   __syncthreads();
-  // A stable counting sort: sort warp w takes pairs [w * chunk, (w + 1) * chunk), 32 at a time; lanes with
-  // equal keys find each other with __match_any_sync, and the first of them counts (then places) them all.
+  // A stable counting sort, as plan_sends' (moe_routing_kernels.cu): sort warp w walks pairs [w * chunk,
+  // (w + 1) * chunk) with WalkSegment; the first lane of each key counts (then places) that key's lanes.
   const int32_t chunk = (P + sort_warps - 1) / sort_warps;
   const int32_t sort_begin = min(P, warp * chunk), sort_end = min(P, sort_begin + chunk);
   int32_t* histogram = plan.histogram + warp * keys;
-  auto sort_pass = [&](bool place) {
-    if (warp >= sort_warps) return;
-    for (int32_t base = sort_begin; base < sort_end; base += 32) {
-      const int32_t p = base + lane;
-      const bool live = p < sort_end;
-      const int32_t key = live ? plan.key[p] : keys + lane;
-      const unsigned same = __match_any_sync(0xffffffffu, key);
-      const bool leader = live && lane == __ffs(same) - 1;
-      if (place) {
-        const int32_t start = live ? histogram[key] : 0;
-        __syncwarp();
-        if (leader) histogram[key] = start + __popc(same);
-        if (live) plan.sorted[start + __popc(same & LanesBelow())] = p;
-      } else if (leader) {
-        histogram[key] += __popc(same);
-      }
-      __syncwarp();
-    }
-  };
-  sort_pass(false);
+  if (warp < sort_warps) {
+    WalkSegment(args.expert_ids, E, sort_begin, sort_end, [&](int32_t, bool live, int32_t key, unsigned same) {
+      if (live && lane == __ffs(same) - 1) histogram[key] += __popc(same);
+    });
+  }
   ScanBlock(
       keys, [&](int32_t e) { return plan.counts[e]; },
       [&](int32_t e, int32_t start, int32_t) { plan.key_start[e] = start; }, scan);
@@ -242,7 +227,15 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     }
   }
   __syncthreads();
-  sort_pass(true);
+  if (warp < sort_warps) {
+    WalkSegment(args.expert_ids, E, sort_begin, sort_end, [&](int32_t pair, bool live, int32_t key, unsigned same) {
+      const int32_t start = live ? histogram[key] : 0;
+      __syncwarp();
+      if (live && lane == __ffs(same) - 1) histogram[key] = start + __popc(same);
+      __syncwarp();
+      if (live) plan.sorted[start + __popc(same & LanesBelow())] = pair;
+    });
+  }
   __syncthreads();
   // Which pairs each member takes (its first C in the order), and the tokens that go to it.
   for (int32_t position = tid; position < P; position += kThreads) {
