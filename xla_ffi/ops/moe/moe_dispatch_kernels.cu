@@ -353,11 +353,15 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   // One round of loads: the token counts, every tag (entry i of the list is tag i % k of received row i / k)
   // and this thread's share of the weights; rows past a source's data hold another call's bytes.
   const int32_t got = tid < N ? __ldcg(reinterpret_cast<const int32_t*>(mine + 16 * tid)) : 0;
+  // Each loop over them stops at this thread's count: fully unrolled, the empty iterations cost more issue
+  // slots than the whole placement at decode sizes.
+  const int32_t held = tid < entries ? (entries - 1 - tid) / kThreads + 1 : 0;
   int32_t tags[kTagsPerThread];
 #pragma unroll
   for (int u = 0; u < kTagsPerThread; ++u) {
+    if (u >= held) break;
     const int32_t entry = tid + u * kThreads;
-    tags[u] = entry < entries ? suffix_word(entry, by.top_k.Mod(entry)) : -1;
+    tags[u] = suffix_word(entry, by.top_k.Mod(entry));
   }
   const int32_t weight_entry = args.with_weights ? thread : entries;
   const float first_weight = weight_entry < entries
@@ -372,8 +376,9 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   __syncthreads();
 #pragma unroll
   for (int u = 0; u < kTagsPerThread; ++u) {
+    if (u >= held) break;
     const int32_t entry = tid + u * kThreads, source = by.per_source.Div(entry);
-    if (entry < entries && by.top_k.Div(entry - source * per_source) < placed.delivered[source] && tags[u] >= 0) {
+    if (by.top_k.Div(entry - source * per_source) < placed.delivered[source] && tags[u] >= 0) {
       atomicAdd(&placed.counts[source * L + by.local.Mod(tags[u])], 1);
     } else {
       tags[u] = -1;
@@ -401,6 +406,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   __syncthreads();
 #pragma unroll
   for (int u = 0; u < kTagsPerThread; ++u) {
+    if (u >= held) break;
     if (tags[u] < 0) continue;
     const int32_t entry = tid + u * kThreads, source = by.per_source.Div(entry), j = entry - source * per_source;
     const int32_t e = by.local.Mod(tags[u]), row = by.tags_per_row.Div(tags[u]);
