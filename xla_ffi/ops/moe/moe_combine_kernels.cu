@@ -123,12 +123,13 @@ __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
     const int64_t lo = (unit - i * expert.pieces) * expert.piece_len;
     const int s = static_cast<int>(i / R);
     const int64_t r = i - s * R;
-    if (r >= args.recv_tokens[s]) continue;  // the same on every lane
+    const int32_t delivered = args.recv_tokens[s];  // loaded with the indices: one round trip, not two
     for (int j = lane; j < k; j += 32) {
       row_pairs[j] = args.row_pairs[i * k + j];
       row_weights[j] = args.weights[i * k + j];
     }
     __syncwarp();
+    if (r >= delivered) continue;  // the same on every lane
     uint4* to = SlotRow(call, s, parity, me * R + r, vectors);
     const int64_t hi = min(vectors, lo + expert.piece_len);
     for (int64_t v = lo + lane; v < hi; v += 32) {
@@ -157,7 +158,17 @@ __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
   }
   if (threadIdx.x == 0) trace.Sent();
 
-  // Token side: every member's every block has written its rows here.
+  // Token side. Its first unit's rows are looked up before the wait: return_row is an input, not peer data.
+  uint4* out = static_cast<uint4*>(args.out);
+  const Units token(args.tokens, vectors, warps);
+  int32_t first_rows[kMaxNvlinkRanks];
+#pragma unroll
+  for (int m = 0; m < kMaxNvlinkRanks; ++m) {
+    first_rows[m] = m < n && first_unit < args.tokens * token.pieces
+                        ? args.return_row[first_unit / token.pieces * n + m]
+                        : static_cast<int32_t>(n * R);
+  }
+  // Every member's every block has written its rows here.
   const int grid = static_cast<int>(gridDim.x);
   bool came = true;
   for (int flag = threadIdx.x; came && flag < n * grid; flag += kThreads) {
@@ -169,8 +180,6 @@ __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
 
   // Each lane adds kTokenVectors vectors of every member at once: with few members one row per token is
   // all there is to read, and its latency would otherwise be paid vector by vector.
-  uint4* out = static_cast<uint4*>(args.out);
-  const Units token(args.tokens, vectors, warps);
   for (int64_t unit = first_unit; unit < args.tokens * token.pieces; unit += warps) {
     const int64_t t = unit / token.pieces;
     const int64_t lo = (unit - t * token.pieces) * token.piece_len;
@@ -178,7 +187,7 @@ __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
     const uint4* from[kMaxNvlinkRanks];
 #pragma unroll
     for (int m = 0; m < kMaxNvlinkRanks; ++m) {
-      const int64_t row = m < n ? args.return_row[t * n + m] : n * R;
+      const int64_t row = unit == first_unit ? first_rows[m] : m < n ? args.return_row[t * n + m] : n * R;
       from[m] = row < n * R ? SlotRow(call, me, parity, row, vectors) : nullptr;
     }
     for (int64_t v0 = lo + lane; v0 < hi; v0 += 32 * kTokenVectors) {

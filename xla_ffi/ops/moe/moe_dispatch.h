@@ -8,8 +8,9 @@
 // [N * R] rows of row_bytes + suffix bytes, source s's rows from row s * R (the exchange's padded layout).
 // Source s writes its r-th row to member m at row s * R + r of m's slots, the row's suffix right after the
 // token's bytes, and raises arrived[s][b] on m for each of its blocks b. Once every (source, block) flag holds
-// the call's epoch, every block places the received tags (again the same placement in each) and copies its
-// share of the expert-major rows out of the slots. As for the combine kernel, writers never wait for readers.
+// the call's epoch, every block reads every received tag in one round of loads, places them (again the same
+// placement in each, into a map from expert-major row to received row in shared memory) and copies its share
+// of the expert-major rows out of the slots. As for the combine kernel, writers never wait for readers.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -63,8 +64,9 @@ int64_t MoeDispatchSlotRowBytes(int top_k, int64_t row_bytes, bool with_weights)
 // Bytes of each parity half a call needs (PeerTable::parity_half_bytes), a multiple of 256.
 int64_t MoeDispatchSlotBytes(int size, int64_t rows_per_member, int top_k, int64_t row_bytes, bool with_weights);
 
-// Where the kernel can run: every block keeps the plan and the placement in shared memory (48 KiB), so at
-// most kMaxMoeDispatchPairs pairs (T * k) and kMaxMoeDispatchMemberTokens (N * T), and top-k at most
+// Where the kernel can run: every block keeps the plan and the placement in shared memory (up to about 90 KiB
+// at these limits; a thread holds up to N * T * k / 512 of the received tags in registers), so at most
+// kMaxMoeDispatchPairs pairs (T * k) and kMaxMoeDispatchMemberTokens (N * T), and top-k at most
 // kMaxMoeDispatchTopK. Larger calls take the chain.
 constexpr int64_t kMaxMoeDispatchPairs = 2048;
 constexpr int64_t kMaxMoeDispatchMemberTokens = 2048;

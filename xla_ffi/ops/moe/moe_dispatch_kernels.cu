@@ -20,7 +20,8 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-constexpr int64_t kHeaderBytes = 256;  // a 16-byte token count per source, ahead of the rows
+constexpr int64_t kHeaderBytes = 256;              // a 16-byte token count per source, ahead of the rows
+constexpr size_t kDefaultSharedBytes = 48 * 1024;  // shared memory a kernel gets without opting in
 static_assert(16 * kMaxNvlinkRanks <= kHeaderBytes);
 static_assert(kMaxMoeDispatchBlocks <= kMaxFlagGroups);
 
@@ -47,10 +48,16 @@ __device__ int32_t ScanBlock(int32_t n, Value value, Emit emit, BlockScan::TempS
   return total;
 }
 
+// The call's divisors (Divisor: a multiply and a shift per index instead of a division).
+struct Divisors {
+  Divisor top_k, local, tokens, per_source, tags_per_row;  // k, E_local, T, R * k, k * E_local
+};
+
 struct Call {
   MoeDispatchArgs args;
+  Divisors by;
   int64_t slot_base;  // where the header starts in a parity half: past the LL areas
-  int64_t slot_row;   // bytes of a slot row
+  int64_t slot_row;  // bytes of a slot row
 };
 
 __device__ __forceinline__ uint8_t* Slots(const Call& call, int owner, int parity) {
@@ -58,37 +65,85 @@ __device__ __forceinline__ uint8_t* Slots(const Call& call, int owner, int parit
   return table->data[owner] + parity * table->parity_half_bytes + call.slot_base;
 }
 
+// Copies vectors [lo, hi) of a row with the 32 lanes of a warp, kBatch loads in flight per lane before their
+// stores (a loop of load-then-store waits out a memory round trip per vector); from == nullptr writes zeros.
+// kFromPeers: `from` was written by other GPUs during the kernel, so it is read past L1.
+template <bool kFromPeers>
+__device__ __forceinline__ void WarpCopy(uint4* __restrict__ to, const uint4* __restrict__ from, int64_t lo, int64_t hi,
+                                         int lane) {
+  constexpr int kBatch = 4;
+  for (int64_t v = lo + lane; v < hi; v += 32 * kBatch) {
+    uint4 x[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t i = v + 32 * u;
+      x[u] = from == nullptr || i >= hi ? make_uint4(0, 0, 0, 0) : kFromPeers ? __ldcg(from + i) : from[i];
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (v + 32 * u < hi) to[v + 32 * u] = x[u];
+    }
+  }
+}
+
+// Pairs are sorted by per-warp counting: sort warp w takes a contiguous range of pairs and a histogram row of
+// E + 1 counters; at most kSortCounters counters in all, so fewer sort warps for many experts.
+constexpr int32_t kSortCounters = 8192;
+
+__host__ __device__ inline int32_t SortWarps(int64_t num_experts) {
+  const int64_t fit = kSortCounters / (num_experts + 1);
+  return static_cast<int32_t>(fit < 1 ? 1 : fit > kWarps ? kWarps : fit);
+}
+
 // The plan's shared memory (ints): what the send and the tags need.
 struct Plan {
-  int16_t* key;         // [P] each pair's routing key (RoutingKey)
-  int32_t* sorted;      // [P] the pairs sorted stably by key (the result `order`)
-  int32_t* next;        // [E + 1] per key: the counts, then the next free place in `sorted`
-  int32_t* key_start;   // [E + 2] where each key starts in `sorted`
-  int32_t* row_of;      // [N * T] (member, token): its send row, or -1
-  int32_t* first_row;   // [N + 1] each member's first send row
+  int16_t* key;  // [P] each pair's routing key (RoutingKey)
+  int32_t* sorted;  // [P] the pairs sorted stably by key (the result `order`)
+  int32_t* counts;  // [E + 1] pairs per key
+  int32_t* key_start;  // [E + 2] where each key starts in `sorted`
+  int32_t* row_of;  // [N * T] (member, token): its send row, or -1
+  int32_t* first_row;  // [N + 1] each member's first send row
   int32_t* send_token;  // [S] the token of each send row
+  int32_t* histogram;  // [sort warps][E + 1] per sort warp and key: its pairs, then its next place in `sorted`
 };
+
+__host__ __device__ inline int64_t PlanInts(int64_t P, int64_t E, int64_t N, int64_t T) {
+  return P + (E + 1) + (E + 2) + N * T + (N + 1) + N * T + SortWarps(E) * (E + 1);
+}
 
 __device__ Plan LayOutPlan(int32_t* shared, int32_t P, int32_t E, int32_t N, int32_t T) {
   Plan plan;
   plan.sorted = shared;
-  plan.next = plan.sorted + P;
-  plan.key_start = plan.next + (E + 1);
+  plan.counts = plan.sorted + P;
+  plan.key_start = plan.counts + (E + 1);
   plan.row_of = plan.key_start + (E + 2);
   plan.first_row = plan.row_of + N * T;
   plan.send_token = plan.first_row + (N + 1);
-  plan.key = reinterpret_cast<int16_t*>(plan.send_token + N * T);
+  plan.histogram = plan.send_token + N * T;
+  plan.key = reinterpret_cast<int16_t*>(plan.histogram + SortWarps(E) * (E + 1));
   return plan;
 }
 
 // The placement's shared memory, over the plan's (which is done with by then).
 struct Placement {
-  int32_t* counts;        // [N][E_local] valid tags per (source, local expert)
+  int32_t* counts;  // [N][E_local] valid tags per (source, local expert)
   int32_t* source_major;  // [N][E_local] where block (i, e) starts, source-major
   int32_t* expert_major;  // [E_local][N] total + where block (e, i) starts, expert-major
   int32_t* packed_start;  // [N] 2 * total + where source i's received rows start, packed
-  int32_t* delivered;     // [N] token rows each source delivered, clamped to [0, R]
+  int32_t* delivered;  // [N] token rows each source delivered, clamped to [0, R]
+  uint32_t* pair_of;  // [N * R * k] per expert-major row below the total: its list entry << 16 | its pair
+  // (received row * k + choice, kNoPair if none); kNoRow where no entry maps to it
 };
+constexpr uint32_t kNoPair = 0xffffu;
+constexpr uint32_t kNoRow = 0xffffffffu;
+static_assert(int64_t{kMaxNvlinkRanks} * kMaxMoeDispatchPairs < kNoPair, "a pair and a list entry take 16 bits");
+
+// Tags a thread of the placement holds in registers: every tag of the call, kThreads apart.
+constexpr int kTagsPerThread = static_cast<int>((kMaxNvlinkRanks * kMaxMoeDispatchPairs + kThreads - 1) / kThreads);
+
+__host__ __device__ inline int64_t PlacementInts(int64_t N, int64_t E, int64_t entries) {
+  return 3 * E + 2 * N + entries;
+}
 
 __device__ Placement LayOutPlacement(int32_t* shared, int32_t N, int32_t L) {
   Placement placed;
@@ -97,11 +152,13 @@ __device__ Placement LayOutPlacement(int32_t* shared, int32_t N, int32_t L) {
   placed.expert_major = placed.source_major + N * L;
   placed.packed_start = placed.expert_major + N * L;
   placed.delivered = placed.packed_start + N;
+  placed.pair_of = reinterpret_cast<uint32_t*>(placed.delivered + N);
   return placed;
 }
 
 __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   const MoeDispatchArgs& args = call.args;
+  const Divisors& by = call.by;
   const uint64_t epoch = CallEpoch(args.control);
   const uint32_t ticket = TakeTicket(args.control, epoch);
   const int parity = static_cast<int>(epoch & 1);
@@ -118,7 +175,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   const int32_t P = T * k, R = min(C, T);
   const PlanSendsShape shape = args.plan_shape();
   const int32_t S = static_cast<int32_t>(shape.num_rows());
-  const int32_t words = static_cast<int32_t>(shape.suffix_words()), padded = static_cast<int32_t>(PaddedWords(k));
+  const int32_t padded = static_cast<int32_t>(PaddedWords(k));
   const int32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int32_t thread = blockIdx.x * kThreads + tid, threads = gridDim.x * kThreads;
   const int64_t warps = int64_t{gridDim.x} * kWarps;
@@ -127,58 +184,76 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   extern __shared__ int32_t shared[];
   __shared__ BlockScan::TempStorage scan;
 
+  // The token rows into L2 while the plan is made (each block a share): the send reads them from there.
+  const char* token_bytes = static_cast<const char*>(args.tokens_in);
+  for (int64_t at = int64_t{thread} * 128; at < int64_t{T} * args.row_bytes; at += int64_t{threads} * 128) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(token_bytes + at));
+  }
+
   // ---- plan: plan_sends' arithmetic for this member, in shared memory ----
   const Plan plan = LayOutPlan(shared, P, E, N, T);
-  for (int32_t i = tid; i <= E; i += kThreads) plan.next[i] = 0;
+  const int32_t sort_warps = SortWarps(E), keys = E + 1;
+  for (int32_t i = tid; i < keys; i += kThreads) plan.counts[i] = 0;
+  for (int32_t i = tid; i < sort_warps * keys; i += kThreads) plan.histogram[i] = 0;
   for (int32_t i = tid; i < N * T; i += kThreads) plan.row_of[i] = 0;
   for (int32_t i = tid; i < S; i += kThreads) plan.send_token[i] = T;
   __syncthreads();
   for (int32_t p = tid; p < P; p += kThreads) {
     const int32_t key = RoutingKey(args.expert_ids[p], E);
     plan.key[p] = static_cast<int16_t>(key);
-    atomicAdd(&plan.next[key], 1);
+    atomicAdd(&plan.counts[key], 1);
   }
   __syncthreads();
+  // A stable counting sort, as plan_sends' (moe_routing_kernels.cu): sort warp w walks pairs [w * chunk,
+  // (w + 1) * chunk) with WalkSegment; the first lane of each key counts (then places) that key's lanes.
+  const int32_t chunk = (P + sort_warps - 1) / sort_warps;
+  const int32_t sort_begin = min(P, warp * chunk), sort_end = min(P, sort_begin + chunk);
+  int32_t* histogram = plan.histogram + warp * keys;
+  if (warp < sort_warps) {
+    WalkSegment(args.expert_ids, E, sort_begin, sort_end, [&](int32_t, bool live, int32_t key, unsigned same) {
+      if (live && lane == __ffs(same) - 1) histogram[key] += __popc(same);
+    });
+  }
   ScanBlock(
-      E + 1, [&](int32_t e) { return plan.next[e]; },
-      [&](int32_t e, int32_t start, int32_t) {
-        plan.key_start[e] = start;
-        plan.next[e] = start;
-      },
-      scan);
-  if (tid == 0) plan.key_start[E + 1] = P;
-  // A stable counting sort by one warp, 32 pairs at a time: lanes with equal keys find each other with
-  // __match_any_sync and take consecutive places in pair order. Decode sizes have few chunks.
-  if (warp == 0) {
-    for (int32_t base = 0; base < P; base += 32) {
-      const int32_t p = base + lane;
-      const bool live = p < P;
-      const int32_t key = live ? plan.key[p] : E + 1 + lane;
-      const unsigned same = __match_any_sync(0xffffffffu, key);
-      const int32_t start = live ? plan.next[key] : 0;
-      __syncwarp();
-      if (live && lane == __ffs(same) - 1) plan.next[key] = start + __popc(same);
-      __syncwarp();
-      if (live) plan.sorted[start + __popc(same & LanesBelow())] = p;
+      keys, [&](int32_t e) { return plan.counts[e]; },
+      [&](int32_t e, int32_t start, int32_t) { plan.key_start[e] = start; }, scan);
+  if (tid == 0) plan.key_start[keys] = P;
+  for (int32_t key = tid; key < keys; key += kThreads) {  // each sort warp's first place per key
+    int32_t running = plan.key_start[key];
+    for (int32_t w = 0; w < sort_warps; ++w) {
+      const int32_t pairs = plan.histogram[w * keys + key];
+      plan.histogram[w * keys + key] = running;
+      running += pairs;
     }
+  }
+  __syncthreads();
+  if (warp < sort_warps) {
+    WalkSegment(args.expert_ids, E, sort_begin, sort_end, [&](int32_t pair, bool live, int32_t key, unsigned same) {
+      const int32_t start = live ? histogram[key] : 0;
+      __syncwarp();
+      if (live && lane == __ffs(same) - 1) histogram[key] = start + __popc(same);
+      __syncwarp();
+      if (live) plan.sorted[start + __popc(same & LanesBelow())] = pair;
+    });
   }
   __syncthreads();
   // Which pairs each member takes (its first C in the order), and the tokens that go to it.
   for (int32_t position = tid; position < P; position += kThreads) {
     const int32_t pair = plan.sorted[position], key = plan.key[pair];
     if (key < E) {
-      const int32_t member = key / L;
-      if (position - plan.key_start[member * L] < C) plan.row_of[member * T + pair / k] = 1;
+      const int32_t member = by.local.Div(key);
+      if (position - plan.key_start[member * L] < C) plan.row_of[member * T + by.top_k.Div(pair)] = 1;
     }
   }
   __syncthreads();
   ScanBlock(
       N * T, [&](int32_t i) { return plan.row_of[i]; },
       [&](int32_t i, int32_t row, int32_t goes) {
-        if (i % T == 0) plan.first_row[i / T] = row;
+        const int32_t member = by.tokens.Div(i), token = i - member * T;
+        if (token == 0) plan.first_row[member] = row;
         if (i == N * T - 1) plan.first_row[N] = row + goes;
         plan.row_of[i] = goes ? row : -1;
-        if (goes) plan.send_token[row] = i % T;
+        if (goes) plan.send_token[row] = token;
       },
       scan);
   if (N * T == 0 && tid <= N) plan.first_row[tid] = 0;
@@ -190,7 +265,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     const int32_t pair = plan.sorted[position], key = plan.key[pair];
     int32_t slot = N * C;
     if (key < E) {
-      const int32_t member = key / L, offset = position - plan.key_start[member * L];
+      const int32_t member = by.local.Div(key), offset = position - plan.key_start[member * L];
       if (offset < C) slot = member * C + offset;
     }
     out.order[position] = pair;
@@ -204,11 +279,13 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   }
   for (int32_t i = thread; i < S; i += threads) out.send_token[i] = plan.send_token[i];
   for (int32_t i = thread; i < N * T; i += threads) {
-    const int32_t member = i / T, token = i % T, row = plan.row_of[i];
+    const int32_t member = by.tokens.Div(i), token = i - member * T, row = plan.row_of[i];
     out.return_row[token * N + member] = row >= 0 ? member * R + row - plan.first_row[member] : N * R;
   }
-  // row_pairs' "no pair" entries before the flags: a block places its rows' entries after every block's flag.
+  // row_pairs' and to_source_major's "none" entries before the flags: a block places its rows' entries after
+  // every block's flag.
   for (int32_t i = thread; i < N * R * k; i += threads) args.placed.row_pairs[i] = N * C;
+  for (int32_t i = thread; i < N * C; i += threads) args.placed.to_source_major[i] = N * C;
 
   if (tid == 0) trace.Ready();
 
@@ -218,9 +295,9 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     const int32_t begin = plan.key_start[m * L];
     const int32_t delivered = min(C, plan.key_start[(m + 1) * L] - begin);
     if (entry >= delivered) return -1;
-    const int32_t pair = plan.sorted[begin + entry], token = pair / k;
+    const int32_t pair = plan.sorted[begin + entry], token = by.top_k.Div(pair);
     const int32_t row = plan.row_of[m * T + token] - plan.first_row[m];
-    return (row * k + pair - token * k) * L + plan.key[pair] % L;
+    return (row * k + pair - token * k) * L + by.local.Mod(plan.key[pair]);
   };
   const int32_t sent_rows = plan.first_row[N];
   const uint4* tokens = static_cast<const uint4*>(args.tokens_in);
@@ -233,11 +310,8 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     while (m + 1 < N && plan.first_row[m + 1] <= g) ++m;
     const int32_t r = g - plan.first_row[m], token = plan.send_token[g];
     uint4* to = reinterpret_cast<uint4*>(Slots(call, m, parity) + kHeaderBytes + (int64_t{me} * R + r) * call.slot_row);
-    for (int64_t v = lo + lane; v < hi; v += 32) {
-      if (v < row_vectors) {
-        to[v] = tokens[int64_t{token} * row_vectors + v];
-        continue;
-      }
+    WarpCopy<false>(to, tokens + int64_t{token} * row_vectors, lo, min(hi, row_vectors), lane);
+    for (int64_t v = max(lo, row_vectors) + lane; v < hi; v += 32) {  // the suffix: tags, then weights
       int32_t word[4];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
@@ -272,31 +346,49 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   const uint8_t* mine = Slots(call, me, parity);
   const uint8_t* rows = mine + kHeaderBytes;
   const int32_t per_source = R * k, entries = N * per_source, blocks = N * L, NC = N * C;
-  auto tag_at = [&](int32_t entry) {  // entry i of the tags read as one list: tag i % k of received row i / k
-    return __ldcg(reinterpret_cast<const int32_t*>(rows + int64_t{entry / k} * call.slot_row + args.row_bytes) +
-                  entry % k);
+  auto suffix_word = [&](int32_t entry, int32_t word) {  // word `word` of the suffix of entry's received row
+    return __ldcg(
+        reinterpret_cast<const int32_t*>(rows + int64_t{by.top_k.Div(entry)} * call.slot_row + args.row_bytes) + word);
   };
+  // One round of loads: the token counts, every tag (entry i of the list is tag i % k of received row i / k)
+  // and this thread's share of the weights; rows past a source's data hold another call's bytes.
+  const int32_t got = tid < N ? __ldcg(reinterpret_cast<const int32_t*>(mine + 16 * tid)) : 0;
+  // Each loop over them stops at this thread's count: fully unrolled, the empty iterations cost more issue
+  // slots than the whole placement at decode sizes.
+  const int32_t held = tid < entries ? (entries - 1 - tid) / kThreads + 1 : 0;
+  int32_t tags[kTagsPerThread];
+#pragma unroll
+  for (int u = 0; u < kTagsPerThread; ++u) {
+    if (u >= held) break;
+    const int32_t entry = tid + u * kThreads;
+    tags[u] = suffix_word(entry, by.top_k.Mod(entry));
+  }
+  const int32_t weight_entry = args.with_weights ? thread : entries;
+  const float first_weight = weight_entry < entries
+                                 ? __int_as_float(suffix_word(weight_entry, padded + by.top_k.Mod(weight_entry)))
+                                 : 0.0f;
   const Placement placed = LayOutPlacement(shared, N, L);
   for (int32_t i = tid; i < blocks; i += kThreads) placed.counts[i] = 0;
-  for (int32_t s = tid; s < N; s += kThreads) {
-    const int32_t got = __ldcg(reinterpret_cast<const int32_t*>(mine + 16 * s));
-    placed.delivered[s] = min(max(got, 0), R);
-    if (blockIdx.x == 0) args.recv_tokens[s] = got;
+  if (tid < N) {
+    placed.delivered[tid] = min(max(got, 0), R);
+    if (blockIdx.x == 0) args.recv_tokens[tid] = got;
   }
   __syncthreads();
-  for (int32_t entry = tid; entry < entries; entry += kThreads) {
-    const int32_t source = entry / per_source, tag = tag_at(entry);
-    if ((entry - source * per_source) / k < placed.delivered[source] && tag >= 0) {
-      atomicAdd(&placed.counts[source * L + tag % L], 1);
+#pragma unroll
+  for (int u = 0; u < kTagsPerThread; ++u) {
+    if (u >= held) break;
+    const int32_t entry = tid + u * kThreads, source = by.per_source.Div(entry);
+    if (by.top_k.Div(entry - source * per_source) < placed.delivered[source] && tags[u] >= 0) {
+      atomicAdd(&placed.counts[source * L + by.local.Mod(tags[u])], 1);
+    } else {
+      tags[u] = -1;
     }
   }
-  if (args.with_weights) {  // rows past a source's data hold another call's bytes: their weights are zeros
-    for (int32_t entry = thread; entry < entries; entry += threads) {
-      const int32_t source = entry / per_source, row = entry / k;
-      const float weight = __ldcg(reinterpret_cast<const float*>(rows + int64_t{row} * call.slot_row + args.row_bytes) +
-                                  padded + entry % k);
-      args.placed.recv_weights[entry] = (row - source * R) < placed.delivered[source] ? weight : 0.0f;
-    }
+  for (int32_t entry = weight_entry; entry < entries; entry += threads) {
+    const int32_t source = by.per_source.Div(entry), row = by.top_k.Div(entry);
+    const float weight = entry == weight_entry ? first_weight
+                                               : __int_as_float(suffix_word(entry, padded + by.top_k.Mod(entry)));
+    args.placed.recv_weights[entry] = (row - source * R) < placed.delivered[source] ? weight : 0.0f;
   }
   __syncthreads();
   const int32_t scanned = ScanBlock(
@@ -308,44 +400,47 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
       },
       [&](int32_t i, int32_t start, int32_t) { placed.source_major[i] = start; }, scan);
   const int32_t total = placed.expert_major[0], delivered = scanned - 2 * total;
+  // Each valid tag's expert-major row x: its source's list is sorted by local expert, so entry j of source s
+  // with expert e is row j - (where e starts in s's list) of block (e, s).
+  for (int32_t x = tid; x < total; x += kThreads) placed.pair_of[x] = kNoRow;
+  __syncthreads();
+#pragma unroll
+  for (int u = 0; u < kTagsPerThread; ++u) {
+    if (u >= held) break;
+    if (tags[u] < 0) continue;
+    const int32_t entry = tid + u * kThreads, source = by.per_source.Div(entry), j = entry - source * per_source;
+    const int32_t e = by.local.Mod(tags[u]), row = by.tags_per_row.Div(tags[u]);
+    const int32_t x = placed.expert_major[e * N + source] - total + j -
+                      (placed.source_major[source * L + e] - placed.source_major[source * L]);
+    const uint32_t pair = row < R ? static_cast<uint32_t>((source * R + row) * k + by.top_k.Mod(by.local.Div(tags[u])))
+                                  : kNoPair;
+    if (x >= 0 && x < total) placed.pair_of[x] = static_cast<uint32_t>(entry) << 16 | pair;
+  }
+  __syncthreads();
   for (int32_t i = thread; i < blocks; i += threads) args.placed.recv_counts[i] = placed.counts[i];
   for (int32_t e = thread; e < L; e += threads) {
     int32_t sum = 0;
     for (int32_t source = 0; source < N; ++source) sum += placed.counts[source * L + e];
     args.placed.group_sizes[e] = sum;
   }
-  // Expert-major row x: its source, its entry in the source's list and the received row behind it.
-  struct Row {
-    int32_t source, in_list, expand;
-  };
-  auto row_at = [&](int32_t x) {
-    Row row{0, 0, N * R};
-    if (x >= total) return row;
-    const int32_t j = BlockAt(placed.expert_major, blocks, x + total);
-    const int32_t e = j / N;
-    row.source = j % N;
-    row.in_list = placed.source_major[row.source * L + e] - placed.source_major[row.source * L] + x + total -
-                  placed.expert_major[j];
-    return row;
-  };
   for (int32_t x = thread; x < NC; x += threads) {
-    int32_t expand = N * R, entry = entries, expert_row = NC, source_row = NC;
-    if (x < total) {
-      const Row row = row_at(x);
-      if (row.in_list < C) expert_row = row.source * C + row.in_list;
-      const int32_t tag = tag_at(row.source * per_source + row.in_list);  // (row * k + choice) * E_local + expert
-      if (tag >= 0 && tag / (k * L) < R) {
-        expand = row.source * R + tag / (k * L);
-        entry = expand * k + tag / L % k;
+    int32_t expand = N * R, entry = entries, expert_row = NC;
+    const uint32_t of = x < total ? placed.pair_of[x] : kNoRow;
+    if (of != kNoRow) {
+      const int32_t list = static_cast<int32_t>(of >> 16), source = by.per_source.Div(list),
+                    j = list - source * per_source;
+      if (j < C) expert_row = source * C + j;
+      if ((of & kNoPair) != kNoPair) {
+        entry = static_cast<int32_t>(of & kNoPair);
+        expand = by.top_k.Div(entry);
         args.placed.row_pairs[entry] = x;
       }
-      const int32_t i = BlockAt(placed.source_major, blocks, x);
-      source_row = min(placed.expert_major[i % L * N + i / L] - total + x - placed.source_major[i], NC);
+      const int32_t source_row = placed.source_major[source * L] + j;  // the same row, source-major
+      if (source_row < NC) args.placed.to_source_major[source_row] = x;
     }
     args.placed.expand_rows[x] = expand;
     args.placed.pair_entry[x] = entry;
     args.placed.to_expert_major[x] = expert_row;
-    args.placed.to_source_major[x] = source_row;
   }
   for (int32_t s = thread; s < N * R; s += threads) {
     int32_t back = N * R;
@@ -363,26 +458,36 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     const int32_t x = static_cast<int32_t>(unit / expand.pieces);
     const int64_t lo = (unit - int64_t{x} * expand.pieces) * expand.piece_len;
     const int64_t hi = min(row_vectors, lo + expand.piece_len);
+    const uint32_t of = x < total ? placed.pair_of[x] : kNoRow;
     const uint4* from = nullptr;
-    if (x < total) {
-      const Row row = row_at(x);
-      const int32_t tag = tag_at(row.source * per_source + row.in_list);
-      if (tag >= 0 && tag / (k * L) < R) {
-        from = reinterpret_cast<const uint4*>(rows + (int64_t{row.source} * R + tag / (k * L)) * call.slot_row);
-      }
+    if (of != kNoRow && (of & kNoPair) != kNoPair) {
+      from = reinterpret_cast<const uint4*>(rows +
+                                            int64_t{by.top_k.Div(static_cast<int32_t>(of & kNoPair))} * call.slot_row);
     }
-    uint4* to = expert_rows + int64_t{x} * row_vectors;
-    for (int64_t v = lo + lane; v < hi; v += 32) to[v] = from != nullptr ? __ldcg(from + v) : make_uint4(0, 0, 0, 0);
+    WarpCopy<true>(expert_rows + int64_t{x} * row_vectors, from, lo, hi, lane);
   }
   FinishCall(args.control, epoch, ticket, trace, kTraceMoeDispatch);
 }
 
+// The most shared memory any call within the handlers' limits takes (SharedBytes' maximum over them).
+constexpr int64_t kMostPlanBytes = (kMaxMoeDispatchPairs + 2 * kMaxRoutingExperts + 3 +
+                                    2 * kMaxMoeDispatchMemberTokens + kMaxNvlinkRanks + 1 + kSortCounters + kWarps) *
+                                       4 +
+                                   kMaxMoeDispatchPairs * 2;
+constexpr int64_t kMostPlacementBytes = (3 * kMaxRoutingExperts + 2 * kMaxNvlinkRanks +
+                                         int64_t{kMaxNvlinkRanks} * kMaxMoeDispatchPairs) *
+                                        4;
+constexpr size_t kMostSharedBytes = ((kMostPlanBytes > kMostPlacementBytes ? kMostPlanBytes : kMostPlacementBytes) +
+                                     15) /
+                                    16 * 16;
+static_assert(kMostSharedBytes + sizeof(BlockScan::TempStorage) <= 227 * 1024, "past an sm_90 block's opt-in");
+
 // Shared memory of a call's plan and placement (they share it), in bytes.
 size_t SharedBytes(const MoeDispatchArgs& args) {
   const int64_t P = args.tokens * args.top_k, E = args.num_experts, N = args.size, T = args.tokens;
-  const int64_t plan_ints = P + (E + 1) + (E + 2) + N * T + (N + 1) + N * T;
-  const int64_t plan_bytes = plan_ints * 4 + P * 2;
-  const int64_t place_bytes = (3 * E + 2 * N) * 4;
+  const int64_t entries = N * std::min(args.capacity, T) * args.top_k;
+  const int64_t plan_bytes = PlanInts(P, E, N, T) * 4 + P * 2;
+  const int64_t place_bytes = PlacementInts(N, E, entries) * 4;
   return static_cast<size_t>((std::max(plan_bytes, place_bytes) + 15) / 16 * 16);
 }
 
@@ -410,9 +515,26 @@ int ChooseMoeDispatchBlocks(const MoeDispatchArgs& args, int requested, int sm_c
 }
 
 cudaError_t LaunchMoeDispatch(const MoeDispatchArgs& args, int blocks, cudaStream_t stream) {
-  const Call call{args, NvlinkLowLatencyAreaBytes(args.size),
+  const int64_t local = args.num_experts / args.size, R = std::min(args.capacity, args.tokens);
+  const Divisors by{Divisor(args.top_k), Divisor(local), Divisor(args.tokens), Divisor(R * args.top_k),
+                    Divisor(args.top_k * local)};
+  const Call call{args, by, NvlinkLowLatencyAreaBytes(args.size),
                   MoeDispatchSlotRowBytes(args.top_k, args.row_bytes, args.with_weights)};
-  MoeDispatchKernel<<<blocks, kThreads, SharedBytes(args), stream>>>(call);
+  // The placement holds every received tag in registers and packs list entries in 16 bits: the handlers'
+  // limits (N <= 8, T * k <= kMaxMoeDispatchPairs) keep within both; a call past them is refused here too.
+  if (args.size > kMaxNvlinkRanks || args.size * R * args.top_k > int64_t{kTagsPerThread} * kThreads) {
+    return cudaErrorInvalidValue;
+  }
+  const size_t shared = SharedBytes(args);
+  if (shared > kMostSharedBytes) return cudaErrorInvalidValue;
+  // Past the default (with the scan's static storage), the kernel must opt in: always to the most any call
+  // takes, so that calls of other sizes (on other streams, or replayed from graphs) never lower the limit.
+  if (shared + sizeof(BlockScan::TempStorage) > kDefaultSharedBytes) {
+    const cudaError_t opted = cudaFuncSetAttribute(MoeDispatchKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(kMostSharedBytes));
+    if (opted != cudaSuccess) return opted;
+  }
+  MoeDispatchKernel<<<blocks, kThreads, shared, stream>>>(call);
   return cudaGetLastError();
 }
 
