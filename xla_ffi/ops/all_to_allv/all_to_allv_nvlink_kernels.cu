@@ -28,6 +28,7 @@
 #include "common/all_to_allv_plan.h"
 #include "common/device_sync.cuh"
 #include "common/symmetric_layout.h"
+#include "common/warp_copy.cuh"
 #include "ops/all_to_allv/all_to_allv_kernels.h"
 
 namespace jax_ncclx {
@@ -53,36 +54,10 @@ constexpr int64_t kMinBytesPerRound = 256 * 1024;
 constexpr int kMaxRounds = 8;
 static_assert(kMaxRounds < (1 << kRoundBits));
 
-// Staged data is written by other GPUs during this kernel: read it past L1 (ld.global.cg).
-template <typename V>
-__device__ __forceinline__ V LoadStaged(const V* p) {
-  return __ldcg(p);
-}
-
 // Rows are moved in slices of 2^k units, a warp per slice, so that a few wide rows still spread over many
 // warps: at least one pass of WarpCopy's loop (32 lanes x 4 units), at most 1024 units.
 constexpr int kMinSliceShift = 7;
 constexpr int kMaxSliceShift = 10;
-
-// Copies n units with one warp, four loads in flight per lane. `kFromPeers`: src is staged (LoadStaged).
-template <typename V, bool kFromPeers>
-__device__ __forceinline__ void WarpCopy(V* dst, const V* src, int64_t n) {
-  constexpr int kUnroll = 4;
-  int64_t u = threadIdx.x % 32;
-  for (; u + (kUnroll - 1) * 32 < n; u += kUnroll * 32) {
-    V v[kUnroll];
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) v[k] = kFromPeers ? LoadStaged(src + u + k * 32) : src[u + k * 32];
-#pragma unroll
-    for (int k = 0; k < kUnroll; ++k) dst[u + k * 32] = v[k];
-  }
-  for (; u < n; u += 32) dst[u] = kFromPeers ? LoadStaged(src + u) : src[u];
-}
-
-template <typename V>
-__device__ __forceinline__ void WarpZero(V* dst, int64_t n) {
-  for (int64_t u = threadIdx.x % 32; u < n; u += 32) dst[u] = V{};
-}
 
 // log2 of the units per slice for rows of `units` units: the smallest slice with which the warps of a peer's
 // pieces cover a full slot of C rows one slice each, so that a small call is not left to a few warps each

@@ -11,6 +11,7 @@
 
 #include "common/device_sync.cuh"
 #include "common/symmetric_layout.h"
+#include "common/warp_copy.cuh"
 #include "ops/collectives/nvlink_collectives_kernels.h"
 #include "ops/moe/moe_device.cuh"
 #include "ops/moe/moe_dispatch.h"
@@ -63,27 +64,6 @@ struct Call {
 __device__ __forceinline__ uint8_t* Slots(const Call& call, int owner, int parity) {
   const PeerTable* table = call.args.table;
   return table->data[owner] + parity * table->parity_half_bytes + call.slot_base;
-}
-
-// Copies vectors [lo, hi) of a row with the 32 lanes of a warp, kBatch loads in flight per lane before their
-// stores (a loop of load-then-store waits out a memory round trip per vector); from == nullptr writes zeros.
-// kFromPeers: `from` was written by other GPUs during the kernel, so it is read past L1.
-template <bool kFromPeers>
-__device__ __forceinline__ void WarpCopy(uint4* __restrict__ to, const uint4* __restrict__ from, int64_t lo, int64_t hi,
-                                         int lane) {
-  constexpr int kBatch = 4;
-  for (int64_t v = lo + lane; v < hi; v += 32 * kBatch) {
-    uint4 x[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int64_t i = v + 32 * u;
-      x[u] = from == nullptr || i >= hi ? make_uint4(0, 0, 0, 0) : kFromPeers ? __ldcg(from + i) : from[i];
-    }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      if (v + 32 * u < hi) to[v + 32 * u] = x[u];
-    }
-  }
 }
 
 // Pairs are sorted by per-warp counting: sort warp w takes a contiguous range of pairs and a histogram row of
@@ -310,7 +290,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     while (m + 1 < N && plan.first_row[m + 1] <= g) ++m;
     const int32_t r = g - plan.first_row[m], token = plan.send_token[g];
     uint4* to = reinterpret_cast<uint4*>(Slots(call, m, parity) + kHeaderBytes + (int64_t{me} * R + r) * call.slot_row);
-    WarpCopy<false>(to, tokens + int64_t{token} * row_vectors, lo, min(hi, row_vectors), lane);
+    WarpCopy<uint4, false>(to + lo, tokens + int64_t{token} * row_vectors + lo, min(hi, row_vectors) - lo);
     for (int64_t v = max(lo, row_vectors) + lane; v < hi; v += 32) {  // the suffix: tags, then weights
       int32_t word[4];
 #pragma unroll
@@ -464,7 +444,12 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
       from = reinterpret_cast<const uint4*>(rows +
                                             int64_t{by.top_k.Div(static_cast<int32_t>(of & kNoPair))} * call.slot_row);
     }
-    WarpCopy<true>(expert_rows + int64_t{x} * row_vectors, from, lo, hi, lane);
+    uint4* to = expert_rows + int64_t{x} * row_vectors + lo;
+    if (from == nullptr) {
+      WarpZero(to, hi - lo);
+    } else {
+      WarpCopy<uint4, true>(to, from + lo, hi - lo);
+    }
   }
   FinishCall(args.control, epoch, ticket, trace, kTraceMoeDispatch);
 }
