@@ -13,7 +13,11 @@
 # (tools/ab_summary.py). A_COMMIT / B_COMMIT are recorded as each run's commit (the machine's copy of the
 # tree has no git history). A run that imports another copy of jax_ncclx than its side's stops the A/B: an
 # editable install made earlier on the machine would shadow both wheels, so it is uninstalled first.
-# NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and its siblings). TAR=1 packs OUT_DIR into OUT_DIR.tgz.
+# NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and its siblings). TAR=1 packs OUT_DIR into OUT_DIR.tgz
+# (a lent machine returns only a few files of a folder).
+# LOOPBACK="--ranks 1,8 --moe 16,128" also times the NVLink kernels per call with each tree after the rounds
+# (tools/time_loopback_collectives.py with those arguments, OUT_DIR/loopback_{a,b}.{json,log}); both trees
+# are then built with the test-only modules (JAX_NCCLX_TESTING=ON).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:?usage: bash tools/ab_trees.sh OUT_DIR B_TREE.tgz ROUNDS BENCHMARK [ARGS ...]}"
@@ -31,6 +35,7 @@ if [ "${TAR:-0}" = 1 ]; then
 fi
 start=$SECONDS
 "$python" -m pip uninstall -y -q jax_ncclx > /dev/null 2>&1 || true
+[ -n "${LOOPBACK:-}" ] && export JAX_NCCLX_TESTING=ON
 
 # Builds the tree at $1 into the import folder $2 (a wheel, not editable: two copies must not meet).
 build() {
@@ -60,3 +65,13 @@ for round in $(seq 1 "$rounds"); do
   done
 done
 "$python" tools/ab_summary.py "$out" "$benchmark" | tee "$out/ab_summary.md"
+if [ -n "${LOOPBACK:-}" ]; then
+  for side in a b; do
+    status=0
+    # shellcheck disable=SC2086  # LOOPBACK is a list of arguments
+    PYTHONPATH="$work/$side" "$python" -P tools/time_loopback_collectives.py "$out/loopback_$side.json" $LOOPBACK \
+      > "$out/loopback_$side.log" 2>&1 || status=$?
+    echo "== loopback $side: exit $status after $((SECONDS - start)) s"
+    grep moe "$out/loopback_$side.log" || tail -5 "$out/loopback_$side.log"
+  done
+fi
