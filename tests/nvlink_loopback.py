@@ -154,4 +154,7 @@ def moe_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, **option
                                                                                     hidden)
     results["recv_weights"] = np.frombuffer(done["recv_weights"], np.float32).reshape(
         calls, size, size * R, top_k if with_weights else 0)
+    if "phase_clocks" in done:  # options phases=True: int64 [ranks, blocks, phases] of the last call
+        results["phase_clocks"] = np.frombuffer(done["phase_clocks"], np.int64).reshape(
+            size, done["blocks"], len(done["phase_names"]))
     return results, with_grid(done)

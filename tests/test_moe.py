@@ -261,9 +261,61 @@ def test_dispatch_kernel_gives_the_chains_results(monkeypatch, pattern, weighted
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("weighted", [False, True], ids=["", "weights"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("wire_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("pattern", ["random", "tight", "one_token"])
+def test_dispatch_kernel_8bit_wire_gives_the_chains_results(monkeypatch, pattern, wire_dtype, dtype, weighted):
+    """On an 8-bit wire the kernel quantizes as it sends and dequantizes as it places: its handle arrays are
+    the chain's bit for bit, its rows the chain's within one step of the format (should XLA's float32
+    division round otherwise than the kernel's), and zero exactly where the chain's are. Each token's
+    first block is 10^3 times smaller than the rest, and one token's third block is all zeros (scale 0)."""
+    reason = gpu_skip_reason(minimum=1)
+    if reason:
+        pytest.skip(reason)
+    mesh = line_mesh(gpu_devices()[:1])
+    ids, capacity = dispatch_routing(pattern)
+    hidden = 512
+    tokens = np.array(random_array((ids.shape[0], hidden), jnp.float32, seed=4))
+    tokens *= np.where(np.arange(hidden) < 128, 1e-3, 1.0)
+    tokens[0, 256:384] = 0.0
+    tokens = jnp.asarray(tokens, dtype)
+    weights = random_array(ids.shape, jnp.float32, seed=5)
+
+    def run(transport):
+        monkeypatch.setenv("JAX_NCCLX_TRANSPORT", transport)
+
+        def body(t, i, w):
+            return tuple(moe_dispatch.dispatch_rows(t, i, w if weighted else None, num_experts=8, axis_name="x",
+                                                    capacity=capacity, wire_dtype=wire_dtype))
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x")))
+        return f.lower(tokens, ids, weights).as_text(), [np.asarray(o) for o in f(tokens, ids, weights)]
+
+    fused_text, fused = run("auto")
+    chain_text, chain = run("nccl")
+    assert "ncclx_moe_dispatch_nvlink" in fused_text and "ncclx_moe_dispatch_nvlink" not in chain_text
+    step = 2.0 ** -jnp.finfo(wire_dtype).nmant  # one unit in the last place, relative
+    for name, got, expected in zip(moe_dispatch.Dispatched._fields, fused, chain):
+        assert got.shape == expected.shape and got.dtype == expected.dtype, name
+        if name != "expert_rows":
+            np.testing.assert_array_equal(got, expected, err_msg=name)
+            continue
+        got, expected = got.astype(np.float32), expected.astype(np.float32)
+        np.testing.assert_array_equal(got == 0, expected == 0, err_msg=name)
+        for block in range(hidden // 128):  # within a step of the block's largest value
+            cols = slice(128 * block, 128 * (block + 1))
+            largest = np.abs(expected[:, cols]).max(axis=1, keepdims=True)
+            np.testing.assert_array_less(np.abs(got[:, cols] - expected[:, cols]), step * largest + 1e-30,
+                                         err_msg=f"{name}, block {block}")
+        assert (got == expected).mean() > 0.99, "the kernel's rounding is not the chain's"
+
+
+@pytest.mark.gpu
 def test_dispatch_kernel_takes_decode_sizes(monkeypatch):
-    """The NVLink kernel takes dispatch at decode sizes; more pairs than its plan holds, rows past 4 MiB per
-    member, rows it cannot move as 16-byte vectors and the 8-bit wire lower to the exchange chain."""
+    """The NVLink kernel takes dispatch at decode sizes, on an 8-bit wire too; more pairs than its plan holds,
+    rows past 4 MiB per member, rows it cannot move as 16-byte vectors and an 8-bit wire of H not a multiple
+    of 512 lower to the exchange chain."""
     reason = gpu_skip_reason(minimum=1)
     if reason:
         pytest.skip(reason)
@@ -284,6 +336,7 @@ def test_dispatch_kernel_takes_decode_sizes(monkeypatch):
     assert "ncclx_moe_dispatch_nvlink" not in lowered(512, 7168)               # 4096 pairs
     assert "ncclx_moe_dispatch_nvlink" not in lowered(256, 16384)              # 8 MiB per member
     assert "ncclx_moe_dispatch_nvlink" not in lowered(16, 7)                   # 14-byte rows
+    assert "ncclx_moe_dispatch_nvlink" in lowered(16, 7168, wire_dtype=jnp.float8_e4m3fn)
     assert "ncclx_moe_dispatch_nvlink" not in lowered(16, 256, wire_dtype=jnp.float8_e4m3fn)
 
 
@@ -623,7 +676,8 @@ def test_8bit_wire(backend, wire_dtype):
         return rows[None], sizes[None], handle.dropped[None]
 
     mapped = jax.shard_map(body, mesh=line_mesh(backend), in_specs=(P("x"),) * 2, out_specs=P("x"))
-    # The 8-bit wire takes the exchange chain on every backend: its one exchange moves uint8 rows.
+    # At H = 256 (not a multiple of 512) the 8-bit wire takes the exchange chain on every backend: its one
+    # exchange moves uint8 rows.
     hlo = jax.jit(mapped).lower(tokens, ids).as_text().splitlines()
     exchanges = [line for line in hlo if "ncclx_all_to_allv_dynamic" in line and "custom_call" in line]
     assert len(exchanges) == 1 and f"x{hidden + 4 * hidden // 128}xui8>" in exchanges[0].split("->")[0]

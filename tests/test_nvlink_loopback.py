@@ -701,6 +701,19 @@ def test_moe_dispatch_many_calls(schedule):
     assert_timelines(actual[1], calls, kernel="moe.dispatch")
 
 
+def test_moe_dispatch_phase_clocks():
+    """A profiled call (time_loopback_collectives.py --moe-phases) computes the same results and has every
+    block read its clock at each phase, in order."""
+    size, calls = 2, 2
+    ids, capacity = dispatch_routing("random", size, calls, 16, 4, 8, seed=9)
+    x = random_array((calls, size, 16, 64), np.float32, seed=9)
+    actual = loopback.moe_dispatch(x, ids, None, num_experts=8, capacity=capacity, phases=True)
+    check_moe_dispatch(actual, x, ids, None, 8, capacity)
+    clocks = actual[0]["phase_clocks"]
+    assert clocks.shape == (size, actual[1][0]["blocks"], 10) and (clocks > 0).all()
+    assert (np.diff(clocks, axis=-1) >= 0).all()
+
+
 def test_moe_dispatch_missing_rank_is_named():
     size, calls = 4, 2
     ids, capacity = dispatch_routing("random", size, calls, 8, 2, 8, seed=8)

@@ -18,13 +18,18 @@ call (the one that finds every peer already in) into
 * ``own``: its time in the kernel outside the wait for peers (start to rows sent, then flags seen to end);
 * ``handshake``: rows sent to every peer's flag seen (the cross-rank handshake once all are in).
 
+With ``--moe-phases`` dispatch's blocks also read their SM clock after each phase of the kernel (the plan's
+steps, the send, the wait, the placement, the expansion: moe_dispatch.h's MoeDispatchPhase) in the last call;
+it prints each phase's median over every rank's blocks, in µs at the GPU's peak clock (the clock may run
+slower: compare phases, not totals with the trace).
+
 Medians over the calls after the first 50. The JSON also holds the run's metadata (device, versions, commit:
 set ``BENCH_GIT_COMMIT`` on a lent machine, as for the benchmarks). There is no XLA baseline: compare two
 builds of the kernels in the same session (``tools/ab_trees.sh`` builds both; run this with each side's
 ``PYTHONPATH``), never with XLA.
 
     python tools/time_loopback_collectives.py OUT.json [--ranks 2,4] [--calls 400] [--moe 16,128]
-        [--moe-blocks 0,16,32]   (--ranks 1: the MoE kernels on an axis of one, their fixed cost)
+        [--moe-blocks 0,16,32] [--moe-phases]   (--ranks 1: the MoE kernels on an axis of one, their fixed cost)
 """
 import argparse
 import json
@@ -100,9 +105,17 @@ def moe_times(start, sent, data, end, skipped):
                 handshake_us=float(np.median(pick(data) - pick(sent))) / 1e3)
 
 
-def time_moe(ranks, tokens, calls, blocks):
+def dispatch_phases(done, ranks):
+    """{phase: median µs over every rank's blocks} of a moe_dispatch run with phases=True (its last call)."""
+    names = done["phase_names"]
+    clocks = np.frombuffer(done["phase_clocks"], np.int64).reshape(ranks, done["blocks"], len(names))
+    spent = np.diff(clocks, axis=-1).reshape(-1, len(names) - 1) * 1e3 / done["clock_khz"]
+    return {name: float(np.median(spent[:, i])) for i, name in enumerate(names[1:])}
+
+
+def time_moe(ranks, tokens, calls, blocks, phases=False):
     """dispatch's and combine's moe_times at T = `tokens` on `ranks` logical ranks (graph replay, traced), with
-    `blocks` thread blocks per kernel (0: chosen by size)."""
+    `blocks` thread blocks per kernel (0: chosen by size); with `phases`, dispatch's dispatch_phases too."""
     import ml_dtypes
 
     hidden, top_k, local = MOE_SHAPE["hidden"], MOE_SHAPE["top_k"], MOE_SHAPE["experts_per_rank"]
@@ -115,17 +128,20 @@ def time_moe(ranks, tokens, calls, blocks):
     weights = rng.random((calls, ranks, tokens, top_k)).astype(np.float32)
     done = loopback.moe_dispatch(x.tobytes(), ids.tobytes(), weights.tobytes(), size=ranks, calls=calls,
                                  num_tokens=tokens, row_bytes=hidden * 2, top_k=top_k, num_experts=num_experts,
-                                 capacity=capacity, with_weights=True, trace=True, graph=True, blocks=blocks)
-    phases = ("start", "sent", "data", "end")
-    dispatch = moe_times(*trace_of(done, calls, f"moe.dispatch T={tokens} on {ranks} ranks", phases),
+                                 capacity=capacity, with_weights=True, trace=True, graph=True, blocks=blocks,
+                                 phases=phases)
+    points = ("start", "sent", "data", "end")
+    dispatch = moe_times(*trace_of(done, calls, f"moe.dispatch T={tokens} on {ranks} ranks", points),
                          MOE_SKIPPED_CALLS)
+    if phases:
+        dispatch["phases_us"] = dispatch_phases(done, ranks)
     rows = ranks * min(capacity, tokens)
     # combine sums each token's pairs on the expert side with dispatch's weights, as moe.combine does
     done = loopback.moe_combine(done["expert_rows"], done["row_pairs"], done["recv_weights"], done["recv_tokens"],
                                 done["return_row"], size=ranks, calls=calls, type=1, expert_rows=ranks * capacity,
                                 rows_per_member=rows // ranks, top_k=top_k, tokens=tokens, hidden=hidden,
                                 trace=True, graph=True, blocks=blocks)
-    combine = moe_times(*trace_of(done, calls, f"moe.combine T={tokens} on {ranks} ranks", phases),
+    combine = moe_times(*trace_of(done, calls, f"moe.combine T={tokens} on {ranks} ranks", points),
                         MOE_SKIPPED_CALLS)
     return capacity, {"moe.dispatch": dispatch, "moe.combine": combine}
 
@@ -141,6 +157,8 @@ def main():
                         "comma separated (e.g. 16,128; default: none)")
     parser.add_argument("--moe-blocks", default="0", help="thread blocks per MoE kernel, comma separated (0: "
                         "chosen by size, as the library does)")
+    parser.add_argument("--moe-phases", action="store_true", help="also split moe.dispatch's kernel into its "
+                        "phases (SM clock per block, the last call)")
     parser.add_argument("--moe-calls", type=int, default=60, help=f"calls per MoE case (more than "
                         f"{MOE_SKIPPED_CALLS}; each call's rows stay on the GPU)")
     args = parser.parse_args()
@@ -165,13 +183,16 @@ def main():
     for ranks in rank_counts if args.moe else ():
         for tokens in (int(t) for t in args.moe.split(",")):
             for blocks in (int(b) for b in args.moe_blocks.split(",")):
-                capacity, times = time_moe(ranks, tokens, args.moe_calls, blocks)
+                capacity, times = time_moe(ranks, tokens, args.moe_calls, blocks, args.moe_phases)
                 for op, t in times.items():
                     results.append(dict(op=op, tokens=tokens, capacity=capacity, ranks=ranks, blocks=blocks,
                                         **MOE_SHAPE, **t))
                     case = f"{op} T={tokens} (C={capacity}), {ranks} ranks" + (f", {blocks} blocks" if blocks else "")
                     print(f"{case:44s} {t['after_last_us']:10.2f} {t['span_us']:8.2f} {t['own_us']:8.2f} "
                           f"{t['handshake_us']:10.2f}", flush=True)
+                    if "phases_us" in t:
+                        print("    phases (µs at the peak clock): " +
+                              ", ".join(f"{name} {us:.2f}" for name, us in t["phases_us"].items()), flush=True)
     # After the timing: the metadata starts JAX's GPU client, which must not share the GPU with the calls.
     document = {"meta": common.metadata(), "calls": args.calls, "skipped_calls": SKIPPED_CALLS,
                 "moe_calls": args.moe_calls, "moe_skipped_calls": MOE_SKIPPED_CALLS, "results": results}

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/contract_attrs.h"
 #include "common/checks.h"
 #include "common/contract_bindings.h"
 #include "common/monitor_bindings.h"
@@ -590,15 +591,28 @@ NB_MODULE(_ncclx_cuda, m) {
   m.attr("MOE_DISPATCH_MAX_MEMBER_TOKENS") = jn::kMaxMoeDispatchMemberTokens;
   m.def(
       "moe_dispatch_slot_bytes",
-      [](int size, int64_t rows_per_member, int top_k, int64_t row_bytes, bool with_weights) {
-        if (size < 1 || size > jn::kMaxNvlinkRanks || rows_per_member < 0 || top_k < 1 || row_bytes < 0) {
+      [](int size, int64_t rows_per_member, int top_k, int64_t wire_row_bytes, bool with_weights) {
+        if (size < 1 || size > jn::kMaxNvlinkRanks || rows_per_member < 0 || top_k < 1 || wire_row_bytes < 0) {
           throw std::invalid_argument("moe_dispatch_slot_bytes: bad sizes");
         }
-        return jn::MoeDispatchSlotBytes(size, rows_per_member, top_k, row_bytes, with_weights);
+        return jn::MoeDispatchSlotBytes(size, rows_per_member, top_k, wire_row_bytes, with_weights);
       },
-      nb::arg("size"), nb::arg("rows_per_member"), nb::arg("top_k"), nb::arg("row_bytes"), nb::arg("with_weights"),
+      nb::arg("size"), nb::arg("rows_per_member"), nb::arg("top_k"), nb::arg("wire_row_bytes"), nb::arg("with_weights"),
       "Low-latency slot bytes per call parity that moe.dispatch's NVLink kernel needs on `size` ranks for\n"
-      "`rows_per_member` token rows per member of `row_bytes` bytes each, with top-k tags (and weights).");
+      "`rows_per_member` token rows per member of `wire_row_bytes` bytes each on the wire\n"
+      "(moe_dispatch_wire_row_bytes), with top-k tags (and weights).");
+  m.def(
+      "moe_dispatch_wire_row_bytes",
+      [](int64_t hidden, int64_t element_bytes, int wire) {
+        if (hidden < 0 || element_bytes < 1 || !jn::ValidMoeWire(static_cast<jn::MoeWire>(wire))) {
+          throw std::invalid_argument("moe_dispatch_wire_row_bytes: bad sizes or wire");
+        }
+        return jn::MoeDispatchWireRowBytes(hidden, element_bytes, static_cast<jn::MoeWire>(wire));
+      },
+      nb::arg("hidden"), nb::arg("element_bytes"), nb::arg("wire"),
+      "Bytes of a token row of `hidden` elements of `element_bytes` each on moe.dispatch's wire (a\n"
+      "contract.MOE_WIRES value): as they are, or on an 8-bit wire hidden bytes and a float32 scale per\n"
+      "MOE_WIRE_BLOCK values (one for the row where hidden is not a multiple of it).");
   jn::DefineMonitorBindings(m, jn::ResolveCallRecord, jn::ResetTraceAnchors);
   jn::DefineContractBindings(m);
   m.def(

@@ -26,6 +26,10 @@ NVLINK_PROTOCOLS: tuple[str, ...] = _in_value_order(_CONTRACT["nvlink_protocols"
 # The NVLink all_reduce's algorithm attribute.
 ONE_SHOT: int = _CONTRACT["nvlink_algorithms"]["one_shot"]
 TWO_SHOT: int = _CONTRACT["nvlink_algorithms"]["two_shot"]
+# moe.dispatch's wire attribute, by the wire dtype's name ("none": tokens' dtype).
+MOE_WIRES: dict[str, int] = dict(_CONTRACT["moe_wires"])
+# Values per float32 scale on moe.dispatch's 8-bit wire.
+MOE_WIRE_BLOCK: int = _CONTRACT["moe_wire_block"]
 # Device trace and fault records name their kernel by number.
 TRACE_KERNELS: dict[int, str] = {value: name for name, value in _CONTRACT["trace_kernels"].items()}
 # Ranks an NVLink communicator may have.

@@ -23,6 +23,13 @@ enum class NvlinkAlgorithm : int { kOneShot = 1, kTwoShot = 2 };
 // platform where that does not hold.
 enum class NvlinkProtocol : int { kLL128 = 0, kLL = 1, kSimple = 2 };
 
+// The wire attribute of moe.dispatch: rows travel in tokens' dtype, or as 8-bit floats with a float32 scale
+// per kMoeWireBlock values (the name is the dtype's).
+enum class MoeWire : int { kNone = 0, kE4M3 = 1, kE5M2 = 2 };
+
+// Values per scale on moe.dispatch's 8-bit wire.
+constexpr int64_t kMoeWireBlock = 128;
+
 // Which NVLink kernel a device-side trace record or fault record comes from.
 enum TraceKernel : uint32_t {
   kTraceAllToAllv = 1,
@@ -69,6 +76,11 @@ inline constexpr Named kNvlinkProtocolNames[] = {
     {"ll128", static_cast<int64_t>(NvlinkProtocol::kLL128)},
     {"ll", static_cast<int64_t>(NvlinkProtocol::kLL)},
     {"simple", static_cast<int64_t>(NvlinkProtocol::kSimple)},
+};
+inline constexpr Named kMoeWireNames[] = {
+    {"none", static_cast<int64_t>(MoeWire::kNone)},
+    {"float8_e4m3fn", static_cast<int64_t>(MoeWire::kE4M3)},
+    {"float8_e5m2", static_cast<int64_t>(MoeWire::kE5M2)},
 };
 inline constexpr Named kTraceKernelNames[] = {
     {"all_to_allv_dynamic", kTraceAllToAllv}, {"all_reduce", kTraceAllReduce},

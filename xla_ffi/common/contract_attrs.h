@@ -16,6 +16,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ncclx::RawCallAttrs, ::xla::ffi::Struc
 XLA_FFI_REGISTER_ENUM_ATTR_DECODING(jax_ncclx::ReduceOp);
 XLA_FFI_REGISTER_ENUM_ATTR_DECODING(jax_ncclx::NvlinkProtocol);
 XLA_FFI_REGISTER_ENUM_ATTR_DECODING(jax_ncclx::NvlinkAlgorithm);
+XLA_FFI_REGISTER_ENUM_ATTR_DECODING(jax_ncclx::MoeWire);
 
 namespace jax_ncclx {
 
@@ -25,6 +26,9 @@ inline bool ValidNvlinkProtocol(NvlinkProtocol protocol) {
 }
 inline bool ValidNvlinkAlgorithm(NvlinkAlgorithm algorithm) {
   return algorithm == NvlinkAlgorithm::kOneShot || algorithm == NvlinkAlgorithm::kTwoShot;
+}
+inline bool ValidMoeWire(MoeWire wire) {
+  return wire == MoeWire::kNone || wire == MoeWire::kE4M3 || wire == MoeWire::kE5M2;
 }
 
 }  // namespace jax_ncclx

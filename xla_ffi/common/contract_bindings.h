@@ -22,15 +22,17 @@ inline void DefineContractBindings(nanobind::module_& m) {
         contract["reduce_ops"] = table(kReduceOpNames);
         contract["nvlink_algorithms"] = table(kNvlinkAlgorithmNames);
         contract["nvlink_protocols"] = table(kNvlinkProtocolNames);
+        contract["moe_wires"] = table(kMoeWireNames);
         contract["trace_kernels"] = table(kTraceKernelNames);
         contract["max_nvlink_ranks"] = kMaxNvlinkRanks;
         contract["max_capacity"] = kMaxCapacity;
         contract["max_experts"] = kMaxRoutingExperts;
+        contract["moe_wire_block"] = kMoeWireBlock;
         return contract;
       },
       "What the Python half and the handlers agree on (xla_ffi/common/contract.h): {table: {name: value}} for\n"
-      "fault_kinds, reduce_ops, nvlink_algorithms, nvlink_protocols, trace_kernels; and the limits\n"
-      "max_nvlink_ranks, max_capacity, max_experts.");
+      "fault_kinds, reduce_ops, nvlink_algorithms, nvlink_protocols, moe_wires, trace_kernels; and the\n"
+      "limits and sizes max_nvlink_ranks, max_capacity, max_experts, moe_wire_block.");
 }
 
 }  // namespace jax_ncclx

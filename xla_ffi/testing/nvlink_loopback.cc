@@ -562,8 +562,8 @@ constexpr const char* kMoeDispatchResults[] = {"expert_rows",    "group_sizes", 
 
 nb::dict MoeDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids, const nb::bytes& weights, int size,
                      int calls, int64_t num_tokens, int64_t row_bytes, int top_k, int64_t num_experts, int64_t capacity,
-                     bool with_weights, int blocks, bool trace, bool graph, int64_t timeout_ms, int absent, int late,
-                     int64_t late_us) {
+                     bool with_weights, int blocks, bool trace, bool phases, bool graph, int64_t timeout_ms, int absent,
+                     int late, int64_t late_us) {
   const Schedule schedule{calls, graph, absent, late, late_us, timeout_ms};
   CheckSchedule(size, schedule);
   Require(num_tokens >= 1 && top_k >= 1 && top_k <= kMaxMoeDispatchTopK && row_bytes >= 0 && row_bytes % 16 == 0 &&
@@ -578,6 +578,7 @@ nb::dict MoeDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids, const
   args.num_experts = num_experts;
   args.capacity = capacity;
   args.row_bytes = row_bytes;
+  args.wire_row_bytes = row_bytes;  // rows travel as they are (the 8-bit wire is tested on one GPU, test_moe.py)
   args.with_weights = with_weights;
   args.trace = trace;
   args.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000;
@@ -587,6 +588,8 @@ nb::dict MoeDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids, const
   const int grid = ChooseMoeDispatchBlocks(args, blocks, SmsPerRank(size));
   Resources resources;
   Ranks ranks(resources, size, MoeDispatchSlotBytes(size, R, top_k, row_bytes, with_weights), 0);
+  const int64_t clock_count = int64_t{size} * grid * kMoeDispatchPhases;
+  int64_t* clocks = phases ? resources.Filled<int64_t>(clock_count * 8, 0, "phase clocks") : nullptr;
   std::vector<Operand> operands = {
       {"tokens", T * row_bytes, false},
       {"expert_ids", T * k * I, false},
@@ -640,10 +643,25 @@ nb::dict MoeDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids, const
                           mine.placed.recv_weights = reinterpret_cast<float*>(at(20));
                           mine.table = ranks.table[rank];
                           mine.control = ranks.control[rank];
+                          if (clocks != nullptr) mine.phase_clocks = clocks + int64_t{rank} * grid * kMoeDispatchPhases;
                           return LaunchMoeDispatch(mine, grid, stream);
                         });
-  return ToDict(std::move(outcome),
-                std::vector<std::string>(std::begin(kMoeDispatchResults), std::end(kMoeDispatchResults)), grid);
+  nb::dict result = ToDict(std::move(outcome),
+                           std::vector<std::string>(std::begin(kMoeDispatchResults), std::end(kMoeDispatchResults)),
+                           grid);
+  if (clocks != nullptr) {  // the last call's: each call overwrites them
+    std::string host(static_cast<size_t>(clock_count * 8), '\0');
+    Check(cudaMemcpy(host.data(), clocks, host.size(), cudaMemcpyDeviceToHost), "cudaMemcpy (phase clocks)");
+    int device = 0, clock_khz = 0;
+    Check(cudaGetDevice(&device), "cudaGetDevice");
+    Check(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device), "cudaDeviceGetAttribute (clock rate)");
+    nb::list names;
+    for (const char* name : kMoeDispatchPhaseNames) names.append(name);
+    result["phase_clocks"] = nb::bytes(host.data(), host.size());
+    result["phase_names"] = names;
+    result["clock_khz"] = clock_khz;
+  }
+  return result;
 }
 
 }  // namespace
@@ -688,11 +706,12 @@ NB_MODULE(_ncclx_loopback, m) {
   m.def("moe_dispatch", &jn::MoeDispatch, nb::arg("tokens"), nb::arg("expert_ids"), nb::arg("weights"), nb::kw_only(),
         nb::arg("size"), nb::arg("calls"), nb::arg("num_tokens"), nb::arg("row_bytes"), nb::arg("top_k"),
         nb::arg("num_experts"), nb::arg("capacity"), nb::arg("with_weights"), nb::arg("blocks") = 0,
-        nb::arg("trace") = false, nb::arg("graph") = false, nb::arg("timeout_ms") = 5000, nb::arg("absent") = -1,
-        nb::arg("late") = -1, nb::arg("late_us") = 0,
+        nb::arg("trace") = false, nb::arg("phases") = false, nb::arg("graph") = false, nb::arg("timeout_ms") = 5000,
+        nb::arg("absent") = -1, nb::arg("late") = -1, nb::arg("late_us") = 0,
         "Runs `calls` calls of moe.dispatch's NVLink kernel on `size` logical ranks of the current GPU. Each\n"
         "input is bytes of [calls, size, ...]: tokens [num_tokens, row_bytes], expert_ids int32 [num_tokens,\n"
         "top_k], weights float32 of the same shape (read with with_weights only). Returns every result of the\n"
         "kernel by name (bytes of [calls, size, ...], shapes as the FFI handler's), 'ranks' and 'blocks' as\n"
-        "collective() does.");
+        "collective() does. phases: also 'phase_clocks' (int64 bytes of [size, blocks, len(phase_names)], the\n"
+        "last call's clock64() per block at each of 'phase_names', moe_dispatch.h) and 'clock_khz'.");
 }

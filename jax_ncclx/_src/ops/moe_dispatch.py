@@ -12,13 +12,15 @@ and returns :class:`Dispatched`: expert_rows ``[N * C, H]`` (tokens' dtype), gro
 handle's arrays, as ``moe_routing.plan_sends`` and ``moe_routing.place_received`` specify them.
 
 On CUDA it is one NVLink kernel (``ncclx_moe_dispatch_nvlink``, xla_ffi/ops/moe/moe_dispatch.h) where the
-kernel can run: the communicator reaches every member through NVLink; rows travel in tokens' dtype (no 8-bit
-wire) and are a multiple of 16 bytes; top-k is at most ``MOE_DISPATCH_MAX_TOP_K`` (32), T * k at most
-``MOE_DISPATCH_MAX_PAIRS`` (2048) and N * T at most ``MOE_DISPATCH_MAX_MEMBER_TOKENS`` (2048), the plan the
-kernel keeps in each block's shared memory; and a member's R rows take at most
-``moe_combine.FUSED_MAX_MEMBER_BYTES`` (4 MiB). Elsewhere, on the CPU and on NCCL, it is the exchange chain:
-``plan_sends``, one ``all_to_allv_dynamic``, ``place_received`` and ``take_rows``. Both compute the same values;
-which one a call site takes is logged at debug level. Its timeout is all_to_allv_dynamic's.
+kernel can run: the communicator reaches every member through NVLink; rows are a multiple of 16 bytes, and on
+an 8-bit wire (which the kernel quantizes as it sends and dequantizes as it places, with the chain's
+arithmetic) tokens are float32, bfloat16 or float16 with H a multiple of 512; top-k is at most
+``MOE_DISPATCH_MAX_TOP_K`` (32), T * k at most ``MOE_DISPATCH_MAX_PAIRS`` (2048) and N * T at most
+``MOE_DISPATCH_MAX_MEMBER_TOKENS`` (2048), the plan the kernel keeps in each block's shared memory; and a
+member's R rows on the wire take at most ``moe_combine.FUSED_MAX_MEMBER_BYTES`` (4 MiB). Elsewhere, on the
+CPU and on NCCL, it is the exchange chain: ``plan_sends``, one ``all_to_allv_dynamic``, ``place_received`` and
+``take_rows``. Both compute the same values; which one a call site takes is logged at debug level. Its
+timeout is all_to_allv_dynamic's.
 
 Sharding model: every operand varies over the axis, and so does every result. Batching: the exchange chain,
 vmapped. No AD rules: ``jax_ncclx.moe.dispatch``'s custom VJP differentiates it.
@@ -34,6 +36,7 @@ import numpy as np
 from jax.interpreters import batching
 
 from jax_ncclx._src import config
+from jax_ncclx._src import contract
 from jax_ncclx._src import lib
 from jax_ncclx._src import lowering
 from jax_ncclx._src import nvlink
@@ -45,7 +48,7 @@ from jax_ncclx._src.ops.take_rows import take_rows
 
 logger = logging.getLogger("jax_ncclx")
 
-SCALE_BLOCK = 128  # elements per scale on an 8-bit wire (the whole row when H is not a multiple of it)
+SCALE_BLOCK = contract.MOE_WIRE_BLOCK  # values per scale on an 8-bit wire (the whole row when H is not a multiple)
 
 
 class Dispatched(NamedTuple):
@@ -75,7 +78,7 @@ class Dispatched(NamedTuple):
 def dispatch_rows(tokens, expert_ids, weights, *, num_experts: int, axis_name, capacity: int,
                   wire_dtype=None) -> Dispatched:
     """:class:`Dispatched` for this member (shapes in the module docstring); call it inside ``jax.shard_map``
-    over ``axis_name``. ``wire_dtype``: None, or an 8-bit float dtype the rows travel in (the chain only)."""
+    over ``axis_name``. ``wire_dtype``: None, or an 8-bit float dtype the rows travel in."""
     operands = (tokens, expert_ids) + (() if weights is None else (weights.astype(jnp.float32),))
     outs = moe_dispatch_p.bind(*operands, axis_name=axis_name, num_experts=int(num_experts),
                                num_members=int(jax.lax.axis_size(axis_name)), capacity=int(capacity),
@@ -138,7 +141,8 @@ def _encode(rows, wire_dtype):
     num_rows, hidden = rows.shape
     block = _scale_block(hidden)
     values = rows.astype(jnp.float32).reshape(num_rows, hidden // block, block)
-    scale = jnp.max(jnp.abs(values), axis=2) / float(jnp.finfo(wire_dtype).max)
+    # Times the float32 reciprocal, as the NVLink kernel does: a division by a constant may be rewritten so.
+    scale = jnp.max(jnp.abs(values), axis=2) * np.float32(1.0 / float(jnp.finfo(wire_dtype).max))
     quantized = (values / jnp.where(scale > 0, scale, 1.0)[..., None]).astype(wire_dtype)
     return jnp.concatenate([jax.lax.bitcast_convert_type(quantized.reshape(num_rows, hidden), jnp.uint8),
                             jax.lax.bitcast_convert_type(scale, jnp.uint8).reshape(num_rows, -1)], axis=1)
@@ -189,14 +193,19 @@ def _route(ctx, comm_id, size, *, num_experts, num_members, capacity, wire_dtype
     """The NVLink kernel's route, or None (the exchange chain) where it cannot run."""
     tokens, expert_ids = ctx.avals_in[0], ctx.avals_in[1]
     (num_tokens, hidden), top_k = tokens.shape, expert_ids.shape[1]
-    row_bytes = hidden * np.dtype(tokens.dtype).itemsize
+    element_bytes = np.dtype(tokens.dtype).itemsize
+    row_bytes = hidden * element_bytes
     with_weights = len(ctx.avals_in) > 2
     if config.current().transport == "nccl":
         return None
     module = lib.cuda_module()
+    wire_row_bytes = module.moe_dispatch_wire_row_bytes(hidden, element_bytes, _wire(wire_dtype))
     why = None
-    if wire_dtype is not None:
-        why = "rows on an 8-bit wire"
+    if wire_dtype is not None and np.dtype(tokens.dtype) not in _WIRE_TOKEN_DTYPES:
+        why = f"{np.dtype(tokens.dtype).name} tokens on an 8-bit wire (the kernel converts float32, bfloat16, float16)"
+    elif wire_dtype is not None and (hidden % SCALE_BLOCK or wire_row_bytes % 16):
+        why = (f"H = {hidden} on an 8-bit wire (the kernel takes H a multiple of {SCALE_BLOCK} whose "
+               f"{wire_row_bytes}-byte wire row is a multiple of 16)")
     elif row_bytes % 16:
         why = f"rows of {row_bytes} bytes (the kernel moves multiples of 16)"
     elif top_k > module.MOE_DISPATCH_MAX_TOP_K:
@@ -206,15 +215,23 @@ def _route(ctx, comm_id, size, *, num_experts, num_members, capacity, wire_dtype
         why = (f"{num_tokens} tokens of top-{top_k} on {size} members (the kernel plans up to "
                f"{module.MOE_DISPATCH_MAX_PAIRS} pairs and {module.MOE_DISPATCH_MAX_MEMBER_TOKENS} member tokens)")
     rows_per_member = min(capacity, num_tokens)
-    if why is None and rows_per_member * row_bytes > FUSED_MAX_MEMBER_BYTES:
-        why = f"{rows_per_member} rows of {row_bytes} bytes per member (more than {FUSED_MAX_MEMBER_BYTES})"
+    if why is None and rows_per_member * wire_row_bytes > FUSED_MAX_MEMBER_BYTES:
+        why = f"{rows_per_member} rows of {wire_row_bytes} bytes per member (more than {FUSED_MAX_MEMBER_BYTES})"
     if why is not None:
         logger.debug("jax_ncclx: moe.dispatch takes the exchange chain: %s", why)
         return None
-    slots = module.moe_dispatch_slot_bytes(size, rows_per_member, top_k, row_bytes, with_weights)
+    slots = module.moe_dispatch_slot_bytes(size, rows_per_member, top_k, wire_row_bytes, with_weights)
     if not nvlink.symmetric_memory_ready("moe.dispatch", comm_id, slot_bytes=slots):
         return None
     return lowering.CudaRoute("nvlink", dict(blocks=np.int64(config.current().nvlink_blocks)))
+
+
+_WIRE_TOKEN_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+
+
+def _wire(wire_dtype):
+    """The kernel's wire attribute (contract.MOE_WIRES) for a wire dtype (None: tokens' own)."""
+    return contract.MOE_WIRES["none" if wire_dtype is None else np.dtype(wire_dtype).name]
 
 
 def _moe_dispatch_batching(axis_data, args, dims, **params):
@@ -228,7 +245,8 @@ def _moe_dispatch_batching(axis_data, args, dims, **params):
 moe_dispatch_p.def_effectful_abstract_eval(_moe_dispatch_abstract_eval)
 lowering.register_lowerings(
     moe_dispatch_p, "ncclx_moe_dispatch",
-    lambda *, num_experts, num_members, capacity, wire_dtype: dict(num_experts=np.int64(num_experts),
-                                                                   capacity=np.int64(capacity)),
+    lambda *, num_experts, num_members, capacity, wire_dtype: dict(
+        num_experts=np.int64(num_experts), capacity=np.int64(capacity),
+        wire=np.int32(_wire(wire_dtype))),  # enum attributes travel as int32
     cuda_route=_route, fallback=_exchange_chain, timeout_op="all_to_allv_dynamic")
 batching.fancy_primitive_batchers[moe_dispatch_p] = _moe_dispatch_batching

@@ -11,6 +11,9 @@
 // the call's epoch, every block reads every received tag in one round of loads, places them (again the same
 // placement in each, into a map from expert-major row to received row in shared memory) and copies its share
 // of the expert-major rows out of the slots. As for the combine kernel, writers never wait for readers.
+// On an 8-bit wire the sender quantizes each block of kMoeWireBlock values as it writes it (a warp per block:
+// the scale maps the block's largest magnitude to the format's largest finite value) and the expansion
+// dequantizes as it copies, with the chain's arithmetic (moe_dispatch.py's _encode and _decode).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,10 +21,33 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/contract.h"
 #include "common/symmetric_layout.h"
 #include "ops/moe/moe_routing.h"
 
 namespace jax_ncclx {
+
+// Where a profiled call (MoeDispatchArgs::phase_clocks, test-only) has thread 0 of each block read clock64():
+// at its start, then after the barrier that closes each phase of the kernel.
+enum MoeDispatchPhase : int {
+  kPhaseStart,    // the block begins
+  kPhaseCleared,  // the plan's counters are zero
+  kPhaseCounted,  // pairs counted per key
+  kPhaseSorted,   // pairs sorted by key
+  kPhasePlanned,  // send rows numbered
+  kPhaseReady,    // the plan's results written
+  kPhaseSent,     // rows and flags sent
+  kPhaseArrived,  // every flag seen
+  kPhasePlaced,   // received tags placed (counts, the row map)
+  kPhaseEnd,      // index arrays and expert rows written
+  kMoeDispatchPhases
+};
+inline constexpr const char* kMoeDispatchPhaseNames[kMoeDispatchPhases] = {"start",   "cleared", "counted", "sorted",
+                                                                           "planned", "ready",   "sent",    "arrived",
+                                                                           "placed",  "end"};
+
+// Tokens' dtypes an 8-bit wire takes (without one, the kernel copies rows of any dtype as bytes).
+enum class MoeTokenType : int { kF32, kBF16, kF16 };
 
 struct MoeDispatchArgs {
   int rank = 0;
@@ -31,6 +57,9 @@ struct MoeDispatchArgs {
   int64_t num_experts = 0;    // E, a multiple of N
   int64_t capacity = 0;       // C
   int64_t row_bytes = 0;      // a token row's bytes (H elements), a multiple of 16
+  MoeWire wire = MoeWire::kNone;         // how rows travel (contract.h)
+  MoeTokenType token_type = MoeTokenType::kF32;  // tokens' dtype, which an 8-bit wire converts from and to
+  int64_t wire_row_bytes = 0;  // a row's bytes in the slots (MoeDispatchWireRowBytes), a multiple of 16
   bool with_weights = false;  // the rows carry their token's router weights
   bool trace = false;
   int64_t site = 0;
@@ -44,6 +73,7 @@ struct MoeDispatchArgs {
   PlaceReceivedResults placed;        // the receiver's results
   const PeerTable* table = nullptr;
   SymmetricControl* control = nullptr;
+  int64_t* phase_clocks = nullptr;  // test-only: [blocks, kMoeDispatchPhases] clock64() of the call, or null
 
   NCCLX_HOST_DEVICE PlanSendsShape plan_shape() const {
     PlanSendsShape shape;
@@ -58,11 +88,17 @@ struct MoeDispatchArgs {
   }
 };
 
-// Bytes of a slot row: the token's bytes, then its suffix (tags, and weights), a multiple of 16.
-int64_t MoeDispatchSlotRowBytes(int top_k, int64_t row_bytes, bool with_weights);
+// Bytes of a token row of H elements in the slots: H * element_bytes in tokens' dtype; on an 8-bit wire H
+// bytes, then a float32 scale per kMoeWireBlock values (one for the row where H is not a multiple of it): the
+// chain's layout, moe_dispatch.py's _encode. The kernel takes an 8-bit wire where H is a multiple of
+// kMoeWireBlock and this is a multiple of 16.
+int64_t MoeDispatchWireRowBytes(int64_t hidden, int64_t element_bytes, MoeWire wire);
+
+// Bytes of a slot row: the row's bytes on the wire, then its suffix (tags, and weights), a multiple of 16.
+int64_t MoeDispatchSlotRowBytes(int top_k, int64_t wire_row_bytes, bool with_weights);
 
 // Bytes of each parity half a call needs (PeerTable::parity_half_bytes), a multiple of 256.
-int64_t MoeDispatchSlotBytes(int size, int64_t rows_per_member, int top_k, int64_t row_bytes, bool with_weights);
+int64_t MoeDispatchSlotBytes(int size, int64_t rows_per_member, int top_k, int64_t wire_row_bytes, bool with_weights);
 
 // Where the kernel can run: every block keeps the plan and the placement in shared memory (up to about 90 KiB
 // at these limits; a thread holds up to N * T * k / 512 of the received tags in registers), so at most

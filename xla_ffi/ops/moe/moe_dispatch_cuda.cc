@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "common/checks.h"
+#include "common/contract_attrs.h"
 #include "common/cuda_collective.h"
 #include "common/monitor.h"
 #include "common/nccl_comms.h"
@@ -45,7 +46,7 @@ ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Any
                            ffi::Result<ffi::AnyBuffer> pair_entry, ffi::Result<ffi::AnyBuffer> row_pairs,
                            ffi::Result<ffi::AnyBuffer> send_back_rows, ffi::Result<ffi::AnyBuffer> recv_weights,
                            int64_t comm_id, RawCallAttrs call_attrs, int64_t num_experts, int64_t capacity,
-                           int64_t blocks) {
+                           MoeWire wire, int64_t blocks) {
   const CallAttrs attrs = MakeCallAttrs(call_attrs);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
@@ -78,6 +79,33 @@ ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Any
                                     std::to_string(T) + ", k = " + std::to_string(k) + ", rows of " +
                                     std::to_string(H * element_bytes) + " bytes (larger calls take the chain)");
   }
+  if (!ValidMoeWire(wire)) {
+    return InvalidArgument(kOp, "wire " + std::to_string(static_cast<int>(wire)) + " is not a MoeWire (contract.h)");
+  }
+  MoeTokenType token_type = MoeTokenType::kF32;
+  const int64_t wire_row_bytes = MoeDispatchWireRowBytes(H, element_bytes, wire);
+  if (wire != MoeWire::kNone) {
+    switch (tokens.element_type()) {
+      case ffi::F32:
+        token_type = MoeTokenType::kF32;
+        break;
+      case ffi::BF16:
+        token_type = MoeTokenType::kBF16;
+        break;
+      case ffi::F16:
+        token_type = MoeTokenType::kF16;
+        break;
+      default:
+        return InvalidArgument(kOp, "an 8-bit wire takes f32, bf16 or f16 tokens, got " +
+                                        std::string(DataTypeName(tokens.element_type())));
+    }
+    if (H % kMoeWireBlock != 0 || wire_row_bytes % 16 != 0) {
+      return InvalidArgument(kOp, "the NVLink kernel's 8-bit wire takes H a multiple of " +
+                                      std::to_string(kMoeWireBlock) + " whose wire row (" +
+                                      std::to_string(wire_row_bytes) + " bytes) is a multiple of 16; got H = " +
+                                      std::to_string(H) + " (other rows take the chain)");
+    }
+  }
   const bool with_weights = weights_arg.size() > 0;
   const float* weights = nullptr;
   if (with_weights) {
@@ -98,6 +126,9 @@ ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Any
   args.num_experts = num_experts;
   args.capacity = capacity;
   args.row_bytes = H * element_bytes;
+  args.wire = wire;
+  args.token_type = token_type;
+  args.wire_row_bytes = wire_row_bytes;
   args.with_weights = with_weights;
   const PlanSendsShape shape = args.plan_shape();
   const int64_t L = num_experts / n, NC = n * capacity, R = shape.rows_per_member(), S = shape.num_rows();
@@ -147,7 +178,7 @@ ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Any
   args.placed.recv_weights = static_cast<float*>(recv_weights->untyped_data());
   args.table = symmetric->table;
   args.control = symmetric->control;
-  const int64_t need = MoeDispatchSlotBytes(args.size, R, args.top_k, args.row_bytes, with_weights);
+  const int64_t need = MoeDispatchSlotBytes(args.size, R, args.top_k, args.wire_row_bytes, with_weights);
   if (need > symmetric->parity_half_bytes) {
     return Internal(kOp, "the symmetric low-latency slots hold " + std::to_string(symmetric->parity_half_bytes) +
                              " bytes per call parity but this call needs " + std::to_string(need) +
@@ -194,6 +225,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkMoeDispatch, MoeDispatchImpl,
                                                 .Attr<int64_t>("comm_id"))
                                   .Attr<int64_t>("num_experts")  // E
                                   .Attr<int64_t>("capacity")     // C
+                                  .Attr<MoeWire>("wire")         // how rows travel (contract.h)
                                   .Attr<int64_t>("blocks"),      // 0 = by size
                               {ffi::Traits::kCmdBufferCompatible});
 

@@ -4,10 +4,15 @@
 // flag per member), wait (every member's every block), place (shared memory again, the same in every block)
 // and expand (a share of the expert-major rows). Each block writes its share of every result array; the
 // plan's and placement's values are the same in every block, so the shares agree.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "common/device_sync.cuh"
 #include "common/symmetric_layout.h"
@@ -65,6 +70,115 @@ __device__ __forceinline__ uint8_t* Slots(const Call& call, int owner, int parit
   const PeerTable* table = call.args.table;
   return table->data[owner] + parity * table->parity_half_bytes + call.slot_base;
 }
+
+// How rows travel: as they are (Plain), or as 8-bit floats of kFormat with a float32 scale per kMoeWireBlock
+// values, converted from and back to Token (float, __nv_bfloat16 or __half).
+struct Plain {};
+template <typename Token, __nv_fp8_interpretation_t kFormat>
+struct Wire {
+  static constexpr float kLargest = kFormat == __NV_E4M3 ? 448.0f : 57344.0f;  // the largest finite value
+  static constexpr float kInverse = 1.0f / kLargest;
+};
+template <typename Rows>
+constexpr bool kOnWire = !std::is_same_v<Rows, Plain>;
+template <typename Rows>
+struct WireOf;
+template <typename T, __nv_fp8_interpretation_t F>
+struct WireOf<Wire<T, F>> {
+  using Token = T;
+  static constexpr __nv_fp8_interpretation_t kFormat = F;
+};
+
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
+template <typename Token>
+__device__ __forceinline__ Token FromFloat(float v) {
+  if constexpr (std::is_same_v<Token, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<Token, __nv_bfloat16>) {
+    return __float2bfloat16_rn(v);
+  } else {
+    return __float2half_rn(v);
+  }
+}
+
+// Quantizes values [b * kMoeWireBlock, (b + 1) * kMoeWireBlock) of the token row `in` (H values) into the wire
+// row `row` with the 32 lanes of a warp, 4 values per lane: H bytes, then the float32 scales.
+template <typename Token, __nv_fp8_interpretation_t kFormat>
+__device__ __forceinline__ void QuantizeBlock(uint8_t* row, const Token* in, int32_t b, int64_t hidden, int lane) {
+  static_assert(kMoeWireBlock == 4 * 32, "a lane's 4 values");
+  const Token* values = in + int64_t{b} * kMoeWireBlock + lane * 4;
+  float v[4];
+  if constexpr (sizeof(Token) == 4) {
+    const float4 four = *reinterpret_cast<const float4*>(values);
+    v[0] = four.x, v[1] = four.y, v[2] = four.z, v[3] = four.w;
+  } else {
+    const uint2 bits = *reinterpret_cast<const uint2*>(values);
+    const Token* four = reinterpret_cast<const Token*>(&bits);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = ToFloat(four[i]);
+  }
+  // A NaN anywhere makes the block's scale NaN, as jnp.max does in the chain (fmaxf would drop it).
+  auto max_nan = [](float a, float b) {
+    float m;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(m) : "f"(a), "f"(b));
+    return m;
+  };
+  float largest = max_nan(max_nan(fabsf(v[0]), fabsf(v[1])), max_nan(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+  for (int d = 16; d > 0; d /= 2) largest = max_nan(largest, __shfl_xor_sync(0xffffffffu, largest, d));
+  // The chain's arithmetic (_encode): scale = max |v| * (1 / largest), q = v / scale (v / 1 for a zero block),
+  // divided as XLA's GPU backend divides (div.full.f32, not div.rn), so that both round q alike.
+  const float scale = largest * Wire<Token, kFormat>::kInverse;
+  const float divisor = scale > 0.0f ? scale : 1.0f;
+  auto q = [divisor](float x) {
+    float quotient;
+    asm("div.full.f32 %0, %1, %2;" : "=f"(quotient) : "f"(x), "f"(divisor));
+    return quotient;
+  };
+  const uint32_t low = __nv_cvt_float2_to_fp8x2(make_float2(q(v[0]), q(v[1])), __NV_SATFINITE, kFormat);
+  const uint32_t high = __nv_cvt_float2_to_fp8x2(make_float2(q(v[2]), q(v[3])), __NV_SATFINITE, kFormat);
+  reinterpret_cast<uint32_t*>(row + int64_t{b} * kMoeWireBlock)[lane] = low | high << 16;
+  if (lane == 0) reinterpret_cast<float*>(row + hidden)[b] = scale;
+}
+
+// Two 8-bit values (the low byte first) times scale.
+template <__nv_fp8_interpretation_t kFormat>
+__device__ __forceinline__ float2 DecodePair(uint32_t bits, float scale) {
+  const float2 pair = __half22float2(
+      __half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits), kFormat)));
+  return make_float2(pair.x * scale, pair.y * scale);
+}
+
+// Vector v (16 bytes of Token) of a token row, dequantized from the wire row `row` (written by peers).
+template <typename Token, __nv_fp8_interpretation_t kFormat>
+__device__ __forceinline__ uint4 DequantizeVector(const uint8_t* row, int64_t v, int64_t hidden) {
+  constexpr int kValues = 16 / sizeof(Token);
+  const int64_t first = v * kValues;
+  const float scale = __ldcg(reinterpret_cast<const float*>(row + hidden) + first / kMoeWireBlock);
+  uint32_t bits[kValues / 4];
+  if constexpr (kValues == 8) {
+    const uint2 eight = __ldcg(reinterpret_cast<const uint2*>(row + first));
+    bits[0] = eight.x, bits[1] = eight.y;
+  } else {
+    bits[0] = __ldcg(reinterpret_cast<const unsigned int*>(row + first));
+  }
+  uint4 out;
+  Token* values = reinterpret_cast<Token*>(&out);
+#pragma unroll
+  for (int i = 0; i < kValues / 2; ++i) {
+    const float2 pair = DecodePair<kFormat>(bits[i / 2] >> (16 * (i % 2)), scale);
+    values[2 * i] = FromFloat<Token>(pair.x);
+    values[2 * i + 1] = FromFloat<Token>(pair.y);
+  }
+  return out;
+}
+
+// Calls of at most this many pairs (T * k), (member, token) entries and keys are planned by one warp: past
+// them its serial loops (a ballot per 32 entries, a run of keys per lane) would cost more than the block's.
+constexpr int32_t kWarpPlanPairs = 256;
+constexpr int32_t kWarpPlanEntries = 512;
+constexpr int32_t kWarpPlanKeys = 1025;
 
 // Pairs are sorted by per-warp counting: sort warp w takes a contiguous range of pairs and a histogram row of
 // E + 1 counters; at most kSortCounters counters in all, so fewer sort warps for many experts.
@@ -136,6 +250,7 @@ __device__ Placement LayOutPlacement(int32_t* shared, int32_t N, int32_t L) {
   return placed;
 }
 
+template <typename Rows>
 __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   const MoeDispatchArgs& args = call.args;
   const Divisors& by = call.by;
@@ -149,6 +264,11 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     trace.Start();
     trace.PeersEntered();  // nothing to wait for before writing: the slots of this parity are free
   }
+  const bool profiled = args.phase_clocks != nullptr;
+  auto stamp = [&](MoeDispatchPhase phase) {
+    if (profiled && threadIdx.x == 0) args.phase_clocks[blockIdx.x * kMoeDispatchPhases + phase] = clock64();
+  };
+  stamp(kPhaseStart);
   const int32_t N = args.size, me = args.rank, k = args.top_k;
   const int32_t T = static_cast<int32_t>(args.tokens), E = static_cast<int32_t>(args.num_experts);
   const int32_t L = E / N, C = static_cast<int32_t>(min(args.capacity, int64_t{1} << 30));
@@ -160,7 +280,9 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   const int32_t thread = blockIdx.x * kThreads + tid, threads = gridDim.x * kThreads;
   const int64_t warps = int64_t{gridDim.x} * kWarps;
   const int64_t first_unit = int64_t{blockIdx.x} * kWarps + warp;
-  const int64_t row_vectors = args.row_bytes / 16, slot_vectors = call.slot_row / 16;
+  // Vectors of 16 bytes: of a token row (tokens' dtype), of its bytes on the wire, of a slot row.
+  const int64_t row_vectors = args.row_bytes / 16, wire_vectors = args.wire_row_bytes / 16;
+  const int64_t slot_vectors = call.slot_row / 16;
   extern __shared__ int32_t shared[];
   __shared__ BlockScan::TempStorage scan;
 
@@ -173,71 +295,153 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   // ---- plan: plan_sends' arithmetic for this member, in shared memory ----
   const Plan plan = LayOutPlan(shared, P, E, N, T);
   const int32_t sort_warps = SortWarps(E), keys = E + 1;
+  // Within the kWarpPlan* limits warp 0 plans alone (warp-synchronous, two block barriers in all); past them
+  // every warp takes a share (about ten barriers and two block scans).
+  const bool warp_plans = P <= kWarpPlanPairs && N * T <= kWarpPlanEntries && keys <= kWarpPlanKeys;
   for (int32_t i = tid; i < keys; i += kThreads) plan.counts[i] = 0;
-  for (int32_t i = tid; i < sort_warps * keys; i += kThreads) plan.histogram[i] = 0;
+  for (int32_t i = tid; !warp_plans && i < sort_warps * keys; i += kThreads) plan.histogram[i] = 0;
   for (int32_t i = tid; i < N * T; i += kThreads) plan.row_of[i] = 0;
   for (int32_t i = tid; i < S; i += kThreads) plan.send_token[i] = T;
   __syncthreads();
-  for (int32_t p = tid; p < P; p += kThreads) {
-    const int32_t key = RoutingKey(args.expert_ids[p], E);
-    plan.key[p] = static_cast<int16_t>(key);
-    atomicAdd(&plan.counts[key], 1);
-  }
-  __syncthreads();
-  // A stable counting sort, as plan_sends' (moe_routing_kernels.cu): sort warp w walks pairs [w * chunk,
-  // (w + 1) * chunk) with WalkSegment; the first lane of each key counts (then places) that key's lanes.
-  const int32_t chunk = (P + sort_warps - 1) / sort_warps;
-  const int32_t sort_begin = min(P, warp * chunk), sort_end = min(P, sort_begin + chunk);
-  int32_t* histogram = plan.histogram + warp * keys;
-  if (warp < sort_warps) {
-    WalkSegment(args.expert_ids, E, sort_begin, sort_end, [&](int32_t, bool live, int32_t key, unsigned same) {
-      if (live && lane == __ffs(same) - 1) histogram[key] += __popc(same);
-    });
-  }
-  ScanBlock(
-      keys, [&](int32_t e) { return plan.counts[e]; },
-      [&](int32_t e, int32_t start, int32_t) { plan.key_start[e] = start; }, scan);
-  if (tid == 0) plan.key_start[keys] = P;
-  for (int32_t key = tid; key < keys; key += kThreads) {  // each sort warp's first place per key
-    int32_t running = plan.key_start[key];
-    for (int32_t w = 0; w < sort_warps; ++w) {
-      const int32_t pairs = plan.histogram[w * keys + key];
-      plan.histogram[w * keys + key] = running;
-      running += pairs;
-    }
-  }
-  __syncthreads();
-  if (warp < sort_warps) {
-    WalkSegment(args.expert_ids, E, sort_begin, sort_end, [&](int32_t pair, bool live, int32_t key, unsigned same) {
-      const int32_t start = live ? histogram[key] : 0;
+  stamp(kPhaseCleared);
+  if (warp_plans) {
+    if (warp == 0) {
+      // Count per key: within 32 pairs the first lane of each key adds that key's lanes.
+      for (int32_t base = 0; base < P; base += 32) {
+        const int32_t p = base + lane;
+        const int32_t key = p < P ? RoutingKey(args.expert_ids[p], E) : keys + lane;
+        const unsigned same = __match_any_sync(0xffffffffu, key);
+        if (p < P) {
+          plan.key[p] = static_cast<int16_t>(key);
+          if (lane == __ffs(same) - 1) plan.counts[key] += __popc(same);
+        }
+        __syncwarp();
+      }
+      stamp(kPhaseCounted);
+      // key_start: each lane scans a run of keys, the warp its runs' totals; histogram[key] is the key's next
+      // place in `sorted`.
+      const int32_t per_lane = (keys + 31) / 32, first = min(keys, lane * per_lane), past = min(keys, first + per_lane);
+      int32_t run = 0;
+      for (int32_t key = first; key < past; ++key) run += plan.counts[key];
+      int32_t before = run;
+#pragma unroll
+      for (int d = 1; d < 32; d *= 2) {
+        const int32_t up = __shfl_up_sync(0xffffffffu, before, d);
+        if (lane >= d) before += up;
+      }
+      before -= run;
+      for (int32_t key = first; key < past; ++key) {
+        plan.key_start[key] = before;
+        plan.histogram[key] = before;
+        before += plan.counts[key];
+      }
+      if (lane == 0) plan.key_start[keys] = P;
       __syncwarp();
-      if (live && lane == __ffs(same) - 1) histogram[key] = start + __popc(same);
+      // The stable placement: lanes of one key take consecutive places in pair order.
+      for (int32_t base = 0; base < P; base += 32) {
+        const int32_t p = base + lane;
+        const int32_t key = p < P ? plan.key[p] : keys + lane;
+        const unsigned same = __match_any_sync(0xffffffffu, key);
+        const int32_t start = p < P ? plan.histogram[key] : 0;
+        __syncwarp();
+        if (p < P) {
+          if (lane == __ffs(same) - 1) plan.histogram[key] = start + __popc(same);
+          plan.sorted[start + __popc(same & LanesBelow())] = p;
+        }
+        __syncwarp();
+      }
+      stamp(kPhaseSorted);
+      // Which pairs each member takes (its first C in the order), and the tokens that go to it.
+      for (int32_t position = lane; position < P; position += 32) {
+        const int32_t pair = plan.sorted[position], key = plan.key[pair];
+        if (key < E) {
+          const int32_t member = by.local.Div(key);
+          if (position - plan.key_start[member * L] < C) plan.row_of[member * T + by.top_k.Div(pair)] = 1;
+        }
+      }
       __syncwarp();
-      if (live) plan.sorted[start + __popc(same & LanesBelow())] = pair;
-    });
-  }
-  __syncthreads();
-  // Which pairs each member takes (its first C in the order), and the tokens that go to it.
-  for (int32_t position = tid; position < P; position += kThreads) {
-    const int32_t pair = plan.sorted[position], key = plan.key[pair];
-    if (key < E) {
-      const int32_t member = by.local.Div(key);
-      if (position - plan.key_start[member * L] < C) plan.row_of[member * T + by.top_k.Div(pair)] = 1;
+      // Send rows numbered in (member, token) order, 32 entries a ballot.
+      int32_t rows_before = 0;
+      for (int32_t base = 0; base < N * T; base += 32) {
+        const int32_t i = base + lane;
+        const int32_t goes = i < N * T ? plan.row_of[i] : 0;
+        const unsigned going = __ballot_sync(0xffffffffu, goes);
+        const int32_t row = rows_before + __popc(going & LanesBelow());
+        if (i < N * T) {
+          const int32_t member = by.tokens.Div(i), token = i - member * T;
+          if (token == 0) plan.first_row[member] = row;
+          if (i == N * T - 1) plan.first_row[N] = row + goes;
+          plan.row_of[i] = goes ? row : -1;
+          if (goes) plan.send_token[row] = token;
+        }
+        rows_before += __popc(going);
+      }
     }
+  } else {
+    for (int32_t p = tid; p < P; p += kThreads) {
+      const int32_t key = RoutingKey(args.expert_ids[p], E);
+      plan.key[p] = static_cast<int16_t>(key);
+      atomicAdd(&plan.counts[key], 1);
+    }
+    __syncthreads();
+    stamp(kPhaseCounted);
+    // A stable counting sort, as plan_sends' (moe_routing_kernels.cu): sort warp w walks pairs [w * chunk,
+    // (w + 1) * chunk) with WalkSegment; the first lane of each key counts (then places) that key's lanes.
+    const int32_t chunk = (P + sort_warps - 1) / sort_warps;
+    const int32_t sort_begin = min(P, warp * chunk), sort_end = min(P, sort_begin + chunk);
+    int32_t* histogram = plan.histogram + warp * keys;
+    if (warp < sort_warps) {
+      WalkSegment(args.expert_ids, E, sort_begin, sort_end, [&](int32_t, bool live, int32_t key, unsigned same) {
+        if (live && lane == __ffs(same) - 1) histogram[key] += __popc(same);
+      });
+    }
+    ScanBlock(
+        keys, [&](int32_t e) { return plan.counts[e]; },
+        [&](int32_t e, int32_t start, int32_t) { plan.key_start[e] = start; }, scan);
+    if (tid == 0) plan.key_start[keys] = P;
+    for (int32_t key = tid; key < keys; key += kThreads) {  // each sort warp's first place per key
+      int32_t running = plan.key_start[key];
+      for (int32_t w = 0; w < sort_warps; ++w) {
+        const int32_t pairs = plan.histogram[w * keys + key];
+        plan.histogram[w * keys + key] = running;
+        running += pairs;
+      }
+    }
+    __syncthreads();
+    if (warp < sort_warps) {
+      WalkSegment(args.expert_ids, E, sort_begin, sort_end, [&](int32_t pair, bool live, int32_t key, unsigned same) {
+        const int32_t start = live ? histogram[key] : 0;
+        __syncwarp();
+        if (live && lane == __ffs(same) - 1) histogram[key] = start + __popc(same);
+        __syncwarp();
+        if (live) plan.sorted[start + __popc(same & LanesBelow())] = pair;
+      });
+    }
+    __syncthreads();
+    stamp(kPhaseSorted);
+    // Which pairs each member takes (its first C in the order), and the tokens that go to it.
+    for (int32_t position = tid; position < P; position += kThreads) {
+      const int32_t pair = plan.sorted[position], key = plan.key[pair];
+      if (key < E) {
+        const int32_t member = by.local.Div(key);
+        if (position - plan.key_start[member * L] < C) plan.row_of[member * T + by.top_k.Div(pair)] = 1;
+      }
+    }
+    __syncthreads();
+    ScanBlock(
+        N * T, [&](int32_t i) { return plan.row_of[i]; },
+        [&](int32_t i, int32_t row, int32_t goes) {
+          const int32_t member = by.tokens.Div(i), token = i - member * T;
+          if (token == 0) plan.first_row[member] = row;
+          if (i == N * T - 1) plan.first_row[N] = row + goes;
+          plan.row_of[i] = goes ? row : -1;
+          if (goes) plan.send_token[row] = token;
+        },
+        scan);
   }
-  __syncthreads();
-  ScanBlock(
-      N * T, [&](int32_t i) { return plan.row_of[i]; },
-      [&](int32_t i, int32_t row, int32_t goes) {
-        const int32_t member = by.tokens.Div(i), token = i - member * T;
-        if (token == 0) plan.first_row[member] = row;
-        if (i == N * T - 1) plan.first_row[N] = row + goes;
-        plan.row_of[i] = goes ? row : -1;
-        if (goes) plan.send_token[row] = token;
-      },
-      scan);
   if (N * T == 0 && tid <= N) plan.first_row[tid] = 0;
   __syncthreads();
+  stamp(kPhasePlanned);
 
   // The plan's results, each block its share.
   const PlanSendsResults& out = args.plan;
@@ -268,6 +472,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   for (int32_t i = thread; i < N * C; i += threads) args.placed.to_source_major[i] = N * C;
 
   if (tid == 0) trace.Ready();
+  stamp(kPhaseReady);
 
   // ---- send: each send row's token bytes, then its suffix, to row me * R + r of its member's slots ----
   // Tag `entry` of member m's list (the entry-th of its delivered pairs, or -1).
@@ -279,23 +484,13 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     const int32_t row = plan.row_of[m * T + token] - plan.first_row[m];
     return (row * k + pair - token * k) * L + by.local.Mod(plan.key[pair]);
   };
-  const int32_t sent_rows = plan.first_row[N];
-  const uint4* tokens = static_cast<const uint4*>(args.tokens_in);
-  const Units send(sent_rows, slot_vectors, warps);
-  for (int64_t unit = first_unit; unit < int64_t{sent_rows} * send.pieces; unit += warps) {
-    const int32_t g = static_cast<int32_t>(unit / send.pieces);
-    const int64_t lo = (unit - int64_t{g} * send.pieces) * send.piece_len;
-    const int64_t hi = min(slot_vectors, lo + send.piece_len);
-    int32_t m = 0;
-    while (m + 1 < N && plan.first_row[m + 1] <= g) ++m;
-    const int32_t r = g - plan.first_row[m], token = plan.send_token[g];
-    uint4* to = reinterpret_cast<uint4*>(Slots(call, m, parity) + kHeaderBytes + (int64_t{me} * R + r) * call.slot_row);
-    WarpCopy<uint4, false>(to + lo, tokens + int64_t{token} * row_vectors + lo, min(hi, row_vectors) - lo);
-    for (int64_t v = max(lo, row_vectors) + lane; v < hi; v += 32) {  // the suffix: tags, then weights
+  // Vectors [max(lo, wire_vectors), hi) of a slot row's suffix: its tags, then its weights.
+  auto write_suffix = [&](uint4* to, int32_t m, int32_t r, int32_t token, int64_t lo, int64_t hi) {
+    for (int64_t v = max(lo, wire_vectors) + lane; v < hi; v += 32) {
       int32_t word[4];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        const int32_t w = static_cast<int32_t>(v - row_vectors) * 4 + u;
+        const int32_t w = static_cast<int32_t>(v - wire_vectors) * 4 + u;
         if (w < padded) {
           word[u] = w < k ? tag_of(m, r * k + w) : -1;
         } else {
@@ -304,6 +499,44 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
       }
       to[v] = make_uint4(word[0], word[1], word[2], word[3]);
     }
+  };
+  const int32_t sent_rows = plan.first_row[N];
+  auto slot_row = [&](int32_t g, int32_t& m, int32_t& r) {  // send row g's member, its row there, its slot row
+    m = 0;
+    while (m + 1 < N && plan.first_row[m + 1] <= g) ++m;
+    r = g - plan.first_row[m];
+    return Slots(call, m, parity) + kHeaderBytes + (int64_t{me} * R + r) * call.slot_row;
+  };
+  if constexpr (kOnWire<Rows>) {
+    // A warp per (row, block of values), and one more item per row for its suffix.
+    using Token = typename WireOf<Rows>::Token;
+    const int64_t hidden = args.row_bytes / static_cast<int64_t>(sizeof(Token));
+    const int32_t wire_blocks = static_cast<int32_t>(hidden / kMoeWireBlock), items = wire_blocks + 1;
+    const Token* tokens = static_cast<const Token*>(args.tokens_in);
+    for (int64_t item = first_unit; item < int64_t{sent_rows} * items; item += warps) {
+      const int32_t g = static_cast<int32_t>(item / items), b = static_cast<int32_t>(item - int64_t{g} * items);
+      int32_t m, r;
+      uint8_t* row = slot_row(g, m, r);
+      const int32_t token = plan.send_token[g];
+      if (b < wire_blocks) {
+        QuantizeBlock<Token, WireOf<Rows>::kFormat>(row, tokens + token * hidden, b, hidden, lane);
+      } else {
+        write_suffix(reinterpret_cast<uint4*>(row), m, r, token, wire_vectors, slot_vectors);
+      }
+    }
+  } else {
+    const uint4* tokens = static_cast<const uint4*>(args.tokens_in);
+    const Units send(sent_rows, slot_vectors, warps);
+    for (int64_t unit = first_unit; unit < int64_t{sent_rows} * send.pieces; unit += warps) {
+      const int32_t g = static_cast<int32_t>(unit / send.pieces);
+      const int64_t lo = (unit - int64_t{g} * send.pieces) * send.piece_len;
+      const int64_t hi = min(slot_vectors, lo + send.piece_len);
+      int32_t m, r;
+      uint4* to = reinterpret_cast<uint4*>(slot_row(g, m, r));
+      const int32_t token = plan.send_token[g];
+      WarpCopy<uint4, false>(to + lo, tokens + int64_t{token} * row_vectors + lo, min(hi, wire_vectors) - lo);
+      write_suffix(to, m, r, token, lo, hi);
+    }
   }
   if (blockIdx.x == 0 && tid < N) {  // this member's token count, in member tid's header
     *reinterpret_cast<int32_t*>(Slots(call, tid, parity) + 16 * me) = plan.first_row[tid + 1] - plan.first_row[tid];
@@ -311,6 +544,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   __syncthreads();  // every thread's writes come before the releases
   if (tid < N) StoreRelease(&args.table->control[tid]->arrived[me][blockIdx.x], epoch);
   if (tid == 0) trace.Sent();
+  stamp(kPhaseSent);
 
   // ---- wait: every member's every block has written its rows here ----
   const int grid = static_cast<int>(gridDim.x);
@@ -321,6 +555,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   }
   __syncthreads_or(!came);  // a wait that gave up leaves stale rows, never a hang
   if (tid == 0) trace.DataArrived();
+  stamp(kPhaseArrived);
 
   // ---- place: place_received's arithmetic over the tags in this member's slots ----
   const uint8_t* mine = Slots(call, me, parity);
@@ -328,7 +563,8 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   const int32_t per_source = R * k, entries = N * per_source, blocks = N * L, NC = N * C;
   auto suffix_word = [&](int32_t entry, int32_t word) {  // word `word` of the suffix of entry's received row
     return __ldcg(
-        reinterpret_cast<const int32_t*>(rows + int64_t{by.top_k.Div(entry)} * call.slot_row + args.row_bytes) + word);
+        reinterpret_cast<const int32_t*>(rows + int64_t{by.top_k.Div(entry)} * call.slot_row + args.wire_row_bytes) +
+        word);
   };
   // One round of loads: the token counts, every tag (entry i of the list is tag i % k of received row i / k)
   // and this thread's share of the weights; rows past a source's data hold another call's bytes.
@@ -397,6 +633,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     if (x >= 0 && x < total) placed.pair_of[x] = static_cast<uint32_t>(entry) << 16 | pair;
   }
   __syncthreads();
+  stamp(kPhasePlaced);
   for (int32_t i = thread; i < blocks; i += threads) args.placed.recv_counts[i] = placed.counts[i];
   for (int32_t e = thread; e < L; e += threads) {
     int32_t sum = 0;
@@ -439,17 +676,35 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     const int64_t lo = (unit - int64_t{x} * expand.pieces) * expand.piece_len;
     const int64_t hi = min(row_vectors, lo + expand.piece_len);
     const uint32_t of = x < total ? placed.pair_of[x] : kNoRow;
-    const uint4* from = nullptr;
+    const uint8_t* from = nullptr;
     if (of != kNoRow && (of & kNoPair) != kNoPair) {
-      from = reinterpret_cast<const uint4*>(rows +
-                                            int64_t{by.top_k.Div(static_cast<int32_t>(of & kNoPair))} * call.slot_row);
+      from = rows + int64_t{by.top_k.Div(static_cast<int32_t>(of & kNoPair))} * call.slot_row;
     }
-    uint4* to = expert_rows + int64_t{x} * row_vectors + lo;
+    uint4* to = expert_rows + int64_t{x} * row_vectors;
     if (from == nullptr) {
-      WarpZero(to, hi - lo);
+      WarpZero(to + lo, hi - lo);
+    } else if constexpr (kOnWire<Rows>) {
+      using Token = typename WireOf<Rows>::Token;
+      const int64_t hidden = args.row_bytes / static_cast<int64_t>(sizeof(Token));
+      constexpr int kBatch = 4;  // loads in flight per lane, as WarpCopy
+      for (int64_t v = lo + lane; v < hi; v += 32 * kBatch) {
+        uint4 out[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          if (v + 32 * u < hi) out[u] = DequantizeVector<Token, WireOf<Rows>::kFormat>(from, v + 32 * u, hidden);
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          if (v + 32 * u < hi) to[v + 32 * u] = out[u];
+        }
+      }
     } else {
-      WarpCopy<uint4, true>(to, from + lo, hi - lo);
+      WarpCopy<uint4, true>(to + lo, reinterpret_cast<const uint4*>(from) + lo, hi - lo);
     }
+  }
+  if (profiled) {
+    __syncthreads();
+    stamp(kPhaseEnd);
   }
   FinishCall(args.control, epoch, ticket, trace, kTraceMoeDispatch);
 }
@@ -478,13 +733,19 @@ size_t SharedBytes(const MoeDispatchArgs& args) {
 
 }  // namespace
 
-int64_t MoeDispatchSlotRowBytes(int top_k, int64_t row_bytes, bool with_weights) {
-  return row_bytes + SuffixWords(top_k, with_weights) * 4;
+int64_t MoeDispatchWireRowBytes(int64_t hidden, int64_t element_bytes, MoeWire wire) {
+  if (wire == MoeWire::kNone) return hidden * element_bytes;
+  const int64_t scales = hidden % kMoeWireBlock == 0 ? hidden / kMoeWireBlock : 1;  // else one for the row
+  return hidden + 4 * scales;
 }
 
-int64_t MoeDispatchSlotBytes(int size, int64_t rows_per_member, int top_k, int64_t row_bytes, bool with_weights) {
+int64_t MoeDispatchSlotRowBytes(int top_k, int64_t wire_row_bytes, bool with_weights) {
+  return wire_row_bytes + SuffixWords(top_k, with_weights) * 4;
+}
+
+int64_t MoeDispatchSlotBytes(int size, int64_t rows_per_member, int top_k, int64_t wire_row_bytes, bool with_weights) {
   const int64_t bytes = NvlinkLowLatencyAreaBytes(size) + kHeaderBytes +
-                        size * rows_per_member * MoeDispatchSlotRowBytes(top_k, row_bytes, with_weights);
+                        size * rows_per_member * MoeDispatchSlotRowBytes(top_k, wire_row_bytes, with_weights);
   return (bytes + 255) / 256 * 256;
 }
 
@@ -493,34 +754,70 @@ int ChooseMoeDispatchBlocks(const MoeDispatchArgs& args, int requested, int sm_c
   // block per SM (every block waits for every other, so all must be resident at once) and the flags.
   const int64_t R = std::min(args.capacity, args.tokens);
   const int64_t rows = std::max(args.size * args.capacity, args.size * R);
-  const int64_t items = rows * (MoeDispatchSlotRowBytes(args.top_k, args.row_bytes, args.with_weights) / 16);
+  const int64_t row_bytes = std::max(args.row_bytes, args.wire_row_bytes);
+  const int64_t items = rows * (MoeDispatchSlotRowBytes(args.top_k, row_bytes, args.with_weights) / 16);
   const int64_t by_size = (items + kThreads - 1) / kThreads;
   const int cap = std::min(kMaxMoeDispatchBlocks, std::max(1, sm_count));
   return static_cast<int>(std::clamp<int64_t>(requested > 0 ? requested : by_size, 1, cap));
 }
+
+namespace {
+
+template <typename Rows>
+cudaError_t Launch(const Call& call, int blocks, size_t shared, cudaStream_t stream) {
+  // Past the default (with the scan's static storage), the kernel must opt in: always to the most any call
+  // takes, so that calls of other sizes (on other streams, or replayed from graphs) never lower the limit.
+  if (shared + sizeof(BlockScan::TempStorage) > kDefaultSharedBytes) {
+    const cudaError_t opted = cudaFuncSetAttribute(MoeDispatchKernel<Rows>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(kMostSharedBytes));
+    if (opted != cudaSuccess) return opted;
+  }
+  MoeDispatchKernel<Rows><<<blocks, kThreads, shared, stream>>>(call);
+  return cudaGetLastError();
+}
+
+template <__nv_fp8_interpretation_t kFormat>
+cudaError_t LaunchOnWire(const Call& call, int blocks, size_t shared, cudaStream_t stream) {
+  switch (call.args.token_type) {
+    case MoeTokenType::kF32:
+      return Launch<Wire<float, kFormat>>(call, blocks, shared, stream);
+    case MoeTokenType::kBF16:
+      return Launch<Wire<__nv_bfloat16, kFormat>>(call, blocks, shared, stream);
+    case MoeTokenType::kF16:
+      return Launch<Wire<__half, kFormat>>(call, blocks, shared, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
 
 cudaError_t LaunchMoeDispatch(const MoeDispatchArgs& args, int blocks, cudaStream_t stream) {
   const int64_t local = args.num_experts / args.size, R = std::min(args.capacity, args.tokens);
   const Divisors by{Divisor(args.top_k), Divisor(local), Divisor(args.tokens), Divisor(R * args.top_k),
                     Divisor(args.top_k * local)};
   const Call call{args, by, NvlinkLowLatencyAreaBytes(args.size),
-                  MoeDispatchSlotRowBytes(args.top_k, args.row_bytes, args.with_weights)};
+                  MoeDispatchSlotRowBytes(args.top_k, args.wire_row_bytes, args.with_weights)};
   // The placement holds every received tag in registers and packs list entries in 16 bits: the handlers'
   // limits (N <= 8, T * k <= kMaxMoeDispatchPairs) keep within both; a call past them is refused here too.
   if (args.size > kMaxNvlinkRanks || args.size * R * args.top_k > int64_t{kTagsPerThread} * kThreads) {
     return cudaErrorInvalidValue;
   }
+  // Rows on the wire are whole vectors, and as they are without an 8-bit wire.
+  if (args.wire_row_bytes <= 0 || args.wire_row_bytes % 16 != 0 ||
+      (args.wire == MoeWire::kNone && args.wire_row_bytes != args.row_bytes)) {
+    return cudaErrorInvalidValue;
+  }
   const size_t shared = SharedBytes(args);
   if (shared > kMostSharedBytes) return cudaErrorInvalidValue;
-  // Past the default (with the scan's static storage), the kernel must opt in: always to the most any call
-  // takes, so that calls of other sizes (on other streams, or replayed from graphs) never lower the limit.
-  if (shared + sizeof(BlockScan::TempStorage) > kDefaultSharedBytes) {
-    const cudaError_t opted = cudaFuncSetAttribute(MoeDispatchKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   static_cast<int>(kMostSharedBytes));
-    if (opted != cudaSuccess) return opted;
+  switch (args.wire) {
+    case MoeWire::kNone:
+      return Launch<Plain>(call, blocks, shared, stream);
+    case MoeWire::kE4M3:
+      return LaunchOnWire<__NV_E4M3>(call, blocks, shared, stream);
+    case MoeWire::kE5M2:
+      return LaunchOnWire<__NV_E5M2>(call, blocks, shared, stream);
   }
-  MoeDispatchKernel<<<blocks, kThreads, shared, stream>>>(call);
-  return cudaGetLastError();
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace jax_ncclx
