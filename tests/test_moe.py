@@ -306,7 +306,8 @@ def test_dispatch_kernel_8bit_wire_gives_the_chains_results(monkeypatch, pattern
         for block in range(hidden // 128):  # within a step of the block's largest value
             cols = slice(128 * block, 128 * (block + 1))
             largest = np.abs(expected[:, cols]).max(axis=1, keepdims=True)
-            np.testing.assert_array_less(np.abs(got[:, cols] - expected[:, cols]), step * largest + 1e-30,
+            bound = np.broadcast_to(step * largest + 1e-30, got[:, cols].shape)  # assert_array_less won't broadcast
+            np.testing.assert_array_less(np.abs(got[:, cols] - expected[:, cols]), bound,
                                          err_msg=f"{name}, block {block}")
         assert (got == expected).mean() > 0.99, "the kernel's rounding is not the chain's"
 
