@@ -683,7 +683,7 @@ def test_8bit_wire(backend, wire_dtype):
     exchanges = [line for line in hlo if "ncclx_all_to_allv_dynamic" in line and "custom_call" in line]
     assert len(exchanges) == 1 and f"x{hidden + 4 * hidden // 128}xui8>" in exchanges[0].split("->")[0]
     # Dequantized before the expansion (N * R rows to decode, not N * C): the row copy takes float32 rows.
-    expansions = [line for line in hlo if "ncclx_take_rows" in line and "custom_call" in line]
+    expansions = [line for line in hlo if "ncclx_expand_rows" in line and "custom_call" in line]
     assert len(expansions) == 1 and f"x{hidden}xf32>, tensor" in expansions[0].split("->")[0]
     rows, sizes, dropped = (np.asarray(o) for o in jax.jit(mapped)(tokens, ids))
     assert rows.dtype == np.float32

@@ -1,6 +1,6 @@
 """take_rows, the row copies of moe.dispatch, against NumPy on CPU and one GPU: every copy unit the CUDA kernel
 picks (16, 4 and 1 bytes), indices outside x, a width below x's, a suffix, a batch under vmap, and its
-gradient."""
+gradient; the same with index's inverse given (``sources``: the walk over x's rows)."""
 
 import functools
 
@@ -52,6 +52,57 @@ def test_matches_numpy(one_device, name, dtype, columns, width, suffix_columns):
     np.testing.assert_array_equal(np.asarray(actual), expected_rows(x, index, width, suffix))
 
 
+def inverse_of(index, num_rows, top_k, rng):
+    """[num_rows, top_k] int32: row s lists the i with index[i] == s in a random order and slots, the rest filled
+    with out-of-range entries (-1, len(index), or larger)."""
+    sources = rng.choice(np.array([-1, len(index), 2**31 - 1], np.int32), size=(num_rows, top_k))
+    for s in range(num_rows):
+        takers = rng.permutation(np.flatnonzero(index == s))
+        sources[s, rng.choice(top_k, size=len(takers), replace=False)] = takers
+    return sources
+
+
+@pytest.mark.parametrize("name, dtype, columns, width, suffix_columns", CASES, ids=[c[0] for c in CASES])
+def test_sources_walk_matches_numpy(one_device, name, dtype, columns, width, suffix_columns):
+    """Given index's inverse, the same rows: zeros where the index is outside x, each taken row wherever the
+    inverse lists it (a row taken by none, by one, and by up to 40 > 32 outputs: more than a warp's lanes)."""
+    rng = np.random.default_rng(3)
+    x = random_array(rng, (50, columns), dtype)
+    index = rng.integers(-5, 60, size=300).astype(np.int32)
+    index[:40] = 7  # one row taken 40 times
+    index[index == 11] = 12  # and one taken by none
+    top_k = int(np.bincount(index[(index >= 0) & (index < 50)], minlength=50).max()) + 2
+    sources = inverse_of(index, 50, top_k, rng)
+    fn = jax.jit(functools.partial(take_rows, width=width))
+    hlo = fn.lower(x, index, sources=sources).as_text()
+    assert "ncclx_expand_rows" in hlo and "ncclx_take_rows" not in hlo
+    actual = fn(*put(one_device, x, index), sources=put(one_device, sources)[0])
+    np.testing.assert_array_equal(np.asarray(actual), expected_rows(x, index, width, None))
+
+
+def test_sources_walk_under_vmap_and_grad(one_device):
+    """The walk under vmap is one call, and its VJP and JVP are take_rows' (linear in x alone)."""
+    rng = np.random.default_rng(4)
+    x = random_array(rng, (3, 20, 64), np.float32)
+    index = rng.integers(-2, 22, size=(3, 40)).astype(np.int32)
+    sources = np.stack([inverse_of(index[b], 20, 8, rng) for b in range(3)])
+    fn = jax.vmap(lambda x, index, sources: take_rows(x, index, width=60, sources=sources))
+    assert jax.jit(fn).lower(x, index, sources).as_text().count("ncclx_expand_rows") == 1
+    actual = jax.jit(fn)(*put(one_device, x, index, sources))
+    for b in range(3):
+        np.testing.assert_array_equal(np.asarray(actual[b]), expected_rows(x[b], index[b], 60, None))
+    weights = rng.standard_normal((40, 60)).astype(np.float32)
+    x0, index0, sources0, weights0 = put(one_device, x[0], index[0], sources[0], weights)
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(take_rows(x, index0, width=60, sources=sources0) * weights0)))(x0)
+    expected = np.zeros_like(x[0])
+    for i, row in enumerate(index[0]):
+        if 0 <= row < 20:
+            expected[row, :60] += weights[i]
+    np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-6)
+    tangent = jax.jvp(lambda x: take_rows(x, index0, width=60, sources=sources0), (x0,), (x0,))[1]
+    np.testing.assert_array_equal(np.asarray(tangent), expected_rows(x[0], index[0], 60, None))
+
+
 def test_vmap_is_one_call(one_device):
     rng = np.random.default_rng(1)
     x = random_array(rng, (3, 20, 64), jnp.bfloat16)
@@ -94,6 +145,12 @@ def test_gradient_adds_rows_back(one_device):
      ValueError, "suffix must be"),
     (dict(x=np.zeros((4, 3), np.float32), index=np.zeros(2, np.int32), suffix=np.zeros((2, 1), np.int32)),
      ValueError, "suffix must be"),
+    (dict(x=np.zeros((4, 3)), index=np.zeros(2, np.int32), sources=np.zeros((3, 2), np.int32)),
+     ValueError, "sources must be"),
+    (dict(x=np.zeros((4, 3)), index=np.zeros(2, np.int32), sources=np.zeros((4, 2), np.float32)),
+     ValueError, "sources must be"),
+    (dict(x=np.zeros((4, 3), np.float32), index=np.zeros(2, np.int32), suffix=np.zeros((2, 1), np.float32),
+          sources=np.zeros((4, 2), np.int32)), ValueError, "do not go together"),
 ])
 def test_bad_arguments_are_refused(kwargs, error, message):
     with pytest.raises(error, match=message):

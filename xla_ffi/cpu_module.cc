@@ -53,6 +53,7 @@ NB_MODULE(_ncclx_cpu, m) {
         targets["ncclx_moe_plan_sends"] = Capsule(jax_ncclx::CpuMoePlanSends);
         targets["ncclx_moe_place_received"] = Capsule(jax_ncclx::CpuMoePlaceReceived);
         targets["ncclx_take_rows"] = Capsule(jax_ncclx::CpuTakeRows);
+        targets["ncclx_expand_rows"] = Capsule(jax_ncclx::CpuExpandRows);
         return targets;
       },
       "FFI handler capsules of the CPU backend, by target name (a dict of stages for the collectives).");

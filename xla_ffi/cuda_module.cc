@@ -78,6 +78,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkMoeDispatchPrepare);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaMoePlanSends);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaMoePlaceReceived);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaTakeRows);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaExpandRows);
 
 namespace {
 
@@ -487,6 +488,7 @@ std::vector<Handler> Handlers() {
       {"ncclx_moe_plan_sends", "moe_plan_sends", "local", false, false, Capsule(CudaMoePlanSends)},
       {"ncclx_moe_place_received", "moe_place_received", "local", false, false, Capsule(CudaMoePlaceReceived)},
       {"ncclx_take_rows", "take_rows", "local", false, false, Capsule(CudaTakeRows)},
+      {"ncclx_expand_rows", "expand_rows", "local", false, false, Capsule(CudaExpandRows)},
   };
 }
 

@@ -325,7 +325,8 @@ def _combine_reduced_bwd(residuals, ct_out):
                                send_rows=handle.send_token)
     weights = moe_combine.pair_weights(handle.row_pairs, handle.recv_weights, handle.expand_rows.shape[0])
     per_row = jnp.take(weights.reshape(-1), handle.pair_entry, mode="fill", fill_value=0)
-    ct_expert_out = (take_rows(received, handle.expand_rows).astype(jnp.float32) * per_row[:, None])
+    ct_expert_out = (take_rows(received, handle.expand_rows, sources=handle.row_pairs).astype(jnp.float32)
+                     * per_row[:, None])
     pairs = moe_combine.pairs_of_rows(expert_out, handle.row_pairs)
     ct_weights = jnp.sum(pairs * received.astype(jnp.float32)[:, None, :], axis=2)
     # Choices of other members (or dropped) picked zero rows, so their weights get zero cotangents.

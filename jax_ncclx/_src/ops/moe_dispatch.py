@@ -118,7 +118,8 @@ def _exchange_chain(tokens, expert_ids, *weights, axis_name, num_experts, num_me
     if wire_dtype is not None:  # dequantized before the expansion: N * R rows to decode, not N * C
         received = _decode(received[:, :width], tokens.shape[1], wire_dtype, tokens.dtype)
         width = tokens.shape[1]
-    expert_rows = take_rows(received, placed.expand_rows, width=width)
+    # Walked by received row (row_pairs is expand_rows' inverse): each is read once, not once per choice.
+    expert_rows = take_rows(received, placed.expand_rows, width=width, sources=placed.row_pairs)
     return list(Dispatched(
         expert_rows=expert_rows, group_sizes=placed.group_sizes, order=plan.order, send_counts=plan.send_counts,
         recv_counts=placed.recv_counts, to_expert_major=placed.to_expert_major,

@@ -3,7 +3,9 @@
 The row copies of ``jax_ncclx.moe.dispatch`` (tokens into send rows with their tags; received rows into the
 expert-major layout) as one local custom call: a CUDA kernel that copies 16 bytes per lane where the rows
 allow it (``xla_ffi/ops/take_rows/take_rows_kernels.cu``), a loop on CPU. XLA's gather of the same rows moves one
-element at a time and took about twice as long for bf16 rows of 14 KiB.
+element at a time and took about twice as long for bf16 rows of 14 KiB. Given index's inverse (``sources``),
+the copy walks the rows of x instead (``ncclx_expand_rows``) and reads each once: the expansion into the
+expert-major layout reads each received row k times otherwise, more than the L2 holds at prefill sizes.
 
 The primitive is batched: x ``[B, X, F]``, index ``[B, M]`` and the suffix ``[B, M, G]`` lead with a batch
 dimension B, which is how ``vmap`` stays one call. It is linear in x and the suffix (its transpose adds the
@@ -23,7 +25,7 @@ from jax_ncclx._src import lowering
 from jax_ncclx._src import primitive
 
 
-def take_rows(x, index, *, width: int | None = None, suffix=None):
+def take_rows(x, index, *, width: int | None = None, suffix=None, sources=None):
     """``out[i] = concat(x[index[i], :width], suffix[i])``, with zeros for x's part where the index is outside
     ``[0, X)`` (a negative index does not wrap).
 
@@ -32,6 +34,10 @@ def take_rows(x, index, *, width: int | None = None, suffix=None):
       index: integer ``[M]`` (converted to int32).
       width: W, the leading columns of each row of x to take, ``0 <= W <= F`` (static; default F).
       suffix: None, or ``[M, G]`` with x's dtype: row i is appended to output row i whatever ``index[i]`` is.
+      sources: None, or integer ``[X, k]`` (converted to int32), index's inverse: row s lists every i with
+        ``index[i] == s`` (any order), its other entries outside ``[0, M)``. The copy then walks x's rows and
+        reads each once, where it would read row s once per output row that takes it (moe.dispatch's
+        expansion: k times). Not with a suffix. An inverse that does not match index leaves rows unwritten.
 
     Returns:
       ``[M, W + G]`` with x's dtype.
@@ -56,6 +62,16 @@ def take_rows(x, index, *, width: int | None = None, suffix=None):
             raise ValueError(f"jax_ncclx take_rows: suffix must be [{index_shape[0]}, columns] (index's rows) with "
                              f"x's dtype {jax.typeof(x).dtype}, got {suffix_dtype}{list(suffix_shape)}")
         operands.append(jnp.asarray(suffix)[None])
+    if sources is not None:
+        sources_shape = jnp.shape(sources)
+        if suffix is not None:
+            raise ValueError("jax_ncclx take_rows: sources and suffix do not go together")
+        if (len(sources_shape) != 2 or sources_shape[0] != x_shape[0] or sources_shape[1] < 1
+                or not jnp.issubdtype(jax.typeof(sources).dtype, jnp.integer)):
+            raise ValueError(f"jax_ncclx take_rows: sources must be integer [{x_shape[0]}, k] (x's rows, k >= 1), "
+                             f"got {jax.typeof(sources).dtype}{list(sources_shape)}")
+        operands.append(jnp.asarray(sources, jnp.int32)[None])
+        return expand_rows_p.bind(*operands, width=int(width))[0]
     return take_rows_p.bind(*operands, width=int(width))[0]
 
 
@@ -100,8 +116,33 @@ def _take_rows_transpose(ct, x, index, *suffix, width):
     return [ct_x, None, *ct_suffix]
 
 
+# take_rows with index's inverse: x [B, X, F], index [B, M], sources [B, X, k] -> [B, M, W]. Linear in x alone.
+expand_rows_p = primitive.make_local("expand_rows")
+
+
+def _expand_rows_abstract_eval(x, index, sources, *, width):
+    return primitive.output_aval(x, None, index, sources, shape=(*index.shape, width))
+
+
+def _expand_rows_jvp(primals, tangents, *, width):
+    out = expand_rows_p.bind(*primals, width=width)
+    if type(tangents[0]) is ad.Zero:
+        return out, ad.Zero(jax.typeof(out).to_tangent_aval())
+    return out, expand_rows_p.bind(tangents[0], *primals[1:], width=width)
+
+
+def _expand_rows_transpose(ct, x, index, sources, *, width):
+    ct = ad.instantiate_zeros(ct)
+    return [add_rows(x.aval.shape, index, ct) if ad.is_undefined_primal(x) else None, None, None]
+
+
 take_rows_p.def_abstract_eval(_take_rows_abstract_eval)
 lowering.register_local_lowerings(take_rows_p, "ncclx_take_rows", lambda *, width: {})
 batching.fancy_primitive_batchers[take_rows_p] = functools.partial(primitive.fold_vmap_into_batch, take_rows_p)
 ad.primitive_jvps[take_rows_p] = _take_rows_jvp
 ad.primitive_transposes[take_rows_p] = _take_rows_transpose
+expand_rows_p.def_abstract_eval(_expand_rows_abstract_eval)
+lowering.register_local_lowerings(expand_rows_p, "ncclx_expand_rows", lambda *, width: {})
+batching.fancy_primitive_batchers[expand_rows_p] = functools.partial(primitive.fold_vmap_into_batch, expand_rows_p)
+ad.primitive_jvps[expand_rows_p] = _expand_rows_jvp
+ad.primitive_transposes[expand_rows_p] = _expand_rows_transpose

@@ -2,6 +2,8 @@
 // x), followed by row i of an optional suffix. The row copies of jax_ncclx.moe.dispatch (specified in
 // jax_ncclx/_src/ops/take_rows.py), as a CPU handler (take_rows_cpu.cc) and a CUDA kernel (take_rows_kernels.cu)
 // that copies 16 bytes per lane where the rows allow it. Rows are raw bytes: any dtype.
+// expand_rows is take_rows without a suffix, given also the inverse of index (for each row of x, the rows of
+// out that take it): the CUDA kernel then reads each row of x once, however many rows of out take it.
 // This header is plain C++: the CPU module, the CUDA handler and the device code all include it.
 #pragma once
 

@@ -59,6 +59,24 @@ inline ffi::ErrorOr<TakeRowsShape> GetTakeRowsShape(const ffi::AnyBuffer& x, con
   return shape;
 }
 
+// expand_rows: x [B, X, F], index [B, M], sources [B, X, k] int32 and out [B, M, W] (x's dtype), W <= F.
+// Returns the shape and k.
+inline ffi::ErrorOr<std::pair<TakeRowsShape, int32_t>> GetExpandRowsShape(const ffi::AnyBuffer& x,
+                                                                          const ffi::Buffer<ffi::S32>& index,
+                                                                          const ffi::Buffer<ffi::S32>& sources,
+                                                                          const ffi::AnyBuffer& out) {
+  ffi::ErrorOr<TakeRowsShape> shape = GetTakeRowsShape(x, index, std::nullopt, out);
+  if (shape.has_error()) return shape.error();
+  const auto dims = sources.dimensions();
+  if (dims.size() != 3 || dims[0] != shape->batch || dims[1] != shape->source_rows || dims[2] < 1 ||
+      dims[2] > (int64_t{1} << 20)) {
+    return InvalidArgument(kTakeRowsOp, "sources has shape " + DimsString(dims) + ", expected [" +
+                                            std::to_string(shape->batch) + ", " + std::to_string(shape->source_rows) +
+                                            ", k] (x's batch and rows, 1 <= k <= 2^20)");
+  }
+  return std::make_pair(*shape, static_cast<int32_t>(dims[2]));
+}
+
 // The buffers both handlers bind (after any context).
 template <typename Binding>
 auto BindTakeRows(Binding binding) {
@@ -67,6 +85,15 @@ auto BindTakeRows(Binding binding) {
       .template Arg<ffi::Buffer<ffi::S32>>()                // index [B, M]
       .template OptionalArg<ffi::AnyBuffer>()               // suffix [B, M, G]
       .template Ret<ffi::AnyBuffer>();                      // out [B, M, W + G]
+}
+
+template <typename Binding>
+auto BindExpandRows(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()        // x [B, X, F]
+      .template Arg<ffi::Buffer<ffi::S32>>()  // index [B, M]
+      .template Arg<ffi::Buffer<ffi::S32>>()  // sources [B, X, k]
+      .template Ret<ffi::AnyBuffer>();        // out [B, M, W]
 }
 
 }  // namespace jax_ncclx

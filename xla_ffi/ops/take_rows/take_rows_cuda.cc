@@ -22,8 +22,20 @@ ffi::Error TakeRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
                                   out->untyped_data(), stream));
 }
 
+ffi::Error ExpandRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
+                          ffi::Buffer<ffi::S32> sources, ffi::Result<ffi::AnyBuffer> out) {
+  auto shape = GetExpandRowsShape(x, index, sources, *out);
+  if (shape.has_error()) return shape.error();
+  return CheckCuda(kTakeRowsOp, "kernel launch",
+                   LaunchExpandRows(shape->first, shape->second, x.untyped_data(), index.typed_data(),
+                                    sources.typed_data(), out->untyped_data(), stream));
+}
+
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaExpandRows, ExpandRowsImpl,
+                              BindExpandRows(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaTakeRows, TakeRowsImpl,
                               BindTakeRows(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -68,6 +68,55 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// expand_rows: the rows with an index in range are written by walking x's rows (B * X rows of chunks, each
+// read once and stored to the outputs that `sources` lists for it), the rest by zeroing (B * M rows of chunks).
+// Each warp takes one (row, chunk) item; lane j < k holds the row's j-th output for the store loop.
+template <typename V>
+__global__ void __launch_bounds__(kThreads)
+    ExpandRowsKernel(TakeRowsShape shape, int32_t top_k, const V* __restrict__ x, const int32_t* __restrict__ index,
+                     const int32_t* __restrict__ sources, V* __restrict__ out) {
+  constexpr int64_t unit = sizeof(V);
+  const int64_t x_units = shape.x_row_bytes / unit, take_units = shape.take_bytes / unit;
+  const int64_t chunks = TakeChunks(shape, unit);
+  const int64_t x_rows = shape.batch * shape.source_rows, out_rows = shape.batch * shape.rows;
+  const int64_t items = (x_rows + out_rows) * chunks;
+  const int lane = threadIdx.x % 32;
+  for (int64_t item = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32; item < items;
+       item += int64_t{gridDim.x} * kWarpsPerBlock) {
+    const int64_t r = item / chunks, lo = (item - r * chunks) * kChunkUnits;
+    if (r >= x_rows) {  // an output row: zeros where its index is out of range
+      const int64_t o = r - x_rows;
+      const int32_t row = index[o];
+      if (row < 0 || row >= shape.source_rows) CopyChunk<V>(out + o * take_units, nullptr, lo, take_units, lane);
+      continue;
+    }
+    const int64_t b = r / shape.source_rows;
+    V v[kUnroll];
+    bool loaded = false;
+    for (int32_t first = 0; first < top_k; first += 32) {
+      const int32_t j = first + lane;
+      const int32_t to = j < top_k ? sources[r * top_k + j] : -1;
+      unsigned going = __ballot_sync(0xffffffffu, to >= 0 && to < shape.rows);
+      if (going != 0 && !loaded) {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t at = lo + lane + u * 32;
+          if (at < take_units) v[u] = x[r * x_units + at];
+        }
+        loaded = true;
+      }
+      for (; going != 0; going &= going - 1) {
+        const int64_t o = b * shape.rows + __shfl_sync(0xffffffffu, to, __ffs(going) - 1);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t at = lo + lane + u * 32;
+          if (at < take_units) out[o * take_units + at] = v[u];
+        }
+      }
+    }
+  }
+}
+
 bool FitsUnit(int64_t width, const TakeRowsShape& s, const void* x, const void* suffix, const void* out) {
   auto aligned = [width](const void* p) { return reinterpret_cast<uintptr_t>(p) % width == 0; };
   return s.x_row_bytes % width == 0 && s.take_bytes % width == 0 && s.suffix_bytes % width == 0 && aligned(x) &&
@@ -93,6 +142,22 @@ cudaError_t LaunchTakeRows(const TakeRowsShape& shape, const void* x, const int3
   if (FitsUnit(16, shape, x, suffix, out)) return Launch<uint4>(shape, x, index, suffix, out, stream);
   if (FitsUnit(4, shape, x, suffix, out)) return Launch<uint32_t>(shape, x, index, suffix, out, stream);
   return Launch<uint8_t>(shape, x, index, suffix, out, stream);
+}
+
+cudaError_t LaunchExpandRows(const TakeRowsShape& shape, int32_t top_k, const void* x, const int32_t* index,
+                             const int32_t* sources, void* out, cudaStream_t stream) {
+  if (shape.batch * shape.rows == 0 || shape.take_bytes == 0) return cudaSuccess;
+  auto launch = [&](auto unit) {
+    using V = decltype(unit);
+    const int64_t items = (shape.batch * (shape.source_rows + shape.rows)) * TakeChunks(shape, sizeof(V));
+    const int64_t blocks = std::min((items + kWarpsPerBlock - 1) / kWarpsPerBlock, kMaxBlocks);
+    ExpandRowsKernel<V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(shape, top_k, static_cast<const V*>(x),
+                                                                                index, sources, static_cast<V*>(out));
+    return cudaGetLastError();
+  };
+  if (FitsUnit(16, shape, x, nullptr, out)) return launch(uint4{});
+  if (FitsUnit(4, shape, x, nullptr, out)) return launch(uint32_t{});
+  return launch(uint8_t{});
 }
 
 }  // namespace jax_ncclx
