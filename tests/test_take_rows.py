@@ -80,6 +80,24 @@ def test_sources_walk_matches_numpy(one_device, name, dtype, columns, width, suf
     np.testing.assert_array_equal(np.asarray(actual), expected_rows(x, index, width, None))
 
 
+def test_sources_walk_zeros_rows_left_from_before(one_device):
+    """Rows whose index is outside x are zeroed, not left as they were: in a loop the copy writes into the same
+    buffer each iteration (XLA assigns a loop body's buffers once), so rows the first iteration filled must be
+    cleared by the second, whose index sends them nowhere."""
+    rng = np.random.default_rng(5)
+    x = random_array(rng, (20, 64), np.float32) + 1.0  # no zero rows
+    index = np.stack([rng.permutation(24) % 20, np.where(np.arange(24) % 3 == 0, -1, np.arange(24) % 20)])
+    index = index.astype(np.int32)
+    sources = np.stack([inverse_of(index[i], 20, 4, rng) for i in range(2)])
+
+    def body(i, out):
+        return take_rows(x_d, index_d[i], sources=sources_d[i]) + 0 * out
+
+    x_d, index_d, sources_d = put(one_device, x, index, sources)
+    actual = jax.jit(lambda: jax.lax.fori_loop(0, 2, body, jnp.zeros((24, 64), jnp.float32)))()
+    np.testing.assert_array_equal(np.asarray(actual), expected_rows(x, index[1], 64, None))
+
+
 def test_sources_walk_under_vmap_and_grad(one_device):
     """The walk under vmap is one call, and its VJP and JVP are take_rows' (linear in x alone)."""
     rng = np.random.default_rng(4)

@@ -7,10 +7,10 @@ element at a time and took about twice as long for bf16 rows of 14 KiB. Given in
 the copy walks the rows of x instead (``ncclx_expand_rows``) and reads each once: the expansion into the
 expert-major layout reads each received row k times otherwise, more than the L2 holds at prefill sizes.
 
-The primitive is batched: x ``[B, X, F]``, index ``[B, M]`` and the suffix ``[B, M, G]`` lead with a batch
-dimension B, which is how ``vmap`` stays one call. It is linear in x and the suffix (its transpose adds the
-cotangent rows back into the rows they were taken from). Sharding model: per device, like any elementwise op
-inside ``shard_map``.
+The primitives are batched: x ``[B, X, F]``, index ``[B, M]``, the suffix ``[B, M, G]`` and sources
+``[B, X, k]`` lead with a batch dimension B, which is how ``vmap`` stays one call. Both are linear in x (and
+take_rows in the suffix): the transpose adds the cotangent rows back into the rows they were taken from.
+Sharding model: per device, like any elementwise op inside ``shard_map``.
 """
 
 import functools
@@ -37,7 +37,9 @@ def take_rows(x, index, *, width: int | None = None, suffix=None, sources=None):
       sources: None, or integer ``[X, k]`` (converted to int32), index's inverse: row s lists every i with
         ``index[i] == s`` (any order), its other entries outside ``[0, M)``. The copy then walks x's rows and
         reads each once, where it would read row s once per output row that takes it (moe.dispatch's
-        expansion: k times). Not with a suffix. An inverse that does not match index leaves rows unwritten.
+        expansion: k times). Not with a suffix. The inverse must match index exactly: a row with an index in
+        range that sources does not list is left unwritten, and one it lists twice is written twice, in no set
+        order on GPU. moe's ``row_pairs`` is ``expand_rows``' inverse by construction (each tag places one pair).
 
     Returns:
       ``[M, W + G]`` with x's dtype.

@@ -15,12 +15,12 @@
 namespace jax_ncclx {
 
 inline constexpr std::string_view kTakeRowsOp = "take_rows";
+inline constexpr std::string_view kExpandRowsOp = "expand_rows";
 
 // x [B, X, F], index [B, M], suffix [B, M, G] (x's dtype) and out [B, M, W + G] (x's dtype), W <= F.
 inline ffi::ErrorOr<TakeRowsShape> GetTakeRowsShape(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& index,
                                                     const std::optional<ffi::AnyBuffer>& suffix,
-                                                    const ffi::AnyBuffer& out) {
-  constexpr std::string_view op = kTakeRowsOp;
+                                                    const ffi::AnyBuffer& out, std::string_view op = kTakeRowsOp) {
   const auto x_dims = x.dimensions();
   if (x_dims.size() != 3) {
     return InvalidArgument(op, "x has shape " + DimsString(x_dims) + ", expected [batch, rows, features]");
@@ -65,14 +65,14 @@ inline ffi::ErrorOr<std::pair<TakeRowsShape, int32_t>> GetExpandRowsShape(const 
                                                                           const ffi::Buffer<ffi::S32>& index,
                                                                           const ffi::Buffer<ffi::S32>& sources,
                                                                           const ffi::AnyBuffer& out) {
-  ffi::ErrorOr<TakeRowsShape> shape = GetTakeRowsShape(x, index, std::nullopt, out);
+  ffi::ErrorOr<TakeRowsShape> shape = GetTakeRowsShape(x, index, std::nullopt, out, kExpandRowsOp);
   if (shape.has_error()) return shape.error();
   const auto dims = sources.dimensions();
   if (dims.size() != 3 || dims[0] != shape->batch || dims[1] != shape->source_rows || dims[2] < 1 ||
       dims[2] > (int64_t{1} << 20)) {
-    return InvalidArgument(kTakeRowsOp, "sources has shape " + DimsString(dims) + ", expected [" +
-                                            std::to_string(shape->batch) + ", " + std::to_string(shape->source_rows) +
-                                            ", k] (x's batch and rows, 1 <= k <= 2^20)");
+    return InvalidArgument(kExpandRowsOp, "sources has shape " + DimsString(dims) + ", expected [" +
+                                              std::to_string(shape->batch) + ", " + std::to_string(shape->source_rows) +
+                                              ", k] (x's batch and rows, 1 <= k <= 2^20)");
   }
   return std::make_pair(*shape, static_cast<int32_t>(dims[2]));
 }

@@ -26,7 +26,7 @@ ffi::Error ExpandRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi
                           ffi::Buffer<ffi::S32> sources, ffi::Result<ffi::AnyBuffer> out) {
   auto shape = GetExpandRowsShape(x, index, sources, *out);
   if (shape.has_error()) return shape.error();
-  return CheckCuda(kTakeRowsOp, "kernel launch",
+  return CheckCuda(kExpandRowsOp, "kernel launch",
                    LaunchExpandRows(shape->first, shape->second, x.untyped_data(), index.typed_data(),
                                     sources.typed_data(), out->untyped_data(), stream));
 }

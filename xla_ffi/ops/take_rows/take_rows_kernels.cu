@@ -1,9 +1,10 @@
-// The device kernel of take_rows: each warp copies one chunk of a row at a time (kUnroll units per lane, all
-// loads in flight before the stores), in the widest unit (16, 4 or 1 bytes) that every row size and buffer
-// allows. Chunks make a few rows still spread over many warps and SMs. The warps walk the chunks column-major
-// (chunk 0 of every row, then chunk 1, ...): moe's expert-major rows read each received row once per local
-// expert it goes to, and one chunk column of the received rows fits in L2 where the whole rows do not.
-// (XLA's gather, which moe.dispatch used before, copies element by element: 2-byte units for bf16 rows.)
+// The device kernels of take_rows and expand_rows: each warp copies one chunk of a row at a time (kUnroll units
+// per lane, all loads in flight before the stores), in the widest unit (16, 4 or 1 bytes) that every row size
+// and buffer allows. Chunks make a few rows still spread over many warps and SMs. take_rows' warps walk the
+// output's chunks column-major (chunk 0 of every row, then chunk 1, ...), so that a source row taken by many
+// output rows is read from L2 while one chunk column of the sources fits there. expand_rows walks the source
+// rows instead, and stores each chunk to every output row that takes it: one read per source row, whatever
+// the L2 holds. (XLA's gather copies element by element: 2-byte units for bf16 rows.)
 #include "ops/take_rows/take_rows_kernels.h"
 
 #include <algorithm>
