@@ -32,6 +32,8 @@
 #   moe_sanitize  compute-sanitizer memcheck, then racecheck (shared-memory hazards), over the MoE kernels on
 #                 one GPU: test_moe.py's kernel cases (against the chain) and the loopback's moe_dispatch and
 #                 moe_combine cases with 2 to 8 ranks, the shapes sweep left out (minutes under the sanitizer)
+#   copy_rates    builds and runs tools/time_copy_rates.cu (dispatch's row expansion beside the device's copy
+#                 and store rates; a diagnostic, seconds)
 #   startup | collectives | all_to_allv | launch_floor   benchmarks/<step>.py --out OUT_DIR $ARGS_<step>
 #                 (e.g. ARGS_all_to_allv="--experts-per-rank 32 --name all_to_allv_8gpu")
 #   collectives_cmdbuf | all_to_allv_cmdbuf | launch_floor_cmdbuf   the same benchmark with custom calls
@@ -96,6 +98,11 @@ run_step() {
       local loopback="${pytest[*]} -q -m gpu tests/test_nvlink_loopback.py -k 'moe and not shapes'"
       cmd=(bash -c "for tool in memcheck racecheck; do echo == \$tool; $sanitizer --tool \$tool $single &&
                     $sanitizer --tool \$tool $loopback || exit; done") ;;
+    copy_rates)
+      local nvcc
+      nvcc="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
+      cmd=(bash -c "$nvcc -std=c++17 -O3 -arch=sm_90 -Ixla_ffi tools/time_copy_rates.cu -o $out/time_copy_rates.bin &&
+                    $out/time_copy_rates.bin && rm -f $out/time_copy_rates.bin") ;;
     startup | collectives | all_to_allv | launch_floor | collectives_cmdbuf | all_to_allv_cmdbuf | launch_floor_cmdbuf)
       local args_var="ARGS_$step" extra
       read -ra extra <<< "${!args_var:-}"
@@ -115,6 +122,7 @@ for step in "${steps[@]}"; do run_step "$step"; done
 echo "== summary"
 for step in "${steps[@]}"; do
   echo "-- $step"
+  if [ "$step" = copy_rates ]; then tail -14 "$out/$step.log"; continue; fi  # its table
   grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed|skipped)|== $step: exit" "$out/$step.log" | tail -12
 done
 if [ "${TAR:-0}" = 1 ]; then
