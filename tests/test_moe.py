@@ -682,9 +682,10 @@ def test_8bit_wire(backend, wire_dtype):
     hlo = jax.jit(mapped).lower(tokens, ids).as_text().splitlines()
     exchanges = [line for line in hlo if "ncclx_all_to_allv_dynamic" in line and "custom_call" in line]
     assert len(exchanges) == 1 and f"x{hidden + 4 * hidden // 128}xui8>" in exchanges[0].split("->")[0]
-    # Dequantized before the expansion (N * R rows to decode, not N * C): the row copy takes float32 rows.
+    # Dequantized as the received rows are expanded: the row copy takes the uint8 rows, gives float32 ones.
     expansions = [line for line in hlo if "ncclx_expand_rows" in line and "custom_call" in line]
-    assert len(expansions) == 1 and f"x{hidden}xf32>, tensor" in expansions[0].split("->")[0]
+    assert len(expansions) == 1 and "xui8>, tensor" in expansions[0].split("->")[0]
+    assert f"x{hidden}xf32>" in expansions[0].split("->")[1]
     rows, sizes, dropped = (np.asarray(o) for o in jax.jit(mapped)(tokens, ids))
     assert rows.dtype == np.float32
     rounding = 2.0 ** -(jnp.finfo(wire_dtype).nmant + 1)  # half a unit in the last place, relative

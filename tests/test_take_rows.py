@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_ncclx._src.ops import moe_dispatch
 from jax_ncclx._src.ops.take_rows import take_rows
 
 
@@ -121,6 +122,34 @@ def test_sources_walk_under_vmap_and_grad(one_device):
     np.testing.assert_array_equal(np.asarray(tangent), expected_rows(x[0], index[0], 60, None))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float32, np.float16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("wire_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=lambda d: np.dtype(d).name)
+def test_sources_walk_decodes_the_8bit_wire(one_device, wire_dtype, dtype):
+    """Rows on moe.dispatch's 8-bit wire, dequantized as they are expanded, are bit for bit the rows that
+    moe_dispatch._decode gives before a plain expansion: blocks of ordinary values, 10^-4 smaller ones, one of
+    zeros (scale 0), one of values near float16's largest, and a suffix after the scales that is not read."""
+    rng = np.random.default_rng(6)
+    hidden, num_rows, top_k = 512, 24, 3
+    tokens = rng.standard_normal((num_rows, hidden)).astype(np.float32)
+    tokens[:, :128] *= 1e-4
+    tokens[0, 128:256] = 0.0
+    tokens[1, 256:384] *= 60000.0 / np.abs(tokens[1, 256:384]).max()
+    tokens = jnp.asarray(tokens, dtype)
+    wire = moe_dispatch._encode(tokens, wire_dtype)
+    wire = jnp.concatenate([wire, jnp.full((num_rows, 16), 0xee, jnp.uint8)], axis=1)  # a suffix of 16 bytes
+    index = rng.integers(-3, num_rows + 3, size=50).astype(np.int32)
+    sources = inverse_of(index, num_rows, top_k + int(np.bincount(index[(index >= 0) & (index < num_rows)]).max()),
+                         rng)
+    decode = jax.jit(lambda w, i, s: take_rows(w, i, width=hidden, sources=s, wire_dtype=wire_dtype, dtype=dtype))
+    hlo = decode.lower(wire, index, sources).as_text()
+    assert "ncclx_expand_rows" in hlo and "multiply" not in hlo  # no decode pass of XLA's
+    actual = decode(*put(one_device, wire, index, sources))
+    decoded = moe_dispatch._decode(wire[:, :hidden + 4 * hidden // 128], hidden, wire_dtype, dtype)
+    expected = jax.jit(lambda d, i, s: take_rows(d, i, sources=s))(*put(one_device, decoded, index, sources))
+    assert actual.dtype == np.dtype(dtype) and actual.shape == (50, hidden)
+    np.testing.assert_array_equal(np.asarray(actual).view(np.uint8), np.asarray(expected).view(np.uint8))
+
+
 def test_vmap_is_one_call(one_device):
     rng = np.random.default_rng(1)
     x = random_array(rng, (3, 20, 64), jnp.bfloat16)
@@ -169,6 +198,16 @@ def test_gradient_adds_rows_back(one_device):
      ValueError, "sources must be"),
     (dict(x=np.zeros((4, 3), np.float32), index=np.zeros(2, np.int32), suffix=np.zeros((2, 1), np.float32),
           sources=np.zeros((4, 2), np.int32)), ValueError, "do not go together"),
+    (dict(x=np.zeros((4, 272), np.uint8), index=np.zeros(2, np.int32), width=256, wire_dtype=jnp.float8_e4m3fn,
+          dtype=np.float32), ValueError, "with sources only"),
+    (dict(x=np.zeros((4, 272), np.uint8), index=np.zeros(2, np.int32), width=256, sources=np.zeros((4, 2), np.int32),
+          wire_dtype=np.int8, dtype=np.float32), ValueError, "wire_dtype must be"),
+    (dict(x=np.zeros((4, 272), np.uint8), index=np.zeros(2, np.int32), width=256, sources=np.zeros((4, 2), np.int32),
+          wire_dtype=jnp.float8_e4m3fn, dtype=np.int32), ValueError, "decode to float32"),
+    (dict(x=np.zeros((4, 268), np.uint8), index=np.zeros(2, np.int32), width=256, sources=np.zeros((4, 2), np.int32),
+          wire_dtype=jnp.float8_e4m3fn, dtype=np.float32), ValueError, "multiple of 8 bytes"),
+    (dict(x=np.zeros((4, 272), np.uint8), index=np.zeros(2, np.int32), width=192, sources=np.zeros((4, 2), np.int32),
+          wire_dtype=jnp.float8_e4m3fn, dtype=np.float32), ValueError, "multiple of 128"),
 ])
 def test_bad_arguments_are_refused(kwargs, error, message):
     with pytest.raises(error, match=message):

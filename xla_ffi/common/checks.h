@@ -102,6 +102,21 @@ inline std::string_view DataTypeName(ffi::DataType dtype) {
   return "unknown";
 }
 
+// The 8-bit wire's token type of `dtype` (the dtype of `what`, which rows on the wire convert from or to).
+inline ffi::ErrorOr<MoeTokenType> WireTokenType(std::string_view op, std::string_view what, ffi::DataType dtype) {
+  switch (dtype) {
+    case ffi::F32:
+      return MoeTokenType::kF32;
+    case ffi::BF16:
+      return MoeTokenType::kBF16;
+    case ffi::F16:
+      return MoeTokenType::kF16;
+    default:
+      return InvalidArgument(op, "an 8-bit wire takes f32, bf16 or f16 " + std::string(what) + ", got " +
+                                     std::string(DataTypeName(dtype)));
+  }
+}
+
 // A reduction as the handlers run it: the reduce_op attribute (0 sum, 1 max, 2 min) checked and decoded, and
 // what it adds or compares for a buffer of the operand's dtype: complex numbers sum as (real, imaginary) pairs
 // of their real dtype and booleans take max / min (any / all) as bytes, so the handlers reduce both in place

@@ -30,6 +30,9 @@ enum class MoeWire : int { kNone = 0, kE4M3 = 1, kE5M2 = 2 };
 // Values per scale on moe.dispatch's 8-bit wire.
 constexpr int64_t kMoeWireBlock = 128;
 
+// Tokens' dtypes an 8-bit wire converts from and to (C++ only: decoded from a buffer's dtype, not an attribute).
+enum class MoeTokenType : int { kF32, kBF16, kF16 };
+
 // Which NVLink kernel a device-side trace record or fault record comes from.
 enum TraceKernel : uint32_t {
   kTraceAllToAllv = 1,

@@ -44,6 +44,7 @@ from jax_ncclx._src import primitive
 from jax_ncclx._src.ops import moe_routing
 from jax_ncclx._src.ops.all_to_allv_dynamic import all_to_allv_dynamic
 from jax_ncclx._src.ops.moe_combine import FUSED_MAX_MEMBER_BYTES
+from jax_ncclx._src.ops.take_rows import WIRE_TOKEN_DTYPES
 from jax_ncclx._src.ops.take_rows import take_rows
 
 logger = logging.getLogger("jax_ncclx")
@@ -115,11 +116,17 @@ def _exchange_chain(tokens, expert_ids, *weights, axis_name, num_experts, num_me
     placed = moe_routing.place_received(received, recv_tokens, local_experts=num_experts // num_members,
                                         capacity=capacity, top_k=top_k, suffix_offset=width * source.dtype.itemsize,
                                         with_weights=weights is not None)
-    if wire_dtype is not None:  # dequantized before the expansion: N * R rows to decode, not N * C
-        received = _decode(received[:, :width], tokens.shape[1], wire_dtype, tokens.dtype)
-        width = tokens.shape[1]
-    # Walked by received row (row_pairs is expand_rows' inverse): each is read once, not once per choice.
-    expert_rows = take_rows(received, placed.expand_rows, width=width, sources=placed.row_pairs)
+    # Walked by received row (row_pairs is expand_rows' inverse): each is read once, not once per choice. On an
+    # 8-bit wire each received row is dequantized as it is read, or (rows the copy cannot decode) before, N * R
+    # rows to decode rather than N * C.
+    hidden = tokens.shape[1]
+    if wire_dtype is not None and _decodes_as_it_expands(tokens.dtype, hidden, received.shape[1]):
+        expert_rows = take_rows(received, placed.expand_rows, width=hidden, sources=placed.row_pairs,
+                                wire_dtype=wire_dtype, dtype=tokens.dtype)
+    else:
+        if wire_dtype is not None:
+            received, width = _decode(received[:, :width], hidden, wire_dtype, tokens.dtype), hidden
+        expert_rows = take_rows(received, placed.expand_rows, width=width, sources=placed.row_pairs)
     return list(Dispatched(
         expert_rows=expert_rows, group_sizes=placed.group_sizes, order=plan.order, send_counts=plan.send_counts,
         recv_counts=placed.recv_counts, to_expert_major=placed.to_expert_major,
@@ -127,6 +134,16 @@ def _exchange_chain(tokens, expert_ids, *weights, axis_name, num_experts, num_me
         send_token=plan.send_token, token_counts=plan.token_counts, return_row=plan.return_row,
         recv_tokens=recv_tokens, expand_rows=placed.expand_rows, pair_entry=placed.pair_entry,
         row_pairs=placed.row_pairs, send_back_rows=placed.send_back_rows, recv_weights=placed.recv_weights))
+
+
+def _decodes_as_it_expands(dtype, hidden, received_bytes):
+    """Whether the expansion can dequantize the received rows itself (take_rows' wire_dtype): tokens it decodes
+    to, a scale per SCALE_BLOCK values, rows of whole 8-byte words. Else they are decoded before (logged)."""
+    fits = np.dtype(dtype) in WIRE_TOKEN_DTYPES and hidden % SCALE_BLOCK == 0 and received_bytes % 8 == 0
+    if not fits:
+        logger.debug("jax_ncclx: moe.dispatch decodes its %s rows of H = %d (%d bytes received) before the "
+                     "expansion", np.dtype(dtype).name, hidden, received_bytes)
+    return fits
 
 
 def _scale_block(hidden):
@@ -202,7 +219,7 @@ def _route(ctx, comm_id, size, *, num_experts, num_members, capacity, wire_dtype
     module = lib.cuda_module()
     wire_row_bytes = module.moe_dispatch_wire_row_bytes(hidden, element_bytes, _wire(wire_dtype))
     why = None
-    if wire_dtype is not None and np.dtype(tokens.dtype) not in _WIRE_TOKEN_DTYPES:
+    if wire_dtype is not None and np.dtype(tokens.dtype) not in WIRE_TOKEN_DTYPES:
         why = f"{np.dtype(tokens.dtype).name} tokens on an 8-bit wire (the kernel converts float32, bfloat16, float16)"
     elif wire_dtype is not None and (hidden % SCALE_BLOCK or wire_row_bytes % 16):
         why = (f"H = {hidden} on an 8-bit wire (the kernel takes H a multiple of {SCALE_BLOCK} whose "
@@ -225,9 +242,6 @@ def _route(ctx, comm_id, size, *, num_experts, num_members, capacity, wire_dtype
     if not nvlink.symmetric_memory_ready("moe.dispatch", comm_id, slot_bytes=slots):
         return None
     return lowering.CudaRoute("nvlink", dict(blocks=np.int64(config.current().nvlink_blocks)))
-
-
-_WIRE_TOKEN_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 
 def _wire(wire_dtype):

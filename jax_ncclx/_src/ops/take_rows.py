@@ -21,11 +21,12 @@ import numpy as np
 from jax.interpreters import ad
 from jax.interpreters import batching
 
+from jax_ncclx._src import contract
 from jax_ncclx._src import lowering
 from jax_ncclx._src import primitive
 
 
-def take_rows(x, index, *, width: int | None = None, suffix=None, sources=None):
+def take_rows(x, index, *, width: int | None = None, suffix=None, sources=None, wire_dtype=None, dtype=None):
     """``out[i] = concat(x[index[i], :width], suffix[i])``, with zeros for x's part where the index is outside
     ``[0, X)`` (a negative index does not wrap).
 
@@ -40,9 +41,14 @@ def take_rows(x, index, *, width: int | None = None, suffix=None, sources=None):
         expansion: k times). Not with a suffix. The inverse must match index exactly: a row with an index in
         range that sources does not list is left unwritten, and one it lists twice is written twice, in no set
         order on GPU. moe's ``row_pairs`` is ``expand_rows``' inverse by construction (each tag places one pair).
+      wire_dtype: None, or ``float8_e4m3fn`` / ``float8_e5m2``: x's rows are on moe.dispatch's 8-bit wire
+        (uint8: W values of wire_dtype, then W / 128 float32 scales, then anything), and each is decoded to
+        ``dtype`` as it is copied, with ``_decode``'s arithmetic. Needs sources, W a multiple of 128 and
+        rows of x of a multiple of 8 bytes.
+      dtype: with wire_dtype, the dtype of the result: float32, bfloat16 or float16.
 
     Returns:
-      ``[M, W + G]`` with x's dtype.
+      ``[M, W + G]`` with x's dtype; with wire_dtype, ``[M, W]`` with dtype.
 
     Raises:
       TypeError / ValueError: a bad argument (the message names it).
@@ -73,8 +79,32 @@ def take_rows(x, index, *, width: int | None = None, suffix=None, sources=None):
             raise ValueError(f"jax_ncclx take_rows: sources must be integer [{x_shape[0]}, k] (x's rows, k >= 1), "
                              f"got {jax.typeof(sources).dtype}{list(sources_shape)}")
         operands.append(jnp.asarray(sources, jnp.int32)[None])
-        return expand_rows_p.bind(*operands, width=int(width))[0]
+        wire = "none" if wire_dtype is None else _wire_of(x, width, wire_dtype, dtype)
+        return expand_rows_p.bind(*operands, width=int(width), wire=wire,
+                                  dtype=None if wire_dtype is None else np.dtype(dtype))[0]
+    if wire_dtype is not None:
+        raise ValueError("jax_ncclx take_rows: rows on the 8-bit wire (wire_dtype) are decoded with sources only")
     return take_rows_p.bind(*operands, width=int(width))[0]
+
+
+WIRE_TOKEN_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+
+
+def _wire_of(x, width, wire_dtype, dtype):
+    """expand_rows' wire param (a name of ``contract.MOE_WIRES``) for a call that decodes x's rows, or a
+    ValueError naming what does not fit."""
+    name = np.dtype(wire_dtype).name
+    if name not in contract.MOE_WIRES or name == "none":
+        raise ValueError(f"jax_ncclx take_rows: wire_dtype must be float8_e4m3fn or float8_e5m2, got {name}")
+    if dtype is None or np.dtype(dtype) not in WIRE_TOKEN_DTYPES:
+        raise ValueError(f"jax_ncclx take_rows: rows on the 8-bit wire decode to float32, bfloat16 or float16, "
+                         f"got dtype {dtype}")
+    if jax.typeof(x).dtype != np.uint8 or width % contract.MOE_WIRE_BLOCK or jnp.shape(x)[1] % 8 or (
+            width + 4 * (width // contract.MOE_WIRE_BLOCK) > jnp.shape(x)[1]):
+        raise ValueError(f"jax_ncclx take_rows: rows on the 8-bit wire must be uint8 of a multiple of 8 bytes "
+                         f"holding width values and their scales, width a multiple of {contract.MOE_WIRE_BLOCK}; "
+                         f"got x {jax.typeof(x).dtype}{list(jnp.shape(x))} and width {width}")
+    return name
 
 
 def outside_to_end(index, num_rows):
@@ -118,22 +148,23 @@ def _take_rows_transpose(ct, x, index, *suffix, width):
     return [ct_x, None, *ct_suffix]
 
 
-# take_rows with index's inverse: x [B, X, F], index [B, M], sources [B, X, k] -> [B, M, W]. Linear in x alone.
+# take_rows with index's inverse: x [B, X, F], index [B, M], sources [B, X, k] -> [B, M, W] (x's dtype, or dtype
+# decoded from the 8-bit wire `wire`). Linear in x alone; x on the wire is uint8, whose tangents are float0.
 expand_rows_p = primitive.make_local("expand_rows")
 
 
-def _expand_rows_abstract_eval(x, index, sources, *, width):
-    return primitive.output_aval(x, None, index, sources, shape=(*index.shape, width))
+def _expand_rows_abstract_eval(x, index, sources, *, width, wire, dtype):
+    return primitive.output_aval(x, None, index, sources, shape=(*index.shape, width), dtype=dtype)
 
 
-def _expand_rows_jvp(primals, tangents, *, width):
-    out = expand_rows_p.bind(*primals, width=width)
+def _expand_rows_jvp(primals, tangents, **params):
+    out = expand_rows_p.bind(*primals, **params)
     if type(tangents[0]) is ad.Zero:
         return out, ad.Zero(jax.typeof(out).to_tangent_aval())
-    return out, expand_rows_p.bind(tangents[0], *primals[1:], width=width)
+    return out, expand_rows_p.bind(tangents[0], *primals[1:], **params)
 
 
-def _expand_rows_transpose(ct, x, index, sources, *, width):
+def _expand_rows_transpose(ct, x, index, sources, **params):
     ct = ad.instantiate_zeros(ct)
     return [add_rows(x.aval.shape, index, ct) if ad.is_undefined_primal(x) else None, None, None]
 
@@ -144,7 +175,8 @@ batching.fancy_primitive_batchers[take_rows_p] = functools.partial(primitive.fol
 ad.primitive_jvps[take_rows_p] = _take_rows_jvp
 ad.primitive_transposes[take_rows_p] = _take_rows_transpose
 expand_rows_p.def_abstract_eval(_expand_rows_abstract_eval)
-lowering.register_local_lowerings(expand_rows_p, "ncclx_expand_rows", lambda *, width: {})
+lowering.register_local_lowerings(expand_rows_p, "ncclx_expand_rows",  # enum attributes travel as int32
+                                  lambda *, width, wire, dtype: {"wire": np.int32(contract.MOE_WIRES[wire])})
 batching.fancy_primitive_batchers[expand_rows_p] = functools.partial(primitive.fold_vmap_into_batch, expand_rows_p)
 ad.primitive_jvps[expand_rows_p] = _expand_rows_jvp
 ad.primitive_transposes[expand_rows_p] = _expand_rows_transpose

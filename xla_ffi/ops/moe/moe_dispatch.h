@@ -46,9 +46,6 @@ inline constexpr const char* kMoeDispatchPhaseNames[kMoeDispatchPhases] = {"star
                                                                            "planned", "ready",   "sent",    "arrived",
                                                                            "placed",  "end"};
 
-// Tokens' dtypes an 8-bit wire takes (without one, the kernel copies rows of any dtype as bytes).
-enum class MoeTokenType : int { kF32, kBF16, kF16 };
-
 struct MoeDispatchArgs {
   int rank = 0;
   int size = 1;               // N

@@ -85,20 +85,9 @@ ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Any
   MoeTokenType token_type = MoeTokenType::kF32;
   const int64_t wire_row_bytes = MoeDispatchWireRowBytes(H, element_bytes, wire);
   if (wire != MoeWire::kNone) {
-    switch (tokens.element_type()) {
-      case ffi::F32:
-        token_type = MoeTokenType::kF32;
-        break;
-      case ffi::BF16:
-        token_type = MoeTokenType::kBF16;
-        break;
-      case ffi::F16:
-        token_type = MoeTokenType::kF16;
-        break;
-      default:
-        return InvalidArgument(kOp, "an 8-bit wire takes f32, bf16 or f16 tokens, got " +
-                                        std::string(DataTypeName(tokens.element_type())));
-    }
+    ffi::ErrorOr<MoeTokenType> type = WireTokenType(kOp, "tokens", tokens.element_type());
+    if (type.has_error()) return type.error();
+    token_type = *type;
     if (H % kMoeWireBlock != 0 || wire_row_bytes % 16 != 0) {
       return InvalidArgument(kOp, "the NVLink kernel's 8-bit wire takes H a multiple of " +
                                       std::to_string(kMoeWireBlock) + " whose wire row (" +

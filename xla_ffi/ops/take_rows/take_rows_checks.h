@@ -59,22 +59,64 @@ inline ffi::ErrorOr<TakeRowsShape> GetTakeRowsShape(const ffi::AnyBuffer& x, con
   return shape;
 }
 
-// expand_rows: x [B, X, F], index [B, M], sources [B, X, k] int32 and out [B, M, W] (x's dtype), W <= F.
-// Returns the shape and k.
-inline ffi::ErrorOr<std::pair<TakeRowsShape, int32_t>> GetExpandRowsShape(const ffi::AnyBuffer& x,
-                                                                          const ffi::Buffer<ffi::S32>& index,
-                                                                          const ffi::Buffer<ffi::S32>& sources,
-                                                                          const ffi::AnyBuffer& out) {
-  ffi::ErrorOr<TakeRowsShape> shape = GetTakeRowsShape(x, index, std::nullopt, out, kExpandRowsOp);
-  if (shape.has_error()) return shape.error();
-  const auto dims = sources.dimensions();
-  if (dims.size() != 3 || dims[0] != shape->batch || dims[1] != shape->source_rows || dims[2] < 1 ||
-      dims[2] > (int64_t{1} << 20)) {
-    return InvalidArgument(kExpandRowsOp, "sources has shape " + DimsString(dims) + ", expected [" +
-                                              std::to_string(shape->batch) + ", " + std::to_string(shape->source_rows) +
-                                              ", k] (x's batch and rows, 1 <= k <= 2^20)");
+// What an expand_rows call reads and writes: its shape (take_bytes: an output row's bytes), k, and for rows on
+// the 8-bit wire the tokens' type they decode to.
+struct ExpandRowsCall {
+  TakeRowsShape shape;
+  int32_t top_k = 0;
+  MoeTokenType token = MoeTokenType::kF32;
+};
+
+// expand_rows: x [B, X, F], index [B, M], sources [B, X, k] int32 and out [B, M, W], W <= F, with x's dtype; on
+// the 8-bit wire x is uint8 rows of H values of the wire, H / kMoeWireBlock float32 scales and any suffix
+// (F bytes, a multiple of 8), and out is [B, M, H] float32, bfloat16 or float16 (H a multiple of
+// kMoeWireBlock).
+inline ffi::ErrorOr<ExpandRowsCall> GetExpandRowsCall(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& index,
+                                                      const ffi::Buffer<ffi::S32>& sources, const ffi::AnyBuffer& out,
+                                                      MoeWire wire) {
+  constexpr std::string_view op = kExpandRowsOp;
+  ExpandRowsCall call;
+  if (wire == MoeWire::kNone) {
+    ffi::ErrorOr<TakeRowsShape> shape = GetTakeRowsShape(x, index, std::nullopt, out, op);
+    if (shape.has_error()) return shape.error();
+    call.shape = *shape;
+  } else {
+    if (!ValidMoeWire(wire)) {
+      return InvalidArgument(op, "wire " + std::to_string(static_cast<int>(wire)) + " is not a MoeWire (contract.h)");
+    }
+    const auto x_dims = x.dimensions(), index_dims = index.dimensions(), out_dims = out.dimensions();
+    if (x.element_type() != ffi::U8 || x_dims.size() != 3) {
+      return InvalidArgument(op, "x is " + std::string(DataTypeName(x.element_type())) + DimsString(x_dims) +
+                                     ", expected u8[batch, rows, bytes] (rows on the 8-bit wire)");
+    }
+    if (index_dims.size() != 2 || index_dims[0] != x_dims[0]) {
+      return InvalidArgument(op, "index has shape " + DimsString(index_dims) + ", expected [" +
+                                     std::to_string(x_dims[0]) + ", rows] (x's batch)");
+    }
+    ffi::ErrorOr<MoeTokenType> token = WireTokenType(op, "out", out.element_type());
+    if (token.has_error()) return token.error();
+    call.token = *token;
+    const int64_t hidden = out_dims.size() == 3 ? out_dims[2] : -1;
+    if (out_dims.size() != 3 || out_dims[0] != x_dims[0] || out_dims[1] != index_dims[1] || hidden < 0 ||
+        hidden % kMoeWireBlock != 0 || hidden + 4 * (hidden / kMoeWireBlock) > x_dims[2] || x_dims[2] % 8 != 0) {
+      return InvalidArgument(op, "out has shape " + DimsString(out_dims) + " and x " + DimsString(x_dims) +
+                                     ", expected out [" + std::to_string(x_dims[0]) + ", " +
+                                     std::to_string(index_dims[1]) + ", H] with H a multiple of " +
+                                     std::to_string(kMoeWireBlock) + " whose wire row (H + 4 * H / " +
+                                     std::to_string(kMoeWireBlock) + " bytes) fits x's rows, a multiple of 8 bytes");
+    }
+    const int64_t item = static_cast<int64_t>(ffi::ByteWidth(out.element_type()));
+    call.shape = TakeRowsShape{x_dims[0], x_dims[1], index_dims[1], x_dims[2], hidden * item, 0};
   }
-  return std::make_pair(*shape, static_cast<int32_t>(dims[2]));
+  const auto dims = sources.dimensions();
+  if (dims.size() != 3 || dims[0] != call.shape.batch || dims[1] != call.shape.source_rows || dims[2] < 1 ||
+      dims[2] > (int64_t{1} << 20)) {
+    return InvalidArgument(op, "sources has shape " + DimsString(dims) + ", expected [" +
+                                   std::to_string(call.shape.batch) + ", " + std::to_string(call.shape.source_rows) +
+                                   ", k] (x's batch and rows, 1 <= k <= 2^20)");
+  }
+  call.top_k = static_cast<int32_t>(dims[2]);
+  return call;
 }
 
 // The buffers both handlers bind (after any context).
@@ -93,7 +135,8 @@ auto BindExpandRows(Binding binding) {
       .template Arg<ffi::AnyBuffer>()        // x [B, X, F]
       .template Arg<ffi::Buffer<ffi::S32>>()  // index [B, M]
       .template Arg<ffi::Buffer<ffi::S32>>()  // sources [B, X, k]
-      .template Ret<ffi::AnyBuffer>();        // out [B, M, W]
+      .template Ret<ffi::AnyBuffer>()         // out [B, M, W], or [B, M, H] decoded from the 8-bit wire
+      .template Attr<MoeWire>("wire");        // how x's rows are (contract.h): as they are, or on the 8-bit wire
 }
 
 }  // namespace jax_ncclx

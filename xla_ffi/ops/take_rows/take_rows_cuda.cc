@@ -23,12 +23,16 @@ ffi::Error TakeRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
 }
 
 ffi::Error ExpandRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index,
-                          ffi::Buffer<ffi::S32> sources, ffi::Result<ffi::AnyBuffer> out) {
-  auto shape = GetExpandRowsShape(x, index, sources, *out);
-  if (shape.has_error()) return shape.error();
-  return CheckCuda(kExpandRowsOp, "kernel launch",
-                   LaunchExpandRows(shape->first, shape->second, x.untyped_data(), index.typed_data(),
-                                    sources.typed_data(), out->untyped_data(), stream));
+                          ffi::Buffer<ffi::S32> sources, ffi::Result<ffi::AnyBuffer> out, MoeWire wire) {
+  ffi::ErrorOr<ExpandRowsCall> call = GetExpandRowsCall(x, index, sources, *out, wire);
+  if (call.has_error()) return call.error();
+  const cudaError_t launched = wire == MoeWire::kNone
+                                   ? LaunchExpandRows(call->shape, call->top_k, x.untyped_data(), index.typed_data(),
+                                                      sources.typed_data(), out->untyped_data(), stream)
+                                   : LaunchExpandWireRows(call->shape, call->top_k, wire, call->token, x.untyped_data(),
+                                                          index.typed_data(), sources.typed_data(), out->untyped_data(),
+                                                          stream);
+  return CheckCuda(kExpandRowsOp, "kernel launch", launched);
 }
 
 }  // namespace

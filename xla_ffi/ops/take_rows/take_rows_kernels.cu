@@ -7,6 +7,8 @@
 // the L2 holds. (XLA's gather copies element by element: 2-byte units for bf16 rows.)
 #include "ops/take_rows/take_rows_kernels.h"
 
+#include "common/wire_rows.cuh"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -69,16 +71,36 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// How expand_rows reads unit `at` of source row r: as it is (Copied: 16, 4 or 1 bytes), or as a 16-byte vector
+// of Token dequantized from a row on moe's 8-bit wire (Decoded).
+template <typename V>
+struct Copied {
+  using Unit = V;
+  const V* x;
+  int64_t x_units;  // units per source row
+  __device__ __forceinline__ V Load(int64_t r, int64_t at) const { return x[r * x_units + at]; }
+};
+template <typename Token, __nv_fp8_interpretation_t kFormat>
+struct Decoded {
+  using Unit = uint4;
+  const uint8_t* x;
+  int64_t x_row_bytes, hidden;  // a source row's bytes (the wire row, then its suffix); H
+  __device__ __forceinline__ uint4 Load(int64_t r, int64_t at) const {
+    return DequantizeVector<Token, kFormat>(x + r * x_row_bytes, at, hidden);
+  }
+};
+
 // expand_rows: the rows with an index in range are written by walking x's rows (B * X rows of chunks, each
 // read once and stored to the outputs that `sources` lists for it), the rest by zeroing (B * M rows of chunks).
-// Each warp takes one (row, chunk) item; lane j < k holds the row's j-th output for the store loop.
-template <typename V>
+// Each warp takes one (row, chunk) item; lane j < k holds the row's j-th output for the store loop. out_units:
+// units per output row.
+template <typename Source>
 __global__ void __launch_bounds__(kThreads)
-    ExpandRowsKernel(TakeRowsShape shape, int32_t top_k, const V* __restrict__ x, const int32_t* __restrict__ index,
-                     const int32_t* __restrict__ sources, V* __restrict__ out) {
-  constexpr int64_t unit = sizeof(V);
-  const int64_t x_units = shape.x_row_bytes / unit, take_units = shape.take_bytes / unit;
-  const int64_t chunks = TakeChunks(shape, unit);
+    ExpandRowsKernel(TakeRowsShape shape, int32_t top_k, Source source, int64_t out_units,
+                     const int32_t* __restrict__ index, const int32_t* __restrict__ sources,
+                     typename Source::Unit* __restrict__ out) {
+  using V = typename Source::Unit;
+  const int64_t chunks = (out_units + kChunkUnits - 1) / kChunkUnits;
   const int64_t x_rows = shape.batch * shape.source_rows, out_rows = shape.batch * shape.rows;
   const int64_t items = (x_rows + out_rows) * chunks;
   const int lane = threadIdx.x % 32;
@@ -88,7 +110,7 @@ __global__ void __launch_bounds__(kThreads)
     if (r >= x_rows) {  // an output row: zeros where its index is out of range
       const int64_t o = r - x_rows;
       const int32_t row = index[o];
-      if (row < 0 || row >= shape.source_rows) CopyChunk<V>(out + o * take_units, nullptr, lo, take_units, lane);
+      if (row < 0 || row >= shape.source_rows) CopyChunk<V>(out + o * out_units, nullptr, lo, out_units, lane);
       continue;
     }
     const int64_t b = r / shape.source_rows;
@@ -102,7 +124,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int64_t at = lo + lane + u * 32;
-          if (at < take_units) v[u] = x[r * x_units + at];
+          if (at < out_units) v[u] = source.Load(r, at);
         }
         loaded = true;
       }
@@ -111,11 +133,42 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int64_t at = lo + lane + u * 32;
-          if (at < take_units) out[o * take_units + at] = v[u];
+          if (at < out_units) out[o * out_units + at] = v[u];
         }
       }
     }
   }
+}
+
+template <typename Source>
+cudaError_t LaunchExpand(const TakeRowsShape& shape, int32_t top_k, Source source, int64_t out_units,
+                         const int32_t* index, const int32_t* sources, void* out, cudaStream_t stream) {
+  const int64_t chunks = (out_units + kChunkUnits - 1) / kChunkUnits;
+  const int64_t items = shape.batch * (shape.source_rows + shape.rows) * chunks;
+  const int64_t blocks = std::min((items + kWarpsPerBlock - 1) / kWarpsPerBlock, kMaxBlocks);
+  ExpandRowsKernel<Source>
+      <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(shape, top_k, source, out_units, index, sources,
+                                                               static_cast<typename Source::Unit*>(out));
+  return cudaGetLastError();
+}
+
+template <__nv_fp8_interpretation_t kFormat>
+cudaError_t LaunchDecodedExpand(const TakeRowsShape& shape, int32_t top_k, MoeTokenType token, const void* x,
+                                const int32_t* index, const int32_t* sources, void* out, cudaStream_t stream) {
+  const auto* bytes = static_cast<const uint8_t*>(x);
+  const int64_t units = shape.take_bytes / 16;
+  switch (token) {
+    case MoeTokenType::kF32:
+      return LaunchExpand(shape, top_k, Decoded<float, kFormat>{bytes, shape.x_row_bytes, shape.take_bytes / 4}, units,
+                          index, sources, out, stream);
+    case MoeTokenType::kBF16:
+      return LaunchExpand(shape, top_k, Decoded<__nv_bfloat16, kFormat>{bytes, shape.x_row_bytes, shape.take_bytes / 2},
+                          units, index, sources, out, stream);
+    case MoeTokenType::kF16:
+      return LaunchExpand(shape, top_k, Decoded<__half, kFormat>{bytes, shape.x_row_bytes, shape.take_bytes / 2}, units,
+                          index, sources, out, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 bool FitsUnit(int64_t width, const TakeRowsShape& s, const void* x, const void* suffix, const void* out) {
@@ -148,17 +201,35 @@ cudaError_t LaunchTakeRows(const TakeRowsShape& shape, const void* x, const int3
 cudaError_t LaunchExpandRows(const TakeRowsShape& shape, int32_t top_k, const void* x, const int32_t* index,
                              const int32_t* sources, void* out, cudaStream_t stream) {
   if (shape.batch * shape.rows == 0 || shape.take_bytes == 0) return cudaSuccess;
-  auto launch = [&](auto unit) {
+  auto copied = [&](auto unit) {
     using V = decltype(unit);
-    const int64_t items = (shape.batch * (shape.source_rows + shape.rows)) * TakeChunks(shape, sizeof(V));
-    const int64_t blocks = std::min((items + kWarpsPerBlock - 1) / kWarpsPerBlock, kMaxBlocks);
-    ExpandRowsKernel<V><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(shape, top_k, static_cast<const V*>(x),
-                                                                                index, sources, static_cast<V*>(out));
-    return cudaGetLastError();
+    return LaunchExpand(shape, top_k, Copied<V>{static_cast<const V*>(x), shape.x_row_bytes / int64_t{sizeof(V)}},
+                        shape.take_bytes / int64_t{sizeof(V)}, index, sources, out, stream);
   };
-  if (FitsUnit(16, shape, x, nullptr, out)) return launch(uint4{});
-  if (FitsUnit(4, shape, x, nullptr, out)) return launch(uint32_t{});
-  return launch(uint8_t{});
+  if (FitsUnit(16, shape, x, nullptr, out)) return copied(uint4{});
+  if (FitsUnit(4, shape, x, nullptr, out)) return copied(uint32_t{});
+  return copied(uint8_t{});
+}
+
+cudaError_t LaunchExpandWireRows(const TakeRowsShape& shape, int32_t top_k, MoeWire wire, MoeTokenType token,
+                                 const void* x, const int32_t* index, const int32_t* sources, void* out,
+                                 cudaStream_t stream) {
+  if (shape.batch * shape.rows == 0) return cudaSuccess;
+  // Whole 16-byte output vectors, and aligned 8-byte loads of values and 4-byte loads of scales (the handler
+  // checks the shapes; this keeps the kernel's loads legal whatever called it).
+  if (shape.take_bytes % 16 != 0 || shape.x_row_bytes % 8 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(out) % 16 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  switch (wire) {
+    case MoeWire::kE4M3:
+      return LaunchDecodedExpand<__NV_E4M3>(shape, top_k, token, x, index, sources, out, stream);
+    case MoeWire::kE5M2:
+      return LaunchDecodedExpand<__NV_E5M2>(shape, top_k, token, x, index, sources, out, stream);
+    case MoeWire::kNone:
+      break;
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace jax_ncclx

@@ -1,0 +1,80 @@
+// Rows on moe.dispatch's 8-bit wire, on the device: H values of an 8-bit float format, then a float32 scale per
+// kMoeWireBlock values (contract.h; moe_dispatch.py's _encode and _decode are the same arithmetic in XLA). The
+// dispatch kernel quantizes and dequantizes them; expand_rows dequantizes them as it expands.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "common/contract.h"
+
+namespace jax_ncclx {
+
+// How rows travel: as they are (Plain), or as 8-bit floats of kFormat with a float32 scale per kMoeWireBlock
+// values, converted from and back to Token (float, __nv_bfloat16 or __half).
+struct Plain {};
+template <typename Token, __nv_fp8_interpretation_t kFormat>
+struct Wire {
+  static constexpr float kLargest = kFormat == __NV_E4M3 ? 448.0f : 57344.0f;  // the largest finite value
+  static constexpr float kInverse = 1.0f / kLargest;
+};
+template <typename Rows>
+constexpr bool kOnWire = !std::is_same_v<Rows, Plain>;
+template <typename Rows>
+struct WireOf;
+template <typename T, __nv_fp8_interpretation_t F>
+struct WireOf<Wire<T, F>> {
+  using Token = T;
+  static constexpr __nv_fp8_interpretation_t kFormat = F;
+};
+
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
+template <typename Token>
+__device__ __forceinline__ Token FromFloat(float v) {
+  if constexpr (std::is_same_v<Token, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<Token, __nv_bfloat16>) {
+    return __float2bfloat16_rn(v);
+  } else {
+    return __float2half_rn(v);
+  }
+}
+
+// Two 8-bit values (the low byte first) times scale.
+template <__nv_fp8_interpretation_t kFormat>
+__device__ __forceinline__ float2 DecodePair(uint32_t bits, float scale) {
+  const float2 pair = __half22float2(
+      __half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits), kFormat)));
+  return make_float2(pair.x * scale, pair.y * scale);
+}
+
+// Vector v (16 bytes of Token) of a token row, dequantized from the wire row `row` (written by peers).
+template <typename Token, __nv_fp8_interpretation_t kFormat>
+__device__ __forceinline__ uint4 DequantizeVector(const uint8_t* row, int64_t v, int64_t hidden) {
+  constexpr int kValues = 16 / sizeof(Token);
+  const int64_t first = v * kValues;
+  const float scale = __ldcg(reinterpret_cast<const float*>(row + hidden) + first / kMoeWireBlock);
+  uint32_t bits[kValues / 4];
+  if constexpr (kValues == 8) {
+    const uint2 eight = __ldcg(reinterpret_cast<const uint2*>(row + first));
+    bits[0] = eight.x, bits[1] = eight.y;
+  } else {
+    bits[0] = __ldcg(reinterpret_cast<const unsigned int*>(row + first));
+  }
+  uint4 out;
+  Token* values = reinterpret_cast<Token*>(&out);
+#pragma unroll
+  for (int i = 0; i < kValues / 2; ++i) {
+    const float2 pair = DecodePair<kFormat>(bits[i / 2] >> (16 * (i % 2)), scale);
+    values[2 * i] = FromFloat<Token>(pair.x);
+    values[2 * i + 1] = FromFloat<Token>(pair.y);
+  }
+  return out;
+}
+
+}  // namespace jax_ncclx
