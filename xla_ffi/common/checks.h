@@ -102,19 +102,25 @@ inline std::string_view DataTypeName(ffi::DataType dtype) {
   return "unknown";
 }
 
-// The 8-bit wire's token type of `dtype` (the dtype of `what`, which rows on the wire convert from or to).
-inline ffi::ErrorOr<MoeTokenType> WireTokenType(std::string_view op, std::string_view what, ffi::DataType dtype) {
+// The FloatType of `dtype`, or none for another dtype.
+inline std::optional<FloatType> FloatTypeOf(ffi::DataType dtype) {
   switch (dtype) {
     case ffi::F32:
-      return MoeTokenType::kF32;
+      return FloatType::kF32;
     case ffi::BF16:
-      return MoeTokenType::kBF16;
+      return FloatType::kBF16;
     case ffi::F16:
-      return MoeTokenType::kF16;
+      return FloatType::kF16;
     default:
-      return InvalidArgument(op, "an 8-bit wire takes f32, bf16 or f16 " + std::string(what) + ", got " +
-                                     std::string(DataTypeName(dtype)));
+      return std::nullopt;
   }
+}
+
+// The 8-bit wire's token type of `dtype` (the dtype of `what`, which rows on the wire convert from or to).
+inline ffi::ErrorOr<FloatType> WireTokenType(std::string_view op, std::string_view what, ffi::DataType dtype) {
+  if (std::optional<FloatType> type = FloatTypeOf(dtype)) return *type;
+  return InvalidArgument(op, "an 8-bit wire takes f32, bf16 or f16 " + std::string(what) + ", got " +
+                                 std::string(DataTypeName(dtype)));
 }
 
 // A reduction as the handlers run it: the reduce_op attribute (0 sum, 1 max, 2 min) checked and decoded, and

@@ -30,8 +30,11 @@ enum class MoeWire : int { kNone = 0, kE4M3 = 1, kE5M2 = 2 };
 // Values per scale on moe.dispatch's 8-bit wire.
 constexpr int64_t kMoeWireBlock = 128;
 
-// Tokens' dtypes an 8-bit wire converts from and to (C++ only: decoded from a buffer's dtype, not an attribute).
-enum class MoeTokenType : int { kF32, kBF16, kF16 };
+// The float dtypes the MoE kernels convert and add: tokens on the 8-bit wire, combine's rows (C++ only: decoded
+// from a buffer's dtype, not an attribute; the loopback module passes them by value).
+enum class FloatType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+inline int FloatTypeBytes(FloatType type) { return type == FloatType::kF32 ? 4 : 2; }
 
 // Which NVLink kernel a device-side trace record or fault record comes from.
 enum TraceKernel : uint32_t {

@@ -509,12 +509,12 @@ nb::dict MoeCombine(const nb::bytes& expert_out, const nb::bytes& row_pairs, con
   const Schedule schedule{calls, graph, absent, late, late_us, timeout_ms};
   CheckSchedule(size, schedule);
   Require(type >= 0 && type <= 2, "type is " + std::to_string(type) + ", expected 0 (f32), 1 (bf16) or 2 (f16)");
-  const int element_bytes = MoeCombineElementBytes(static_cast<MoeCombineType>(type));
+  const int element_bytes = FloatTypeBytes(static_cast<FloatType>(type));
   Require(expert_rows >= 0 && rows_per_member >= 0 && top_k >= 1 && top_k <= kMaxMoeCombineTopK && tokens >= 0 &&
               hidden >= 0 && hidden * element_bytes % 16 == 0,
           "bad sizes: rows, tokens and hidden must be non-negative, top_k positive, rows a multiple of 16 bytes");
   MoeCombineArgs args;
-  args.type = static_cast<MoeCombineType>(type);
+  args.type = static_cast<FloatType>(type);
   args.size = size;
   args.top_k = top_k;
   args.rows_per_member = rows_per_member;

@@ -15,17 +15,13 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/contract.h"
 #include "common/symmetric_layout.h"
 
 namespace jax_ncclx {
 
-// The element types the kernel reads and writes; it accumulates in float32.
-enum class MoeCombineType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
-
-inline int MoeCombineElementBytes(MoeCombineType type) { return type == MoeCombineType::kF32 ? 4 : 2; }
-
 struct MoeCombineArgs {
-  MoeCombineType type = MoeCombineType::kF32;
+  FloatType type = FloatType::kF32;  // expert_out's and the result's dtype; the kernel accumulates in float32
   int rank = 0;
   int size = 1;                 // N
   int top_k = 1;                // k

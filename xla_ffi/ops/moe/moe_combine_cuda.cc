@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -22,18 +23,10 @@ namespace {
 
 constexpr std::string_view kOp = "moe.combine";
 
-ffi::ErrorOr<MoeCombineType> GetType(ffi::DataType dtype) {
-  switch (dtype) {
-    case ffi::F32:
-      return MoeCombineType::kF32;
-    case ffi::BF16:
-      return MoeCombineType::kBF16;
-    case ffi::F16:
-      return MoeCombineType::kF16;
-    default:
-      return InvalidArgument(kOp, "the NVLink kernel takes expert_out of f32, bf16 or f16, got " +
-                                      std::string(DataTypeName(dtype)) + " (others take the exchange chain)");
-  }
+ffi::ErrorOr<FloatType> GetType(ffi::DataType dtype) {
+  if (std::optional<FloatType> type = FloatTypeOf(dtype)) return *type;
+  return InvalidArgument(kOp, "the NVLink kernel takes expert_out of f32, bf16 or f16, got " +
+                                  std::string(DataTypeName(dtype)) + " (others take the exchange chain)");
 }
 
 ffi::Error CheckDtype(std::string_view name, const ffi::AnyBuffer& buffer, ffi::DataType expected) {
@@ -50,7 +43,7 @@ ffi::Error MoeCombineImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyB
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   const int n = symmetric->size;
-  ffi::ErrorOr<MoeCombineType> type = GetType(expert_out.element_type());
+  ffi::ErrorOr<FloatType> type = GetType(expert_out.element_type());
   if (type.has_error()) return type.error();
   NCCLX_RETURN_IF_ERROR(CheckDtype("out", *out, expert_out.element_type()));
   NCCLX_RETURN_IF_ERROR(CheckDtype("row_pairs", row_pairs, ffi::S32));

@@ -224,7 +224,7 @@ int64_t MoeCombineSlotBytes(int size, int64_t rows_per_member, int64_t hidden, i
 int ChooseMoeCombineBlocks(const MoeCombineArgs& args, int requested, int sm_count) {
   // A thread per 16-byte vector of the larger side, up to a block per SM (every block waits for every other,
   // so all must be resident at once) and the flags.
-  const int64_t vectors = args.hidden * MoeCombineElementBytes(args.type) / 16;  // per row
+  const int64_t vectors = args.hidden * FloatTypeBytes(args.type) / 16;  // per row
   const int64_t items = std::max(args.size * args.rows_per_member, args.tokens) * vectors;
   const int64_t by_size = (items + kThreads - 1) / kThreads;
   const int cap = std::min(kMaxMoeCombineBlocks, std::max(1, sm_count));
@@ -235,13 +235,13 @@ cudaError_t LaunchMoeCombine(const MoeCombineArgs& args, int blocks, cudaStream_
   const Call call{args, NvlinkLowLatencyAreaBytes(args.size)};
   const size_t shared = MoeCombineSharedBytes(args.top_k);
   switch (args.type) {
-    case MoeCombineType::kF32:
+    case FloatType::kF32:
       MoeCombineKernel<float><<<blocks, kThreads, shared, stream>>>(call);
       break;
-    case MoeCombineType::kBF16:
+    case FloatType::kBF16:
       MoeCombineKernel<__nv_bfloat16><<<blocks, kThreads, shared, stream>>>(call);
       break;
-    case MoeCombineType::kF16:
+    case FloatType::kF16:
       MoeCombineKernel<__half><<<blocks, kThreads, shared, stream>>>(call);
       break;
   }

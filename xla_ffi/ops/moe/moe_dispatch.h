@@ -55,7 +55,7 @@ struct MoeDispatchArgs {
   int64_t capacity = 0;       // C
   int64_t row_bytes = 0;      // a token row's bytes (H elements), a multiple of 16
   MoeWire wire = MoeWire::kNone;         // how rows travel (contract.h)
-  MoeTokenType token_type = MoeTokenType::kF32;  // tokens' dtype, which an 8-bit wire converts from and to
+  FloatType token_type = FloatType::kF32;  // tokens' dtype, which an 8-bit wire converts from and to
   int64_t wire_row_bytes = 0;  // a row's bytes in the slots (MoeDispatchWireRowBytes), a multiple of 16
   bool with_weights = false;  // the rows carry their token's router weights
   bool trace = false;

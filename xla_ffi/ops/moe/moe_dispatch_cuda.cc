@@ -82,10 +82,10 @@ ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Any
   if (!ValidMoeWire(wire)) {
     return InvalidArgument(kOp, "wire " + std::to_string(static_cast<int>(wire)) + " is not a MoeWire (contract.h)");
   }
-  MoeTokenType token_type = MoeTokenType::kF32;
+  FloatType token_type = FloatType::kF32;
   const int64_t wire_row_bytes = MoeDispatchWireRowBytes(H, element_bytes, wire);
   if (wire != MoeWire::kNone) {
-    ffi::ErrorOr<MoeTokenType> type = WireTokenType(kOp, "tokens", tokens.element_type());
+    ffi::ErrorOr<FloatType> type = WireTokenType(kOp, "tokens", tokens.element_type());
     if (type.has_error()) return type.error();
     token_type = *type;
     if (H % kMoeWireBlock != 0 || wire_row_bytes % 16 != 0) {

@@ -717,11 +717,11 @@ cudaError_t Launch(const Call& call, int blocks, size_t shared, cudaStream_t str
 template <__nv_fp8_interpretation_t kFormat>
 cudaError_t LaunchOnWire(const Call& call, int blocks, size_t shared, cudaStream_t stream) {
   switch (call.args.token_type) {
-    case MoeTokenType::kF32:
+    case FloatType::kF32:
       return Launch<Wire<float, kFormat>>(call, blocks, shared, stream);
-    case MoeTokenType::kBF16:
+    case FloatType::kBF16:
       return Launch<Wire<__nv_bfloat16, kFormat>>(call, blocks, shared, stream);
-    case MoeTokenType::kF16:
+    case FloatType::kF16:
       return Launch<Wire<__half, kFormat>>(call, blocks, shared, stream);
   }
   return cudaErrorInvalidValue;

@@ -64,7 +64,7 @@ inline ffi::ErrorOr<TakeRowsShape> GetTakeRowsShape(const ffi::AnyBuffer& x, con
 struct ExpandRowsCall {
   TakeRowsShape shape;
   int32_t top_k = 0;
-  MoeTokenType token = MoeTokenType::kF32;
+  FloatType token = FloatType::kF32;
 };
 
 // expand_rows: x [B, X, F], index [B, M], sources [B, X, k] int32 and out [B, M, W], W <= F, with x's dtype; on
@@ -93,7 +93,7 @@ inline ffi::ErrorOr<ExpandRowsCall> GetExpandRowsCall(const ffi::AnyBuffer& x, c
       return InvalidArgument(op, "index has shape " + DimsString(index_dims) + ", expected [" +
                                      std::to_string(x_dims[0]) + ", rows] (x's batch)");
     }
-    ffi::ErrorOr<MoeTokenType> token = WireTokenType(op, "out", out.element_type());
+    ffi::ErrorOr<FloatType> token = WireTokenType(op, "out", out.element_type());
     if (token.has_error()) return token.error();
     call.token = *token;
     const int64_t hidden = out_dims.size() == 3 ? out_dims[2] : -1;

@@ -78,15 +78,15 @@ uint16_t ToFloat16(float v) {
 }
 
 // Row `wire_row` (H values on the wire, then H / kMoeWireBlock float32 scales) decoded into `out` (H tokens).
-void DecodeWireRow(const uint8_t* wire_row, int64_t hidden, MoeWire wire, MoeTokenType token, uint8_t* out) {
+void DecodeWireRow(const uint8_t* wire_row, int64_t hidden, MoeWire wire, FloatType token, uint8_t* out) {
   for (int64_t i = 0; i < hidden; ++i) {
     float scale;
     std::memcpy(&scale, wire_row + hidden + 4 * (i / kMoeWireBlock), 4);
     const float value = DecodeWireValue(wire_row[i], wire) * scale;
-    if (token == MoeTokenType::kF32) {
+    if (token == FloatType::kF32) {
       std::memcpy(out + 4 * i, &value, 4);
     } else {
-      const uint16_t bits = token == MoeTokenType::kBF16 ? ToBfloat16(value) : ToFloat16(value);
+      const uint16_t bits = token == FloatType::kBF16 ? ToBfloat16(value) : ToFloat16(value);
       std::memcpy(out + 2 * i, &bits, 2);
     }
   }
@@ -106,7 +106,7 @@ ffi::Error ExpandRowsImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::Bu
     const int64_t row = index.typed_data()[o];
     if (row < 0 || row >= s.source_rows) std::memset(dst + o * s.take_bytes, 0, s.take_bytes);
   }
-  const int64_t hidden = s.take_bytes / (call->token == MoeTokenType::kF32 ? 4 : 2);
+  const int64_t hidden = s.take_bytes / (call->token == FloatType::kF32 ? 4 : 2);
   std::vector<uint8_t> decoded(wire == MoeWire::kNone ? 0 : s.take_bytes);
   for (int64_t r = 0; r < s.batch * s.source_rows; ++r) {
     const int64_t b = r / s.source_rows;

@@ -153,18 +153,18 @@ cudaError_t LaunchExpand(const TakeRowsShape& shape, int32_t top_k, Source sourc
 }
 
 template <__nv_fp8_interpretation_t kFormat>
-cudaError_t LaunchDecodedExpand(const TakeRowsShape& shape, int32_t top_k, MoeTokenType token, const void* x,
+cudaError_t LaunchDecodedExpand(const TakeRowsShape& shape, int32_t top_k, FloatType token, const void* x,
                                 const int32_t* index, const int32_t* sources, void* out, cudaStream_t stream) {
   const auto* bytes = static_cast<const uint8_t*>(x);
   const int64_t units = shape.take_bytes / 16;
   switch (token) {
-    case MoeTokenType::kF32:
+    case FloatType::kF32:
       return LaunchExpand(shape, top_k, Decoded<float, kFormat>{bytes, shape.x_row_bytes, shape.take_bytes / 4}, units,
                           index, sources, out, stream);
-    case MoeTokenType::kBF16:
+    case FloatType::kBF16:
       return LaunchExpand(shape, top_k, Decoded<__nv_bfloat16, kFormat>{bytes, shape.x_row_bytes, shape.take_bytes / 2},
                           units, index, sources, out, stream);
-    case MoeTokenType::kF16:
+    case FloatType::kF16:
       return LaunchExpand(shape, top_k, Decoded<__half, kFormat>{bytes, shape.x_row_bytes, shape.take_bytes / 2}, units,
                           index, sources, out, stream);
   }
@@ -211,7 +211,7 @@ cudaError_t LaunchExpandRows(const TakeRowsShape& shape, int32_t top_k, const vo
   return copied(uint8_t{});
 }
 
-cudaError_t LaunchExpandWireRows(const TakeRowsShape& shape, int32_t top_k, MoeWire wire, MoeTokenType token,
+cudaError_t LaunchExpandWireRows(const TakeRowsShape& shape, int32_t top_k, MoeWire wire, FloatType token,
                                  const void* x, const int32_t* index, const int32_t* sources, void* out,
                                  cudaStream_t stream) {
   if (shape.batch * shape.rows == 0) return cudaSuccess;

@@ -22,7 +22,7 @@ cudaError_t LaunchExpandRows(const TakeRowsShape& shape, int32_t top_k, const vo
 // expand_rows of rows on moe's 8-bit wire (x: [B, X, x_row_bytes] uint8, each H bytes of `wire`, then H / 128
 // float32 scales), dequantized to token ([B, M, take_bytes], take_bytes = H * the token's size) as they are
 // stored. Needs take_bytes a multiple of 16, x_row_bytes of 8, and 16-byte aligned buffers.
-cudaError_t LaunchExpandWireRows(const TakeRowsShape& shape, int32_t top_k, MoeWire wire, MoeTokenType token,
+cudaError_t LaunchExpandWireRows(const TakeRowsShape& shape, int32_t top_k, MoeWire wire, FloatType token,
                                  const void* x, const int32_t* index, const int32_t* sources, void* out,
                                  cudaStream_t stream);
 
