@@ -46,6 +46,7 @@ from jax_ncclx._src.ops.all_to_allv_dynamic import all_to_allv_dynamic
 from jax_ncclx._src.ops.moe_combine import FUSED_MAX_MEMBER_BYTES
 from jax_ncclx._src.ops.take_rows import WIRE_TOKEN_DTYPES
 from jax_ncclx._src.ops.take_rows import take_rows
+from jax_ncclx._src.ops.take_rows import wire_misfit
 
 logger = logging.getLogger("jax_ncclx")
 
@@ -137,13 +138,12 @@ def _exchange_chain(tokens, expert_ids, *weights, axis_name, num_experts, num_me
 
 
 def _decodes_as_it_expands(dtype, hidden, received_bytes):
-    """Whether the expansion can dequantize the received rows itself (take_rows' wire_dtype): tokens it decodes
-    to, a scale per SCALE_BLOCK values, rows of whole 8-byte words. Else they are decoded before (logged)."""
-    fits = np.dtype(dtype) in WIRE_TOKEN_DTYPES and hidden % SCALE_BLOCK == 0 and received_bytes % 8 == 0
-    if not fits:
-        logger.debug("jax_ncclx: moe.dispatch decodes its %s rows of H = %d (%d bytes received) before the "
-                     "expansion", np.dtype(dtype).name, hidden, received_bytes)
-    return fits
+    """Whether the expansion can dequantize the received rows itself (take_rows' wire_dtype); else they are
+    decoded before it (logged)."""
+    misfit = wire_misfit(received_bytes, hidden, dtype)
+    if misfit is not None:
+        logger.debug("jax_ncclx: moe.dispatch decodes its received rows before the expansion: %s", misfit)
+    return misfit is None
 
 
 def _scale_block(hidden):

@@ -90,20 +90,29 @@ def take_rows(x, index, *, width: int | None = None, suffix=None, sources=None, 
 WIRE_TOKEN_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 
+def wire_misfit(row_bytes: int, width: int, dtype) -> str | None:
+    """Why expand_rows cannot decode rows of ``row_bytes`` on the 8-bit wire into ``width`` values of ``dtype``
+    (a message), or None where it can."""
+    block = contract.MOE_WIRE_BLOCK
+    if dtype is None or np.dtype(dtype) not in WIRE_TOKEN_DTYPES:
+        return f"rows on the 8-bit wire decode to float32, bfloat16 or float16, got dtype {dtype}"
+    if width % block or row_bytes % 8 or width + 4 * (width // block) > row_bytes:
+        return (f"rows on the 8-bit wire must be a multiple of 8 bytes holding width values and their scales, "
+                f"width a multiple of {block}; got rows of {row_bytes} bytes and width {width}")
+    return None
+
+
 def _wire_of(x, width, wire_dtype, dtype):
     """expand_rows' wire param (a name of ``contract.MOE_WIRES``) for a call that decodes x's rows, or a
     ValueError naming what does not fit."""
     name = np.dtype(wire_dtype).name
     if name not in contract.MOE_WIRES or name == "none":
         raise ValueError(f"jax_ncclx take_rows: wire_dtype must be float8_e4m3fn or float8_e5m2, got {name}")
-    if dtype is None or np.dtype(dtype) not in WIRE_TOKEN_DTYPES:
-        raise ValueError(f"jax_ncclx take_rows: rows on the 8-bit wire decode to float32, bfloat16 or float16, "
-                         f"got dtype {dtype}")
-    if jax.typeof(x).dtype != np.uint8 or width % contract.MOE_WIRE_BLOCK or jnp.shape(x)[1] % 8 or (
-            width + 4 * (width // contract.MOE_WIRE_BLOCK) > jnp.shape(x)[1]):
-        raise ValueError(f"jax_ncclx take_rows: rows on the 8-bit wire must be uint8 of a multiple of 8 bytes "
-                         f"holding width values and their scales, width a multiple of {contract.MOE_WIRE_BLOCK}; "
-                         f"got x {jax.typeof(x).dtype}{list(jnp.shape(x))} and width {width}")
+    if jax.typeof(x).dtype != np.uint8:
+        raise ValueError(f"jax_ncclx take_rows: rows on the 8-bit wire are uint8, got x {jax.typeof(x).dtype}")
+    misfit = wire_misfit(jnp.shape(x)[1], width, dtype)
+    if misfit is not None:
+        raise ValueError(f"jax_ncclx take_rows: {misfit}")
     return name
 
 

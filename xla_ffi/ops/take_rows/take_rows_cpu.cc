@@ -4,8 +4,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <vector>
 #include <optional>
+#include <vector>
 
 #include "ops/take_rows/take_rows.h"
 #include "ops/take_rows/take_rows_checks.h"
@@ -106,7 +106,7 @@ ffi::Error ExpandRowsImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::Bu
     const int64_t row = index.typed_data()[o];
     if (row < 0 || row >= s.source_rows) std::memset(dst + o * s.take_bytes, 0, s.take_bytes);
   }
-  const int64_t hidden = s.take_bytes / (call->token == FloatType::kF32 ? 4 : 2);
+  const int64_t hidden = s.take_bytes / FloatTypeBytes(call->token);
   std::vector<uint8_t> decoded(wire == MoeWire::kNone ? 0 : s.take_bytes);
   for (int64_t r = 0; r < s.batch * s.source_rows; ++r) {
     const int64_t b = r / s.source_rows;

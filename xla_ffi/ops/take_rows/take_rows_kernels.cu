@@ -22,11 +22,12 @@ constexpr int kUnroll = 4;
 constexpr int64_t kChunkUnits = 32 * kUnroll;
 
 // Chunks per output row: those of the part taken from x, then those of the suffix.
+__host__ __device__ inline int64_t Chunks(int64_t units) { return (units + kChunkUnits - 1) / kChunkUnits; }
 __host__ __device__ inline int64_t TakeChunks(const TakeRowsShape& s, int64_t unit) {
-  return (s.take_bytes / unit + kChunkUnits - 1) / kChunkUnits;
+  return Chunks(s.take_bytes / unit);
 }
 __host__ __device__ inline int64_t RowChunks(const TakeRowsShape& s, int64_t unit) {
-  return TakeChunks(s, unit) + (s.suffix_bytes / unit + kChunkUnits - 1) / kChunkUnits;
+  return TakeChunks(s, unit) + Chunks(s.suffix_bytes / unit);
 }
 
 // Units [lo, min(lo + kChunkUnits, n)) of src to dst (src null: zeros), across the warp's lanes.
@@ -100,7 +101,7 @@ __global__ void __launch_bounds__(kThreads)
                      const int32_t* __restrict__ index, const int32_t* __restrict__ sources,
                      typename Source::Unit* __restrict__ out) {
   using V = typename Source::Unit;
-  const int64_t chunks = (out_units + kChunkUnits - 1) / kChunkUnits;
+  const int64_t chunks = Chunks(out_units);
   const int64_t x_rows = shape.batch * shape.source_rows, out_rows = shape.batch * shape.rows;
   const int64_t items = (x_rows + out_rows) * chunks;
   const int lane = threadIdx.x % 32;
@@ -143,7 +144,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename Source>
 cudaError_t LaunchExpand(const TakeRowsShape& shape, int32_t top_k, Source source, int64_t out_units,
                          const int32_t* index, const int32_t* sources, void* out, cudaStream_t stream) {
-  const int64_t chunks = (out_units + kChunkUnits - 1) / kChunkUnits;
+  const int64_t chunks = Chunks(out_units);
   const int64_t items = shape.batch * (shape.source_rows + shape.rows) * chunks;
   const int64_t blocks = std::min((items + kWarpsPerBlock - 1) / kWarpsPerBlock, kMaxBlocks);
   ExpandRowsKernel<Source>
