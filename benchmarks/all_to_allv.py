@@ -349,11 +349,13 @@ def moe_dispatch_chain(tokens, expert_ids, *, dispatch, unroll):
 
 
 def moe_combine_chain(expert_rows, handle, *, unroll):
-    # One handle, made by a dispatch (with the weights) outside the timing. The next combine's gather indices
-    # are tied to this one's output, else the return exchange would be loop-invariant and XLA would run it once.
+    # One handle, made by a dispatch (with the weights) outside the timing. The next combine's indices (of the
+    # expert-side sums and of the return exchange) are tied to this one's output, else that work would be
+    # loop-invariant and XLA would run it once.
     for _ in range(unroll):
         out = moe.combine(expert_rows, handle)
-        handle = dataclasses.replace(handle, send_back_rows=tie(handle.send_back_rows, out))
+        handle = dataclasses.replace(handle, row_pairs=tie(handle.row_pairs, out),
+                                     send_back_rows=tie(handle.send_back_rows, out))
     return handle.send_back_rows
 
 

@@ -186,7 +186,7 @@ def test_combine_with_dispatch_weights_on_every_path(combine_path, capacity):
 
 @pytest.mark.gpu
 def test_combine_kernel_takes_decode_sizes(monkeypatch):
-    """The NVLink kernel takes combine where a member's rows fit its 4 MiB; a larger call, and rows it cannot
+    """The NVLink kernel takes combine where a member's rows fit its 64 MiB; a larger call, and rows it cannot
     move as 16-byte vectors, lower to the exchange chain (lowering only)."""
     reason = gpu_skip_reason(minimum=1)
     if reason:
@@ -205,7 +205,8 @@ def test_combine_kernel_takes_decode_sizes(monkeypatch):
         return f.lower(*args).as_text()
 
     assert "ncclx_moe_combine_nvlink" in lowered(256, 7168)          # 256 rows of 14 KiB: 3.5 MiB
-    assert "ncclx_moe_combine_nvlink" not in lowered(512, 7168)      # 7 MiB
+    assert "ncclx_moe_combine_nvlink" in lowered(4096, 7168)         # 56 MiB
+    assert "ncclx_moe_combine_nvlink" not in lowered(8192, 7168)     # 112 MiB
     assert "ncclx_moe_combine_nvlink" not in lowered(16, 7)          # 14-byte rows
 
 

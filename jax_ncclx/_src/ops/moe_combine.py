@@ -17,8 +17,8 @@ expert_out's dtype once; the token side adds the members' rows in float32, in me
 On CUDA it is one NVLink kernel (``ncclx_moe_combine_nvlink``, xla_ffi/ops/moe/moe_combine.h) where the kernel can
 run: the communicator reaches every member through NVLink; expert_out is float32, bfloat16 or float16 with rows
 of a multiple of 16 bytes; top-k is at most the kernel's ``MOE_COMBINE_MAX_TOP_K`` (256); and a member's R
-rows take at most ``FUSED_MAX_MEMBER_BYTES`` (4 MiB: decode sizes, e.g. 256 tokens of 7168 bf16). Elsewhere, on
-the CPU and on NCCL, it is the exchange chain of other jax_ncclx ops (:func:`reduce_back`): a gather and sum,
+rows take at most ``KERNEL_MAX_MEMBER_BYTES`` (64 MiB: up to 4096 tokens of 7168 bf16). Elsewhere, on the CPU
+and on NCCL, it is the exchange chain of other jax_ncclx ops (:func:`reduce_back`): a gather and sum,
 one ``all_to_allv_dynamic``, a gather and sum. Both compute the same thing; which one a call site takes is
 logged at debug level. Its timeout is all_to_allv_dynamic's (``JAX_NCCLX_TIMEOUT_S_ALL_TO_ALLV_DYNAMIC``), as
 for the rest of ``jax_ncclx.moe``.
@@ -46,10 +46,10 @@ logger = logging.getLogger("jax_ncclx")
 
 # Element types the NVLink kernel reads and writes (xla_ffi/ops/moe/moe_combine_cuda.cc checks the same list).
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-# The most bytes of rows one member's share of the kernel's slots may hold (R rows of H'): decode sizes. Above it
-# the exchange chain is faster (its XLA gather reads at HBM speed, the kernel's loads do not yet) and needs no
-# symmetric memory for its rows.
-FUSED_MAX_MEMBER_BYTES = 4 << 20
+# The most bytes of rows one member's share of the kernel's slots may hold (R rows of H'). The slots stay in
+# symmetric memory for the communicator's life, two calls' worth (2 * N * R * H' bytes), where the exchange
+# chain's buffers are XLA temporaries; above this the chain, a little slower, keeps memory bounded.
+KERNEL_MAX_MEMBER_BYTES = 64 << 20
 
 
 def combine_reduced(expert_out, row_pairs, weights, recv_tokens, send_back_rows, return_row, axis_name):
@@ -142,9 +142,9 @@ def _route(ctx, comm_id, size):
                      "top-%d", row_pairs.shape[1], module.MOE_COMBINE_MAX_TOP_K)
         return None
     rows_per_member = row_pairs.shape[0] // size
-    if rows_per_member * hidden * dtype.itemsize > FUSED_MAX_MEMBER_BYTES:
+    if rows_per_member * hidden * dtype.itemsize > KERNEL_MAX_MEMBER_BYTES:
         logger.debug("jax_ncclx: moe.combine takes the exchange chain: %d rows of %d bytes per member are more than "
-                     "the kernel's %d", rows_per_member, hidden * dtype.itemsize, FUSED_MAX_MEMBER_BYTES)
+                     "the kernel's %d", rows_per_member, hidden * dtype.itemsize, KERNEL_MAX_MEMBER_BYTES)
         return None
     slots = module.moe_combine_slot_bytes(size, rows_per_member, hidden, dtype.itemsize)
     if not nvlink.symmetric_memory_ready("moe.combine", comm_id, slot_bytes=slots):

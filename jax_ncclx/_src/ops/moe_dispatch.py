@@ -17,7 +17,7 @@ an 8-bit wire (which the kernel quantizes as it sends and dequantizes as it plac
 arithmetic) tokens are float32, bfloat16 or float16 with H a multiple of 512; top-k is at most
 ``MOE_DISPATCH_MAX_TOP_K`` (32), T * k at most ``MOE_DISPATCH_MAX_PAIRS`` (2048) and N * T at most
 ``MOE_DISPATCH_MAX_MEMBER_TOKENS`` (2048), the plan the kernel keeps in each block's shared memory; and a
-member's R rows on the wire take at most ``moe_combine.FUSED_MAX_MEMBER_BYTES`` (4 MiB). Elsewhere, on the
+member's R rows on the wire take at most ``KERNEL_MAX_MEMBER_BYTES`` (4 MiB). Elsewhere, on the
 CPU and on NCCL, it is the exchange chain: ``plan_sends``, one ``all_to_allv_dynamic``, ``place_received`` and
 ``take_rows``. Both compute the same values; which one a call site takes is logged at debug level. Its
 timeout is all_to_allv_dynamic's.
@@ -43,7 +43,6 @@ from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
 from jax_ncclx._src.ops import moe_routing
 from jax_ncclx._src.ops.all_to_allv_dynamic import all_to_allv_dynamic
-from jax_ncclx._src.ops.moe_combine import FUSED_MAX_MEMBER_BYTES
 from jax_ncclx._src.ops.take_rows import WIRE_TOKEN_DTYPES
 from jax_ncclx._src.ops.take_rows import take_rows
 from jax_ncclx._src.ops.take_rows import wire_misfit
@@ -51,6 +50,9 @@ from jax_ncclx._src.ops.take_rows import wire_misfit
 logger = logging.getLogger("jax_ncclx")
 
 SCALE_BLOCK = contract.MOE_WIRE_BLOCK  # values per scale on an 8-bit wire (the whole row when H is not a multiple)
+# The most bytes of wire rows one member's share of the kernel's slots may hold (R rows): decode sizes, which the
+# plan's limits in shared memory bound well before this.
+KERNEL_MAX_MEMBER_BYTES = 4 << 20
 
 
 class Dispatched(NamedTuple):
@@ -233,8 +235,8 @@ def _route(ctx, comm_id, size, *, num_experts, num_members, capacity, wire_dtype
         why = (f"{num_tokens} tokens of top-{top_k} on {size} members (the kernel plans up to "
                f"{module.MOE_DISPATCH_MAX_PAIRS} pairs and {module.MOE_DISPATCH_MAX_MEMBER_TOKENS} member tokens)")
     rows_per_member = min(capacity, num_tokens)
-    if why is None and rows_per_member * wire_row_bytes > FUSED_MAX_MEMBER_BYTES:
-        why = f"{rows_per_member} rows of {wire_row_bytes} bytes per member (more than {FUSED_MAX_MEMBER_BYTES})"
+    if why is None and rows_per_member * wire_row_bytes > KERNEL_MAX_MEMBER_BYTES:
+        why = f"{rows_per_member} rows of {wire_row_bytes} bytes per member (more than {KERNEL_MAX_MEMBER_BYTES})"
     if why is not None:
         logger.debug("jax_ncclx: moe.dispatch takes the exchange chain: %s", why)
         return None

@@ -91,10 +91,16 @@ struct Decoded {
   }
 };
 
-// expand_rows: the rows with an index in range are written by walking x's rows (B * X rows of chunks, each
-// read once and stored to the outputs that `sources` lists for it), the rest by zeroing (B * M rows of chunks).
-// Each warp takes one (row, chunk) item; lane j < k holds the row's j-th output for the store loop. out_units:
-// units per output row.
+// expand_rows' work items: B * X source rows of chunks, then the output rows in groups of 32 (one index per
+// lane) of chunks. A group checks 32 indices with one load and zeroes only the rows out of range, where an item
+// per output row and chunk would cost a dependent load for every chunk of every row, most of them written.
+__host__ __device__ inline int64_t ExpandItems(const TakeRowsShape& s, int64_t chunks) {
+  return (s.batch * s.source_rows + (s.batch * s.rows + 31) / 32) * chunks;
+}
+
+// expand_rows: the rows with an index in range are written by walking x's rows (each read once and stored to
+// the outputs that `sources` lists for it), the rest by zeroing. Each warp takes one item; lane j < k holds the
+// row's j-th output for the store loop. out_units: units per output row.
 template <typename Source>
 __global__ void __launch_bounds__(kThreads)
     ExpandRowsKernel(TakeRowsShape shape, int32_t top_k, Source source, int64_t out_units,
@@ -103,15 +109,18 @@ __global__ void __launch_bounds__(kThreads)
   using V = typename Source::Unit;
   const int64_t chunks = Chunks(out_units);
   const int64_t x_rows = shape.batch * shape.source_rows, out_rows = shape.batch * shape.rows;
-  const int64_t items = (x_rows + out_rows) * chunks;
+  const int64_t items = ExpandItems(shape, chunks);
   const int lane = threadIdx.x % 32;
   for (int64_t item = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32; item < items;
        item += int64_t{gridDim.x} * kWarpsPerBlock) {
     const int64_t r = item / chunks, lo = (item - r * chunks) * kChunkUnits;
-    if (r >= x_rows) {  // an output row: zeros where its index is out of range
-      const int64_t o = r - x_rows;
-      const int32_t row = index[o];
-      if (row < 0 || row >= shape.source_rows) CopyChunk<V>(out + o * out_units, nullptr, lo, out_units, lane);
+    if (r >= x_rows) {  // 32 output rows: zeros in those whose index is out of range
+      const int64_t o = (r - x_rows) * 32 + lane;
+      const int32_t row = o < out_rows ? index[o] : 0;
+      for (unsigned empty = __ballot_sync(0xffffffffu, o < out_rows && (row < 0 || row >= shape.source_rows));
+           empty != 0; empty &= empty - 1) {
+        CopyChunk<V>(out + ((r - x_rows) * 32 + __ffs(empty) - 1) * out_units, nullptr, lo, out_units, lane);
+      }
       continue;
     }
     const int64_t b = r / shape.source_rows;
@@ -144,8 +153,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename Source>
 cudaError_t LaunchExpand(const TakeRowsShape& shape, int32_t top_k, Source source, int64_t out_units,
                          const int32_t* index, const int32_t* sources, void* out, cudaStream_t stream) {
-  const int64_t chunks = Chunks(out_units);
-  const int64_t items = shape.batch * (shape.source_rows + shape.rows) * chunks;
+  const int64_t items = ExpandItems(shape, Chunks(out_units));
   const int64_t blocks = std::min((items + kWarpsPerBlock - 1) / kWarpsPerBlock, kMaxBlocks);
   ExpandRowsKernel<Source>
       <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(shape, top_k, source, out_units, index, sources,
