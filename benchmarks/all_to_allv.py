@@ -344,7 +344,9 @@ def moe_chain(tokens, expert_ids, weights, *, round_trip, unroll):
 
 def moe_dispatch_chain(tokens, expert_ids, *, dispatch, unroll):
     for _ in range(unroll):  # each dispatch routes again from the expert ids that the last one tied to its rows
-        expert_ids = tie(expert_ids, dispatch(tokens, expert_ids))
+        # The tokens pass the barrier with those ids, else the work on the tokens alone (the 8-bit wire's
+        # quantization) would be loop-invariant and XLA would run it once for the whole chain.
+        tokens, expert_ids = jax.lax.optimization_barrier((tokens, tie(expert_ids, dispatch(tokens, expert_ids))))
     return expert_ids
 
 
@@ -802,7 +804,8 @@ def notes(config: dict, sizes: list) -> str:
         "between ranks in all, each rank's share alternating with the transposed routing); "
         "`lax.all_to_all` takes its output as its next input (no extra kernel); the moe round trip takes its "
         "combined tokens as the next tokens and routes again from expert ids tied to them; moe dispatch alone "
-        "ties its next expert ids to its rows (+ 0), and moe combine alone reuses one dispatch's handle and ties "
+        "ties its next expert ids to its rows (+ 0) and passes its tokens through a barrier with them (so an 8-bit "
+        "wire quantizes them in every op), and moe combine alone reuses one dispatch's handle and ties "
         "the handle's next gather indices to its output (+ 0), so each includes its own routing and regrouping "
         "work.",
         "- **payload** = T·k·H·bytes per rank (every routed row, its own included). **peer GB/s** = bytes each "
