@@ -28,6 +28,8 @@ ONE_SHOT: int = _CONTRACT["nvlink_algorithms"]["one_shot"]
 TWO_SHOT: int = _CONTRACT["nvlink_algorithms"]["two_shot"]
 # moe.dispatch's wire attribute, by the wire dtype's name ("none": tokens' dtype).
 MOE_WIRES: dict[str, int] = dict(_CONTRACT["moe_wires"])
+# The float dtypes the MoE kernels convert and add (the 8-bit wire's tokens, moe.combine's rows), by dtype name.
+FLOAT_TYPES: tuple[str, ...] = _in_value_order(_CONTRACT["float_types"])
 # Values per float32 scale on moe.dispatch's 8-bit wire.
 MOE_WIRE_BLOCK: int = _CONTRACT["moe_wire_block"]
 # Device trace and fault records name their kernel by number.

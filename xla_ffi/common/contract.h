@@ -30,8 +30,8 @@ enum class MoeWire : int { kNone = 0, kE4M3 = 1, kE5M2 = 2 };
 // Values per scale on moe.dispatch's 8-bit wire.
 constexpr int64_t kMoeWireBlock = 128;
 
-// The float dtypes the MoE kernels convert and add: tokens on the 8-bit wire, combine's rows (C++ only: decoded
-// from a buffer's dtype, not an attribute; the loopback module passes them by value).
+// The float dtypes the MoE kernels convert and add: tokens on the 8-bit wire, combine's rows. Decoded from a
+// buffer's dtype, not an attribute (the loopback module passes them by value); Python reads the list to route.
 enum class FloatType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
 inline int FloatTypeBytes(FloatType type) { return type == FloatType::kF32 ? 4 : 2; }
@@ -87,6 +87,11 @@ inline constexpr Named kMoeWireNames[] = {
     {"none", static_cast<int64_t>(MoeWire::kNone)},
     {"float8_e4m3fn", static_cast<int64_t>(MoeWire::kE4M3)},
     {"float8_e5m2", static_cast<int64_t>(MoeWire::kE5M2)},
+};
+inline constexpr Named kFloatTypeNames[] = {
+    {"float32", static_cast<int64_t>(FloatType::kF32)},
+    {"bfloat16", static_cast<int64_t>(FloatType::kBF16)},
+    {"float16", static_cast<int64_t>(FloatType::kF16)},
 };
 inline constexpr Named kTraceKernelNames[] = {
     {"all_to_allv_dynamic", kTraceAllToAllv}, {"all_reduce", kTraceAllReduce},

@@ -23,6 +23,7 @@ inline void DefineContractBindings(nanobind::module_& m) {
         contract["nvlink_algorithms"] = table(kNvlinkAlgorithmNames);
         contract["nvlink_protocols"] = table(kNvlinkProtocolNames);
         contract["moe_wires"] = table(kMoeWireNames);
+        contract["float_types"] = table(kFloatTypeNames);
         contract["trace_kernels"] = table(kTraceKernelNames);
         contract["max_nvlink_ranks"] = kMaxNvlinkRanks;
         contract["max_capacity"] = kMaxCapacity;
@@ -31,7 +32,7 @@ inline void DefineContractBindings(nanobind::module_& m) {
         return contract;
       },
       "What the Python half and the handlers agree on (xla_ffi/common/contract.h): {table: {name: value}} for\n"
-      "fault_kinds, reduce_ops, nvlink_algorithms, nvlink_protocols, moe_wires, trace_kernels; and the\n"
+      "fault_kinds, reduce_ops, nvlink_algorithms, nvlink_protocols, moe_wires, float_types, trace_kernels; and the\n"
       "limits and sizes max_nvlink_ranks, max_capacity, max_experts, moe_wire_block.");
 }
 

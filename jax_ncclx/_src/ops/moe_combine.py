@@ -36,6 +36,7 @@ import numpy as np
 from jax.interpreters import batching
 
 from jax_ncclx._src import config
+from jax_ncclx._src import contract
 from jax_ncclx._src import lib
 from jax_ncclx._src import lowering
 from jax_ncclx._src import nvlink
@@ -44,8 +45,6 @@ from jax_ncclx._src.ops.all_to_allv_dynamic import all_to_allv_dynamic
 
 logger = logging.getLogger("jax_ncclx")
 
-# Element types the NVLink kernel reads and writes (xla_ffi/ops/moe/moe_combine_cuda.cc checks the same list).
-KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # The most bytes of rows one member's share of the kernel's slots may hold (R rows of H'). The slots stay in
 # symmetric memory for the communicator's life, two calls' worth (2 * N * R * H' bytes), where the exchange
 # chain's buffers are XLA temporaries; above this the chain, a little slower, keeps memory bounded.
@@ -133,7 +132,7 @@ def _route(ctx, comm_id, size):
     if settings.transport == "nccl":
         return None
     module = lib.cuda_module()
-    if not any(dtype == np.dtype(d) for d in KERNEL_DTYPES) or hidden * dtype.itemsize % 16:
+    if dtype.name not in contract.FLOAT_TYPES or hidden * dtype.itemsize % 16:
         logger.debug("jax_ncclx: moe.combine of %s rows of %d takes the exchange chain: the NVLink kernel moves "
                      "float32, bfloat16 and float16 rows of a multiple of 16 bytes", dtype, hidden)
         return None

@@ -43,7 +43,6 @@ from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
 from jax_ncclx._src.ops import moe_routing
 from jax_ncclx._src.ops.all_to_allv_dynamic import all_to_allv_dynamic
-from jax_ncclx._src.ops.take_rows import WIRE_TOKEN_DTYPES
 from jax_ncclx._src.ops.take_rows import take_rows
 from jax_ncclx._src.ops.take_rows import wire_misfit
 
@@ -221,7 +220,7 @@ def _route(ctx, comm_id, size, *, num_experts, num_members, capacity, wire_dtype
     module = lib.cuda_module()
     wire_row_bytes = module.moe_dispatch_wire_row_bytes(hidden, element_bytes, _wire(wire_dtype))
     why = None
-    if wire_dtype is not None and np.dtype(tokens.dtype) not in WIRE_TOKEN_DTYPES:
+    if wire_dtype is not None and np.dtype(tokens.dtype).name not in contract.FLOAT_TYPES:
         why = f"{np.dtype(tokens.dtype).name} tokens on an 8-bit wire (the kernel converts float32, bfloat16, float16)"
     elif wire_dtype is not None and (hidden % SCALE_BLOCK or wire_row_bytes % 16):
         why = (f"H = {hidden} on an 8-bit wire (the kernel takes H a multiple of {SCALE_BLOCK} whose "

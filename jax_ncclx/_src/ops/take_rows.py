@@ -87,14 +87,11 @@ def take_rows(x, index, *, width: int | None = None, suffix=None, sources=None, 
     return take_rows_p.bind(*operands, width=int(width))[0]
 
 
-WIRE_TOKEN_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
-
-
 def wire_misfit(row_bytes: int, width: int, dtype) -> str | None:
     """Why expand_rows cannot decode rows of ``row_bytes`` on the 8-bit wire into ``width`` values of ``dtype``
     (a message), or None where it can."""
     block = contract.MOE_WIRE_BLOCK
-    if dtype is None or np.dtype(dtype) not in WIRE_TOKEN_DTYPES:
+    if dtype is None or np.dtype(dtype).name not in contract.FLOAT_TYPES:
         return f"rows on the 8-bit wire decode to float32, bfloat16 or float16, got dtype {dtype}"
     if width % block or row_bytes % 8 or width + 4 * (width // block) > row_bytes:
         return (f"rows on the 8-bit wire must be a multiple of 8 bytes holding width values and their scales, "
