@@ -1,10 +1,10 @@
 """Where the GPU time of moe.dispatch and moe.combine goes: kernel times from a jax.profiler trace.
 
-    python tools/profile_moe.py [--tokens 16,128,4096] [--calls 10] [--out DIR]
+    python tools/profile_moe.py [--tokens 16,128,4096] [--wire float8_e4m3fn] [--calls 10] [--out DIR]
 
 Runs dispatch, combine and the round trip at the all_to_allv benchmark's shapes (hidden 7168 bf16, top-8 of 8
 experts per rank on every local GPU; the router weights go with dispatch, so combine sums each token's pairs
-on the expert side; one GPU is an axis of one member), traces ``--calls`` calls of each under ``jax.profiler``
+on the expert side; one GPU is an axis of one member; ``--wire`` gives dispatch an 8-bit wire), traces ``--calls`` calls of each under ``jax.profiler``
 and sums the time of every kernel on GPU 0's streams per call: XLA's fusions by name and jax_ncclx's NVLink
 kernel. It prints one table per (T, function) and writes them to DIR/moe_profile.json. A diagnostic, not a
 benchmark: the profiler adds its own overhead, so compare kernels within a run, and time with
@@ -33,11 +33,11 @@ from jax_ncclx import moe  # noqa: E402
 TOP_KERNELS = 14  # rows per table; the rest are summed into one
 
 
-def functions(routing, experts_per_rank):
+def functions(routing, experts_per_rank, wire_dtype):
     """name -> (per-rank function, argument names) for the three profiled steps."""
     num_experts = routing.counts.shape[0] * experts_per_rank
     dispatch = functools.partial(moe.dispatch, num_experts=num_experts, axis_name=bench.AXIS,
-                                 capacity=routing.capacity)
+                                 capacity=routing.capacity, wire_dtype=wire_dtype)
 
     def round_trip(tokens, expert_ids, weights):  # the weights go with dispatch, as the benchmark's nx_moe
         rows, _, handle = dispatch(tokens, expert_ids, weights=weights)
@@ -111,6 +111,8 @@ def main():
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--experts-per-rank", type=int, default=8)
+    parser.add_argument("--wire", choices=["float8_e4m3fn", "float8_e5m2"],
+                        help="dispatch's 8-bit wire dtype (default: the tokens' bfloat16)")
     parser.add_argument("--calls", type=int, default=10, help="traced calls per function")
     parser.add_argument("--out", type=Path, help="folder for moe_profile.json (default: print only)")
     args = parser.parse_args()
@@ -124,14 +126,15 @@ def main():
         routing = bench.make_routing(len(devices), tokens, args.top_k, args.experts_per_rank, seed=0)
         arrays = bench.make_inputs(mesh, routing, tokens, args.hidden, jnp.bfloat16, seed=0)
         arrays["rows"], arrays["handle"] = bench.moe_handle(mesh, arrays, routing, args)
-        for name, (fn, arg_names) in functions(routing, args.experts_per_rank).items():
+        for name, (fn, arg_names) in functions(routing, args.experts_per_rank, args.wire).items():
             step = bench.per_rank(mesh, fn, len(arg_names))
             rows = profile(step, [arrays[a] for a in arg_names], args.calls)
             if not rows:
                 raise SystemExit("profile_moe: the trace holds no kernel events on GPU 0's streams (is CUPTI "
                                  "available?)")
             print_table(f"T={tokens} {name}", rows, log)
-            results.append({"tokens": tokens, "function": name, "capacity": routing.capacity, "kernels": rows})
+            results.append({"tokens": tokens, "function": name, "capacity": routing.capacity, "wire": args.wire,
+                            "kernels": rows})
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "moe_profile.json").write_text(json.dumps({"meta": common.metadata(), "results": results},
