@@ -4,12 +4,12 @@
 
 Runs dispatch, combine and the round trip at the all_to_allv benchmark's shapes (hidden 7168 bf16, top-8 of 8
 experts per rank on every local GPU; the router weights go with dispatch, so combine sums each token's pairs
-on the expert side; one GPU is an axis of one member; ``--wire`` gives dispatch an 8-bit wire), traces ``--calls`` calls of each under ``jax.profiler``
-and sums the time of every kernel on GPU 0's streams per call: XLA's fusions by name and jax_ncclx's NVLink
-kernel. It prints one table per (T, function) and writes them to DIR/moe_profile.json. A diagnostic, not a
-benchmark: the profiler adds its own overhead, so compare kernels within a run, and time with
-benchmarks/all_to_allv.py. Needs CUPTI (the jax-cuda plugin's profiler); a trace without kernel events is
-reported as such.
+on the expert side; one GPU is an axis of one member; ``--wire`` gives dispatch an 8-bit wire), traces
+``--calls`` calls of each under ``jax.profiler`` and sums the time of every kernel on GPU 0's streams per
+call: XLA's fusions by name and jax_ncclx's NVLink kernel. It prints one table per (T, function) and writes
+them to DIR/moe_profile.json. A diagnostic, not a benchmark: the profiler adds its own overhead, so compare
+kernels within a run, and time with benchmarks/all_to_allv.py. Needs CUPTI (the jax-cuda plugin's profiler); a
+trace without kernel events is reported as such.
 """
 
 import argparse
