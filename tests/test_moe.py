@@ -185,7 +185,7 @@ def test_combine_with_dispatch_weights_on_every_path(combine_path, capacity):
 
 
 @pytest.mark.gpu
-def test_combine_kernel_takes_decode_sizes(monkeypatch):
+def test_combine_kernel_takes_calls_up_to_its_limit(monkeypatch):
     """The NVLink kernel takes combine where a member's rows fit its 64 MiB; a larger call, and rows it cannot
     move as 16-byte vectors, lower to the exchange chain (lowering only)."""
     reason = gpu_skip_reason(minimum=1)

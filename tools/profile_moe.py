@@ -133,7 +133,8 @@ def main():
                 raise SystemExit("profile_moe: the trace holds no kernel events on GPU 0's streams (is CUPTI "
                                  "available?)")
             print_table(f"T={tokens} {name}", rows, log)
-            results.append({"tokens": tokens, "function": name, "capacity": routing.capacity, "wire": args.wire,
+            wire = None if name == "combine" else args.wire  # combine alone reuses a plain dispatch's handle
+            results.append({"tokens": tokens, "function": name, "capacity": routing.capacity, "wire": wire,
                             "kernels": rows})
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
-"""MoE dispatch and combine over one expert-parallel mesh axis (or several taken as one). At decode sizes on
-NVLink each is one kernel (``moe_dispatch.py``, ``moe_combine.py``); elsewhere each is a chain of jax_ncclx
-ops around one ``all_to_allv_dynamic`` call. Both give the same values.
+"""MoE dispatch and combine over one expert-parallel mesh axis (or several taken as one). On NVLink, dispatch
+at decode sizes and combine (with dispatch's weights) up to 64 MiB of rows per member are one kernel each
+(``moe_dispatch.py``, ``moe_combine.py``); elsewhere each is a chain of jax_ncclx ops around one
+``all_to_allv_dynamic`` call. Both give the same values.
 
 Expert placement: with N members on ``axis_name`` and E experts, E_local = E // N and expert e lives on member
 e // E_local (by ``jax.lax.axis_index(axis_name)``) as its local expert e % E_local. ``dispatch`` gives every

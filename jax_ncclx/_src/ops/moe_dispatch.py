@@ -49,8 +49,8 @@ from jax_ncclx._src.ops.take_rows import wire_misfit
 logger = logging.getLogger("jax_ncclx")
 
 SCALE_BLOCK = contract.MOE_WIRE_BLOCK  # values per scale on an 8-bit wire (the whole row when H is not a multiple)
-# The most bytes of wire rows one member's share of the kernel's slots may hold (R rows): decode sizes, which the
-# plan's limits in shared memory bound well before this.
+# The most bytes of wire rows one member's share of the kernel's slots may hold (R rows): decode sizes, where the
+# kernel's symmetric-memory slots stay small. With few members it binds before the plan's shared-memory limits.
 KERNEL_MAX_MEMBER_BYTES = 4 << 20
 
 

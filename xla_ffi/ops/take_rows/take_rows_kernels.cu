@@ -223,7 +223,7 @@ cudaError_t LaunchExpandRows(const TakeRowsShape& shape, int32_t top_k, const vo
 cudaError_t LaunchExpandWireRows(const TakeRowsShape& shape, int32_t top_k, MoeWire wire, FloatType token,
                                  const void* x, const int32_t* index, const int32_t* sources, void* out,
                                  cudaStream_t stream) {
-  if (shape.batch * shape.rows == 0) return cudaSuccess;
+  if (shape.batch * shape.rows == 0 || shape.take_bytes == 0) return cudaSuccess;  // no work: a grid of 0 fails
   // Whole 16-byte output vectors, and aligned 8-byte loads of values and 4-byte loads of scales (the handler
   // checks the shapes; this keeps the kernel's loads legal whatever called it).
   if (shape.take_bytes % 16 != 0 || shape.x_row_bytes % 8 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 ||
