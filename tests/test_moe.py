@@ -5,6 +5,7 @@ with the weights given to combine (one row per pair comes back) and given to dis
 token's pairs and sends one row back). benchmarks/xla_moe.py, the benchmark's XLA-only layer, is checked
 against the same reference."""
 
+import logging
 import math
 import os
 import sys
@@ -683,6 +684,9 @@ def test_8bit_wire(backend, wire_dtype):
     hlo = jax.jit(mapped).lower(tokens, ids).as_text().splitlines()
     exchanges = [line for line in hlo if "ncclx_all_to_allv_dynamic" in line and "custom_call" in line]
     assert len(exchanges) == 1 and f"x{hidden + 4 * hidden // 128}xui8>" in exchanges[0].split("->")[0]
+    # Quantized in one pass by encode_rows, which takes the float32 tokens.
+    encodes = [line for line in hlo if "ncclx_encode_rows" in line and "custom_call" in line]
+    assert len(encodes) == 1 and f"x{hidden}xf32>" in encodes[0].split("->")[0]
     # Dequantized as the received rows are expanded: the row copy takes the uint8 rows, gives float32 ones.
     expansions = [line for line in hlo if "ncclx_expand_rows" in line and "custom_call" in line]
     assert len(expansions) == 1 and "xui8>, tensor" in expansions[0].split("->")[0]
@@ -699,6 +703,29 @@ def test_8bit_wire(backend, wire_dtype):
             np.testing.assert_allclose(got, ref, rtol=rounding, atol=np.abs(ref).max() * 2.0 ** -14)
             assert np.count_nonzero(got) == np.count_nonzero(ref)  # the small block is not flushed to zero
         assert (rows[member] != ref_rows).any()  # rounded on the way
+
+
+def test_8bit_wire_quantizes_in_xla_where_encode_rows_cannot(backend, caplog):
+    """At H = 192 (not a multiple of 128: one scale per row) XLA quantizes the tokens, and the log says why;
+    the rows still come back within the format's rounding."""
+    n = len(backend)
+    num_experts, hidden = 2 * n, 192
+    tokens, ids = random_array((n, TOKENS, hidden), jnp.float32), random_ids(n, num_experts, seed=9)
+
+    def body(t, i):
+        return moe.dispatch(t[0], i[0], num_experts=num_experts, axis_name="x", capacity=TIGHT,
+                            wire_dtype=jnp.float8_e4m3fn)[0][None]
+
+    mapped = jax.jit(jax.shard_map(body, mesh=line_mesh(backend), in_specs=(P("x"),) * 2, out_specs=P("x")))
+    with caplog.at_level(logging.DEBUG, logger="jax_ncclx"):
+        hlo = mapped.lower(tokens, ids).as_text()
+    assert "ncclx_encode_rows" not in hlo
+    assert any("quantizes its tokens in XLA" in r.getMessage() and "H = 192" in r.getMessage()
+               for r in caplog.records)
+    rows = np.asarray(mapped(tokens, ids))
+    expected, _ = reference_dispatch(tokens, ids, num_experts, TIGHT)
+    for member, (ref_rows, _, _) in enumerate(expected):
+        np.testing.assert_allclose(rows[member], ref_rows, rtol=2.0 ** -4, atol=np.abs(ref_rows).max() * 2.0 ** -9)
 
 
 def test_8bit_wire_gradient_is_straight_through(backend):

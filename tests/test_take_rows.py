@@ -1,6 +1,7 @@
 """take_rows, the row copies of moe.dispatch, against NumPy on CPU and one GPU: every copy unit the CUDA kernel
 picks (16, 4 and 1 bytes), indices outside x, a width below x's, a suffix, a batch under vmap, and its
-gradient; the same with index's inverse given (``sources``: the walk over x's rows)."""
+gradient; the same with index's inverse given (``sources``: the walk over x's rows); encode_rows, the 8-bit
+wire's quantization, against XLA's ``_encode`` on the same backend."""
 
 import functools
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from jax_ncclx._src.ops import moe_dispatch
+from jax_ncclx._src.ops.take_rows import encode_rows
 from jax_ncclx._src.ops.take_rows import take_rows
 
 
@@ -148,6 +150,67 @@ def test_sources_walk_decodes_the_8bit_wire(one_device, wire_dtype, dtype):
     expected = jax.jit(lambda d, i, s: take_rows(d, i, sources=s))(*put(one_device, decoded, index, sources))
     assert actual.dtype == np.dtype(dtype) and actual.shape == (50, hidden)
     np.testing.assert_array_equal(np.asarray(actual).view(np.uint8), np.asarray(expected).view(np.uint8))
+
+
+def wire_test_tokens(rng, num_rows, hidden, dtype):
+    """Token rows whose blocks of 128 cover the 8-bit wire's cases: ordinary values, 10^-4 smaller ones, a block
+    of zeros (scale 0), one near float16's largest, one of float32 subnormal size, infinities, and a row whose
+    values span 2^-20 to 2^20 (the wire's subnormals and its largest values in one block)."""
+    tokens = rng.standard_normal((num_rows, hidden)).astype(np.float32)
+    tokens[:, :128] *= 1e-4
+    tokens[0, 128:256] = 0.0
+    tokens[1, 256:384] *= 60000.0 / np.abs(tokens[1, 256:384]).max()
+    tokens[2, 384:512] *= 1e-30
+    tokens[3, 200], tokens[4, 300] = np.inf, -np.inf
+    tokens[5] = rng.standard_normal(hidden) * np.exp2(rng.integers(-20, 20, hidden))
+    with np.errstate(over="ignore"):  # float16 saturates 60000-ish values to infinity, as it should
+        return np.array(jnp.asarray(tokens, dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float32, np.float16], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("wire_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=lambda d: np.dtype(d).name)
+def test_encode_rows_gives_xlas_encoding(one_device, wire_dtype, dtype):
+    """encode_rows' rows are bit for bit those of moe_dispatch._encode run by XLA on the same backend (its
+    division as that backend divides), in one custom call and no pass of XLA's."""
+    tokens = wire_test_tokens(np.random.default_rng(7), 40, 640, dtype)
+    encode = jax.jit(lambda t: encode_rows(t, wire_dtype))
+    hlo = encode.lower(tokens).as_text()
+    assert "ncclx_encode_rows" in hlo and "reduce" not in hlo and "divide" not in hlo
+    (tokens_d,) = put(one_device, tokens)
+    actual = encode(tokens_d)
+    expected = jax.jit(lambda t: moe_dispatch._encode(t, wire_dtype))(tokens_d)
+    assert actual.dtype == np.uint8 and actual.shape == (40, 640 + 4 * 5)
+    np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected))
+
+
+def test_encode_rows_nan_block_and_vmap(one_device):
+    """A block with a NaN gets scale NaN and leaves the other blocks of its row alone; vmap is one call."""
+    tokens = wire_test_tokens(np.random.default_rng(8), 12, 512, np.float32).reshape(3, 4, 512)
+    tokens[1, 2, 5] = np.nan
+    encode = jax.jit(jax.vmap(lambda t: encode_rows(t, jnp.float8_e4m3fn)))
+    assert encode.lower(tokens).as_text().count("ncclx_encode_rows") == 1
+    actual = np.asarray(encode(*put(one_device, tokens)))
+    scales = actual[..., 512:].copy().view(np.float32)  # [3, 4, 4]
+    assert np.isnan(scales[1, 2, 0]) and np.isnan(scales).sum() == 1
+    reference = jax.jit(lambda t: moe_dispatch._encode(t, jnp.float8_e4m3fn))
+    for b in range(3):
+        expected = np.asarray(reference(*put(one_device, tokens[b])))
+        keep = np.ones(expected.shape, bool)
+        if b == 1:
+            keep[2, :128] = False  # the NaN block's values are not specified
+        np.testing.assert_array_equal(actual[b][keep], expected[keep])
+
+
+@pytest.mark.parametrize("x, wire_dtype, message", [
+    (np.zeros((4, 256), np.float32), np.int8, "wire_dtype must be"),
+    (np.zeros((4, 256), np.float32), jnp.float8_e4m3fnuz, "wire_dtype must be"),
+    (np.zeros((256,), np.float32), jnp.float8_e4m3fn, r"x must be \[rows, H\]"),
+    (np.zeros((4, 192), np.float32), jnp.float8_e4m3fn, "multiple of 128"),
+    (np.zeros((4, 256), np.int32), jnp.float8_e4m3fn, "float32, bfloat16 or float16, got int32"),
+])
+def test_encode_rows_refuses_bad_arguments(x, wire_dtype, message):
+    with pytest.raises(ValueError, match=message):
+        encode_rows(x, wire_dtype)
 
 
 def test_vmap_is_one_call(one_device):

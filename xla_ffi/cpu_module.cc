@@ -54,6 +54,7 @@ NB_MODULE(_ncclx_cpu, m) {
         targets["ncclx_moe_place_received"] = Capsule(jax_ncclx::CpuMoePlaceReceived);
         targets["ncclx_take_rows"] = Capsule(jax_ncclx::CpuTakeRows);
         targets["ncclx_expand_rows"] = Capsule(jax_ncclx::CpuExpandRows);
+        targets["ncclx_encode_rows"] = Capsule(jax_ncclx::CpuEncodeRows);
         return targets;
       },
       "FFI handler capsules of the CPU backend, by target name (a dict of stages for the collectives).");

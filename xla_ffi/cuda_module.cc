@@ -79,6 +79,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaMoePlanSends);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaMoePlaceReceived);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaTakeRows);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaExpandRows);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaEncodeRows);
 
 namespace {
 
@@ -489,6 +490,7 @@ std::vector<Handler> Handlers() {
       {"ncclx_moe_place_received", "moe_place_received", "local", false, false, Capsule(CudaMoePlaceReceived)},
       {"ncclx_take_rows", "take_rows", "local", false, false, Capsule(CudaTakeRows)},
       {"ncclx_expand_rows", "expand_rows", "local", false, false, Capsule(CudaExpandRows)},
+      {"ncclx_encode_rows", "encode_rows", "local", false, false, Capsule(CudaEncodeRows)},
   };
 }
 

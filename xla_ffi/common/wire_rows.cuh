@@ -1,6 +1,7 @@
 // Rows on moe.dispatch's 8-bit wire, on the device: H values of an 8-bit float format, then a float32 scale per
 // kMoeWireBlock values (contract.h; moe_dispatch.py's _encode and _decode are the same arithmetic in XLA). The
-// dispatch kernel quantizes and dequantizes them; expand_rows dequantizes them as it expands.
+// dispatch kernel quantizes and dequantizes them; encode_rows quantizes them, expand_rows dequantizes them as it
+// expands.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -75,6 +76,60 @@ __device__ __forceinline__ uint4 DequantizeVector(const uint8_t* row, int64_t v,
     values[2 * i + 1] = FromFloat<Token>(pair.y);
   }
   return out;
+}
+
+// Lane `lane`'s 4 values of block b (values [b * kMoeWireBlock, (b + 1) * kMoeWireBlock)) of the token row `in`,
+// as float: one 16-byte (float) or 8-byte load.
+template <typename Token>
+__device__ __forceinline__ void LoadBlockValues(const Token* in, int32_t b, int lane, float (&v)[4]) {
+  static_assert(kMoeWireBlock == 4 * 32, "a lane's 4 values");
+  const Token* values = in + int64_t{b} * kMoeWireBlock + lane * 4;
+  if constexpr (sizeof(Token) == 4) {
+    const float4 four = *reinterpret_cast<const float4*>(values);
+    v[0] = four.x, v[1] = four.y, v[2] = four.z, v[3] = four.w;
+  } else {
+    const uint2 bits = *reinterpret_cast<const uint2*>(values);
+    const Token* four = reinterpret_cast<const Token*>(&bits);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = ToFloat(four[i]);
+  }
+}
+
+// Quantizes block b of a token row, whose lane's values are v (LoadBlockValues), into the wire row `row` (H
+// values, then the float32 scales) with the 32 lanes of a warp: the block's values, and lane 0 its scale.
+template <typename Token, __nv_fp8_interpretation_t kFormat>
+__device__ __forceinline__ void StoreQuantizedBlock(uint8_t* row, const float (&v)[4], int32_t b, int64_t hidden,
+                                                    int lane) {
+  // A NaN anywhere makes the block's scale NaN, as jnp.max does in the chain (fmaxf would drop it).
+  auto max_nan = [](float a, float b) {
+    float m;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(m) : "f"(a), "f"(b));
+    return m;
+  };
+  float largest = max_nan(max_nan(fabsf(v[0]), fabsf(v[1])), max_nan(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+  for (int d = 16; d > 0; d /= 2) largest = max_nan(largest, __shfl_xor_sync(0xffffffffu, largest, d));
+  // The chain's arithmetic (_encode): scale = max |v| * (1 / largest), q = v / scale (v / 1 for a zero block),
+  // divided as XLA's GPU backend divides (div.full.f32, not div.rn), so that both round q alike.
+  const float scale = largest * Wire<Token, kFormat>::kInverse;
+  const float divisor = scale > 0.0f ? scale : 1.0f;
+  auto q = [divisor](float x) {
+    float quotient;
+    asm("div.full.f32 %0, %1, %2;" : "=f"(quotient) : "f"(x), "f"(divisor));
+    return quotient;
+  };
+  const uint32_t low = __nv_cvt_float2_to_fp8x2(make_float2(q(v[0]), q(v[1])), __NV_SATFINITE, kFormat);
+  const uint32_t high = __nv_cvt_float2_to_fp8x2(make_float2(q(v[2]), q(v[3])), __NV_SATFINITE, kFormat);
+  reinterpret_cast<uint32_t*>(row + int64_t{b} * kMoeWireBlock)[lane] = low | high << 16;
+  if (lane == 0) reinterpret_cast<float*>(row + hidden)[b] = scale;
+}
+
+// Block b of the token row `in` (H values) quantized into the wire row `row`, with the 32 lanes of a warp.
+template <typename Token, __nv_fp8_interpretation_t kFormat>
+__device__ __forceinline__ void QuantizeBlock(uint8_t* row, const Token* in, int32_t b, int64_t hidden, int lane) {
+  float v[4];
+  LoadBlockValues(in, b, lane, v);
+  StoreQuantizedBlock<Token, kFormat>(row, v, b, hidden, lane);
 }
 
 }  // namespace jax_ncclx

@@ -19,8 +19,8 @@ arithmetic) tokens are float32, bfloat16 or float16 with H a multiple of 512; to
 ``MOE_DISPATCH_MAX_MEMBER_TOKENS`` (2048), the plan the kernel keeps in each block's shared memory; and a
 member's R rows on the wire take at most ``KERNEL_MAX_MEMBER_BYTES`` (4 MiB). Elsewhere, on the
 CPU and on NCCL, it is the exchange chain: ``plan_sends``, one ``all_to_allv_dynamic``, ``place_received`` and
-``take_rows``. Both compute the same values; which one a call site takes is logged at debug level. Its
-timeout is all_to_allv_dynamic's.
+``take_rows``, with ``encode_rows`` first on an 8-bit wire. Both compute the same values; which one a call site
+takes is logged at debug level. Its timeout is all_to_allv_dynamic's.
 
 Sharding model: every operand varies over the axis, and so does every result. Batching: the exchange chain,
 vmapped. No AD rules: ``jax_ncclx.moe.dispatch``'s custom VJP differentiates it.
@@ -43,6 +43,8 @@ from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
 from jax_ncclx._src.ops import moe_routing
 from jax_ncclx._src.ops.all_to_allv_dynamic import all_to_allv_dynamic
+from jax_ncclx._src.ops.take_rows import encode_misfit
+from jax_ncclx._src.ops.take_rows import encode_rows
 from jax_ncclx._src.ops.take_rows import take_rows
 from jax_ncclx._src.ops.take_rows import wire_misfit
 
@@ -108,7 +110,7 @@ def _exchange_chain(tokens, expert_ids, *weights, axis_name, num_experts, num_me
     plan = moe_routing.plan_sends(expert_ids, weights, num_experts=num_experts, num_members=num_members,
                                   capacity=capacity)
     # Quantized before the copy into send rows: T rows to encode, not S.
-    source = tokens if wire_dtype is None else _encode(tokens, wire_dtype)
+    source = tokens if wire_dtype is None else _encoded(tokens, wire_dtype)
     width = source.shape[1]
     # The exchange reads each token row and appends its tags (and weights) as it sends them: no send-side copy.
     # A member gets each token at most once: R = min(C, T) rows per source, so the padded layout's zero rows
@@ -145,6 +147,15 @@ def _decodes_as_it_expands(dtype, hidden, received_bytes):
     if misfit is not None:
         logger.debug("jax_ncclx: moe.dispatch decodes its received rows before the expansion: %s", misfit)
     return misfit is None
+
+
+def _encoded(tokens, wire_dtype):
+    """``_encode``'s rows, by encode_rows (one pass) where it takes the tokens, else by XLA (logged)."""
+    misfit = encode_misfit(tokens.dtype, tokens.shape[1])
+    if misfit is None:
+        return encode_rows(tokens, wire_dtype)
+    logger.debug("jax_ncclx: moe.dispatch quantizes its tokens in XLA: %s", misfit)
+    return _encode(tokens, wire_dtype)
 
 
 def _scale_block(hidden):

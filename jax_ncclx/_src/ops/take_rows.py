@@ -6,6 +6,8 @@ allow it (``xla_ffi/ops/take_rows/take_rows_kernels.cu``), a loop on CPU. XLA's 
 element at a time and took about twice as long for bf16 rows of 14 KiB. Given index's inverse (``sources``),
 the copy walks the rows of x instead (``ncclx_expand_rows``) and reads each once: the expansion into the
 expert-major layout reads each received row k times otherwise, more than the L2 holds at prefill sizes.
+``encode_rows`` (``ncclx_encode_rows``) quantizes token rows onto moe.dispatch's 8-bit wire in one pass, where
+XLA runs ``_encode`` as a reduction, then a pass that writes values and scales.
 
 The primitives are batched: x ``[B, X, F]``, index ``[B, M]``, the suffix ``[B, M, G]`` and sources
 ``[B, X, k]`` lead with a batch dimension B, which is how ``vmap`` stays one call. Both are linear in x (and
@@ -85,6 +87,43 @@ def take_rows(x, index, *, width: int | None = None, suffix=None, sources=None, 
     if wire_dtype is not None:
         raise ValueError("jax_ncclx take_rows: rows on the 8-bit wire (wire_dtype) are decoded with sources only")
     return take_rows_p.bind(*operands, width=int(width))[0]
+
+
+def encode_rows(x, wire_dtype):
+    """Token rows quantized onto moe.dispatch's 8-bit wire, with ``moe_dispatch._encode``'s arithmetic.
+
+    Args:
+      x: ``[X, H]`` float32, bfloat16 or float16, H a multiple of 128.
+      wire_dtype: ``float8_e4m3fn`` or ``float8_e5m2``.
+
+    Returns:
+      uint8 ``[X, H + 4 * H / 128]``: row i is x[i]'s H values of wire_dtype, each divided by its block's scale,
+      then the float32 scale of each block of 128 values (its largest magnitude over wire_dtype's largest
+      finite value; 0 for a block of zeros, NaN for one with a NaN). Not differentiable (uint8 rows).
+
+    Raises:
+      ValueError: a bad argument (the message names it).
+    """
+    x_shape = jnp.shape(x)
+    name = np.dtype(wire_dtype).name
+    if name not in contract.MOE_WIRES or name == "none":
+        raise ValueError(f"jax_ncclx encode_rows: wire_dtype must be float8_e4m3fn or float8_e5m2, got {name}")
+    if len(x_shape) != 2:
+        raise ValueError(f"jax_ncclx encode_rows: x must be [rows, H], got shape {x_shape}")
+    misfit = encode_misfit(jax.typeof(x).dtype, x_shape[1])
+    if misfit is not None:
+        raise ValueError(f"jax_ncclx encode_rows: {misfit}")
+    return encode_rows_p.bind(jnp.asarray(x)[None], wire=name)[0]
+
+
+def encode_misfit(dtype, hidden: int) -> str | None:
+    """Why encode_rows cannot quantize rows of ``hidden`` values of ``dtype`` (a message), or None where it can."""
+    if np.dtype(dtype).name not in contract.FLOAT_TYPES:
+        return f"rows on the 8-bit wire are encoded from float32, bfloat16 or float16, got {np.dtype(dtype).name}"
+    if hidden % contract.MOE_WIRE_BLOCK:
+        return (f"rows on the 8-bit wire are encoded from H a multiple of {contract.MOE_WIRE_BLOCK} values, "
+                f"got H = {hidden}")
+    return None
 
 
 def wire_misfit(row_bytes: int, width: int, dtype) -> str | None:
@@ -175,6 +214,22 @@ def _expand_rows_transpose(ct, x, index, sources, **params):
     return [add_rows(x.aval.shape, index, ct) if ad.is_undefined_primal(x) else None, None, None]
 
 
+# Token rows onto the 8-bit wire `wire`: x [B, X, H] -> uint8 [B, X, H + 4 * H / 128]. Its result is integer, so
+# its tangent is a float0 zero, as for XLA's _encode.
+encode_rows_p = primitive.make_local("encode_rows")
+
+
+def _encode_rows_abstract_eval(x, *, wire):
+    batch, num_rows, hidden = x.shape
+    return primitive.output_aval(x, None, shape=(batch, num_rows, hidden + 4 * (hidden // contract.MOE_WIRE_BLOCK)),
+                                 dtype=np.uint8)
+
+
+def _encode_rows_jvp(primals, tangents, *, wire):
+    out = encode_rows_p.bind(*primals, wire=wire)
+    return out, ad.Zero(jax.typeof(out).to_tangent_aval())
+
+
 take_rows_p.def_abstract_eval(_take_rows_abstract_eval)
 lowering.register_local_lowerings(take_rows_p, "ncclx_take_rows", lambda *, width: {})
 batching.fancy_primitive_batchers[take_rows_p] = functools.partial(primitive.fold_vmap_into_batch, take_rows_p)
@@ -186,3 +241,8 @@ lowering.register_local_lowerings(expand_rows_p, "ncclx_expand_rows",  # enum at
 batching.fancy_primitive_batchers[expand_rows_p] = functools.partial(primitive.fold_vmap_into_batch, expand_rows_p)
 ad.primitive_jvps[expand_rows_p] = _expand_rows_jvp
 ad.primitive_transposes[expand_rows_p] = _expand_rows_transpose
+encode_rows_p.def_abstract_eval(_encode_rows_abstract_eval)
+lowering.register_local_lowerings(encode_rows_p, "ncclx_encode_rows",  # enum attributes travel as int32
+                                  lambda *, wire: {"wire": np.int32(contract.MOE_WIRES[wire])})
+batching.fancy_primitive_batchers[encode_rows_p] = functools.partial(primitive.fold_vmap_into_batch, encode_rows_p)
+ad.primitive_jvps[encode_rows_p] = _encode_rows_jvp

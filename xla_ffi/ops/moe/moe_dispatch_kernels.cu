@@ -72,46 +72,6 @@ __device__ __forceinline__ uint8_t* Slots(const Call& call, int owner, int parit
   return table->data[owner] + parity * table->parity_half_bytes + call.slot_base;
 }
 
-// Quantizes values [b * kMoeWireBlock, (b + 1) * kMoeWireBlock) of the token row `in` (H values) into the wire
-// row `row` with the 32 lanes of a warp, 4 values per lane: H bytes, then the float32 scales.
-template <typename Token, __nv_fp8_interpretation_t kFormat>
-__device__ __forceinline__ void QuantizeBlock(uint8_t* row, const Token* in, int32_t b, int64_t hidden, int lane) {
-  static_assert(kMoeWireBlock == 4 * 32, "a lane's 4 values");
-  const Token* values = in + int64_t{b} * kMoeWireBlock + lane * 4;
-  float v[4];
-  if constexpr (sizeof(Token) == 4) {
-    const float4 four = *reinterpret_cast<const float4*>(values);
-    v[0] = four.x, v[1] = four.y, v[2] = four.z, v[3] = four.w;
-  } else {
-    const uint2 bits = *reinterpret_cast<const uint2*>(values);
-    const Token* four = reinterpret_cast<const Token*>(&bits);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = ToFloat(four[i]);
-  }
-  // A NaN anywhere makes the block's scale NaN, as jnp.max does in the chain (fmaxf would drop it).
-  auto max_nan = [](float a, float b) {
-    float m;
-    asm("max.NaN.f32 %0, %1, %2;" : "=f"(m) : "f"(a), "f"(b));
-    return m;
-  };
-  float largest = max_nan(max_nan(fabsf(v[0]), fabsf(v[1])), max_nan(fabsf(v[2]), fabsf(v[3])));
-#pragma unroll
-  for (int d = 16; d > 0; d /= 2) largest = max_nan(largest, __shfl_xor_sync(0xffffffffu, largest, d));
-  // The chain's arithmetic (_encode): scale = max |v| * (1 / largest), q = v / scale (v / 1 for a zero block),
-  // divided as XLA's GPU backend divides (div.full.f32, not div.rn), so that both round q alike.
-  const float scale = largest * Wire<Token, kFormat>::kInverse;
-  const float divisor = scale > 0.0f ? scale : 1.0f;
-  auto q = [divisor](float x) {
-    float quotient;
-    asm("div.full.f32 %0, %1, %2;" : "=f"(quotient) : "f"(x), "f"(divisor));
-    return quotient;
-  };
-  const uint32_t low = __nv_cvt_float2_to_fp8x2(make_float2(q(v[0]), q(v[1])), __NV_SATFINITE, kFormat);
-  const uint32_t high = __nv_cvt_float2_to_fp8x2(make_float2(q(v[2]), q(v[3])), __NV_SATFINITE, kFormat);
-  reinterpret_cast<uint32_t*>(row + int64_t{b} * kMoeWireBlock)[lane] = low | high << 16;
-  if (lane == 0) reinterpret_cast<float*>(row + hidden)[b] = scale;
-}
-
 // Calls of at most this many pairs (T * k), (member, token) entries and keys are planned by one warp: past
 // them its serial loops (a ballot per 32 entries, a run of keys per lane) would cost more than the block's.
 constexpr int32_t kWarpPlanPairs = 256;

@@ -4,7 +4,8 @@
 // that copies 16 bytes per lane where the rows allow it. Rows are raw bytes: any dtype.
 // expand_rows is take_rows without a suffix, given also the inverse of index (for each row of x, the rows of
 // out that take it): the CUDA kernel then reads each row of x once, however many rows of out take it. It can
-// also dequantize rows on moe.dispatch's 8-bit wire as it reads them (common/wire_rows.cuh).
+// also dequantize rows on moe.dispatch's 8-bit wire as it reads them (common/wire_rows.cuh). encode_rows
+// quantizes token rows onto that wire, in one pass over them.
 // This header is plain C++: the CPU module, the CUDA handler and the device code all include it.
 #pragma once
 

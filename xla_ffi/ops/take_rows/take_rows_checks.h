@@ -16,6 +16,7 @@ namespace jax_ncclx {
 
 inline constexpr std::string_view kTakeRowsOp = "take_rows";
 inline constexpr std::string_view kExpandRowsOp = "expand_rows";
+inline constexpr std::string_view kEncodeRowsOp = "encode_rows";
 
 // x [B, X, F], index [B, M], suffix [B, M, G] (x's dtype) and out [B, M, W + G] (x's dtype), W <= F.
 inline ffi::ErrorOr<TakeRowsShape> GetTakeRowsShape(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& index,
@@ -119,6 +120,42 @@ inline ffi::ErrorOr<ExpandRowsCall> GetExpandRowsCall(const ffi::AnyBuffer& x, c
   return call;
 }
 
+// What an encode_rows call converts: B * X rows of H tokens of `token` into rows on the 8-bit wire `wire`.
+struct EncodeRowsCall {
+  int64_t rows = 0;    // B * X
+  int64_t hidden = 0;  // H, a multiple of kMoeWireBlock
+  FloatType token = FloatType::kF32;
+  MoeWire wire = MoeWire::kE4M3;
+};
+
+// encode_rows: x [B, X, H] float32, bfloat16 or float16 with H a multiple of kMoeWireBlock, and out
+// [B, X, H + 4 * H / kMoeWireBlock] uint8; wire one of the 8-bit formats.
+inline ffi::ErrorOr<EncodeRowsCall> GetEncodeRowsCall(const ffi::AnyBuffer& x, const ffi::AnyBuffer& out,
+                                                      MoeWire wire) {
+  constexpr std::string_view op = kEncodeRowsOp;
+  if (wire == MoeWire::kNone || !ValidMoeWire(wire)) {
+    return InvalidArgument(op,
+                           "wire " + std::to_string(static_cast<int>(wire)) + " is not an 8-bit MoeWire (contract.h)");
+  }
+  ffi::ErrorOr<FloatType> token = WireTokenType(op, "x", x.element_type());
+  if (token.has_error()) return token.error();
+  const auto x_dims = x.dimensions(), out_dims = out.dimensions();
+  const int64_t hidden = x_dims.size() == 3 ? x_dims[2] : -1;
+  if (hidden < 0 || hidden % kMoeWireBlock != 0) {
+    return InvalidArgument(op, "x has shape " + DimsString(x_dims) +
+                                   ", expected [batch, rows, H] with H a multiple of " + std::to_string(kMoeWireBlock));
+  }
+  const int64_t wire_bytes = hidden + 4 * (hidden / kMoeWireBlock);
+  if (out.element_type() != ffi::U8 || out_dims.size() != 3 || out_dims[0] != x_dims[0] || out_dims[1] != x_dims[1] ||
+      out_dims[2] != wire_bytes) {
+    return InvalidArgument(op, "out is " + std::string(DataTypeName(out.element_type())) + DimsString(out_dims) +
+                                   ", expected u8[" + std::to_string(x_dims[0]) + ", " + std::to_string(x_dims[1]) +
+                                   ", " + std::to_string(wire_bytes) + "] (H values, then H / " +
+                                   std::to_string(kMoeWireBlock) + " float32 scales)");
+  }
+  return EncodeRowsCall{x_dims[0] * x_dims[1], hidden, *token, wire};
+}
+
 // The buffers both handlers bind (after any context).
 template <typename Binding>
 auto BindTakeRows(Binding binding) {
@@ -137,6 +174,14 @@ auto BindExpandRows(Binding binding) {
       .template Arg<ffi::Buffer<ffi::S32>>()  // sources [B, X, k]
       .template Ret<ffi::AnyBuffer>()         // out [B, M, W], or [B, M, H] decoded from the 8-bit wire
       .template Attr<MoeWire>("wire");        // how x's rows are (contract.h): as they are, or on the 8-bit wire
+}
+
+template <typename Binding>
+auto BindEncodeRows(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // x [B, X, H] float32, bfloat16 or float16
+      .template Ret<ffi::AnyBuffer>()  // out [B, X, H + 4 * H / 128] uint8: H values, then the float32 scales
+      .template Attr<MoeWire>("wire");  // the 8-bit format (contract.h)
 }
 
 }  // namespace jax_ncclx

@@ -1,5 +1,7 @@
-// CPU handlers of take_rows (one memcpy per row part) and expand_rows (the CUDA kernel's walk, decoding rows on
-// the 8-bit wire as XLA converts them).
+// CPU handlers of take_rows (one memcpy per row part), expand_rows (the CUDA kernel's walk, decoding rows on
+// the 8-bit wire as XLA converts them) and encode_rows (moe_dispatch._encode's arithmetic, as XLA's CPU backend
+// runs it).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -77,6 +79,22 @@ uint16_t ToFloat16(float v) {
   return static_cast<uint16_t>(sign | half);
 }
 
+// bfloat16 / float16 bits as float (exact).
+float FromBfloat16(uint16_t bits) {
+  const uint32_t x = uint32_t{bits} << 16;
+  float v;
+  std::memcpy(&v, &x, 4);
+  return v;
+}
+float FromFloat16(uint16_t bits) {
+  const float sign = bits & 0x8000u ? -1.0f : 1.0f;
+  const int exponent = (bits >> 10) & 0x1f, mantissa = bits & 0x3ff;
+  if (exponent == 0x1f)
+    return mantissa == 0 ? sign * std::numeric_limits<float>::infinity() : std::numeric_limits<float>::quiet_NaN();
+  return sign * (exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -24)
+                               : std::ldexp(1.0f + mantissa / 1024.0f, exponent - 15));
+}
+
 // Row `wire_row` (H values on the wire, then H / kMoeWireBlock float32 scales) decoded into `out` (H tokens).
 void DecodeWireRow(const uint8_t* wire_row, int64_t hidden, MoeWire wire, FloatType token, uint8_t* out) {
   for (int64_t i = 0; i < hidden; ++i) {
@@ -90,6 +108,75 @@ void DecodeWireRow(const uint8_t* wire_row, int64_t hidden, MoeWire wire, FloatT
       std::memcpy(out + 2 * i, &bits, 2);
     }
   }
+}
+
+// v rounded to the nearest (ties to even) value of the 8-bit float `wire`, as XLA's CPU backend converts:
+// e4m3fn has no infinities, so past its largest finite value (448) comes NaN; e5m2 goes to infinity there.
+uint8_t EncodeWireValue(float v, MoeWire wire) {
+  const bool e4m3 = wire == MoeWire::kE4M3;
+  const int mantissa_bits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+  const uint32_t nan = e4m3 ? 0x7fu : 0x7eu, infinity = e4m3 ? 0x7fu : 0x7cu;
+  uint32_t x;
+  std::memcpy(&x, &v, 4);
+  const uint32_t sign = (x >> 24) & 0x80u, magnitude = x & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return static_cast<uint8_t>(sign | nan);
+  float below;
+  std::memcpy(&below, &magnitude, 4);
+  if (below < std::ldexp(1.0f, 1 - bias)) {  // a subnormal of the wire (or zero), in units of its smallest
+    return static_cast<uint8_t>(sign |
+                                static_cast<uint32_t>(std::nearbyint(std::ldexp(below, bias - 1 + mantissa_bits))));
+  }
+  const int drop = 23 - mantissa_bits;  // float32 mantissa bits that do not fit
+  uint32_t bits = (magnitude >> drop) - ((127u - bias) << mantissa_bits);
+  const uint32_t rest = magnitude & ((1u << drop) - 1), half = 1u << (drop - 1);
+  if (rest > half || (rest == half && (bits & 1))) ++bits;
+  return static_cast<uint8_t>(sign | std::min(bits, infinity));
+}
+
+// encode_rows on the CPU: each block's scale (its largest magnitude, NaN if any value is, times 1 / the wire's
+// largest value) and its values divided by the scale (by 1 for a scale of 0 or NaN), as _encode. A block with a
+// NaN gets scale NaN; its values are not meaningful (XLA's CPU backend divides them by a max that may skip it).
+ffi::Error EncodeRowsImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, MoeWire wire) {
+  ffi::ErrorOr<EncodeRowsCall> call = GetEncodeRowsCall(x, *out, wire);
+  if (call.has_error()) return call.error();
+  const int64_t hidden = call->hidden, blocks = hidden / kMoeWireBlock;
+  const int token_bytes = FloatTypeBytes(call->token);
+  const float inverse = static_cast<float>(1.0 / (wire == MoeWire::kE4M3 ? 448.0 : 57344.0));
+  const auto* tokens = static_cast<const uint8_t*>(x.untyped_data());
+  auto* rows = static_cast<uint8_t*>(out->untyped_data());
+  std::vector<float> values(hidden);
+  for (int64_t r = 0; r < call->rows; ++r) {
+    const uint8_t* in = tokens + r * hidden * token_bytes;
+    for (int64_t i = 0; i < hidden; ++i) {
+      if (call->token == FloatType::kF32) {
+        std::memcpy(&values[i], in + 4 * i, 4);
+      } else {
+        uint16_t bits;
+        std::memcpy(&bits, in + 2 * i, 2);
+        values[i] = call->token == FloatType::kBF16 ? FromBfloat16(bits) : FromFloat16(bits);
+      }
+    }
+    uint8_t* row = rows + r * (hidden + 4 * blocks);
+    for (int64_t b = 0; b < blocks; ++b) {
+      float largest = 0.0f;
+      for (int64_t i = b * kMoeWireBlock; i < (b + 1) * kMoeWireBlock; ++i) {
+        const float magnitude = std::fabs(values[i]);
+        if (std::isnan(magnitude) || std::isnan(largest)) {
+          largest = std::numeric_limits<float>::quiet_NaN();
+        } else {
+          largest = std::max(largest, magnitude);
+        }
+      }
+      const float scale = largest * inverse;
+      // Times the divisor's float32 reciprocal: XLA's CPU backend divides by a broadcast value so.
+      const float reciprocal = 1.0f / (scale > 0.0f ? scale : 1.0f);
+      for (int64_t i = b * kMoeWireBlock; i < (b + 1) * kMoeWireBlock; ++i) {
+        row[i] = EncodeWireValue(values[i] * reciprocal, wire);
+      }
+      std::memcpy(row + hidden + 4 * b, &scale, 4);
+    }
+  }
+  return ffi::Error::Success();
 }
 
 // The CUDA kernel's walk: zeros where the index is out of range, then each row of x to the rows sources lists
@@ -127,6 +214,7 @@ ffi::Error ExpandRowsImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> index, ffi::Bu
 
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuEncodeRows, EncodeRowsImpl, BindEncodeRows(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuExpandRows, ExpandRowsImpl, BindExpandRows(ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuTakeRows, TakeRowsImpl, BindTakeRows(ffi::Ffi::Bind()));
 

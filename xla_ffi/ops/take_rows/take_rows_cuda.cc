@@ -1,5 +1,5 @@
-// CUDA handler of take_rows: decode, check, and launch one kernel (take_rows_kernels.cu) on XLA's stream. No
-// host work beyond the launch, so it is safe in command buffers.
+// CUDA handlers of take_rows, expand_rows and encode_rows: decode, check, and launch one kernel
+// (take_rows_kernels.cu) on XLA's stream. No host work beyond the launch, so they are safe in command buffers.
 #include <cuda_runtime.h>
 
 #include <optional>
@@ -35,8 +35,19 @@ ffi::Error ExpandRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi
   return CheckCuda(kExpandRowsOp, "kernel launch", launched);
 }
 
+ffi::Error EncodeRowsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, MoeWire wire) {
+  ffi::ErrorOr<EncodeRowsCall> call = GetEncodeRowsCall(x, *out, wire);
+  if (call.has_error()) return call.error();
+  return CheckCuda(kEncodeRowsOp, "kernel launch",
+                   LaunchEncodeRows(call->rows, call->hidden, call->wire, call->token, x.untyped_data(),
+                                    out->untyped_data(), stream));
+}
+
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaEncodeRows, EncodeRowsImpl,
+                              BindEncodeRows(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudaExpandRows, ExpandRowsImpl,
                               BindExpandRows(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});

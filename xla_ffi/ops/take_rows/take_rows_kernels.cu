@@ -4,7 +4,8 @@
 // output's chunks column-major (chunk 0 of every row, then chunk 1, ...), so that a source row taken by many
 // output rows is read from L2 while one chunk column of the sources fits there. expand_rows walks the source
 // rows instead, and stores each chunk to every output row that takes it: one read per source row, whatever
-// the L2 holds. (XLA's gather copies element by element: 2-byte units for bf16 rows.)
+// the L2 holds. (XLA's gather copies element by element: 2-byte units for bf16 rows.) encode_rows gives each
+// warp kEncodeBlocks blocks of a token row, whose loads are all in flight before the first block's reduction.
 #include "ops/take_rows/take_rows_kernels.h"
 
 #include "common/wire_rows.cuh"
@@ -180,6 +181,58 @@ cudaError_t LaunchDecodedExpand(const TakeRowsShape& shape, int32_t top_k, Float
   return cudaErrorInvalidValue;
 }
 
+// Blocks of kMoeWireBlock values a warp quantizes per item: their loads go out together, where one block at a
+// time would wait out a memory round trip per 128 values.
+constexpr int32_t kEncodeBlocks = 4;
+
+template <typename Token, __nv_fp8_interpretation_t kFormat>
+__global__ void __launch_bounds__(kThreads)
+    EncodeRowsKernel(int64_t rows, int64_t hidden, const Token* __restrict__ x, uint8_t* __restrict__ out) {
+  const int32_t blocks = static_cast<int32_t>(hidden / kMoeWireBlock);
+  const int32_t groups = (blocks + kEncodeBlocks - 1) / kEncodeBlocks;
+  const int64_t wire_bytes = hidden + 4 * int64_t{blocks};
+  const int lane = threadIdx.x % 32;
+  for (int64_t item = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32; item < rows * groups;
+       item += int64_t{gridDim.x} * kWarpsPerBlock) {
+    const int64_t r = item / groups;
+    const int32_t first = static_cast<int32_t>(item - r * groups) * kEncodeBlocks;
+    float v[kEncodeBlocks][4];
+#pragma unroll
+    for (int k = 0; k < kEncodeBlocks; ++k) {
+      if (first + k < blocks) LoadBlockValues(x + r * hidden, first + k, lane, v[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kEncodeBlocks; ++k) {
+      if (first + k < blocks) StoreQuantizedBlock<Token, kFormat>(out + r * wire_bytes, v[k], first + k, hidden, lane);
+    }
+  }
+}
+
+template <__nv_fp8_interpretation_t kFormat>
+cudaError_t LaunchEncode(int64_t rows, int64_t hidden, FloatType token, const void* x, void* out, cudaStream_t stream) {
+  const int64_t groups = (hidden / kMoeWireBlock + kEncodeBlocks - 1) / kEncodeBlocks;
+  const auto blocks = static_cast<unsigned>(
+      std::min((rows * groups + kWarpsPerBlock - 1) / kWarpsPerBlock, kMaxBlocks));
+  auto* bytes = static_cast<uint8_t*>(out);
+  switch (token) {
+    case FloatType::kF32:
+      EncodeRowsKernel<float, kFormat>
+          <<<blocks, kThreads, 0, stream>>>(rows, hidden, static_cast<const float*>(x), bytes);
+      break;
+    case FloatType::kBF16:
+      EncodeRowsKernel<__nv_bfloat16, kFormat>
+          <<<blocks, kThreads, 0, stream>>>(rows, hidden, static_cast<const __nv_bfloat16*>(x), bytes);
+      break;
+    case FloatType::kF16:
+      EncodeRowsKernel<__half, kFormat>
+          <<<blocks, kThreads, 0, stream>>>(rows, hidden, static_cast<const __half*>(x), bytes);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
 bool FitsUnit(int64_t width, const TakeRowsShape& s, const void* x, const void* suffix, const void* out) {
   auto aligned = [width](const void* p) { return reinterpret_cast<uintptr_t>(p) % width == 0; };
   return s.x_row_bytes % width == 0 && s.take_bytes % width == 0 && s.suffix_bytes % width == 0 && aligned(x) &&
@@ -235,6 +288,26 @@ cudaError_t LaunchExpandWireRows(const TakeRowsShape& shape, int32_t top_k, MoeW
       return LaunchDecodedExpand<__NV_E4M3>(shape, top_k, token, x, index, sources, out, stream);
     case MoeWire::kE5M2:
       return LaunchDecodedExpand<__NV_E5M2>(shape, top_k, token, x, index, sources, out, stream);
+    case MoeWire::kNone:
+      break;
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t LaunchEncodeRows(int64_t rows, int64_t hidden, MoeWire wire, FloatType token, const void* x, void* out,
+                             cudaStream_t stream) {
+  if (rows == 0 || hidden == 0) return cudaSuccess;  // no work: a grid of 0 fails
+  // Aligned 16-byte (float) or 8-byte token loads; 4-byte stores of values and scales (the handler checks the
+  // shapes; this keeps the kernel's accesses legal whatever called it).
+  if (hidden % kMoeWireBlock != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(out) % 4 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  switch (wire) {
+    case MoeWire::kE4M3:
+      return LaunchEncode<__NV_E4M3>(rows, hidden, token, x, out, stream);
+    case MoeWire::kE5M2:
+      return LaunchEncode<__NV_E5M2>(rows, hidden, token, x, out, stream);
     case MoeWire::kNone:
       break;
   }

@@ -26,4 +26,9 @@ cudaError_t LaunchExpandWireRows(const TakeRowsShape& shape, int32_t top_k, MoeW
                                  const void* x, const int32_t* index, const int32_t* sources, void* out,
                                  cudaStream_t stream);
 
+// encode_rows: `rows` token rows of `hidden` values of `token` (x, 16-byte aligned) quantized onto moe's 8-bit
+// wire (out: rows of hidden + 4 * hidden / kMoeWireBlock bytes), with the dispatch kernel's arithmetic.
+cudaError_t LaunchEncodeRows(int64_t rows, int64_t hidden, MoeWire wire, FloatType token, const void* x, void* out,
+                             cudaStream_t stream);
+
 }  // namespace jax_ncclx
