@@ -124,12 +124,24 @@ __device__ __forceinline__ void StoreQuantizedBlock(uint8_t* row, const float (&
   if (lane == 0) reinterpret_cast<float*>(row + hidden)[b] = scale;
 }
 
-// Block b of the token row `in` (H values) quantized into the wire row `row`, with the 32 lanes of a warp.
+// Blocks a warp quantizes at once (QuantizeBlocks): their loads go out together, where one block at a time would
+// wait out a memory round trip per kMoeWireBlock values.
+constexpr int32_t kQuantizeBlocks = 4;
+
+// Blocks [first, first + kQuantizeBlocks) of the token row `in` (those below blocks = H / kMoeWireBlock)
+// quantized into the wire row `row` with the 32 lanes of a warp, every block's loads before the first reduction.
 template <typename Token, __nv_fp8_interpretation_t kFormat>
-__device__ __forceinline__ void QuantizeBlock(uint8_t* row, const Token* in, int32_t b, int64_t hidden, int lane) {
-  float v[4];
-  LoadBlockValues(in, b, lane, v);
-  StoreQuantizedBlock<Token, kFormat>(row, v, b, hidden, lane);
+__device__ __forceinline__ void QuantizeBlocks(uint8_t* row, const Token* in, int32_t first, int32_t blocks,
+                                               int64_t hidden, int lane) {
+  float v[kQuantizeBlocks][4];
+#pragma unroll
+  for (int k = 0; k < kQuantizeBlocks; ++k) {
+    if (first + k < blocks) LoadBlockValues(in, first + k, lane, v[k]);
+  }
+#pragma unroll
+  for (int k = 0; k < kQuantizeBlocks; ++k) {
+    if (first + k < blocks) StoreQuantizedBlock<Token, kFormat>(row, v[k], first + k, hidden, lane);
+  }
 }
 
 }  // namespace jax_ncclx

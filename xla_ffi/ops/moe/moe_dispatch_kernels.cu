@@ -406,18 +406,20 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     return Slots(call, m, parity) + kHeaderBytes + (int64_t{me} * R + r) * call.slot_row;
   };
   if constexpr (kOnWire<Rows>) {
-    // A warp per (row, block of values), and one more item per row for its suffix.
+    // A warp per (row, kQuantizeBlocks blocks of values), and one more item per row for its suffix.
     using Token = typename WireOf<Rows>::Token;
     const int64_t hidden = args.row_bytes / static_cast<int64_t>(sizeof(Token));
-    const int32_t wire_blocks = static_cast<int32_t>(hidden / kMoeWireBlock), items = wire_blocks + 1;
+    const int32_t wire_blocks = static_cast<int32_t>(hidden / kMoeWireBlock);
+    const int32_t groups = (wire_blocks + kQuantizeBlocks - 1) / kQuantizeBlocks, items = groups + 1;
     const Token* tokens = static_cast<const Token*>(args.tokens_in);
     for (int64_t item = first_unit; item < int64_t{sent_rows} * items; item += warps) {
       const int32_t g = static_cast<int32_t>(item / items), b = static_cast<int32_t>(item - int64_t{g} * items);
       int32_t m, r;
       uint8_t* row = slot_row(g, m, r);
       const int32_t token = plan.send_token[g];
-      if (b < wire_blocks) {
-        QuantizeBlock<Token, WireOf<Rows>::kFormat>(row, tokens + token * hidden, b, hidden, lane);
+      if (b < groups) {
+        QuantizeBlocks<Token, WireOf<Rows>::kFormat>(row, tokens + token * hidden, b * kQuantizeBlocks, wire_blocks,
+                                                     hidden, lane);
       } else {
         write_suffix(reinterpret_cast<uint4*>(row), m, r, token, wire_vectors, slot_vectors);
       }

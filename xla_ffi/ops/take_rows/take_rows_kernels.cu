@@ -5,7 +5,7 @@
 // output rows is read from L2 while one chunk column of the sources fits there. expand_rows walks the source
 // rows instead, and stores each chunk to every output row that takes it: one read per source row, whatever
 // the L2 holds. (XLA's gather copies element by element: 2-byte units for bf16 rows.) encode_rows gives each
-// warp kEncodeBlocks blocks of a token row, whose loads are all in flight before the first block's reduction.
+// warp kQuantizeBlocks blocks of 128 values of a token row (QuantizeBlocks).
 #include "ops/take_rows/take_rows_kernels.h"
 
 #include "common/wire_rows.cuh"
@@ -181,36 +181,24 @@ cudaError_t LaunchDecodedExpand(const TakeRowsShape& shape, int32_t top_k, Float
   return cudaErrorInvalidValue;
 }
 
-// Blocks of kMoeWireBlock values a warp quantizes per item: their loads go out together, where one block at a
-// time would wait out a memory round trip per 128 values.
-constexpr int32_t kEncodeBlocks = 4;
-
 template <typename Token, __nv_fp8_interpretation_t kFormat>
 __global__ void __launch_bounds__(kThreads)
     EncodeRowsKernel(int64_t rows, int64_t hidden, const Token* __restrict__ x, uint8_t* __restrict__ out) {
   const int32_t blocks = static_cast<int32_t>(hidden / kMoeWireBlock);
-  const int32_t groups = (blocks + kEncodeBlocks - 1) / kEncodeBlocks;
+  const int32_t groups = (blocks + kQuantizeBlocks - 1) / kQuantizeBlocks;
   const int64_t wire_bytes = hidden + 4 * int64_t{blocks};
   const int lane = threadIdx.x % 32;
   for (int64_t item = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32; item < rows * groups;
        item += int64_t{gridDim.x} * kWarpsPerBlock) {
     const int64_t r = item / groups;
-    const int32_t first = static_cast<int32_t>(item - r * groups) * kEncodeBlocks;
-    float v[kEncodeBlocks][4];
-#pragma unroll
-    for (int k = 0; k < kEncodeBlocks; ++k) {
-      if (first + k < blocks) LoadBlockValues(x + r * hidden, first + k, lane, v[k]);
-    }
-#pragma unroll
-    for (int k = 0; k < kEncodeBlocks; ++k) {
-      if (first + k < blocks) StoreQuantizedBlock<Token, kFormat>(out + r * wire_bytes, v[k], first + k, hidden, lane);
-    }
+    const int32_t first = static_cast<int32_t>(item - r * groups) * kQuantizeBlocks;
+    QuantizeBlocks<Token, kFormat>(out + r * wire_bytes, x + r * hidden, first, blocks, hidden, lane);
   }
 }
 
 template <__nv_fp8_interpretation_t kFormat>
 cudaError_t LaunchEncode(int64_t rows, int64_t hidden, FloatType token, const void* x, void* out, cudaStream_t stream) {
-  const int64_t groups = (hidden / kMoeWireBlock + kEncodeBlocks - 1) / kEncodeBlocks;
+  const int64_t groups = (hidden / kMoeWireBlock + kQuantizeBlocks - 1) / kQuantizeBlocks;
   const auto blocks = static_cast<unsigned>(
       std::min((rows * groups + kWarpsPerBlock - 1) / kWarpsPerBlock, kMaxBlocks));
   auto* bytes = static_cast<uint8_t*>(out);
