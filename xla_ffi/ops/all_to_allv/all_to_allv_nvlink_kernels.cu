@@ -38,8 +38,9 @@ constexpr int kThreads = 512;
 // One SM pushes ~10 GB/s into NVLink, so small messages need many blocks; pieces below this size cost more in
 // flags than they gain.
 constexpr int64_t kMinBytesPerPiece = 8 * 1024;
-// Pieces per peer, each with its own flag (<= kMaxFlagGroups); the block sweeps were measured with this many.
-constexpr int kMaxPiecesPerPeer = 64;
+// Pieces per peer, each with its own flag: as many as there are flags, so that an exchange with one or two
+// members still gets a block on most SMs (with 4 or more, the SM count binds first).
+constexpr int kMaxPiecesPerPeer = kMaxFlagGroups;
 static_assert(kMaxPiecesPerPeer <= kMaxFlagGroups);
 // Direct mode: from this many bytes of zero rows for one peer up, the sender leaves them to the receiver. The
 // receiver's work after its piece arrives costs ~2.5 µs more at the end of the call: with ~1 MiB of zero rows
