@@ -16,7 +16,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # autodoc imports jax_ncclx (buil
 try:  # once here: autodoc would report each later import of a half-imported package as a riddle
     import jax_ncclx  # noqa: F401
 except ImportError as error:
-    raise SystemExit(f"docs/conf.py: {error}") from None
+    raise RuntimeError(f"docs/conf.py: {error}") from None  # Sphinx prints this; a SystemExit's text it hides
 
 project = "jax_ncclx"
 author = "the jax_ncclx authors"

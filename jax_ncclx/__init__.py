@@ -1,7 +1,7 @@
 """jax_ncclx: NCCLX-style collectives for JAX, as primitives that run inside ``jax.shard_map``.
 
 Every op mirrors its ``jax.lax`` counterpart and works under ``jax.jit``, ``jax.vmap`` and ``jax.grad``, on the
-CPU backend (N virtual devices) and on NVIDIA GPUs through NCCL.
+CPU backend (N virtual devices) and on NVIDIA GPUs, through NVLink kernels or NCCL.
 """
 
 from jax_ncclx import moe as moe

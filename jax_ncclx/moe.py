@@ -2,8 +2,8 @@
 
 ``dispatch`` sends each token's top-k rows to the members that own the chosen experts, grouped by local
 expert for ``jax.lax.ragged_dot``. ``combine`` sends the expert outputs back and sums them with the router
-weights. Each is one ``all_to_allv_dynamic`` call, its counts kept on the device, and each is the other's
-backward pass.
+weights. Each is one exchange, its counts kept on the device: one NVLink kernel where it can run, otherwise one
+``all_to_allv_dynamic`` call between routing kernels. Each is the other's backward pass.
 """
 
 from jax_ncclx._src.ops.moe import DispatchHandle as DispatchHandle

@@ -42,8 +42,9 @@ def _load_cuda():
         jax.devices()  # initialise JAX's backends first: the CUDA plugin loads libcudart and libnccl
         from jax_ncclx import _ncclx_cuda
     except ImportError as e:
-        hint = " (NCCL's runtime: pip install nvidia-nccl-cu13, or install jax_ncclx[cuda])" if "nccl" in str(e) \
-            else ""
+        hint = (" (NCCL's runtime, needed on GPU machines only: pip install nvidia-nccl-cu13, or install "
+                "jax_ncclx[cuda]; on a machine without a GPU, JAX_NCCLX_CUDA=OFF builds without CUDA)"
+                if "nccl" in str(e) else "")
         return None, f"the CUDA module failed to load: {e}{hint}"
     for name, capsule in _ncclx_cuda.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")

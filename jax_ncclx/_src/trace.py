@@ -224,7 +224,7 @@ def device_timeline(comm_ids=None) -> list[dict]:
     Returns:
       One dict per (call, rank): ``comm_id``, ``device``, ``rank``, ``epoch`` (the call's number on its
       communicator), ``kernel`` (name), ``blocks``, and ``start_ns``, ``peers_ns``, ``sent_ns``, ``data_ns``, ``end_ns``
-      and ``ready_ns`` (the last block had done its own work before its first write: moe.dispatch's plan)
+      and ``ready_ns`` (when the last block finished its work before its first write: moe.dispatch's plan)
       (GPU clock; a ``*_ns`` that no block of the call set holds an older call's time). Empty on a CPU-only
       build or when no traced NVLink kernel ran.
     """

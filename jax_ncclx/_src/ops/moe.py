@@ -71,7 +71,8 @@ class DispatchHandle:
         receives back (member p's from row p * C). ``N * C`` marks a pair that was dropped or that chose no
         expert.
       dropped: ``[N]`` pairs this member had for each member that did not fit in ``capacity``.
-      send_token: ``[S]`` the token of each send row, members in order (T past the data).
+      send_token: ``[S]`` the token of each send row, members in order (T past the data); S =
+        min(T * min(k, N), N * C), a token going at most once to each member.
       token_counts: ``[N]`` send rows (tokens) for each member.
       return_row: ``[T, N]`` where token t's row comes back from member m when rows return one per token
         (member m's from row m * R); ``N * R`` where t was not sent to m.
