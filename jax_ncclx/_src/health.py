@@ -40,6 +40,13 @@ def check_errors():
     also checked with the other processes (up to 3 s, once): a peer's abort can end it early with garbage
     and no NCCL error, so if another process found it hung, it fails here too. Call this after
     ``jax.block_until_ready`` to learn of it at once. CPU-backend collectives raise from the program itself.
+
+    Returns:
+      None, when nothing failed.
+
+    Raises:
+      CollectiveError: one message per failed communicator (the op, the call and the ranks that did not
+        arrive, or the fault) and per checksum mismatch.
     """
     module = lib.cuda_module_if_available()
     problems = []
