@@ -155,7 +155,11 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
 
     Raises:
       NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map``.
-      TypeError / ValueError: a bad argument (the message names it).
+      TypeError: tokens not a float dtype, expert_ids not an integer one, weights not a float one; num_experts
+        or capacity not a static int.
+      ValueError: num_experts not a multiple of N or above 2048 (the routing kernels' limit); capacity below 1
+        or above 2^31 - 1; tokens or expert_ids not 2-D, or their T differ; k = 0; weights not ``[T, k]``;
+        wire_dtype not None, float8_e4m3fn or float8_e5m2. Each message names the argument and its value.
     """
     axis_name = _check_bound_axis(axis_name, "dispatch")
     num_members = jax.lax.axis_size(axis_name)
@@ -222,7 +226,9 @@ def combine(expert_out, handle: DispatchHandle, weights=None):
 
     Raises:
       NameError: the handle's axis is not bound by an enclosing ``jax.shard_map``.
-      TypeError / ValueError: a bad argument (the message names it).
+      TypeError: handle not a ``DispatchHandle``; expert_out or weights not a float dtype.
+      ValueError: expert_out not ``[N * capacity, H']``; no weights here or at dispatch, or weights at both;
+        weights not ``[T, k]`` like dispatch's expert_ids. Each message names the argument and its shape.
     """
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"jax_ncclx.moe.combine: handle must be the DispatchHandle from dispatch, got "
