@@ -30,6 +30,9 @@ enum class MoeWire : int { kNone = 0, kE4M3 = 1, kE5M2 = 2 };
 // Values per scale on moe.dispatch's 8-bit wire.
 constexpr int64_t kMoeWireBlock = 128;
 
+// The largest finite value of an 8-bit wire format, which each block's scale maps its largest magnitude to.
+constexpr float MoeWireLargest(MoeWire wire) { return wire == MoeWire::kE4M3 ? 448.0f : 57344.0f; }
+
 // The float dtypes the MoE kernels convert and add: tokens on the 8-bit wire, combine's rows. Decoded from a
 // buffer's dtype, not an attribute (the loopback module passes them by value); Python reads the list to route.
 enum class FloatType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };

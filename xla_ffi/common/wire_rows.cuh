@@ -20,7 +20,7 @@ namespace jax_ncclx {
 struct Plain {};
 template <typename Token, __nv_fp8_interpretation_t kFormat>
 struct Wire {
-  static constexpr float kLargest = kFormat == __NV_E4M3 ? 448.0f : 57344.0f;  // the largest finite value
+  static constexpr float kLargest = MoeWireLargest(kFormat == __NV_E4M3 ? MoeWire::kE4M3 : MoeWire::kE5M2);
   static constexpr float kInverse = 1.0f / kLargest;
 };
 template <typename Rows>

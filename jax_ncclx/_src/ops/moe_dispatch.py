@@ -224,29 +224,13 @@ def _route(ctx, comm_id, size, *, num_experts, num_members, capacity, wire_dtype
     tokens, expert_ids = ctx.avals_in[0], ctx.avals_in[1]
     (num_tokens, hidden), top_k = tokens.shape, expert_ids.shape[1]
     element_bytes = np.dtype(tokens.dtype).itemsize
-    row_bytes = hidden * element_bytes
     with_weights = len(ctx.avals_in) > 2
     if config.current().transport == "nccl":
         return None
     module = lib.cuda_module()
     wire_row_bytes = module.moe_dispatch_wire_row_bytes(hidden, element_bytes, _wire(wire_dtype))
-    why = None
-    if wire_dtype is not None and np.dtype(tokens.dtype).name not in contract.FLOAT_TYPES:
-        why = f"{np.dtype(tokens.dtype).name} tokens on an 8-bit wire (the kernel converts float32, bfloat16, float16)"
-    elif wire_dtype is not None and (hidden % SCALE_BLOCK or wire_row_bytes % 16):
-        why = (f"H = {hidden} on an 8-bit wire (the kernel takes H a multiple of {SCALE_BLOCK} whose "
-               f"{wire_row_bytes}-byte wire row is a multiple of 16)")
-    elif row_bytes % 16:
-        why = f"rows of {row_bytes} bytes (the kernel moves multiples of 16)"
-    elif top_k > module.MOE_DISPATCH_MAX_TOP_K:
-        why = f"top-{top_k} (the kernel takes up to top-{module.MOE_DISPATCH_MAX_TOP_K})"
-    elif (num_tokens * top_k > module.MOE_DISPATCH_MAX_PAIRS
-          or size * num_tokens > module.MOE_DISPATCH_MAX_MEMBER_TOKENS):
-        why = (f"{num_tokens} tokens of top-{top_k} on {size} members (the kernel plans up to "
-               f"{module.MOE_DISPATCH_MAX_PAIRS} pairs and {module.MOE_DISPATCH_MAX_MEMBER_TOKENS} member tokens)")
     rows_per_member = min(capacity, num_tokens)
-    if why is None and rows_per_member * wire_row_bytes > KERNEL_MAX_MEMBER_BYTES:
-        why = f"{rows_per_member} rows of {wire_row_bytes} bytes per member (more than {KERNEL_MAX_MEMBER_BYTES})"
+    why = _kernel_misfit(module, tokens, top_k, size, rows_per_member, wire_dtype, wire_row_bytes)
     if why is not None:
         logger.debug("jax_ncclx: moe.dispatch takes the exchange chain: %s", why)
         return None
@@ -254,6 +238,29 @@ def _route(ctx, comm_id, size, *, num_experts, num_members, capacity, wire_dtype
     if not nvlink.symmetric_memory_ready("moe.dispatch", comm_id, slot_bytes=slots):
         return None
     return lowering.CudaRoute("nvlink", dict(blocks=np.int64(config.current().nvlink_blocks)))
+
+
+def _kernel_misfit(module, tokens, top_k, size, rows_per_member, wire_dtype, wire_row_bytes) -> str | None:
+    """Why the NVLink kernel cannot take this call (a message), or None where it can."""
+    num_tokens, hidden = tokens.shape
+    row_bytes = hidden * np.dtype(tokens.dtype).itemsize
+    if wire_dtype is not None:  # the kernel quantizes what encode_rows takes, into rows of 16-byte multiples
+        misfit = encode_misfit(tokens.dtype, hidden)
+        if misfit is not None:
+            return misfit
+        if wire_row_bytes % 16:
+            return f"wire rows of {wire_row_bytes} bytes at H = {hidden} (the kernel moves multiples of 16)"
+    if row_bytes % 16:
+        return f"rows of {row_bytes} bytes (the kernel moves multiples of 16)"
+    if top_k > module.MOE_DISPATCH_MAX_TOP_K:
+        return f"top-{top_k} (the kernel takes up to top-{module.MOE_DISPATCH_MAX_TOP_K})"
+    if (num_tokens * top_k > module.MOE_DISPATCH_MAX_PAIRS
+            or size * num_tokens > module.MOE_DISPATCH_MAX_MEMBER_TOKENS):
+        return (f"{num_tokens} tokens of top-{top_k} on {size} members (the kernel plans up to "
+                f"{module.MOE_DISPATCH_MAX_PAIRS} pairs and {module.MOE_DISPATCH_MAX_MEMBER_TOKENS} member tokens)")
+    if rows_per_member * wire_row_bytes > KERNEL_MAX_MEMBER_BYTES:
+        return f"{rows_per_member} rows of {wire_row_bytes} bytes per member (more than {KERNEL_MAX_MEMBER_BYTES})"
+    return None
 
 
 def _wire(wire_dtype):

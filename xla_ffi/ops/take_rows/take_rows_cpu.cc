@@ -141,7 +141,7 @@ ffi::Error EncodeRowsImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, Moe
   if (call.has_error()) return call.error();
   const int64_t hidden = call->hidden, blocks = hidden / kMoeWireBlock;
   const int token_bytes = FloatTypeBytes(call->token);
-  const float inverse = static_cast<float>(1.0 / (wire == MoeWire::kE4M3 ? 448.0 : 57344.0));
+  const float inverse = static_cast<float>(1.0 / MoeWireLargest(wire));
   const auto* tokens = static_cast<const uint8_t*>(x.untyped_data());
   auto* rows = static_cast<uint8_t*>(out->untyped_data());
   std::vector<float> values(hidden);
