@@ -124,7 +124,7 @@ def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
     # The enums (protocol, algorithm) travel as int32, as the handlers decode them (common/contract_attrs.h).
     route_attrs = dict(protocol=np.int32(protocol), blocks=np.int64(settings.nvlink_blocks))
     if op != "reduce_scatter":
-        route_attrs["direct"] = np.int64(direct)
+        route_attrs["direct"] = np.bool_(direct)
     if op == "all_reduce":
         route_attrs["algorithm"] = np.int32(algorithm)
     return CudaRoute("nvlink", route_attrs)
