@@ -27,6 +27,7 @@
 #include "common/nccl_comms.h"
 #include "common/replay_watch.h"
 #include "common/symmetric.h"
+#include "common/trace_bindings.h"
 #include "common/watchdog.h"
 #include "ops/all_to_allv/all_to_allv_kernels.h"
 #include "ops/moe/moe_routing_kernels.h"
@@ -347,19 +348,7 @@ nb::list DeviceTrace(int64_t comm_id) {
   nb::list result;
   for (const RankTrace& trace : ValueOrThrow(std::move(traces))) {
     nb::list records;
-    for (const DeviceTraceRecord& r : trace.records) {
-      nb::dict record;
-      record["epoch"] = r.epoch;
-      record["start_ns"] = r.start_ns;
-      record["peers_ns"] = r.peers_ns;
-      record["sent_ns"] = r.sent_ns;
-      record["data_ns"] = r.data_ns;
-      record["end_ns"] = r.end_ns;
-      record["blocks"] = r.blocks;
-      record["kernel"] = r.kernel;
-      record["ready_ns"] = r.ready_ns;
-      records.append(record);
-    }
+    for (const DeviceTraceRecord& r : trace.records) records.append(TraceRecordDict(r));
     result.append(nb::make_tuple(trace.device, trace.rank, records));
   }
   return result;
