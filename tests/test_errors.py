@@ -175,7 +175,7 @@ def test_handlers_refuse_sizes_that_overflow():
             jax.ShapeDtypeStruct((1, 1), jnp.int32))
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"capacity is 4611686018427387905, expected 0 to 2\^31 - 1"):
         _ffi("ncclx_all_to_allv_dynamic", outs, jnp.uint32(0), x, counts, **_ONE_MEMBER,
-             capacity=np.int64((1 << 62) + 1), packed=np.int64(0))
+             exchange=dict(capacity=np.int64((1 << 62) + 1), packed=np.bool_(False)))
     from jax_ncclx._src.ops import moe_routing
 
     ids = jnp.zeros((1, 2, 1), jnp.int32)

@@ -27,6 +27,7 @@
 #include "common/nccl_comms.h"
 #include "common/replay_watch.h"
 #include "common/symmetric.h"
+#include "common/trace_bindings.h"
 #include "common/watchdog.h"
 #include "ops/all_to_allv/all_to_allv_kernels.h"
 #include "ops/moe/moe_routing_kernels.h"
@@ -338,22 +339,17 @@ std::vector<MemoryRow> MemoryHeld() {
   return all;
 }
 
-// (device, rank, records) per local rank; each record is (epoch, start_ns, peers_ns, sent_ns, data_ns, end_ns,
-// blocks, kernel, ready_ns).
-using TraceTuple = std::tuple<uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint32_t, uint32_t, uint64_t>;
-std::vector<std::tuple<int, int, std::vector<TraceTuple>>> DeviceTrace(int64_t comm_id) {
+// (device, rank, records) per local rank; each record is a dict of DeviceTraceRecord's fields.
+nb::list DeviceTrace(int64_t comm_id) {
   ffi::ErrorOr<std::vector<RankTrace>> traces = [&] {
     nb::gil_scoped_release release;  // waits for the devices
     return ReadDeviceTrace("device_trace", comm_id);
   }();
-  std::vector<std::tuple<int, int, std::vector<TraceTuple>>> result;
+  nb::list result;
   for (const RankTrace& trace : ValueOrThrow(std::move(traces))) {
-    std::vector<TraceTuple> records;
-    for (const DeviceTraceRecord& r : trace.records) {
-      records.emplace_back(r.epoch, r.start_ns, r.peers_ns, r.sent_ns, r.data_ns, r.end_ns, r.blocks, r.kernel,
-                           r.ready_ns);
-    }
-    result.emplace_back(trace.device, trace.rank, std::move(records));
+    nb::list records;
+    for (const DeviceTraceRecord& r : trace.records) records.append(TraceRecordDict(r));
+    result.append(nb::make_tuple(trace.device, trace.rank, records));
   }
   return result;
 }
@@ -562,8 +558,8 @@ NB_MODULE(_ncclx_cuda, m) {
         "low_latency_bytes is the part of data_bytes taken by the low-latency slots.");
   m.def("device_trace", &jn::DeviceTrace, nb::arg("comm_id"),
         "Device timelines of the traced NVLink kernel calls on communicator `comm_id` (the last 1024): per\n"
-        "local rank (device, rank, [(epoch, start_ns, peers_ns, sent_ns, data_ns, end_ns, blocks,\n"
-        "kernel, ready_ns), ...]),\n"
+        "local rank (device, rank, [{epoch, start_ns, peers_ns, sent_ns, data_ns, end_ns, blocks,\n"
+        "kernel, ready_ns}, ...]),\n"
         "oldest first, times from the GPU's %globaltimer. Waits for the local devices to go idle.");
   m.def(
       "nvlink_launch_counts",

@@ -30,6 +30,8 @@ TWO_SHOT: int = _CONTRACT["nvlink_algorithms"]["two_shot"]
 MOE_WIRES: dict[str, int] = dict(_CONTRACT["moe_wires"])
 # The float dtypes the MoE kernels convert and add (the 8-bit wire's tokens, moe.combine's rows), by dtype name.
 FLOAT_TYPES: tuple[str, ...] = _in_value_order(_CONTRACT["float_types"])
+# The dtypes the NVLink all_reduce and reduce_scatter kernels reduce, by dtype name.
+REDUCE_TYPES: tuple[str, ...] = _in_value_order(_CONTRACT["reduce_types"])
 # Values per float32 scale on moe.dispatch's 8-bit wire.
 MOE_WIRE_BLOCK: int = _CONTRACT["moe_wire_block"]
 # Device trace and fault records name their kernel by number.

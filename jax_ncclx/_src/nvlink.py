@@ -20,7 +20,6 @@ import logging
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_ncclx._src import comm
@@ -31,9 +30,6 @@ from jax_ncclx._src.lowering import CudaRoute
 
 logger = logging.getLogger("jax_ncclx")
 
-# What the all_reduce and reduce_scatter kernels reduce (xla_ffi/ops/collectives/nvlink_collectives_cuda.cc
-# checks the same list); complex numbers reduce as pairs of their real dtype.
-REDUCE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32)
 REDUCTIONS = ("all_reduce", "reduce_scatter")
 # Ops whose one-shot call sends each peer one block of the input (nbytes / size), not all of it.
 SENDS_BLOCKS = ("all_to_all", "reduce_scatter")
@@ -110,9 +106,9 @@ def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
     element = np.dtype(x.dtype)  # what the kernel handles one by one: a complex number's parts in reductions
     if op in REDUCTIONS and np.issubdtype(element, np.complexfloating):
         element = np.finfo(element).dtype
-    if op in REDUCTIONS and not any(element == np.dtype(d) for d in REDUCE_DTYPES):
+    if op in REDUCTIONS and element.name not in contract.REDUCE_TYPES:  # complex numbers reduce as pairs
         logger.debug("jax_ncclx: %s of %s takes NCCL: the NVLink kernels reduce %s (and complex numbers of them)",
-                     op, x.dtype, ", ".join(np.dtype(d).name for d in REDUCE_DTYPES))
+                     op, x.dtype, ", ".join(contract.REDUCE_TYPES))
         return nccl
     algorithm = contract.ONE_SHOT if op != "all_reduce" or nbytes <= oneshot_max else contract.TWO_SHOT
     protocol = oneshot_protocol(op, nbytes, size, settings)
@@ -124,7 +120,7 @@ def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
     # The enums (protocol, algorithm) travel as int32, as the handlers decode them (common/contract_attrs.h).
     route_attrs = dict(protocol=np.int32(protocol), blocks=np.int64(settings.nvlink_blocks))
     if op != "reduce_scatter":
-        route_attrs["direct"] = np.int64(direct)
+        route_attrs["direct"] = np.bool_(direct)
     if op == "all_reduce":
         route_attrs["algorithm"] = np.int32(algorithm)
     return CudaRoute("nvlink", route_attrs)

@@ -32,10 +32,6 @@ from jax_ncclx._src import lib
 
 logger = logging.getLogger("jax_ncclx")
 
-# TraceKernel (xla_ffi/common/symmetric_layout.h)
-_FIELDS = ("epoch", "start_ns", "peers_ns", "sent_ns", "data_ns", "end_ns", "blocks", "kernel", "ready_ns")
-_CALL_FIELDS = ("site", "comm", "group_index", "seq", "rank", "device", "enqueue_ns", "start_ns", "arrive_ns",
-                "end_ns", "injected")
 _MAX_HISTORY = 1 << 20
 
 _sites: dict[int, dict] = {}
@@ -53,8 +49,8 @@ def _device_ids() -> dict[int, int]:
     return {d.local_hardware_id: d.id for d in jax.local_devices() if d.platform == "gpu"}
 
 
-def _describe(raw: tuple, on_gpu: bool, device_ids: dict[int, int]) -> dict:
-    r = dict(zip(_CALL_FIELDS, raw))
+def _describe(r: dict, on_gpu: bool, device_ids: dict[int, int]) -> dict:
+    """A record as :func:`records` gives it, from one of the native modules' ``call_records()``."""
     info = _sites.get(r["site"], {})
     groups = info.get("groups", [])
     if on_gpu:
@@ -235,7 +231,7 @@ def device_timeline(comm_ids=None) -> list[dict]:
     for comm_id in comm.all_comm_ids() if comm_ids is None else comm_ids:
         for device, rank, calls in module.device_trace(comm_id):
             for call in calls:
-                record = dict(zip(_FIELDS, call), comm_id=comm_id, device=device, rank=rank)
+                record = dict(call, comm_id=comm_id, device=device, rank=rank)
                 record["kernel"] = contract.TRACE_KERNELS.get(record["kernel"], str(record["kernel"]))
                 records.append(record)
     return records

@@ -39,6 +39,10 @@ enum class FloatType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
 inline int FloatTypeBytes(FloatType type) { return type == FloatType::kF32 ? 4 : 2; }
 
+// The element types the NVLink all_reduce and reduce_scatter kernels reduce (16-bit floats accumulate in
+// float32 and round once). Decoded from a buffer's dtype; Python reads the list to route.
+enum class ReduceType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kS32 = 3 };
+
 // Which NVLink kernel a device-side trace record or fault record comes from.
 enum TraceKernel : uint32_t {
   kTraceAllToAllv = 1,
@@ -95,6 +99,13 @@ inline constexpr Named kFloatTypeNames[] = {
     {"float32", static_cast<int64_t>(FloatType::kF32)},
     {"bfloat16", static_cast<int64_t>(FloatType::kBF16)},
     {"float16", static_cast<int64_t>(FloatType::kF16)},
+};
+
+inline constexpr Named kReduceTypeNames[] = {
+    {"float32", static_cast<int64_t>(ReduceType::kF32)},
+    {"bfloat16", static_cast<int64_t>(ReduceType::kBF16)},
+    {"float16", static_cast<int64_t>(ReduceType::kF16)},
+    {"int32", static_cast<int64_t>(ReduceType::kS32)},
 };
 inline constexpr Named kTraceKernelNames[] = {
     {"all_to_allv_dynamic", kTraceAllToAllv}, {"all_reduce", kTraceAllReduce},

@@ -24,6 +24,7 @@ inline void DefineContractBindings(nanobind::module_& m) {
         contract["nvlink_protocols"] = table(kNvlinkProtocolNames);
         contract["moe_wires"] = table(kMoeWireNames);
         contract["float_types"] = table(kFloatTypeNames);
+        contract["reduce_types"] = table(kReduceTypeNames);
         contract["trace_kernels"] = table(kTraceKernelNames);
         contract["max_nvlink_ranks"] = kMaxNvlinkRanks;
         contract["max_capacity"] = kMaxCapacity;
@@ -32,8 +33,8 @@ inline void DefineContractBindings(nanobind::module_& m) {
         return contract;
       },
       "What the Python half and the handlers agree on (xla_ffi/common/contract.h): {table: {name: value}} for\n"
-      "fault_kinds, reduce_ops, nvlink_algorithms, nvlink_protocols, moe_wires, float_types, trace_kernels; and the\n"
-      "limits and sizes max_nvlink_ranks, max_capacity, max_experts, moe_wire_block.");
+      "fault_kinds, reduce_ops, nvlink_algorithms, nvlink_protocols, moe_wires, float_types, reduce_types and\n"
+      "trace_kernels; and the limits and sizes max_nvlink_ranks, max_capacity, max_experts, moe_wire_block.");
 }
 
 }  // namespace jax_ncclx

@@ -38,19 +38,28 @@ inline void DefineMonitorBindings(nanobind::module_& m, std::function<void(CallR
   m.def(
       "call_records",
       [resolve, cleared]() {
-        std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int32_t, int32_t, int64_t, int64_t, int64_t, int64_t,
-                               int32_t>>
-            out;
+        nb::list out;
         for (CallRecord& r : TakeCallRecords()) {
           if (resolve) resolve(r);
-          out.emplace_back(r.site, r.comm, r.group, r.sequence, r.rank, r.device, r.enqueue_ns, r.start_ns, r.arrive_ns,
-                           r.end_ns, r.injected);
+          nb::dict record;
+          record["site"] = r.site;
+          record["comm"] = r.comm;
+          record["group_index"] = r.group;
+          record["seq"] = r.sequence;
+          record["rank"] = r.rank;
+          record["device"] = r.device;
+          record["enqueue_ns"] = r.enqueue_ns;
+          record["start_ns"] = r.start_ns;
+          record["arrive_ns"] = r.arrive_ns;
+          record["end_ns"] = r.end_ns;
+          record["injected"] = r.injected;
+          out.append(record);
         }
         if (cleared) cleared();
         return out;
       },
-      "Takes the traced calls, oldest first, leaving none: (site, comm, group, sequence, rank, device, "
-      "enqueue_ns, start_ns, arrive_ns, end_ns, injected).");
+      "Takes the traced calls, oldest first, leaving none: dicts of site, comm, group_index, seq, rank, device, "
+      "enqueue_ns, start_ns, arrive_ns, end_ns, injected (a FaultKind, or -1).");
 }
 
 }  // namespace jax_ncclx

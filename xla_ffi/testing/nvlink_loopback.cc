@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "common/symmetric_layout.h"
+#include "common/trace_bindings.h"
 #include "ops/all_to_allv/all_to_allv_kernels.h"
 #include "ops/moe/moe_combine.h"
 #include "ops/moe/moe_dispatch.h"
@@ -209,19 +210,7 @@ nb::list TraceOf(const SymmetricControl* control) {
   std::sort(records.begin(), records.end(),
             [](const DeviceTraceRecord& a, const DeviceTraceRecord& b) { return a.epoch < b.epoch; });
   nb::list timeline;
-  for (const DeviceTraceRecord& record : records) {
-    nb::dict call;
-    call["epoch"] = record.epoch;
-    call["start_ns"] = record.start_ns;
-    call["peers_ns"] = record.peers_ns;
-    call["ready_ns"] = record.ready_ns;
-    call["sent_ns"] = record.sent_ns;
-    call["data_ns"] = record.data_ns;
-    call["end_ns"] = record.end_ns;
-    call["blocks"] = record.blocks;
-    call["kernel"] = record.kernel;
-    timeline.append(call);
-  }
+  for (const DeviceTraceRecord& record : records) timeline.append(TraceRecordDict(record));
   return timeline;
 }
 

@@ -177,7 +177,8 @@ def _all_to_allv_dynamic_abstract_eval(x, counts, *others, axis_name, capacity, 
 
 
 def _all_to_allv_dynamic_attrs(*, capacity, packed):
-    return {"capacity": np.int64(capacity), "packed": np.int64(packed)}
+    # Decoded as the handlers' ExchangeAttrs (xla_ffi/ops/all_to_allv/all_to_allv_checks.h).
+    return {"exchange": dict(capacity=np.int64(capacity), packed=np.bool_(packed))}
 
 
 def _all_to_allv_dynamic_cuda_route(ctx, comm_id, size, *, capacity, packed):
@@ -199,7 +200,7 @@ def exchange_route(op: str, comm_id, size, x, counts_shape, features, capacity: 
         staging, slots = lib.cuda_module().all_to_allv_symmetric_bytes(batch, size, chunks, capacity, row_bytes,
                                                                        direct)
         if nvlink.symmetric_memory_ready(op, comm_id, staging_bytes=staging, slot_bytes=slots):
-            attrs = {"blocks": np.int64(settings.nvlink_blocks), "direct": np.int64(direct)}
+            attrs = {"blocks": np.int64(settings.nvlink_blocks), "direct": np.bool_(direct)}
             return lowering.CudaRoute("nvlink", attrs)
     workspace = lib.cuda_module().all_to_allv_workspace_bytes(batch, size, chunks, capacity, row_bytes, received_apart)
     return lowering.CudaRoute(workspace_bytes=workspace)

@@ -279,8 +279,8 @@ def _moe_dispatch_batching(axis_data, args, dims, **params):
 moe_dispatch_p.def_effectful_abstract_eval(_moe_dispatch_abstract_eval)
 lowering.register_lowerings(
     moe_dispatch_p, "ncclx_moe_dispatch",
-    lambda *, num_experts, num_members, capacity, wire_dtype: dict(
-        num_experts=np.int64(num_experts), capacity=np.int64(capacity),
-        wire=np.int32(_wire(wire_dtype))),  # enum attributes travel as int32
+    # Decoded as MoeDispatchAttrs (xla_ffi/ops/moe/moe_dispatch_cuda.cc); its enum travels as int32.
+    lambda *, num_experts, num_members, capacity, wire_dtype: dict(dispatch=dict(
+        num_experts=np.int64(num_experts), capacity=np.int64(capacity), wire=np.int32(_wire(wire_dtype)))),
     cuda_route=_route, fallback=_exchange_chain, timeout_op="all_to_allv_dynamic")
 batching.fancy_primitive_batchers[moe_dispatch_p] = _moe_dispatch_batching

@@ -209,15 +209,16 @@ plan_sends_p.def_abstract_eval(_plan_sends_abstract_eval)
 place_received_p.def_abstract_eval(_place_received_abstract_eval)
 lowering.register_local_lowerings(
     plan_sends_p, "ncclx_moe_plan_sends",
-    lambda *, num_experts, num_members, capacity: dict(num_experts=np.int64(num_experts),
-                                                       num_members=np.int64(num_members),
-                                                       capacity=np.int64(capacity)),
+    # Decoded as PlanSendsAttrs and PlaceReceivedAttrs (xla_ffi/ops/moe/moe_routing_checks.h).
+    lambda *, num_experts, num_members, capacity: dict(plan=dict(num_experts=np.int64(num_experts),
+                                                                 num_members=np.int64(num_members),
+                                                                 capacity=np.int64(capacity))),
     cuda_scratch_bytes=_plan_sends_scratch_bytes)
 lowering.register_local_lowerings(
     place_received_p, "ncclx_moe_place_received",
-    lambda *, local_experts, capacity, top_k, suffix_offset, with_weights: dict(
+    lambda *, local_experts, capacity, top_k, suffix_offset, with_weights: dict(place=dict(
         local_experts=np.int64(local_experts), capacity=np.int64(capacity), top_k=np.int64(top_k),
-        suffix_offset=np.int64(suffix_offset), with_weights=np.int64(with_weights)))
+        suffix_offset=np.int64(suffix_offset), with_weights=np.bool_(with_weights))))
 for _prim in (plan_sends_p, place_received_p):
     batching.fancy_primitive_batchers[_prim] = functools.partial(primitive.fold_vmap_into_batch, _prim)
     ad.primitive_jvps[_prim] = functools.partial(_jvp, _prim)

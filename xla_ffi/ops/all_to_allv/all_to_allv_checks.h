@@ -17,6 +17,12 @@ inline constexpr std::string_view kAllToAllvOp = "all_to_allv_dynamic";
 // The same handlers serve ragged_all_to_all's exchange, whose errors name it.
 inline constexpr std::string_view kRaggedAllToAllOp = "ragged_all_to_all";
 
+// all_to_allv_dynamic's `exchange` attribute, a dictionary (all_to_allv_dynamic.py, _all_to_allv_dynamic_attrs).
+struct ExchangeAttrs {
+  int64_t capacity = 0;  // C: rows kept per source
+  bool packed = false;   // y packs the received rows ([B, N * C, ...]) instead of padding each source's to C
+};
+
 // What travels: S send rows of row_bytes each per batch element, the leading row_bytes - suffix_bytes taken
 // from x and the rest from the suffix.
 struct AllToAllvSendRows {
@@ -70,19 +76,16 @@ inline ffi::ErrorOr<AllToAllvSendRows> GetSendRows(std::string_view op, const ff
   return rows;
 }
 
-// The rest against the send side and the group of num_ranks: capacity >= 0, packed 0 or 1, counts [B, N, K],
+// The rest against the send side and the group of num_ranks: capacity >= 0, counts [B, N, K],
 // recv_counts [B, N, K], dropped [B, N] and y of x's dtype holding B x N x capacity rows (unless `placed`:
 // CheckPlace checks y then). Returns K.
 inline ffi::ErrorOr<int64_t> CheckReceiveSide(std::string_view op, const AllToAllvSendRows& rows,
                                               const ffi::AnyBuffer& x, ffi::Span<const int64_t> counts_dims,
                                               const ffi::AnyBuffer& y, ffi::Span<const int64_t> recv_counts_dims,
                                               ffi::Span<const int64_t> dropped_dims, int64_t num_ranks,
-                                              int64_t capacity, int64_t packed, bool placed = false) {
+                                              int64_t capacity, bool placed = false) {
   if (capacity < 0 || capacity > kMaxCapacity) {
     return InvalidArgument(op, "capacity is " + std::to_string(capacity) + ", expected 0 to 2^31 - 1");
-  }
-  if (packed != 0 && packed != 1) {
-    return InvalidArgument(op, "packed is " + std::to_string(packed) + ", expected 0 or 1");
   }
   if (counts_dims.size() != 3 || counts_dims[0] != rows.batch || counts_dims[1] != num_ranks) {
     return InvalidArgument(op, "counts has shape " + DimsString(counts_dims) + ", expected [" +
@@ -128,3 +131,6 @@ inline ffi::ErrorOr<int64_t> CheckPlace(std::string_view op, const AllToAllvSend
 }
 
 }  // namespace jax_ncclx
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ncclx::ExchangeAttrs, ::xla::ffi::StructMember<int64_t>("capacity"),
+                                      ::xla::ffi::StructMember<bool>("packed"));

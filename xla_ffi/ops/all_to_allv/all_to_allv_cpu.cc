@@ -44,12 +44,13 @@ ffi::Future AllToAllvImpl(std::string_view op, ffi::RunId run, CallInstance* ins
                           std::optional<ffi::Buffer<ffi::S32>> place, ffi::Result<ffi::AnyBuffer> y,
                           ffi::Result<ffi::Buffer<ffi::S32>> recv_counts, ffi::Result<ffi::Buffer<ffi::S32>> dropped,
                           ffi::Span<const int64_t> groups, int64_t group_size, RawCallAttrs call_attrs,
-                          int64_t capacity, int64_t packed) {
+                          ExchangeAttrs exchange) {
+  const int64_t capacity = exchange.capacity;
+  const bool packed = exchange.packed;
   ffi::ErrorOr<AllToAllvSendRows> sent = GetSendRows(op, x, send_rows, suffix);
   if (sent.has_error()) return CompletedFuture(sent.error());
   ffi::ErrorOr<int64_t> chunks = CheckReceiveSide(op, *sent, x, counts.dimensions(), *y, recv_counts->dimensions(),
-                                                  dropped->dimensions(), group_size, capacity, packed,
-                                                  place.has_value());
+                                                  dropped->dimensions(), group_size, capacity, place.has_value());
   if (chunks.has_error()) return CompletedFuture(chunks.error());
   int64_t out_rows = 0;  // placed: O, y's rows per batch element
   if (place.has_value()) {
@@ -143,9 +144,9 @@ ffi::Future AllToAllvDynamicImpl(ffi::RunId run, CallInstance* instance, Partiti
                                  std::optional<ffi::AnyBuffer> suffix, ffi::Result<ffi::AnyBuffer> y,
                                  ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
                                  ffi::Result<ffi::Buffer<ffi::S32>> dropped, ffi::Span<const int64_t> groups,
-                                 int64_t group_size, RawCallAttrs call_attrs, int64_t capacity, int64_t packed) {
+                                 int64_t group_size, RawCallAttrs call_attrs, ExchangeAttrs exchange) {
   return AllToAllvImpl(kAllToAllvOp, run, instance, partition_id, x, counts, send_rows, suffix, std::nullopt, y,
-                       recv_counts, dropped, groups, group_size, call_attrs, capacity, packed);
+                       recv_counts, dropped, groups, group_size, call_attrs, exchange);
 }
 
 // `output` is y's buffer (XLA aliases them): the rows that nothing places keep its values.
@@ -156,8 +157,7 @@ ffi::Future RaggedAllToAllImpl(ffi::RunId run, CallInstance* instance, Partition
                                ffi::Result<ffi::Buffer<ffi::S32>> dropped, ffi::Span<const int64_t> groups,
                                int64_t group_size, RawCallAttrs call_attrs, int64_t capacity) {
   return AllToAllvImpl(kRaggedAllToAllOp, run, instance, partition_id, x, counts, send_rows, std::nullopt, place, y,
-                       recv_counts, dropped, groups, group_size, call_attrs, capacity,
-                       /*packed=*/0);
+                       recv_counts, dropped, groups, group_size, call_attrs, ExchangeAttrs{capacity, /*packed=*/false});
 }
 
 }  // namespace
@@ -183,7 +183,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CpuAllToAllvDynamic, AllToAllvDynamicImpl,
                                                     .Ret<ffi::AnyBuffer>()          // y (padded or packed)
                                                     .Ret<ffi::Buffer<ffi::S32>>()   // recv_counts [B, N, K]
                                                     .Ret<ffi::Buffer<ffi::S32>>())  // dropped [B, N]
-                                  .Attr<int64_t>("capacity")                        // max rows per source
-                                  .Attr<int64_t>("packed"));                        // 1: packed layout
+                                  .Attr<ExchangeAttrs>("exchange"));
 
 }  // namespace jax_ncclx

@@ -41,12 +41,11 @@ ffi::ErrorOr<AllToAllvShape> GetShape(std::string_view op, const ffi::AnyBuffer&
                                       const std::optional<ffi::AnyBuffer>& suffix,
                                       const std::optional<ffi::Buffer<ffi::S32>>& place, const ffi::AnyBuffer& y,
                                       const ffi::Buffer<ffi::S32>& recv_counts, const ffi::Buffer<ffi::S32>& dropped,
-                                      int num_ranks, int64_t capacity, int64_t packed, int64_t* out_rows) {
+                                      int num_ranks, int64_t capacity, int64_t* out_rows) {
   ffi::ErrorOr<AllToAllvSendRows> rows = GetSendRows(op, x, send_rows, suffix);
   if (rows.has_error()) return rows.error();
   ffi::ErrorOr<int64_t> num_chunks = CheckReceiveSide(op, *rows, x, counts.dimensions(), y, recv_counts.dimensions(),
-                                                      dropped.dimensions(), num_ranks, capacity, packed,
-                                                      place.has_value());
+                                                      dropped.dimensions(), num_ranks, capacity, place.has_value());
   if (num_chunks.has_error()) return num_chunks.error();
   *out_rows = 0;
   if (place.has_value()) {
@@ -152,14 +151,14 @@ ffi::Error NcclImpl(std::string_view op, cudaStream_t stream, int32_t device_ord
                     std::optional<ffi::AnyBuffer> suffix, std::optional<ffi::Buffer<ffi::S32>> place,
                     ffi::Result<ffi::AnyBuffer> y, ffi::ResultBuffer<ffi::S32> recv_counts,
                     ffi::ResultBuffer<ffi::S32> dropped, ffi::ResultBuffer<ffi::U8> workspace, int64_t comm_id,
-                    RawCallAttrs call_attrs, int64_t capacity, int64_t packed) {
+                    RawCallAttrs call_attrs, ExchangeAttrs exchange) {
   ffi::ErrorOr<CommRank> comm = LookupCommRank(op, comm_id, device_ordinal);
   if (comm.has_error()) return comm.error();
   int64_t out_rows = 0;
   ffi::ErrorOr<AllToAllvShape> shape = GetShape(op, x, counts, send_rows, suffix, place, *y, *recv_counts, *dropped,
-                                                comm->size, capacity, packed, &out_rows);
+                                                comm->size, exchange.capacity, &out_rows);
   if (shape.has_error()) return shape.error();
-  const bool received_apart = packed == 1 || place.has_value();
+  const bool received_apart = exchange.packed || place.has_value();
   const WorkspaceLayout layout = LayOutWorkspace(*shape, received_apart);
   NCCLX_RETURN_IF_ERROR(CheckDims(op, "workspace", workspace->dimensions(), {layout.total}));
   if (shape->batch == 0) return ffi::Error::Success();
@@ -211,7 +210,7 @@ ffi::Error NcclImpl(std::string_view op, cudaStream_t stream, int32_t device_ord
                        LaunchPlaceRows(*shape, recv, recv_counts->typed_data(), place->typed_data(), out_rows,
                                        y->untyped_data(), stream));
     }
-    if (packed == 0) return ffi::Error::Success();
+    if (!exchange.packed) return ffi::Error::Success();
     return CheckCuda(op, "compact kernel launch",
                      LaunchCompactRows(*shape, recv, recv_counts->typed_data(), y->untyped_data(), stream));
   });
@@ -221,19 +220,19 @@ ffi::Error NvlinkImpl(std::string_view op, cudaStream_t stream, int32_t device_o
                       ffi::Buffer<ffi::S32> counts, std::optional<ffi::Buffer<ffi::S32>> send_rows,
                       std::optional<ffi::AnyBuffer> suffix, std::optional<ffi::Buffer<ffi::S32>> place,
                       ffi::Result<ffi::AnyBuffer> y, ffi::ResultBuffer<ffi::S32> recv_counts,
-                      ffi::ResultBuffer<ffi::S32> dropped, int64_t comm_id, RawCallAttrs call_attrs, int64_t capacity,
-                      int64_t packed, int64_t blocks, int64_t direct) {
+                      ffi::ResultBuffer<ffi::S32> dropped, int64_t comm_id, RawCallAttrs call_attrs,
+                      ExchangeAttrs exchange, int64_t blocks, bool direct) {
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(op, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   NCCLX_RETURN_IF_ERROR(CheckNvlinkFault(op, comm_id, *symmetric));
   int64_t out_rows = 0;
   ffi::ErrorOr<AllToAllvShape> shape = GetShape(op, x, counts, send_rows, suffix, place, *y, *recv_counts, *dropped,
-                                                symmetric->size, capacity, packed, &out_rows);
+                                                symmetric->size, exchange.capacity, &out_rows);
   if (shape.has_error()) return shape.error();
-  if (direct == 1 && !symmetric->same_process) {
-    return InvalidArgument(op, "direct is 1 but the communicator's ranks are not all in this process");
+  if (direct && !symmetric->same_process) {
+    return InvalidArgument(op, "direct is true but the communicator's ranks are not all in this process");
   }
-  const NvlinkAllToAllvLayout layout = LayOutNvlinkAllToAllv(*shape, direct == 1);
+  const NvlinkAllToAllvLayout layout = LayOutNvlinkAllToAllv(*shape, direct);
   if (layout.staging_bytes > symmetric->staging_bytes || layout.counts_bytes > symmetric->parity_half_bytes) {
     return Internal(op, "the symmetric memory holds " + std::to_string(symmetric->staging_bytes) +
                             " staging bytes and " + std::to_string(symmetric->parity_half_bytes) +
@@ -246,8 +245,7 @@ ffi::Error NvlinkImpl(std::string_view op, cudaStream_t stream, int32_t device_o
   if (sm_count.has_error()) return sm_count.error();
   ffi::ErrorOr<int> per_sm = KernelBlocksPerSm();
   if (per_sm.has_error()) return per_sm.error();
-  const NvlinkGrid grid = ChooseNvlinkGrid(*shape, direct == 1, RequestedBlocks(blocks), *sm_count,
-                                           *sm_count * *per_sm);
+  const NvlinkGrid grid = ChooseNvlinkGrid(*shape, direct, RequestedBlocks(blocks), *sm_count, *sm_count * *per_sm);
 
   const CallAttrs attrs = MakeCallAttrs(call_attrs);
   NvlinkAllToAllvArgs args;
@@ -255,8 +253,8 @@ ffi::Error NvlinkImpl(std::string_view op, cudaStream_t stream, int32_t device_o
   args.rank = symmetric->rank;
   args.groups = grid.groups;
   args.rounds = grid.rounds;
-  args.packed = packed == 1;
-  args.direct = direct == 1;
+  args.packed = exchange.packed;
+  args.direct = direct;
   args.trace = attrs.trace_device;
   args.site = attrs.site;
   args.timeout_ns = static_cast<uint64_t>(attrs.timeout_ms) * 1000000;
@@ -290,19 +288,19 @@ ffi::Error NcclAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal,
                                     std::optional<ffi::AnyBuffer> suffix, ffi::Result<ffi::AnyBuffer> y,
                                     ffi::ResultBuffer<ffi::S32> recv_counts, ffi::ResultBuffer<ffi::S32> dropped,
                                     ffi::ResultBuffer<ffi::U8> workspace, int64_t comm_id, RawCallAttrs call_attrs,
-                                    int64_t capacity, int64_t packed) {
+                                    ExchangeAttrs exchange) {
   return NcclImpl(kAllToAllvOp, stream, device_ordinal, x, counts, send_rows, suffix, std::nullopt, y, recv_counts,
-                  dropped, workspace, comm_id, call_attrs, capacity, packed);
+                  dropped, workspace, comm_id, call_attrs, exchange);
 }
 
 ffi::Error NvlinkAllToAllvDynamicImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
                                       ffi::Buffer<ffi::S32> counts, std::optional<ffi::Buffer<ffi::S32>> send_rows,
                                       std::optional<ffi::AnyBuffer> suffix, ffi::Result<ffi::AnyBuffer> y,
                                       ffi::ResultBuffer<ffi::S32> recv_counts, ffi::ResultBuffer<ffi::S32> dropped,
-                                      int64_t comm_id, RawCallAttrs call_attrs, int64_t capacity, int64_t packed,
-                                      int64_t blocks, int64_t direct) {
+                                      int64_t comm_id, RawCallAttrs call_attrs, ExchangeAttrs exchange, int64_t blocks,
+                                      bool direct) {
   return NvlinkImpl(kAllToAllvOp, stream, device_ordinal, x, counts, send_rows, suffix, std::nullopt, y, recv_counts,
-                    dropped, comm_id, call_attrs, capacity, packed, blocks, direct);
+                    dropped, comm_id, call_attrs, exchange, blocks, direct);
 }
 
 // ragged_all_to_all's exchange: `output` is y's buffer (XLA aliases them), so the rows nothing places keep
@@ -314,7 +312,7 @@ ffi::Error NcclRaggedAllToAllImpl(cudaStream_t stream, int32_t device_ordinal, f
                                   ffi::ResultBuffer<ffi::U8> workspace, int64_t comm_id, RawCallAttrs call_attrs,
                                   int64_t capacity) {
   return NcclImpl(kRaggedAllToAllOp, stream, device_ordinal, x, counts, send_rows, std::nullopt, place, y, recv_counts,
-                  dropped, workspace, comm_id, call_attrs, capacity, /*packed=*/0);
+                  dropped, workspace, comm_id, call_attrs, ExchangeAttrs{capacity, /*packed=*/false});
 }
 
 ffi::Error NvlinkRaggedAllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x,
@@ -322,9 +320,10 @@ ffi::Error NvlinkRaggedAllToAllImpl(cudaStream_t stream, int32_t device_ordinal,
                                     ffi::Buffer<ffi::S32> place, ffi::AnyBuffer /*output*/,
                                     ffi::Result<ffi::AnyBuffer> y, ffi::ResultBuffer<ffi::S32> recv_counts,
                                     ffi::ResultBuffer<ffi::S32> dropped, int64_t comm_id, RawCallAttrs call_attrs,
-                                    int64_t capacity, int64_t blocks, int64_t direct) {
+                                    int64_t capacity, int64_t blocks, bool direct) {
   return NvlinkImpl(kRaggedAllToAllOp, stream, device_ordinal, x, counts, send_rows, std::nullopt, place, y,
-                    recv_counts, dropped, comm_id, call_attrs, capacity, /*packed=*/0, blocks, direct);
+                    recv_counts, dropped, comm_id, call_attrs, ExchangeAttrs{capacity, /*packed=*/false}, blocks,
+                    direct);
 }
 
 // The arguments of ragged_all_to_all's exchange on both transports.
@@ -358,7 +357,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkRaggedAllToAll, NvlinkRaggedAllToAllImpl,
                               BindCallAttrs(BindRaggedAllToAll().Attr<int64_t>("comm_id"))  // comm_id
                                   .Attr<int64_t>("capacity")                 // capacity
                                   .Attr<int64_t>("blocks")                   // blocks (0 = chosen by size)
-                                  .Attr<int64_t>("direct"),  // direct: 1 = write into the peers' outputs
+                                  .Attr<bool>("direct"),  // direct: write into the peers' outputs
                               {ffi::Traits::kCmdBufferCompatible});
 NCCLX_DEFINE_PREPARE_HANDLER(NvlinkRaggedAllToAllPrepare, "ragged_all_to_all");
 
@@ -366,17 +365,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NcclAllToAllvDynamic, NcclAllToAllvDynamicImpl,
                               BindCallAttrs(BindAllToAllv()
                                                 .Ret<ffi::Buffer<ffi::U8>>()  // workspace: [W]
                                                 .Attr<int64_t>("comm_id"))  // comm_id
-                                  .Attr<int64_t>("capacity")  // capacity
-                                  .Attr<int64_t>("packed"));  // packed
+                                  .Attr<ExchangeAttrs>("exchange"));
 
 // Safe in command buffers: one kernel launch whose arguments are fixed for the program (peer addresses are
 // read from the stable peer table, epochs live on the device).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllToAllvDynamic, NvlinkAllToAllvDynamicImpl,
                               BindCallAttrs(BindAllToAllv().Attr<int64_t>("comm_id"))  // comm_id
-                                  .Attr<int64_t>("capacity")  // capacity
-                                  .Attr<int64_t>("packed")  // packed
+                                  .Attr<ExchangeAttrs>("exchange")
                                   .Attr<int64_t>("blocks")  // blocks (0 = chosen by size)
-                                  .Attr<int64_t>("direct"),  // direct: 1 = write into the peers' outputs
+                                  .Attr<bool>("direct"),    // direct: write into the peers' outputs
                               {ffi::Traits::kCmdBufferCompatible});
 // Under JAX_NCCLX_WATCH_REPLAYS=1: replays never call the handler, so this refuses a failed communicator's.
 NCCLX_DEFINE_PREPARE_HANDLER(NvlinkAllToAllvDynamicPrepare, "all_to_allv_dynamic");

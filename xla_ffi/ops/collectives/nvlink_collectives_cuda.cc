@@ -51,15 +51,15 @@ ffi::ErrorOr<NvlinkProtocol> GetProtocol(std::string_view op, NvlinkProtocol pro
 // The fields every op's call fills in the same way.
 ffi::ErrorOr<NvlinkCollectiveArgs> ArgsFor(std::string_view name, NvlinkCollective op, const ffi::AnyBuffer& x,
                                            ffi::AnyBuffer& y, const CallAttrs& call, const SymmetricRank& symmetric,
-                                           NvlinkProtocol protocol, int64_t direct) {
+                                           NvlinkProtocol protocol, bool direct) {
   NCCLX_RETURN_IF_ERROR(CheckWholeBytes(name, "x", x.element_type()));
   ffi::ErrorOr<NvlinkProtocol> chosen = GetProtocol(name, protocol);
   if (chosen.has_error()) return chosen.error();
-  if (direct == 1 && !symmetric.same_process) {
-    return InvalidArgument(name, "direct is 1 but the communicator's ranks are not all in this process");
+  if (direct && !symmetric.same_process) {
+    return InvalidArgument(name, "direct is true but the communicator's ranks are not all in this process");
   }
   NvlinkCollectiveArgs args;
-  args.direct = direct == 1;
+  args.direct = direct;
   args.op = op;
   args.protocol = *chosen;
   args.element_bytes = static_cast<int>(ffi::ByteWidth(x.element_type()));
@@ -76,7 +76,7 @@ ffi::ErrorOr<NvlinkCollectiveArgs> ArgsFor(std::string_view name, NvlinkCollecti
 ffi::ErrorOr<NvlinkCollectiveArgs> ReductionArgsFor(std::string_view name, NvlinkCollective op, const ffi::AnyBuffer& x,
                                                     ffi::AnyBuffer& y, const CallAttrs& call,
                                                     const SymmetricRank& symmetric, NvlinkProtocol protocol,
-                                                    int64_t direct, ReduceOp reduce_op) {
+                                                    bool direct, ReduceOp reduce_op) {
   ffi::ErrorOr<ReducedDtype> reduced = GetReducedDtype(name, x.element_type(), reduce_op);
   if (reduced.has_error()) return reduced.error();
   ffi::ErrorOr<ReduceType> type = GetReduceType(name, reduced->dtype);
@@ -121,7 +121,7 @@ ffi::Error Launch(std::string_view op, cudaStream_t stream, int32_t device_ordin
 
 ffi::Error AllReduceImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                          int64_t comm_id, RawCallAttrs call_attrs, ReduceOp reduce_op, NvlinkAlgorithm algorithm,
-                         NvlinkProtocol protocol, int64_t blocks, int64_t direct) {
+                         NvlinkProtocol protocol, int64_t blocks, bool direct) {
   const CallAttrs call = MakeCallAttrs(call_attrs);
   constexpr std::string_view kOp = "all_reduce";
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
@@ -153,14 +153,14 @@ ffi::Error ReduceScatterImpl(cudaStream_t stream, int32_t device_ordinal, ffi::A
                  "the input's " + std::to_string(Bytes(x)) + " over " + std::to_string(symmetric->size) + " ranks"));
   // Nothing to write into a peer's output: the blocks a rank reduces must sit in its slots.
   ffi::ErrorOr<NvlinkCollectiveArgs> args = ReductionArgsFor(kOp, NvlinkCollective::kReduceScatter, x, *y, call,
-                                                             *symmetric, protocol, /*direct=*/0, reduce_op);
+                                                             *symmetric, protocol, /*direct=*/false, reduce_op);
   if (args.has_error()) return args.error();
   return Launch(kOp, stream, device_ordinal, comm_id, *symmetric, call, *args, blocks);
 }
 
 ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                          int64_t comm_id, RawCallAttrs call_attrs, NvlinkProtocol protocol, int64_t blocks,
-                         int64_t direct) {
+                         bool direct) {
   constexpr std::string_view kOp = "all_gather";
   const CallAttrs call = MakeCallAttrs(call_attrs);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
@@ -175,7 +175,7 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBu
 
 ffi::Error AllToAllImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                         int64_t comm_id, RawCallAttrs call_attrs, NvlinkProtocol protocol, int64_t blocks,
-                        int64_t direct) {
+                        bool direct) {
   constexpr std::string_view kOp = "all_to_all";
   const CallAttrs call = MakeCallAttrs(call_attrs);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
@@ -196,12 +196,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkAllReduce, AllReduceImpl,
                                   .Attr<NvlinkAlgorithm>("algorithm")  // 1 one-shot, 2 two-shot
                                   .Attr<NvlinkProtocol>("protocol")  // 0 LL128, 1 LL, 2 simple (one-shot)
                                   .Attr<int64_t>("blocks")  // 0 = by size
-                                  .Attr<int64_t>("direct"),  // 1 = write into the peers' outputs where it can
+                                  .Attr<bool>("direct"),  // write into the peers' outputs where it can
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NvlinkAllGather, AllGatherImpl,
-    BindCudaCollective().Attr<NvlinkProtocol>("protocol").Attr<int64_t>("blocks").Attr<int64_t>("direct"),
+    BindCudaCollective().Attr<NvlinkProtocol>("protocol").Attr<int64_t>("blocks").Attr<bool>("direct"),
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkReduceScatter, ReduceScatterImpl,
@@ -213,7 +213,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkReduceScatter, ReduceScatterImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     NvlinkAllToAll, AllToAllImpl,
-    BindCudaCollective().Attr<NvlinkProtocol>("protocol").Attr<int64_t>("blocks").Attr<int64_t>("direct"),
+    BindCudaCollective().Attr<NvlinkProtocol>("protocol").Attr<int64_t>("blocks").Attr<bool>("direct"),
     {ffi::Traits::kCmdBufferCompatible});
 
 NCCLX_DEFINE_PREPARE_HANDLER(NvlinkAllReducePrepare, "all_reduce");

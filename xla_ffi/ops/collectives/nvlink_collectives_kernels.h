@@ -57,9 +57,6 @@ NCCLX_HOST_DEVICE inline bool Reduces(NvlinkCollective op) {
   return op == NvlinkCollective::kAllReduce || op == NvlinkCollective::kReduceScatter;
 }
 
-// Element types the all_reduce kernels reduce. 16-bit floats accumulate in f32 and round once.
-enum class ReduceType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kS32 = 3 };
-
 // The most thread blocks a call uses, one arrival flag per block and phase (kMaxFlagGroups in all): two-shot
 // has two phases; one-shot keeps the cap its block counts were measured with.
 constexpr int kMaxOneShotBlocks = 64;

@@ -19,6 +19,21 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {
+
+// moe.dispatch's `dispatch` attribute, a dictionary (moe_dispatch.py).
+struct MoeDispatchAttrs {
+  int64_t num_experts = 0;          // E
+  int64_t capacity = 0;             // C: pairs each member takes from this one
+  MoeWire wire = MoeWire::kNone;    // how rows travel (contract.h)
+};
+
+}  // namespace jax_ncclx
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ncclx::MoeDispatchAttrs, ::xla::ffi::StructMember<int64_t>("num_experts"),
+                                      ::xla::ffi::StructMember<int64_t>("capacity"),
+                                      ::xla::ffi::StructMember<jax_ncclx::MoeWire>("wire"));
+
+namespace jax_ncclx {
 namespace {
 
 constexpr std::string_view kOp = "moe.dispatch";
@@ -45,9 +60,10 @@ ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Any
                            ffi::Result<ffi::AnyBuffer> recv_tokens, ffi::Result<ffi::AnyBuffer> expand_rows,
                            ffi::Result<ffi::AnyBuffer> pair_entry, ffi::Result<ffi::AnyBuffer> row_pairs,
                            ffi::Result<ffi::AnyBuffer> send_back_rows, ffi::Result<ffi::AnyBuffer> recv_weights,
-                           int64_t comm_id, RawCallAttrs call_attrs, int64_t num_experts, int64_t capacity,
-                           MoeWire wire, int64_t blocks) {
+                           int64_t comm_id, RawCallAttrs call_attrs, MoeDispatchAttrs dispatch, int64_t blocks) {
   const CallAttrs attrs = MakeCallAttrs(call_attrs);
+  const int64_t num_experts = dispatch.num_experts, capacity = dispatch.capacity;
+  const MoeWire wire = dispatch.wire;
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   const int64_t n = symmetric->size;
@@ -212,10 +228,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkMoeDispatch, MoeDispatchImpl,
                                                 .Ret<ffi::AnyBuffer>()   // send_back_rows s32 [N * R]
                                                 .Ret<ffi::AnyBuffer>()   // recv_weights f32 [N * R, k or 0]
                                                 .Attr<int64_t>("comm_id"))
-                                  .Attr<int64_t>("num_experts")  // E
-                                  .Attr<int64_t>("capacity")     // C
-                                  .Attr<MoeWire>("wire")         // how rows travel (contract.h)
-                                  .Attr<int64_t>("blocks"),      // 0 = by size
+                                  .Attr<MoeDispatchAttrs>("dispatch")
+                                  .Attr<int64_t>("blocks"),  // 0 = by size
                               {ffi::Traits::kCmdBufferCompatible});
 
 NCCLX_DEFINE_PREPARE_HANDLER(NvlinkMoeDispatchPrepare, "moe.dispatch");

@@ -28,10 +28,27 @@ inline ffi::Error CheckIndexable(std::string_view op, std::string_view what, int
                                  " entries per batch element, more than int32 indices reach");
 }
 
+// plan_sends' `plan` attribute, a dictionary (moe_routing.py).
+struct PlanSendsAttrs {
+  int64_t num_experts = 0;  // E
+  int64_t num_members = 0;  // N
+  int64_t capacity = 0;     // C: pairs each member takes from this one
+};
+
+// place_received's `place` attribute, a dictionary (moe_routing.py).
+struct PlaceReceivedAttrs {
+  int64_t local_experts = 0;  // E_local
+  int64_t capacity = 0;       // C
+  int64_t top_k = 0;          // k
+  int64_t suffix_offset = 0;  // where each received row's suffix starts, in bytes
+  bool with_weights = false;  // the suffix carries the router weights after the tags
+};
+
 inline ffi::ErrorOr<PlanSendsShape> GetPlanSendsShape(const ffi::Buffer<ffi::S32>& expert_ids,
                                                       const std::optional<ffi::Buffer<ffi::F32>>& weights,
-                                                      int64_t num_experts, int64_t num_members, int64_t capacity) {
+                                                      const PlanSendsAttrs& attrs) {
   constexpr std::string_view op = kPlanSendsOp;
+  const int64_t num_experts = attrs.num_experts, num_members = attrs.num_members, capacity = attrs.capacity;
   const auto dims = expert_ids.dimensions();
   if (dims.size() != 3 || dims[2] < 1) {
     return InvalidArgument(op, "expert_ids has shape " + DimsString(dims) + ", expected [batch, tokens, k >= 1]");
@@ -96,10 +113,7 @@ auto BindPlanSendsBuffers(Binding binding) {
 
 template <typename Binding>
 auto BindPlanSendsAttrs(Binding binding) {
-  return std::move(binding)
-      .template Attr<int64_t>("num_experts")
-      .template Attr<int64_t>("num_members")
-      .template Attr<int64_t>("capacity");
+  return std::move(binding).template Attr<PlanSendsAttrs>("plan");
 }
 
 inline PlanSendsResults PlanSendsData(const Int32Result& order, const Int32Result& send_counts,
@@ -113,9 +127,11 @@ inline PlanSendsResults PlanSendsData(const Int32Result& order, const Int32Resul
 // rows: [B, N * R, ...] any dtype, each row's suffix at byte suffix_offset (SuffixWords(top_k, with_weights)).
 inline ffi::ErrorOr<PlaceReceivedShape> GetPlaceReceivedShape(const ffi::AnyBuffer& rows,
                                                               const ffi::Buffer<ffi::S32>& recv_tokens,
-                                                              int64_t local_experts, int64_t capacity, int64_t top_k,
-                                                              int64_t suffix_offset, int64_t with_weights) {
+                                                              const PlaceReceivedAttrs& attrs) {
   constexpr std::string_view op = kPlaceReceivedOp;
+  const int64_t local_experts = attrs.local_experts, capacity = attrs.capacity, top_k = attrs.top_k;
+  const int64_t suffix_offset = attrs.suffix_offset;
+  const bool with_weights = attrs.with_weights;
   const auto token_dims = recv_tokens.dimensions();
   if (token_dims.size() != 2 || token_dims[1] < 1) {
     return InvalidArgument(op, "recv_tokens has shape " + DimsString(token_dims) + ", expected [batch, members]");
@@ -130,12 +146,12 @@ inline ffi::ErrorOr<PlaceReceivedShape> GetPlaceReceivedShape(const ffi::AnyBuff
   int64_t row_bytes = static_cast<int64_t>(ffi::ByteWidth(rows.element_type()));
   for (size_t i = 2; i < row_dims.size(); ++i) row_bytes *= row_dims[i];
   // top_k and suffix_offset are bounded by the row before the suffix's size is computed from them.
-  if (top_k < 1 || top_k > row_bytes || (with_weights != 0 && with_weights != 1) || suffix_offset < 0 ||
-      suffix_offset > row_bytes || suffix_offset + 4 * SuffixWords(top_k, with_weights == 1) > row_bytes) {
-    return InvalidArgument(op, "top_k " + std::to_string(top_k) + ", with_weights " + std::to_string(with_weights) +
-                                   " and suffix_offset " + std::to_string(suffix_offset) + ": expected top_k >= 1, " +
-                                   "with_weights 0 or 1, and the suffix inside the rows' " + std::to_string(row_bytes) +
-                                   " bytes");
+  if (top_k < 1 || top_k > row_bytes || suffix_offset < 0 || suffix_offset > row_bytes ||
+      suffix_offset + 4 * SuffixWords(top_k, with_weights) > row_bytes) {
+    return InvalidArgument(op, "top_k " + std::to_string(top_k) + (with_weights ? " with" : " without") +
+                                   " weights and suffix_offset " + std::to_string(suffix_offset) +
+                                   ": expected top_k >= 1 and the suffix inside the rows' " +
+                                   std::to_string(row_bytes) + " bytes");
   }
   if (local_experts < 1 || local_experts > kMaxRoutingExperts || token_dims[1] * local_experts > kMaxRoutingExperts ||
       capacity < 1 || capacity > kMaxCapacity) {
@@ -147,7 +163,7 @@ inline ffi::ErrorOr<PlaceReceivedShape> GetPlaceReceivedShape(const ffi::AnyBuff
   }
   PlaceReceivedShape shape{token_dims[0], token_dims[1], row_dims[1] / token_dims[1],
                            top_k,         local_experts, capacity,
-                           row_bytes,     suffix_offset, with_weights == 1};
+                           row_bytes,     suffix_offset, with_weights};
   // The kernel scans the tag counts twice and the rows once, in one int32 scan.
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the tags (scanned as 2 * tags + rows)", (2 * top_k + 1) * row_dims[1]));
   NCCLX_RETURN_IF_ERROR(CheckIndexable(op, "the tag values", shape.rows_per_source * shape.top_k * local_experts));
@@ -190,11 +206,7 @@ auto BindPlaceReceived(Binding binding) {
       .template Ret<ffi::Buffer<ffi::S32>>()            // row_pairs [B, N * R, k]
       .template Ret<ffi::Buffer<ffi::S32>>()            // send_back_rows [B, N * R]
       .template Ret<ffi::Buffer<ffi::F32>>()            // recv_weights [B, N * R, k or 0]
-      .template Attr<int64_t>("local_experts")
-      .template Attr<int64_t>("capacity")
-      .template Attr<int64_t>("top_k")
-      .template Attr<int64_t>("suffix_offset")
-      .template Attr<int64_t>("with_weights");
+      .template Attr<PlaceReceivedAttrs>("place");
 }
 
 inline PlaceReceivedResults PlaceReceivedData(const Int32Result& recv_counts, const Int32Result& group_sizes,
@@ -208,3 +220,12 @@ inline PlaceReceivedResults PlaceReceivedData(const Int32Result& recv_counts, co
 }
 
 }  // namespace jax_ncclx
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ncclx::PlanSendsAttrs, ::xla::ffi::StructMember<int64_t>("num_experts"),
+                                      ::xla::ffi::StructMember<int64_t>("num_members"),
+                                      ::xla::ffi::StructMember<int64_t>("capacity"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ncclx::PlaceReceivedAttrs, ::xla::ffi::StructMember<int64_t>("local_experts"),
+                                      ::xla::ffi::StructMember<int64_t>("capacity"),
+                                      ::xla::ffi::StructMember<int64_t>("top_k"),
+                                      ::xla::ffi::StructMember<int64_t>("suffix_offset"),
+                                      ::xla::ffi::StructMember<bool>("with_weights"));

@@ -92,8 +92,8 @@ void PlanSendsOne(const PlanSendsShape& shape, const int32_t* ids, const float* 
 ffi::Error PlanSendsImpl(ffi::Buffer<ffi::S32> expert_ids, std::optional<ffi::Buffer<ffi::F32>> weights,
                          Int32Result order, Int32Result send_counts, Int32Result send_token, Int32Result send_suffix,
                          Int32Result token_counts, Int32Result return_slot, Int32Result return_row, Int32Result dropped,
-                         int64_t num_experts, int64_t num_members, int64_t capacity) {
-  ffi::ErrorOr<PlanSendsShape> shape = GetPlanSendsShape(expert_ids, weights, num_experts, num_members, capacity);
+                         PlanSendsAttrs attrs) {
+  ffi::ErrorOr<PlanSendsShape> shape = GetPlanSendsShape(expert_ids, weights, attrs);
   if (shape.has_error()) return shape.error();
   const PlanSendsShape& s = *shape;
   NCCLX_RETURN_IF_ERROR(CheckPlanSendsResults(s, order, send_counts, send_token, send_suffix, token_counts, return_slot,
@@ -184,10 +184,8 @@ void PlaceReceivedOne(const PlaceReceivedShape& shape, const uint8_t* received, 
 ffi::Error PlaceReceivedImpl(ffi::AnyBuffer received, ffi::Buffer<ffi::S32> recv_tokens, Int32Result recv_counts,
                              Int32Result group_sizes, Int32Result expand_rows, Int32Result to_expert_major,
                              Int32Result to_source_major, Int32Result pair_entry, Int32Result row_pairs,
-                             Int32Result send_back_rows, Float32Result recv_weights, int64_t local_experts,
-                             int64_t capacity, int64_t top_k, int64_t suffix_offset, int64_t with_weights) {
-  ffi::ErrorOr<PlaceReceivedShape> shape = GetPlaceReceivedShape(received, recv_tokens, local_experts, capacity, top_k,
-                                                                 suffix_offset, with_weights);
+                             Int32Result send_back_rows, Float32Result recv_weights, PlaceReceivedAttrs attrs) {
+  ffi::ErrorOr<PlaceReceivedShape> shape = GetPlaceReceivedShape(received, recv_tokens, attrs);
   if (shape.has_error()) return shape.error();
   const PlaceReceivedShape& s = *shape;
   NCCLX_RETURN_IF_ERROR(CheckPlaceReceivedResults(s, recv_counts, group_sizes, expand_rows, to_expert_major,

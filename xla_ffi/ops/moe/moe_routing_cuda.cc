@@ -18,9 +18,8 @@ ffi::Error PlanSendsImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> expert_ids,
                          std::optional<ffi::Buffer<ffi::F32>> weights, Int32Result order, Int32Result send_counts,
                          Int32Result send_token, Int32Result send_suffix, Int32Result token_counts,
                          Int32Result return_slot, Int32Result return_row, Int32Result dropped,
-                         ffi::Result<ffi::AnyBuffer> scratch, int64_t num_experts, int64_t num_members,
-                         int64_t capacity) {
-  ffi::ErrorOr<PlanSendsShape> shape = GetPlanSendsShape(expert_ids, weights, num_experts, num_members, capacity);
+                         ffi::Result<ffi::AnyBuffer> scratch, PlanSendsAttrs attrs) {
+  ffi::ErrorOr<PlanSendsShape> shape = GetPlanSendsShape(expert_ids, weights, attrs);
   if (shape.has_error()) return shape.error();
   NCCLX_RETURN_IF_ERROR(CheckPlanSendsResults(*shape, order, send_counts, send_token, send_suffix, token_counts,
                                               return_slot, return_row, dropped));
@@ -36,10 +35,8 @@ ffi::Error PlaceReceivedImpl(cudaStream_t stream, ffi::AnyBuffer received, ffi::
                              Int32Result recv_counts, Int32Result group_sizes, Int32Result expand_rows,
                              Int32Result to_expert_major, Int32Result to_source_major, Int32Result pair_entry,
                              Int32Result row_pairs, Int32Result send_back_rows, Float32Result recv_weights,
-                             int64_t local_experts, int64_t capacity, int64_t top_k, int64_t suffix_offset,
-                             int64_t with_weights) {
-  ffi::ErrorOr<PlaceReceivedShape> shape = GetPlaceReceivedShape(received, recv_tokens, local_experts, capacity, top_k,
-                                                                 suffix_offset, with_weights);
+                             PlaceReceivedAttrs attrs) {
+  ffi::ErrorOr<PlaceReceivedShape> shape = GetPlaceReceivedShape(received, recv_tokens, attrs);
   if (shape.has_error()) return shape.error();
   NCCLX_RETURN_IF_ERROR(CheckPlaceReceivedResults(*shape, recv_counts, group_sizes, expand_rows, to_expert_major,
                                                   to_source_major, pair_entry, row_pairs, send_back_rows,
