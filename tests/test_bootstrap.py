@@ -245,30 +245,36 @@ def test_failed_nccl_creation_is_repeated_not_retried(monkeypatch):
 
 
 def test_communicator_without_nvlink_takes_nccl_unless_nvlink_is_forced(monkeypatch, caplog):
-    """A communicator whose ranks cannot reach each other through NVLink: with the default transport its ops
-    take NCCL and one warning (per communicator) gives the reason; JAX_NCCLX_TRANSPORT=nvlink makes lowering
-    fail with that reason; JAX_NCCLX_TRANSPORT=nccl never asks for symmetric memory."""
+    """A communicator whose ranks cannot reach each other through NVLink: its NVLink step runs once however
+    often it is asked, one warning gives the reason, and with the default transport its ops take NCCL;
+    JAX_NCCLX_TRANSPORT=nvlink makes routing fail with that reason. A route that asks before the step fails
+    loudly rather than guess."""
     reason = "rank 1 (device 1) cannot reach rank 0 (device 0) through CUDA peer access"
     asked = []
     fake = _FakeCudaModule()
-    fake.ensure_symmetric = lambda comm_id, staging, slots, exchange: asked.append(comm_id) or reason
+    fake.connect_symmetric = lambda comm_id, exchange: asked.append(comm_id) or reason
     monkeypatch.setattr(comm.lib, "cuda_module", lambda: fake)
     comm.destroy_all()
     comm_id = comm.communicator_for(jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:2]), ("x",)), "x")
     monkeypatch.delenv("JAX_NCCLX_TRANSPORT", raising=False)
+    with pytest.raises(RuntimeError, match=r"jax_ncclx\.all_reduce: communicator \d+ was routed before its "
+                                           r"NVLink step"):
+        nvlink.usable("all_reduce", comm_id)
     with caplog.at_level(logging.WARNING, logger="jax_ncclx"):
-        assert not nvlink.symmetric_memory_ready("all_reduce", comm_id, slot_bytes=4096)
-        assert not nvlink.symmetric_memory_ready("all_to_allv_dynamic", comm_id, staging_bytes=1 << 20)
+        assert comm.connect_nvlink(comm_id) == reason and comm.connect_nvlink(comm_id) == reason
+        assert not nvlink.usable("all_reduce", comm_id)
+        assert not nvlink.usable("all_to_allv_dynamic", comm_id)
+    assert asked == [comm_id]
     warnings = [record.getMessage() for record in caplog.records if "cannot use NVLink" in record.getMessage()]
     assert len(warnings) == 1 and reason in warnings[0] and "use NCCL" in warnings[0], warnings
     monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nvlink")
     with pytest.raises(RuntimeError, match=r"jax_ncclx\.all_gather: JAX_NCCLX_TRANSPORT=nvlink but this "
                                            r"communicator cannot use NVLink: rank 1 \(device 1\) cannot reach"):
-        nvlink.symmetric_memory_ready("all_gather", comm_id, slot_bytes=4096)
+        nvlink.usable("all_gather", comm_id)
     monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nccl")
-    asked.clear()
-    assert not nvlink.symmetric_memory_ready("all_reduce", comm_id, slot_bytes=4096) and asked == []
+    assert not nvlink.usable("all_reduce", comm_id)
     comm.destroy_all()
+    assert comm.nvlink_reason(comm_id) is None  # forgotten with the communicator
 
 
 def test_init_and_shutdown_on_cpu():
@@ -492,7 +498,10 @@ def test_fault_scan_never_waits_for_a_growing_communicator():
     def exchange(entries):
         return [[blob] for _, _, blob in entries]
 
-    assert module.ensure_symmetric(comm_id, 0, 1 << 16, exchange) == ""
+    with pytest.raises(RuntimeError, match="grow_symmetric.*connect it first"):
+        module.grow_symmetric(comm_id, 0, 1 << 16, exchange)
+    assert module.connect_symmetric(comm_id, exchange) == ""
+    module.grow_symmetric(comm_id, 0, 1 << 16, exchange)
     in_exchange = threading.Event()
 
     def slow_exchange(entries):
@@ -500,7 +509,7 @@ def test_fault_scan_never_waits_for_a_growing_communicator():
         time.sleep(2.0)
         return exchange(entries)
 
-    grower = threading.Thread(target=module.ensure_symmetric, args=(comm_id, 1 << 22, 1 << 16, slow_exchange))
+    grower = threading.Thread(target=module.grow_symmetric, args=(comm_id, 1 << 22, 1 << 16, slow_exchange))
     grower.start()
     assert in_exchange.wait(30)
     started = time.monotonic()

@@ -279,10 +279,9 @@ void DestroyAll() {
 
 // The HostExchange of a Python callable: exchange([(device, rank, bytes), ...]) -> [[bytes per rank], ...].
 // Called with the GIL released; takes it for the call.
-HostExchange PythonExchange(nb::callable exchange) {
-  return [exchange = std::move(exchange)](
+HostExchange PythonExchange(std::string_view op, nb::callable exchange) {
+  return [op, exchange = std::move(exchange)](
              const std::vector<ExchangeEntry>& entries) -> ffi::ErrorOr<std::vector<std::vector<std::string>>> {
-    constexpr std::string_view kOp = "ensure_symmetric";
     nb::gil_scoped_acquire acquire;
     try {
       nb::list mine;
@@ -299,20 +298,30 @@ HostExchange PythonExchange(nb::callable exchange) {
       }
       return gathered;
     } catch (const std::exception& e) {  // nb::python_error, nb::cast_error
-      return Internal(kOp, std::string("exchanging symmetric memory addresses failed: ") + e.what());
+      return Internal(op, std::string("exchanging symmetric memory addresses failed: ") + e.what());
     }
   };
 }
 
-std::string EnsureSymmetricMemory(int64_t comm_id, int64_t staging_bytes, int64_t parity_half_bytes,
-                                  nb::callable exchange) {
-  const HostExchange host_exchange = PythonExchange(std::move(exchange));
+std::string ConnectSymmetricMemory(int64_t comm_id, nb::callable exchange) {
+  constexpr std::string_view kOp = "connect_symmetric";
+  const HostExchange host_exchange = PythonExchange(kOp, std::move(exchange));
   ffi::ErrorOr<std::string> reason = [&] {
     nb::gil_scoped_release release;  // collective: blocks until every rank has joined
-    return EnsureSymmetric("ensure_symmetric", comm_id, SymmetricNeed{parity_half_bytes, staging_bytes}, host_exchange);
+    return ConnectSymmetric(kOp, comm_id, host_exchange);
   }();
   StartWatchdog();  // reports NVLink kernels that give up waiting as soon as they do
   return ValueOrThrow(std::move(reason));
+}
+
+void GrowSymmetricMemory(int64_t comm_id, int64_t staging_bytes, int64_t parity_half_bytes, nb::callable exchange) {
+  constexpr std::string_view kOp = "grow_symmetric";
+  const HostExchange host_exchange = PythonExchange(kOp, std::move(exchange));
+  const ffi::Error grown = [&] {
+    nb::gil_scoped_release release;  // collective: blocks until every rank has joined
+    return GrowSymmetric(kOp, comm_id, SymmetricNeed{parity_half_bytes, staging_bytes}, host_exchange);
+  }();
+  ThrowIfFailed(grown);
 }
 
 using MemoryRow = std::tuple<int64_t, int, int64_t, int64_t, int64_t, int64_t, int64_t>;
@@ -542,15 +551,21 @@ NB_MODULE(_ncclx_cuda, m) {
         "Frees all symmetric memory and destroys every communicator (aborted ones are gone already) and\n"
         "forgets their faults. Programs that use them must have finished; programs compiled with their\n"
         "comm_ids fail with an error afterwards.");
-  m.def("ensure_symmetric", &jn::EnsureSymmetricMemory, nb::arg("comm_id"), nb::arg("staging_bytes"),
-        nb::arg("parity_half_bytes"), nb::arg("exchange"),
-        "Collective over every process of communicator `comm_id`: makes every rank's symmetric data region\n"
-        "hold at least `staging_bytes` of all_to_allv_dynamic staging and `parity_half_bytes` of low-latency\n"
-        "slots per call parity (allocated on first need, grown, never shrunk) and maps it into all peers.\n"
-        "Addresses travel through `exchange([(device, rank, bytes), ...])`, which returns for each entry the\n"
-        "bytes of every rank of its group in rank order (collective; no NCCL call is made).\n"
+  m.def("connect_symmetric", &jn::ConnectSymmetricMemory, nb::arg("comm_id"), nb::arg("exchange"),
+        "The first step of communicator `comm_id`'s symmetric memory, collective over every process holding\n"
+        "its ranks: allocates each rank's control block, peer table and fault record, agrees on whether every\n"
+        "rank reaches every peer through NVLink peer access, and maps the peers. Addresses travel through\n"
+        "`exchange([(device, rank, bytes), ...])`, which returns for each entry the bytes of every rank of its\n"
+        "group in rank order (collective; no NCCL call is made).\n"
         "Returns '' when the NVLink kernels can run on the communicator, else why not (the same answer on\n"
         "every rank; remembered, so later calls return at once).");
+  m.def("grow_symmetric", &jn::GrowSymmetricMemory, nb::arg("comm_id"), nb::arg("staging_bytes"),
+        nb::arg("parity_half_bytes"), nb::arg("exchange"),
+        "Collective like connect_symmetric, on a communicator it found usable: makes every rank's data region\n"
+        "hold at least `staging_bytes` of all_to_allv_dynamic staging and `parity_half_bytes` of low-latency\n"
+        "slots per call parity (grown, never shrunk; nothing happens when it already does) and maps it into\n"
+        "all peers. Raises RuntimeError if the communicator was not connected, cannot use NVLink, or the\n"
+        "growth failed.");
   m.def("comm_memory", &jn::MemoryHeld,
         "Memory held per (communicator, local device): (comm_id, device, nccl_init_bytes, data_bytes,\n"
         "low_latency_bytes, control_bytes, pinned_host_bytes). nccl_init_bytes: device memory that\n"

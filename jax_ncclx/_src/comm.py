@@ -12,6 +12,17 @@ handler would risk a deadlock: ``ncclCommInitRank`` allocates device memory whil
 be spinning in a collective. Every process of a multi-process job lowers the same program, so all of them
 make the same communicators in the same order.
 
+A communicator's life, each step collective and taken while lowering (or by :func:`init`), never inside a
+handler:
+
+1. :func:`communicator_for` registers its ranks;
+2. :func:`connect_nvlink`, before the first call site of an op with an NVLink kernel is routed: control blocks
+   and peer tables, and whether the ranks reach each other over NVLink (the answer every route reads);
+3. :func:`ensure_nccl`, when the first call site goes through NCCL;
+4. :func:`grow_symmetric`, for each call site routed to an NVLink kernel: the data region grows to the sizes
+   its route names (``lowering.CudaRoute``);
+5. :func:`destroy_all` (or :func:`shutdown`) frees it all.
+
 How the ranks meet (``bootstrap.py``, ``docs/bootstrap.md``): each process computes from the mesh shape alone
 which groups its devices are in and their ranks (the coordinate along the axis, ``jax.lax.axis_index``); the
 process holding a group's rank 0 (for a large group, each of its few roots) makes an NCCL unique id and
@@ -50,7 +61,7 @@ class _Registry:
     exchanges: dict = dataclasses.field(default_factory=dict)  # comm_id -> how ranks swap symmetric addresses
     nccl_pending: dict = dataclasses.field(default_factory=dict)  # comm_id -> creates its NCCL communicators
     nccl_failed: dict = dataclasses.field(default_factory=dict)  # comm_id -> why creating them failed
-    nvlink_refusals_logged: set = dataclasses.field(default_factory=set)  # comm_ids that cannot use NVLink
+    nvlink_reasons: dict = dataclasses.field(default_factory=dict)  # comm_id -> why not NVLink ("": it can)
 
 
 _registry = _Registry()
@@ -183,7 +194,8 @@ def ensure_nccl(comm_id: int):
 
 def init(mesh: jax.sharding.Mesh | None = None, axes: Sequence | None = None):
     """Makes now, instead of at the first collective, the communicators of ``mesh``'s axes, NCCL's included
-    (which the first collective makes only if it goes through NCCL). Collective: every process calls it with
+    (which the first collective makes only if it goes through NCCL), and connects their ranks for the NVLink
+    kernels (:func:`connect_nvlink`; not with ``JAX_NCCLX_TRANSPORT=nccl``). Collective: every process calls it with
     the same arguments. Does nothing more than check them for a mesh of CPU devices (the CPU backend needs no
     communicators).
 
@@ -215,7 +227,10 @@ def init(mesh: jax.sharding.Mesh | None = None, axes: Sequence | None = None):
     if mesh.devices.flat[0].platform != "gpu":
         return
     for axis_name in wanted:
-        ensure_nccl(communicator_for(mesh, axis_name))
+        comm_id = communicator_for(mesh, axis_name)
+        ensure_nccl(comm_id)
+        if config.current().transport != "nccl":
+            connect_nvlink(comm_id)
 
 
 def shutdown():
@@ -259,24 +274,44 @@ def all_comm_ids() -> list[int]:
         return sorted(set(_registry.axis_comms.values()))
 
 
-def nvlink_symmetric_memory(comm_id: int, op: str, *, staging_bytes: int = 0, slot_bytes: int = 0) -> str:
-    """Makes ``comm_id``'s symmetric memory big enough for ``op``'s NVLink kernel: ``staging_bytes`` of
-    all_to_allv_dynamic staging and ``slot_bytes`` of low-latency slots per call parity.
-
-    Collective, like communicator creation: every process lowering the program calls it in the same order.
-    The memory is allocated on the first call and grown (never shrunk) by later ones.
+def connect_nvlink(comm_id: int) -> str:
+    """The NVLink step of ``comm_id``'s life, taken once: every rank allocates its symmetric control block and
+    peer table, the ranks agree on whether each reaches every other through NVLink peer access, and map each
+    other. Lowering takes it before routing a call site of an op with an NVLink kernel; :func:`init` takes it
+    at once. Collective, like :func:`communicator_for`.
 
     Returns:
       "" when the NVLink kernels can run on the communicator; otherwise why not (a rank cannot reach a peer
-      through NVLink peer access, ...), the same on every rank and logged once per communicator.
+      through NVLink peer access, ...), the same on every rank and logged once.
     """
     with _lock:
-        reason = lib.cuda_module().ensure_symmetric(comm_id, staging_bytes, slot_bytes, _registry.exchanges[comm_id])
-        if reason and comm_id not in _registry.nvlink_refusals_logged:
-            _registry.nvlink_refusals_logged.add(comm_id)
-            logger.warning("jax_ncclx: communicator %d cannot use NVLink kernels (%s); %s and later ops on it use "
-                           "NCCL", comm_id, reason, op)
-    return reason
+        if comm_id not in _registry.nvlink_reasons:
+            reason = lib.cuda_module().connect_symmetric(comm_id, _registry.exchanges[comm_id])
+            _registry.nvlink_reasons[comm_id] = reason
+            if reason:
+                logger.warning("jax_ncclx: communicator %d cannot use NVLink kernels (%s); its ops use NCCL",
+                               comm_id, reason)
+        return _registry.nvlink_reasons[comm_id]
+
+
+def nvlink_reason(comm_id: int) -> str | None:
+    """What :func:`connect_nvlink` answered for ``comm_id`` ("": NVLink usable), or None before it ran."""
+    with _lock:
+        return _registry.nvlink_reasons.get(comm_id)
+
+
+def grow_symmetric(comm_id: int, *, staging_bytes: int = 0, slot_bytes: int = 0):
+    """Makes ``comm_id``'s symmetric data region hold ``staging_bytes`` of all_to_allv_dynamic staging and
+    ``slot_bytes`` of low-latency slots per call parity: grown (by half again at least), never shrunk, and
+    remapped into every peer. Lowering calls it for each call site routed to an NVLink kernel, with the sizes
+    of its route. Collective, like :func:`communicator_for`.
+
+    Raises:
+      RuntimeError: the communicator was not connected (:func:`connect_nvlink`) or cannot use NVLink, or the
+        growth failed (the communicator then refuses further NVLink calls).
+    """
+    with _lock:
+        lib.cuda_module().grow_symmetric(comm_id, staging_bytes, slot_bytes, _registry.exchanges[comm_id])
 
 
 def memory_stats() -> list[dict]:

@@ -5,7 +5,10 @@
 * CUDA: the target gets the ``comm_id`` of an NCCL communicator made for exactly these groups (``comm.py``).
   An op may route its CUDA lowering (:class:`CudaRoute`): pick another target (e.g. its NVLink kernel),
   add attributes, and ask for a workspace result that XLA allocates and the lowering drops; or, for a fused
-  op, lower to the same computation in other ops (``fallback``) where its kernel cannot run.
+  op, lower to the same computation in other ops (``fallback``) where its kernel cannot run. Routes only
+  decide; the communicator's set-up steps happen here, in the open: its NVLink connection before routing an
+  op that has an NVLink kernel (``comm.connect_nvlink``), its symmetric memory grown to an NVLink route's
+  sizes after (``comm.grow_symmetric``), its NCCL communicators made for an NCCL route (``comm.ensure_nccl``).
 
 Local ops (no communication) use :func:`register_local_lowerings`: the same FFI target on both platforms, no
 groups and no communicator.
@@ -41,13 +44,19 @@ _call_site_ids = itertools.count(1)
 class CudaRoute:
     """How one CUDA call site lowers: the transport whose handler it takes ("nccl" or "nvlink"; the target
     comes from the CUDA module's handler table, :func:`lib.cuda_target`), extra attributes, the byte size of a
-    workspace result (None: the handler takes none), and the operands the target takes, by index (None:
-    all)."""
+    workspace result (None: the handler takes none), the operands the target takes, by index (None: all),
+    and, for an NVLink kernel, the symmetric memory it needs (``staging_bytes`` of all_to_allv staging,
+    ``slot_bytes`` of low-latency slots per call parity), which lowering grows the communicator's to.
+
+    A route only decides: the op's ``cuda_route`` reads the communicator's NVLink answer
+    (:func:`nvlink.usable`) and sizes, and allocates nothing."""
 
     transport: str = "nccl"
     attrs: dict = dataclasses.field(default_factory=dict)
     workspace_bytes: int | None = None
     operands: tuple[int, ...] | None = None
+    staging_bytes: int = 0
+    slot_bytes: int = 0
 
 
 COLLECTIVE_OPS: set[str] = set()  # the ops that communicate, as JAX_NCCLX_TIMEOUT_S_<OP> names them
@@ -129,6 +138,8 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, alias
         mesh = _concrete_mesh(axis_context.mesh, target)
         mesh_devices = list(mesh.devices.flat)
         comm_id = comm.communicator_for(mesh, axis_name)
+        if settings.transport != "nccl" and lib.cuda_target(op, "nvlink"):
+            comm.connect_nvlink(comm_id)  # once per communicator: what its routes read
         route = cuda_route(ctx, comm_id, len(groups[0]), **params) if cuda_route is not None else CudaRoute()
         if route is None:
             return _lower_fallback(ctx, operands, fallback, axis_name, params)
@@ -140,7 +151,9 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, alias
             avals_out.append(jax.core.ShapedArray((route.workspace_bytes,), np.uint8))
         nvlink = route.transport == "nvlink"
         cmdbuf = False
-        if not nvlink:
+        if nvlink:
+            comm.grow_symmetric(comm_id, staging_bytes=route.staging_bytes, slot_bytes=route.slot_bytes)
+        else:
             comm.ensure_nccl(comm_id)
             # The dense ops' NCCL handlers come twice, once marked command-buffer compatible
             # (xla_ffi/ops/collectives/collectives_cuda.cc; all_to_allv_dynamic's is not among them).

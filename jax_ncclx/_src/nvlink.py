@@ -4,8 +4,8 @@ Decided while the program is lowered, from the static shapes, the communicator a
 
 * ``JAX_NCCLX_TRANSPORT=nccl`` always takes NCCL;
 * otherwise an op with an NVLink kernel takes it when every rank of the communicator reaches every other
-  through NVLink peer access (``comm.nvlink_symmetric_memory``; a communicator that cannot is logged once and
-  uses NCCL, or raises with ``JAX_NCCLX_TRANSPORT=nvlink``);
+  through NVLink peer access (the answer of ``comm.connect_nvlink``, which lowering asks before routing; a
+  communicator that cannot is logged once and uses NCCL, or raises with ``JAX_NCCLX_TRANSPORT=nvlink``);
 * the small-message collectives (all_reduce, all_gather, all_to_all, reduce_scatter) take their NVLink kernels
   only up to
   ``nvlink_max_bytes`` per rank (by GPU count and op), and all_reduce switches from one-shot to two-shot above
@@ -35,9 +35,10 @@ REDUCTIONS = ("all_reduce", "reduce_scatter")
 SENDS_BLOCKS = ("all_to_all", "reduce_scatter")
 
 
-def symmetric_memory_ready(op: str, comm_id: int, *, staging_bytes: int = 0, slot_bytes: int = 0) -> bool:
-    """Whether ``op`` may launch its NVLink kernel on ``comm_id``, after growing the communicator's symmetric
-    memory to the sizes given. Collective (every process lowering the program calls it in the same order).
+def usable(op: str, comm_id: int) -> bool:
+    """Whether ``op`` may launch its NVLink kernel on ``comm_id``: the transport setting allows it and the
+    communicator's NVLink step (``comm.connect_nvlink``, taken by lowering before it routes) found every rank
+    reachable. Allocates nothing.
 
     Raises:
       RuntimeError: ``JAX_NCCLX_TRANSPORT=nvlink`` and the communicator cannot use NVLink (the reason is in
@@ -46,7 +47,10 @@ def symmetric_memory_ready(op: str, comm_id: int, *, staging_bytes: int = 0, slo
     settings = config.current()
     if settings.transport == "nccl":
         return False
-    reason = comm.nvlink_symmetric_memory(comm_id, op, staging_bytes=staging_bytes, slot_bytes=slot_bytes)
+    reason = comm.nvlink_reason(comm_id)
+    if reason is None:  # a route asked before lowering connected the communicator
+        raise RuntimeError(f"jax_ncclx.{op}: communicator {comm_id} was routed before its NVLink step "
+                           "(comm.connect_nvlink)")
     if reason and settings.transport == "nvlink":
         raise RuntimeError(f"jax_ncclx.{op}: JAX_NCCLX_TRANSPORT=nvlink but this communicator cannot use NVLink: "
                            f"{reason}")
@@ -115,7 +119,7 @@ def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
     direct = collective_direct(op, algorithm, nbytes, size, settings)
     slots = lib.cuda_module().nvlink_collective_bytes(op, algorithm, protocol, nbytes, size, element.itemsize,
                                                       direct)
-    if not symmetric_memory_ready(op, comm_id, slot_bytes=slots):
+    if not usable(op, comm_id):
         return nccl
     # The enums (protocol, algorithm) travel as int32, as the handlers decode them (common/contract_attrs.h).
     route_attrs = dict(protocol=np.int32(protocol), blocks=np.int64(settings.nvlink_blocks))
@@ -123,5 +127,5 @@ def collective_route(op: str, ctx, comm_id: int, size: int) -> CudaRoute:
         route_attrs["direct"] = np.bool_(direct)
     if op == "all_reduce":
         route_attrs["algorithm"] = np.int32(algorithm)
-    return CudaRoute("nvlink", route_attrs)
+    return CudaRoute("nvlink", route_attrs, slot_bytes=slots)
 

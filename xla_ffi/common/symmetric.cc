@@ -65,7 +65,7 @@ struct FaultRecord {
 };
 
 struct Registry {
-  std::mutex setup_mu;   // one EnsureSymmetric or FreeAllSymmetric at a time
+  std::mutex setup_mu;   // one Connect/GrowSymmetric or FreeAllSymmetric at a time
   std::shared_mutex mu;  // the two below; held only to read or change them, never across CUDA or the exchange
   std::map<int64_t, std::shared_ptr<CommMemory>> comms;
   std::vector<FaultRecord> fault_records;
@@ -311,10 +311,16 @@ ffi::ErrorOr<std::string> Grow(std::string_view op, CommMemory& memory, const Sy
   return std::string();
 }
 
-}  // namespace
+// A state error (RuntimeError in Python), not a bad argument: growing before connecting, or where NVLink failed.
+ffi::Error NotConnected(std::string_view op, int64_t comm_id, std::string_view what) {
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "jax_ncclx " + std::string(op) + ": communicator " +
+                                                             std::to_string(comm_id) + " " + std::string(what));
+}
 
-ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, const SymmetricNeed& need,
-                                          const HostExchange& exchange) {
+// Both steps: `connect` makes a new communicator's memory (with an empty data region) and returns its verdict;
+// otherwise the communicator must be connected and usable, and its data region grows to `need`.
+ffi::ErrorOr<std::string> SetUpSymmetric(std::string_view op, int64_t comm_id, const SymmetricNeed& need, bool connect,
+                                         const HostExchange& exchange) {
   if (need.parity_half_bytes < 0 || need.staging_bytes < 0) {
     return InvalidArgument(op, "negative symmetric memory need: " + std::to_string(need.parity_half_bytes) +
                                    " low-latency bytes per parity, " + std::to_string(need.staging_bytes) +
@@ -324,6 +330,9 @@ ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, 
   std::lock_guard<std::mutex> setup(registry.setup_mu);
   std::shared_ptr<CommMemory> memory = FindCommMemory(comm_id);
   const bool first = memory == nullptr;
+  if (!connect && first) {
+    return NotConnected(op, comm_id, "has no symmetric memory to grow: connect it first (connect_symmetric)");
+  }
   // A new communicator's memory is set up before the registry lists it, so nothing can look it up half made.
   if (first) memory = std::make_shared<CommMemory>();
   std::unique_lock<std::shared_mutex> growing(memory->mu);
@@ -337,7 +346,7 @@ ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, 
     }
   };
   if (!first) {
-    if (!memory->unavailable.empty()) return memory->unavailable;
+    if (connect || !memory->unavailable.empty()) return memory->unavailable;
     const bool big_enough = std::all_of(memory->ranks.begin(), memory->ranks.end(), [&](const LocalRank& rank) {
       return rank.layout.parity_half_bytes >= need.parity_half_bytes && rank.layout.staging_bytes >= need.staging_bytes;
     });
@@ -392,6 +401,20 @@ ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, 
     publish();
   }
   return reason;
+}
+
+}  // namespace
+
+ffi::ErrorOr<std::string> ConnectSymmetric(std::string_view op, int64_t comm_id, const HostExchange& exchange) {
+  return SetUpSymmetric(op, comm_id, SymmetricNeed{}, /*connect=*/true, exchange);
+}
+
+ffi::Error GrowSymmetric(std::string_view op, int64_t comm_id, const SymmetricNeed& need,
+                         const HostExchange& exchange) {
+  ffi::ErrorOr<std::string> reason = SetUpSymmetric(op, comm_id, need, /*connect=*/false, exchange);
+  if (reason.has_error()) return reason.error();
+  if (!reason->empty()) return NotConnected(op, comm_id, "cannot use the NVLink kernels: " + *reason);
+  return ffi::Error::Success();
 }
 
 ffi::ErrorOr<SymmetricRank> LookupSymmetric(std::string_view op, int64_t comm_id, int32_t device_ordinal) {

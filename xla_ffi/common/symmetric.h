@@ -51,19 +51,25 @@ struct ExchangeEntry {
 using HostExchange =
     std::function<ffi::ErrorOr<std::vector<std::vector<std::string>>>(const std::vector<ExchangeEntry>&)>;
 
-// Makes sure every rank of communicator `comm_id` has a data region that meets `need`, mapped by all its
-// peers; addresses and IPC handles travel through `exchange`, not through NCCL (a NCCL collective would make
-// NCCL connect its rings and allocate their buffers, hundreds of MiB, for a few hundred bytes). Collective:
-// every process holding ranks of the communicator must call it with the same need, in the same order as its
-// other collective set-up. Returns "" when the NVLink kernels can run, otherwise why not (a rank cannot
-// reach a peer through NVLink peer access, too many ranks, ...). That answer is the same on every rank, and
-// is remembered: later calls return it without communicating or allocating. While the memory grows (a device
-// sync and the exchange, which may wait for other processes) only this communicator's handlers wait; other
-// communicators' handlers and the watchdog's fault scan (NvlinkFaultReports) go on.
-ffi::ErrorOr<std::string> EnsureSymmetric(std::string_view op, int64_t comm_id, const SymmetricNeed& need,
-                                          const HostExchange& exchange);
+// A communicator's symmetric memory is set up in two explicit steps, both collective: every process holding
+// ranks of the communicator calls them in the same order as its other collective set-up. Addresses and IPC
+// handles travel through `exchange`, not through NCCL (a NCCL collective would make NCCL connect its rings
+// and allocate their buffers, hundreds of MiB, for a few hundred bytes).
+//
+// ConnectSymmetric, once per communicator: allocates every rank's control block, peer table and fault record,
+// agrees on whether every rank reaches every peer through NVLink peer access, and maps the peers. Returns ""
+// when the NVLink kernels can run, otherwise why not (a rank cannot reach a peer, too many ranks, ...). That
+// answer is the same on every rank, and is remembered: later calls return it without communicating.
+ffi::ErrorOr<std::string> ConnectSymmetric(std::string_view op, int64_t comm_id, const HostExchange& exchange);
 
-// The symmetric memory of `comm_id` on `device_ordinal`; an error if EnsureSymmetric never succeeded for it.
+// GrowSymmetric, whenever a program needs more: makes every rank's data region meet `need` (grown, never
+// shrunk) and maps it into all peers. An error if ConnectSymmetric did not find the communicator usable.
+// While the memory grows (a device sync and the exchange, which may wait for other processes) only this
+// communicator's handlers wait; other communicators' handlers and the watchdog's fault scan
+// (NvlinkFaultReports) go on.
+ffi::Error GrowSymmetric(std::string_view op, int64_t comm_id, const SymmetricNeed& need, const HostExchange& exchange);
+
+// The symmetric memory of `comm_id` on `device_ordinal`; an error if it was never connected and grown.
 ffi::ErrorOr<SymmetricRank> LookupSymmetric(std::string_view op, int64_t comm_id, int32_t device_ordinal);
 
 // The fault records of every local rank whose NVLink kernels gave up waiting (state != kNvlinkHealthy).
@@ -97,7 +103,7 @@ struct RankTrace {
 ffi::ErrorOr<std::vector<RankTrace>> ReadDeviceTrace(std::string_view op, int64_t comm_id);
 
 // Frees every rank's symmetric memory (after waiting for the local devices to go idle) and forgets every
-// answer of EnsureSymmetric. Call before destroying the communicators.
+// answer of ConnectSymmetric. Call before destroying the communicators.
 ffi::Error FreeAllSymmetric(std::string_view op);
 
 // Counts a host launch of an NVLink kernel on `stream`, noting whether the stream was being recorded into a

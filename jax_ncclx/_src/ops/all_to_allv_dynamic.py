@@ -199,9 +199,9 @@ def exchange_route(op: str, comm_id, size, x, counts_shape, features, capacity: 
     if settings.transport != "nccl":
         staging, slots = lib.cuda_module().all_to_allv_symmetric_bytes(batch, size, chunks, capacity, row_bytes,
                                                                        direct)
-        if nvlink.symmetric_memory_ready(op, comm_id, staging_bytes=staging, slot_bytes=slots):
+        if nvlink.usable(op, comm_id):
             attrs = {"blocks": np.int64(settings.nvlink_blocks), "direct": np.bool_(direct)}
-            return lowering.CudaRoute("nvlink", attrs)
+            return lowering.CudaRoute("nvlink", attrs, staging_bytes=staging, slot_bytes=slots)
     workspace = lib.cuda_module().all_to_allv_workspace_bytes(batch, size, chunks, capacity, row_bytes, received_apart)
     return lowering.CudaRoute(workspace_bytes=workspace)
 

@@ -146,10 +146,10 @@ def _route(ctx, comm_id, size):
                      "the kernel's %d", rows_per_member, hidden * dtype.itemsize, KERNEL_MAX_MEMBER_BYTES)
         return None
     slots = module.moe_combine_slot_bytes(size, rows_per_member, hidden, dtype.itemsize)
-    if not nvlink.symmetric_memory_ready("moe.combine", comm_id, slot_bytes=slots):
+    if not nvlink.usable("moe.combine", comm_id):
         return None
-    return lowering.CudaRoute("nvlink", dict(blocks=np.int64(settings.nvlink_blocks)),
-                               operands=(0, 1, 2, 3, 5))  # send_back_rows is the chain's only
+    return lowering.CudaRoute("nvlink", dict(blocks=np.int64(settings.nvlink_blocks)), slot_bytes=slots,
+                              operands=(0, 1, 2, 3, 5))  # send_back_rows is the chain's only
 
 
 def _moe_combine_batching(axis_data, args, dims, *, axis_name):

@@ -235,9 +235,9 @@ def _route(ctx, comm_id, size, *, num_experts, num_members, capacity, wire_dtype
         logger.debug("jax_ncclx: moe.dispatch takes the exchange chain: %s", why)
         return None
     slots = module.moe_dispatch_slot_bytes(size, rows_per_member, top_k, wire_row_bytes, with_weights)
-    if not nvlink.symmetric_memory_ready("moe.dispatch", comm_id, slot_bytes=slots):
+    if not nvlink.usable("moe.dispatch", comm_id):
         return None
-    return lowering.CudaRoute("nvlink", dict(blocks=np.int64(config.current().nvlink_blocks)))
+    return lowering.CudaRoute("nvlink", dict(blocks=np.int64(config.current().nvlink_blocks)), slot_bytes=slots)
 
 
 def _kernel_misfit(module, tokens, top_k, size, rows_per_member, wire_dtype, wire_row_bytes) -> str | None:

@@ -34,9 +34,12 @@ ffi::ErrorOr<ReduceType> GetReduceType(std::string_view op, ffi::DataType dtype)
       return ReduceType::kF16;
     case ffi::S32:
       return ReduceType::kS32;
-    default:
+    default: {
+      std::string supported;
+      for (const Named& type : kReduceTypeNames) supported += std::string(supported.empty() ? "" : ", ") + type.name;
       return InvalidArgument(op, "the NVLink kernel cannot reduce dtype " + std::string(DataTypeName(dtype)) +
-                                     "; supported: f32, bf16, f16, s32 (others take the NCCL path)");
+                                     "; supported: " + supported + " (others take the NCCL path)");
+    }
   }
 }
 
