@@ -69,7 +69,7 @@ ffi::ErrorOr<std::string> ConnectSymmetric(std::string_view op, int64_t comm_id,
 // (NvlinkFaultReports) go on.
 ffi::Error GrowSymmetric(std::string_view op, int64_t comm_id, const SymmetricNeed& need, const HostExchange& exchange);
 
-// The symmetric memory of `comm_id` on `device_ordinal`; an error if it was never connected and grown.
+// The symmetric memory of `comm_id` on `device_ordinal`; an error if it was never connected or cannot use NVLink.
 ffi::ErrorOr<SymmetricRank> LookupSymmetric(std::string_view op, int64_t comm_id, int32_t device_ordinal);
 
 // The fault records of every local rank whose NVLink kernels gave up waiting (state != kNvlinkHealthy).
