@@ -257,3 +257,34 @@ def test_combine_checks_the_masked_shape():
     with pytest.raises(ValueError, match="expert_out must be 3-D"):
         jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 2, out_specs=P("x")))(
             jnp.zeros((8, 4)), jnp.zeros((8, 2), jnp.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_loopback_kernels_match_the_reference(ranks, pattern):
+    """The NVLink kernels with 2, 4 and 8 logical ranks on one GPU (the test-only loopback module), two calls
+    in a row: every dispatch result equals the reference's, and combine (weights at either side) is the
+    reference combine's."""
+    import nvlink_loopback
+
+    ids, num_experts, capacity = routing(pattern, ranks, tokens=8, top_k=3, seed=ranks)
+    rng = np.random.default_rng(ranks)
+    tokens = rng.standard_normal((2, ranks, ids.shape[1], 64)).astype(np.float32)
+    weights = rng.random((2, ranks) + ids.shape[1:]).astype(np.float32)
+    ids2 = np.stack([ids, ids[::-1]])
+    got, _ = nvlink_loopback.moe_masked_dispatch(tokens, ids2, weights, num_experts=num_experts, capacity=capacity)
+    for call in range(2):
+        expected = reference.moe_masked_dispatch(tokens[call], ids2[call], num_experts, capacity, weights=weights[call])
+        for name in moe_masked.Masked._fields:
+            np.testing.assert_array_equal(got[name][call], expected[name], err_msg=f"{name}, call {call}")
+    out, _ = nvlink_loopback.moe_masked_combine(got["expert_rows"], got["row_pair"], got["pair_slot"],
+                                                got["recv_weights"], num_tokens=ids.shape[1], expert_weights=True)
+    by_token, _ = nvlink_loopback.moe_masked_combine(got["expert_rows"], got["row_pair"], got["pair_slot"], weights,
+                                                     num_tokens=ids.shape[1], expert_weights=False)
+    for call in range(2):
+        expected = reference.moe_masked_dispatch(tokens[call], ids2[call], num_experts, capacity, weights=weights[call])
+        np.testing.assert_allclose(out[call], reference.moe_masked_combine(expected["expert_rows"], expected,
+                                                                           ids.shape[1]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(by_token[call], reference.moe_masked_combine(
+            expected["expert_rows"], expected, ids.shape[1], weights[call]), rtol=1e-5, atol=1e-5)
