@@ -76,12 +76,14 @@ VARIANTS = {  # key: (label, times the payload moves per op)
     "nx_moe_combine": ("nx moe combine", 1),
     "nx_moe_fp8": ("nx moe dispatch+combine, fp8 dispatch wire", 2),
     "nx_moe_dispatch_fp8": ("nx moe dispatch, fp8 wire", 1),
+    "nx_moe_masked": ("nx moe dispatch+combine, masked layout", 2),
+    "nx_moe_masked_dispatch": ("nx moe dispatch, masked layout", 1),
     "xla_moe": ("XLA moe layer dispatch+combine", 2),
     "xla_moe_dispatch": ("XLA moe layer dispatch", 1),
 }
 LONG_OP_BYTES = 64 * 2**20  # padded buffers past this take ~0.2 ms per op or more: 10 ops per call
 MOE_VARIANTS = ("nx_moe", "nx_moe_pairs", "nx_moe_dispatch", "nx_moe_combine", "nx_moe_fp8",
-                "nx_moe_dispatch_fp8")
+                "nx_moe_dispatch_fp8", "nx_moe_masked", "nx_moe_masked_dispatch")
 FP8_WIRE = jnp.float8_e4m3fn  # the *_fp8 variants: moe.dispatch(wire_dtype=FP8_WIRE)
 # Largest round-trip error (relative to max |token|) accepted before timing, by dispatch wire: bf16 tokens
 # round once per op; e4m3 keeps each value within 2^-4 of itself, and the weights sum to 1.
@@ -274,6 +276,17 @@ def ragged_chain(x, in_offsets, send_sizes, out_offsets, recv_sizes, *, capacity
     return send_sizes
 
 
+def layout_of(variant):
+    """moe.dispatch's layout for a moe variant."""
+    return "masked" if "_masked" in variant else "packed"
+
+
+def capacity_of(variant, routing):
+    """A moe variant's capacity: the routing's per-member capacity, or (masked layout) the most rows any rank
+    sends any one expert, so that nothing drops either way."""
+    return max(1, int(routing.counts.max())) if layout_of(variant) == "masked" else routing.capacity
+
+
 def wire_of(variant):
     """The dispatch wire dtype of a moe variant (None: the tokens' own)."""
     return FP8_WIRE if variant.endswith("_fp8") else None
@@ -293,8 +306,9 @@ def experts(rows):
     return jax.lax.optimization_barrier(rows)
 
 
-def moe_round_trip(tokens, expert_ids, weights, *, num_experts, capacity, wire_dtype=None, weights_in="dispatch"):
-    kwargs = dict(num_experts=num_experts, axis_name=AXIS, capacity=capacity, wire_dtype=wire_dtype)
+def moe_round_trip(tokens, expert_ids, weights, *, num_experts, capacity, wire_dtype=None, weights_in="dispatch",
+                   layout="packed"):
+    kwargs = dict(num_experts=num_experts, axis_name=AXIS, capacity=capacity, wire_dtype=wire_dtype, layout=layout)
     if weights_in == "dispatch":
         rows, _, handle = moe.dispatch(tokens, expert_ids, weights=weights, **kwargs)
         return moe.combine(experts(rows), handle)
@@ -314,6 +328,8 @@ def checked_by(variant):
         return "xla_moe"
     if variant == "nx_moe_pairs":
         return variant
+    if layout_of(variant) == "masked":
+        return "nx_moe_masked"
     return "nx_moe_fp8" if variant.endswith("_fp8") else "nx_moe"
 
 
@@ -322,7 +338,7 @@ def round_trip_of(variant, num_experts, capacity):
     if variant == "xla_moe":
         return functools.partial(xla_moe_round_trip, num_experts=num_experts, capacity=capacity)
     return functools.partial(moe_round_trip, num_experts=num_experts, capacity=capacity, wire_dtype=wire_of(variant),
-                             weights_in=weights_in_of(variant))
+                             weights_in=weights_in_of(variant), layout=layout_of(variant))
 
 
 def dispatch_of(variant, num_experts, capacity):
@@ -330,7 +346,8 @@ def dispatch_of(variant, num_experts, capacity):
     kwargs = dict(num_experts=num_experts, axis_name=AXIS, capacity=capacity)
     if variant == "xla_moe_dispatch":
         return lambda tokens, expert_ids: xla_moe.dispatch(tokens, expert_ids, **kwargs)[0]
-    return lambda tokens, expert_ids: moe.dispatch(tokens, expert_ids, wire_dtype=wire_of(variant), **kwargs)[0]
+    return lambda tokens, expert_ids: moe.dispatch(tokens, expert_ids, wire_dtype=wire_of(variant),
+                                                   layout=layout_of(variant), **kwargs)[0]
 
 
 def moe_chain(tokens, expert_ids, weights, *, round_trip, unroll):
@@ -393,12 +410,13 @@ def chain_and_args(variant, mesh, arrays, routing, args):
                                unroll=unroll, ours=variant == "nx_ragged")
         return per_rank(mesh, fn, 5), ("x", "in_offsets", "send_sizes", "out_offsets", "recv_sizes"), False
     num_experts = routing.counts.shape[0] * args.experts_per_rank
-    if variant in ("nx_moe", "nx_moe_pairs", "nx_moe_fp8", "xla_moe"):
-        fn = functools.partial(moe_chain, round_trip=round_trip_of(variant, num_experts, capacity), unroll=unroll)
-        return per_rank(mesh, fn, 3, donate_argnums=0), ("tokens", "expert_ids", "weights"), True
-    if variant in ("nx_moe_dispatch", "nx_moe_dispatch_fp8", "xla_moe_dispatch"):
-        fn = functools.partial(moe_dispatch_chain, dispatch=dispatch_of(variant, num_experts, capacity),
+    if variant in ("nx_moe", "nx_moe_pairs", "nx_moe_fp8", "nx_moe_masked", "xla_moe"):
+        fn = functools.partial(moe_chain, round_trip=round_trip_of(variant, num_experts, capacity_of(variant, routing)),
                                unroll=unroll)
+        return per_rank(mesh, fn, 3, donate_argnums=0), ("tokens", "expert_ids", "weights"), True
+    if variant in ("nx_moe_dispatch", "nx_moe_dispatch_fp8", "nx_moe_masked_dispatch", "xla_moe_dispatch"):
+        dispatch = dispatch_of(variant, num_experts, capacity_of(variant, routing))
+        fn = functools.partial(moe_dispatch_chain, dispatch=dispatch, unroll=unroll)
         return per_rank(mesh, fn, 2), ("tokens", "expert_ids"), False
     if variant == "nx_moe_combine":
         fn = functools.partial(moe_combine_chain, unroll=unroll)
@@ -507,7 +525,7 @@ def verify_ragged(mesh, arrays, routing, ours=False):
 def verify_moe(mesh, arrays, routing, experts_per_rank, variant):
     """Largest |combine(dispatch(t)) - t * sum(weights)| relative to max |t| (the weights sum to 1), for a
     round-trip variant."""
-    round_trip = round_trip_of(variant, routing.counts.shape[0] * experts_per_rank, routing.capacity)
+    round_trip = round_trip_of(variant, routing.counts.shape[0] * experts_per_rank, capacity_of(variant, routing))
 
     def body(tokens, expert_ids, weights):
         out = round_trip(tokens, expert_ids, weights).astype(jnp.float32)

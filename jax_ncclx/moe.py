@@ -9,5 +9,6 @@ weights. Each is one exchange, its counts kept on the device: one NVLink kernel 
 from jax_ncclx._src.ops.moe import DispatchHandle as DispatchHandle
 from jax_ncclx._src.ops.moe import combine as combine
 from jax_ncclx._src.ops.moe import dispatch as dispatch
+from jax_ncclx._src.ops.moe_masked import MaskedHandle as MaskedHandle
 
-__all__ = ["DispatchHandle", "combine", "dispatch"]
+__all__ = ["DispatchHandle", "MaskedHandle", "combine", "dispatch"]

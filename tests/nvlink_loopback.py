@@ -158,3 +158,54 @@ def moe_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, **option
         results["phase_clocks"] = np.frombuffer(done["phase_clocks"], np.int64).reshape(
             size, done["blocks"], len(done["phase_names"]))
     return results, with_grid(done)
+
+
+# The masked layout's wire attribute, by wire dtype name (None: tokens' dtype).
+MOE_MASKED_WIRES = {None: 0, "none": 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
+
+
+def moe_masked_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, wire=None, **options):
+    """The masked dispatch's NVLink kernel. tokens [calls, ranks, T, H] (float32, bfloat16 or float16; rows of a
+    multiple of 16 bytes, and H a multiple of 128 with an 8-bit wire), expert_ids int32 [calls, ranks, T, k],
+    weights float32 of the same shape or None; wire None, "float8_e4m3fn" or "float8_e5m2". Returns (a dict of
+    every result by name, each [calls, ranks, ...]: expert_rows [L, N * C, H] in tokens' dtype, group_sizes [L],
+    send_pairs [P], pair_slot [P], send_counts [N, L], dropped [N], recv_counts [N, L], row_pair [L, N * C] and
+    recv_weights float32 [L, N * C or 0], ranks)."""
+    tokens = np.ascontiguousarray(tokens)
+    calls, size, num_tokens, hidden = tokens.shape
+    top_k = expert_ids.shape[-1]
+    with_weights = weights is not None
+    weights = np.zeros(expert_ids.shape, np.float32) if weights is None else weights
+    done = module().moe_masked_dispatch(
+        tokens.tobytes(), np.ascontiguousarray(expert_ids, np.int32).tobytes(),
+        np.ascontiguousarray(weights, np.float32).tobytes(), size=size, calls=calls, num_tokens=num_tokens,
+        hidden=hidden, type=MOE_COMBINE_TYPES[tokens.dtype], top_k=top_k, num_experts=num_experts,
+        capacity=capacity, wire=MOE_MASKED_WIRES[wire], with_weights=with_weights, **options)
+    local, rows, pairs = num_experts // size, size * capacity, num_tokens * top_k
+    shapes = {"group_sizes": (local,), "send_pairs": (pairs,), "pair_slot": (pairs,), "send_counts": (size, local),
+              "dropped": (size,), "recv_counts": (size, local), "row_pair": (local, rows)}
+    results = {name: np.frombuffer(done[name], np.int32).reshape(calls, size, *shape)
+               for name, shape in shapes.items()}
+    results["expert_rows"] = np.frombuffer(done["expert_rows"], tokens.dtype).reshape(calls, size, local, rows,
+                                                                                    hidden)
+    results["recv_weights"] = np.frombuffer(done["recv_weights"], np.float32).reshape(
+        calls, size, local, rows if with_weights else 0)
+    return results, with_grid(done)
+
+
+def moe_masked_combine(expert_out, row_pair, pair_slot, weights, *, num_tokens, expert_weights, **options):
+    """The masked combine's NVLink kernel. expert_out [calls, ranks, L, N * C, H'] (float32, bfloat16 or float16),
+    row_pair int32 [calls, ranks, L, N * C], pair_slot int32 [calls, ranks, T * k], weights float32: [calls,
+    ranks, L, N * C] with expert_weights (dispatch's recv_weights), else [calls, ranks, T, k]. Returns (out
+    [calls, ranks, T, H'] in expert_out's dtype, ranks)."""
+    expert_out = np.ascontiguousarray(expert_out)
+    calls, size, local, rows, hidden = expert_out.shape
+    pairs = pair_slot.shape[-1]
+    done = module().moe_masked_combine(
+        expert_out.tobytes(), np.ascontiguousarray(row_pair, np.int32).tobytes(),
+        np.ascontiguousarray(pair_slot, np.int32).tobytes(), np.ascontiguousarray(weights, np.float32).tobytes(),
+        size=size, calls=calls, type=MOE_COMBINE_TYPES[expert_out.dtype], local_experts=local,
+        capacity=rows // size, tokens=num_tokens, top_k=pairs // num_tokens, hidden=hidden,
+        expert_weights=expert_weights, **options)
+    out = np.frombuffer(done["out"], expert_out.dtype).reshape(calls, size, num_tokens, hidden)
+    return out, with_grid(done)

@@ -215,3 +215,70 @@ def reduce_in_rank_order(parts, op, dtype):
     for part in parts[1:]:
         acc = combine(acc, part.astype(accumulate))
     return acc.astype(dtype)
+
+
+def moe_masked_dispatch(tokens, ids, num_experts, capacity, weights=None):
+    """moe.dispatch(layout="masked") of every member in NumPy, written from its spec (loops, no sorting tricks).
+
+    tokens [N, T, H], ids [N, T, k] (an id outside [0, E) chooses no expert), weights [N, T, k] or None.
+    Returns a dict of [N, ...] arrays named as the op's results: expert_rows [N, L, N * C, H], group_sizes,
+    send_pairs, pair_slot, send_counts, dropped, recv_counts, row_pair, recv_weights ([N, L, N * C, or 0])."""
+    n, num_tokens, top_k = ids.shape
+    local, pairs, capacity_rows = num_experts // n, num_tokens * top_k, n * capacity
+    out = {"expert_rows": np.zeros((n, local, capacity_rows, tokens.shape[2]), tokens.dtype),
+           "group_sizes": np.zeros((n, local), np.int32), "send_pairs": np.full((n, pairs), pairs, np.int32),
+           "pair_slot": np.full((n, pairs), num_experts * capacity, np.int32),
+           "send_counts": np.zeros((n, n, local), np.int32), "dropped": np.zeros((n, n), np.int32),
+           "recv_counts": np.zeros((n, n, local), np.int32),
+           "row_pair": np.full((n, local, capacity_rows), n * pairs, np.int32),
+           "recv_weights": np.zeros((n, local, capacity_rows if weights is not None else 0), np.float32)}
+    sent = {}  # (source, destination, local expert) -> the source's kept pairs, in rank order
+    for src in range(n):
+        flat = ids[src].reshape(-1)
+        seen = {}
+        for p, expert in enumerate(flat):
+            if not 0 <= expert < num_experts:
+                continue
+            rank = seen.get(expert, 0)
+            seen[expert] = rank + 1
+            dst, e = divmod(int(expert), local)
+            if rank >= capacity:
+                out["dropped"][src, dst] += 1
+                continue
+            out["pair_slot"][src, p] = expert * capacity + rank
+            sent.setdefault((src, dst, e), []).append(p)
+        kept = np.flatnonzero(out["pair_slot"][src] < num_experts * capacity)
+        kept = kept[np.argsort(out["pair_slot"][src][kept])]
+        out["send_pairs"][src, : len(kept)] = kept
+    for (src, dst, e), kept in sent.items():
+        out["send_counts"][src, dst, e] = len(kept)
+        out["recv_counts"][dst, src, e] = len(kept)
+    for dst in range(n):
+        for e in range(local):
+            at = 0
+            for src in range(n):
+                for p in sent.get((src, dst, e), []):
+                    out["expert_rows"][dst, e, at] = tokens[src, p // top_k]
+                    out["row_pair"][dst, e, at] = src * pairs + p
+                    if weights is not None:
+                        out["recv_weights"][dst, e, at] = weights[src].reshape(-1)[p]
+                    at += 1
+            out["group_sizes"][dst, e] = at
+    return out
+
+
+def moe_masked_combine(expert_out, dispatched, num_tokens, weights=None):
+    """moe.combine of a masked dispatch in NumPy (float64): expert_out [N, L, N * C, H'], ``dispatched`` the
+    reference's dict; weights [N, T, k] (given to combine) or None (the dispatched recv_weights). Returns
+    [N, T, H'] float64: out[t] = sum over t's kept pairs of weight * the pair's expert row."""
+    n, pairs = dispatched["pair_slot"].shape
+    top_k = pairs // num_tokens
+    out = np.zeros((n, num_tokens, expert_out.shape[-1]), np.float64)
+    for dst in range(n):
+        for (e, i), tag in np.ndenumerate(dispatched["row_pair"][dst]):
+            if tag >= n * pairs:
+                continue
+            src, p = divmod(int(tag), pairs)
+            w = dispatched["recv_weights"][dst, e, i] if weights is None else weights[src, p // top_k, p % top_k]
+            out[src, p // top_k] += float(w) * np.asarray(expert_out[dst, e, i], np.float64)
+    return out

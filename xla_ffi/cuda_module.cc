@@ -33,6 +33,7 @@
 #include "ops/moe/moe_routing_kernels.h"
 #include "ops/moe/moe_combine.h"
 #include "ops/moe/moe_dispatch.h"
+#include "ops/moe/moe_masked.h"
 #include "ops/collectives/nvlink_collectives_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -76,6 +77,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkMoeCombine);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkMoeCombinePrepare);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkMoeDispatch);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkMoeDispatchPrepare);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkMoeMaskedDispatch);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkMoeMaskedDispatchPrepare);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkMoeMaskedCombine);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NvlinkMoeMaskedCombinePrepare);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaMoePlanSends);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaMoePlaceReceived);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(CudaTakeRows);
@@ -488,6 +493,14 @@ std::vector<Handler> Handlers() {
       {"ncclx_moe_dispatch_nvlink", "moe_dispatch", "nvlink", false, false, Capsule(NvlinkMoeDispatch)},
       {"ncclx_moe_dispatch_nvlink_watched", "moe_dispatch", "nvlink", false, true,
        Stages(NvlinkMoeDispatchPrepare, NvlinkMoeDispatch)},
+      {"ncclx_moe_masked_dispatch_nvlink", "moe_masked_dispatch", "nvlink", false, false,
+       Capsule(NvlinkMoeMaskedDispatch)},
+      {"ncclx_moe_masked_dispatch_nvlink_watched", "moe_masked_dispatch", "nvlink", false, true,
+       Stages(NvlinkMoeMaskedDispatchPrepare, NvlinkMoeMaskedDispatch)},
+      {"ncclx_moe_masked_combine_nvlink", "moe_masked_combine", "nvlink", false, false,
+       Capsule(NvlinkMoeMaskedCombine)},
+      {"ncclx_moe_masked_combine_nvlink_watched", "moe_masked_combine", "nvlink", false, true,
+       Stages(NvlinkMoeMaskedCombinePrepare, NvlinkMoeMaskedCombine)},
 #ifdef JAX_NCCLX_TESTING
       {"ncclx_launch_probe", "launch_probe", "local", false, false, Capsule(LaunchProbe)},
 #endif
@@ -628,6 +641,32 @@ NB_MODULE(_ncclx_cuda, m) {
       "Bytes of a token row of `hidden` elements of `element_bytes` each on moe.dispatch's wire (a\n"
       "contract.MOE_WIRES value): as they are, or on an 8-bit wire hidden bytes and a float32 scale per\n"
       "MOE_WIRE_BLOCK values (one for the row where hidden is not a multiple of it).");
+  m.attr("MOE_MASKED_MAX_TOP_K") = jn::kMaxMoeMaskedTopK;
+  m.attr("MOE_MASKED_MAX_PAIRS") = jn::kMaxMoeMaskedPairs;
+  m.def(
+      "moe_masked_dispatch_slot_bytes",
+      [](int size, int64_t local_experts, int64_t capacity, int64_t wire_row_bytes) {
+        if (size < 1 || size > jn::kMaxNvlinkRanks || local_experts < 0 || capacity < 0 || wire_row_bytes < 0) {
+          throw std::invalid_argument("moe_masked_dispatch_slot_bytes: bad sizes");
+        }
+        return jn::MoeMaskedDispatchSlotBytes(size, local_experts, capacity, wire_row_bytes);
+      },
+      nb::arg("size"), nb::arg("local_experts"), nb::arg("capacity"), nb::arg("wire_row_bytes"),
+      "Low-latency slot bytes per call parity that the masked dispatch's NVLink kernel needs on `size` ranks\n"
+      "for `local_experts` experts per rank of `capacity` rows per source, of `wire_row_bytes` bytes each on the\n"
+      "wire (moe_dispatch_wire_row_bytes): a header of counts, then the rows with a 16-byte suffix each.");
+  m.def(
+      "moe_masked_combine_slot_bytes",
+      [](int64_t pairs, int64_t hidden, int element_bytes) {
+        if (pairs < 0 || hidden < 0 || element_bytes < 1) {
+          throw std::invalid_argument("moe_masked_combine_slot_bytes: bad sizes");
+        }
+        return jn::MoeMaskedCombineSlotBytes(pairs, hidden, element_bytes);
+      },
+      nb::arg("pairs"), nb::arg("hidden"), nb::arg("element_bytes"),
+      "Low-latency slot bytes per call parity that the masked combine's NVLink kernel needs for `pairs`\n"
+      "(token, choice) pairs per rank and rows of `hidden` elements of `element_bytes` each (past the LL areas of\n"
+      "the largest communicator: the same on any number of ranks).");
   jn::DefineMonitorBindings(m, jn::ResolveCallRecord, jn::ResetTraceAnchors);
   jn::DefineContractBindings(m);
   m.def(

@@ -52,6 +52,8 @@ enum TraceKernel : uint32_t {
   kTraceReduceScatter = 5,
   kTraceMoeCombine = 6,
   kTraceMoeDispatch = 7,
+  kTraceMoeMaskedDispatch = 8,
+  kTraceMoeMaskedCombine = 9,
 };
 
 // Ranks one NVLink communicator may have (one host's NVLink domain).
@@ -108,10 +110,15 @@ inline constexpr Named kReduceTypeNames[] = {
     {"int32", static_cast<int64_t>(ReduceType::kS32)},
 };
 inline constexpr Named kTraceKernelNames[] = {
-    {"all_to_allv_dynamic", kTraceAllToAllv}, {"all_reduce", kTraceAllReduce},
-    {"all_gather", kTraceAllGather},          {"all_to_all", kTraceAllToAll},
-    {"reduce_scatter", kTraceReduceScatter},  {"moe.combine", kTraceMoeCombine},
+    {"all_to_allv_dynamic", kTraceAllToAllv},
+    {"all_reduce", kTraceAllReduce},
+    {"all_gather", kTraceAllGather},
+    {"all_to_all", kTraceAllToAll},
+    {"reduce_scatter", kTraceReduceScatter},
+    {"moe.combine", kTraceMoeCombine},
     {"moe.dispatch", kTraceMoeDispatch},
+    {"moe.masked_dispatch", kTraceMoeMaskedDispatch},
+    {"moe.masked_combine", kTraceMoeMaskedCombine},
 };
 
 }  // namespace jax_ncclx

@@ -37,6 +37,10 @@ std::string KernelName(uint32_t kernel) {
       return "moe.combine";
     case kTraceMoeDispatch:
       return "moe.dispatch";
+    case kTraceMoeMaskedDispatch:
+      return "moe.masked_dispatch";
+    case kTraceMoeMaskedCombine:
+      return "moe.masked_combine";
   }
   return "kernel " + std::to_string(kernel);
 }

@@ -35,6 +35,7 @@
 #include "ops/all_to_allv/all_to_allv_kernels.h"
 #include "ops/moe/moe_combine.h"
 #include "ops/moe/moe_dispatch.h"
+#include "ops/moe/moe_masked.h"
 #include "ops/collectives/nvlink_collectives_kernels.h"
 
 namespace nb = nanobind;
@@ -653,6 +654,137 @@ nb::dict MoeDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids, const
   return result;
 }
 
+// The masked dispatch's results, in the order MoeMaskedDispatch returns them (the FFI handler's).
+constexpr const char* kMoeMaskedDispatchResults[] = {"expert_rows", "group_sizes", "send_pairs",
+                                                     "pair_slot",   "send_counts", "dropped",
+                                                     "recv_counts", "row_pair",    "recv_weights"};
+
+nb::dict MoeMaskedDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids, const nb::bytes& weights, int size,
+                           int calls, int64_t num_tokens, int64_t hidden, int type, int top_k, int64_t num_experts,
+                           int64_t capacity, int wire, bool with_weights, int blocks, bool trace, bool graph,
+                           int64_t timeout_ms, int absent, int late, int64_t late_us) {
+  const Schedule schedule{calls, graph, absent, late, late_us, timeout_ms};
+  CheckSchedule(size, schedule);
+  Require(type >= 0 && type <= 2, "type is " + std::to_string(type) + ", expected 0 (f32), 1 (bf16) or 2 (f16)");
+  Require(wire >= 0 && wire <= 2, "wire is " + std::to_string(wire) + ", expected 0 (none), 1 (e4m3) or 2 (e5m2)");
+  const int64_t element_bytes = FloatTypeBytes(static_cast<FloatType>(type));
+  const MoeWire on = static_cast<MoeWire>(wire);
+  const int64_t row_bytes = hidden * element_bytes, wire_row_bytes = MoeDispatchWireRowBytes(hidden, element_bytes, on);
+  Require(num_tokens >= 0 && top_k >= 1 && top_k <= kMaxMoeMaskedTopK && num_tokens * top_k <= kMaxMoeMaskedPairs &&
+              hidden >= 0 && row_bytes % 16 == 0 &&
+              (on == MoeWire::kNone || (hidden % kMoeWireBlock == 0 && wire_row_bytes % 16 == 0)),
+          "bad sizes: tokens and top_k within the kernel's limits, rows a multiple of 16 bytes (an 8-bit wire: "
+          "hidden a multiple of the wire block)");
+  Require(num_experts >= 1 && num_experts % size == 0 && num_experts <= kMaxRoutingExperts && capacity >= 1 &&
+              capacity <= kMaxCapacity / num_experts,
+          "bad sizes: num_experts a multiple of size up to the routing's limit, capacity positive, num_experts * "
+          "capacity within int32");
+  MoeMaskedDispatchArgs args;
+  args.size = size;
+  args.top_k = top_k;
+  args.tokens = num_tokens;
+  args.num_experts = num_experts;
+  args.capacity = capacity;
+  args.row_bytes = row_bytes;
+  args.wire = on;
+  args.token_type = static_cast<FloatType>(type);
+  args.wire_row_bytes = wire_row_bytes;
+  args.with_weights = with_weights;
+  args.trace = trace;
+  args.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000;
+  const int64_t T = num_tokens, k = top_k, N = size, L = num_experts / size, NC = N * capacity, P = T * k;
+  const int64_t I = sizeof(int32_t);
+  const int grid = ChooseMoeMaskedDispatchBlocks(args, blocks, SmsPerRank(size));
+  Resources resources;
+  Ranks ranks(resources, size, MoeMaskedDispatchSlotBytes(size, L, capacity, wire_row_bytes), 0);
+  std::vector<Operand> operands = {
+      {"tokens", T * row_bytes, false}, {"expert_ids", P * I, false},
+      {"weights", P * I, false},        {"expert_rows", L * NC * row_bytes, true},
+      {"group_sizes", L * I, true},     {"send_pairs", P * I, true},
+      {"pair_slot", P * I, true},       {"send_counts", N * L * I, true},
+      {"dropped", N * I, true},         {"recv_counts", N * L * I, true},
+      {"row_pair", L * NC * I, true},   {"recv_weights", L * (with_weights ? NC : 0) * I, true},
+  };
+  Outcome outcome = Run(resources, ranks, operands, {&tokens, &expert_ids, &weights}, schedule,
+                        [&](int rank, int slot, cudaStream_t stream) {
+                          MoeMaskedDispatchArgs mine = args;
+                          auto at = [&](int i) { return operands[i].At(slot, rank, size); };
+                          auto ints = [&](int i) { return reinterpret_cast<int32_t*>(at(i)); };
+                          mine.rank = rank;
+                          mine.site = rank;
+                          mine.tokens_in = at(0);
+                          mine.expert_ids = ints(1);
+                          mine.weights = with_weights ? reinterpret_cast<const float*>(at(2)) : nullptr;
+                          mine.expert_rows = at(3);
+                          mine.group_sizes = ints(4);
+                          mine.send_pairs = ints(5);
+                          mine.pair_slot = ints(6);
+                          mine.send_counts = ints(7);
+                          mine.dropped = ints(8);
+                          mine.recv_counts = ints(9);
+                          mine.row_pair = ints(10);
+                          mine.recv_weights = reinterpret_cast<float*>(at(11));
+                          mine.table = ranks.table[rank];
+                          mine.control = ranks.control[rank];
+                          return LaunchMoeMaskedDispatch(mine, grid, stream);
+                        });
+  return ToDict(std::move(outcome),
+                std::vector<std::string>(std::begin(kMoeMaskedDispatchResults), std::end(kMoeMaskedDispatchResults)),
+                grid);
+}
+
+nb::dict MoeMaskedCombine(const nb::bytes& expert_out, const nb::bytes& row_pair, const nb::bytes& pair_slot,
+                          const nb::bytes& weights, int size, int calls, int type, int64_t local_experts,
+                          int64_t capacity, int64_t tokens, int top_k, int64_t hidden, bool expert_weights, int blocks,
+                          bool trace, bool graph, int64_t timeout_ms, int absent, int late, int64_t late_us) {
+  const Schedule schedule{calls, graph, absent, late, late_us, timeout_ms};
+  CheckSchedule(size, schedule);
+  Require(type >= 0 && type <= 2, "type is " + std::to_string(type) + ", expected 0 (f32), 1 (bf16) or 2 (f16)");
+  const int element_bytes = FloatTypeBytes(static_cast<FloatType>(type));
+  Require(tokens >= 1 && top_k >= 1 && top_k <= kMaxMoeMaskedTopK && tokens * top_k <= kMaxMoeMaskedPairs &&
+              local_experts >= 1 && capacity >= 1 && capacity <= kMaxCapacity / (local_experts * size) && hidden >= 1 &&
+              hidden * element_bytes % 16 == 0,
+          "bad sizes: tokens, top_k, local_experts, capacity and hidden positive within the kernel's limits, rows a "
+          "multiple of 16 bytes");
+  MoeMaskedCombineArgs args;
+  args.type = static_cast<FloatType>(type);
+  args.size = size;
+  args.top_k = top_k;
+  args.local_experts = local_experts;
+  args.expert_rows = size * capacity;
+  args.tokens = tokens;
+  args.hidden = hidden;
+  args.expert_weights = expert_weights;
+  args.trace = trace;
+  args.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000;
+  const int grid = ChooseMoeMaskedCombineBlocks(args, blocks, SmsPerRank(size));
+  Resources resources;
+  const int64_t P = tokens * top_k, rows = local_experts * size * capacity, I = sizeof(int32_t);
+  Ranks ranks(resources, size, MoeMaskedCombineSlotBytes(P, hidden, element_bytes), 0);
+  std::vector<Operand> operands = {
+      {"expert_out", rows * hidden * element_bytes, false},
+      {"row_pair", rows * I, false},
+      {"pair_slot", P * I, false},
+      {"weights", (expert_weights ? rows : P) * I, false},
+      {"out", tokens * hidden * element_bytes, true},
+  };
+  Outcome outcome = Run(resources, ranks, operands, {&expert_out, &row_pair, &pair_slot, &weights}, schedule,
+                        [&](int rank, int slot, cudaStream_t stream) {
+                          MoeMaskedCombineArgs mine = args;
+                          mine.rank = rank;
+                          mine.site = rank;
+                          mine.expert_out = operands[0].At(slot, rank, size);
+                          mine.row_pair = reinterpret_cast<const int32_t*>(operands[1].At(slot, rank, size));
+                          mine.pair_slot = reinterpret_cast<const int32_t*>(operands[2].At(slot, rank, size));
+                          mine.weights = reinterpret_cast<const float*>(operands[3].At(slot, rank, size));
+                          mine.out = operands[4].At(slot, rank, size);
+                          mine.table = ranks.table[rank];
+                          mine.control = ranks.control[rank];
+                          return LaunchMoeMaskedCombine(mine, grid, stream);
+                        });
+  return ToDict(std::move(outcome), {"out"}, grid);
+}
+
 }  // namespace
 }  // namespace jax_ncclx
 
@@ -703,4 +835,26 @@ NB_MODULE(_ncclx_loopback, m) {
         "kernel by name (bytes of [calls, size, ...], shapes as the FFI handler's), 'ranks' and 'blocks' as\n"
         "collective() does. phases: also 'phase_clocks' (int64 bytes of [size, blocks, len(phase_names)], the\n"
         "last call's clock64() per block at each of 'phase_names', moe_dispatch.h) and 'clock_khz'.");
+  m.def("moe_masked_dispatch", &jn::MoeMaskedDispatch, nb::arg("tokens"), nb::arg("expert_ids"), nb::arg("weights"),
+        nb::kw_only(), nb::arg("size"), nb::arg("calls"), nb::arg("num_tokens"), nb::arg("hidden"), nb::arg("type"),
+        nb::arg("top_k"), nb::arg("num_experts"), nb::arg("capacity"), nb::arg("wire") = 0,
+        nb::arg("with_weights") = false, nb::arg("blocks") = 0, nb::arg("trace") = false, nb::arg("graph") = false,
+        nb::arg("timeout_ms") = 5000, nb::arg("absent") = -1, nb::arg("late") = -1, nb::arg("late_us") = 0,
+        "Runs `calls` calls of the masked dispatch's NVLink kernel on `size` logical ranks of the current GPU.\n"
+        "Each input is bytes of [calls, size, ...]: tokens [num_tokens, hidden] of `type` (0 f32, 1 bf16, 2 f16),\n"
+        "expert_ids int32 [num_tokens, top_k], weights float32 of the same shape (read with with_weights only).\n"
+        "wire: 0 none, 1 float8_e4m3fn, 2 float8_e5m2. Returns every result of the kernel by name (bytes of\n"
+        "[calls, size, ...], shapes as the FFI handler's: expert_rows, group_sizes, send_pairs, pair_slot,\n"
+        "send_counts, dropped, recv_counts, row_pair, recv_weights), 'ranks' and 'blocks' as collective() does.");
+  m.def("moe_masked_combine", &jn::MoeMaskedCombine, nb::arg("expert_out"), nb::arg("row_pair"), nb::arg("pair_slot"),
+        nb::arg("weights"), nb::kw_only(), nb::arg("size"), nb::arg("calls"), nb::arg("type"), nb::arg("local_experts"),
+        nb::arg("capacity"), nb::arg("tokens"), nb::arg("top_k"), nb::arg("hidden"), nb::arg("expert_weights"),
+        nb::arg("blocks") = 0, nb::arg("trace") = false, nb::arg("graph") = false, nb::arg("timeout_ms") = 5000,
+        nb::arg("absent") = -1, nb::arg("late") = -1, nb::arg("late_us") = 0,
+        "Runs `calls` calls of the masked combine's NVLink kernel on `size` logical ranks of the current GPU.\n"
+        "Each input is bytes of [calls, size, ...]: expert_out [local_experts, size * capacity, hidden] of `type`\n"
+        "(0 f32, 1 bf16, 2 f16), row_pair int32 [local_experts, size * capacity], pair_slot int32\n"
+        "[tokens * top_k], weights float32 [local_experts, size * capacity] with expert_weights, else\n"
+        "[tokens, top_k]. Returns out (bytes of [calls, size, tokens, hidden]), 'ranks' and 'blocks' as\n"
+        "collective() does.");
 }

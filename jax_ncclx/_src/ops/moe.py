@@ -45,6 +45,7 @@ from jax_ncclx._src import primitive
 from jax_ncclx._src import validation
 from jax_ncclx._src.ops import moe_combine
 from jax_ncclx._src.ops import moe_dispatch
+from jax_ncclx._src.ops import moe_masked
 from jax_ncclx._src.ops.take_rows import take_rows
 
 
@@ -112,9 +113,11 @@ class DispatchHandle:
 _ARRAY_FIELDS = [f.name for f in dataclasses.fields(DispatchHandle) if not f.metadata.get("static")]
 
 WIRE_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+LAYOUTS = ("packed", "masked")
 
 
-def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, weights=None, wire_dtype=None):
+def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, weights=None, wire_dtype=None,
+             layout: str = "packed"):
     """Sends every (token, choice) pair's row to the member that owns its expert.
 
     Call it inside ``jax.shard_map`` over ``axis_name``. It runs under ``jax.jit``, ``jax.vmap`` (over a
@@ -141,6 +144,11 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
         rounded to 3 mantissa bits (e4m3; e5m2: 2), i.e. within 2^-4 (2^-3) of itself, and values below about
         2^-15 (e5m2: 2^-31) of their block's largest lose more. The gradient treats the quantization as the
         identity (static).
+      layout: ``"packed"`` (default): the rows described below, for ``jax.lax.ragged_dot``. ``"masked"``: one
+        block of ``N * capacity`` rows per local expert, ``[E_local, N * C, H]``, for a masked grouped matmul
+        (DeepEP's low-latency layout, the decode layout). Then capacity counts per (local expert, source
+        member), each pair crosses on its own (no send-once), and the handle is a ``MaskedHandle``; see
+        "Masked layout" below (static).
 
     Returns:
       ``(expert_rows, group_sizes, handle)``:
@@ -153,13 +161,19 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
         ``[E_local, H, H']``.
       - handle: a ``DispatchHandle`` for ``combine``. ``handle.dropped`` is int32 ``[N]``.
 
+    Masked layout: ``expert_rows`` is ``[E_local, N * C, H]``. Block e holds local expert e's rows: source 0's
+    first, in the order of its (token, choice) pairs, then source 1's, packed; ``group_sizes[e]`` of them, and
+    zeros after. Source s gives expert e at most C pairs: a pair whose rank among s's pairs to that expert is C
+    or more is dropped. ``handle`` is a ``MaskedHandle``; ``handle.dropped`` is int32 ``[N]``, per destination.
+
     Raises:
       NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map``.
       TypeError: tokens not a float dtype, expert_ids not an integer one, weights not a float one; num_experts
         or capacity not a static int.
       ValueError: num_experts not a multiple of N or above 2048 (the routing kernels' limit); capacity below 1
         or above 2^31 - 1; tokens or expert_ids not 2-D, or their T differ; k = 0; weights not ``[T, k]``;
-        wire_dtype not None, float8_e4m3fn or float8_e5m2. Each message names the argument and its value.
+        wire_dtype not None, float8_e4m3fn or float8_e5m2; layout not "packed" or "masked"; with the masked
+        layout, E * C above 2^31 - 1. Each message names the argument and its value.
     """
     axis_name = _check_bound_axis(axis_name, "dispatch")
     num_members = jax.lax.axis_size(axis_name)
@@ -191,13 +205,21 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
             raise ValueError(f"jax_ncclx.moe.dispatch: wire_dtype must be None, float8_e4m3fn or float8_e5m2, "
                              f"got {got}")
         wire_dtype = named
+    if layout not in LAYOUTS:
+        raise ValueError(f"jax_ncclx.moe.dispatch: layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "masked" and num_experts * capacity > contract.MAX_CAPACITY:
+        raise ValueError(f"jax_ncclx.moe.dispatch: with the masked layout num_experts * capacity ({num_experts} * "
+                         f"{capacity}) must be at most {contract.MAX_CAPACITY} (rows are indexed with int32)")
     arrays = (tokens, validation.as_int32(expert_ids)) + (() if weights is None else (weights,))
     tokens, expert_ids, *weights = _vary_together(axis_name, arrays)
+    if layout == "masked":
+        return moe_masked.dispatch(tokens, expert_ids, weights[0] if weights else None, num_experts=int(num_experts),
+                                   axis_name=axis_name, capacity=int(capacity), wire_dtype=wire_dtype)
     return _dispatch(tokens, weights[0] if weights else None, expert_ids, int(num_experts), axis_name,
                      int(capacity), wire_dtype)
 
 
-def combine(expert_out, handle: DispatchHandle, weights=None):
+def combine(expert_out, handle, weights=None):
     """Sends expert outputs back to their tokens and sums each token's outputs with its router weights.
 
     ``out[t] = sum_j weights[t, j] * row(t, j)``, where row(t, j) is the row of ``expert_out`` that came
@@ -213,46 +235,65 @@ def combine(expert_out, handle: DispatchHandle, weights=None):
       the wire as dispatch (about 3.7 rows per token for top-8 of 32 experts on 4 members instead of 8).
     * ``combine(expert_out, handle, weights)``: one row per pair comes back and the token side sums them.
 
+    With a ``MaskedHandle`` (``layout="masked"``) one row per kept pair comes back either way, and the token
+    side sums them in float32. With the weights given to dispatch, the expert side scales each row by its
+    weight first (in float32, rounded to expert_out's dtype).
+
     Args:
-      expert_out: ``[N * C, H']`` any float dtype, in dispatch's expert-major layout. H' may differ from H.
-        Rows past ``sum(group_sizes)`` are ignored.
-      handle: the ``DispatchHandle`` from ``dispatch``.
+      expert_out: ``[N * C, H']`` any float dtype, in dispatch's expert-major layout (masked layout:
+        ``[E_local, N * C, H']``). H' may differ from H. Rows past the group sizes are ignored.
+      handle: the ``DispatchHandle`` or ``MaskedHandle`` from ``dispatch``.
       weights: None (the weights given to ``dispatch``), or ``[T, k]`` any float dtype, the router weight of
         each (token, choice) pair; then ``dispatch`` must have had none.
 
     Returns:
       ``[T, H']`` with expert_out's dtype. With ``weights``, the sum is accumulated in the promoted dtype of
-      expert_out and weights; without, as described above.
+      expert_out and weights (masked layout: float32); without, as described above.
 
     Raises:
       NameError: the handle's axis is not bound by an enclosing ``jax.shard_map``.
-      TypeError: handle not a ``DispatchHandle``; expert_out or weights not a float dtype.
-      ValueError: expert_out not ``[N * capacity, H']``; no weights here or at dispatch, or weights at both;
-        weights not ``[T, k]`` like dispatch's expert_ids. Each message names the argument and its shape.
+      TypeError: handle not a ``DispatchHandle`` or ``MaskedHandle``; expert_out or weights not a float
+        dtype.
+      ValueError: expert_out not ``[N * capacity, H']`` (masked: ``[E_local, N * capacity, H']``); no weights
+        here or at dispatch, or weights at both; weights not ``[T, k]`` like dispatch's expert_ids. Each message
+        names the argument and its shape.
     """
-    if not isinstance(handle, DispatchHandle):
-        raise TypeError(f"jax_ncclx.moe.combine: handle must be the DispatchHandle from dispatch, got "
-                        f"{type(handle).__name__}")
-    rows = jax.lax.axis_size(_check_bound_axis(handle.axis_name, "combine")) * handle.capacity
-    _check_matrix(expert_out, "expert_out", "combine", jnp.floating)
-    if jnp.shape(expert_out)[0] != rows:
-        raise ValueError(f"jax_ncclx.moe.combine: expert_out must be [N * capacity, H'] = [{rows}, H'] like "
-                         f"dispatch's expert_rows, got shape {jnp.shape(expert_out)}")
+    if not isinstance(handle, (DispatchHandle, moe_masked.MaskedHandle)):
+        raise TypeError(f"jax_ncclx.moe.combine: handle must be the DispatchHandle or MaskedHandle from dispatch, "
+                        f"got {type(handle).__name__}")
+    members = jax.lax.axis_size(_check_bound_axis(handle.axis_name, "combine"))
+    _check_matrix(expert_out, "expert_out", "combine", jnp.floating,
+                  rank=3 if isinstance(handle, moe_masked.MaskedHandle) else 2)
+    if isinstance(handle, moe_masked.MaskedHandle):
+        expected = (handle.recv_counts.shape[1], members * handle.capacity)
+        if jnp.shape(expert_out)[:2] != expected:
+            raise ValueError(f"jax_ncclx.moe.combine: expert_out must be [E_local, N * capacity, H'] = "
+                             f"[{expected[0]}, {expected[1]}, H'] like dispatch's expert_rows, got shape "
+                             f"{jnp.shape(expert_out)}")
+    elif jnp.shape(expert_out)[0] != members * handle.capacity:
+        raise ValueError(f"jax_ncclx.moe.combine: expert_out must be [N * capacity, H'] = "
+                         f"[{members * handle.capacity}, H'] like dispatch's expert_rows, got shape "
+                         f"{jnp.shape(expert_out)}")
     if weights is None:
         if handle.recv_weights is None:
             raise ValueError("jax_ncclx.moe.combine: no weights: pass weights [T, k] here, or pass them to "
                              "dispatch(..., weights=...)")
         (expert_out,) = _vary_together(handle.axis_name, (expert_out,), jax.tree.leaves(handle))
+        if isinstance(handle, moe_masked.MaskedHandle):
+            return moe_masked.combine(expert_out, handle, None)
         return _combine_reduced(expert_out, handle)
     if handle.recv_weights is not None:
         raise ValueError("jax_ncclx.moe.combine: weights were given to dispatch too; give them to one of the two "
                          "(dispatch, or here), not both")
     _check_matrix(weights, "weights", "combine", jnp.floating)
-    pairs_shape = (handle.order.shape[0] // handle.top_k, handle.top_k)
+    pairs_shape = (handle.pair_slot.shape[0] if isinstance(handle, moe_masked.MaskedHandle)
+                   else handle.order.shape[0]) // handle.top_k, handle.top_k
     if jnp.shape(weights) != pairs_shape:
         raise ValueError(f"jax_ncclx.moe.combine: weights must be [T, k] = {list(pairs_shape)} like dispatch's "
                          f"expert_ids, got shape {jnp.shape(weights)}")
     expert_out, weights = _vary_together(handle.axis_name, (expert_out, weights), jax.tree.leaves(handle))
+    if isinstance(handle, moe_masked.MaskedHandle):
+        return moe_masked.combine(expert_out, handle, weights)
     return _combine(expert_out, handle, weights)
 
 
@@ -421,10 +462,10 @@ def _check_bound_axis(axis_name, op):
     return axis_name
 
 
-def _check_matrix(x, name, op, kind):
+def _check_matrix(x, name, op, kind, rank=2):
     shape, dtype = jnp.shape(x), jax.typeof(x).dtype
-    if len(shape) != 2:
-        raise ValueError(f"jax_ncclx.moe.{op}: {name} must be 2-D, got shape {shape}")
+    if len(shape) != rank:
+        raise ValueError(f"jax_ncclx.moe.{op}: {name} must be {rank}-D, got shape {shape}")
     if not jnp.issubdtype(dtype, kind):
         expected = "a float" if kind is jnp.floating else "an integer"
         raise TypeError(f"jax_ncclx.moe.{op}: {name} must have {expected} dtype, got {dtype}")

@@ -1,0 +1,484 @@
+"""moe.dispatch's and moe.combine's masked layout (``layout="masked"``): one padded block of rows per local
+expert, the decode layout.
+
+Shapes: N members, E experts, L = E / N local experts, T tokens, k choices, P = T * k pairs (pair
+p = t * k + c), C the capacity of one (local expert, source member).
+
+Routing (token side). Pair p with expert id ``expert_ids[t, c]`` in ``[0, E)`` goes to member m = id // L,
+local expert e = id % L. Its rank j is the number of earlier pairs (lower p) of this member with the same
+id. It is kept if j < C; the rest of that expert's pairs from this member are dropped. An id outside
+``[0, E)`` chooses no expert. So the sender decides every slot alone: no other member's counts are needed.
+
+Layout (expert side). ``expert_rows[e]`` holds expert e's rows, source 0's first (in their pairs' order),
+then source 1's, packed, ``group_sizes[e]`` of them; the rest of the N * C rows are zero. This is the layout
+of a masked grouped matmul (``jnp.einsum("lrh,lhf->lrf")`` with a mask, or DeepGEMM's masked kernels), and
+the one DeepEP's low-latency kernels use.
+
+:class:`MaskedHandle` holds the routing for ``combine`` and both backward passes (int32 but for the weights):
+
+- token side: ``send_pairs [P]`` the kept pairs in (member, expert, rank) order, then P; ``pair_slot [P]``
+  ``(m * L + e) * C + j`` of each kept pair, ``N * L * C`` for the others; ``send_counts [N, L]``;
+  ``dropped [N]`` pairs that did not fit, per destination member.
+- expert side: ``recv_counts [N, L]`` pairs each source delivered to each local expert; ``row_pair
+  [L, N * C]`` ``s * P + p`` of each row's source s and pair p, ``N * P`` past the data; ``recv_weights
+  [L, N * C]`` float32 router weights (None without weights at dispatch).
+
+``combine`` sends one row per kept pair back and sums each token's rows in float32. With the weights given
+to dispatch, the expert side scales each row by its weight (in float32, rounded to expert_out's dtype) before
+it goes back; with the weights given to combine, the token side scales them.
+
+On CUDA with NVLink, ``dispatch`` and ``combine`` are one kernel each (``ncclx_moe_masked_dispatch_nvlink``,
+``ncclx_moe_masked_combine_nvlink``; xla_ffi/ops/moe/moe_masked.h) at decode sizes. Elsewhere, and for the
+backward passes, each is an exchange chain of other jax_ncclx ops around one ``all_to_allv_dynamic``. Both
+compute the same values; which one a call site takes is logged at debug level. The timeout is
+all_to_allv_dynamic's.
+
+Sharding model: every operand varies over the axis, and so does every result. Batching: the exchange chain,
+vmapped. AD: custom VJPs (:func:`dispatch`, :func:`combine`); each backward pass is the other direction's
+exchange chain with the handle's routing, so counts are never exchanged again.
+"""
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Hashable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import batching
+
+from jax_ncclx._src import config
+from jax_ncclx._src import contract
+from jax_ncclx._src import lib
+from jax_ncclx._src import lowering
+from jax_ncclx._src import nvlink
+from jax_ncclx._src import primitive
+from jax_ncclx._src.ops import moe_dispatch
+from jax_ncclx._src.ops.moe_combine import gather_rows
+from jax_ncclx._src.ops.take_rows import encode_misfit
+from jax_ncclx._src.ops.take_rows import take_rows
+
+logger = logging.getLogger("jax_ncclx")
+
+# The most bytes the dispatch kernel's slots may take per call parity (L * N * C wire rows): decode sizes.
+# Larger calls take the exchange chain, whose buffers are XLA temporaries rather than symmetric memory.
+KERNEL_MAX_SLOT_BYTES = 64 << 20
+SUFFIX_WORDS = 4  # a row's pair index and weight on the wire, padded to 16 bytes
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MaskedHandle:
+    """The routing of one ``dispatch(..., layout="masked")`` call, for ``combine`` and both backward passes.
+
+    A pytree whose leaves are device arrays (int32 but for ``recv_weights``); ``axis_name``, ``capacity`` and
+    ``top_k`` are static aux data. Shapes and meanings: see ``jax_ncclx.moe`` (masked layout).
+    """
+
+    send_pairs: jax.Array    # [T * k]
+    pair_slot: jax.Array     # [T * k]
+    send_counts: jax.Array   # [N, E_local]
+    dropped: jax.Array       # [N]
+    recv_counts: jax.Array   # [N, E_local]
+    row_pair: jax.Array      # [E_local, N * C]
+    recv_weights: jax.Array | None  # float32 [E_local, N * C]
+    axis_name: Hashable = dataclasses.field(metadata=dict(static=True))
+    capacity: int = dataclasses.field(metadata=dict(static=True))
+    top_k: int = dataclasses.field(metadata=dict(static=True))
+
+
+_ARRAY_FIELDS = [f.name for f in dataclasses.fields(MaskedHandle) if not f.metadata.get("static")]
+
+
+class Masked(NamedTuple):
+    """The masked dispatch op's results; the fields after the first two are the handle's arrays."""
+
+    expert_rows: jax.Array   # [L, N * C, H] tokens' dtype, zero past group_sizes
+    group_sizes: jax.Array   # [L]
+    send_pairs: jax.Array    # [P]
+    pair_slot: jax.Array     # [P]
+    send_counts: jax.Array   # [N, L]
+    dropped: jax.Array       # [N]
+    recv_counts: jax.Array   # [N, L]
+    row_pair: jax.Array      # [L, N * C]
+    recv_weights: jax.Array  # float32 [L, N * C], [L, 0] without weights
+
+
+# ---- dispatch and combine, with their VJPs -------------------------------------------------------------------
+
+def dispatch(tokens, expert_ids, weights, *, num_experts, axis_name, capacity, wire_dtype):
+    """``(expert_rows [L, N * C, H], group_sizes [L], MaskedHandle)``; arguments checked by ``moe.dispatch``."""
+    return _dispatch(tokens, weights, expert_ids, num_experts, axis_name, capacity, wire_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _dispatch(tokens, weights, expert_ids, num_experts, axis_name, capacity, wire_dtype):
+    operands = (tokens, expert_ids) + (() if weights is None else (weights.astype(jnp.float32),))
+    out = Masked(*moe_masked_dispatch_p.bind(*operands, axis_name=axis_name, num_experts=int(num_experts),
+                                             num_members=int(jax.lax.axis_size(axis_name)),
+                                             capacity=int(capacity), wire_dtype=wire_dtype))
+    fields = {name: getattr(out, name) for name in _ARRAY_FIELDS if name != "recv_weights"}
+    handle = MaskedHandle(**fields, recv_weights=None if weights is None else out.recv_weights,
+                          axis_name=axis_name, capacity=capacity, top_k=expert_ids.shape[1])
+    return out.expert_rows, out.group_sizes, handle
+
+
+def _dispatch_fwd(tokens, weights, expert_ids, num_experts, axis_name, capacity, wire_dtype):
+    outputs = _dispatch(tokens, weights, expert_ids, num_experts, axis_name, capacity, wire_dtype)
+    return outputs, (outputs[2], weights)
+
+
+def _dispatch_bwd(num_experts, axis_name, capacity, wire_dtype, residuals, cotangents):
+    """Each row's cotangent goes back to its pair and the token side sums its pairs; the weights' cotangents go
+    back the same way, one float32 column. The 8-bit wire counts as the identity."""
+    handle, weights = residuals
+    ct_rows, _, ct_handle = cotangents
+    num_tokens, top_k = handle.pair_slot.shape[0] // handle.top_k, handle.top_k
+    per_pair = gather_pairs(ct_rows, handle)
+    ct_tokens = per_pair.astype(jnp.float32).reshape(num_tokens, top_k, -1).sum(axis=1).astype(ct_rows.dtype)
+    ct_weights = None
+    if weights is not None:
+        ct_weights = gather_pairs(ct_handle.recv_weights[..., None], handle).reshape(num_tokens, top_k)
+        ct_weights = ct_weights.astype(weights.dtype)
+    return ct_tokens, ct_weights, None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+def combine(expert_out, handle: MaskedHandle, weights):
+    """``[T, H']``: each token's kept pairs' rows of ``expert_out`` ``[L, N * C, H']``, weighted and summed in
+    float32; weights None: the handle's (given to dispatch). Arguments checked by ``moe.combine``."""
+    if weights is None:
+        return _combine_expert_weights(expert_out, handle)
+    return _combine_token_weights(expert_out, handle, weights)
+
+
+def _bind_combine(expert_out, handle, weights, expert_weights):
+    return moe_masked_combine_p.bind(expert_out, handle.row_pair, handle.pair_slot, handle.recv_counts,
+                                     handle.send_counts, weights.astype(jnp.float32), axis_name=handle.axis_name,
+                                     capacity=handle.capacity, expert_weights=expert_weights,
+                                     num_tokens=handle.pair_slot.shape[0] // handle.top_k)
+
+
+@jax.custom_vjp
+def _combine_expert_weights(expert_out, handle):
+    return _bind_combine(expert_out, handle, handle.recv_weights, True)
+
+
+def _combine_expert_weights_fwd(expert_out, handle):
+    return _combine_expert_weights(expert_out, handle), (expert_out, handle)
+
+
+def _combine_expert_weights_bwd(residuals, ct_out):
+    """The output's cotangent goes out to every kept pair's row (as dispatch sent the tokens); each row's is
+    scaled by its weight, and each weight's is the dot product of the row's cotangent with its output."""
+    expert_out, handle = residuals
+    ct_rows = scatter_pairs(ct_out, handle, token_rows=True).astype(jnp.float32)
+    ct_expert_out = (ct_rows * handle.recv_weights[..., None]).astype(expert_out.dtype)
+    ct_weights = jnp.sum(ct_rows * expert_out.astype(jnp.float32), axis=2)
+    ct_handle = dataclasses.replace(handle, **{**{f: None for f in _ARRAY_FIELDS}, "recv_weights": ct_weights})
+    return ct_expert_out, ct_handle
+
+
+_combine_expert_weights.defvjp(_combine_expert_weights_fwd, _combine_expert_weights_bwd)
+
+
+@jax.custom_vjp
+def _combine_token_weights(expert_out, handle, weights):
+    return _bind_combine(expert_out, handle, weights, False)
+
+
+def _combine_token_weights_fwd(expert_out, handle, weights):
+    return _combine_token_weights(expert_out, handle, weights), (expert_out, handle, weights)
+
+
+def _combine_token_weights_bwd(residuals, ct_out):
+    """Each pair's row gets the output's cotangent times its weight; each weight gets the dot product of the
+    output's cotangent with its pair's row."""
+    expert_out, handle, weights = residuals
+    num_tokens, top_k = weights.shape
+    ct_out = ct_out.astype(jnp.float32)
+    ct_pairs = (ct_out[:, None, :] * weights[:, :, None].astype(jnp.float32)).reshape(num_tokens * top_k, -1)
+    ct_expert_out = scatter_pairs(ct_pairs.astype(expert_out.dtype), handle, token_rows=False)
+    returned = gather_pairs(expert_out, handle).astype(jnp.float32).reshape(num_tokens, top_k, -1)
+    ct_weights = jnp.sum(returned * ct_out[:, None, :], axis=2).astype(weights.dtype)
+    return ct_expert_out, None, ct_weights
+
+
+_combine_token_weights.defvjp(_combine_token_weights_fwd, _combine_token_weights_bwd)
+
+
+# ---- the exchange chain ----------------------------------------------------------------------------------------
+
+def route(expert_ids, *, num_experts, num_members, capacity):
+    """The token side's routing of int32 ``[T, k]`` expert ids: (send_pairs, pair_slot, send_counts,
+    dropped), as the module docstring defines them."""
+    ids = expert_ids.reshape(-1)
+    pairs, local = ids.shape[0], num_experts // num_members
+    key = jnp.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+    order = jnp.argsort(key, stable=True)
+    counts = jnp.zeros(num_experts + 1, jnp.int32).at[key].add(1)
+    starts = jnp.cumsum(counts) - counts
+    sorted_key = key[order]
+    rank = jnp.arange(pairs, dtype=jnp.int32) - starts[sorted_key]  # of each pair in `order`
+    kept = (sorted_key < num_experts) & (rank < capacity)
+    no_slot = num_experts * capacity
+    pair_slot = jnp.full(pairs, no_slot, jnp.int32).at[order].set(
+        jnp.where(kept, sorted_key * capacity + rank, no_slot))
+    # The kept pairs keep their order (it is the slots' order), packed to the front.
+    position = jnp.where(kept, jnp.cumsum(kept) - 1, pairs)
+    send_pairs = jnp.full(pairs, pairs, jnp.int32).at[position].set(order.astype(jnp.int32), mode="drop")
+    per_expert = counts[:num_experts].reshape(num_members, local)
+    send_counts = jnp.minimum(per_expert, capacity)
+    dropped = jnp.sum(per_expert - send_counts, axis=1)
+    return send_pairs, pair_slot, send_counts, dropped
+
+
+def _expert_layout(recv_counts, capacity):
+    """int32 ``[L, N * C]`` each expert-layout row's received row (source s's rows from s * L * C of the padded
+    exchange, in (expert, rank) order), ``N * L * C`` past the data, and ``[L, N * C]`` its source (N past
+    the data)."""
+    num_members, local = recv_counts.shape
+    rows = num_members * capacity
+    ends = jnp.cumsum(recv_counts, axis=0)  # [N, L]: where each source's rows end in an expert's block
+    offsets = ends - recv_counts
+    starts = jnp.cumsum(recv_counts, axis=1) - recv_counts  # where (s, e) starts among s's received rows
+    row = jnp.arange(rows, dtype=jnp.int32)
+    source = jax.vmap(lambda e: jnp.searchsorted(e, row, side="right"))(ends.T).astype(jnp.int32)  # [L, NC]
+    valid = source < num_members
+    clipped, expert = jnp.minimum(source, num_members - 1), jnp.arange(local)[:, None]
+    received = clipped * (local * capacity) + starts[clipped, expert] + row[None, :] - offsets[clipped, expert]
+    return jnp.where(valid, received, num_members * local * capacity), jnp.where(valid, source, num_members)
+
+
+def _return_layout(recv_counts, capacity):
+    """int32 ``[N * L * C]``: the send rows of the exchange back to the token side (source-major, each
+    source's rows in the order it sent them), as expert-layout rows (``L * N * C`` past the data)."""
+    num_members, local = recv_counts.shape
+    received, source = _expert_layout(recv_counts, capacity)
+    # Packed by destination: source s's rows start after every earlier source's.
+    totals = recv_counts.sum(axis=1)
+    before = (jnp.cumsum(totals) - totals)[jnp.minimum(source, num_members - 1)]
+    within = received - jnp.minimum(source, num_members - 1) * (local * capacity)
+    position = jnp.where(source < num_members, before + within, num_members * local * capacity)
+    flat = jnp.arange(local * num_members * capacity, dtype=jnp.int32).reshape(local, -1)
+    return jnp.full(num_members * local * capacity, local * num_members * capacity, jnp.int32).at[
+        position.reshape(-1)].set(flat.reshape(-1), mode="drop")
+
+
+def _returned_row(pair_slot, send_counts, capacity):
+    """int32 ``[P]``: where each kept pair's row lands in the exchange back (member m's from m * L * C, in its
+    (expert, rank) order); past the data for the rest."""
+    num_members, local = send_counts.shape
+    member = pair_slot // (local * capacity)
+    expert = pair_slot // capacity - member * local
+    rank = pair_slot % capacity
+    starts = jnp.cumsum(send_counts, axis=1) - send_counts
+    kept = member < num_members
+    clipped = jnp.minimum(member, num_members - 1), jnp.minimum(expert, local - 1)
+    return jnp.where(kept, member * (local * capacity) + starts[clipped] + rank, num_members * local * capacity)
+
+
+def scatter_pairs(rows, handle, *, token_rows):
+    """Rows to the expert side: ``[L, N * C, W]`` from ``rows`` ``[T, W]`` (token_rows: each kept pair takes its
+    token's row) or ``[P, W]`` (one row per pair), zeros past the data. The handle's routing, no counts."""
+    capacity, top_k = handle.capacity, handle.top_k
+    send_rows = handle.send_pairs // top_k if token_rows else handle.send_pairs
+    received, _, _ = moe_dispatch.exchange(rows, handle.send_counts, handle.axis_name,
+                                           handle.send_counts.shape[1] * capacity, send_rows=send_rows)
+    index, _ = _expert_layout(handle.recv_counts, capacity)
+    local, width = handle.recv_counts.shape[1], rows.shape[1]
+    return take_rows(received, index.reshape(-1)).reshape(local, -1, width)
+
+
+def gather_pairs(expert_rows, handle):
+    """Rows back to the token side: ``[P, W]``, each kept pair's row of ``expert_rows`` ``[L, N * C, W]``,
+    zeros for the rest."""
+    local, capacity = handle.recv_counts.shape[1], handle.capacity
+    flat = expert_rows.reshape(-1, expert_rows.shape[2])
+    returned, _, _ = moe_dispatch.exchange(flat, handle.recv_counts, handle.axis_name, local * capacity,
+                                           send_rows=_return_layout(handle.recv_counts, capacity))
+    return gather_rows(returned, _returned_row(handle.pair_slot, handle.send_counts, capacity))
+
+
+def _dispatch_chain(tokens, expert_ids, *weights, axis_name, num_experts, num_members, capacity, wire_dtype):
+    weights = weights[0] if weights else None
+    num_tokens, hidden = tokens.shape
+    top_k, local = expert_ids.shape[1], num_experts // num_members
+    pairs = num_tokens * top_k
+    send_pairs, pair_slot, send_counts, dropped = route(expert_ids, num_experts=num_experts,
+                                                        num_members=num_members, capacity=capacity)
+    source = tokens if wire_dtype is None else moe_dispatch._encoded(tokens, wire_dtype)
+    width = source.shape[1]
+    # Each send row carries its pair and weight: [p, weight bits, 0, 0].
+    weight_bits = jnp.zeros(pairs + 1, jnp.int32) if weights is None else jnp.concatenate(
+        [jax.lax.bitcast_convert_type(weights.reshape(-1), jnp.int32), jnp.zeros(1, jnp.int32)])
+    words = jnp.stack([send_pairs, weight_bits[send_pairs]] + [jnp.zeros(pairs, jnp.int32)] * (SUFFIX_WORDS - 2),
+                      axis=1)
+    received, recv_counts, _ = moe_dispatch.exchange(source, send_counts, axis_name, local * capacity,
+                                                     send_rows=send_pairs // top_k,
+                                                     suffix=moe_dispatch._as_columns(words, source.dtype))
+    index, from_source = _expert_layout(recv_counts, capacity)
+    flat_index = index.reshape(-1)
+    if wire_dtype is None:
+        expert_rows = take_rows(received, flat_index, width=width)
+    else:
+        decoded = moe_dispatch._decode(received[:, :width], hidden, wire_dtype, tokens.dtype)
+        expert_rows = take_rows(decoded, flat_index)
+    tags = _as_words(gather_rows(received[:, width:], flat_index)).reshape(local, -1, SUFFIX_WORDS)
+    valid = from_source < num_members
+    row_pair = jnp.where(valid, from_source * pairs + tags[..., 0], num_members * pairs)
+    recv_weights = jnp.where(valid, jax.lax.bitcast_convert_type(tags[..., 1], jnp.float32), 0.0)
+    if weights is None:
+        recv_weights = recv_weights[:, :0]
+    return list(Masked(expert_rows=expert_rows.reshape(local, -1, hidden), group_sizes=recv_counts.sum(axis=0),
+                       send_pairs=send_pairs, pair_slot=pair_slot, send_counts=send_counts, dropped=dropped,
+                       recv_counts=recv_counts, row_pair=row_pair, recv_weights=recv_weights))
+
+
+def _as_words(columns):
+    """``[M, G]`` columns of any dtype -> int32 ``[M, G * itemsize / 4]`` with the same bits."""
+    itemsize = np.dtype(columns.dtype).itemsize
+    if itemsize < 4:
+        columns = columns.reshape(columns.shape[0], -1, 4 // itemsize)
+    return jax.lax.bitcast_convert_type(columns, jnp.int32).reshape(columns.shape[0], -1)
+
+
+def _combine_chain(expert_out, row_pair, pair_slot, recv_counts, send_counts, weights, *, axis_name, capacity,
+                   expert_weights, num_tokens):
+    del row_pair  # the kernel's: the chain takes the same routing from the counts
+    top_k = pair_slot.shape[0] // num_tokens
+    handle = MaskedHandle(send_pairs=None, pair_slot=pair_slot, send_counts=send_counts, dropped=None,
+                          recv_counts=recv_counts, row_pair=None, recv_weights=None, axis_name=axis_name,
+                          capacity=capacity, top_k=top_k)
+    rows = expert_out
+    if expert_weights:  # scaled on the expert side, rounded to the rows' dtype for the way back
+        rows = (expert_out.astype(jnp.float32) * weights[..., None]).astype(expert_out.dtype)
+    per_pair = gather_pairs(rows, handle).astype(jnp.float32).reshape(num_tokens, top_k, -1)
+    if not expert_weights:
+        per_pair = per_pair * weights[:, :, None]
+    return per_pair.sum(axis=1).astype(expert_out.dtype)
+
+
+# ---- the primitives ----------------------------------------------------------------------------------------
+
+moe_masked_dispatch_p = primitive.make_collective("moe_masked_dispatch", multiple_results=True)
+
+
+def _dispatch_abstract_eval(tokens, expert_ids, *weights, axis_name, num_experts, num_members, capacity,
+                            wire_dtype):
+    (num_tokens, hidden), top_k = tokens.shape, expert_ids.shape[1]
+    local, rows, pairs = num_experts // num_members, num_members * capacity, num_tokens * top_k
+    shapes = Masked(expert_rows=(local, rows, hidden), group_sizes=(local,), send_pairs=(pairs,),
+                    pair_slot=(pairs,), send_counts=(num_members, local), dropped=(num_members,),
+                    recv_counts=(num_members, local), row_pair=(local, rows),
+                    recv_weights=(local, rows if weights else 0))
+    dtypes = {"expert_rows": tokens.dtype, "recv_weights": jnp.float32}
+    avals = [primitive.output_aval(tokens, axis_name, expert_ids, *weights, shape=shape,
+                                   dtype=dtypes.get(name, jnp.int32))
+             for name, shape in zip(Masked._fields, shapes)]
+    return avals, primitive.effects(axis_name)
+
+
+def _dispatch_route(ctx, comm_id, size, *, num_experts, num_members, capacity, wire_dtype):
+    """The NVLink kernel's route, or None (the exchange chain) where it cannot run."""
+    tokens, expert_ids = ctx.avals_in[0], ctx.avals_in[1]
+    (num_tokens, hidden), top_k = tokens.shape, expert_ids.shape[1]
+    dtype = np.dtype(tokens.dtype)
+    if config.current().transport == "nccl":
+        return None
+    module = lib.cuda_module()
+    wire_row_bytes = module.moe_dispatch_wire_row_bytes(hidden, dtype.itemsize, moe_dispatch._wire(wire_dtype))
+    local = num_experts // num_members
+    why = None
+    if wire_dtype is not None and encode_misfit(tokens.dtype, hidden) is not None:
+        why = encode_misfit(tokens.dtype, hidden)
+    elif dtype.name not in contract.FLOAT_TYPES or (hidden * dtype.itemsize) % 16 or wire_row_bytes % 16:
+        why = f"{dtype} rows of {hidden} (the kernel moves float32, bfloat16 and float16 rows of 16-byte multiples)"
+    elif top_k > module.MOE_MASKED_MAX_TOP_K or num_tokens * top_k > module.MOE_MASKED_MAX_PAIRS:
+        why = (f"{num_tokens} tokens of top-{top_k} (the kernel takes up to top-{module.MOE_MASKED_MAX_TOP_K} and "
+               f"{module.MOE_MASKED_MAX_PAIRS} pairs)")
+    slots = module.moe_masked_dispatch_slot_bytes(size, local, capacity, wire_row_bytes) if why is None else 0
+    if why is None and slots > KERNEL_MAX_SLOT_BYTES:
+        why = f"slots of {slots} bytes (more than the kernel's {KERNEL_MAX_SLOT_BYTES})"
+    if why is not None:
+        logger.debug("jax_ncclx: moe.dispatch (masked) takes the exchange chain: %s", why)
+        return None
+    if not nvlink.usable("moe.dispatch", comm_id):
+        return None
+    return lowering.CudaRoute("nvlink", dict(blocks=np.int64(config.current().nvlink_blocks)), slot_bytes=slots)
+
+
+def _dispatch_batching(axis_data, args, dims, **params):
+    chain = functools.partial(_dispatch_chain, **params)
+    vmapped = jax.vmap(chain, in_axes=tuple(dims), axis_name=axis_data.name, axis_size=axis_data.size,
+                       spmd_axis_name=axis_data.spmd_name)
+    outs = vmapped(*args)
+    return outs, [0] * len(outs)
+
+
+moe_masked_dispatch_p.def_effectful_abstract_eval(_dispatch_abstract_eval)
+lowering.register_lowerings(
+    moe_masked_dispatch_p, "ncclx_moe_masked_dispatch",
+    # Decoded as MoeMaskedDispatchAttrs (xla_ffi/ops/moe/moe_masked_cuda.cc); its enum travels as int32.
+    lambda *, num_experts, num_members, capacity, wire_dtype: dict(dispatch=dict(
+        num_experts=np.int64(num_experts), capacity=np.int64(capacity),
+        wire=np.int32(moe_dispatch._wire(wire_dtype)))),
+    cuda_route=_dispatch_route, fallback=_dispatch_chain, timeout_op="all_to_allv_dynamic")
+batching.fancy_primitive_batchers[moe_masked_dispatch_p] = _dispatch_batching
+
+
+moe_masked_combine_p = primitive.make_collective("moe_masked_combine")
+
+
+def _combine_abstract_eval(expert_out, row_pair, pair_slot, recv_counts, send_counts, weights, *, axis_name,
+                           capacity, expert_weights, num_tokens):
+    aval = primitive.output_aval(expert_out, axis_name, row_pair, pair_slot, recv_counts, send_counts, weights,
+                                 shape=(num_tokens, expert_out.shape[2]))
+    return aval, primitive.effects(axis_name)
+
+
+def _combine_route(ctx, comm_id, size, *, capacity, expert_weights, num_tokens):
+    """The NVLink kernel's route, or None (the exchange chain) where it cannot run."""
+    expert_out, pair_slot = ctx.avals_in[0], ctx.avals_in[2]
+    dtype, hidden = np.dtype(expert_out.dtype), expert_out.shape[2]
+    pairs = pair_slot.shape[0]
+    settings = config.current()
+    if settings.transport == "nccl":
+        return None
+    module = lib.cuda_module()
+    why = None
+    if dtype.name not in contract.FLOAT_TYPES or hidden * dtype.itemsize % 16:
+        why = f"{dtype} rows of {hidden} (the kernel moves float32, bfloat16 and float16 rows of 16-byte multiples)"
+    elif pairs // max(num_tokens, 1) > module.MOE_MASKED_MAX_TOP_K or pairs > module.MOE_MASKED_MAX_PAIRS:
+        why = (f"{pairs} pairs (the kernel takes up to top-{module.MOE_MASKED_MAX_TOP_K} and "
+               f"{module.MOE_MASKED_MAX_PAIRS} pairs)")
+    slots = module.moe_masked_combine_slot_bytes(pairs, hidden, dtype.itemsize) if why is None else 0
+    if why is None and slots > KERNEL_MAX_SLOT_BYTES:
+        why = f"slots of {slots} bytes (more than the kernel's {KERNEL_MAX_SLOT_BYTES})"
+    if why is not None:
+        logger.debug("jax_ncclx: moe.combine (masked) takes the exchange chain: %s", why)
+        return None
+    if not nvlink.usable("moe.combine", comm_id):
+        return None
+    return lowering.CudaRoute("nvlink", dict(blocks=np.int64(settings.nvlink_blocks)), slot_bytes=slots,
+                              operands=(0, 1, 2, 5))  # the counts are the chain's only
+
+
+def _combine_batching(axis_data, args, dims, **params):
+    chain = functools.partial(_combine_chain, **params)
+    vmapped = jax.vmap(chain, in_axes=tuple(dims), axis_name=axis_data.name, axis_size=axis_data.size,
+                       spmd_axis_name=axis_data.spmd_name)
+    return vmapped(*args), 0
+
+
+moe_masked_combine_p.def_effectful_abstract_eval(_combine_abstract_eval)
+lowering.register_lowerings(
+    moe_masked_combine_p, "ncclx_moe_masked_combine",
+    # Decoded as MoeMaskedCombineAttrs (xla_ffi/ops/moe/moe_masked_cuda.cc).
+    lambda *, capacity, expert_weights, num_tokens: dict(combine=dict(expert_weights=np.bool_(expert_weights))),
+    cuda_route=_combine_route, fallback=_combine_chain, timeout_op="all_to_allv_dynamic")
+batching.fancy_primitive_batchers[moe_masked_combine_p] = _combine_batching

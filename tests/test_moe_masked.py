@@ -1,0 +1,290 @@
+"""jax_ncclx.moe's masked layout (``dispatch(..., layout="masked")``) against the NumPy reference written from
+its spec (tests/reference.py): every result and handle array for adversarial routings, the round trip both
+ways of combining, gradients against jax.grad of a dense layer, vmap and argument errors; on CPU (8 virtual
+devices), on one GPU (the NVLink kernels against the exchange chain, bit for bit) and, where present, on
+several GPUs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import reference
+from conftest import gpu_devices, gpu_skip_reason
+from helpers import random_array
+from jax_ncclx import moe
+from jax_ncclx._src.ops import moe_masked
+
+HIGHEST = jax.lax.Precision.HIGHEST
+WEIGHTS_IN = ["combine", "dispatch"]
+PATTERNS = ["random", "one_expert", "no_expert", "at_capacity", "tight", "one_token", "empty_member"]
+
+
+def line_mesh(devices):
+    return jax.sharding.Mesh(np.asarray(devices), ("x",))
+
+
+def routing(pattern, n, *, tokens=8, top_k=3, num_experts=None, seed=0):
+    """(expert ids [n, T, k], num_experts, capacity) of one named pattern: skewed ids with -1 and ids >= E;
+    every pair on one expert; none; a capacity exactly the most pairs any (member, expert) gets; one that
+    drops; one token; members 1.. choosing no expert."""
+    num_experts = num_experts or 2 * n
+    rng = np.random.default_rng(seed + len(pattern))
+    shape = (n, tokens, top_k)
+    ids = np.minimum(rng.integers(0, num_experts, shape), rng.integers(0, num_experts, shape))
+    ids = np.where(rng.random(shape) < 0.1, -1, np.where(rng.random(shape) < 0.05, num_experts + 2, ids))
+    if pattern == "one_expert":
+        ids = np.full(shape, num_experts - 1)
+    elif pattern == "no_expert":
+        ids = np.full(shape, -1)
+    elif pattern == "one_token":
+        ids = ids[:, :1]
+    elif pattern == "empty_member":
+        ids[1:] = -1
+    ids = ids.astype(np.int32)
+    most = max([int(np.sum(ids[s] == e)) for s in range(n) for e in range(num_experts)] + [1])
+    capacity = {"at_capacity": most, "tight": 1}.get(pattern, ids.shape[1] * top_k)
+    return ids, num_experts, capacity
+
+
+def run_masked(devices, tokens, ids, weights, *, num_experts, capacity, weights_in, wire_dtype=None,
+               expert=lambda rows: rows):
+    """Per member: every dispatch result and handle array (named as moe_masked.Masked), and the round trip's
+    output, stacked over members."""
+    mesh = line_mesh(devices)
+
+    def body(t, i, w):
+        rows, sizes, handle = moe.dispatch(t[0], i[0], num_experts=num_experts, axis_name="x", capacity=capacity,
+                                           weights=w[0] if weights_in == "dispatch" else None, layout="masked",
+                                           wire_dtype=wire_dtype)
+        out = moe.combine(expert(rows), handle, None if weights_in == "dispatch" else w[0])
+        recv_weights = handle.recv_weights if handle.recv_weights is not None else jnp.zeros((rows.shape[0], 0))
+        arrays = dict(expert_rows=rows, group_sizes=sizes, send_pairs=handle.send_pairs,
+                      pair_slot=handle.pair_slot, send_counts=handle.send_counts, dropped=handle.dropped,
+                      recv_counts=handle.recv_counts, row_pair=handle.row_pair, recv_weights=recv_weights)
+        return {k: v[None] for k, v in arrays.items()}, out[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x")))
+    arrays, out = f(tokens, ids, weights)
+    return {k: np.asarray(v) for k, v in arrays.items()}, np.asarray(out)
+
+
+@pytest.mark.parametrize("weights_in", WEIGHTS_IN)
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_dispatch_and_round_trip_match_the_reference(any_backend, pattern, weights_in):
+    """Every result and handle array equals the reference's, and the round trip (experts scale rows by their
+    global index, so a row at the wrong expert shows) is the reference combine's."""
+    n = len(any_backend)
+    ids, num_experts, capacity = routing(pattern, n)
+    tokens = random_array((n, ids.shape[1], 16), jnp.float32)
+    weights = random_array(ids.shape, jnp.float32, seed=1)
+    local = num_experts // n
+
+    def expert(rows):
+        first = jax.lax.axis_index("x") * local
+        return rows * (1 + first + jnp.arange(local, dtype=rows.dtype))[:, None, None]
+
+    got, out = run_masked(any_backend, tokens, ids, weights, num_experts=num_experts, capacity=capacity,
+                          weights_in=weights_in, expert=expert)
+    expected = reference.moe_masked_dispatch(np.asarray(tokens), ids, num_experts, capacity,
+                                             weights=np.asarray(weights) if weights_in == "dispatch" else None)
+    for name in moe_masked.Masked._fields:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+    assert (expected["dropped"].sum() > 0) == (pattern == "tight"), expected["dropped"]
+    scale = (1 + np.arange(num_experts, dtype=np.float32)).reshape(n, local)[:, :, None, None]
+    ref_out = reference.moe_masked_combine(expected["expert_rows"] * scale, expected, ids.shape[1],
+                                           None if weights_in == "dispatch" else np.asarray(weights))
+    np.testing.assert_allclose(out, ref_out, rtol=1e-6, atol=1e-6)
+
+
+def dense_layer(tokens, ids, gates, expert_weights, kept):
+    """tokens [M, H], ids / gates / kept [M, k], expert_weights [E, H, H'] -> [M, H']."""
+    y = jnp.tanh(jnp.einsum("mh,mkhd->mkd", tokens, expert_weights[ids], precision=HIGHEST))
+    return (y * (gates * kept)[..., None]).sum(axis=1)
+
+
+@pytest.mark.parametrize("weights_in", WEIGHTS_IN)
+@pytest.mark.parametrize("pattern", ["random", "tight"])
+def test_grouped_matmul_layer_and_grads(any_backend, pattern, weights_in):
+    """A layer of masked per-expert matmuls (einsum over the expert blocks, H' != H): its output and gradients
+    in tokens, router weights and expert weights match jax.grad of the dense layer with dropped pairs masked
+    out."""
+    n = len(any_backend)
+    ids, num_experts, capacity = routing(pattern, n, seed=3)
+    ids = np.where((ids >= 0) & (ids < num_experts), ids, 0)  # the dense layer indexes experts by id
+    num_tokens, hidden, out_features = ids.shape[1], 4, 3
+    tokens = random_array((n * num_tokens, hidden), jnp.float32)
+    gates = random_array((n * num_tokens, ids.shape[2]), jnp.float32, seed=1)
+    expert_weights = random_array((num_experts, hidden, out_features), jnp.float32, seed=2) / 2
+    cotangent = random_array((n * num_tokens, out_features), jnp.float32, seed=4)
+    flat_ids = jnp.asarray(ids.reshape(n * num_tokens, -1))
+    mesh = line_mesh(any_backend)
+
+    def body(t, i, g, w):
+        local = w.shape[0] // n
+        mine = jax.lax.dynamic_slice_in_dim(w, jax.lax.axis_index("x") * local, local)
+        rows, _, handle = moe.dispatch(t, i, num_experts=num_experts, axis_name="x", capacity=capacity,
+                                       weights=g if weights_in == "dispatch" else None, layout="masked")
+        y = jnp.tanh(jnp.einsum("lrh,lhd->lrd", rows, mine, precision=HIGHEST))
+        return moe.combine(y, handle, None if weights_in == "dispatch" else g)
+
+    layer = jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x"), P("x"), P()), out_specs=P("x"))
+    loss = lambda t, g, w: (layer(t, flat_ids, g, w) * cotangent).sum()  # noqa: E731
+    out = jax.jit(layer)(tokens, flat_ids, gates, expert_weights)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(tokens, gates, expert_weights)
+
+    expected = reference.moe_masked_dispatch(np.asarray(tokens).reshape(n, num_tokens, hidden), ids, num_experts,
+                                             capacity)
+    kept = jnp.asarray((expected["pair_slot"] < num_experts * capacity).reshape(n * num_tokens, -1), jnp.float32)
+    dense_loss = lambda t, g, w: (dense_layer(t, flat_ids, g, w, kept) * cotangent).sum()  # noqa: E731
+    np.testing.assert_allclose(out, dense_layer(tokens, flat_ids, gates, expert_weights, kept), rtol=1e-5,
+                               atol=1e-6)
+    for grad, ref in zip(grads, jax.grad(dense_loss, argnums=(0, 1, 2))(tokens, gates, expert_weights)):
+        np.testing.assert_allclose(grad, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("weights_in", WEIGHTS_IN)
+def test_vmap_over_a_batch_axis(any_backend, weights_in):
+    """Two routings per member under vmap give each routing's reference round trip."""
+    n, batch = len(any_backend), 2
+    ids = np.stack([routing("random", n, seed=s)[0] for s in range(batch)], axis=1)
+    num_experts, capacity = 2 * n, 2
+    tokens = random_array((n, batch, ids.shape[2], 8), jnp.float32)
+    weights = random_array(ids.shape, jnp.float32, seed=5)
+    mesh = line_mesh(any_backend)
+
+    def round_trip(t, i, w):
+        rows, _, handle = moe.dispatch(t, i, num_experts=num_experts, axis_name="x", capacity=capacity,
+                                       weights=w if weights_in == "dispatch" else None, layout="masked")
+        return moe.combine(rows, handle, None if weights_in == "dispatch" else w)
+
+    f = jax.jit(jax.shard_map(lambda t, i, w: jax.vmap(round_trip)(t[0], i[0], w[0])[None], mesh=mesh,
+                              in_specs=(P("x"),) * 3, out_specs=P("x")))
+    out = np.asarray(f(tokens, ids, weights))
+    for b in range(batch):
+        expected = reference.moe_masked_dispatch(np.asarray(tokens[:, b]), ids[:, b], num_experts, capacity,
+                                                 weights=np.asarray(weights[:, b]))
+        ref = reference.moe_masked_combine(expected["expert_rows"], expected, ids.shape[2],
+                                           None if weights_in == "dispatch" else np.asarray(weights[:, b]))
+        np.testing.assert_allclose(out[:, b], ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("wire_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=lambda d: jnp.dtype(d).name)
+def test_8bit_wire(any_backend, wire_dtype):
+    """On an 8-bit wire the expert rows are the reference's rows quantized and dequantized with the packed
+    layout's arithmetic; the handle arrays are unchanged."""
+    n = len(any_backend)
+    ids, num_experts, capacity = routing("tight", n)
+    tokens = random_array((n, ids.shape[1], 256), jnp.bfloat16)
+    weights = random_array(ids.shape, jnp.float32, seed=1)
+    got, _ = run_masked(any_backend, tokens, ids, weights, num_experts=num_experts, capacity=capacity,
+                        weights_in="dispatch", wire_dtype=wire_dtype)
+    expected = reference.moe_masked_dispatch(np.asarray(tokens), ids, num_experts, capacity,
+                                             weights=np.asarray(weights))
+    from jax_ncclx._src.ops import moe_dispatch
+
+    rows = expected["expert_rows"].reshape(-1, 256)
+    wire = moe_dispatch._decode(moe_dispatch._encode(jnp.asarray(rows), wire_dtype), 256, wire_dtype, jnp.bfloat16)
+    np.testing.assert_array_equal(got["expert_rows"].reshape(-1, 256).view(np.uint16),
+                                  np.asarray(wire).view(np.uint16))
+    for name in moe_masked.Masked._fields[1:]:
+        np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weighted", [False, True], ids=["", "weights"])
+@pytest.mark.parametrize("pattern", PATTERNS[:-1])
+def test_kernels_give_the_chains_results(monkeypatch, pattern, weighted):
+    """On one GPU the NVLink kernels (dispatch and combine) give the exchange chain's results bit for bit:
+    every dispatch result and the combined tokens, for adversarial routings."""
+    reason = gpu_skip_reason(minimum=1)
+    if reason:
+        pytest.skip(reason)
+    mesh = line_mesh(gpu_devices()[:1])
+    ids, num_experts, capacity = routing(pattern, 1, tokens=16, top_k=4, num_experts=8)
+    tokens = random_array(ids.shape[:2] + (64,), jnp.bfloat16, seed=2)
+    weights = random_array(ids.shape, jnp.float32, seed=3)
+
+    def run(transport):
+        monkeypatch.setenv("JAX_NCCLX_TRANSPORT", transport)
+
+        def body(t, i, w):
+            rows, sizes, handle = moe.dispatch(t[0], i[0], num_experts=num_experts, axis_name="x",
+                                               capacity=capacity, weights=w[0] if weighted else None,
+                                               layout="masked")
+            out = moe.combine(rows * 3, handle, None if weighted else w[0])
+            arrays = [rows, sizes] + [getattr(handle, f) for f in moe_masked._ARRAY_FIELDS
+                                      if getattr(handle, f) is not None]
+            return [a[None] for a in arrays] + [out[None]]
+
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x")))
+        return f.lower(tokens, ids, weights).as_text(), [np.asarray(o) for o in f(tokens, ids, weights)]
+
+    fused_text, fused = run("auto")
+    chain_text, chain = run("nccl")
+    for target in ("ncclx_moe_masked_dispatch_nvlink", "ncclx_moe_masked_combine_nvlink"):
+        assert target in fused_text and target not in chain_text
+    for index, (got, expected) in enumerate(zip(fused, chain)):
+        assert got.shape == expected.shape and got.dtype == expected.dtype, index
+        as_bits = (lambda a: a.view(np.uint16)) if got.dtype == jnp.bfloat16 else (lambda a: a)
+        np.testing.assert_array_equal(as_bits(got), as_bits(expected), err_msg=str(index))
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (dict(layout="ragged"), ValueError, "layout must be one of"),
+    (dict(capacity=2**30, num_experts=16), ValueError, "num_experts \\* capacity"),
+])
+def test_misuse(call, error, message):
+    mesh = line_mesh(jax.devices("cpu")[:2])
+    kwargs = dict(num_experts=4, axis_name="x", capacity=2, layout="masked") | call
+
+    def body(t, i):
+        return moe.dispatch(t, i, **kwargs)[0]
+
+    with pytest.raises(error, match=message):
+        jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 2, out_specs=P("x")))(
+            jnp.zeros((8, 4)), jnp.zeros((8, 2), jnp.int32))
+
+
+def test_combine_checks_the_masked_shape():
+    mesh = line_mesh(jax.devices("cpu")[:2])
+
+    def body(t, i):
+        rows, _, handle = moe.dispatch(t, i, num_experts=4, axis_name="x", capacity=2, layout="masked")
+        return moe.combine(rows.reshape(-1, rows.shape[2]), handle, jnp.ones(i.shape))
+
+    with pytest.raises(ValueError, match="expert_out must be 3-D"):
+        jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 2, out_specs=P("x")))(
+            jnp.zeros((8, 4)), jnp.zeros((8, 2), jnp.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_loopback_kernels_match_the_reference(ranks, pattern):
+    """The NVLink kernels with 2, 4 and 8 logical ranks on one GPU (the test-only loopback module), two calls
+    in a row: every dispatch result equals the reference's, and combine (weights at either side) is the
+    reference combine's."""
+    import nvlink_loopback
+
+    ids, num_experts, capacity = routing(pattern, ranks, tokens=8, top_k=3, seed=ranks)
+    rng = np.random.default_rng(ranks)
+    tokens = rng.standard_normal((2, ranks, ids.shape[1], 64)).astype(np.float32)
+    weights = rng.random((2, ranks) + ids.shape[1:]).astype(np.float32)
+    ids2 = np.stack([ids, ids[::-1]])
+    got, _ = nvlink_loopback.moe_masked_dispatch(tokens, ids2, weights, num_experts=num_experts, capacity=capacity)
+    for call in range(2):
+        expected = reference.moe_masked_dispatch(tokens[call], ids2[call], num_experts, capacity, weights=weights[call])
+        for name in moe_masked.Masked._fields:
+            np.testing.assert_array_equal(got[name][call], expected[name], err_msg=f"{name}, call {call}")
+    out, _ = nvlink_loopback.moe_masked_combine(got["expert_rows"], got["row_pair"], got["pair_slot"],
+                                                got["recv_weights"], num_tokens=ids.shape[1], expert_weights=True)
+    by_token, _ = nvlink_loopback.moe_masked_combine(got["expert_rows"], got["row_pair"], got["pair_slot"], weights,
+                                                     num_tokens=ids.shape[1], expert_weights=False)
+    for call in range(2):
+        expected = reference.moe_masked_dispatch(tokens[call], ids2[call], num_experts, capacity, weights=weights[call])
+        np.testing.assert_allclose(out[call], reference.moe_masked_combine(expected["expert_rows"], expected,
+                                                                           ids.shape[1]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(by_token[call], reference.moe_masked_combine(
+            expected["expert_rows"], expected, ids.shape[1], weights[call]), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,127 @@
+// moe.dispatch's and moe.combine's masked layout (jax_ncclx/_src/ops/moe_masked.py) in one NVLink kernel each,
+// for decode sizes. Shapes: N members, E experts, L = E / N local experts, T tokens, k choices, P = T * k pairs
+// (pair p = t * k + c), C the capacity of one (local expert, source member).
+//
+// Dispatch. The sender decides every slot alone: pair p with id in [0, E) goes to member m = id / L, local expert
+// e = id % L, as its j-th pair to that expert (j: earlier pairs of this member with the same id), and is kept
+// if j < C. Every block counts the ids itself, in shared memory (the same counts in each: no grid barrier
+// before the rows go out), and sends its share of the kept pairs' rows: row t of pair p, then a 16-byte suffix
+// {p, weight, 0, 0}, into row (e * N + me) * C + j of m's slots. Block 0 writes this member's kept pairs per
+// (member, expert) into each member's header first. Then each block raises arrived[me][b] on every member and
+// writes its share of the token side's results (off the critical path). Once every (source, block) flag holds
+// the call's epoch, every block reads the header, lays out expert e's rows source by source (source s's from
+// off(e, s), the sum of the earlier sources' counts) and writes its share of the [L, N * C] rows: a copy of
+// slot row (e * N + s) * C + j for row off(e, s) + j below group_sizes[e], zeros past it.
+//
+// Dispatch slots: in every rank's low-latency half of the call's parity (symmetric_layout.h), past the LL
+// areas: the header, [N][L] int32 (source s's counts from s * L) in MoeMaskedHeaderBytes, then [L, N, C] slot
+// rows of wire_row_bytes + 16 bytes. On an 8-bit wire the sender quantizes each block of kMoeWireBlock values as
+// it writes it and the expansion dequantizes as it copies, with moe.dispatch's arithmetic (wire_rows.cuh).
+//
+// Combine. The expert side sends each row (e, i) whose row_pair is s * P + p < N * P back to source s, as row p
+// of its slots (scaled by its weight in float32 and rounded, with expert_weights), and raises arrived[me][b] on
+// every member; the token side waits for every (member, block) flag, then adds each token's kept pairs' rows in
+// float32 in choice order (times the token's weights without expert_weights) and rounds once. Combine slots: P
+// rows of H' elements, past the LL areas of the largest communicator (MoeMaskedCombineSlotBytes takes no size).
+//
+// As for moe.dispatch's and moe.combine's kernels, writers never wait for readers: a rank cannot still be
+// reading a half that a peer writes two calls later (symmetric_layout.h).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/contract.h"
+#include "common/symmetric_layout.h"
+
+namespace jax_ncclx {
+
+struct MoeMaskedDispatchArgs {
+  int rank = 0;
+  int size = 1;                // N
+  int top_k = 1;               // k
+  int64_t tokens = 0;          // T
+  int64_t num_experts = 0;     // E, a multiple of N; E * C at most kMaxCapacity
+  int64_t capacity = 0;        // C: kept pairs per (local expert, source member)
+  int64_t row_bytes = 0;       // a token row's bytes (H elements), a multiple of 16
+  MoeWire wire = MoeWire::kNone;           // how rows travel (contract.h)
+  FloatType token_type = FloatType::kF32;  // tokens' dtype, which an 8-bit wire converts from and to
+  int64_t wire_row_bytes = 0;  // a row's bytes in the slots (MoeDispatchWireRowBytes), a multiple of 16
+  bool with_weights = false;   // the rows carry their pair's router weight
+  bool trace = false;
+  int64_t site = 0;
+  uint64_t timeout_ns = 0;
+  const void* tokens_in = nullptr;      // [T, H]
+  const int32_t* expert_ids = nullptr;  // [T, k]
+  const float* weights = nullptr;       // [T, k] float32, or null without weights
+  void* expert_rows = nullptr;          // [L, N * C, H] tokens' dtype, zero past group_sizes
+  int32_t* group_sizes = nullptr;       // [L]
+  int32_t* send_pairs = nullptr;        // [P] the kept pairs by pair_slot, then P
+  int32_t* pair_slot = nullptr;         // [P] (m * L + e) * C + j of a kept pair, N * L * C for the others
+  int32_t* send_counts = nullptr;       // [N, L] kept pairs per (member, local expert)
+  int32_t* dropped = nullptr;           // [N] pairs past the capacity per member
+  int32_t* recv_counts = nullptr;       // [N, L] pairs each source delivered to each local expert
+  int32_t* row_pair = nullptr;          // [L, N * C] s * P + p of each row's source and pair, N * P past the data
+  float* recv_weights = nullptr;        // [L, N * C] with weights (0 past the data), else unused
+  const PeerTable* table = nullptr;
+  SymmetricControl* control = nullptr;
+};
+
+struct MoeMaskedCombineArgs {
+  FloatType type = FloatType::kF32;  // expert_out's and the result's dtype; the kernel adds in float32
+  int rank = 0;
+  int size = 1;                 // N
+  int top_k = 1;                // k
+  int64_t local_experts = 0;    // L
+  int64_t expert_rows = 0;      // N * C, rows per local expert
+  int64_t tokens = 0;           // T
+  int64_t hidden = 0;           // H', elements per row; H' * element bytes is a multiple of 16
+  bool expert_weights = false;  // weights are [L, N * C] (dispatch's) and scale rows on the expert side; else
+                                // [T, k] (combine's) and scale them on the token side
+  bool trace = false;
+  int64_t site = 0;
+  uint64_t timeout_ns = 0;
+  const void* expert_out = nullptr;   // [L, N * C, H']
+  const int32_t* row_pair = nullptr;  // [L, N * C] s * P + p, or N * P (no pair)
+  const int32_t* pair_slot = nullptr;  // [P] below L * N * C for a kept pair
+  const float* weights = nullptr;     // [L, N * C] or [T, k]
+  void* out = nullptr;                // [T, H']
+  const PeerTable* table = nullptr;
+  SymmetricControl* control = nullptr;
+};
+
+// Where the kernels can run: every dispatch block keeps each pair's id and rank and each expert's counts in
+// shared memory (MoeMaskedDispatchSharedBytes, up to about 80 KiB at these limits), and a thread loads
+// P / 512 ids in one batch, so at most kMaxMoeMaskedPairs pairs (T * k) and top-k at most kMaxMoeMaskedTopK
+// (a combine warp holds a token's k choices on its lanes). E is at most kMaxRoutingExperts, E * C (dispatch)
+// and L * N * C (combine) at most kMaxCapacity. Larger calls take the exchange chain.
+constexpr int64_t kMaxMoeMaskedPairs = 2048;
+constexpr int kMaxMoeMaskedTopK = 32;
+
+// The most blocks a call takes: each raises its own arrival flag on every member.
+constexpr int kMaxMoeMaskedBlocks = kMaxFlagGroups;
+
+// Bytes of the dispatch slots' header: N * L int32 counts, rounded up to 256.
+int64_t MoeMaskedHeaderBytes(int size, int64_t local_experts);
+
+// Bytes of each parity half a call needs (PeerTable::parity_half_bytes), a multiple of 256: dispatch's past
+// the LL areas of `size` ranks; combine's past those of kMaxNvlinkRanks ranks (it takes no size). Saturated at
+// the largest int64 where they would overflow.
+int64_t MoeMaskedDispatchSlotBytes(int size, int64_t local_experts, int64_t capacity, int64_t wire_row_bytes);
+int64_t MoeMaskedCombineSlotBytes(int64_t pairs, int64_t hidden, int element_bytes);
+
+// Shared memory a dispatch call's blocks take, in bytes (beyond the kernel's static storage).
+size_t MoeMaskedDispatchSharedBytes(const MoeMaskedDispatchArgs& args);
+
+// Thread blocks for a call: `requested` (0 = by size), capped by kMaxMoeMaskedBlocks and the SMs (every block
+// waits for every other, so all must be resident at once).
+int ChooseMoeMaskedDispatchBlocks(const MoeMaskedDispatchArgs& args, int requested, int sm_count);
+int ChooseMoeMaskedCombineBlocks(const MoeMaskedCombineArgs& args, int requested, int sm_count);
+
+// Queue the call's kernel on `stream`; cudaGetLastError() of the launch (cudaErrorInvalidValue for a call
+// past the limits above).
+cudaError_t LaunchMoeMaskedDispatch(const MoeMaskedDispatchArgs& args, int blocks, cudaStream_t stream);
+cudaError_t LaunchMoeMaskedCombine(const MoeMaskedCombineArgs& args, int blocks, cudaStream_t stream);
+
+}  // namespace jax_ncclx

@@ -1,0 +1,734 @@
+// The NVLink kernels of the masked layout (see moe_masked.h for the algorithms and the slots).
+//
+// Dispatch, every block: count (each pair's rank among this member's pairs to its expert, in shared memory, the
+// same in every block), send (a share of the kept pairs' rows, then one flag per member), the token side's
+// results (a share, while peers still send), wait (every member's every block), then the receive side: the
+// layout of each expert's rows from the counts in the header, and a share of the [L, N * C] rows and indices.
+// Combine, every block: the expert side (a share of the rows with a pair, then one flag per member), wait, the
+// token side (a share of the tokens' rows, added in float32).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cub/block/block_scan.cuh>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "common/device_sync.cuh"
+#include "common/symmetric_layout.h"
+#include "common/warp_copy.cuh"
+#include "common/wire_rows.cuh"
+#include "ops/collectives/nvlink_collectives_kernels.h"
+#include "ops/moe/moe_device.cuh"
+#include "ops/moe/moe_masked.h"
+
+namespace jax_ncclx {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr size_t kDefaultSharedBytes = 48 * 1024;  // shared memory a kernel gets without opting in
+constexpr int64_t kSuffixBytes = 16;               // a dispatch slot row's {pair, weight, 0, 0}
+// Ids a dispatch thread loads at the start, all at once.
+constexpr int kIdsPerThread = static_cast<int>(kMaxMoeMaskedPairs / kThreads);
+static_assert(kMaxMoeMaskedPairs % kThreads == 0);
+static_assert(kMaxMoeMaskedBlocks <= kMaxFlagGroups);
+static_assert(kMaxMoeMaskedTopK <= 32, "a combine warp holds a token's choices on its lanes");
+static_assert(kMaxMoeMaskedPairs < 32768 && kMaxRoutingExperts + 32 < 32768, "ids and ranks are kept in int16");
+static_assert(int64_t{kMaxNvlinkRanks} * kMaxMoeMaskedPairs < (int64_t{1} << 31), "row_pair's s * P + p is int32");
+
+using BlockScan = cub::BlockScan<int32_t, kThreads>;
+
+// Exclusive prefix sums of value(0), ..., value(n - 1) over the block (as moe.dispatch's kernel): each thread
+// takes a contiguous run and calls emit(i, sum before i) along it. Returns the total to every thread.
+template <typename Value, typename Emit>
+__device__ int32_t ScanBlock(int32_t n, Value value, Emit emit, BlockScan::TempStorage& storage) {
+  const int32_t per_thread = (n + kThreads - 1) / kThreads;
+  const int32_t begin = min(n, static_cast<int32_t>(threadIdx.x) * per_thread);
+  const int32_t end = min(n, begin + per_thread);
+  int32_t sum = 0;
+  for (int32_t i = begin; i < end; ++i) sum += value(i);
+  int32_t running = 0, total = 0;
+  BlockScan(storage).ExclusiveSum(sum, running, total);
+  for (int32_t i = begin; i < end; ++i) {
+    emit(i, running);
+    running += value(i);
+  }
+  __syncthreads();  // emit's writes are visible, and the storage may be used again
+  return total;
+}
+
+// ---- dispatch ----
+
+// Calls of at most this many pairs are counted by one warp, 32 pairs a step with running counters per id;
+// larger ones by every warp, each over a contiguous range of pairs with its own histogram row of E counters
+// (at most kCountCounters in all, so fewer warps for many experts), then a sum over the rows per id.
+constexpr int32_t kWarpCountPairs = 256;
+constexpr int64_t kCountCounters = 8192;
+
+__host__ __device__ constexpr int32_t CountWarps(int64_t pairs, int64_t num_experts) {
+  return pairs <= kWarpCountPairs                ? 1
+         : kCountCounters / num_experts < 1      ? 1
+         : kCountCounters / num_experts > kWarps ? kWarps
+                                                 : static_cast<int32_t>(kCountCounters / num_experts);
+}
+
+// The shared memory of a dispatch block: int32 arrays, then two int16 arrays of P.
+struct Counted {
+  int32_t* counts;      // [E] pairs per id (the one-warp count's running counters)
+  int32_t* histogram;   // [count warps][E] per warp and id: its pairs, then the id's pairs before the warp's
+  int32_t* kept_start;  // [E] where each id's kept pairs start in send_pairs
+  int32_t* recv;        // [N][L] kept pairs each source sent each local expert (the header, clamped to C)
+  int32_t* start;       // [L][N] where source s's rows start in expert e's block: off(e, s)
+  int32_t* group;       // [L] rows of each local expert
+  int16_t* id;          // [P] each pair's id, or E for none
+  int16_t* rank;        // [P] j: the pair's rank among this member's pairs with its id
+};
+
+__host__ __device__ constexpr int64_t HistogramInts(int64_t pairs, int64_t num_experts) {
+  return pairs <= kWarpCountPairs ? 0 : CountWarps(pairs, num_experts) * num_experts;
+}
+
+__host__ __device__ constexpr int64_t CountedBytes(int64_t pairs, int64_t num_experts, int64_t local_experts) {
+  // counts, kept_start, recv and start take E each (N * L = E), group L.
+  const int64_t ints = 4 * num_experts + HistogramInts(pairs, num_experts) + local_experts;
+  return (ints * 4 + pairs * 4 + 15) / 16 * 16;
+}
+
+// The most any call within the limits takes: one member (L = E), every expert, every pair.
+constexpr int64_t kMostCountedBytes = CountedBytes(kMaxMoeMaskedPairs, kMaxRoutingExperts, kMaxRoutingExperts);
+static_assert(kMostCountedBytes + sizeof(BlockScan::TempStorage) <= 227 * 1024, "past an sm_90 block's opt-in");
+
+__device__ Counted LayOutCounted(int32_t* shared, int32_t P, int32_t E, int32_t L) {
+  Counted c;
+  c.counts = shared;
+  c.histogram = c.counts + E;
+  c.kept_start = c.histogram + HistogramInts(P, E);
+  c.recv = c.kept_start + E;
+  c.start = c.recv + E;
+  c.group = c.start + E;
+  c.id = reinterpret_cast<int16_t*>(c.group + L);
+  c.rank = c.id + P;
+  return c;
+}
+
+struct DispatchCall {
+  MoeMaskedDispatchArgs args;
+  Divisor top_k, local, rows;  // k, L, N * C
+  int64_t slot_base;     // where the header starts in a parity half: past the LL areas
+  int64_t header_bytes;  // MoeMaskedHeaderBytes
+  int64_t slot_row;      // bytes of a slot row: wire_row_bytes + kSuffixBytes
+};
+
+__device__ __forceinline__ uint8_t* Slots(const PeerTable* table, int64_t base, int owner, int parity) {
+  return table->data[owner] + parity * table->parity_half_bytes + base;
+}
+
+template <typename Rows>
+__global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall call) {
+  const MoeMaskedDispatchArgs& args = call.args;
+  const int32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int32_t T = static_cast<int32_t>(args.tokens), k = args.top_k, P = T * k;
+  // The ids before anything else, in one batch: their loads overlap the set-up below.
+  int32_t loaded[kIdsPerThread];
+#pragma unroll
+  for (int u = 0; u < kIdsPerThread; ++u) {
+    const int32_t p = tid + u * kThreads;
+    loaded[u] = p < P ? args.expert_ids[p] : -1;
+  }
+  const uint64_t epoch = CallEpoch(args.control);
+  const uint32_t ticket = TakeTicket(args.control, epoch);
+  const int parity = static_cast<int>(epoch & 1);
+  CallTrace trace(args.control, epoch, args.trace);
+  Patience<> patience(args.table, args.control, args.rank, args.size, epoch, kTraceMoeMaskedDispatch, args.site,
+                      args.timeout_ns);
+  if (tid == 0) {
+    trace.Start();
+    trace.PeersEntered();  // nothing to wait for before writing: the slots of this parity are free
+  }
+  const int32_t N = args.size, me = args.rank, E = static_cast<int32_t>(args.num_experts);
+  const int32_t L = E / N, C = static_cast<int32_t>(args.capacity), NC = N * C;
+  const int32_t thread = blockIdx.x * kThreads + tid, threads = gridDim.x * kThreads;
+  const int64_t warps = int64_t{gridDim.x} * kWarps;
+  const int64_t first_unit = int64_t{blockIdx.x} * kWarps + warp;
+  // Vectors of 16 bytes: of a token row (tokens' dtype), of its bytes on the wire, of a slot row.
+  const int64_t row_vectors = args.row_bytes / 16, wire_vectors = args.wire_row_bytes / 16;
+  const int64_t slot_vectors = call.slot_row / 16;
+  extern __shared__ int4 shared_vectors[];  // int4: 16-byte aligned
+  __shared__ BlockScan::TempStorage scan;
+  const Counted counted = LayOutCounted(reinterpret_cast<int32_t*>(shared_vectors), P, E, L);
+
+  // The token rows into L2 while the ids are counted (each block a share): the send reads them from there.
+  const char* token_bytes = static_cast<const char*>(args.tokens_in);
+  for (int64_t at = int64_t{thread} * 128; at < int64_t{T} * args.row_bytes; at += int64_t{threads} * 128) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(token_bytes + at));
+  }
+
+  // ---- count: j of every pair and the pairs per id ----
+  const bool one_warp = P <= kWarpCountPairs;
+  const int32_t count_warps = CountWarps(P, E);
+  for (int32_t i = tid; i < E; i += kThreads) counted.counts[i] = 0;
+  for (int32_t i = tid; i < HistogramInts(P, E); i += kThreads) counted.histogram[i] = 0;
+#pragma unroll
+  for (int u = 0; u < kIdsPerThread; ++u) {
+    const int32_t p = tid + u * kThreads;
+    if (p < P) counted.id[p] = static_cast<int16_t>(RoutingKey(loaded[u], E));
+  }
+  __syncthreads();
+  // Pairs [begin, end) 32 at a time, with running counters per id: the first lane of each id adds that id's
+  // lanes, each lane's rank is the counter before plus its lanes below. Lanes without an id match nobody.
+  auto count_run = [&](int32_t* counters, int32_t begin, int32_t end) {
+    for (int32_t base = begin; base < end; base += 32) {
+      const int32_t p = base + lane;
+      const int32_t id = p < end ? counted.id[p] : E;
+      const bool live = id < E;
+      const unsigned same = __match_any_sync(0xffffffffu, live ? id : E + lane);
+      const int32_t before = live ? counters[id] : 0;
+      __syncwarp();
+      if (live && lane == __ffs(same) - 1) counters[id] = before + __popc(same);
+      if (p < end) counted.rank[p] = static_cast<int16_t>(live ? before + __popc(same & LanesBelow()) : 0);
+      __syncwarp();
+    }
+  };
+  if (one_warp) {
+    if (warp == 0) count_run(counted.counts, 0, P);
+  } else {
+    const int32_t chunk = (P + count_warps - 1) / count_warps;
+    if (warp < count_warps) {
+      count_run(counted.histogram + warp * E, min(P, warp * chunk), min(P, warp * chunk + chunk));
+    }
+    __syncthreads();
+    for (int32_t id = tid; id < E; id += kThreads) {  // each warp's first rank per id, and the totals
+      int32_t running = 0;
+      for (int32_t w = 0; w < count_warps; ++w) {
+        const int32_t pairs = counted.histogram[w * E + id];
+        counted.histogram[w * E + id] = running;
+        running += pairs;
+      }
+      counted.counts[id] = running;
+    }
+    __syncthreads();
+    for (int32_t p = tid; p < P; p += kThreads) {
+      const int32_t id = counted.id[p];
+      if (id < E) counted.rank[p] = static_cast<int16_t>(counted.rank[p] + counted.histogram[p / chunk * E + id]);
+    }
+  }
+  __syncthreads();
+  if (tid == 0) trace.Ready();
+
+  // ---- send: this member's counts into every member's header, then the kept pairs' rows ----
+  if (blockIdx.x == 0) {
+    for (int32_t id = tid; id < E; id += kThreads) {
+      const int32_t m = call.local.Div(id);
+      int32_t* header = reinterpret_cast<int32_t*>(Slots(args.table, call.slot_base, m, parity));
+      header[me * L + id - m * L] = min(counted.counts[id], C);
+    }
+  }
+  // Pair p's slot row on its member: row (e * N + me) * C + j.
+  auto slot_row = [&](int32_t id, int32_t j) {
+    const int32_t m = call.local.Div(id), e = id - m * L;
+    return Slots(args.table, call.slot_base + call.header_bytes, m, parity) +
+           ((int64_t{e} * N + me) * C + j) * call.slot_row;
+  };
+  auto suffix = [&](int32_t p) {
+    const float weight = args.with_weights ? args.weights[p] : 0.0f;
+    return make_uint4(static_cast<uint32_t>(p), __float_as_uint(weight), 0u, 0u);
+  };
+  if constexpr (kOnWire<Rows>) {
+    // A warp per (pair, kQuantizeBlocks blocks of values), and one more item per pair for its suffix.
+    using Token = typename WireOf<Rows>::Token;
+    const int64_t hidden = args.row_bytes / static_cast<int64_t>(sizeof(Token));
+    const int32_t wire_blocks = static_cast<int32_t>(hidden / kMoeWireBlock);
+    const int32_t groups = (wire_blocks + kQuantizeBlocks - 1) / kQuantizeBlocks, items = groups + 1;
+    const Token* tokens = static_cast<const Token*>(args.tokens_in);
+    for (int64_t item = first_unit; item < int64_t{P} * items; item += warps) {
+      const int32_t p = static_cast<int32_t>(item / items), b = static_cast<int32_t>(item - int64_t{p} * items);
+      const int32_t id = counted.id[p], j = counted.rank[p];
+      if (id >= E || j >= C) continue;  // the same on every lane
+      uint8_t* row = slot_row(id, j);
+      if (b < groups) {
+        QuantizeBlocks<Token, WireOf<Rows>::kFormat>(row, tokens + call.top_k.Div(p) * hidden, b * kQuantizeBlocks,
+                                                     wire_blocks, hidden, lane);
+      } else if (lane == 0) {
+        *reinterpret_cast<uint4*>(row + args.wire_row_bytes) = suffix(p);
+      }
+    }
+  } else {
+    const uint4* tokens = static_cast<const uint4*>(args.tokens_in);
+    const Units send(P, slot_vectors, warps);
+    for (int64_t unit = first_unit; unit < int64_t{P} * send.pieces; unit += warps) {
+      const int32_t p = static_cast<int32_t>(unit / send.pieces);
+      const int64_t lo = (unit - int64_t{p} * send.pieces) * send.piece_len;
+      const int64_t hi = min(slot_vectors, lo + send.piece_len);
+      const int32_t id = counted.id[p], j = counted.rank[p];
+      if (id >= E || j >= C) continue;  // the same on every lane
+      uint4* to = reinterpret_cast<uint4*>(slot_row(id, j));
+      WarpCopy<uint4, false>(to + lo, tokens + call.top_k.Div(p) * row_vectors + lo, min(hi, wire_vectors) - lo);
+      if (hi > wire_vectors && lane == 0) to[wire_vectors] = suffix(p);
+    }
+  }
+  __syncthreads();  // every thread's writes come before the releases
+  if (tid < N) StoreRelease(&args.table->control[tid]->arrived[me][blockIdx.x], epoch);
+  if (tid == 0) trace.Sent();
+
+  // ---- the token side's results, each block its share, while the peers' rows come ----
+  const int32_t kept = ScanBlock(
+      E, [&](int32_t id) { return min(counted.counts[id], C); },
+      [&](int32_t id, int32_t start) { counted.kept_start[id] = start; }, scan);
+  for (int32_t p = thread; p < P; p += threads) {
+    const int32_t id = counted.id[p], j = counted.rank[p];
+    const bool is_kept = id < E && j < C;
+    args.pair_slot[p] = is_kept ? id * C + j : E * C;  // id * C + j = (m * L + e) * C + j
+    if (is_kept) args.send_pairs[counted.kept_start[id] + j] = p;
+  }
+  for (int32_t i = kept + thread; i < P; i += threads) args.send_pairs[i] = P;
+  for (int32_t id = thread; id < E; id += threads) args.send_counts[id] = min(counted.counts[id], C);
+  for (int64_t m = first_unit; m < N; m += warps) {  // a warp per member
+    int32_t over = 0;
+    for (int32_t e = lane; e < L; e += 32) over += max(counted.counts[m * L + e] - C, 0);
+    over = __reduce_add_sync(0xffffffffu, over);
+    if (lane == 0) args.dropped[m] = over;
+  }
+
+  // ---- wait: every member's every block has written its rows and its header here ----
+  const int grid = static_cast<int>(gridDim.x);
+  bool came = true;
+  for (int flag = tid; came && flag < N * grid; flag += kThreads) {
+    const int member = flag / grid;
+    came = patience.AtLeast(&args.control->arrived[member][flag % grid], epoch, member);
+  }
+  __syncthreads_or(!came);  // a wait that gave up leaves stale rows, never a hang
+  if (tid == 0) trace.DataArrived();
+
+  // ---- receive: each expert's rows source by source ----
+  const uint8_t* mine = Slots(args.table, call.slot_base, me, parity);
+  const int32_t* header = reinterpret_cast<const int32_t*>(mine);
+  const uint8_t* rows = mine + call.header_bytes;
+  // Clamped: a stale header (a wait that gave up) must not take the rows past the slots.
+  for (int32_t i = tid; i < E; i += kThreads) counted.recv[i] = min(max(__ldcg(header + i), 0), C);
+  __syncthreads();
+  for (int32_t e = tid; e < L; e += kThreads) {
+    int32_t running = 0;
+    for (int32_t s = 0; s < N; ++s) {
+      counted.start[e * N + s] = running;
+      running += counted.recv[s * L + e];
+    }
+    counted.group[e] = running;
+  }
+  __syncthreads();
+  for (int32_t i = thread; i < E; i += threads) args.recv_counts[i] = counted.recv[i];
+  for (int32_t e = thread; e < L; e += threads) args.group_sizes[e] = counted.group[e];
+  // Row i < group[e] of expert e comes from the last source whose rows start at or before it (empty sources
+  // start where their successor does), as its j-th row.
+  auto slot_of = [&](int32_t e, int32_t i, int32_t& s) {
+    s = 0;
+    while (s + 1 < N && counted.start[e * N + s + 1] <= i) ++s;
+    return rows + ((int64_t{e} * N + s) * C + i - counted.start[e * N + s]) * call.slot_row;
+  };
+  const int64_t total_rows = int64_t{L} * NC;
+  const int32_t none = N * P;
+  for (int64_t x = thread; x < total_rows; x += threads) {
+    const int32_t e = call.rows.Div(static_cast<int32_t>(x)), i = static_cast<int32_t>(x) - e * NC;
+    int32_t pair = none;
+    float weight = 0.0f;
+    if (i < counted.group[e]) {
+      int32_t s;
+      const int2 word = __ldcg(reinterpret_cast<const int2*>(slot_of(e, i, s) + args.wire_row_bytes));
+      // Unsigned: a stale suffix must not overflow.
+      pair = static_cast<int32_t>(static_cast<uint32_t>(s * P) + static_cast<uint32_t>(word.x));
+      weight = __int_as_float(word.y);
+    }
+    args.row_pair[x] = pair;
+    if (args.with_weights) args.recv_weights[x] = weight;
+  }
+  uint4* expert_rows = static_cast<uint4*>(args.expert_rows);
+  const Units expand(total_rows, row_vectors, warps);
+  for (int64_t unit = first_unit; unit < total_rows * expand.pieces; unit += warps) {
+    const int64_t x = unit / expand.pieces;
+    const int64_t lo = (unit - x * expand.pieces) * expand.piece_len;
+    const int64_t hi = min(row_vectors, lo + expand.piece_len);
+    const int32_t e = call.rows.Div(static_cast<int32_t>(x)), i = static_cast<int32_t>(x) - e * NC;
+    uint4* to = expert_rows + x * row_vectors;
+    if (i >= counted.group[e]) {  // the same on every lane
+      WarpZero(to + lo, hi - lo);
+      continue;
+    }
+    int32_t s;
+    const uint8_t* from = slot_of(e, i, s);
+    if constexpr (kOnWire<Rows>) {
+      using Token = typename WireOf<Rows>::Token;
+      const int64_t hidden = args.row_bytes / static_cast<int64_t>(sizeof(Token));
+      constexpr int kBatch = 4;  // loads in flight per lane, as WarpCopy
+      for (int64_t v = lo + lane; v < hi; v += 32 * kBatch) {
+        uint4 out[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          if (v + 32 * u < hi) out[u] = DequantizeVector<Token, WireOf<Rows>::kFormat>(from, v + 32 * u, hidden);
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          if (v + 32 * u < hi) to[v + 32 * u] = out[u];
+        }
+      }
+    } else {
+      WarpCopy<uint4, true>(to + lo, reinterpret_cast<const uint4*>(from) + lo, hi - lo);
+    }
+  }
+  FinishCall(args.control, epoch, ticket, trace, kTraceMoeMaskedDispatch);
+}
+
+template <typename Rows>
+cudaError_t LaunchDispatch(const DispatchCall& call, int blocks, size_t shared, cudaStream_t stream) {
+  // Past the default (with the scan's static storage), the kernel must opt in: always to the most any call
+  // takes, so that calls of other sizes (on other streams, or replayed from graphs) never lower the limit.
+  if (shared + sizeof(BlockScan::TempStorage) > kDefaultSharedBytes) {
+    const cudaError_t opted = cudaFuncSetAttribute(MoeMaskedDispatchKernel<Rows>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(kMostCountedBytes));
+    if (opted != cudaSuccess) return opted;
+  }
+  MoeMaskedDispatchKernel<Rows><<<blocks, kThreads, shared, stream>>>(call);
+  return cudaGetLastError();
+}
+
+template <__nv_fp8_interpretation_t kFormat>
+cudaError_t LaunchDispatchOnWire(const DispatchCall& call, int blocks, size_t shared, cudaStream_t stream) {
+  switch (call.args.token_type) {
+    case FloatType::kF32:
+      return LaunchDispatch<Wire<float, kFormat>>(call, blocks, shared, stream);
+    case FloatType::kBF16:
+      return LaunchDispatch<Wire<__nv_bfloat16, kFormat>>(call, blocks, shared, stream);
+    case FloatType::kF16:
+      return LaunchDispatch<Wire<__half, kFormat>>(call, blocks, shared, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+// ---- combine ----
+
+// Choices of a token loaded together on the token side (their rows' latencies overlap); vectors a lane loads
+// together when it scales a row on the expert side.
+constexpr int kChunk = 8;
+constexpr int kScaleBatch = 4;
+
+// One 16-byte vector of T as float32 and back.
+template <typename T>
+struct Lanes;
+
+template <>
+struct Lanes<float> {
+  static constexpr int kCount = 4;
+  __device__ static void ToFloat(uint4 v, float (&f)[kCount]) {
+    f[0] = __uint_as_float(v.x), f[1] = __uint_as_float(v.y), f[2] = __uint_as_float(v.z);
+    f[3] = __uint_as_float(v.w);
+  }
+  __device__ static uint4 FromFloat(const float (&f)[kCount]) {
+    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
+  }
+};
+
+template <typename T2, float2 (*ToFloat2)(T2), T2 (*FromFloat2)(float2)>
+struct HalfLanes {
+  static constexpr int kCount = 8;
+  __device__ static void ToFloat(uint4 v, float (&f)[kCount]) {
+    const T2* pairs = reinterpret_cast<const T2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 two = ToFloat2(pairs[i]);
+      f[2 * i] = two.x;
+      f[2 * i + 1] = two.y;
+    }
+  }
+  __device__ static uint4 FromFloat(const float (&f)[kCount]) {
+    uint4 v;
+    T2* pairs = reinterpret_cast<T2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) pairs[i] = FromFloat2(make_float2(f[2 * i], f[2 * i + 1]));
+    return v;
+  }
+};
+
+__device__ float2 Bf16ToFloat2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+__device__ __nv_bfloat162 Float2ToBf16(float2 v) { return __float22bfloat162_rn(v); }
+__device__ float2 F16ToFloat2(__half2 v) { return __half22float2(v); }
+__device__ __half2 Float2ToF16(float2 v) { return __float22half2_rn(v); }
+
+template <>
+struct Lanes<__nv_bfloat16> : HalfLanes<__nv_bfloat162, Bf16ToFloat2, Float2ToBf16> {};
+template <>
+struct Lanes<__half> : HalfLanes<__half2, F16ToFloat2, Float2ToF16> {};
+
+struct CombineCall {
+  MoeMaskedCombineArgs args;
+  Divisor local;      // L: the expert side walks the rows i-major
+  int64_t slot_base;  // where the slots start in a parity half: past the LL areas
+};
+
+template <typename Element>
+__global__ void __launch_bounds__(kThreads) MoeMaskedCombineKernel(CombineCall call) {
+  using V = Lanes<Element>;
+  const MoeMaskedCombineArgs& args = call.args;
+  const uint64_t epoch = CallEpoch(args.control);
+  const uint32_t ticket = TakeTicket(args.control, epoch);
+  const int parity = static_cast<int>(epoch & 1);
+  CallTrace trace(args.control, epoch, args.trace);
+  Patience<> patience(args.table, args.control, args.rank, args.size, epoch, kTraceMoeMaskedCombine, args.site,
+                      args.timeout_ns);
+  if (threadIdx.x == 0) {
+    trace.Start();
+    trace.PeersEntered();  // nothing to wait for before writing: the slots of this parity are free
+  }
+  const int32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int32_t N = args.size, me = args.rank, k = args.top_k, T = static_cast<int32_t>(args.tokens);
+  const int32_t P = T * k, none = N * P;
+  const int32_t L = static_cast<int32_t>(args.local_experts), NC = static_cast<int32_t>(args.expert_rows);
+  const int64_t total_rows = int64_t{L} * NC;
+  const int64_t vectors = args.hidden / V::kCount;  // per row
+  const int64_t warps = int64_t{gridDim.x} * kWarps;
+  const int64_t first_unit = int64_t{blockIdx.x} * kWarps + warp;
+  const uint4* expert_out = static_cast<const uint4*>(args.expert_out);
+  auto slot_row = [&](int owner, int32_t p) {
+    const PeerTable* table = args.table;
+    return reinterpret_cast<uint4*>(table->data[owner] + parity * table->parity_half_bytes + call.slot_base) +
+           int64_t{p} * vectors;
+  };
+
+  // Expert side. Units of (row, piece) as many as the rows with a pair could take (at most N * P), walking the
+  // rows i-major (row i of every expert, then row i + 1), so that the rows with a pair, each expert's first,
+  // come first and spread over every warp. Each lane reads the row_pair of one of the warp's next 32 units,
+  // so that the units without a pair cost one load for 32.
+  const Units expert(min(total_rows, int64_t{none}), vectors, warps);
+  const int64_t expert_units = total_rows * expert.pieces;
+  for (int64_t base = first_unit; base < expert_units; base += 32 * warps) {
+    const int64_t looked = base + lane * warps;
+    int32_t x = 0, tag = none;
+    float weight = 1.0f;
+    if (looked < expert_units) {
+      const int32_t walked = static_cast<int32_t>(looked / expert.pieces);  // i * L + e
+      const int32_t i = call.local.Div(walked), e = walked - i * L;
+      x = e * NC + i;
+      tag = args.row_pair[x];
+      if (args.expert_weights) weight = args.weights[x];
+    }
+    for (unsigned live = __ballot_sync(0xffffffffu, tag >= 0 && tag < none); live != 0; live &= live - 1) {
+      const int from_lane = __ffs(live) - 1;
+      const int64_t unit = base + from_lane * warps;
+      const int32_t row = __shfl_sync(0xffffffffu, x, from_lane), pair = __shfl_sync(0xffffffffu, tag, from_lane);
+      const float w = __shfl_sync(0xffffffffu, weight, from_lane);
+      const int64_t lo = unit % expert.pieces * expert.piece_len, hi = min(vectors, lo + expert.piece_len);
+      const int32_t s = pair / P;
+      const uint4* from = expert_out + int64_t{row} * vectors;
+      uint4* to = slot_row(s, pair - s * P);
+      if (!args.expert_weights) {
+        WarpCopy<uint4, false>(to + lo, from + lo, hi - lo);
+        continue;
+      }
+      // float32(row) * weight, rounded to the row's dtype once.
+      for (int64_t v = lo + lane; v < hi; v += 32 * kScaleBatch) {
+        uint4 in[kScaleBatch];
+#pragma unroll
+        for (int u = 0; u < kScaleBatch; ++u) {
+          if (v + 32 * u < hi) in[u] = from[v + 32 * u];
+        }
+#pragma unroll
+        for (int u = 0; u < kScaleBatch; ++u) {
+          if (v + 32 * u >= hi) continue;
+          float f[V::kCount];
+          V::ToFloat(in[u], f);
+#pragma unroll
+          for (int l = 0; l < V::kCount; ++l) f[l] = __fmul_rn(f[l], w);
+          to[v + 32 * u] = V::FromFloat(f);
+        }
+      }
+    }
+  }
+  __syncthreads();  // every thread's writes come before the releases
+  if (tid < N) StoreRelease(&args.table->control[tid]->arrived[me][blockIdx.x], epoch);
+  if (tid == 0) trace.Sent();
+
+  // Token side: a warp per (token, piece); lane c holds choice c's slot and weight. The first unit's are
+  // loaded before the wait: pair_slot and weights are inputs, not peer data.
+  const Units token(T, vectors, warps);
+  const int64_t token_units = int64_t{T} * token.pieces;
+  auto choice = [&](int64_t unit, int32_t& slot, float& w) {
+    slot = -1;
+    w = 0.0f;
+    if (unit >= token_units || lane >= k) return;
+    const int64_t pair = unit / token.pieces * k + lane;
+    slot = args.pair_slot[pair];
+    w = args.expert_weights ? 1.0f : args.weights[pair];
+  };
+  int32_t first_slot;
+  float first_weight;
+  choice(first_unit, first_slot, first_weight);
+  const int grid = static_cast<int>(gridDim.x);
+  bool came = true;
+  for (int flag = tid; came && flag < N * grid; flag += kThreads) {
+    const int member = flag / grid;
+    came = patience.AtLeast(&args.control->arrived[member][flag % grid], epoch, member);
+  }
+  __syncthreads_or(!came);  // a wait that gave up leaves stale rows, never a hang
+  if (tid == 0) trace.DataArrived();
+
+  // Per warp: the kept choices' pairs and weights, in choice order.
+  __shared__ int32_t kept_pairs[kWarps][32];
+  __shared__ float kept_weights[kWarps][32];
+  uint4* out = static_cast<uint4*>(args.out);
+  for (int64_t unit = first_unit; unit < token_units; unit += warps) {
+    const int32_t t = static_cast<int32_t>(unit / token.pieces);
+    const int64_t lo = (unit - int64_t{t} * token.pieces) * token.piece_len;
+    const int64_t hi = min(vectors, lo + token.piece_len);
+    int32_t slot = first_slot;
+    float w = first_weight;
+    if (unit != first_unit) choice(unit, slot, w);
+    const unsigned kept = __ballot_sync(0xffffffffu, slot >= 0 && slot < total_rows);
+    if (kept >> lane & 1u) {
+      const int at = __popc(kept & LanesBelow());
+      kept_pairs[warp][at] = t * k + lane;
+      kept_weights[warp][at] = w;
+    }
+    __syncwarp();
+    const int n = __popc(kept);
+    for (int64_t v = lo + lane; v < hi; v += 32) {
+      float acc[V::kCount] = {};
+      for (int c0 = 0; c0 < n; c0 += kChunk) {
+        uint4 in[kChunk];
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u) {
+          if (c0 + u < n) in[u] = __ldcg(slot_row(me, kept_pairs[warp][c0 + u]) + v);
+        }
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u) {
+          if (c0 + u >= n) continue;
+          float f[V::kCount];
+          V::ToFloat(in[u], f);
+          const float cw = kept_weights[warp][c0 + u];
+#pragma unroll
+          for (int l = 0; l < V::kCount; ++l) acc[l] = __fmaf_rn(cw, f[l], acc[l]);  // as XLA contracts the chain's
+        }
+      }
+      out[int64_t{t} * vectors + v] = V::FromFloat(acc);
+    }
+    __syncwarp();  // the list stays until every lane is done with it
+  }
+  FinishCall(args.control, epoch, ticket, trace, kTraceMoeMaskedCombine);
+}
+
+int64_t Saturated(int64_t a, int64_t b) {
+  int64_t product;
+  return __builtin_mul_overflow(a, b, &product) ? std::numeric_limits<int64_t>::max() : product;
+}
+
+int64_t SaturatedAdd(int64_t a, int64_t b) {
+  int64_t sum;
+  return __builtin_add_overflow(a, b, &sum) ? std::numeric_limits<int64_t>::max() : sum;
+}
+
+int64_t Align256(int64_t bytes) {
+  return bytes > std::numeric_limits<int64_t>::max() - 255 ? std::numeric_limits<int64_t>::max() / 256 * 256
+                                                           : (bytes + 255) / 256 * 256;
+}
+
+}  // namespace
+
+int64_t MoeMaskedHeaderBytes(int size, int64_t local_experts) { return Align256(int64_t{size} * local_experts * 4); }
+
+int64_t MoeMaskedDispatchSlotBytes(int size, int64_t local_experts, int64_t capacity, int64_t wire_row_bytes) {
+  const int64_t rows = Saturated(Saturated(local_experts, size), capacity);
+  const int64_t bytes = SaturatedAdd(NvlinkLowLatencyAreaBytes(size) + MoeMaskedHeaderBytes(size, local_experts),
+                                     Saturated(rows, SaturatedAdd(wire_row_bytes, kSuffixBytes)));
+  return Align256(bytes);
+}
+
+int64_t MoeMaskedCombineSlotBytes(int64_t pairs, int64_t hidden, int element_bytes) {
+  const int64_t rows = Saturated(Saturated(pairs, hidden), element_bytes);
+  return Align256(SaturatedAdd(NvlinkLowLatencyAreaBytes(kMaxNvlinkRanks), rows));
+}
+
+size_t MoeMaskedDispatchSharedBytes(const MoeMaskedDispatchArgs& args) {
+  return static_cast<size_t>(CountedBytes(args.tokens * args.top_k, args.num_experts, args.num_experts / args.size));
+}
+
+int ChooseMoeMaskedDispatchBlocks(const MoeMaskedDispatchArgs& args, int requested, int sm_count) {
+  // A thread per 16-byte vector of the larger side (the slot rows sent, or the expert rows written), up to a
+  // block per SM and the flags.
+  const int64_t pairs = args.tokens * args.top_k;
+  const int64_t rows = args.num_experts * args.capacity;  // L * N * C
+  const int64_t items = std::max(pairs * ((args.wire_row_bytes + kSuffixBytes) / 16), rows * (args.row_bytes / 16));
+  const int64_t by_size = (items + kThreads - 1) / kThreads;
+  const int cap = std::min(kMaxMoeMaskedBlocks, std::max(1, sm_count));
+  return static_cast<int>(std::clamp<int64_t>(requested > 0 ? requested : by_size, 1, cap));
+}
+
+int ChooseMoeMaskedCombineBlocks(const MoeMaskedCombineArgs& args, int requested, int sm_count) {
+  // A thread per 16-byte vector of the larger side: the rows with a pair (at most N * P) or the tokens.
+  const int64_t vectors = args.hidden * FloatTypeBytes(args.type) / 16;  // per row
+  const int64_t pairs = args.tokens * args.top_k;
+  const int64_t rows = std::min(args.local_experts * args.expert_rows, int64_t{args.size} * pairs);
+  const int64_t items = std::max(rows, args.tokens) * vectors;
+  const int64_t by_size = (items + kThreads - 1) / kThreads;
+  const int cap = std::min(kMaxMoeMaskedBlocks, std::max(1, sm_count));
+  return static_cast<int>(std::clamp<int64_t>(requested > 0 ? requested : by_size, 1, cap));
+}
+
+cudaError_t LaunchMoeMaskedDispatch(const MoeMaskedDispatchArgs& args, int blocks, cudaStream_t stream) {
+  const int64_t N = args.size, E = args.num_experts, C = args.capacity, P = args.tokens * args.top_k;
+  // The kernel's int32 indices and shared memory hold within these (the handlers check them too).
+  if (N < 1 || N > kMaxNvlinkRanks || args.rank < 0 || args.rank >= N || args.top_k < 1 ||
+      args.top_k > kMaxMoeMaskedTopK || args.tokens < 0 || P > kMaxMoeMaskedPairs || E < 1 || E % N != 0 ||
+      E > kMaxRoutingExperts || C < 1 || E * C > kMaxCapacity || blocks < 1 || blocks > kMaxMoeMaskedBlocks) {
+    return cudaErrorInvalidValue;
+  }
+  // Rows are whole vectors, and travel as they are without an 8-bit wire.
+  if (args.row_bytes < 0 || args.row_bytes % 16 != 0 || args.wire_row_bytes < 0 || args.wire_row_bytes % 16 != 0 ||
+      (args.wire == MoeWire::kNone && args.wire_row_bytes != args.row_bytes)) {
+    return cudaErrorInvalidValue;
+  }
+  const DispatchCall call{args,
+                          Divisor(args.top_k),
+                          Divisor(E / N),
+                          Divisor(N * C),
+                          NvlinkLowLatencyAreaBytes(args.size),
+                          MoeMaskedHeaderBytes(args.size, E / N),
+                          args.wire_row_bytes + kSuffixBytes};
+  const size_t shared = MoeMaskedDispatchSharedBytes(args);
+  if (shared > static_cast<size_t>(kMostCountedBytes)) return cudaErrorInvalidValue;
+  switch (args.wire) {
+    case MoeWire::kNone:
+      return LaunchDispatch<Plain>(call, blocks, shared, stream);
+    case MoeWire::kE4M3:
+      return LaunchDispatchOnWire<__NV_E4M3>(call, blocks, shared, stream);
+    case MoeWire::kE5M2:
+      return LaunchDispatchOnWire<__NV_E5M2>(call, blocks, shared, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t LaunchMoeMaskedCombine(const MoeMaskedCombineArgs& args, int blocks, cudaStream_t stream) {
+  const int64_t N = args.size, L = args.local_experts, P = args.tokens * args.top_k;
+  if (N < 1 || N > kMaxNvlinkRanks || args.rank < 0 || args.rank >= N || args.top_k < 1 ||
+      args.top_k > kMaxMoeMaskedTopK || args.tokens < 0 || P > kMaxMoeMaskedPairs || L < 0 || args.expert_rows < 0 ||
+      (L > 0 && args.expert_rows > kMaxCapacity / L) || args.hidden < 0 ||
+      args.hidden * FloatTypeBytes(args.type) % 16 != 0 || blocks < 1 || blocks > kMaxMoeMaskedBlocks) {
+    return cudaErrorInvalidValue;
+  }
+  const CombineCall call{args, Divisor(L), NvlinkLowLatencyAreaBytes(args.size)};
+  switch (args.type) {
+    case FloatType::kF32:
+      MoeMaskedCombineKernel<float><<<blocks, kThreads, 0, stream>>>(call);
+      break;
+    case FloatType::kBF16:
+      MoeMaskedCombineKernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(call);
+      break;
+    case FloatType::kF16:
+      MoeMaskedCombineKernel<__half><<<blocks, kThreads, 0, stream>>>(call);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace jax_ncclx
