@@ -7,6 +7,8 @@ vmapped dimension into an op's batch, or run a vmap over the op's own axis as lo
 are :mod:`lowering`'s; the view from outside ``shard_map`` is :mod:`global_view`'s.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
@@ -113,3 +115,16 @@ def members_first(axis_data, x, d):
     if d is None:
         return jnp.broadcast_to(x, (axis_data.size, *jnp.shape(x)))
     return jnp.moveaxis(x, d, 0)
+
+
+def batch_by_chain(prim: Primitive, chain):
+    """Registers ``prim``'s batching rule for a fused op: ``chain`` (the same computation in other jax_ncclx ops,
+    a function of the operands and the params) vmapped, so that each op it calls batches by its own rule."""
+
+    def rule(axis_data, args, dims, **params):
+        vmapped = jax.vmap(functools.partial(chain, **params), in_axes=tuple(dims), axis_name=axis_data.name,
+                           axis_size=axis_data.size, spmd_axis_name=axis_data.spmd_name)
+        outs = vmapped(*args)
+        return outs, [0] * len(outs) if prim.multiple_results else 0
+
+    batching.fancy_primitive_batchers[prim] = rule

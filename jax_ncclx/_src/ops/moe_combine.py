@@ -27,13 +27,11 @@ Sharding model: every operand varies over the axis, and so does the result. Batc
 vmapped. No AD rules: ``jax_ncclx.moe.combine``'s custom VJP differentiates it.
 """
 
-import functools
 import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import batching
 
 from jax_ncclx._src import config
 from jax_ncclx._src import contract
@@ -152,14 +150,7 @@ def _route(ctx, comm_id, size):
                               operands=(0, 1, 2, 3, 5))  # send_back_rows is the chain's only
 
 
-def _moe_combine_batching(axis_data, args, dims, *, axis_name):
-    chain = functools.partial(_exchange_chain, axis_name=axis_name)
-    vmapped = jax.vmap(chain, in_axes=tuple(dims), axis_name=axis_data.name, axis_size=axis_data.size,
-                       spmd_axis_name=axis_data.spmd_name)
-    return vmapped(*args), 0
-
-
 moe_combine_p.def_effectful_abstract_eval(_moe_combine_abstract_eval)
 lowering.register_lowerings(moe_combine_p, "ncclx_moe_combine", cuda_route=_route, fallback=_exchange_chain,
                              timeout_op="all_to_allv_dynamic")
-batching.fancy_primitive_batchers[moe_combine_p] = _moe_combine_batching
+primitive.batch_by_chain(moe_combine_p, _exchange_chain)

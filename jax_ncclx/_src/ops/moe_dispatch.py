@@ -26,14 +26,12 @@ Sharding model: every operand varies over the axis, and so does every result. Ba
 vmapped. No AD rules: ``jax_ncclx.moe.dispatch``'s custom VJP differentiates it.
 """
 
-import functools
 import logging
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import batching
 
 from jax_ncclx._src import config
 from jax_ncclx._src import contract
@@ -268,14 +266,6 @@ def _wire(wire_dtype):
     return contract.MOE_WIRES["none" if wire_dtype is None else np.dtype(wire_dtype).name]
 
 
-def _moe_dispatch_batching(axis_data, args, dims, **params):
-    chain = functools.partial(_exchange_chain, **params)
-    vmapped = jax.vmap(chain, in_axes=tuple(dims), axis_name=axis_data.name, axis_size=axis_data.size,
-                       spmd_axis_name=axis_data.spmd_name)
-    outs = vmapped(*args)
-    return outs, [0] * len(outs)
-
-
 moe_dispatch_p.def_effectful_abstract_eval(_moe_dispatch_abstract_eval)
 lowering.register_lowerings(
     moe_dispatch_p, "ncclx_moe_dispatch",
@@ -283,4 +273,4 @@ lowering.register_lowerings(
     lambda *, num_experts, num_members, capacity, wire_dtype: dict(dispatch=dict(
         num_experts=np.int64(num_experts), capacity=np.int64(capacity), wire=np.int32(_wire(wire_dtype)))),
     cuda_route=_route, fallback=_exchange_chain, timeout_op="all_to_allv_dynamic")
-batching.fancy_primitive_batchers[moe_dispatch_p] = _moe_dispatch_batching
+primitive.batch_by_chain(moe_dispatch_p, _exchange_chain)

@@ -47,7 +47,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import batching
 
 from jax_ncclx._src import config
 from jax_ncclx._src import contract
@@ -412,14 +411,6 @@ def _dispatch_route(ctx, comm_id, size, *, num_experts, num_members, capacity, w
     return lowering.CudaRoute("nvlink", dict(blocks=np.int64(config.current().nvlink_blocks)), slot_bytes=slots)
 
 
-def _dispatch_batching(axis_data, args, dims, **params):
-    chain = functools.partial(_dispatch_chain, **params)
-    vmapped = jax.vmap(chain, in_axes=tuple(dims), axis_name=axis_data.name, axis_size=axis_data.size,
-                       spmd_axis_name=axis_data.spmd_name)
-    outs = vmapped(*args)
-    return outs, [0] * len(outs)
-
-
 moe_masked_dispatch_p.def_effectful_abstract_eval(_dispatch_abstract_eval)
 lowering.register_lowerings(
     moe_masked_dispatch_p, "ncclx_moe_masked_dispatch",
@@ -428,7 +419,7 @@ lowering.register_lowerings(
         num_experts=np.int64(num_experts), capacity=np.int64(capacity),
         wire=np.int32(moe_dispatch._wire(wire_dtype)))),
     cuda_route=_dispatch_route, fallback=_dispatch_chain, timeout_op="all_to_allv_dynamic")
-batching.fancy_primitive_batchers[moe_masked_dispatch_p] = _dispatch_batching
+primitive.batch_by_chain(moe_masked_dispatch_p, _dispatch_chain)
 
 
 moe_masked_combine_p = primitive.make_collective("moe_masked_combine")
@@ -468,17 +459,10 @@ def _combine_route(ctx, comm_id, size, *, capacity, expert_weights, num_tokens):
                               operands=(0, 1, 2, 5))  # the counts are the chain's only
 
 
-def _combine_batching(axis_data, args, dims, **params):
-    chain = functools.partial(_combine_chain, **params)
-    vmapped = jax.vmap(chain, in_axes=tuple(dims), axis_name=axis_data.name, axis_size=axis_data.size,
-                       spmd_axis_name=axis_data.spmd_name)
-    return vmapped(*args), 0
-
-
 moe_masked_combine_p.def_effectful_abstract_eval(_combine_abstract_eval)
 lowering.register_lowerings(
     moe_masked_combine_p, "ncclx_moe_masked_combine",
     # Decoded as MoeMaskedCombineAttrs (xla_ffi/ops/moe/moe_masked_cuda.cc).
     lambda *, capacity, expert_weights, num_tokens: dict(combine=dict(expert_weights=np.bool_(expert_weights))),
     cuda_route=_combine_route, fallback=_combine_chain, timeout_op="all_to_allv_dynamic")
-batching.fancy_primitive_batchers[moe_masked_combine_p] = _combine_batching
+primitive.batch_by_chain(moe_masked_combine_p, _combine_chain)
