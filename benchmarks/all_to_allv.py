@@ -378,12 +378,14 @@ def moe_combine_chain(expert_rows, handle, *, unroll):
     return handle.send_back_rows
 
 
-def moe_handle(mesh, arrays, routing, args):
-    """dispatch's (expert_rows, handle) for the inputs, with the weights, every leaf split over the axis, for
-    the combine chain."""
+def moe_handle(mesh, arrays, routing, args, layout="packed"):
+    """dispatch's (expert_rows, handle) for the inputs in `layout`, with the weights, every leaf split over the
+    axis, for the combine chain."""
+    capacity = capacity_of("nx_moe_masked" if layout == "masked" else "nx_moe", routing)
+
     def fn(tokens, expert_ids, weights):
         return moe.dispatch(tokens, expert_ids, num_experts=routing.counts.shape[0] * args.experts_per_rank,
-                            axis_name=AXIS, capacity=routing.capacity, weights=weights)
+                            axis_name=AXIS, capacity=capacity, weights=weights, layout=layout)
 
     rows, _, handle = per_rank(mesh, fn, 3)(arrays["tokens"], arrays["expert_ids"], arrays["weights"])
     return rows, handle

@@ -114,6 +114,24 @@ def test_loopback_collectives_timer_runs(tmp_path):
     assert all(0 < r["after_last_us"] <= r["span_us"] for r in results)
 
 
+@pytest.mark.gpu
+def test_loopback_moe_timer_times_both_layouts(tmp_path):
+    """--moe with both layouts times dispatch and combine of each on 2 logical ranks, with the handshake split
+    off every call's own time."""
+    reason = gpu_skip_reason(minimum=1)
+    if reason:
+        pytest.skip(reason)
+    tool = os.path.join(os.path.dirname(BENCHMARKS), "tools", "time_loopback_collectives.py")
+    done = subprocess.run([sys.executable, tool, str(tmp_path / "moe.json"), "--ranks", "2", "--calls", "60",
+                           "--moe", "16", "--moe-layout", "packed,masked", "--moe-calls", "20"],
+                          env=dict(os.environ, NCCL_NVLS_ENABLE="0"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    moe = [r for r in json.loads((tmp_path / "moe.json").read_text())["results"] if r["op"].startswith("moe.")]
+    assert sorted((r["layout"], r["op"]) for r in moe) == [
+        ("masked", "moe.combine"), ("masked", "moe.dispatch"), ("packed", "moe.combine"), ("packed", "moe.dispatch")]
+    assert all(0 < r["own_us"] <= r["after_last_us"] and r["handshake_us"] >= 0 for r in moe)
+
+
 def test_ab_summary_lines_up_rows_across_runs(tmp_path):
     """tools/ab_summary.py (the end of tools/ab_trees.sh) pairs each row of A's runs with B's by its name, in
     run order, and leaves a row that did not finish out of the means."""

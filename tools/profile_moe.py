@@ -1,6 +1,7 @@
 """Where the GPU time of moe.dispatch and moe.combine goes: kernel times from a jax.profiler trace.
 
-    python tools/profile_moe.py [--tokens 16,128,4096] [--wire float8_e4m3fn] [--calls 10] [--out DIR]
+    python tools/profile_moe.py [--tokens 16,128,4096] [--wire float8_e4m3fn] [--layout masked] [--calls 10]
+        [--out DIR]
 
 Runs dispatch, combine and the round trip at the all_to_allv benchmark's shapes (hidden 7168 bf16, top-8 of 8
 experts per rank on every local GPU; the router weights go with dispatch, so combine sums each token's pairs
@@ -33,11 +34,12 @@ from jax_ncclx import moe  # noqa: E402
 TOP_KERNELS = 14  # rows per table; the rest are summed into one
 
 
-def functions(routing, experts_per_rank, wire_dtype):
+def functions(routing, experts_per_rank, wire_dtype, layout):
     """name -> (per-rank function, argument names) for the three profiled steps."""
     num_experts = routing.counts.shape[0] * experts_per_rank
-    dispatch = functools.partial(moe.dispatch, num_experts=num_experts, axis_name=bench.AXIS,
-                                 capacity=routing.capacity, wire_dtype=wire_dtype)
+    capacity = bench.capacity_of("nx_moe_masked" if layout == "masked" else "nx_moe", routing)
+    dispatch = functools.partial(moe.dispatch, num_experts=num_experts, axis_name=bench.AXIS, capacity=capacity,
+                                 wire_dtype=wire_dtype, layout=layout)
 
     def round_trip(tokens, expert_ids, weights):  # the weights go with dispatch, as the benchmark's nx_moe
         rows, _, handle = dispatch(tokens, expert_ids, weights=weights)
@@ -113,6 +115,8 @@ def main():
     parser.add_argument("--experts-per-rank", type=int, default=8)
     parser.add_argument("--wire", choices=["float8_e4m3fn", "float8_e5m2"],
                         help="dispatch's 8-bit wire dtype (default: the tokens' bfloat16)")
+    parser.add_argument("--layout", choices=["packed", "masked"], default="packed",
+                        help="moe.dispatch's layout (masked: C is the most pairs any rank sends one expert)")
     parser.add_argument("--calls", type=int, default=10, help="traced calls per function")
     parser.add_argument("--out", type=Path, help="folder for moe_profile.json (default: print only)")
     args = parser.parse_args()
@@ -125,8 +129,8 @@ def main():
     for tokens in (int(t) for t in args.tokens.split(",")):
         routing = bench.make_routing(len(devices), tokens, args.top_k, args.experts_per_rank, seed=0)
         arrays = bench.make_inputs(mesh, routing, tokens, args.hidden, jnp.bfloat16, seed=0)
-        arrays["rows"], arrays["handle"] = bench.moe_handle(mesh, arrays, routing, args)
-        for name, (fn, arg_names) in functions(routing, args.experts_per_rank, args.wire).items():
+        arrays["rows"], arrays["handle"] = bench.moe_handle(mesh, arrays, routing, args, args.layout)
+        for name, (fn, arg_names) in functions(routing, args.experts_per_rank, args.wire, args.layout).items():
             step = bench.per_rank(mesh, fn, len(arg_names))
             rows = profile(step, [arrays[a] for a in arg_names], args.calls)
             if not rows:
@@ -134,8 +138,9 @@ def main():
                                  "available?)")
             print_table(f"T={tokens} {name}", rows, log)
             wire = None if name == "combine" else args.wire  # combine alone reuses a plain dispatch's handle
-            results.append({"tokens": tokens, "function": name, "capacity": routing.capacity, "wire": wire,
-                            "kernels": rows})
+            results.append({"tokens": tokens, "function": name, "layout": args.layout, "wire": wire,
+                            "capacity": bench.capacity_of("nx_moe_masked" if args.layout == "masked" else "nx_moe",
+                                                          routing), "kernels": rows})
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "moe_profile.json").write_text(json.dumps({"meta": common.metadata(), "results": results},

@@ -12,7 +12,8 @@ advanced in steps of 0.256 µs on an H100):
 * ``span``: the last end minus the first start, skew included.
 
 For ``moe.dispatch`` and ``moe.combine`` (``--moe``: decode sizes, hidden 7168 bf16, top-8 of 8 experts per
-rank, random routing, capacity the largest load any rank gives any member) it also splits the last rank's
+rank, random routing, capacity the largest load any rank gives any member; ``--moe-layout masked``: the
+masked layout's kernels, capacity the most pairs any rank sends one expert) it also splits the last rank's
 call (the one that finds every peer already in) into
 
 * ``own``: its time in the kernel outside the wait for peers (start to rows sent, then flags seen to end);
@@ -29,7 +30,8 @@ builds of the kernels in the same session (``tools/ab_trees.sh`` builds both; ru
 ``PYTHONPATH``), never with XLA.
 
     python tools/time_loopback_collectives.py OUT.json [--ranks 2,4] [--calls 400] [--moe 16,128]
-        [--moe-blocks 0,16,32] [--moe-phases]   (--ranks 1: the MoE kernels on an axis of one, their fixed cost)
+        [--moe-blocks 0,16,32] [--moe-phases] [--moe-layout packed,masked]
+        (--ranks 1: the MoE kernels on an axis of one, their fixed cost)
 """
 import argparse
 import json
@@ -146,6 +148,36 @@ def time_moe(ranks, tokens, calls, blocks, phases=False):
     return capacity, {"moe.dispatch": dispatch, "moe.combine": combine}
 
 
+def time_moe_masked(ranks, tokens, calls, blocks):
+    """moe_times of the masked layout's dispatch and combine (layout="masked") at T = `tokens` on `ranks` logical
+    ranks, the same routing as time_moe; C is the most pairs any rank sends one expert, so nothing drops."""
+    import ml_dtypes
+
+    hidden, top_k, local = MOE_SHAPE["hidden"], MOE_SHAPE["top_k"], MOE_SHAPE["experts_per_rank"]
+    num_experts = local * ranks
+    rng = np.random.default_rng(0)
+    ids = np.argsort(rng.random((calls, ranks, tokens, num_experts)), axis=-1)[..., :top_k].astype(np.int32)
+    capacity = int(max(np.bincount(ids[c, r].ravel(), minlength=num_experts).max()
+                       for c in range(calls) for r in range(ranks)))
+    x = rng.standard_normal((calls, ranks, tokens, hidden)).astype(ml_dtypes.bfloat16)
+    weights = rng.random((calls, ranks, tokens, top_k)).astype(np.float32)
+    done = loopback.moe_masked_dispatch(x.tobytes(), ids.tobytes(), weights.tobytes(), size=ranks, calls=calls,
+                                        num_tokens=tokens, hidden=hidden, type=1, top_k=top_k,
+                                        num_experts=num_experts, capacity=capacity, with_weights=True, trace=True,
+                                        graph=True, blocks=blocks)
+    points = ("start", "sent", "data", "end")
+    dispatch = moe_times(*trace_of(done, calls, f"masked moe.dispatch T={tokens} on {ranks} ranks", points),
+                         MOE_SKIPPED_CALLS)
+    # combine scales each row by dispatch's weights on the expert side, as moe.combine(rows, handle) does
+    done = loopback.moe_masked_combine(done["expert_rows"], done["row_pair"], done["pair_slot"],
+                                       done["recv_weights"], size=ranks, calls=calls, type=1, local_experts=local,
+                                       capacity=capacity, tokens=tokens, top_k=top_k, hidden=hidden,
+                                       expert_weights=True, trace=True, graph=True, blocks=blocks)
+    combine = moe_times(*trace_of(done, calls, f"masked moe.combine T={tokens} on {ranks} ranks", points),
+                        MOE_SKIPPED_CALLS)
+    return capacity, {"moe.dispatch": dispatch, "moe.combine": combine}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", help="JSON file for the results")
@@ -159,6 +191,8 @@ def main():
                         "chosen by size, as the library does)")
     parser.add_argument("--moe-phases", action="store_true", help="also split moe.dispatch's kernel into its "
                         "phases (SM clock per block, the last call)")
+    parser.add_argument("--moe-layout", default="packed", help="the MoE layouts to time, comma separated: "
+                        "packed (moe.dispatch's default), masked (layout=\"masked\"; no --moe-phases)")
     parser.add_argument("--moe-calls", type=int, default=60, help=f"calls per MoE case (more than "
                         f"{MOE_SKIPPED_CALLS}; each call's rows stay on the GPU)")
     args = parser.parse_args()
@@ -166,11 +200,14 @@ def main():
         parser.error(f"--calls {args.calls}: expected {SKIPPED_CALLS + 1} to 1024")
     if not MOE_SKIPPED_CALLS < args.moe_calls <= 1024:
         parser.error(f"--moe-calls {args.moe_calls}: expected {MOE_SKIPPED_CALLS + 1} to 1024")
+    layouts = args.moe_layout.split(",")
+    if not set(layouts) <= {"packed", "masked"}:
+        parser.error(f"--moe-layout {args.moe_layout}: expected packed, masked or both")
     rank_counts = [int(r) for r in args.ranks.split(",")]
     if not all(1 <= r <= 8 for r in rank_counts):
         parser.error(f"--ranks {args.ranks}: every count must be 1 to 8 (1: the MoE kernels only)")
     results = []
-    print(f"{'case':44s} {'after_last':>10s} {'span':>8s}  (µs, medians)")
+    print(f"{'case':52s} {'after_last':>10s} {'span':>8s}  (µs, medians)")
     for ranks in (r for r in rank_counts if r > 1):
         for op, nbytes, protocol, algorithm in CASES:
             after_last, span = time_case(op, nbytes, protocol, algorithm, ranks, args.calls)
@@ -179,16 +216,20 @@ def main():
             print(f"{f'{op} {nbytes} B {protocol} {algorithm}, {ranks} ranks':44s} {after_last:10.2f} {span:8.2f}",
                   flush=True)
     if args.moe:
-        print(f"{'case':44s} {'after_last':>10s} {'span':>8s} {'own':>8s} {'handshake':>10s}  (µs, medians)")
+        print(f"{'case':52s} {'after_last':>10s} {'span':>8s} {'own':>8s} {'handshake':>10s}  (µs, medians)")
     for ranks in rank_counts if args.moe else ():
         for tokens in (int(t) for t in args.moe.split(",")):
-            for blocks in (int(b) for b in args.moe_blocks.split(",")):
-                capacity, times = time_moe(ranks, tokens, args.moe_calls, blocks, args.moe_phases)
+            for layout, blocks in ((la, int(b)) for la in layouts for b in args.moe_blocks.split(",")):
+                if layout == "masked":
+                    capacity, times = time_moe_masked(ranks, tokens, args.moe_calls, blocks)
+                else:
+                    capacity, times = time_moe(ranks, tokens, args.moe_calls, blocks, args.moe_phases)
                 for op, t in times.items():
-                    results.append(dict(op=op, tokens=tokens, capacity=capacity, ranks=ranks, blocks=blocks,
-                                        **MOE_SHAPE, **t))
-                    case = f"{op} T={tokens} (C={capacity}), {ranks} ranks" + (f", {blocks} blocks" if blocks else "")
-                    print(f"{case:44s} {t['after_last_us']:10.2f} {t['span_us']:8.2f} {t['own_us']:8.2f} "
+                    results.append(dict(op=op, layout=layout, tokens=tokens, capacity=capacity, ranks=ranks,
+                                        blocks=blocks, **MOE_SHAPE, **t))
+                    case = (f"{op}{' masked' if layout == 'masked' else ''} T={tokens} (C={capacity}), {ranks} ranks"
+                            + (f", {blocks} blocks" if blocks else ""))
+                    print(f"{case:52s} {t['after_last_us']:10.2f} {t['span_us']:8.2f} {t['own_us']:8.2f} "
                           f"{t['handshake_us']:10.2f}", flush=True)
                     if "phases_us" in t:
                         print("    phases (µs at the peak clock): " +
