@@ -154,9 +154,7 @@ def moe_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, **option
                                                                                     hidden)
     results["recv_weights"] = np.frombuffer(done["recv_weights"], np.float32).reshape(
         calls, size, size * R, top_k if with_weights else 0)
-    if "phase_clocks" in done:  # options phases=True: int64 [ranks, blocks, phases] of the last call
-        results["phase_clocks"] = np.frombuffer(done["phase_clocks"], np.int64).reshape(
-            size, done["blocks"], len(done["phase_names"]))
+    add_phase_clocks(results, done, size)
     return results, with_grid(done)
 
 
@@ -190,14 +188,23 @@ def moe_masked_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, w
                                                                                     hidden)
     results["recv_weights"] = np.frombuffer(done["recv_weights"], np.float32).reshape(
         calls, size, local, rows if with_weights else 0)
+    add_phase_clocks(results, done, size)
     return results, with_grid(done)
+
+
+def add_phase_clocks(results, done, size):
+    """options phases=True: results["phase_clocks"], int64 [ranks, blocks, phases] clock64() of the last call."""
+    if "phase_clocks" in done:
+        results["phase_clocks"] = np.frombuffer(done["phase_clocks"], np.int64).reshape(
+            size, done["blocks"], len(done["phase_names"]))
 
 
 def moe_masked_combine(expert_out, row_pair, pair_slot, weights, *, num_tokens, expert_weights, **options):
     """The masked combine's NVLink kernel. expert_out [calls, ranks, L, N * C, H'] (float32, bfloat16 or float16),
     row_pair int32 [calls, ranks, L, N * C], pair_slot int32 [calls, ranks, T * k], weights float32: [calls,
     ranks, L, N * C] with expert_weights (dispatch's recv_weights), else [calls, ranks, T, k]. Returns (out
-    [calls, ranks, T, H'] in expert_out's dtype, ranks)."""
+    [calls, ranks, T, H'] in expert_out's dtype, ranks); with phases=True ({"out": out, "phase_clocks": int64
+    [ranks, blocks, phases]}, ranks)."""
     expert_out = np.ascontiguousarray(expert_out)
     calls, size, local, rows, hidden = expert_out.shape
     pairs = pair_slot.shape[-1]
@@ -208,4 +215,8 @@ def moe_masked_combine(expert_out, row_pair, pair_slot, weights, *, num_tokens, 
         capacity=rows // size, tokens=num_tokens, top_k=pairs // num_tokens, hidden=hidden,
         expert_weights=expert_weights, **options)
     out = np.frombuffer(done["out"], expert_out.dtype).reshape(calls, size, num_tokens, hidden)
+    if "phase_clocks" in done:  # options phases=True: ({"out", "phase_clocks"}, ranks)
+        results = {"out": out}
+        add_phase_clocks(results, done, size)
+        return results, with_grid(done)
     return out, with_grid(done)

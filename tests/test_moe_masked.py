@@ -288,3 +288,29 @@ def test_loopback_kernels_match_the_reference(ranks, pattern):
                                                                            ids.shape[1]), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(by_token[call], reference.moe_masked_combine(
             expected["expert_rows"], expected, ids.shape[1], weights[call]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_loopback_phase_clocks():
+    """A profiled call (time_loopback_collectives.py --moe-phases) computes the same results, and every block of
+    both kernels reads its clock at each phase, in order."""
+    import nvlink_loopback
+
+    ids, num_experts, capacity = routing("random", 2, tokens=8, top_k=3, seed=5)
+    rng = np.random.default_rng(5)
+    tokens = rng.standard_normal((1, 2, ids.shape[1], 64)).astype(np.float32)
+    weights = rng.random((1, 2) + ids.shape[1:]).astype(np.float32)
+    got, ranks = nvlink_loopback.moe_masked_dispatch(tokens, ids[None], weights, num_experts=num_experts,
+                                                     capacity=capacity, phases=True)
+    expected = reference.moe_masked_dispatch(tokens[0], ids, num_experts, capacity, weights=weights[0])
+    for name in moe_masked.Masked._fields:
+        np.testing.assert_array_equal(got[name][0], expected[name], err_msg=name)
+    clocks = got["phase_clocks"]
+    assert clocks.shape == (2, ranks[0]["blocks"], 7) and (clocks > 0).all() and (np.diff(clocks, axis=-1) >= 0).all()
+    combined, ranks = nvlink_loopback.moe_masked_combine(got["expert_rows"], got["row_pair"], got["pair_slot"],
+                                                         got["recv_weights"], num_tokens=ids.shape[1],
+                                                         expert_weights=True, phases=True)
+    np.testing.assert_allclose(combined["out"][0], reference.moe_masked_combine(expected["expert_rows"], expected,
+                                                                                ids.shape[1]), rtol=1e-5, atol=1e-5)
+    clocks = combined["phase_clocks"]
+    assert clocks.shape == (2, ranks[0]["blocks"], 4) and (clocks > 0).all() and (np.diff(clocks, axis=-1) >= 0).all()

@@ -19,10 +19,11 @@ call (the one that finds every peer already in) into
 * ``own``: its time in the kernel outside the wait for peers (start to rows sent, then flags seen to end);
 * ``handshake``: rows sent to every peer's flag seen (the cross-rank handshake once all are in).
 
-With ``--moe-phases`` dispatch's blocks also read their SM clock after each phase of the kernel (the plan's
-steps, the send, the wait, the placement, the expansion: moe_dispatch.h's MoeDispatchPhase) in the last call;
-it prints each phase's median over every rank's blocks, in µs at the GPU's peak clock (the clock may run
-slower: compare phases, not totals with the trace).
+With ``--moe-phases`` the kernels' blocks also read their SM clock after each phase in the last call (packed
+dispatch: the plan's steps, the send, the wait, the placement, the expansion, moe_dispatch.h's
+MoeDispatchPhase; masked dispatch and combine: moe_masked.h's phases, each closed by a barrier in profiled
+calls only). It prints each phase's median over every rank's blocks, in µs at the GPU's peak clock (the
+clock may run slower: compare phases, not totals with the trace).
 
 Medians over the calls after the first 50. The JSON also holds the run's metadata (device, versions, commit:
 set ``BENCH_GIT_COMMIT`` on a lent machine, as for the benchmarks). There is no XLA baseline: compare two
@@ -107,8 +108,8 @@ def moe_times(start, sent, data, end, skipped):
                 handshake_us=float(np.median(pick(data) - pick(sent))) / 1e3)
 
 
-def dispatch_phases(done, ranks):
-    """{phase: median µs over every rank's blocks} of a moe_dispatch run with phases=True (its last call)."""
+def kernel_phases(done, ranks):
+    """{phase: median µs over every rank's blocks} of a MoE kernel's run with phases=True (its last call)."""
     names = done["phase_names"]
     clocks = np.frombuffer(done["phase_clocks"], np.int64).reshape(ranks, done["blocks"], len(names))
     spent = np.diff(clocks, axis=-1).reshape(-1, len(names) - 1) * 1e3 / done["clock_khz"]
@@ -117,7 +118,7 @@ def dispatch_phases(done, ranks):
 
 def time_moe(ranks, tokens, calls, blocks, phases=False):
     """dispatch's and combine's moe_times at T = `tokens` on `ranks` logical ranks (graph replay, traced), with
-    `blocks` thread blocks per kernel (0: chosen by size); with `phases`, dispatch's dispatch_phases too."""
+    `blocks` thread blocks per kernel (0: chosen by size); with `phases`, dispatch's kernel_phases too."""
     import ml_dtypes
 
     hidden, top_k, local = MOE_SHAPE["hidden"], MOE_SHAPE["top_k"], MOE_SHAPE["experts_per_rank"]
@@ -136,7 +137,7 @@ def time_moe(ranks, tokens, calls, blocks, phases=False):
     dispatch = moe_times(*trace_of(done, calls, f"moe.dispatch T={tokens} on {ranks} ranks", points),
                          MOE_SKIPPED_CALLS)
     if phases:
-        dispatch["phases_us"] = dispatch_phases(done, ranks)
+        dispatch["phases_us"] = kernel_phases(done, ranks)
     rows = ranks * min(capacity, tokens)
     # combine sums each token's pairs on the expert side with dispatch's weights, as moe.combine does
     done = loopback.moe_combine(done["expert_rows"], done["row_pairs"], done["recv_weights"], done["recv_tokens"],
@@ -148,9 +149,10 @@ def time_moe(ranks, tokens, calls, blocks, phases=False):
     return capacity, {"moe.dispatch": dispatch, "moe.combine": combine}
 
 
-def time_moe_masked(ranks, tokens, calls, blocks):
+def time_moe_masked(ranks, tokens, calls, blocks, phases=False):
     """moe_times of the masked layout's dispatch and combine (layout="masked") at T = `tokens` on `ranks` logical
-    ranks, the same routing as time_moe; C is the most pairs any rank sends one expert, so nothing drops."""
+    ranks, the same routing as time_moe; C is the most pairs any rank sends one expert, so nothing drops. With
+    `phases`, both kernels' kernel_phases too."""
     import ml_dtypes
 
     hidden, top_k, local = MOE_SHAPE["hidden"], MOE_SHAPE["top_k"], MOE_SHAPE["experts_per_rank"]
@@ -164,17 +166,21 @@ def time_moe_masked(ranks, tokens, calls, blocks):
     done = loopback.moe_masked_dispatch(x.tobytes(), ids.tobytes(), weights.tobytes(), size=ranks, calls=calls,
                                         num_tokens=tokens, hidden=hidden, type=1, top_k=top_k,
                                         num_experts=num_experts, capacity=capacity, with_weights=True, trace=True,
-                                        graph=True, blocks=blocks)
+                                        graph=True, blocks=blocks, phases=phases)
     points = ("start", "sent", "data", "end")
     dispatch = moe_times(*trace_of(done, calls, f"masked moe.dispatch T={tokens} on {ranks} ranks", points),
                          MOE_SKIPPED_CALLS)
+    if phases:
+        dispatch["phases_us"] = kernel_phases(done, ranks)
     # combine scales each row by dispatch's weights on the expert side, as moe.combine(rows, handle) does
     done = loopback.moe_masked_combine(done["expert_rows"], done["row_pair"], done["pair_slot"],
                                        done["recv_weights"], size=ranks, calls=calls, type=1, local_experts=local,
                                        capacity=capacity, tokens=tokens, top_k=top_k, hidden=hidden,
-                                       expert_weights=True, trace=True, graph=True, blocks=blocks)
+                                       expert_weights=True, trace=True, graph=True, blocks=blocks, phases=phases)
     combine = moe_times(*trace_of(done, calls, f"masked moe.combine T={tokens} on {ranks} ranks", points),
                         MOE_SKIPPED_CALLS)
+    if phases:
+        combine["phases_us"] = kernel_phases(done, ranks)
     return capacity, {"moe.dispatch": dispatch, "moe.combine": combine}
 
 
@@ -189,10 +195,10 @@ def main():
                         "comma separated (e.g. 16,128; default: none)")
     parser.add_argument("--moe-blocks", default="0", help="thread blocks per MoE kernel, comma separated (0: "
                         "chosen by size, as the library does)")
-    parser.add_argument("--moe-phases", action="store_true", help="also split moe.dispatch's kernel into its "
-                        "phases (SM clock per block, the last call)")
+    parser.add_argument("--moe-phases", action="store_true", help="also split the kernels into their phases "
+                        "(SM clock per block, the last call): packed dispatch, masked dispatch and combine")
     parser.add_argument("--moe-layout", default="packed", help="the MoE layouts to time, comma separated: "
-                        "packed (moe.dispatch's default), masked (layout=\"masked\"; no --moe-phases)")
+                        "packed (moe.dispatch's default), masked (layout=\"masked\")")
     parser.add_argument("--moe-calls", type=int, default=60, help=f"calls per MoE case (more than "
                         f"{MOE_SKIPPED_CALLS}; each call's rows stay on the GPU)")
     args = parser.parse_args()
@@ -221,7 +227,7 @@ def main():
         for tokens in (int(t) for t in args.moe.split(",")):
             for layout, blocks in ((la, int(b)) for la in layouts for b in args.moe_blocks.split(",")):
                 if layout == "masked":
-                    capacity, times = time_moe_masked(ranks, tokens, args.moe_calls, blocks)
+                    capacity, times = time_moe_masked(ranks, tokens, args.moe_calls, blocks, args.moe_phases)
                 else:
                     capacity, times = time_moe(ranks, tokens, args.moe_calls, blocks, args.moe_phases)
                 for op, t in times.items():

@@ -550,6 +550,22 @@ constexpr const char* kMoeDispatchResults[] = {"expert_rows",    "group_sizes", 
                                                "recv_tokens",    "expand_rows",     "pair_entry",      "row_pairs",
                                                "send_back_rows", "recv_weights"};
 
+// Adds the last call's phase clocks (each call overwrites them; `count` of them, [size, blocks, phases]) to a
+// run's result: 'phase_clocks' (int64 bytes), 'phase_names' and 'clock_khz'.
+template <size_t kPhases>
+void AddPhaseClocks(nb::dict& result, const int64_t* clocks, int64_t count, const char* const (&names)[kPhases]) {
+  std::string host(static_cast<size_t>(count * 8), '\0');
+  Check(cudaMemcpy(host.data(), clocks, host.size(), cudaMemcpyDeviceToHost), "cudaMemcpy (phase clocks)");
+  int device = 0, clock_khz = 0;
+  Check(cudaGetDevice(&device), "cudaGetDevice");
+  Check(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device), "cudaDeviceGetAttribute (clock rate)");
+  nb::list listed;
+  for (const char* name : names) listed.append(name);
+  result["phase_clocks"] = nb::bytes(host.data(), host.size());
+  result["phase_names"] = listed;
+  result["clock_khz"] = clock_khz;
+}
+
 nb::dict MoeDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids, const nb::bytes& weights, int size,
                      int calls, int64_t num_tokens, int64_t row_bytes, int top_k, int64_t num_experts, int64_t capacity,
                      bool with_weights, int blocks, bool trace, bool phases, bool graph, int64_t timeout_ms, int absent,
@@ -639,18 +655,7 @@ nb::dict MoeDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids, const
   nb::dict result = ToDict(std::move(outcome),
                            std::vector<std::string>(std::begin(kMoeDispatchResults), std::end(kMoeDispatchResults)),
                            grid);
-  if (clocks != nullptr) {  // the last call's: each call overwrites them
-    std::string host(static_cast<size_t>(clock_count * 8), '\0');
-    Check(cudaMemcpy(host.data(), clocks, host.size(), cudaMemcpyDeviceToHost), "cudaMemcpy (phase clocks)");
-    int device = 0, clock_khz = 0;
-    Check(cudaGetDevice(&device), "cudaGetDevice");
-    Check(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device), "cudaDeviceGetAttribute (clock rate)");
-    nb::list names;
-    for (const char* name : kMoeDispatchPhaseNames) names.append(name);
-    result["phase_clocks"] = nb::bytes(host.data(), host.size());
-    result["phase_names"] = names;
-    result["clock_khz"] = clock_khz;
-  }
+  if (clocks != nullptr) AddPhaseClocks(result, clocks, clock_count, kMoeDispatchPhaseNames);
   return result;
 }
 
@@ -661,8 +666,8 @@ constexpr const char* kMoeMaskedDispatchResults[] = {"expert_rows", "group_sizes
 
 nb::dict MoeMaskedDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids, const nb::bytes& weights, int size,
                            int calls, int64_t num_tokens, int64_t hidden, int type, int top_k, int64_t num_experts,
-                           int64_t capacity, int wire, bool with_weights, int blocks, bool trace, bool graph,
-                           int64_t timeout_ms, int absent, int late, int64_t late_us) {
+                           int64_t capacity, int wire, bool with_weights, int blocks, bool trace, bool phases,
+                           bool graph, int64_t timeout_ms, int absent, int late, int64_t late_us) {
   const Schedule schedule{calls, graph, absent, late, late_us, timeout_ms};
   CheckSchedule(size, schedule);
   Require(type >= 0 && type <= 2, "type is " + std::to_string(type) + ", expected 0 (f32), 1 (bf16) or 2 (f16)");
@@ -697,6 +702,8 @@ nb::dict MoeMaskedDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids,
   const int grid = ChooseMoeMaskedDispatchBlocks(args, blocks, SmsPerRank(size));
   Resources resources;
   Ranks ranks(resources, size, MoeMaskedDispatchSlotBytes(size, L, capacity, wire_row_bytes), 0);
+  const int64_t clock_count = int64_t{size} * grid * kMoeMaskedDispatchPhases;
+  int64_t* clocks = phases ? resources.Filled<int64_t>(clock_count * 8, 0, "phase clocks") : nullptr;
   std::vector<Operand> operands = {
       {"tokens", T * row_bytes, false}, {"expert_ids", P * I, false},
       {"weights", P * I, false},        {"expert_rows", L * NC * row_bytes, true},
@@ -726,17 +733,23 @@ nb::dict MoeMaskedDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids,
                           mine.recv_weights = reinterpret_cast<float*>(at(11));
                           mine.table = ranks.table[rank];
                           mine.control = ranks.control[rank];
+                          if (clocks != nullptr) {
+                            mine.phase_clocks = clocks + int64_t{rank} * grid * kMoeMaskedDispatchPhases;
+                          }
                           return LaunchMoeMaskedDispatch(mine, grid, stream);
                         });
-  return ToDict(std::move(outcome),
-                std::vector<std::string>(std::begin(kMoeMaskedDispatchResults), std::end(kMoeMaskedDispatchResults)),
-                grid);
+  nb::dict result = ToDict(
+      std::move(outcome),
+      std::vector<std::string>(std::begin(kMoeMaskedDispatchResults), std::end(kMoeMaskedDispatchResults)), grid);
+  if (clocks != nullptr) AddPhaseClocks(result, clocks, clock_count, kMoeMaskedDispatchPhaseNames);
+  return result;
 }
 
 nb::dict MoeMaskedCombine(const nb::bytes& expert_out, const nb::bytes& row_pair, const nb::bytes& pair_slot,
                           const nb::bytes& weights, int size, int calls, int type, int64_t local_experts,
                           int64_t capacity, int64_t tokens, int top_k, int64_t hidden, bool expert_weights, int blocks,
-                          bool trace, bool graph, int64_t timeout_ms, int absent, int late, int64_t late_us) {
+                          bool trace, bool phases, bool graph, int64_t timeout_ms, int absent, int late,
+                          int64_t late_us) {
   const Schedule schedule{calls, graph, absent, late, late_us, timeout_ms};
   CheckSchedule(size, schedule);
   Require(type >= 0 && type <= 2, "type is " + std::to_string(type) + ", expected 0 (f32), 1 (bf16) or 2 (f16)");
@@ -761,6 +774,8 @@ nb::dict MoeMaskedCombine(const nb::bytes& expert_out, const nb::bytes& row_pair
   Resources resources;
   const int64_t P = tokens * top_k, rows = local_experts * size * capacity, I = sizeof(int32_t);
   Ranks ranks(resources, size, MoeMaskedCombineSlotBytes(P, hidden, element_bytes), 0);
+  const int64_t clock_count = int64_t{size} * grid * kMoeMaskedCombinePhases;
+  int64_t* clocks = phases ? resources.Filled<int64_t>(clock_count * 8, 0, "phase clocks") : nullptr;
   std::vector<Operand> operands = {
       {"expert_out", rows * hidden * element_bytes, false},
       {"row_pair", rows * I, false},
@@ -780,9 +795,14 @@ nb::dict MoeMaskedCombine(const nb::bytes& expert_out, const nb::bytes& row_pair
                           mine.out = operands[4].At(slot, rank, size);
                           mine.table = ranks.table[rank];
                           mine.control = ranks.control[rank];
+                          if (clocks != nullptr) {
+                            mine.phase_clocks = clocks + int64_t{rank} * grid * kMoeMaskedCombinePhases;
+                          }
                           return LaunchMoeMaskedCombine(mine, grid, stream);
                         });
-  return ToDict(std::move(outcome), {"out"}, grid);
+  nb::dict result = ToDict(std::move(outcome), {"out"}, grid);
+  if (clocks != nullptr) AddPhaseClocks(result, clocks, clock_count, kMoeMaskedCombinePhaseNames);
+  return result;
 }
 
 }  // namespace
@@ -838,23 +858,25 @@ NB_MODULE(_ncclx_loopback, m) {
   m.def("moe_masked_dispatch", &jn::MoeMaskedDispatch, nb::arg("tokens"), nb::arg("expert_ids"), nb::arg("weights"),
         nb::kw_only(), nb::arg("size"), nb::arg("calls"), nb::arg("num_tokens"), nb::arg("hidden"), nb::arg("type"),
         nb::arg("top_k"), nb::arg("num_experts"), nb::arg("capacity"), nb::arg("wire") = 0,
-        nb::arg("with_weights") = false, nb::arg("blocks") = 0, nb::arg("trace") = false, nb::arg("graph") = false,
-        nb::arg("timeout_ms") = 5000, nb::arg("absent") = -1, nb::arg("late") = -1, nb::arg("late_us") = 0,
+        nb::arg("with_weights") = false, nb::arg("blocks") = 0, nb::arg("trace") = false, nb::arg("phases") = false,
+        nb::arg("graph") = false, nb::arg("timeout_ms") = 5000, nb::arg("absent") = -1, nb::arg("late") = -1,
+        nb::arg("late_us") = 0,
         "Runs `calls` calls of the masked dispatch's NVLink kernel on `size` logical ranks of the current GPU.\n"
         "Each input is bytes of [calls, size, ...]: tokens [num_tokens, hidden] of `type` (0 f32, 1 bf16, 2 f16),\n"
         "expert_ids int32 [num_tokens, top_k], weights float32 of the same shape (read with with_weights only).\n"
         "wire: 0 none, 1 float8_e4m3fn, 2 float8_e5m2. Returns every result of the kernel by name (bytes of\n"
         "[calls, size, ...], shapes as the FFI handler's: expert_rows, group_sizes, send_pairs, pair_slot,\n"
-        "send_counts, dropped, recv_counts, row_pair, recv_weights), 'ranks' and 'blocks' as collective() does.");
+        "send_counts, dropped, recv_counts, row_pair, recv_weights), 'ranks' and 'blocks' as collective() does.\n"
+        "phases: also 'phase_clocks', 'phase_names' (moe_masked.h) and 'clock_khz', as moe_dispatch's.");
   m.def("moe_masked_combine", &jn::MoeMaskedCombine, nb::arg("expert_out"), nb::arg("row_pair"), nb::arg("pair_slot"),
         nb::arg("weights"), nb::kw_only(), nb::arg("size"), nb::arg("calls"), nb::arg("type"), nb::arg("local_experts"),
         nb::arg("capacity"), nb::arg("tokens"), nb::arg("top_k"), nb::arg("hidden"), nb::arg("expert_weights"),
-        nb::arg("blocks") = 0, nb::arg("trace") = false, nb::arg("graph") = false, nb::arg("timeout_ms") = 5000,
-        nb::arg("absent") = -1, nb::arg("late") = -1, nb::arg("late_us") = 0,
+        nb::arg("blocks") = 0, nb::arg("trace") = false, nb::arg("phases") = false, nb::arg("graph") = false,
+        nb::arg("timeout_ms") = 5000, nb::arg("absent") = -1, nb::arg("late") = -1, nb::arg("late_us") = 0,
         "Runs `calls` calls of the masked combine's NVLink kernel on `size` logical ranks of the current GPU.\n"
         "Each input is bytes of [calls, size, ...]: expert_out [local_experts, size * capacity, hidden] of `type`\n"
         "(0 f32, 1 bf16, 2 f16), row_pair int32 [local_experts, size * capacity], pair_slot int32\n"
         "[tokens * top_k], weights float32 [local_experts, size * capacity] with expert_weights, else\n"
         "[tokens, top_k]. Returns out (bytes of [calls, size, tokens, hidden]), 'ranks' and 'blocks' as\n"
-        "collective() does.");
+        "collective() does; phases: the phase clocks as moe_masked_dispatch's.");
 }

@@ -37,6 +37,31 @@
 
 namespace jax_ncclx {
 
+// Where a profiled call (phase_clocks, test-only) has thread 0 of each block read clock64(): at its start, then
+// at the end of each phase, after a block barrier that only profiled calls take.
+enum MoeMaskedDispatchPhase : int {
+  kMaskedDispatchStart,    // the block begins
+  kMaskedDispatchCounted,  // every pair's rank and the pairs per id, in shared memory
+  kMaskedDispatchSent,     // the header, the block's share of the kept pairs' rows, its flags
+  kMaskedDispatchResults,  // the token side's results (the block's share)
+  kMaskedDispatchArrived,  // every (member, block) flag seen
+  kMaskedDispatchIndexed,  // recv_counts, group_sizes, row_pair and recv_weights written
+  kMaskedDispatchEnd,      // the expert rows written
+  kMoeMaskedDispatchPhases
+};
+inline constexpr const char* kMoeMaskedDispatchPhaseNames[kMoeMaskedDispatchPhases] = {
+    "start", "counted", "sent", "results", "arrived", "indexed", "end"};
+
+enum MoeMaskedCombinePhase : int {
+  kMaskedCombineStart,    // the block begins
+  kMaskedCombineSent,     // the expert side's rows (the block's share) and its flags
+  kMaskedCombineArrived,  // every (member, block) flag seen
+  kMaskedCombineEnd,      // the tokens' sums written
+  kMoeMaskedCombinePhases
+};
+inline constexpr const char* kMoeMaskedCombinePhaseNames[kMoeMaskedCombinePhases] = {"start", "sent", "arrived",
+                                                                                      "end"};
+
 struct MoeMaskedDispatchArgs {
   int rank = 0;
   int size = 1;                // N
@@ -66,6 +91,7 @@ struct MoeMaskedDispatchArgs {
   float* recv_weights = nullptr;        // [L, N * C] with weights (0 past the data), else unused
   const PeerTable* table = nullptr;
   SymmetricControl* control = nullptr;
+  int64_t* phase_clocks = nullptr;  // test-only: [blocks, kMoeMaskedDispatchPhases] clock64() of the call, or null
 };
 
 struct MoeMaskedCombineArgs {
@@ -89,6 +115,7 @@ struct MoeMaskedCombineArgs {
   void* out = nullptr;                // [T, H']
   const PeerTable* table = nullptr;
   SymmetricControl* control = nullptr;
+  int64_t* phase_clocks = nullptr;  // test-only: [blocks, kMoeMaskedCombinePhases] clock64() of the call, or null
 };
 
 // Where the kernels can run: every dispatch block keeps each pair's id and rank and each expert's counts in

@@ -60,6 +60,14 @@ __device__ int32_t ScanBlock(int32_t n, Value value, Emit emit, BlockScan::TempS
   return total;
 }
 
+// Thread 0's clock64() at the end of `phase` of a profiled call (clocks [blocks, phases]), after a barrier:
+// every thread of the block is past it. Unprofiled calls (clocks null, the same in every thread) skip both.
+__device__ __forceinline__ void StampPhase(int64_t* clocks, int phases, int phase) {
+  if (clocks == nullptr) return;
+  __syncthreads();
+  if (threadIdx.x == 0) clocks[int64_t{blockIdx.x} * phases + phase] = clock64();
+}
+
 // ---- dispatch ----
 
 // Calls of at most this many pairs are counted by one warp, 32 pairs a step with running counters per id;
@@ -131,6 +139,8 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
   const MoeMaskedDispatchArgs& args = call.args;
   const int32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int32_t T = static_cast<int32_t>(args.tokens), k = args.top_k, P = T * k;
+  auto stamp = [&](MoeMaskedDispatchPhase phase) { StampPhase(args.phase_clocks, kMoeMaskedDispatchPhases, phase); };
+  stamp(kMaskedDispatchStart);
   // The ids before anything else, in one batch: their loads overlap the set-up below.
   int32_t loaded[kIdsPerThread];
 #pragma unroll
@@ -217,6 +227,7 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
   }
   __syncthreads();
   if (tid == 0) trace.Ready();
+  stamp(kMaskedDispatchCounted);
 
   // ---- send: this member's counts into every member's header, then the kept pairs' rows ----
   if (blockIdx.x == 0) {
@@ -272,6 +283,7 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
   __syncthreads();  // every thread's writes come before the releases
   if (tid < N) StoreRelease(&args.table->control[tid]->arrived[me][blockIdx.x], epoch);
   if (tid == 0) trace.Sent();
+  stamp(kMaskedDispatchSent);
 
   // ---- the token side's results, each block its share, while the peers' rows come ----
   const int32_t kept = ScanBlock(
@@ -291,6 +303,7 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
     over = __reduce_add_sync(0xffffffffu, over);
     if (lane == 0) args.dropped[m] = over;
   }
+  stamp(kMaskedDispatchResults);
 
   // ---- wait: every member's every block has written its rows and its header here ----
   const int grid = static_cast<int>(gridDim.x);
@@ -301,6 +314,7 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
   }
   __syncthreads_or(!came);  // a wait that gave up leaves stale rows, never a hang
   if (tid == 0) trace.DataArrived();
+  stamp(kMaskedDispatchArrived);
 
   // ---- receive: each expert's rows source by source ----
   const uint8_t* mine = Slots(args.table, call.slot_base, me, parity);
@@ -343,6 +357,7 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
     args.row_pair[x] = pair;
     if (args.with_weights) args.recv_weights[x] = weight;
   }
+  stamp(kMaskedDispatchIndexed);
   uint4* expert_rows = static_cast<uint4*>(args.expert_rows);
   const Units expand(total_rows, row_vectors, warps);
   for (int64_t unit = first_unit; unit < total_rows * expand.pieces; unit += warps) {
@@ -376,6 +391,7 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
       WarpCopy<uint4, true>(to + lo, reinterpret_cast<const uint4*>(from) + lo, hi - lo);
     }
   }
+  stamp(kMaskedDispatchEnd);
   FinishCall(args.control, epoch, ticket, trace, kTraceMoeMaskedDispatch);
 }
 
@@ -470,6 +486,8 @@ template <typename Element>
 __global__ void __launch_bounds__(kThreads) MoeMaskedCombineKernel(CombineCall call) {
   using V = Lanes<Element>;
   const MoeMaskedCombineArgs& args = call.args;
+  auto stamp = [&](MoeMaskedCombinePhase phase) { StampPhase(args.phase_clocks, kMoeMaskedCombinePhases, phase); };
+  stamp(kMaskedCombineStart);
   const uint64_t epoch = CallEpoch(args.control);
   const uint32_t ticket = TakeTicket(args.control, epoch);
   const int parity = static_cast<int>(epoch & 1);
@@ -547,6 +565,7 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedCombineKernel(CombineCall c
   __syncthreads();  // every thread's writes come before the releases
   if (tid < N) StoreRelease(&args.table->control[tid]->arrived[me][blockIdx.x], epoch);
   if (tid == 0) trace.Sent();
+  stamp(kMaskedCombineSent);
 
   // Token side: a warp per (token, piece); lane c holds choice c's slot and weight. The first unit's are
   // loaded before the wait: pair_slot and weights are inputs, not peer data.
@@ -571,6 +590,7 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedCombineKernel(CombineCall c
   }
   __syncthreads_or(!came);  // a wait that gave up leaves stale rows, never a hang
   if (tid == 0) trace.DataArrived();
+  stamp(kMaskedCombineArrived);
 
   // Per warp: the kept choices' pairs and weights, in choice order.
   __shared__ int32_t kept_pairs[kWarps][32];
@@ -613,6 +633,7 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedCombineKernel(CombineCall c
     }
     __syncwarp();  // the list stays until every lane is done with it
   }
+  stamp(kMaskedCombineEnd);
   FinishCall(args.control, epoch, ticket, trace, kTraceMoeMaskedCombine);
 }
 
