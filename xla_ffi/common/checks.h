@@ -211,6 +211,21 @@ inline ffi::Error CheckDims(std::string_view op, std::string_view name, ffi::Spa
                          std::string(name) + " has shape " + DimsString(dims) + ", expected " + DimsString(expected));
 }
 
+// InvalidArgument naming the operand `name` unless its dtype is `expected`.
+inline ffi::Error CheckDtype(std::string_view op, std::string_view name, const ffi::AnyBuffer& buffer,
+                             ffi::DataType expected) {
+  if (buffer.element_type() == expected) return ffi::Error::Success();
+  return InvalidArgument(op, std::string(name) + " has dtype " + std::string(DataTypeName(buffer.element_type())) +
+                                 ", expected " + std::string(DataTypeName(expected)));
+}
+
+// InvalidArgument naming the operand `name` unless it has dtype `dtype` and dimensions `dims`.
+inline ffi::Error CheckBuffer(std::string_view op, std::string_view name, const ffi::AnyBuffer& buffer,
+                              ffi::DataType dtype, std::initializer_list<int64_t> dims) {
+  if (buffer.element_type() != dtype) return CheckDtype(op, name, buffer, dtype);
+  return CheckDims(op, name, buffer.dimensions(), dims);
+}
+
 // A positive value that never changes in the process (a device attribute, an occupancy), asked of `query` (an
 // ffi::ErrorOr<int>) once and then read from `known` (0: not asked yet). Handlers of every device share it.
 template <typename Query>

@@ -738,9 +738,10 @@ nb::dict MoeMaskedDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids,
                           }
                           return LaunchMoeMaskedDispatch(mine, grid, stream);
                         });
-  nb::dict result = ToDict(
-      std::move(outcome),
-      std::vector<std::string>(std::begin(kMoeMaskedDispatchResults), std::end(kMoeMaskedDispatchResults)), grid);
+  nb::dict result = ToDict(std::move(outcome),
+                           std::vector<std::string>(std::begin(kMoeMaskedDispatchResults),
+                                                    std::end(kMoeMaskedDispatchResults)),
+                           grid);
   if (clocks != nullptr) AddPhaseClocks(result, clocks, clock_count, kMoeMaskedDispatchPhaseNames);
   return result;
 }

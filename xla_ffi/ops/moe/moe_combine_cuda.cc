@@ -29,12 +29,6 @@ ffi::ErrorOr<FloatType> GetType(ffi::DataType dtype) {
                                   std::string(DataTypeName(dtype)) + " (others take the exchange chain)");
 }
 
-ffi::Error CheckDtype(std::string_view name, const ffi::AnyBuffer& buffer, ffi::DataType expected) {
-  if (buffer.element_type() == expected) return ffi::Error::Success();
-  return InvalidArgument(kOp, std::string(name) + " has dtype " + std::string(DataTypeName(buffer.element_type())) +
-                                  ", expected " + std::string(DataTypeName(expected)));
-}
-
 ffi::Error MoeCombineImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer expert_out,
                           ffi::AnyBuffer row_pairs, ffi::AnyBuffer weights, ffi::AnyBuffer recv_tokens,
                           ffi::AnyBuffer return_row, ffi::Result<ffi::AnyBuffer> out, int64_t comm_id,
@@ -45,11 +39,11 @@ ffi::Error MoeCombineImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyB
   const int n = symmetric->size;
   ffi::ErrorOr<FloatType> type = GetType(expert_out.element_type());
   if (type.has_error()) return type.error();
-  NCCLX_RETURN_IF_ERROR(CheckDtype("out", *out, expert_out.element_type()));
-  NCCLX_RETURN_IF_ERROR(CheckDtype("row_pairs", row_pairs, ffi::S32));
-  NCCLX_RETURN_IF_ERROR(CheckDtype("weights", weights, ffi::F32));
-  NCCLX_RETURN_IF_ERROR(CheckDtype("recv_tokens", recv_tokens, ffi::S32));
-  NCCLX_RETURN_IF_ERROR(CheckDtype("return_row", return_row, ffi::S32));
+  NCCLX_RETURN_IF_ERROR(CheckDtype(kOp, "out", *out, expert_out.element_type()));
+  NCCLX_RETURN_IF_ERROR(CheckDtype(kOp, "row_pairs", row_pairs, ffi::S32));
+  NCCLX_RETURN_IF_ERROR(CheckDtype(kOp, "weights", weights, ffi::F32));
+  NCCLX_RETURN_IF_ERROR(CheckDtype(kOp, "recv_tokens", recv_tokens, ffi::S32));
+  NCCLX_RETURN_IF_ERROR(CheckDtype(kOp, "return_row", return_row, ffi::S32));
   const auto expert_dims = expert_out.dimensions();
   const auto pair_dims = row_pairs.dimensions();
   const auto out_dims = out->dimensions();

@@ -25,56 +25,6 @@ constexpr int kChunk = 8;
 constexpr int kTokenVectors = 2;
 static_assert(kMaxMoeCombineBlocks <= kMaxFlagGroups);
 
-// One 16-byte vector of T as float32 and back.
-template <typename T>
-struct Vector;
-
-template <>
-struct Vector<float> {
-  static constexpr int kLanes = 4;
-  __device__ static void Add(float* acc, uint4 v, float w) {
-    acc[0] += w * __uint_as_float(v.x);
-    acc[1] += w * __uint_as_float(v.y);
-    acc[2] += w * __uint_as_float(v.z);
-    acc[3] += w * __uint_as_float(v.w);
-  }
-  __device__ static uint4 Round(const float* acc) {
-    return make_uint4(__float_as_uint(acc[0]), __float_as_uint(acc[1]), __float_as_uint(acc[2]),
-                      __float_as_uint(acc[3]));
-  }
-};
-
-template <typename T, typename T2, float2 (*ToFloat2)(T2), T2 (*FromFloat2)(float2)>
-struct HalfVector {
-  static constexpr int kLanes = 8;
-  __device__ static void Add(float* acc, uint4 v, float w) {
-    const T2* pairs = reinterpret_cast<const T2*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = ToFloat2(pairs[i]);
-      acc[2 * i] += w * f.x;
-      acc[2 * i + 1] += w * f.y;
-    }
-  }
-  __device__ static uint4 Round(const float* acc) {
-    uint4 v;
-    T2* pairs = reinterpret_cast<T2*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) pairs[i] = FromFloat2(make_float2(acc[2 * i], acc[2 * i + 1]));
-    return v;
-  }
-};
-
-__device__ float2 Bf16ToFloat2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
-__device__ __nv_bfloat162 Float2ToBf16(float2 v) { return __float22bfloat162_rn(v); }
-__device__ float2 F16ToFloat2(__half2 v) { return __half22float2(v); }
-__device__ __half2 Float2ToF16(float2 v) { return __float22half2_rn(v); }
-
-template <>
-struct Vector<__nv_bfloat16> : HalfVector<__nv_bfloat16, __nv_bfloat162, Bf16ToFloat2, Float2ToBf16> {};
-template <>
-struct Vector<__half> : HalfVector<__half, __half2, F16ToFloat2, Float2ToF16> {};
-
 struct Call {
   MoeCombineArgs args;
   int64_t slot_base;  // where the slots start in a parity half: past the LL areas
@@ -82,14 +32,12 @@ struct Call {
 
 // Row `row` of `owner`'s slots for calls of `parity`.
 __device__ __forceinline__ uint4* SlotRow(const Call& call, int owner, int parity, int64_t row, int64_t row_vectors) {
-  const PeerTable* table = call.args.table;
-  return reinterpret_cast<uint4*>(table->data[owner] + parity * table->parity_half_bytes + call.slot_base) +
-         row * row_vectors;
+  return reinterpret_cast<uint4*>(Slots(call.args.table, call.slot_base, owner, parity)) + row * row_vectors;
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
-  using V = Vector<T>;
+  using V = Lanes<T>;
   const MoeCombineArgs& args = call.args;
   const uint64_t epoch = CallEpoch(args.control);
   const uint32_t ticket = TakeTicket(args.control, epoch);
@@ -105,7 +53,7 @@ __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
   const int me = args.rank;
   const int k = args.top_k;
   const int64_t R = args.rows_per_member;
-  const int64_t vectors = args.hidden / V::kLanes;  // per row
+  const int64_t vectors = args.hidden / V::kCount;  // per row
   const uint4* expert_out = static_cast<const uint4*>(args.expert_out);
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t{gridDim.x} * (kThreads / 32);
@@ -133,7 +81,7 @@ __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
     uint4* to = SlotRow(call, s, parity, me * R + r, vectors);
     const int64_t hi = min(vectors, lo + expert.piece_len);
     for (int64_t v = lo + lane; v < hi; v += 32) {
-      float acc[V::kLanes] = {};
+      float acc[V::kCount] = {};
       for (int j0 = 0; j0 < k; j0 += kChunk) {
         uint4 rows[kChunk];
         float w[kChunk];
@@ -148,7 +96,7 @@ __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
 #pragma unroll
         for (int u = 0; u < kChunk; ++u) V::Add(acc, rows[u], w[u]);
       }
-      to[v] = V::Round(acc);
+      to[v] = V::FromFloat(acc);
     }
     __syncwarp();  // the indices stay until every lane is done with them
   }
@@ -191,7 +139,7 @@ __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
       from[m] = row < n * R ? SlotRow(call, me, parity, row, vectors) : nullptr;
     }
     for (int64_t v0 = lo + lane; v0 < hi; v0 += 32 * kTokenVectors) {
-      float acc[kTokenVectors][V::kLanes] = {};
+      float acc[kTokenVectors][V::kCount] = {};
 #pragma unroll
       for (int m = 0; m < kMaxNvlinkRanks; ++m) {
         uint4 rows[kTokenVectors];
@@ -205,7 +153,7 @@ __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
       }
 #pragma unroll
       for (int u = 0; u < kTokenVectors; ++u) {
-        if (v0 + u * 32 < hi) out[t * vectors + v0 + u * 32] = V::Round(acc[u]);
+        if (v0 + u * 32 < hi) out[t * vectors + v0 + u * 32] = V::FromFloat(acc[u]);
       }
     }
   }

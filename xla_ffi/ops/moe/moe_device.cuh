@@ -1,13 +1,19 @@
 // Device helpers the MoE kernels share (the routing kernels, and moe.dispatch's kernel, which does their work
-// in one launch, and moe.combine's): fast division by a call's fixed divisors, how rows are shared out among
-// warps, lane masks, block lookups and a walk over a segment of pairs.
+// in one launch, moe.combine's and the masked layout's): fast division by a call's fixed divisors, how rows are
+// shared out among warps, lane masks, block lookups and scans, a walk over a segment of pairs, where a call's
+// slots start, and 16-byte vectors as float32 lanes.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <cub/block/block_scan.cuh>
 
 #include <algorithm>
 #include <cstdint>
 
+#include "common/symmetric_layout.h"
 #include "ops/moe/moe_routing.h"
 
 namespace jax_ncclx {
@@ -82,5 +88,94 @@ __device__ void WalkSegment(const int32_t* __restrict__ ids, int32_t num_experts
     visit(pair, live, key, __match_any_sync(0xffffffffu, key));
   }
 }
+
+// Exclusive prefix sums of value(0), ..., value(n - 1) over a block of kBlockThreads threads: each thread takes
+// a contiguous run and calls emit(i, sum before i, value(i)) along it. value(i) is read twice; emit(i, ...) may
+// overwrite what value(i) reads. Returns the total to every thread.
+template <int kBlockThreads, typename Value, typename Emit>
+__device__ int32_t ScanBlock(int32_t n, Value value, Emit emit,
+                             typename cub::BlockScan<int32_t, kBlockThreads>::TempStorage& storage) {
+  const int32_t per_thread = (n + kBlockThreads - 1) / kBlockThreads;
+  const int32_t begin = min(n, static_cast<int32_t>(threadIdx.x) * per_thread);
+  const int32_t end = min(n, begin + per_thread);
+  int32_t sum = 0;
+  for (int32_t i = begin; i < end; ++i) sum += value(i);
+  int32_t running = 0, total = 0;
+  cub::BlockScan<int32_t, kBlockThreads>(storage).ExclusiveSum(sum, running, total);
+  for (int32_t i = begin; i < end; ++i) {
+    const int32_t v = value(i);
+    emit(i, running, v);
+    running += v;
+  }
+  __syncthreads();  // emit's writes are visible, and the storage may be used again
+  return total;
+}
+
+// Where the slots at `base` of `owner`'s symmetric memory start for calls of `parity`.
+__device__ __forceinline__ uint8_t* Slots(const PeerTable* table, int64_t base, int owner, int parity) {
+  return table->data[owner] + parity * table->parity_half_bytes + base;
+}
+
+// One 16-byte vector of T as float32 and back, and added in float32 times a weight (acc += w * v).
+template <typename T>
+struct Lanes;
+
+template <>
+struct Lanes<float> {
+  static constexpr int kCount = 4;
+  __device__ static void ToFloat(uint4 v, float (&f)[kCount]) {
+    f[0] = __uint_as_float(v.x), f[1] = __uint_as_float(v.y), f[2] = __uint_as_float(v.z);
+    f[3] = __uint_as_float(v.w);
+  }
+  __device__ static void Add(float (&acc)[kCount], uint4 v, float w) {
+    acc[0] += w * __uint_as_float(v.x);
+    acc[1] += w * __uint_as_float(v.y);
+    acc[2] += w * __uint_as_float(v.z);
+    acc[3] += w * __uint_as_float(v.w);
+  }
+  __device__ static uint4 FromFloat(const float (&f)[kCount]) {
+    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
+  }
+};
+
+template <typename T2, float2 (*ToFloat2)(T2), T2 (*FromFloat2)(float2)>
+struct HalfLanes {
+  static constexpr int kCount = 8;
+  __device__ static void ToFloat(uint4 v, float (&f)[kCount]) {
+    const T2* pairs = reinterpret_cast<const T2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 two = ToFloat2(pairs[i]);
+      f[2 * i] = two.x;
+      f[2 * i + 1] = two.y;
+    }
+  }
+  __device__ static void Add(float (&acc)[kCount], uint4 v, float w) {
+    const T2* pairs = reinterpret_cast<const T2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = ToFloat2(pairs[i]);
+      acc[2 * i] += w * f.x;
+      acc[2 * i + 1] += w * f.y;
+    }
+  }
+  __device__ static uint4 FromFloat(const float (&f)[kCount]) {
+    uint4 v;
+    T2* pairs = reinterpret_cast<T2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) pairs[i] = FromFloat2(make_float2(f[2 * i], f[2 * i + 1]));
+    return v;
+  }
+};
+
+__device__ inline float2 Bf16ToFloat2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+__device__ inline __nv_bfloat162 Float2ToBf16(float2 v) { return __float22bfloat162_rn(v); }
+__device__ inline float2 F16ToFloat2(__half2 v) { return __half22float2(v); }
+__device__ inline __half2 Float2ToF16(float2 v) { return __float22half2_rn(v); }
+
+template <>
+struct Lanes<__nv_bfloat16> : HalfLanes<__nv_bfloat162, Bf16ToFloat2, Float2ToBf16> {};
+template <>
+struct Lanes<__half> : HalfLanes<__half2, F16ToFloat2, Float2ToF16> {};
 
 }  // namespace jax_ncclx

@@ -38,15 +38,6 @@ namespace {
 
 constexpr std::string_view kOp = "moe.dispatch";
 
-ffi::Error CheckResult(std::string_view name, const ffi::AnyBuffer& buffer, ffi::DataType dtype,
-                       std::initializer_list<int64_t> dims) {
-  if (buffer.element_type() != dtype) {
-    return InvalidArgument(kOp, std::string(name) + " has dtype " + std::string(DataTypeName(buffer.element_type())) +
-                                    ", expected " + std::string(DataTypeName(dtype)));
-  }
-  return CheckDims(kOp, name, buffer.dimensions(), dims);
-}
-
 int32_t* Ints(ffi::Result<ffi::AnyBuffer>& buffer) { return static_cast<int32_t*>(buffer->untyped_data()); }
 
 ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer tokens,
@@ -73,10 +64,7 @@ ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Any
     return InvalidArgument(kOp, "tokens must be [T, H] and expert_ids [T, k], got " + DimsString(token_dims) + " and " +
                                     DimsString(id_dims));
   }
-  if (expert_ids.element_type() != ffi::S32) {
-    return InvalidArgument(kOp, "expert_ids has dtype " + std::string(DataTypeName(expert_ids.element_type())) +
-                                    ", expected s32");
-  }
+  NCCLX_RETURN_IF_ERROR(CheckDtype(kOp, "expert_ids", expert_ids, ffi::S32));
   const int64_t T = token_dims[0], H = token_dims[1], k = id_dims[1];
   const int64_t element_bytes = ffi::ByteWidth(tokens.element_type());
   if (num_experts < 1 || num_experts % n != 0 || num_experts > kMaxRoutingExperts || capacity < 1 ||
@@ -116,11 +104,7 @@ ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Any
   if (with_weights) {
     ffi::ErrorOr<ffi::AnyBuffer> buffer = weights_arg.get<ffi::AnyBuffer>(0);
     if (buffer.has_error()) return buffer.error();
-    if (buffer->element_type() != ffi::F32) {
-      return InvalidArgument(kOp, "weights has dtype " + std::string(DataTypeName(buffer->element_type())) +
-                                      ", expected f32");
-    }
-    NCCLX_RETURN_IF_ERROR(CheckDims(kOp, "weights", buffer->dimensions(), {T, k}));
+    NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "weights", *buffer, ffi::F32, {T, k}));
     weights = static_cast<const float*>(buffer->untyped_data());
   }
   MoeDispatchArgs args;
@@ -137,24 +121,24 @@ ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Any
   args.with_weights = with_weights;
   const PlanSendsShape shape = args.plan_shape();
   const int64_t L = num_experts / n, NC = n * capacity, R = shape.rows_per_member(), S = shape.num_rows();
-  NCCLX_RETURN_IF_ERROR(CheckResult("expert_rows", *expert_rows, tokens.element_type(), {NC, H}));
-  NCCLX_RETURN_IF_ERROR(CheckResult("group_sizes", *group_sizes, ffi::S32, {L}));
-  NCCLX_RETURN_IF_ERROR(CheckResult("order", *order, ffi::S32, {T * k}));
-  NCCLX_RETURN_IF_ERROR(CheckResult("send_counts", *send_counts, ffi::S32, {n, L}));
-  NCCLX_RETURN_IF_ERROR(CheckResult("recv_counts", *recv_counts, ffi::S32, {n, L}));
-  NCCLX_RETURN_IF_ERROR(CheckResult("to_expert_major", *to_expert_major, ffi::S32, {NC}));
-  NCCLX_RETURN_IF_ERROR(CheckResult("to_source_major", *to_source_major, ffi::S32, {NC}));
-  NCCLX_RETURN_IF_ERROR(CheckResult("return_slot", *return_slot, ffi::S32, {T * k}));
-  NCCLX_RETURN_IF_ERROR(CheckResult("dropped", *dropped, ffi::S32, {n}));
-  NCCLX_RETURN_IF_ERROR(CheckResult("send_token", *send_token, ffi::S32, {S}));
-  NCCLX_RETURN_IF_ERROR(CheckResult("token_counts", *token_counts, ffi::S32, {n}));
-  NCCLX_RETURN_IF_ERROR(CheckResult("return_row", *return_row, ffi::S32, {T, n}));
-  NCCLX_RETURN_IF_ERROR(CheckResult("recv_tokens", *recv_tokens, ffi::S32, {n}));
-  NCCLX_RETURN_IF_ERROR(CheckResult("expand_rows", *expand_rows, ffi::S32, {NC}));
-  NCCLX_RETURN_IF_ERROR(CheckResult("pair_entry", *pair_entry, ffi::S32, {NC}));
-  NCCLX_RETURN_IF_ERROR(CheckResult("row_pairs", *row_pairs, ffi::S32, {n * R, k}));
-  NCCLX_RETURN_IF_ERROR(CheckResult("send_back_rows", *send_back_rows, ffi::S32, {n * R}));
-  NCCLX_RETURN_IF_ERROR(CheckResult("recv_weights", *recv_weights, ffi::F32, {n * R, with_weights ? k : 0}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "expert_rows", *expert_rows, tokens.element_type(), {NC, H}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "group_sizes", *group_sizes, ffi::S32, {L}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "order", *order, ffi::S32, {T * k}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "send_counts", *send_counts, ffi::S32, {n, L}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "recv_counts", *recv_counts, ffi::S32, {n, L}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "to_expert_major", *to_expert_major, ffi::S32, {NC}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "to_source_major", *to_source_major, ffi::S32, {NC}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "return_slot", *return_slot, ffi::S32, {T * k}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "dropped", *dropped, ffi::S32, {n}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "send_token", *send_token, ffi::S32, {S}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "token_counts", *token_counts, ffi::S32, {n}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "return_row", *return_row, ffi::S32, {T, n}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "recv_tokens", *recv_tokens, ffi::S32, {n}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "expand_rows", *expand_rows, ffi::S32, {NC}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "pair_entry", *pair_entry, ffi::S32, {NC}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "row_pairs", *row_pairs, ffi::S32, {n * R, k}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "send_back_rows", *send_back_rows, ffi::S32, {n * R}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "recv_weights", *recv_weights, ffi::F32, {n * R, with_weights ? k : 0}));
   NCCLX_RETURN_IF_ERROR(CheckNvlinkFault(kOp, comm_id, *symmetric));
 
   args.trace = attrs.trace_device;

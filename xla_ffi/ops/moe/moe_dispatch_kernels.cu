@@ -34,27 +34,6 @@ static_assert(kMaxMoeDispatchBlocks <= kMaxFlagGroups);
 
 using BlockScan = cub::BlockScan<int32_t, kThreads>;
 
-// Exclusive prefix sums of value(0), ..., value(n - 1) over the block: each thread takes a contiguous run and
-// calls emit(i, sum before i, value(i)) along it. value(i) is read twice; emit(i, ...) may overwrite what
-// value(i) reads. Returns the total to every thread.
-template <typename Value, typename Emit>
-__device__ int32_t ScanBlock(int32_t n, Value value, Emit emit, BlockScan::TempStorage& storage) {
-  const int32_t per_thread = (n + kThreads - 1) / kThreads;
-  const int32_t begin = min(n, static_cast<int32_t>(threadIdx.x) * per_thread);
-  const int32_t end = min(n, begin + per_thread);
-  int32_t sum = 0;
-  for (int32_t i = begin; i < end; ++i) sum += value(i);
-  int32_t running = 0, total = 0;
-  BlockScan(storage).ExclusiveSum(sum, running, total);
-  for (int32_t i = begin; i < end; ++i) {
-    const int32_t v = value(i);
-    emit(i, running, v);
-    running += v;
-  }
-  __syncthreads();  // emit's writes are visible, and the storage may be used again
-  return total;
-}
-
 // The call's divisors (Divisor: a multiply and a shift per index instead of a division).
 struct Divisors {
   Divisor top_k, local, tokens, per_source, tags_per_row;  // k, E_local, T, R * k, k * E_local
@@ -66,11 +45,6 @@ struct Call {
   int64_t slot_base;  // where the header starts in a parity half: past the LL areas
   int64_t slot_row;  // bytes of a slot row
 };
-
-__device__ __forceinline__ uint8_t* Slots(const Call& call, int owner, int parity) {
-  const PeerTable* table = call.args.table;
-  return table->data[owner] + parity * table->parity_half_bytes + call.slot_base;
-}
 
 // Calls of at most this many pairs (T * k), (member, token) entries and keys are planned by one warp: past
 // them its serial loops (a ballot per 32 entries, a run of keys per lane) would cost more than the block's.
@@ -293,7 +267,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
         if (live && lane == __ffs(same) - 1) histogram[key] += __popc(same);
       });
     }
-    ScanBlock(
+    ScanBlock<kThreads>(
         keys, [&](int32_t e) { return plan.counts[e]; },
         [&](int32_t e, int32_t start, int32_t) { plan.key_start[e] = start; }, scan);
     if (tid == 0) plan.key_start[keys] = P;
@@ -326,7 +300,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
       }
     }
     __syncthreads();
-    ScanBlock(
+    ScanBlock<kThreads>(
         N * T, [&](int32_t i) { return plan.row_of[i]; },
         [&](int32_t i, int32_t row, int32_t goes) {
           const int32_t member = by.tokens.Div(i), token = i - member * T;
@@ -403,7 +377,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     m = 0;
     while (m + 1 < N && plan.first_row[m + 1] <= g) ++m;
     r = g - plan.first_row[m];
-    return Slots(call, m, parity) + kHeaderBytes + (int64_t{me} * R + r) * call.slot_row;
+    return Slots(call.args.table, call.slot_base, m, parity) + kHeaderBytes + (int64_t{me} * R + r) * call.slot_row;
   };
   if constexpr (kOnWire<Rows>) {
     // A warp per (row, kQuantizeBlocks blocks of values), and one more item per row for its suffix.
@@ -439,7 +413,8 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     }
   }
   if (blockIdx.x == 0 && tid < N) {  // this member's token count, in member tid's header
-    *reinterpret_cast<int32_t*>(Slots(call, tid, parity) + 16 * me) = plan.first_row[tid + 1] - plan.first_row[tid];
+    *reinterpret_cast<int32_t*>(Slots(call.args.table, call.slot_base, tid, parity) +
+                                16 * me) = plan.first_row[tid + 1] - plan.first_row[tid];
   }
   __syncthreads();  // every thread's writes come before the releases
   if (tid < N) StoreRelease(&args.table->control[tid]->arrived[me][blockIdx.x], epoch);
@@ -458,7 +433,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   stamp(kPhaseArrived);
 
   // ---- place: place_received's arithmetic over the tags in this member's slots ----
-  const uint8_t* mine = Slots(call, me, parity);
+  const uint8_t* mine = Slots(call.args.table, call.slot_base, me, parity);
   const uint8_t* rows = mine + kHeaderBytes;
   const int32_t per_source = R * k, entries = N * per_source, blocks = N * L, NC = N * C;
   auto suffix_word = [&](int32_t entry, int32_t word) {  // word `word` of the suffix of entry's received row
@@ -507,7 +482,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     args.placed.recv_weights[entry] = (row - source * R) < placed.delivered[source] ? weight : 0.0f;
   }
   __syncthreads();
-  const int32_t scanned = ScanBlock(
+  const int32_t scanned = ScanBlock<kThreads>(
       2 * blocks + N,
       [&](int32_t i) {
         if (i < blocks) return placed.counts[i];

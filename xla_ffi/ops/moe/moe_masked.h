@@ -49,8 +49,9 @@ enum MoeMaskedDispatchPhase : int {
   kMaskedDispatchEnd,      // the expert rows written
   kMoeMaskedDispatchPhases
 };
-inline constexpr const char* kMoeMaskedDispatchPhaseNames[kMoeMaskedDispatchPhases] = {
-    "start", "counted", "sent", "results", "arrived", "indexed", "end"};
+inline constexpr const char* kMoeMaskedDispatchPhaseNames[kMoeMaskedDispatchPhases] = {"start",   "counted", "sent",
+                                                                                       "results", "arrived", "indexed",
+                                                                                       "end"};
 
 enum MoeMaskedCombinePhase : int {
   kMaskedCombineStart,    // the block begins
@@ -59,8 +60,7 @@ enum MoeMaskedCombinePhase : int {
   kMaskedCombineEnd,      // the tokens' sums written
   kMoeMaskedCombinePhases
 };
-inline constexpr const char* kMoeMaskedCombinePhaseNames[kMoeMaskedCombinePhases] = {"start", "sent", "arrived",
-                                                                                      "end"};
+inline constexpr const char* kMoeMaskedCombinePhaseNames[kMoeMaskedCombinePhases] = {"start", "sent", "arrived", "end"};
 
 struct MoeMaskedDispatchArgs {
   int rank = 0;

@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <initializer_list>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -51,15 +50,6 @@ namespace {
 constexpr std::string_view kDispatchOp = "moe.masked_dispatch";
 constexpr std::string_view kCombineOp = "moe.masked_combine";
 
-ffi::Error CheckBuffer(std::string_view op, std::string_view name, const ffi::AnyBuffer& buffer, ffi::DataType dtype,
-                       std::initializer_list<int64_t> dims) {
-  if (buffer.element_type() != dtype) {
-    return InvalidArgument(op, std::string(name) + " has dtype " + std::string(DataTypeName(buffer.element_type())) +
-                                   ", expected " + std::string(DataTypeName(dtype)));
-  }
-  return CheckDims(op, name, buffer.dimensions(), dims);
-}
-
 ffi::Error CheckSlots(std::string_view op, int64_t need, const SymmetricRank& symmetric) {
   if (need <= symmetric.parity_half_bytes) return ffi::Error::Success();
   return Internal(op, "the symmetric low-latency slots hold " + std::to_string(symmetric.parity_half_bytes) +
@@ -90,10 +80,7 @@ ffi::Error MoeMaskedDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ff
     return InvalidArgument(kOp, "tokens must be [T, H] and expert_ids [T, k], got " + DimsString(token_dims) + " and " +
                                     DimsString(id_dims));
   }
-  if (expert_ids.element_type() != ffi::S32) {
-    return InvalidArgument(kOp, "expert_ids has dtype " + std::string(DataTypeName(expert_ids.element_type())) +
-                                    ", expected s32");
-  }
+  NCCLX_RETURN_IF_ERROR(CheckDtype(kOp, "expert_ids", expert_ids, ffi::S32));
   ffi::ErrorOr<FloatType> token_type = WireTokenType(kOp, "tokens", tokens.element_type());
   if (token_type.has_error()) {
     return InvalidArgument(kOp, "the NVLink kernel takes f32, bf16 or f16 tokens, got " +

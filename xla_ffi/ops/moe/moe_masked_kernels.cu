@@ -41,25 +41,6 @@ static_assert(int64_t{kMaxNvlinkRanks} * kMaxMoeMaskedPairs < (int64_t{1} << 31)
 
 using BlockScan = cub::BlockScan<int32_t, kThreads>;
 
-// Exclusive prefix sums of value(0), ..., value(n - 1) over the block (as moe.dispatch's kernel): each thread
-// takes a contiguous run and calls emit(i, sum before i) along it. Returns the total to every thread.
-template <typename Value, typename Emit>
-__device__ int32_t ScanBlock(int32_t n, Value value, Emit emit, BlockScan::TempStorage& storage) {
-  const int32_t per_thread = (n + kThreads - 1) / kThreads;
-  const int32_t begin = min(n, static_cast<int32_t>(threadIdx.x) * per_thread);
-  const int32_t end = min(n, begin + per_thread);
-  int32_t sum = 0;
-  for (int32_t i = begin; i < end; ++i) sum += value(i);
-  int32_t running = 0, total = 0;
-  BlockScan(storage).ExclusiveSum(sum, running, total);
-  for (int32_t i = begin; i < end; ++i) {
-    emit(i, running);
-    running += value(i);
-  }
-  __syncthreads();  // emit's writes are visible, and the storage may be used again
-  return total;
-}
-
 // Thread 0's clock64() at the end of `phase` of a profiled call (clocks [blocks, phases]), after a barrier:
 // every thread of the block is past it. Unprofiled calls (clocks null, the same in every thread) skip both.
 __device__ __forceinline__ void StampPhase(int64_t* clocks, int phases, int phase) {
@@ -129,10 +110,6 @@ struct DispatchCall {
   int64_t header_bytes;  // MoeMaskedHeaderBytes
   int64_t slot_row;      // bytes of a slot row: wire_row_bytes + kSuffixBytes
 };
-
-__device__ __forceinline__ uint8_t* Slots(const PeerTable* table, int64_t base, int owner, int parity) {
-  return table->data[owner] + parity * table->parity_half_bytes + base;
-}
 
 template <typename Rows>
 __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall call) {
@@ -286,9 +263,9 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
   stamp(kMaskedDispatchSent);
 
   // ---- the token side's results, each block its share, while the peers' rows come ----
-  const int32_t kept = ScanBlock(
+  const int32_t kept = ScanBlock<kThreads>(
       E, [&](int32_t id) { return min(counted.counts[id], C); },
-      [&](int32_t id, int32_t start) { counted.kept_start[id] = start; }, scan);
+      [&](int32_t id, int32_t start, int32_t) { counted.kept_start[id] = start; }, scan);
   for (int32_t p = thread; p < P; p += threads) {
     const int32_t id = counted.id[p], j = counted.rank[p];
     const bool is_kept = id < E && j < C;
@@ -429,53 +406,6 @@ cudaError_t LaunchDispatchOnWire(const DispatchCall& call, int blocks, size_t sh
 constexpr int kChunk = 8;
 constexpr int kScaleBatch = 4;
 
-// One 16-byte vector of T as float32 and back.
-template <typename T>
-struct Lanes;
-
-template <>
-struct Lanes<float> {
-  static constexpr int kCount = 4;
-  __device__ static void ToFloat(uint4 v, float (&f)[kCount]) {
-    f[0] = __uint_as_float(v.x), f[1] = __uint_as_float(v.y), f[2] = __uint_as_float(v.z);
-    f[3] = __uint_as_float(v.w);
-  }
-  __device__ static uint4 FromFloat(const float (&f)[kCount]) {
-    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
-  }
-};
-
-template <typename T2, float2 (*ToFloat2)(T2), T2 (*FromFloat2)(float2)>
-struct HalfLanes {
-  static constexpr int kCount = 8;
-  __device__ static void ToFloat(uint4 v, float (&f)[kCount]) {
-    const T2* pairs = reinterpret_cast<const T2*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 two = ToFloat2(pairs[i]);
-      f[2 * i] = two.x;
-      f[2 * i + 1] = two.y;
-    }
-  }
-  __device__ static uint4 FromFloat(const float (&f)[kCount]) {
-    uint4 v;
-    T2* pairs = reinterpret_cast<T2*>(&v);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) pairs[i] = FromFloat2(make_float2(f[2 * i], f[2 * i + 1]));
-    return v;
-  }
-};
-
-__device__ float2 Bf16ToFloat2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
-__device__ __nv_bfloat162 Float2ToBf16(float2 v) { return __float22bfloat162_rn(v); }
-__device__ float2 F16ToFloat2(__half2 v) { return __half22float2(v); }
-__device__ __half2 Float2ToF16(float2 v) { return __float22half2_rn(v); }
-
-template <>
-struct Lanes<__nv_bfloat16> : HalfLanes<__nv_bfloat162, Bf16ToFloat2, Float2ToBf16> {};
-template <>
-struct Lanes<__half> : HalfLanes<__half2, F16ToFloat2, Float2ToF16> {};
-
 struct CombineCall {
   MoeMaskedCombineArgs args;
   Divisor local;      // L: the expert side walks the rows i-major
@@ -508,9 +438,7 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedCombineKernel(CombineCall c
   const int64_t first_unit = int64_t{blockIdx.x} * kWarps + warp;
   const uint4* expert_out = static_cast<const uint4*>(args.expert_out);
   auto slot_row = [&](int owner, int32_t p) {
-    const PeerTable* table = args.table;
-    return reinterpret_cast<uint4*>(table->data[owner] + parity * table->parity_half_bytes + call.slot_base) +
-           int64_t{p} * vectors;
+    return reinterpret_cast<uint4*>(Slots(args.table, call.slot_base, owner, parity)) + int64_t{p} * vectors;
   };
 
   // Expert side. Units of (row, piece) as many as the rows with a pair could take (at most N * P), walking the
