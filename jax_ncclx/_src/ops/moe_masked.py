@@ -283,14 +283,73 @@ def _returned_row(pair_slot, send_counts, capacity):
 
 def scatter_pairs(rows, handle, *, token_rows):
     """Rows to the expert side: ``[L, N * C, W]`` from ``rows`` ``[T, W]`` (token_rows: each kept pair takes its
-    token's row) or ``[P, W]`` (one row per pair), zeros past the data. The handle's routing, no counts."""
-    capacity, top_k = handle.capacity, handle.top_k
-    send_rows = handle.send_pairs // top_k if token_rows else handle.send_pairs
+    token's row, which goes once to each member) or ``[P, W]`` (one row per pair), zeros past the data. The
+    handle's routing, no counts."""
+    capacity = handle.capacity
+    if token_rows:
+        num_members, local = handle.send_counts.shape
+        received, layout = _send_tokens_once(rows, handle.pair_slot, local=local, capacity=capacity,
+                                             num_members=num_members, axis_name=handle.axis_name)
+        return take_rows(received, layout.index, width=rows.shape[1], sources=layout.sources).reshape(
+            local, -1, rows.shape[1])
     received, _, _ = moe_dispatch.exchange(rows, handle.send_counts, handle.axis_name,
-                                           handle.send_counts.shape[1] * capacity, send_rows=send_rows)
+                                           handle.send_counts.shape[1] * capacity, send_rows=handle.send_pairs)
     index, _ = _expert_layout(handle.recv_counts, capacity)
     local, width = handle.recv_counts.shape[1], rows.shape[1]
-    return take_rows(received, index.reshape(-1)).reshape(local, -1, width)
+    return take_rows(received, index.reshape(-1), width=width).reshape(local, -1, width)
+
+
+class _Received(NamedTuple):
+    """Where the rows of one send-once exchange go in the expert layout (R = min(T, L * C) rows per source)."""
+
+    index: jax.Array        # [L * N * C] the received row of each expert-layout row, N * R past the data
+    sources: jax.Array      # [N * R, k] the expert-layout rows of each received row, L * N * C for none
+    recv_counts: jax.Array  # [N, L] pairs each source delivered to each local expert
+    row_pair: jax.Array     # [L * N * C] s * P + p of each row, N * P past the data
+    words: jax.Array        # int32 [N * R, k] the words that came with each received row's choices, 0 for none
+
+
+def _send_tokens_once(rows, pair_slot, *, local, capacity, num_members, axis_name, words=None):
+    """Each row of ``rows`` ``[T, W]`` goes once to each member that keeps one of its token's pairs, with the
+    slot there of each choice (and its word of ``words`` int32 ``[T, k]``, if given) in a suffix; the receiver
+    lays the rows out by slot. One row per (token, member) on the wire rather than one per pair.
+
+    Returns (received ``[N * R, W + suffix]``, R = min(T, L * C) rows per source, :class:`_Received`)."""
+    num_tokens, width = rows.shape
+    top_k, pairs = pair_slot.shape[0] // num_tokens, pair_slot.shape[0]
+    per_member = local * capacity
+    member = pair_slot.reshape(num_tokens, top_k) // per_member  # N for the pairs not kept
+    goes = (member[None] == jnp.arange(num_members)[:, None, None]).any(axis=2)  # [N, T]
+    # Member-major, tokens in order: the exchange sends member m's token_counts[m] rows from its offset.
+    flat = jnp.nonzero(goes.reshape(-1), size=num_members * num_tokens, fill_value=num_members * num_tokens)[0]
+    send_token, send_member = (flat % num_tokens).astype(jnp.int32), (flat // num_tokens).astype(jnp.int32)
+    local_slot = pair_slot.reshape(num_tokens, top_k)[send_token] - send_member[:, None] * per_member
+    local_slot = jnp.where(member[send_token] == send_member[:, None], local_slot, -1)
+    extra = jnp.zeros((num_tokens, top_k), jnp.int32) if words is None else words
+    suffix = jnp.concatenate([send_token[:, None], local_slot, extra[send_token]], axis=1)
+    suffix = jnp.pad(suffix, ((0, 0), (0, -suffix.shape[1] % SUFFIX_WORDS)))
+    per_source = min(num_tokens, per_member)
+    received, recv_tokens, _ = moe_dispatch.exchange(rows, goes.sum(axis=1, dtype=jnp.int32), axis_name,
+                                                     per_source, send_rows=send_token,
+                                                     suffix=moe_dispatch._as_columns(suffix, rows.dtype))
+    tags = _as_words(received[:, width:])
+    received_row = jnp.arange(num_members * per_source, dtype=jnp.int32)
+    source = received_row // per_source
+    valid = (received_row - source * per_source < recv_tokens[source])[:, None]  # rows past the data: none
+    slot = jnp.where(valid, tags[:, 1:1 + top_k], -1)  # [N * R, k]
+    kept = slot >= 0
+    expert, rank = jnp.where(kept, slot // capacity, local), slot % capacity
+    recv_counts = jnp.zeros((num_members, local + 1), jnp.int32).at[source[:, None], expert].add(1)[:, :local]
+    offset = jnp.cumsum(recv_counts, axis=0) - recv_counts  # [N, L]: off(e, s), the earlier sources' rows
+    rows_per_expert, total = num_members * capacity, local * num_members * capacity
+    at = offset[source[:, None], jnp.minimum(expert, local - 1)]
+    row = jnp.where(kept, expert * rows_per_expert + at + rank, total)
+    index = jnp.full(total, num_members * per_source, jnp.int32).at[row].set(
+        jnp.broadcast_to(received_row[:, None], row.shape), mode="drop")
+    pair = source[:, None] * pairs + tags[:, :1] * top_k + jnp.arange(top_k, dtype=jnp.int32)
+    row_pair = jnp.full(total, num_members * pairs, jnp.int32).at[row].set(pair, mode="drop")
+    return received, _Received(index=index, sources=row, recv_counts=recv_counts, row_pair=row_pair,
+                               words=jnp.where(kept, tags[:, 1 + top_k:1 + 2 * top_k], 0))
 
 
 def gather_pairs(expert_rows, handle):
@@ -309,36 +368,31 @@ def gather_pairs(expert_rows, handle):
 def _dispatch_chain(tokens, expert_ids, *weights, axis_name, num_experts, num_members, capacity, wire_dtype):
     weights = weights[0] if weights else None
     num_tokens, hidden = tokens.shape
-    top_k, local = expert_ids.shape[1], num_experts // num_members
-    pairs = num_tokens * top_k
+    local = num_experts // num_members
     send_pairs, pair_slot, send_counts, dropped = route(expert_ids, num_experts=num_experts,
                                                         num_members=num_members, capacity=capacity)
     source = tokens if wire_dtype is None else moe_dispatch._encoded(tokens, wire_dtype)
+    weight_bits = None if weights is None else jax.lax.bitcast_convert_type(weights, jnp.int32)
+    received, layout = _send_tokens_once(source, pair_slot, local=local, capacity=capacity, num_members=num_members,
+                                         axis_name=axis_name, words=weight_bits)
+    # Walked by received row (sources): each is read once, not once per choice, and on an 8-bit wire
+    # dequantized as it is read where the copy can (else decoded first, logged).
     width = source.shape[1]
-    # Each send row carries its pair and weight: [p, weight bits, 0, 0].
-    weight_bits = jnp.zeros(pairs + 1, jnp.int32) if weights is None else jnp.concatenate(
-        [jax.lax.bitcast_convert_type(weights.reshape(-1), jnp.int32), jnp.zeros(1, jnp.int32)])
-    words = jnp.stack([send_pairs, weight_bits[send_pairs]] + [jnp.zeros(pairs, jnp.int32)] * (SUFFIX_WORDS - 2),
-                      axis=1)
-    received, recv_counts, _ = moe_dispatch.exchange(source, send_counts, axis_name, local * capacity,
-                                                     send_rows=send_pairs // top_k,
-                                                     suffix=moe_dispatch._as_columns(words, source.dtype))
-    index, from_source = _expert_layout(recv_counts, capacity)
-    flat_index = index.reshape(-1)
-    if wire_dtype is None:
-        expert_rows = take_rows(received, flat_index, width=width)
+    if wire_dtype is not None and moe_dispatch._decodes_as_it_expands(tokens.dtype, hidden, received.shape[1]):
+        expert_rows = take_rows(received, layout.index, width=hidden, sources=layout.sources, wire_dtype=wire_dtype,
+                                dtype=tokens.dtype)
     else:
-        decoded = moe_dispatch._decode(received[:, :width], hidden, wire_dtype, tokens.dtype)
-        expert_rows = take_rows(decoded, flat_index)
-    tags = _as_words(gather_rows(received[:, width:], flat_index)).reshape(local, -1, SUFFIX_WORDS)
-    valid = from_source < num_members
-    row_pair = jnp.where(valid, from_source * pairs + tags[..., 0], num_members * pairs)
-    recv_weights = jnp.where(valid, jax.lax.bitcast_convert_type(tags[..., 1], jnp.float32), 0.0)
-    if weights is None:
-        recv_weights = recv_weights[:, :0]
-    return list(Masked(expert_rows=expert_rows.reshape(local, -1, hidden), group_sizes=recv_counts.sum(axis=0),
-                       send_pairs=send_pairs, pair_slot=pair_slot, send_counts=send_counts, dropped=dropped,
-                       recv_counts=recv_counts, row_pair=row_pair, recv_weights=recv_weights))
+        if wire_dtype is not None:
+            received, width = moe_dispatch._decode(received[:, :width], hidden, wire_dtype, tokens.dtype), hidden
+        expert_rows = take_rows(received, layout.index, width=width, sources=layout.sources)
+    recv_weights = jnp.zeros((local, 0), jnp.float32)
+    if weights is not None:
+        bits = jnp.zeros(local * num_members * capacity, jnp.int32).at[layout.sources].set(layout.words, mode="drop")
+        recv_weights = jax.lax.bitcast_convert_type(bits, jnp.float32).reshape(local, -1)
+    return list(Masked(expert_rows=expert_rows.reshape(local, -1, hidden),
+                       group_sizes=layout.recv_counts.sum(axis=0), send_pairs=send_pairs, pair_slot=pair_slot,
+                       send_counts=send_counts, dropped=dropped, recv_counts=layout.recv_counts,
+                       row_pair=layout.row_pair.reshape(local, -1), recv_weights=recv_weights))
 
 
 def _as_words(columns):
