@@ -467,7 +467,8 @@ def _dispatch_route(ctx, comm_id, size, *, num_experts, num_members, capacity, w
     elif top_k > module.MOE_MASKED_MAX_TOP_K or num_tokens * top_k > module.MOE_MASKED_MAX_PAIRS:
         why = (f"{num_tokens} tokens of top-{top_k} (the kernel takes up to top-{module.MOE_MASKED_MAX_TOP_K} and "
                f"{module.MOE_MASKED_MAX_PAIRS} pairs)")
-    slots = module.moe_masked_dispatch_slot_bytes(size, local, capacity, wire_row_bytes) if why is None else 0
+    slots = (module.moe_masked_dispatch_slot_bytes(size, num_tokens, local, capacity, wire_row_bytes)
+             if why is None else 0)
     if why is None and slots > KERNEL_MAX_SLOT_BYTES:
         why = f"slots of {slots} bytes (more than the kernel's {KERNEL_MAX_SLOT_BYTES})"
     if why is not None:
