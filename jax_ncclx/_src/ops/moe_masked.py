@@ -8,6 +8,8 @@ Routing (token side). Pair p with expert id ``expert_ids[t, c]`` in ``[0, E)`` g
 local expert e = id % L. Its rank j is the number of earlier pairs (lower p) of this member with the same
 id. It is kept if j < C; the rest of that expert's pairs from this member are dropped. An id outside
 ``[0, E)`` chooses no expert. So the sender decides every slot alone: no other member's counts are needed.
+A token's row crosses to a member once, however many of its kept pairs that member holds, with the slots of
+those pairs; the receiver copies it into each.
 
 Layout (expert side). ``expert_rows[e]`` holds expert e's rows, source 0's first (in their pairs' order),
 then source 1's, packed, ``group_sizes[e]`` of them; the rest of the N * C rows are zero. This is the layout
