@@ -645,16 +645,18 @@ NB_MODULE(_ncclx_cuda, m) {
   m.attr("MOE_MASKED_MAX_PAIRS") = jn::kMaxMoeMaskedPairs;
   m.def(
       "moe_masked_dispatch_slot_bytes",
-      [](int size, int64_t local_experts, int64_t capacity, int64_t wire_row_bytes) {
-        if (size < 1 || size > jn::kMaxNvlinkRanks || local_experts < 0 || capacity < 0 || wire_row_bytes < 0) {
+      [](int size, int64_t tokens, int64_t local_experts, int64_t capacity, int64_t wire_row_bytes) {
+        if (size < 1 || size > jn::kMaxNvlinkRanks || tokens < 0 || local_experts < 0 || capacity < 0 ||
+            wire_row_bytes < 0) {
           throw std::invalid_argument("moe_masked_dispatch_slot_bytes: bad sizes");
         }
-        return jn::MoeMaskedDispatchSlotBytes(size, local_experts, capacity, wire_row_bytes);
+        return jn::MoeMaskedDispatchSlotBytes(size, tokens, local_experts, capacity, wire_row_bytes);
       },
-      nb::arg("size"), nb::arg("local_experts"), nb::arg("capacity"), nb::arg("wire_row_bytes"),
+      nb::arg("size"), nb::arg("tokens"), nb::arg("local_experts"), nb::arg("capacity"), nb::arg("wire_row_bytes"),
       "Low-latency slot bytes per call parity that the masked dispatch's NVLink kernel needs on `size` ranks\n"
-      "for `local_experts` experts per rank of `capacity` rows per source, of `wire_row_bytes` bytes each on the\n"
-      "wire (moe_dispatch_wire_row_bytes): a header of counts, then the rows with a 16-byte suffix each.");
+      "for `tokens` tokens per rank and `local_experts` experts per rank of `capacity` rows per source, a row\n"
+      "of `wire_row_bytes` bytes on the wire (moe_dispatch_wire_row_bytes): the counts and the pair map, then\n"
+      "each source's token rows.");
   m.def(
       "moe_masked_combine_slot_bytes",
       [](int64_t pairs, int64_t hidden, int element_bytes) {

@@ -701,7 +701,7 @@ nb::dict MoeMaskedDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids,
   const int64_t I = sizeof(int32_t);
   const int grid = ChooseMoeMaskedDispatchBlocks(args, blocks, SmsPerRank(size));
   Resources resources;
-  Ranks ranks(resources, size, MoeMaskedDispatchSlotBytes(size, L, capacity, wire_row_bytes), 0);
+  Ranks ranks(resources, size, MoeMaskedDispatchSlotBytes(size, T, L, capacity, wire_row_bytes), 0);
   const int64_t clock_count = int64_t{size} * grid * kMoeMaskedDispatchPhases;
   int64_t* clocks = phases ? resources.Filled<int64_t>(clock_count * 8, 0, "phase clocks") : nullptr;
   std::vector<Operand> operands = {

@@ -8,6 +8,8 @@ Routing (token side). Pair p with expert id ``expert_ids[t, c]`` in ``[0, E)`` g
 local expert e = id % L. Its rank j is the number of earlier pairs (lower p) of this member with the same
 id. It is kept if j < C; the rest of that expert's pairs from this member are dropped. An id outside
 ``[0, E)`` chooses no expert. So the sender decides every slot alone: no other member's counts are needed.
+A token's row crosses to a member once, however many of its kept pairs that member holds, with the slots of
+those pairs; the receiver copies it into each.
 
 Layout (expert side). ``expert_rows[e]`` holds expert e's rows, source 0's first (in their pairs' order),
 then source 1's, packed, ``group_sizes[e]`` of them; the rest of the N * C rows are zero. This is the layout
@@ -352,28 +354,17 @@ def _send_tokens_once(rows, pair_slot, *, local, capacity, num_members, axis_nam
                                words=jnp.where(kept, tags[:, 1 + top_k:1 + 2 * top_k], 0))
 
 
-def gather_pairs(expert_rows, handle, scales=None):
+def gather_pairs(expert_rows, handle):
     """Rows back to the token side: ``[P, W]``, each kept pair's row of ``expert_rows`` ``[L, N * C, W]``,
-    zeros for the rest. ``scales``: float32 ``[L, N * C]``, each row's factor; the row comes back as float32
-    ``row * scale`` rounded to the rows' dtype (the expert side's arithmetic), the scale travelling with it
-    so that the multiply fuses into the token side's sum rather than taking a pass of its own."""
+    zeros for the rest."""
     local, capacity = handle.recv_counts.shape[1], handle.capacity
-    flat, width = expert_rows.reshape(-1, expert_rows.shape[2]), expert_rows.shape[2]
-    send_rows = _return_layout(handle.recv_counts, capacity)
-    suffix = None
-    if scales is not None:  # [scale bits, 0, 0, 0] per send row
-        bits = gather_rows(jax.lax.bitcast_convert_type(scales, jnp.int32).reshape(-1, 1), send_rows)
-        suffix = moe_dispatch._as_columns(jnp.pad(bits, ((0, 0), (0, SUFFIX_WORDS - 1))), flat.dtype)
+    flat = expert_rows.reshape(-1, expert_rows.shape[2])
     returned, _, _ = moe_dispatch.exchange(flat, handle.recv_counts, handle.axis_name, local * capacity,
-                                           send_rows=send_rows, suffix=suffix)
+                                           send_rows=_return_layout(handle.recv_counts, capacity))
     # Computed once: fused into the gather (and the sum its callers fuse with it), XLA recomputes the index
     # arithmetic for every element of every row, which made prefill-sized combines 10x slower.
     index = jax.lax.optimization_barrier(_returned_row(handle.pair_slot, handle.send_counts, capacity))
-    picked = gather_rows(returned, index)
-    if scales is None:
-        return picked
-    scale = jax.lax.bitcast_convert_type(_as_words(picked[:, width:])[:, 0], jnp.float32)
-    return (picked[:, :width].astype(jnp.float32) * scale[:, None]).astype(flat.dtype)
+    return gather_rows(returned, index)
 
 
 def _dispatch_chain(tokens, expert_ids, *weights, axis_name, num_experts, num_members, capacity, wire_dtype):
@@ -421,9 +412,10 @@ def _combine_chain(expert_out, row_pair, pair_slot, recv_counts, send_counts, we
     handle = MaskedHandle(send_pairs=None, pair_slot=pair_slot, send_counts=send_counts, dropped=None,
                           recv_counts=recv_counts, row_pair=None, recv_weights=None, axis_name=axis_name,
                           capacity=capacity, top_k=top_k)
-    # With expert_weights each row is scaled as the expert side would (float32, rounded to the rows' dtype).
-    per_pair = gather_pairs(expert_out, handle, weights if expert_weights else None)
-    per_pair = per_pair.astype(jnp.float32).reshape(num_tokens, top_k, -1)
+    rows = expert_out
+    if expert_weights:  # scaled on the expert side, rounded to the rows' dtype for the way back
+        rows = (expert_out.astype(jnp.float32) * weights[..., None]).astype(expert_out.dtype)
+    per_pair = gather_pairs(rows, handle).astype(jnp.float32).reshape(num_tokens, top_k, -1)
     if not expert_weights:
         per_pair = per_pair * weights[:, :, None]
     return per_pair.sum(axis=1).astype(expert_out.dtype)
@@ -467,7 +459,8 @@ def _dispatch_route(ctx, comm_id, size, *, num_experts, num_members, capacity, w
     elif top_k > module.MOE_MASKED_MAX_TOP_K or num_tokens * top_k > module.MOE_MASKED_MAX_PAIRS:
         why = (f"{num_tokens} tokens of top-{top_k} (the kernel takes up to top-{module.MOE_MASKED_MAX_TOP_K} and "
                f"{module.MOE_MASKED_MAX_PAIRS} pairs)")
-    slots = module.moe_masked_dispatch_slot_bytes(size, local, capacity, wire_row_bytes) if why is None else 0
+    slots = (module.moe_masked_dispatch_slot_bytes(size, num_tokens, local, capacity, wire_row_bytes)
+             if why is None else 0)
     if why is None and slots > KERNEL_MAX_SLOT_BYTES:
         why = f"slots of {slots} bytes (more than the kernel's {KERNEL_MAX_SLOT_BYTES})"
     if why is not None:

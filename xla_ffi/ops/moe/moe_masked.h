@@ -5,18 +5,21 @@
 // Dispatch. The sender decides every slot alone: pair p with id in [0, E) goes to member m = id / L, local expert
 // e = id % L, as its j-th pair to that expert (j: earlier pairs of this member with the same id), and is kept
 // if j < C. Every block counts the ids itself, in shared memory (the same counts in each: no grid barrier
-// before the rows go out), and sends its share of the kept pairs' rows: row t of pair p, then a 16-byte suffix
-// {p, weight, 0, 0}, into row (e * N + me) * C + j of m's slots. Block 0 writes this member's kept pairs per
-// (member, expert) into each member's header first. Then each block raises arrived[me][b] on every member and
-// writes its share of the token side's results (off the critical path). Once every (source, block) flag holds
-// the call's epoch, every block reads the header, lays out expert e's rows source by source (source s's from
-// off(e, s), the sum of the earlier sources' counts) and writes its share of the [L, N * C] rows: a copy of
-// slot row (e * N + s) * C + j for row off(e, s) + j below group_sizes[e], zeros past it.
+// before the rows go out). Then each block sends its share: every kept pair's {p, weight} into entry (me, e, j)
+// of m's pair map, and token t's row once to each member that keeps one of its pairs, as row me * T + t of that
+// member's slots (so a token with several choices on one member crosses the link once). Block 0 writes this
+// member's kept pairs per (member, expert) into each member's counts first. Then each block raises
+// arrived[me][b] on every member and writes its share of the token side's results (off the critical path). Once
+// every (source, block) flag holds the call's epoch, every block reads the counts, lays out expert e's rows
+// source by source (source s's from off(e, s), the sum of the earlier sources' counts) and writes its share of
+// the [L, N * C] rows: for row off(e, s) + j below group_sizes[e], a copy of slot row s * T + t of the pair p in
+// map entry (s, e, j), t = p / k; zeros past group_sizes[e].
 //
 // Dispatch slots: in every rank's low-latency half of the call's parity (symmetric_layout.h), past the LL
-// areas: the header, [N][L] int32 (source s's counts from s * L) in MoeMaskedHeaderBytes, then [L, N, C] slot
-// rows of wire_row_bytes + 16 bytes. On an 8-bit wire the sender quantizes each block of kMoeWireBlock values as
-// it writes it and the expansion dequantizes as it copies, with moe.dispatch's arithmetic (wire_rows.cuh).
+// areas: the counts, [N][L] int32 (source s's from s * L), then the pair map, [N][L][C] int2 {p, weight bits},
+// each rounded up to 256 bytes, then [N, T] slot rows of wire_row_bytes. On an 8-bit wire the sender quantizes
+// each block of kMoeWireBlock values as it writes it and the expansion dequantizes as it copies, with
+// moe.dispatch's arithmetic (wire_rows.cuh).
 //
 // Combine. The expert side sends each row (e, i) whose row_pair is s * P + p < N * P back to source s, as row p
 // of its slots (scaled by its weight in float32 and rounded, with expert_weights), and raises arrived[me][b] on
@@ -129,13 +132,11 @@ constexpr int kMaxMoeMaskedTopK = 32;
 // The most blocks a call takes: each raises its own arrival flag on every member.
 constexpr int kMaxMoeMaskedBlocks = kMaxFlagGroups;
 
-// Bytes of the dispatch slots' header: N * L int32 counts, rounded up to 256.
-int64_t MoeMaskedHeaderBytes(int size, int64_t local_experts);
-
 // Bytes of each parity half a call needs (PeerTable::parity_half_bytes), a multiple of 256: dispatch's past
 // the LL areas of `size` ranks; combine's past those of kMaxNvlinkRanks ranks (it takes no size). Saturated at
 // the largest int64 where they would overflow.
-int64_t MoeMaskedDispatchSlotBytes(int size, int64_t local_experts, int64_t capacity, int64_t wire_row_bytes);
+int64_t MoeMaskedDispatchSlotBytes(int size, int64_t tokens, int64_t local_experts, int64_t capacity,
+                                   int64_t wire_row_bytes);
 int64_t MoeMaskedCombineSlotBytes(int64_t pairs, int64_t hidden, int element_bytes);
 
 // Shared memory a dispatch call's blocks take, in bytes (beyond the kernel's static storage).

@@ -166,7 +166,7 @@ ffi::Error MoeMaskedDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ff
   args.table = symmetric->table;
   args.control = symmetric->control;
   NCCLX_RETURN_IF_ERROR(
-      CheckSlots(kOp, MoeMaskedDispatchSlotBytes(args.size, L, capacity, wire_row_bytes), *symmetric));
+      CheckSlots(kOp, MoeMaskedDispatchSlotBytes(args.size, args.tokens, L, capacity, wire_row_bytes), *symmetric));
   ffi::ErrorOr<int> sm_count = SmCount(kOp, device_ordinal);
   if (sm_count.has_error()) return sm_count.error();
   const int grid = ChooseMoeMaskedDispatchBlocks(args, RequestedBlocks(blocks), *sm_count);

@@ -30,7 +30,6 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr size_t kDefaultSharedBytes = 48 * 1024;  // shared memory a kernel gets without opting in
-constexpr int64_t kSuffixBytes = 16;               // a dispatch slot row's {pair, weight, 0, 0}
 // Ids a dispatch thread loads at the start, all at once.
 constexpr int kIdsPerThread = static_cast<int>(kMaxMoeMaskedPairs / kThreads);
 static_assert(kMaxMoeMaskedPairs % kThreads == 0);
@@ -64,7 +63,7 @@ __host__ __device__ constexpr int32_t CountWarps(int64_t pairs, int64_t num_expe
                                                  : static_cast<int32_t>(kCountCounters / num_experts);
 }
 
-// The shared memory of a dispatch block: int32 arrays, then two int16 arrays of P.
+// The shared memory of a dispatch block: int32 arrays, then two int16 arrays of P, then a byte per token.
 struct Counted {
   int32_t* counts;      // [E] pairs per id (the one-warp count's running counters)
   int32_t* histogram;   // [count warps][E] per warp and id: its pairs, then the id's pairs before the warp's
@@ -74,6 +73,7 @@ struct Counted {
   int32_t* group;       // [L] rows of each local expert
   int16_t* id;          // [P] each pair's id, or E for none
   int16_t* rank;        // [P] j: the pair's rank among this member's pairs with its id
+  uint8_t* goes;        // [T] bit m: a pair of the token is kept for member m
 };
 
 __host__ __device__ constexpr int64_t HistogramInts(int64_t pairs, int64_t num_experts) {
@@ -83,7 +83,7 @@ __host__ __device__ constexpr int64_t HistogramInts(int64_t pairs, int64_t num_e
 __host__ __device__ constexpr int64_t CountedBytes(int64_t pairs, int64_t num_experts, int64_t local_experts) {
   // counts, kept_start, recv and start take E each (N * L = E), group L.
   const int64_t ints = 4 * num_experts + HistogramInts(pairs, num_experts) + local_experts;
-  return (ints * 4 + pairs * 4 + 15) / 16 * 16;
+  return (ints * 4 + pairs * 5 + 15) / 16 * 16;  // T <= P tokens' bytes
 }
 
 // The most any call within the limits takes: one member (L = E), every expert, every pair.
@@ -100,15 +100,16 @@ __device__ Counted LayOutCounted(int32_t* shared, int32_t P, int32_t E, int32_t 
   c.group = c.start + E;
   c.id = reinterpret_cast<int16_t*>(c.group + L);
   c.rank = c.id + P;
+  c.goes = reinterpret_cast<uint8_t*>(c.rank + P);
   return c;
 }
 
 struct DispatchCall {
   MoeMaskedDispatchArgs args;
   Divisor top_k, local, rows;  // k, L, N * C
-  int64_t slot_base;     // where the header starts in a parity half: past the LL areas
-  int64_t header_bytes;  // MoeMaskedHeaderBytes
-  int64_t slot_row;      // bytes of a slot row: wire_row_bytes + kSuffixBytes
+  int64_t slot_base;     // where the counts start in a parity half: past the LL areas
+  int64_t counts_bytes;  // CountsBytes: where the pair map starts
+  int64_t header_bytes;  // HeaderBytes: where the rows start
 };
 
 template <typename Rows>
@@ -140,9 +141,8 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
   const int32_t thread = blockIdx.x * kThreads + tid, threads = gridDim.x * kThreads;
   const int64_t warps = int64_t{gridDim.x} * kWarps;
   const int64_t first_unit = int64_t{blockIdx.x} * kWarps + warp;
-  // Vectors of 16 bytes: of a token row (tokens' dtype), of its bytes on the wire, of a slot row.
+  // Vectors of 16 bytes: of a token row (tokens' dtype), of its bytes on the wire (a slot row).
   const int64_t row_vectors = args.row_bytes / 16, wire_vectors = args.wire_row_bytes / 16;
-  const int64_t slot_vectors = call.slot_row / 16;
   extern __shared__ int4 shared_vectors[];  // int4: 16-byte aligned
   __shared__ BlockScan::TempStorage scan;
   const Counted counted = LayOutCounted(reinterpret_cast<int32_t*>(shared_vectors), P, E, L);
@@ -203,6 +203,15 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
     }
   }
   __syncthreads();
+  for (int32_t t = tid; t < T; t += kThreads) {  // the members each token goes to
+    uint32_t goes = 0;
+    for (int32_t c = 0; c < k; ++c) {
+      const int32_t id = counted.id[t * k + c];
+      if (id < E && counted.rank[t * k + c] < C) goes |= 1u << call.local.Div(id);
+    }
+    counted.goes[t] = static_cast<uint8_t>(goes);
+  }
+  __syncthreads();
   if (tid == 0) trace.Ready();
   stamp(kMaskedDispatchCounted);
 
@@ -214,47 +223,45 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
       header[me * L + id - m * L] = min(counted.counts[id], C);
     }
   }
-  // Pair p's slot row on its member: row (e * N + me) * C + j.
-  auto slot_row = [&](int32_t id, int32_t j) {
+  // Each kept pair's {p, weight} into its member's map, at (me, e, j): the receiver's index of the rows.
+  for (int32_t p = thread; p < P; p += threads) {
+    const int32_t id = counted.id[p], j = counted.rank[p];
+    if (id >= E || j >= C) continue;
     const int32_t m = call.local.Div(id), e = id - m * L;
+    int2* map = reinterpret_cast<int2*>(Slots(args.table, call.slot_base + call.counts_bytes, m, parity));
+    map[(int64_t{me} * L + e) * C + j] = make_int2(p, args.with_weights ? __float_as_int(args.weights[p]) : 0);
+  }
+  // Token t's row once to each member that keeps one of its pairs: row me * T + t of the member's slots.
+  auto slot_row = [&](int32_t m, int32_t t) {
     return Slots(args.table, call.slot_base + call.header_bytes, m, parity) +
-           ((int64_t{e} * N + me) * C + j) * call.slot_row;
+           (int64_t{me} * T + t) * args.wire_row_bytes;
   };
-  auto suffix = [&](int32_t p) {
-    const float weight = args.with_weights ? args.weights[p] : 0.0f;
-    return make_uint4(static_cast<uint32_t>(p), __float_as_uint(weight), 0u, 0u);
-  };
+  const int32_t sends = T * N;  // (token, member) units, member-minor
   if constexpr (kOnWire<Rows>) {
-    // A warp per (pair, kQuantizeBlocks blocks of values), and one more item per pair for its suffix.
+    // A warp per (token, member, kQuantizeBlocks blocks of values).
     using Token = typename WireOf<Rows>::Token;
     const int64_t hidden = args.row_bytes / static_cast<int64_t>(sizeof(Token));
     const int32_t wire_blocks = static_cast<int32_t>(hidden / kMoeWireBlock);
-    const int32_t groups = (wire_blocks + kQuantizeBlocks - 1) / kQuantizeBlocks, items = groups + 1;
+    const int32_t groups = (wire_blocks + kQuantizeBlocks - 1) / kQuantizeBlocks;
     const Token* tokens = static_cast<const Token*>(args.tokens_in);
-    for (int64_t item = first_unit; item < int64_t{P} * items; item += warps) {
-      const int32_t p = static_cast<int32_t>(item / items), b = static_cast<int32_t>(item - int64_t{p} * items);
-      const int32_t id = counted.id[p], j = counted.rank[p];
-      if (id >= E || j >= C) continue;  // the same on every lane
-      uint8_t* row = slot_row(id, j);
-      if (b < groups) {
-        QuantizeBlocks<Token, WireOf<Rows>::kFormat>(row, tokens + call.top_k.Div(p) * hidden, b * kQuantizeBlocks,
-                                                     wire_blocks, hidden, lane);
-      } else if (lane == 0) {
-        *reinterpret_cast<uint4*>(row + args.wire_row_bytes) = suffix(p);
-      }
+    for (int64_t item = first_unit; item < int64_t{sends} * groups; item += warps) {
+      const int32_t send = static_cast<int32_t>(item / groups), b = static_cast<int32_t>(item - int64_t{send} * groups);
+      const int32_t t = send / N, m = send - t * N;
+      if (!(counted.goes[t] >> m & 1u)) continue;  // the same on every lane
+      QuantizeBlocks<Token, WireOf<Rows>::kFormat>(slot_row(m, t), tokens + int64_t{t} * hidden, b * kQuantizeBlocks,
+                                                   wire_blocks, hidden, lane);
     }
   } else {
     const uint4* tokens = static_cast<const uint4*>(args.tokens_in);
-    const Units send(P, slot_vectors, warps);
-    for (int64_t unit = first_unit; unit < int64_t{P} * send.pieces; unit += warps) {
-      const int32_t p = static_cast<int32_t>(unit / send.pieces);
-      const int64_t lo = (unit - int64_t{p} * send.pieces) * send.piece_len;
-      const int64_t hi = min(slot_vectors, lo + send.piece_len);
-      const int32_t id = counted.id[p], j = counted.rank[p];
-      if (id >= E || j >= C) continue;  // the same on every lane
-      uint4* to = reinterpret_cast<uint4*>(slot_row(id, j));
-      WarpCopy<uint4, false>(to + lo, tokens + call.top_k.Div(p) * row_vectors + lo, min(hi, wire_vectors) - lo);
-      if (hi > wire_vectors && lane == 0) to[wire_vectors] = suffix(p);
+    const Units send(sends, wire_vectors, warps);
+    for (int64_t unit = first_unit; unit < int64_t{sends} * send.pieces; unit += warps) {
+      const int32_t tm = static_cast<int32_t>(unit / send.pieces);
+      const int64_t lo = (unit - int64_t{tm} * send.pieces) * send.piece_len;
+      const int64_t hi = min(wire_vectors, lo + send.piece_len);
+      const int32_t t = tm / N, m = tm - t * N;
+      if (!(counted.goes[t] >> m & 1u)) continue;  // the same on every lane
+      WarpCopy<uint4, false>(reinterpret_cast<uint4*>(slot_row(m, t)) + lo, tokens + int64_t{t} * row_vectors + lo,
+                             hi - lo);
     }
   }
   __syncthreads();  // every thread's writes come before the releases
@@ -296,6 +303,7 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
   // ---- receive: each expert's rows source by source ----
   const uint8_t* mine = Slots(args.table, call.slot_base, me, parity);
   const int32_t* header = reinterpret_cast<const int32_t*>(mine);
+  const int2* map = reinterpret_cast<const int2*>(mine + call.counts_bytes);
   const uint8_t* rows = mine + call.header_bytes;
   // Clamped: a stale header (a wait that gave up) must not take the rows past the slots.
   for (int32_t i = tid; i < E; i += kThreads) counted.recv[i] = min(max(__ldcg(header + i), 0), C);
@@ -312,11 +320,11 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
   for (int32_t i = thread; i < E; i += threads) args.recv_counts[i] = counted.recv[i];
   for (int32_t e = thread; e < L; e += threads) args.group_sizes[e] = counted.group[e];
   // Row i < group[e] of expert e comes from the last source whose rows start at or before it (empty sources
-  // start where their successor does), as its j-th row.
-  auto slot_of = [&](int32_t e, int32_t i, int32_t& s) {
+  // start where their successor does), as its j-th row: the map's entry (s, e, j) names its pair.
+  auto entry_of = [&](int32_t e, int32_t i, int32_t& s) {
     s = 0;
     while (s + 1 < N && counted.start[e * N + s + 1] <= i) ++s;
-    return rows + ((int64_t{e} * N + s) * C + i - counted.start[e * N + s]) * call.slot_row;
+    return __ldcg(map + (int64_t{s} * L + e) * C + i - counted.start[e * N + s]);
   };
   const int64_t total_rows = int64_t{L} * NC;
   const int32_t none = N * P;
@@ -326,8 +334,8 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
     float weight = 0.0f;
     if (i < counted.group[e]) {
       int32_t s;
-      const int2 word = __ldcg(reinterpret_cast<const int2*>(slot_of(e, i, s) + args.wire_row_bytes));
-      // Unsigned: a stale suffix must not overflow.
+      const int2 word = entry_of(e, i, s);
+      // Unsigned: a stale entry must not overflow.
       pair = static_cast<int32_t>(static_cast<uint32_t>(s * P) + static_cast<uint32_t>(word.x));
       weight = __int_as_float(word.y);
     }
@@ -348,7 +356,9 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
       continue;
     }
     int32_t s;
-    const uint8_t* from = slot_of(e, i, s);
+    // Clamped: a stale entry (a wait that gave up) must not take the copy past the slots.
+    const uint32_t t = static_cast<uint32_t>(entry_of(e, i, s).x) / static_cast<uint32_t>(k);
+    const uint8_t* from = rows + (int64_t{s} * T + min(t, static_cast<uint32_t>(T - 1))) * args.wire_row_bytes;
     if constexpr (kOnWire<Rows>) {
       using Token = typename WireOf<Rows>::Token;
       const int64_t hidden = args.row_bytes / static_cast<int64_t>(sizeof(Token));
@@ -580,15 +590,22 @@ int64_t Align256(int64_t bytes) {
                                                            : (bytes + 255) / 256 * 256;
 }
 
+// The dispatch slots' counts: [N][L] int32, rounded up to 256 bytes.
+int64_t CountsBytes(int size, int64_t local_experts) { return Align256(Saturated(int64_t{size} * 4, local_experts)); }
+
+// The counts, then the pair map: [N][L][C] int2 {pair, weight bits}, rounded up to 256 bytes.
+int64_t HeaderBytes(int size, int64_t local_experts, int64_t capacity) {
+  const int64_t entries = Saturated(Saturated(local_experts, size), capacity);
+  return SaturatedAdd(CountsBytes(size, local_experts), Align256(Saturated(entries, 8)));
+}
+
 }  // namespace
 
-int64_t MoeMaskedHeaderBytes(int size, int64_t local_experts) { return Align256(int64_t{size} * local_experts * 4); }
-
-int64_t MoeMaskedDispatchSlotBytes(int size, int64_t local_experts, int64_t capacity, int64_t wire_row_bytes) {
-  const int64_t rows = Saturated(Saturated(local_experts, size), capacity);
-  const int64_t bytes = SaturatedAdd(NvlinkLowLatencyAreaBytes(size) + MoeMaskedHeaderBytes(size, local_experts),
-                                     Saturated(rows, SaturatedAdd(wire_row_bytes, kSuffixBytes)));
-  return Align256(bytes);
+int64_t MoeMaskedDispatchSlotBytes(int size, int64_t tokens, int64_t local_experts, int64_t capacity,
+                                   int64_t wire_row_bytes) {
+  const int64_t rows = Saturated(Saturated(tokens, size), wire_row_bytes);
+  return Align256(
+      SaturatedAdd(SaturatedAdd(NvlinkLowLatencyAreaBytes(size), HeaderBytes(size, local_experts, capacity)), rows));
 }
 
 int64_t MoeMaskedCombineSlotBytes(int64_t pairs, int64_t hidden, int element_bytes) {
@@ -601,11 +618,11 @@ size_t MoeMaskedDispatchSharedBytes(const MoeMaskedDispatchArgs& args) {
 }
 
 int ChooseMoeMaskedDispatchBlocks(const MoeMaskedDispatchArgs& args, int requested, int sm_count) {
-  // A thread per 16-byte vector of the larger side (the slot rows sent, or the expert rows written), up to a
-  // block per SM and the flags.
-  const int64_t pairs = args.tokens * args.top_k;
+  // A thread per 16-byte vector of the larger side (the slot rows sent, at most one per pair and one per
+  // (token, member), or the expert rows written), up to a block per SM and the flags.
+  const int64_t sent = std::min(args.tokens * args.top_k, args.tokens * args.size);
   const int64_t rows = args.num_experts * args.capacity;  // L * N * C
-  const int64_t items = std::max(pairs * ((args.wire_row_bytes + kSuffixBytes) / 16), rows * (args.row_bytes / 16));
+  const int64_t items = std::max(sent * (args.wire_row_bytes / 16), rows * (args.row_bytes / 16));
   const int64_t by_size = (items + kThreads - 1) / kThreads;
   const int cap = std::min(kMaxMoeMaskedBlocks, std::max(1, sm_count));
   return static_cast<int>(std::clamp<int64_t>(requested > 0 ? requested : by_size, 1, cap));
@@ -640,8 +657,8 @@ cudaError_t LaunchMoeMaskedDispatch(const MoeMaskedDispatchArgs& args, int block
                           Divisor(E / N),
                           Divisor(N * C),
                           NvlinkLowLatencyAreaBytes(args.size),
-                          MoeMaskedHeaderBytes(args.size, E / N),
-                          args.wire_row_bytes + kSuffixBytes};
+                          CountsBytes(args.size, E / N),
+                          HeaderBytes(args.size, E / N, C)};
   const size_t shared = MoeMaskedDispatchSharedBytes(args);
   if (shared > static_cast<size_t>(kMostCountedBytes)) return cudaErrorInvalidValue;
   switch (args.wire) {
