@@ -626,6 +626,7 @@ def _combine(t, i, *, out=None, weights=None, handle=None):
     (lambda t, i: _dispatch(t.astype(jnp.int32), i), TypeError, "tokens must have a float dtype"),
     (lambda t, i: _dispatch(t, i.astype(jnp.float32)), TypeError, "expert_ids must have an integer dtype"),
     (lambda t, i: _dispatch(t, i[:1]), ValueError, r"expert_ids must be \[T, k\] with T = 2"),
+    (lambda t, i: _dispatch(t[:0], i[:0]), ValueError, r"tokens must have at least one row \(T >= 1\), got shape"),
     (lambda t, i: _dispatch(t, i, num_experts=2052), ValueError, r"num_experts \(2052\) must be at most 2048"),
     (lambda t, i: _dispatch(t, i, wire_dtype=jnp.bfloat16), ValueError,
      "wire_dtype must be None, float8_e4m3fn or float8_e5m2, got bfloat16"),

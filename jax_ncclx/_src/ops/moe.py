@@ -171,9 +171,9 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
       TypeError: tokens not a float dtype, expert_ids not an integer one, weights not a float one; num_experts
         or capacity not a static int.
       ValueError: num_experts not a multiple of N or above 2048 (the routing kernels' limit); capacity below 1
-        or above 2^31 - 1; tokens or expert_ids not 2-D, or their T differ; k = 0; weights not ``[T, k]``;
-        wire_dtype not None, float8_e4m3fn or float8_e5m2; layout not "packed" or "masked"; with the masked
-        layout, E * C above 2^31 - 1. Each message names the argument and its value.
+        or above 2^31 - 1; tokens or expert_ids not 2-D, or their T differ; T = 0 or k = 0; weights not
+        ``[T, k]``; wire_dtype not None, float8_e4m3fn or float8_e5m2; layout not "packed" or "masked"; with the
+        masked layout, E * C above 2^31 - 1. Each message names the argument and its value.
     """
     axis_name = _check_bound_axis(axis_name, "dispatch")
     num_members = jax.lax.axis_size(axis_name)
@@ -186,6 +186,9 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
                          f"{contract.MAX_EXPERTS} (the routing kernels count experts in shared memory)")
     validation.check_static_int(capacity, "capacity", "moe.dispatch", minimum=1, maximum=contract.MAX_CAPACITY)
     _check_matrix(tokens, "tokens", "dispatch", jnp.floating)
+    if jnp.shape(tokens)[0] < 1:
+        raise ValueError(f"jax_ncclx.moe.dispatch: tokens must have at least one row (T >= 1), got shape "
+                         f"{jnp.shape(tokens)}")
     _check_matrix(expert_ids, "expert_ids", "dispatch", jnp.integer)
     if jnp.shape(expert_ids)[0] != jnp.shape(tokens)[0] or jnp.shape(expert_ids)[1] < 1:
         raise ValueError(f"jax_ncclx.moe.dispatch: expert_ids must be [T, k] with T = {jnp.shape(tokens)[0]} "
