@@ -254,7 +254,8 @@ def test_combine_checks_the_masked_shape():
         rows, _, handle = moe.dispatch(t, i, num_experts=4, axis_name="x", capacity=2, layout="masked")
         return moe.combine(rows.reshape(-1, rows.shape[2]), handle, jnp.ones(i.shape))
 
-    with pytest.raises(ValueError, match="expert_out must be 3-D"):
+    with pytest.raises(ValueError, match=r"with a MaskedHandle expert_out must be \[E_local, N \* capacity, H'\] = "
+                                         r"\[2, 4, H'\] like dispatch's expert_rows, got shape \(8, 4\)"):
         jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 2, out_specs=P("x")))(
             jnp.zeros((8, 4)), jnp.zeros((8, 2), jnp.int32))
 

@@ -147,8 +147,8 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
       layout: ``"packed"`` (default): the rows described below, for ``jax.lax.ragged_dot``. ``"masked"``: one
         block of ``N * capacity`` rows per local expert, ``[E_local, N * C, H]``, for a masked grouped matmul
         (DeepEP's low-latency layout, the decode layout). Then capacity counts per (local expert, source
-        member), each pair crosses on its own (no send-once), and the handle is a ``MaskedHandle``; see
-        "Masked layout" below (static).
+        member), a token still crosses to a member once however many of its pairs that member keeps, and the
+        handle is a ``MaskedHandle``; see "Masked layout" below (static).
 
     Returns:
       ``(expert_rows, group_sizes, handle)``:
@@ -265,18 +265,15 @@ def combine(expert_out, handle, weights=None):
         raise TypeError(f"jax_ncclx.moe.combine: handle must be the DispatchHandle or MaskedHandle from dispatch, "
                         f"got {type(handle).__name__}")
     members = jax.lax.axis_size(_check_bound_axis(handle.axis_name, "combine"))
-    _check_matrix(expert_out, "expert_out", "combine", jnp.floating,
-                  rank=3 if isinstance(handle, moe_masked.MaskedHandle) else 2)
-    if isinstance(handle, moe_masked.MaskedHandle):
-        expected = (handle.recv_counts.shape[1], members * handle.capacity)
-        if jnp.shape(expert_out)[:2] != expected:
-            raise ValueError(f"jax_ncclx.moe.combine: expert_out must be [E_local, N * capacity, H'] = "
-                             f"[{expected[0]}, {expected[1]}, H'] like dispatch's expert_rows, got shape "
-                             f"{jnp.shape(expert_out)}")
-    elif jnp.shape(expert_out)[0] != members * handle.capacity:
+    shape, masked = jnp.shape(expert_out), isinstance(handle, moe_masked.MaskedHandle)
+    if masked and (len(shape) != 3 or shape[:2] != (handle.recv_counts.shape[1], members * handle.capacity)):
+        raise ValueError(f"jax_ncclx.moe.combine: with a MaskedHandle expert_out must be [E_local, N * capacity, "
+                         f"H'] = [{handle.recv_counts.shape[1]}, {members * handle.capacity}, H'] like dispatch's "
+                         f"expert_rows, got shape {shape}")
+    if not masked and (len(shape) != 2 or shape[0] != members * handle.capacity):
         raise ValueError(f"jax_ncclx.moe.combine: expert_out must be [N * capacity, H'] = "
-                         f"[{members * handle.capacity}, H'] like dispatch's expert_rows, got shape "
-                         f"{jnp.shape(expert_out)}")
+                         f"[{members * handle.capacity}, H'] like dispatch's expert_rows, got shape {shape}")
+    _check_matrix(expert_out, "expert_out", "combine", jnp.floating, rank=len(shape))
     if weights is None:
         if handle.recv_weights is None:
             raise ValueError("jax_ncclx.moe.combine: no weights: pass weights [T, k] here, or pass them to "
