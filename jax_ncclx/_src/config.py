@@ -98,6 +98,10 @@ class Config:
         on H200). NCCL allocates a few KiB per channel at init, each in its own 2 MiB cuMem granule, so an idle
         communicator holds about 6 MiB per channel: fewer channels make it leaner, at the cost of NCCL's
         bandwidth on large messages (docs/performance.md, "Start-up and memory").
+      warn_drops: ``jax_ncclx.moe.dispatch`` calls traced from now on log a warning from the host whenever a
+        member drops pairs past ``capacity``, naming the member and the count per destination
+        (``JAX_NCCLX_WARN_DROPS=1``; default 0: drops are counted in ``handle.dropped`` only). A host callback
+        per call: for finding a capacity, not for production runs.
     """
 
     timeout_s: float = 600.0
@@ -120,6 +124,7 @@ class Config:
     nccl_command_buffers: bool = False
     watch_replays: bool = False
     nccl_max_ctas: int = 0
+    warn_drops: bool = False
 
     def init_roots(self, size: int) -> int:
         """How many unique ids (roots) a communicator of ``size`` ranks is created with."""
@@ -383,4 +388,5 @@ def current() -> Config:
         nccl_command_buffers=_choice("JAX_NCCLX_NCCL_COMMAND_BUFFERS", "0", ("0", "1")) == "1",
         watch_replays=_choice("JAX_NCCLX_WATCH_REPLAYS", "0", ("0", "1")) == "1",
         nccl_max_ctas=_non_negative_int("JAX_NCCLX_NCCL_MAX_CTAS", Config.nccl_max_ctas),
+        warn_drops=_choice("JAX_NCCLX_WARN_DROPS", "0", ("0", "1")) == "1",
     )

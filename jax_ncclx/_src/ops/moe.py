@@ -33,6 +33,7 @@ again. They are ``jax.custom_vjp`` rules, so there is no forward mode (``jax.jvp
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Hashable
 
 import jax
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ncclx._src import compat
+from jax_ncclx._src import config
 from jax_ncclx._src import contract
 from jax_ncclx._src import primitive
 from jax_ncclx._src import validation
@@ -47,6 +49,8 @@ from jax_ncclx._src.ops import moe_combine
 from jax_ncclx._src.ops import moe_dispatch
 from jax_ncclx._src.ops import moe_masked
 from jax_ncclx._src.ops.take_rows import take_rows
+
+logger = logging.getLogger("jax_ncclx")
 
 
 @jax.tree_util.register_dataclass
@@ -132,7 +136,8 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
       axis_name: the expert-parallel mesh axis, or a tuple of axes taken as one (static; members in the
         order of ``jax.lax.axis_index`` of the tuple, the first axis major).
       capacity: C, 1 to 2**31 - 1, the most (token, choice) pairs this member gives any one member, and takes
-        from any one member (static). Pairs past it are dropped (see ``DispatchHandle.dropped``).
+        from any one member (static). Pairs past it are dropped (see ``DispatchHandle.dropped``;
+        ``JAX_NCCLX_WARN_DROPS=1`` logs every call that drops).
       weights: None, or ``[T, k]`` any float dtype, the router weight of each pair. They travel with the rows
         (as float32, k * 4 bytes per row) into ``handle.recv_weights``, so that ``combine(expert_out,
         handle)`` can sum each token's pairs before sending them back: one row per token and member on the
@@ -216,10 +221,25 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
     arrays = (tokens, validation.as_int32(expert_ids)) + (() if weights is None else (weights,))
     tokens, expert_ids, *weights = _vary_together(axis_name, arrays)
     if layout == "masked":
-        return moe_masked.dispatch(tokens, expert_ids, weights[0] if weights else None, num_experts=int(num_experts),
-                                   axis_name=axis_name, capacity=int(capacity), wire_dtype=wire_dtype)
-    return _dispatch(tokens, weights[0] if weights else None, expert_ids, int(num_experts), axis_name,
-                     int(capacity), wire_dtype)
+        outputs = moe_masked.dispatch(tokens, expert_ids, weights[0] if weights else None,
+                                      num_experts=int(num_experts), axis_name=axis_name, capacity=int(capacity),
+                                      wire_dtype=wire_dtype)
+    else:
+        outputs = _dispatch(tokens, weights[0] if weights else None, expert_ids, int(num_experts), axis_name,
+                            int(capacity), wire_dtype)
+    if config.current().warn_drops:
+        jax.debug.callback(functools.partial(_warn_drops, capacity=int(capacity), layout=layout),
+                           outputs[2].dropped, jax.lax.axis_index(axis_name))
+    return outputs
+
+
+def _warn_drops(dropped, member, *, capacity, layout):
+    """JAX_NCCLX_WARN_DROPS=1: one warning per member that dropped pairs (``dropped`` [..., N], any batch)."""
+    dropped, member = np.asarray(dropped), np.asarray(member)
+    if dropped.any():
+        logger.warning("jax_ncclx.moe.dispatch: member %s dropped %d (token, choice) pairs past capacity %d (%s "
+                       "layout); per destination member: %s", member.tolist(), int(dropped.sum()), capacity,
+                       layout, dropped.tolist())
 
 
 def combine(expert_out, handle, weights=None):
