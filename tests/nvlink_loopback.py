@@ -167,8 +167,9 @@ def moe_masked_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, w
     multiple of 16 bytes, and H a multiple of 128 with an 8-bit wire), expert_ids int32 [calls, ranks, T, k],
     weights float32 of the same shape or None; wire None, "float8_e4m3fn" or "float8_e5m2". Returns (a dict of
     every result by name, each [calls, ranks, ...]: expert_rows [L, N * C, H] in tokens' dtype, group_sizes [L],
-    send_pairs [P], pair_slot [P], send_counts [N, L], dropped [N], recv_counts [N, L], row_pair [L, N * C] and
-    recv_weights float32 [L, N * C or 0], ranks)."""
+    send_pairs [P], pair_slot [P], send_counts [N, L], dropped [N], recv_counts [N, L], row_pair [L, N * C],
+    recv_weights float32 [L, N * C or 0], and with R = min(T, L * C): recv_tokens [N], choice_rows [N * R, k],
+    choice_weights float32 [N * R, k or 0], send_back_rows [N * R], return_row [T, N]; ranks)."""
     tokens = np.ascontiguousarray(tokens)
     calls, size, num_tokens, hidden = tokens.shape
     top_k = expert_ids.shape[-1]
@@ -180,14 +181,18 @@ def moe_masked_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, w
         hidden=hidden, type=MOE_COMBINE_TYPES[tokens.dtype], top_k=top_k, num_experts=num_experts,
         capacity=capacity, wire=MOE_MASKED_WIRES[wire], with_weights=with_weights, **options)
     local, rows, pairs = num_experts // size, size * capacity, num_tokens * top_k
+    received = size * min(num_tokens, local * capacity)
     shapes = {"group_sizes": (local,), "send_pairs": (pairs,), "pair_slot": (pairs,), "send_counts": (size, local),
-              "dropped": (size,), "recv_counts": (size, local), "row_pair": (local, rows)}
+              "dropped": (size,), "recv_counts": (size, local), "row_pair": (local, rows), "recv_tokens": (size,),
+              "choice_rows": (received, top_k), "send_back_rows": (received,), "return_row": (num_tokens, size)}
     results = {name: np.frombuffer(done[name], np.int32).reshape(calls, size, *shape)
                for name, shape in shapes.items()}
     results["expert_rows"] = np.frombuffer(done["expert_rows"], tokens.dtype).reshape(calls, size, local, rows,
                                                                                     hidden)
     results["recv_weights"] = np.frombuffer(done["recv_weights"], np.float32).reshape(
         calls, size, local, rows if with_weights else 0)
+    results["choice_weights"] = np.frombuffer(done["choice_weights"], np.float32).reshape(
+        calls, size, received, top_k if with_weights else 0)
     add_phase_clocks(results, done, size)
     return results, with_grid(done)
 
@@ -199,12 +204,11 @@ def add_phase_clocks(results, done, size):
             size, done["blocks"], len(done["phase_names"]))
 
 
-def moe_masked_combine(expert_out, row_pair, pair_slot, weights, *, num_tokens, expert_weights, **options):
-    """The masked combine's NVLink kernel. expert_out [calls, ranks, L, N * C, H'] (float32, bfloat16 or float16),
-    row_pair int32 [calls, ranks, L, N * C], pair_slot int32 [calls, ranks, T * k], weights float32: [calls,
-    ranks, L, N * C] with expert_weights (dispatch's recv_weights), else [calls, ranks, T, k]. Returns (out
-    [calls, ranks, T, H'] in expert_out's dtype, ranks); with phases=True ({"out": out, "phase_clocks": int64
-    [ranks, blocks, phases]}, ranks)."""
+def moe_masked_combine(expert_out, row_pair, pair_slot, weights, *, num_tokens, **options):
+    """The masked combine's NVLink kernel (weights given to combine). expert_out [calls, ranks, L, N * C, H']
+    (float32, bfloat16 or float16), row_pair int32 [calls, ranks, L, N * C], pair_slot int32 [calls, ranks,
+    T * k], weights float32 [calls, ranks, T, k]. Returns (out [calls, ranks, T, H'] in expert_out's dtype,
+    ranks); with phases=True ({"out": out, "phase_clocks": int64 [ranks, blocks, phases]}, ranks)."""
     expert_out = np.ascontiguousarray(expert_out)
     calls, size, local, rows, hidden = expert_out.shape
     pairs = pair_slot.shape[-1]
@@ -212,8 +216,7 @@ def moe_masked_combine(expert_out, row_pair, pair_slot, weights, *, num_tokens, 
         expert_out.tobytes(), np.ascontiguousarray(row_pair, np.int32).tobytes(),
         np.ascontiguousarray(pair_slot, np.int32).tobytes(), np.ascontiguousarray(weights, np.float32).tobytes(),
         size=size, calls=calls, type=MOE_COMBINE_TYPES[expert_out.dtype], local_experts=local,
-        capacity=rows // size, tokens=num_tokens, top_k=pairs // num_tokens, hidden=hidden,
-        expert_weights=expert_weights, **options)
+        capacity=rows // size, tokens=num_tokens, top_k=pairs // num_tokens, hidden=hidden, **options)
     out = np.frombuffer(done["out"], expert_out.dtype).reshape(calls, size, num_tokens, hidden)
     if "phase_clocks" in done:  # options phases=True: ({"out", "phase_clocks"}, ranks)
         results = {"out": out}

@@ -222,9 +222,12 @@ def moe_masked_dispatch(tokens, ids, num_experts, capacity, weights=None):
 
     tokens [N, T, H], ids [N, T, k] (an id outside [0, E) chooses no expert), weights [N, T, k] or None.
     Returns a dict of [N, ...] arrays named as the op's results: expert_rows [N, L, N * C, H], group_sizes,
-    send_pairs, pair_slot, send_counts, dropped, recv_counts, row_pair, recv_weights ([N, L, N * C, or 0])."""
+    send_pairs, pair_slot, send_counts, dropped, recv_counts, row_pair, recv_weights ([N, L, N * C, or 0]),
+    and per token row (R = min(T, L * C) per source, token order): recv_tokens [N, N], choice_rows
+    [N, N * R, k], choice_weights [N, N * R, k or 0], send_back_rows [N, N * R], return_row [N, T, N]."""
     n, num_tokens, top_k = ids.shape
     local, pairs, capacity_rows = num_experts // n, num_tokens * top_k, n * capacity
+    per_source = min(num_tokens, local * capacity)
     out = {"expert_rows": np.zeros((n, local, capacity_rows, tokens.shape[2]), tokens.dtype),
            "group_sizes": np.zeros((n, local), np.int32), "send_pairs": np.full((n, pairs), pairs, np.int32),
            "pair_slot": np.full((n, pairs), num_experts * capacity, np.int32),
@@ -264,6 +267,31 @@ def moe_masked_dispatch(tokens, ids, num_experts, capacity, weights=None):
                         out["recv_weights"][dst, e, at] = weights[src].reshape(-1)[p]
                     at += 1
             out["group_sizes"][dst, e] = at
+    received = n * per_source
+    out |= {"recv_tokens": np.zeros((n, n), np.int32),
+            "choice_rows": np.full((n, received, top_k), local * capacity_rows, np.int32),
+            "choice_weights": np.zeros((n, received, top_k if weights is not None else 0), np.float32),
+            "send_back_rows": np.full((n, received), received, np.int32),
+            "return_row": np.full((n, num_tokens, n), received, np.int32)}
+    for dst in range(n):
+        for src in range(n):
+            # Source src's tokens with a kept pair at dst, in token order: its rows there.
+            row_of = {}
+            for e in range(local):
+                for p in sent.get((src, dst, e), []):
+                    row_of.setdefault(p // top_k, None)
+            for r, t in enumerate(sorted(row_of)):
+                row_of[t] = src * per_source + r
+                out["return_row"][src, t, dst] = dst * per_source + r
+            out["recv_tokens"][dst, src] = len(row_of)
+            for e in range(local):
+                start = sum(len(sent.get((s, dst, e), [])) for s in range(src))
+                for j, p in enumerate(sent.get((src, dst, e), [])):
+                    out["choice_rows"][dst, row_of[p // top_k], p % top_k] = e * capacity_rows + start + j
+                    if weights is not None:
+                        out["choice_weights"][dst, row_of[p // top_k], p % top_k] = weights[src].reshape(-1)[p]
+        packed = [src * per_source + r for src in range(n) for r in range(out["recv_tokens"][dst, src])]
+        out["send_back_rows"][dst, :len(packed)] = packed
     return out
 
 

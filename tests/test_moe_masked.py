@@ -61,10 +61,11 @@ def run_masked(devices, tokens, ids, weights, *, num_experts, capacity, weights_
                                            weights=w[0] if weights_in == "dispatch" else None, layout="masked",
                                            wire_dtype=wire_dtype)
         out = moe.combine(expert(rows), handle, None if weights_in == "dispatch" else w[0])
-        recv_weights = handle.recv_weights if handle.recv_weights is not None else jnp.zeros((rows.shape[0], 0))
-        arrays = dict(expert_rows=rows, group_sizes=sizes, send_pairs=handle.send_pairs,
-                      pair_slot=handle.pair_slot, send_counts=handle.send_counts, dropped=handle.dropped,
-                      recv_counts=handle.recv_counts, row_pair=handle.row_pair, recv_weights=recv_weights)
+        empty = dict(recv_weights=(rows.shape[0], 0), choice_weights=(handle.choice_rows.shape[0], 0))
+        arrays = dict(expert_rows=rows, group_sizes=sizes)
+        for name in moe_masked.Masked._fields[2:]:  # a weights field is None without weights: the op's empty one
+            value = getattr(handle, name)
+            arrays[name] = jnp.zeros(empty[name]) if value is None else value
         return {k: v[None] for k, v in arrays.items()}, out[None]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x")))
@@ -198,8 +199,9 @@ def test_8bit_wire(any_backend, wire_dtype):
 @pytest.mark.parametrize("weighted", [False, True], ids=["", "weights"])
 @pytest.mark.parametrize("pattern", PATTERNS[:-1])
 def test_kernels_give_the_chains_results(monkeypatch, pattern, weighted):
-    """On one GPU the NVLink kernels (dispatch and combine) give the exchange chain's results bit for bit:
-    every dispatch result and the combined tokens, for adversarial routings."""
+    """On one GPU the NVLink kernels (dispatch, and combine: moe.combine's kernel with the weights at dispatch,
+    the masked one with them at combine) give the exchange chain's results bit for bit: every dispatch result
+    and the combined tokens, for adversarial routings."""
     reason = gpu_skip_reason(minimum=1)
     if reason:
         pytest.skip(reason)
@@ -225,7 +227,8 @@ def test_kernels_give_the_chains_results(monkeypatch, pattern, weighted):
 
     fused_text, fused = run("auto")
     chain_text, chain = run("nccl")
-    for target in ("ncclx_moe_masked_dispatch_nvlink", "ncclx_moe_masked_combine_nvlink"):
+    combine_target = "ncclx_moe_combine_nvlink" if weighted else "ncclx_moe_masked_combine_nvlink"
+    for target in ("ncclx_moe_masked_dispatch_nvlink", combine_target):
         assert target in fused_text and target not in chain_text
     for index, (got, expected) in enumerate(zip(fused, chain)):
         assert got.shape == expected.shape and got.dtype == expected.dtype, index
@@ -310,10 +313,11 @@ def test_loopback_kernels_match_the_reference(ranks, pattern):
         expected = reference.moe_masked_dispatch(tokens[call], ids2[call], num_experts, capacity, weights=weights[call])
         for name in moe_masked.Masked._fields:
             np.testing.assert_array_equal(got[name][call], expected[name], err_msg=f"{name}, call {call}")
-    out, _ = nvlink_loopback.moe_masked_combine(got["expert_rows"], got["row_pair"], got["pair_slot"],
-                                                got["recv_weights"], num_tokens=ids.shape[1], expert_weights=True)
+    # Weights at dispatch: moe.combine's kernel over the flattened rows and the token rows dispatch described.
+    out, _ = nvlink_loopback.moe_combine(got["expert_rows"].reshape(2, ranks, -1, 64), got["choice_rows"],
+                                         got["choice_weights"], got["recv_tokens"], got["return_row"])
     by_token, _ = nvlink_loopback.moe_masked_combine(got["expert_rows"], got["row_pair"], got["pair_slot"], weights,
-                                                     num_tokens=ids.shape[1], expert_weights=False)
+                                                     num_tokens=ids.shape[1])
     for call in range(2):
         expected = reference.moe_masked_dispatch(tokens[call], ids2[call], num_experts, capacity, weights=weights[call])
         np.testing.assert_allclose(out[call], reference.moe_masked_combine(expected["expert_rows"], expected,
@@ -340,9 +344,8 @@ def test_loopback_phase_clocks():
     clocks = got["phase_clocks"]
     assert clocks.shape == (2, ranks[0]["blocks"], 7) and (clocks > 0).all() and (np.diff(clocks, axis=-1) >= 0).all()
     combined, ranks = nvlink_loopback.moe_masked_combine(got["expert_rows"], got["row_pair"], got["pair_slot"],
-                                                         got["recv_weights"], num_tokens=ids.shape[1],
-                                                         expert_weights=True, phases=True)
-    np.testing.assert_allclose(combined["out"][0], reference.moe_masked_combine(expected["expert_rows"], expected,
-                                                                                ids.shape[1]), rtol=1e-5, atol=1e-5)
+                                                         weights, num_tokens=ids.shape[1], phases=True)
+    np.testing.assert_allclose(combined["out"][0], reference.moe_masked_combine(
+        expected["expert_rows"], expected, ids.shape[1], weights[0]), rtol=1e-5, atol=1e-5)
     clocks = combined["phase_clocks"]
     assert clocks.shape == (2, ranks[0]["blocks"], 4) and (clocks > 0).all() and (np.diff(clocks, axis=-1) >= 0).all()

@@ -172,16 +172,26 @@ def time_moe_masked(ranks, tokens, calls, blocks, phases=False):
                          MOE_SKIPPED_CALLS)
     if phases:
         dispatch["phases_us"] = kernel_phases(done, ranks)
-    # combine scales each row by dispatch's weights on the expert side, as moe.combine(rows, handle) does
-    done = loopback.moe_masked_combine(done["expert_rows"], done["row_pair"], done["pair_slot"],
-                                       done["recv_weights"], size=ranks, calls=calls, type=1, local_experts=local,
-                                       capacity=capacity, tokens=tokens, top_k=top_k, hidden=hidden,
-                                       expert_weights=True, trace=True, graph=True, blocks=blocks, phases=phases)
-    combine = moe_times(*trace_of(done, calls, f"masked moe.combine T={tokens} on {ranks} ranks", points),
+    # With dispatch's weights, as moe.combine(rows, handle) does: moe.combine's kernel over the flattened rows,
+    # each token's pairs summed on the expert side.
+    per_source = min(tokens, local * capacity)
+    reduced = loopback.moe_combine(done["expert_rows"], done["choice_rows"], done["choice_weights"],
+                                   done["recv_tokens"], done["return_row"], size=ranks, calls=calls, type=1,
+                                   expert_rows=local * ranks * capacity, rows_per_member=per_source, top_k=top_k,
+                                   tokens=tokens, hidden=hidden, trace=True, graph=True, blocks=blocks)
+    combine = moe_times(*trace_of(reduced, calls, f"masked moe.combine T={tokens} on {ranks} ranks", points),
                         MOE_SKIPPED_CALLS)
+    # With the weights given to combine: the masked combine kernel, one row per pair back.
+    by_pair = loopback.moe_masked_combine(done["expert_rows"], done["row_pair"], done["pair_slot"], weights.tobytes(),
+                                          size=ranks, calls=calls, type=1, local_experts=local, capacity=capacity,
+                                          tokens=tokens, top_k=top_k, hidden=hidden, trace=True, graph=True,
+                                          blocks=blocks, phases=phases)
+    combine_pairs = moe_times(*trace_of(by_pair, calls, f"masked moe.combine (weights at combine) T={tokens} on "
+                                        f"{ranks} ranks", points), MOE_SKIPPED_CALLS)
     if phases:
-        combine["phases_us"] = kernel_phases(done, ranks)
-    return capacity, {"moe.dispatch": dispatch, "moe.combine": combine}
+        combine_pairs["phases_us"] = kernel_phases(by_pair, ranks)
+    return capacity, {"moe.dispatch": dispatch, "moe.combine": combine, "moe.combine (weights at combine)":
+                      combine_pairs}
 
 
 def main():

@@ -660,9 +660,10 @@ nb::dict MoeDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids, const
 }
 
 // The masked dispatch's results, in the order MoeMaskedDispatch returns them (the FFI handler's).
-constexpr const char* kMoeMaskedDispatchResults[] = {"expert_rows", "group_sizes", "send_pairs",
-                                                     "pair_slot",   "send_counts", "dropped",
-                                                     "recv_counts", "row_pair",    "recv_weights"};
+constexpr const char* kMoeMaskedDispatchResults[] = {"expert_rows",    "group_sizes", "send_pairs",  "pair_slot",
+                                                     "send_counts",    "dropped",     "recv_counts", "row_pair",
+                                                     "recv_weights",   "recv_tokens", "choice_rows", "choice_weights",
+                                                     "send_back_rows", "return_row"};
 
 nb::dict MoeMaskedDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids, const nb::bytes& weights, int size,
                            int calls, int64_t num_tokens, int64_t hidden, int type, int top_k, int64_t num_experts,
@@ -698,19 +699,30 @@ nb::dict MoeMaskedDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids,
   args.trace = trace;
   args.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000;
   const int64_t T = num_tokens, k = top_k, N = size, L = num_experts / size, NC = N * capacity, P = T * k;
-  const int64_t I = sizeof(int32_t);
+  const int64_t I = sizeof(int32_t), R = std::min(T, L * capacity);
   const int grid = ChooseMoeMaskedDispatchBlocks(args, blocks, SmsPerRank(size));
   Resources resources;
   Ranks ranks(resources, size, MoeMaskedDispatchSlotBytes(size, T, L, capacity, wire_row_bytes), 0);
   const int64_t clock_count = int64_t{size} * grid * kMoeMaskedDispatchPhases;
   int64_t* clocks = phases ? resources.Filled<int64_t>(clock_count * 8, 0, "phase clocks") : nullptr;
   std::vector<Operand> operands = {
-      {"tokens", T * row_bytes, false}, {"expert_ids", P * I, false},
-      {"weights", P * I, false},        {"expert_rows", L * NC * row_bytes, true},
-      {"group_sizes", L * I, true},     {"send_pairs", P * I, true},
-      {"pair_slot", P * I, true},       {"send_counts", N * L * I, true},
-      {"dropped", N * I, true},         {"recv_counts", N * L * I, true},
-      {"row_pair", L * NC * I, true},   {"recv_weights", L * (with_weights ? NC : 0) * I, true},
+      {"tokens", T * row_bytes, false},
+      {"expert_ids", P * I, false},
+      {"weights", P * I, false},
+      {"expert_rows", L * NC * row_bytes, true},
+      {"group_sizes", L * I, true},
+      {"send_pairs", P * I, true},
+      {"pair_slot", P * I, true},
+      {"send_counts", N * L * I, true},
+      {"dropped", N * I, true},
+      {"recv_counts", N * L * I, true},
+      {"row_pair", L * NC * I, true},
+      {"recv_weights", L * (with_weights ? NC : 0) * I, true},
+      {"recv_tokens", N * I, true},
+      {"choice_rows", N * R * k * I, true},
+      {"choice_weights", N * R * (with_weights ? k : 0) * I, true},
+      {"send_back_rows", N * R * I, true},
+      {"return_row", T * N * I, true},
   };
   Outcome outcome = Run(resources, ranks, operands, {&tokens, &expert_ids, &weights}, schedule,
                         [&](int rank, int slot, cudaStream_t stream) {
@@ -731,6 +743,11 @@ nb::dict MoeMaskedDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids,
                           mine.recv_counts = ints(9);
                           mine.row_pair = ints(10);
                           mine.recv_weights = reinterpret_cast<float*>(at(11));
+                          mine.recv_tokens = ints(12);
+                          mine.choice_rows = ints(13);
+                          mine.choice_weights = reinterpret_cast<float*>(at(14));
+                          mine.send_back_rows = ints(15);
+                          mine.return_row = ints(16);
                           mine.table = ranks.table[rank];
                           mine.control = ranks.control[rank];
                           if (clocks != nullptr) {
@@ -748,9 +765,8 @@ nb::dict MoeMaskedDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids,
 
 nb::dict MoeMaskedCombine(const nb::bytes& expert_out, const nb::bytes& row_pair, const nb::bytes& pair_slot,
                           const nb::bytes& weights, int size, int calls, int type, int64_t local_experts,
-                          int64_t capacity, int64_t tokens, int top_k, int64_t hidden, bool expert_weights, int blocks,
-                          bool trace, bool phases, bool graph, int64_t timeout_ms, int absent, int late,
-                          int64_t late_us) {
+                          int64_t capacity, int64_t tokens, int top_k, int64_t hidden, int blocks, bool trace,
+                          bool phases, bool graph, int64_t timeout_ms, int absent, int late, int64_t late_us) {
   const Schedule schedule{calls, graph, absent, late, late_us, timeout_ms};
   CheckSchedule(size, schedule);
   Require(type >= 0 && type <= 2, "type is " + std::to_string(type) + ", expected 0 (f32), 1 (bf16) or 2 (f16)");
@@ -768,7 +784,6 @@ nb::dict MoeMaskedCombine(const nb::bytes& expert_out, const nb::bytes& row_pair
   args.expert_rows = size * capacity;
   args.tokens = tokens;
   args.hidden = hidden;
-  args.expert_weights = expert_weights;
   args.trace = trace;
   args.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000;
   const int grid = ChooseMoeMaskedCombineBlocks(args, blocks, SmsPerRank(size));
@@ -781,7 +796,7 @@ nb::dict MoeMaskedCombine(const nb::bytes& expert_out, const nb::bytes& row_pair
       {"expert_out", rows * hidden * element_bytes, false},
       {"row_pair", rows * I, false},
       {"pair_slot", P * I, false},
-      {"weights", (expert_weights ? rows : P) * I, false},
+      {"weights", P * I, false},
       {"out", tokens * hidden * element_bytes, true},
   };
   Outcome outcome = Run(resources, ranks, operands, {&expert_out, &row_pair, &pair_slot, &weights}, schedule,
@@ -867,17 +882,18 @@ NB_MODULE(_ncclx_loopback, m) {
         "expert_ids int32 [num_tokens, top_k], weights float32 of the same shape (read with with_weights only).\n"
         "wire: 0 none, 1 float8_e4m3fn, 2 float8_e5m2. Returns every result of the kernel by name (bytes of\n"
         "[calls, size, ...], shapes as the FFI handler's: expert_rows, group_sizes, send_pairs, pair_slot,\n"
-        "send_counts, dropped, recv_counts, row_pair, recv_weights), 'ranks' and 'blocks' as collective() does.\n"
+        "send_counts, dropped, recv_counts, row_pair, recv_weights, recv_tokens, choice_rows, choice_weights,\n"
+        "send_back_rows, return_row), 'ranks' and 'blocks' as collective() does.\n"
         "phases: also 'phase_clocks', 'phase_names' (moe_masked.h) and 'clock_khz', as moe_dispatch's.");
   m.def("moe_masked_combine", &jn::MoeMaskedCombine, nb::arg("expert_out"), nb::arg("row_pair"), nb::arg("pair_slot"),
         nb::arg("weights"), nb::kw_only(), nb::arg("size"), nb::arg("calls"), nb::arg("type"), nb::arg("local_experts"),
-        nb::arg("capacity"), nb::arg("tokens"), nb::arg("top_k"), nb::arg("hidden"), nb::arg("expert_weights"),
-        nb::arg("blocks") = 0, nb::arg("trace") = false, nb::arg("phases") = false, nb::arg("graph") = false,
-        nb::arg("timeout_ms") = 5000, nb::arg("absent") = -1, nb::arg("late") = -1, nb::arg("late_us") = 0,
+        nb::arg("capacity"), nb::arg("tokens"), nb::arg("top_k"), nb::arg("hidden"), nb::arg("blocks") = 0,
+        nb::arg("trace") = false, nb::arg("phases") = false, nb::arg("graph") = false, nb::arg("timeout_ms") = 5000,
+        nb::arg("absent") = -1, nb::arg("late") = -1, nb::arg("late_us") = 0,
         "Runs `calls` calls of the masked combine's NVLink kernel on `size` logical ranks of the current GPU.\n"
         "Each input is bytes of [calls, size, ...]: expert_out [local_experts, size * capacity, hidden] of `type`\n"
         "(0 f32, 1 bf16, 2 f16), row_pair int32 [local_experts, size * capacity], pair_slot int32\n"
-        "[tokens * top_k], weights float32 [local_experts, size * capacity] with expert_weights, else\n"
-        "[tokens, top_k]. Returns out (bytes of [calls, size, tokens, hidden]), 'ranks' and 'blocks' as\n"
-        "collective() does; phases: the phase clocks as moe_masked_dispatch's.");
+        "[tokens * top_k], weights float32 [tokens, top_k] (given to combine). Returns out (bytes of [calls,\n"
+        "size, tokens, hidden]), 'ranks' and 'blocks' as collective() does; phases: the phase clocks as\n"
+        "moe_masked_dispatch's.");
 }

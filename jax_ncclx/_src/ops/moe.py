@@ -258,9 +258,9 @@ def combine(expert_out, handle, weights=None):
       the wire as dispatch (about 3.7 rows per token for top-8 of 32 experts on 4 members instead of 8).
     * ``combine(expert_out, handle, weights)``: one row per pair comes back and the token side sums them.
 
-    With a ``MaskedHandle`` (``layout="masked"``) one row per kept pair comes back either way, and the token
-    side sums them in float32. With the weights given to dispatch, the expert side scales each row by its
-    weight first (in float32, rounded to expert_out's dtype).
+    A ``MaskedHandle`` (``layout="masked"``) combines the same two ways: with the weights given to dispatch one
+    row per token and member comes back, summed and rounded as above; with the weights here one row per kept
+    pair, which the token side scales and sums in float32.
 
     Args:
       expert_out: ``[N * C, H']`` any float dtype, in dispatch's expert-major layout (masked layout:

@@ -24,13 +24,23 @@ the one DeepEP's low-latency kernels use.
 - expert side: ``recv_counts [N, L]`` pairs each source delivered to each local expert; ``row_pair
   [L, N * C]`` ``s * P + p`` of each row's source s and pair p, ``N * P`` past the data; ``recv_weights
   [L, N * C]`` float32 router weights (None without weights at dispatch).
+- per token row, R = min(T, L * C) rows per source: ``recv_tokens [N]`` token rows each source delivered
+  (source s's r-th, in token order, is received row s * R + r); ``choice_rows [N * R, k]`` the expert-layout
+  row (``e * N * C + i``) of each received row's choices, ``L * N * C`` for a choice not kept here;
+  ``choice_weights [N * R, k]`` float32 their router weights, 0 for those (None without weights at
+  dispatch); ``send_back_rows [N * R]`` the received rows packed source-major, then ``N * R``;
+  ``return_row [T, N]`` ``m * R + r`` where token t is the r-th row it sent member m, ``N * R`` where it sent
+  none. These are the packed layout's names for the same roles (``moe_combine.combine_reduced``).
 
-``combine`` sends one row per kept pair back and sums each token's rows in float32. With the weights given
-to dispatch, the expert side scales each row by its weight (in float32, rounded to expert_out's dtype) before
-it goes back; with the weights given to combine, the token side scales them.
+``combine`` with the weights given to dispatch is the packed layout's reduced combine over the flattened
+``[L * N * C, H']`` rows: each member sums a token's weighted pairs in float32, rounds once to expert_out's
+dtype and sends one row per (token, member) back; the token side adds the members' rows in float32, in member
+order. With the weights given to combine one row per kept pair goes back, and the token side scales and sums
+them in float32.
 
-On CUDA with NVLink, ``dispatch`` and ``combine`` are one kernel each (``ncclx_moe_masked_dispatch_nvlink``,
-``ncclx_moe_masked_combine_nvlink``; xla_ffi/ops/moe/moe_masked.h) at decode sizes. Elsewhere, and for the
+On CUDA with NVLink, ``dispatch`` and ``combine`` are one kernel each (``ncclx_moe_masked_dispatch_nvlink``;
+``ncclx_moe_combine_nvlink`` with the weights at dispatch, ``ncclx_moe_masked_combine_nvlink`` with them at
+combine; xla_ffi/ops/moe/moe_masked.h, moe_combine.h) at decode sizes. Elsewhere, and for the
 backward passes, each is an exchange chain of other jax_ncclx ops around one ``all_to_allv_dynamic``. Both
 compute the same values; which one a call site takes is logged at debug level. The timeout is
 all_to_allv_dynamic's.
@@ -56,6 +66,7 @@ from jax_ncclx._src import lib
 from jax_ncclx._src import lowering
 from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
+from jax_ncclx._src.ops import moe_combine
 from jax_ncclx._src.ops import moe_dispatch
 from jax_ncclx._src.ops.moe_combine import gather_rows
 from jax_ncclx._src.ops.take_rows import encode_misfit
@@ -85,6 +96,11 @@ class MaskedHandle:
     recv_counts: jax.Array   # [N, E_local]
     row_pair: jax.Array      # [E_local, N * C]
     recv_weights: jax.Array | None  # float32 [E_local, N * C]
+    recv_tokens: jax.Array   # [N]
+    choice_rows: jax.Array   # [N * R, k]
+    choice_weights: jax.Array | None  # float32 [N * R, k]
+    send_back_rows: jax.Array  # [N * R]
+    return_row: jax.Array    # [T, N]
     axis_name: Hashable = dataclasses.field(metadata=dict(static=True))
     capacity: int = dataclasses.field(metadata=dict(static=True))
     top_k: int = dataclasses.field(metadata=dict(static=True))
@@ -105,6 +121,19 @@ class Masked(NamedTuple):
     recv_counts: jax.Array   # [N, L]
     row_pair: jax.Array      # [L, N * C]
     recv_weights: jax.Array  # float32 [L, N * C], [L, 0] without weights
+    recv_tokens: jax.Array   # [N]
+    choice_rows: jax.Array   # [N * R, k], R = min(T, L * C)
+    choice_weights: jax.Array  # float32 [N * R, k], [N * R, 0] without weights
+    send_back_rows: jax.Array  # [N * R]
+    return_row: jax.Array    # [T, N]
+
+
+_WEIGHT_FIELDS = ("recv_weights", "choice_weights")  # None in the handle without weights at dispatch
+
+
+def rows_per_source(num_tokens, local, capacity):
+    """R: the most token rows one source sends one member (a token at most once, at most L * C kept pairs)."""
+    return min(num_tokens, local * capacity)
 
 
 # ---- dispatch and combine, with their VJPs -------------------------------------------------------------------
@@ -120,9 +149,9 @@ def _dispatch(tokens, weights, expert_ids, num_experts, axis_name, capacity, wir
     out = Masked(*moe_masked_dispatch_p.bind(*operands, axis_name=axis_name, num_experts=int(num_experts),
                                              num_members=int(jax.lax.axis_size(axis_name)),
                                              capacity=int(capacity), wire_dtype=wire_dtype))
-    fields = {name: getattr(out, name) for name in _ARRAY_FIELDS if name != "recv_weights"}
-    handle = MaskedHandle(**fields, recv_weights=None if weights is None else out.recv_weights,
-                          axis_name=axis_name, capacity=capacity, top_k=expert_ids.shape[1])
+    fields = {name: getattr(out, name) if name not in _WEIGHT_FIELDS or weights is not None else None
+              for name in _ARRAY_FIELDS}
+    handle = MaskedHandle(**fields, axis_name=axis_name, capacity=capacity, top_k=expert_ids.shape[1])
     return out.expert_rows, out.group_sizes, handle
 
 
@@ -157,16 +186,12 @@ def combine(expert_out, handle: MaskedHandle, weights):
     return _combine_token_weights(expert_out, handle, weights)
 
 
-def _bind_combine(expert_out, handle, weights, expert_weights):
-    return moe_masked_combine_p.bind(expert_out, handle.row_pair, handle.pair_slot, handle.recv_counts,
-                                     handle.send_counts, weights.astype(jnp.float32), axis_name=handle.axis_name,
-                                     capacity=handle.capacity, expert_weights=expert_weights,
-                                     num_tokens=handle.pair_slot.shape[0] // handle.top_k)
-
-
 @jax.custom_vjp
 def _combine_expert_weights(expert_out, handle):
-    return _bind_combine(expert_out, handle, handle.recv_weights, True)
+    local, rows, width = expert_out.shape
+    return moe_combine.combine_reduced(expert_out.reshape(local * rows, width), handle.choice_rows,
+                                       handle.choice_weights, handle.recv_tokens, handle.send_back_rows,
+                                       handle.return_row, handle.axis_name)
 
 
 def _combine_expert_weights_fwd(expert_out, handle):
@@ -189,7 +214,9 @@ _combine_expert_weights.defvjp(_combine_expert_weights_fwd, _combine_expert_weig
 
 @jax.custom_vjp
 def _combine_token_weights(expert_out, handle, weights):
-    return _bind_combine(expert_out, handle, weights, False)
+    return moe_masked_combine_p.bind(expert_out, handle.row_pair, handle.pair_slot, handle.recv_counts,
+                                     handle.send_counts, weights.astype(jnp.float32), axis_name=handle.axis_name,
+                                     capacity=handle.capacity, num_tokens=handle.pair_slot.shape[0] // handle.top_k)
 
 
 def _combine_token_weights_fwd(expert_out, handle, weights):
@@ -309,6 +336,8 @@ class _Received(NamedTuple):
     recv_counts: jax.Array  # [N, L] pairs each source delivered to each local expert
     row_pair: jax.Array     # [L * N * C] s * P + p of each row, N * P past the data
     words: jax.Array        # int32 [N * R, k] the words that came with each received row's choices, 0 for none
+    recv_tokens: jax.Array  # [N] token rows each source delivered
+    return_row: jax.Array   # [T, N] m * R + r of token t's row among those sent to m, N * R for none
 
 
 def _send_tokens_once(rows, pair_slot, *, local, capacity, num_members, axis_name, words=None):
@@ -330,7 +359,7 @@ def _send_tokens_once(rows, pair_slot, *, local, capacity, num_members, axis_nam
     extra = jnp.zeros((num_tokens, top_k), jnp.int32) if words is None else words
     suffix = jnp.concatenate([send_token[:, None], local_slot, extra[send_token]], axis=1)
     suffix = jnp.pad(suffix, ((0, 0), (0, -suffix.shape[1] % SUFFIX_WORDS)))
-    per_source = min(num_tokens, per_member)
+    per_source = rows_per_source(num_tokens, local, capacity)
     received, recv_tokens, _ = moe_dispatch.exchange(rows, goes.sum(axis=1, dtype=jnp.int32), axis_name,
                                                      per_source, send_rows=send_token,
                                                      suffix=moe_dispatch._as_columns(suffix, rows.dtype))
@@ -350,8 +379,25 @@ def _send_tokens_once(rows, pair_slot, *, local, capacity, num_members, axis_nam
         jnp.broadcast_to(received_row[:, None], row.shape), mode="drop")
     pair = source[:, None] * pairs + tags[:, :1] * top_k + jnp.arange(top_k, dtype=jnp.int32)
     row_pair = jnp.full(total, num_members * pairs, jnp.int32).at[row].set(pair, mode="drop")
+    rank = jnp.cumsum(goes, axis=1, dtype=jnp.int32) - 1  # [N, T]: of each token among those sent to a member
+    members = jnp.arange(num_members, dtype=jnp.int32)[:, None]
+    return_row = jnp.where(goes, members * per_source + rank, num_members * per_source).T
     return received, _Received(index=index, sources=row, recv_counts=recv_counts, row_pair=row_pair,
-                               words=jnp.where(kept, tags[:, 1 + top_k:1 + 2 * top_k], 0))
+                               words=jnp.where(kept, tags[:, 1 + top_k:1 + 2 * top_k], 0), recv_tokens=recv_tokens,
+                               return_row=return_row)
+
+
+def _send_back_rows(recv_tokens, per_source):
+    """int32 ``[N * R]``: the received rows packed source-major (source s's first recv_tokens[s], from row
+    s * R), then N * R: the send order of the exchange that returns one row per token."""
+    num_members = recv_tokens.shape[0]
+    delivered = jnp.clip(recv_tokens, 0, per_source)
+    ends = jnp.cumsum(delivered)
+    position = jnp.arange(num_members * per_source, dtype=jnp.int32)
+    source = jnp.searchsorted(ends, position, side="right").astype(jnp.int32)
+    clipped = jnp.minimum(source, num_members - 1)
+    back = clipped * per_source + position - (ends - delivered)[clipped]
+    return jnp.where(source < num_members, back, num_members * per_source)
 
 
 def gather_pairs(expert_rows, handle):
@@ -388,13 +434,19 @@ def _dispatch_chain(tokens, expert_ids, *weights, axis_name, num_experts, num_me
             received, width = moe_dispatch._decode(received[:, :width], hidden, wire_dtype, tokens.dtype), hidden
         expert_rows = take_rows(received, layout.index, width=width, sources=layout.sources)
     recv_weights = jnp.zeros((local, 0), jnp.float32)
+    choice_weights = jnp.zeros((layout.sources.shape[0], 0), jnp.float32)
     if weights is not None:
         bits = jnp.zeros(local * num_members * capacity, jnp.int32).at[layout.sources].set(layout.words, mode="drop")
         recv_weights = jax.lax.bitcast_convert_type(bits, jnp.float32).reshape(local, -1)
+        choice_weights = jax.lax.bitcast_convert_type(layout.words, jnp.float32)
+    per_source = rows_per_source(num_tokens, local, capacity)
     return list(Masked(expert_rows=expert_rows.reshape(local, -1, hidden),
                        group_sizes=layout.recv_counts.sum(axis=0), send_pairs=send_pairs, pair_slot=pair_slot,
                        send_counts=send_counts, dropped=dropped, recv_counts=layout.recv_counts,
-                       row_pair=layout.row_pair.reshape(local, -1), recv_weights=recv_weights))
+                       row_pair=layout.row_pair.reshape(local, -1), recv_weights=recv_weights,
+                       recv_tokens=layout.recv_tokens, choice_rows=layout.sources, choice_weights=choice_weights,
+                       send_back_rows=_send_back_rows(layout.recv_tokens, per_source),
+                       return_row=layout.return_row))
 
 
 def _as_words(columns):
@@ -406,19 +458,14 @@ def _as_words(columns):
 
 
 def _combine_chain(expert_out, row_pair, pair_slot, recv_counts, send_counts, weights, *, axis_name, capacity,
-                   expert_weights, num_tokens):
+                   num_tokens):
     del row_pair  # the kernel's: the chain takes the same routing from the counts
     top_k = pair_slot.shape[0] // num_tokens
-    handle = MaskedHandle(send_pairs=None, pair_slot=pair_slot, send_counts=send_counts, dropped=None,
-                          recv_counts=recv_counts, row_pair=None, recv_weights=None, axis_name=axis_name,
-                          capacity=capacity, top_k=top_k)
-    rows = expert_out
-    if expert_weights:  # scaled on the expert side, rounded to the rows' dtype for the way back
-        rows = (expert_out.astype(jnp.float32) * weights[..., None]).astype(expert_out.dtype)
-    per_pair = gather_pairs(rows, handle).astype(jnp.float32).reshape(num_tokens, top_k, -1)
-    if not expert_weights:
-        per_pair = per_pair * weights[:, :, None]
-    return per_pair.sum(axis=1).astype(expert_out.dtype)
+    handle = MaskedHandle(**{f: None for f in _ARRAY_FIELDS} | dict(
+        pair_slot=pair_slot, send_counts=send_counts, recv_counts=recv_counts), axis_name=axis_name,
+        capacity=capacity, top_k=top_k)
+    per_pair = gather_pairs(expert_out, handle).astype(jnp.float32).reshape(num_tokens, top_k, -1)
+    return (per_pair * weights[:, :, None]).sum(axis=1).astype(expert_out.dtype)
 
 
 # ---- the primitives ----------------------------------------------------------------------------------------
@@ -430,11 +477,14 @@ def _dispatch_abstract_eval(tokens, expert_ids, *weights, axis_name, num_experts
                             wire_dtype):
     (num_tokens, hidden), top_k = tokens.shape, expert_ids.shape[1]
     local, rows, pairs = num_experts // num_members, num_members * capacity, num_tokens * top_k
+    received = num_members * rows_per_source(num_tokens, local, capacity)
     shapes = Masked(expert_rows=(local, rows, hidden), group_sizes=(local,), send_pairs=(pairs,),
                     pair_slot=(pairs,), send_counts=(num_members, local), dropped=(num_members,),
                     recv_counts=(num_members, local), row_pair=(local, rows),
-                    recv_weights=(local, rows if weights else 0))
-    dtypes = {"expert_rows": tokens.dtype, "recv_weights": jnp.float32}
+                    recv_weights=(local, rows if weights else 0), recv_tokens=(num_members,),
+                    choice_rows=(received, top_k), choice_weights=(received, top_k if weights else 0),
+                    send_back_rows=(received,), return_row=(num_tokens, num_members))
+    dtypes = {"expert_rows": tokens.dtype, "recv_weights": jnp.float32, "choice_weights": jnp.float32}
     avals = [primitive.output_aval(tokens, axis_name, expert_ids, *weights, shape=shape,
                                    dtype=dtypes.get(name, jnp.int32))
              for name, shape in zip(Masked._fields, shapes)]
@@ -486,13 +536,13 @@ moe_masked_combine_p = primitive.make_collective("moe_masked_combine")
 
 
 def _combine_abstract_eval(expert_out, row_pair, pair_slot, recv_counts, send_counts, weights, *, axis_name,
-                           capacity, expert_weights, num_tokens):
+                           capacity, num_tokens):
     aval = primitive.output_aval(expert_out, axis_name, row_pair, pair_slot, recv_counts, send_counts, weights,
                                  shape=(num_tokens, expert_out.shape[2]))
     return aval, primitive.effects(axis_name)
 
 
-def _combine_route(ctx, comm_id, size, *, capacity, expert_weights, num_tokens):
+def _combine_route(ctx, comm_id, size, *, capacity, num_tokens):
     """The NVLink kernel's route, or None (the exchange chain) where it cannot run."""
     expert_out, pair_slot = ctx.avals_in[0], ctx.avals_in[2]
     dtype, hidden = np.dtype(expert_out.dtype), expert_out.shape[2]
@@ -520,9 +570,6 @@ def _combine_route(ctx, comm_id, size, *, capacity, expert_weights, num_tokens):
 
 
 moe_masked_combine_p.def_effectful_abstract_eval(_combine_abstract_eval)
-lowering.register_lowerings(
-    moe_masked_combine_p, "ncclx_moe_masked_combine",
-    # Decoded as MoeMaskedCombineAttrs (xla_ffi/ops/moe/moe_masked_cuda.cc).
-    lambda *, capacity, expert_weights, num_tokens: dict(combine=dict(expert_weights=np.bool_(expert_weights))),
-    cuda_route=_combine_route, fallback=_combine_chain, timeout_op="all_to_allv_dynamic")
+lowering.register_lowerings(moe_masked_combine_p, "ncclx_moe_masked_combine", cuda_route=_combine_route,
+                            fallback=_combine_chain, timeout_op="all_to_allv_dynamic")
 primitive.batch_by_chain(moe_masked_combine_p, _combine_chain)

@@ -1,31 +1,36 @@
-// moe.dispatch's and moe.combine's masked layout (jax_ncclx/_src/ops/moe_masked.py) in one NVLink kernel each,
-// for decode sizes. Shapes: N members, E experts, L = E / N local experts, T tokens, k choices, P = T * k pairs
-// (pair p = t * k + c), C the capacity of one (local expert, source member).
+// moe.dispatch's masked layout (jax_ncclx/_src/ops/moe_masked.py) in one NVLink kernel, and moe.combine's with
+// the weights given to combine in another, for decode sizes (with the weights given to dispatch, combine is
+// moe_combine.h's kernel over the token rows this dispatch describes). Shapes: N members, E experts, L = E / N
+// local experts, T tokens, k choices, P = T * k pairs (pair p = t * k + c), C the capacity of one (local
+// expert, source member), R = min(T, L * C) token rows one source sends one member.
 //
 // Dispatch. The sender decides every slot alone: pair p with id in [0, E) goes to member m = id / L, local expert
 // e = id % L, as its j-th pair to that expert (j: earlier pairs of this member with the same id), and is kept
 // if j < C. Every block counts the ids itself, in shared memory (the same counts in each: no grid barrier
-// before the rows go out). Then each block sends its share: every kept pair's {p, weight} into entry (me, e, j)
-// of m's pair map, and token t's row once to each member that keeps one of its pairs, as row me * T + t of that
-// member's slots (so a token with several choices on one member crosses the link once). Block 0 writes this
-// member's kept pairs per (member, expert) into each member's counts first. Then each block raises
+// before the rows go out), and the rank r of each token among those this member sends each member (the token
+// rows' order, which combine's way back keeps). Then each block sends its share: every kept pair's
+// {p | r << 16, weight} into entry (me, e, j) of m's pair map, and token t's row once to each member that keeps
+// one of its pairs, as row me * T + t of that member's slots (so a token with several choices on one member
+// crosses the link once). Block 0 writes this member's kept pairs per (member, expert) and token rows per member
+// into each member's counts first. Each block fills its share of the token rows' "none" entries, raises
 // arrived[me][b] on every member and writes its share of the token side's results (off the critical path). Once
 // every (source, block) flag holds the call's epoch, every block reads the counts, lays out expert e's rows
 // source by source (source s's from off(e, s), the sum of the earlier sources' counts) and writes its share of
 // the [L, N * C] rows: for row off(e, s) + j below group_sizes[e], a copy of slot row s * T + t of the pair p in
-// map entry (s, e, j), t = p / k; zeros past group_sizes[e].
+// map entry (s, e, j), t = p / k, and the row's entry in choice_rows; zeros past group_sizes[e].
 //
 // Dispatch slots: in every rank's low-latency half of the call's parity (symmetric_layout.h), past the LL
-// areas: the counts, [N][L] int32 (source s's from s * L), then the pair map, [N][L][C] int2 {p, weight bits},
-// each rounded up to 256 bytes, then [N, T] slot rows of wire_row_bytes. On an 8-bit wire the sender quantizes
+// areas: the counts, [N][L] int32 (source s's from s * L) then [N] token rows per source, then the pair map,
+// [N][L][C] int2 {p | r << 16, weight bits}, each rounded up to 256 bytes, then [N, T] slot rows of
+// wire_row_bytes. On an 8-bit wire the sender quantizes
 // each block of kMoeWireBlock values as it writes it and the expansion dequantizes as it copies, with
 // moe.dispatch's arithmetic (wire_rows.cuh).
 //
-// Combine. The expert side sends each row (e, i) whose row_pair is s * P + p < N * P back to source s, as row p
-// of its slots (scaled by its weight in float32 and rounded, with expert_weights), and raises arrived[me][b] on
-// every member; the token side waits for every (member, block) flag, then adds each token's kept pairs' rows in
-// float32 in choice order (times the token's weights without expert_weights) and rounds once. Combine slots: P
-// rows of H' elements, past the LL areas of the largest communicator (MoeMaskedCombineSlotBytes takes no size).
+// Combine (weights given to combine). The expert side sends each row (e, i) whose row_pair is s * P + p < N * P
+// back to source s, as row p of its slots, and raises arrived[me][b] on every member; the token side waits for
+// every (member, block) flag, then adds each token's kept pairs' rows times their weights in float32, in choice
+// order, and rounds once. Combine slots: P rows of H' elements, past the LL areas of the largest communicator
+// (MoeMaskedCombineSlotBytes takes no size).
 //
 // As for moe.dispatch's and moe.combine's kernels, writers never wait for readers: a rank cannot still be
 // reading a half that a peer writes two calls later (symmetric_layout.h).
@@ -92,6 +97,12 @@ struct MoeMaskedDispatchArgs {
   int32_t* recv_counts = nullptr;       // [N, L] pairs each source delivered to each local expert
   int32_t* row_pair = nullptr;          // [L, N * C] s * P + p of each row's source and pair, N * P past the data
   float* recv_weights = nullptr;        // [L, N * C] with weights (0 past the data), else unused
+  int32_t* recv_tokens = nullptr;       // [N] token rows each source delivered
+  int32_t* choice_rows = nullptr;       // [N * R, k] e * N * C + i of each received token row's choice, L * N * C
+                                        // for a choice not kept here
+  float* choice_weights = nullptr;      // [N * R, k] with weights (0 where choice_rows has none), else unused
+  int32_t* send_back_rows = nullptr;    // [N * R] the received rows packed source-major, then N * R
+  int32_t* return_row = nullptr;        // [T, N] m * R + r of token t's row among those sent to m, N * R for none
   const PeerTable* table = nullptr;
   SymmetricControl* control = nullptr;
   int64_t* phase_clocks = nullptr;  // test-only: [blocks, kMoeMaskedDispatchPhases] clock64() of the call, or null
@@ -106,15 +117,13 @@ struct MoeMaskedCombineArgs {
   int64_t expert_rows = 0;      // N * C, rows per local expert
   int64_t tokens = 0;           // T
   int64_t hidden = 0;           // H', elements per row; H' * element bytes is a multiple of 16
-  bool expert_weights = false;  // weights are [L, N * C] (dispatch's) and scale rows on the expert side; else
-                                // [T, k] (combine's) and scale them on the token side
   bool trace = false;
   int64_t site = 0;
   uint64_t timeout_ns = 0;
   const void* expert_out = nullptr;   // [L, N * C, H']
   const int32_t* row_pair = nullptr;  // [L, N * C] s * P + p, or N * P (no pair)
   const int32_t* pair_slot = nullptr;  // [P] below L * N * C for a kept pair
-  const float* weights = nullptr;     // [L, N * C] or [T, k]
+  const float* weights = nullptr;     // [T, k]
   void* out = nullptr;                // [T, H']
   const PeerTable* table = nullptr;
   SymmetricControl* control = nullptr;
@@ -122,7 +131,8 @@ struct MoeMaskedCombineArgs {
 };
 
 // Where the kernels can run: every dispatch block keeps each pair's id and rank and each expert's counts in
-// shared memory (MoeMaskedDispatchSharedBytes, up to about 80 KiB at these limits), and a thread loads
+// shared memory and each token's rank among those sent to each member
+// (MoeMaskedDispatchSharedBytes, up to about 115 KiB at these limits), and a thread loads
 // P / 512 ids in one batch, so at most kMaxMoeMaskedPairs pairs (T * k) and top-k at most kMaxMoeMaskedTopK
 // (a combine warp holds a token's k choices on its lanes). E is at most kMaxRoutingExperts, E * C (dispatch)
 // and L * N * C (combine) at most kMaxCapacity. Larger calls take the exchange chain.

@@ -5,6 +5,7 @@
 // program can run.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -30,19 +31,12 @@ struct MoeMaskedDispatchAttrs {
   MoeWire wire = MoeWire::kNone;  // how rows travel (contract.h)
 };
 
-// The masked combine's `combine` attribute, a dictionary (moe_masked.py).
-struct MoeMaskedCombineAttrs {
-  bool expert_weights = false;  // weights are dispatch's [L, N * C] (else combine's [T, k])
-};
-
 }  // namespace jax_ncclx
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ncclx::MoeMaskedDispatchAttrs,
                                       ::xla::ffi::StructMember<int64_t>("num_experts"),
                                       ::xla::ffi::StructMember<int64_t>("capacity"),
                                       ::xla::ffi::StructMember<jax_ncclx::MoeWire>("wire"));
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_ncclx::MoeMaskedCombineAttrs,
-                                      ::xla::ffi::StructMember<bool>("expert_weights"));
 
 namespace jax_ncclx {
 namespace {
@@ -65,8 +59,11 @@ ffi::Error MoeMaskedDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ff
                                  ffi::Result<ffi::AnyBuffer> send_pairs, ffi::Result<ffi::AnyBuffer> pair_slot,
                                  ffi::Result<ffi::AnyBuffer> send_counts, ffi::Result<ffi::AnyBuffer> dropped,
                                  ffi::Result<ffi::AnyBuffer> recv_counts, ffi::Result<ffi::AnyBuffer> row_pair,
-                                 ffi::Result<ffi::AnyBuffer> recv_weights, int64_t comm_id, RawCallAttrs call_attrs,
-                                 MoeMaskedDispatchAttrs dispatch, int64_t blocks) {
+                                 ffi::Result<ffi::AnyBuffer> recv_weights, ffi::Result<ffi::AnyBuffer> recv_tokens,
+                                 ffi::Result<ffi::AnyBuffer> choice_rows, ffi::Result<ffi::AnyBuffer> choice_weights,
+                                 ffi::Result<ffi::AnyBuffer> send_back_rows, ffi::Result<ffi::AnyBuffer> return_row,
+                                 int64_t comm_id, RawCallAttrs call_attrs, MoeMaskedDispatchAttrs dispatch,
+                                 int64_t blocks) {
   constexpr std::string_view kOp = kDispatchOp;
   const CallAttrs attrs = MakeCallAttrs(call_attrs);
   const int64_t num_experts = dispatch.num_experts, capacity = dispatch.capacity;
@@ -124,7 +121,7 @@ ffi::Error MoeMaskedDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ff
     NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "weights", *buffer, ffi::F32, {T, k}));
     weights = static_cast<const float*>(buffer->untyped_data());
   }
-  const int64_t L = num_experts / n, NC = n * capacity, P = T * k;
+  const int64_t L = num_experts / n, NC = n * capacity, P = T * k, R = std::min(T, L * capacity);
   NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "expert_rows", *expert_rows, tokens.element_type(), {L, NC, H}));
   NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "group_sizes", *group_sizes, ffi::S32, {L}));
   NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "send_pairs", *send_pairs, ffi::S32, {P}));
@@ -134,6 +131,11 @@ ffi::Error MoeMaskedDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ff
   NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "recv_counts", *recv_counts, ffi::S32, {n, L}));
   NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "row_pair", *row_pair, ffi::S32, {L, NC}));
   NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "recv_weights", *recv_weights, ffi::F32, {L, with_weights ? NC : 0}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "recv_tokens", *recv_tokens, ffi::S32, {n}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "choice_rows", *choice_rows, ffi::S32, {n * R, k}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "choice_weights", *choice_weights, ffi::F32, {n * R, with_weights ? k : 0}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "send_back_rows", *send_back_rows, ffi::S32, {n * R}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "return_row", *return_row, ffi::S32, {T, n}));
   NCCLX_RETURN_IF_ERROR(CheckNvlinkFault(kOp, comm_id, *symmetric));
 
   MoeMaskedDispatchArgs args;
@@ -163,6 +165,11 @@ ffi::Error MoeMaskedDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ff
   args.recv_counts = Ints(recv_counts);
   args.row_pair = Ints(row_pair);
   args.recv_weights = static_cast<float*>(recv_weights->untyped_data());
+  args.recv_tokens = Ints(recv_tokens);
+  args.choice_rows = Ints(choice_rows);
+  args.choice_weights = static_cast<float*>(choice_weights->untyped_data());
+  args.send_back_rows = Ints(send_back_rows);
+  args.return_row = Ints(return_row);
   args.table = symmetric->table;
   args.control = symmetric->control;
   NCCLX_RETURN_IF_ERROR(
@@ -181,7 +188,7 @@ ffi::Error MoeMaskedDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ff
 ffi::Error MoeMaskedCombineImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer expert_out,
                                 ffi::AnyBuffer row_pair, ffi::AnyBuffer pair_slot, ffi::AnyBuffer weights,
                                 ffi::Result<ffi::AnyBuffer> out, int64_t comm_id, RawCallAttrs call_attrs,
-                                MoeMaskedCombineAttrs combine, int64_t blocks) {
+                                int64_t blocks) {
   constexpr std::string_view kOp = kCombineOp;
   const CallAttrs attrs = MakeCallAttrs(call_attrs);
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
@@ -207,15 +214,10 @@ ffi::Error MoeMaskedCombineImpl(cudaStream_t stream, int32_t device_ordinal, ffi
                                     " pairs, expected a multiple of T = " + std::to_string(T) + " (out's rows)");
   }
   const int64_t k = T > 0 ? P / T : 1;
-  const bool expert_weights = combine.expert_weights;
   NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "out", *out, expert_out.element_type(), {T, hidden}));
   NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "row_pair", row_pair, ffi::S32, {L, NC}));
   NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "pair_slot", pair_slot, ffi::S32, {P}));
-  if (expert_weights) {
-    NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "weights (given to dispatch)", weights, ffi::F32, {L, NC}));
-  } else {
-    NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "weights (given to combine)", weights, ffi::F32, {T, k}));
-  }
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "weights", weights, ffi::F32, {T, k}));
   const int64_t element_bytes = ffi::ByteWidth(expert_out.element_type());
   if (k < 1 || k > kMaxMoeMaskedTopK || P > kMaxMoeMaskedPairs || (hidden * element_bytes) % 16 != 0 ||
       (L > 0 && NC > kMaxCapacity / L)) {
@@ -238,7 +240,6 @@ ffi::Error MoeMaskedCombineImpl(cudaStream_t stream, int32_t device_ordinal, ffi
   args.expert_rows = NC;
   args.tokens = T;
   args.hidden = hidden;
-  args.expert_weights = expert_weights;
   args.trace = attrs.trace_device;
   args.site = attrs.site;
   args.timeout_ns = static_cast<uint64_t>(attrs.timeout_ms) * 1000000;
@@ -282,6 +283,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkMoeMaskedDispatch, MoeMaskedDispatchImpl,
                                                 .Ret<ffi::AnyBuffer>()   // recv_counts s32 [N, L]
                                                 .Ret<ffi::AnyBuffer>()   // row_pair s32 [L, N * C]
                                                 .Ret<ffi::AnyBuffer>()   // recv_weights f32 [L, N * C or 0]
+                                                .Ret<ffi::AnyBuffer>()   // recv_tokens s32 [N]
+                                                .Ret<ffi::AnyBuffer>()   // choice_rows s32 [N * R, k]
+                                                .Ret<ffi::AnyBuffer>()   // choice_weights f32 [N * R, k or 0]
+                                                .Ret<ffi::AnyBuffer>()   // send_back_rows s32 [N * R]
+                                                .Ret<ffi::AnyBuffer>()   // return_row s32 [T, N]
                                                 .Attr<int64_t>("comm_id"))
                                   .Attr<MoeMaskedDispatchAttrs>("dispatch")
                                   .Attr<int64_t>("blocks"),  // 0 = by size
@@ -296,10 +302,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NvlinkMoeMaskedCombine, MoeMaskedCombineImpl,
                                                 .Arg<ffi::AnyBuffer>()  // expert_out [L, N * C, H'] f32/bf16/f16
                                                 .Arg<ffi::AnyBuffer>()  // row_pair s32 [L, N * C]
                                                 .Arg<ffi::AnyBuffer>()  // pair_slot s32 [T * k]
-                                                .Arg<ffi::AnyBuffer>()  // weights f32 [L, N * C] or [T, k]
+                                                .Arg<ffi::AnyBuffer>()  // weights f32 [T, k]
                                                 .Ret<ffi::AnyBuffer>()  // out [T, H'], expert_out's dtype
                                                 .Attr<int64_t>("comm_id"))
-                                  .Attr<MoeMaskedCombineAttrs>("combine")
                                   .Attr<int64_t>("blocks"),  // 0 = by size
                               {ffi::Traits::kCmdBufferCompatible});
 

@@ -1,11 +1,12 @@
 // The NVLink kernels of the masked layout (see moe_masked.h for the algorithms and the slots).
 //
-// Dispatch, every block: count (each pair's rank among this member's pairs to its expert, in shared memory, the
-// same in every block), send (a share of the kept pairs' rows, then one flag per member), the token side's
-// results (a share, while peers still send), wait (every member's every block), then the receive side: the
-// layout of each expert's rows from the counts in the header, and a share of the [L, N * C] rows and indices.
-// Combine, every block: the expert side (a share of the rows with a pair, then one flag per member), wait, the
-// token side (a share of the tokens' rows, added in float32).
+// Dispatch, every block: count (each pair's rank among this member's pairs to its expert and each token's rank
+// among the tokens sent to each member, in shared memory, the same in every block), send (a share of the kept
+// pairs' rows, then one flag per member), the token side's results (a share, while peers still send), wait
+// (every member's every block), then the receive side: the layout of each expert's rows from the counts in the
+// header, and a share of the [L, N * C] rows and indices. Combine, every block: the expert side (a share of the
+// rows with a pair, then one flag per member), wait, the token side (a share of the tokens' rows, weighted and
+// added in float32).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -37,6 +38,8 @@ static_assert(kMaxMoeMaskedBlocks <= kMaxFlagGroups);
 static_assert(kMaxMoeMaskedTopK <= 32, "a combine warp holds a token's choices on its lanes");
 static_assert(kMaxMoeMaskedPairs < 32768 && kMaxRoutingExperts + 32 < 32768, "ids and ranks are kept in int16");
 static_assert(int64_t{kMaxNvlinkRanks} * kMaxMoeMaskedPairs < (int64_t{1} << 31), "row_pair's s * P + p is int32");
+static_assert(int64_t{kMaxNvlinkRanks} * kMaxMoeMaskedPairs < 32768, "token rows are counted in int16");
+static_assert(kMaxMoeMaskedPairs <= 65536, "a map entry holds p | r << 16");
 
 using BlockScan = cub::BlockScan<int32_t, kThreads>;
 
@@ -63,7 +66,7 @@ __host__ __device__ constexpr int32_t CountWarps(int64_t pairs, int64_t num_expe
                                                  : static_cast<int32_t>(kCountCounters / num_experts);
 }
 
-// The shared memory of a dispatch block: int32 arrays, then two int16 arrays of P, then a byte per token.
+// The shared memory of a dispatch block: int32 arrays, then int16 arrays, then a byte per token.
 struct Counted {
   int32_t* counts;      // [E] pairs per id (the one-warp count's running counters)
   int32_t* histogram;   // [count warps][E] per warp and id: its pairs, then the id's pairs before the warp's
@@ -71,8 +74,11 @@ struct Counted {
   int32_t* recv;        // [N][L] kept pairs each source sent each local expert (the header, clamped to C)
   int32_t* start;       // [L][N] where source s's rows start in expert e's block: off(e, s)
   int32_t* group;       // [L] rows of each local expert
+  int32_t* first_row;   // [N + 1] where member m's tokens start in token_row's count, then the total
+  int32_t* recv_start;  // [N + 1] where source s's token rows start among those received, then the total
   int16_t* id;          // [P] each pair's id, or E for none
   int16_t* rank;        // [P] j: the pair's rank among this member's pairs with its id
+  int16_t* token_row;   // [N * T] member-major: first_row[m] + r for the r-th token sent to member m
   uint8_t* goes;        // [T] bit m: a pair of the token is kept for member m
 };
 
@@ -80,17 +86,19 @@ __host__ __device__ constexpr int64_t HistogramInts(int64_t pairs, int64_t num_e
   return pairs <= kWarpCountPairs ? 0 : CountWarps(pairs, num_experts) * num_experts;
 }
 
-__host__ __device__ constexpr int64_t CountedBytes(int64_t pairs, int64_t num_experts, int64_t local_experts) {
-  // counts, kept_start, recv and start take E each (N * L = E), group L.
-  const int64_t ints = 4 * num_experts + HistogramInts(pairs, num_experts) + local_experts;
-  return (ints * 4 + pairs * 5 + 15) / 16 * 16;  // T <= P tokens' bytes
+__host__ __device__ constexpr int64_t CountedBytes(int64_t pairs, int64_t tokens, int64_t size, int64_t num_experts,
+                                                   int64_t local_experts) {
+  // counts, kept_start, recv and start take E each (N * L = E), group L, first_row and recv_start N + 1.
+  const int64_t ints = 4 * num_experts + HistogramInts(pairs, num_experts) + local_experts + 2 * (size + 1);
+  return (ints * 4 + pairs * 4 + tokens * (2 * size + 1) + 15) / 16 * 16;
 }
 
-// The most any call within the limits takes: one member (L = E), every expert, every pair.
-constexpr int64_t kMostCountedBytes = CountedBytes(kMaxMoeMaskedPairs, kMaxRoutingExperts, kMaxRoutingExperts);
+// Past what any call within the limits takes: every expert local (L = E), every pair, a token per pair, N ranks.
+constexpr int64_t kMostCountedBytes = CountedBytes(kMaxMoeMaskedPairs, kMaxMoeMaskedPairs, kMaxNvlinkRanks,
+                                                   kMaxRoutingExperts, kMaxRoutingExperts);
 static_assert(kMostCountedBytes + sizeof(BlockScan::TempStorage) <= 227 * 1024, "past an sm_90 block's opt-in");
 
-__device__ Counted LayOutCounted(int32_t* shared, int32_t P, int32_t E, int32_t L) {
+__device__ Counted LayOutCounted(int32_t* shared, int32_t P, int32_t T, int32_t N, int32_t E, int32_t L) {
   Counted c;
   c.counts = shared;
   c.histogram = c.counts + E;
@@ -98,15 +106,18 @@ __device__ Counted LayOutCounted(int32_t* shared, int32_t P, int32_t E, int32_t 
   c.recv = c.kept_start + E;
   c.start = c.recv + E;
   c.group = c.start + E;
-  c.id = reinterpret_cast<int16_t*>(c.group + L);
+  c.first_row = c.group + L;
+  c.recv_start = c.first_row + N + 1;
+  c.id = reinterpret_cast<int16_t*>(c.recv_start + N + 1);
   c.rank = c.id + P;
-  c.goes = reinterpret_cast<uint8_t*>(c.rank + P);
+  c.token_row = c.rank + P;
+  c.goes = reinterpret_cast<uint8_t*>(c.token_row + N * T);
   return c;
 }
 
 struct DispatchCall {
   MoeMaskedDispatchArgs args;
-  Divisor top_k, local, rows;  // k, L, N * C
+  Divisor top_k, local, rows, tokens;  // k, L, N * C, T
   int64_t slot_base;     // where the counts start in a parity half: past the LL areas
   int64_t counts_bytes;  // CountsBytes: where the pair map starts
   int64_t header_bytes;  // HeaderBytes: where the rows start
@@ -138,6 +149,7 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
   }
   const int32_t N = args.size, me = args.rank, E = static_cast<int32_t>(args.num_experts);
   const int32_t L = E / N, C = static_cast<int32_t>(args.capacity), NC = N * C;
+  const int32_t R = min(T, L * C);  // token rows one source sends one member
   const int32_t thread = blockIdx.x * kThreads + tid, threads = gridDim.x * kThreads;
   const int64_t warps = int64_t{gridDim.x} * kWarps;
   const int64_t first_unit = int64_t{blockIdx.x} * kWarps + warp;
@@ -145,7 +157,7 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
   const int64_t row_vectors = args.row_bytes / 16, wire_vectors = args.wire_row_bytes / 16;
   extern __shared__ int4 shared_vectors[];  // int4: 16-byte aligned
   __shared__ BlockScan::TempStorage scan;
-  const Counted counted = LayOutCounted(reinterpret_cast<int32_t*>(shared_vectors), P, E, L);
+  const Counted counted = LayOutCounted(reinterpret_cast<int32_t*>(shared_vectors), P, T, N, E, L);
 
   // The token rows into L2 while the ids are counted (each block a share): the send reads them from there.
   const char* token_bytes = static_cast<const char*>(args.tokens_in);
@@ -211,25 +223,42 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
     }
     counted.goes[t] = static_cast<uint8_t>(goes);
   }
+  if (N * T == 0 && tid <= N) counted.first_row[tid] = 0;
   __syncthreads();
+  // Each token's rank among the tokens sent to each member, member-major: the order of this member's token
+  // rows on every member, and of combine's rows back.
+  ScanBlock<kThreads>(
+      N * T,
+      [&](int32_t i) { return static_cast<int32_t>(counted.goes[call.tokens.Mod(i)] >> call.tokens.Div(i) & 1u); },
+      [&](int32_t i, int32_t start, int32_t goes) {
+        counted.token_row[i] = static_cast<int16_t>(start);
+        if (call.tokens.Mod(i) == 0) counted.first_row[call.tokens.Div(i)] = start;
+        if (i == N * T - 1) counted.first_row[N] = start + goes;
+      },
+      scan);
+  // r of token t among those sent to member m (which must be sent t).
+  auto row_rank = [&](int32_t m, int32_t t) { return counted.token_row[m * T + t] - counted.first_row[m]; };
   if (tid == 0) trace.Ready();
   stamp(kMaskedDispatchCounted);
 
   // ---- send: this member's counts into every member's header, then the kept pairs' rows ----
+  auto header_of = [&](int32_t m) { return reinterpret_cast<int32_t*>(Slots(args.table, call.slot_base, m, parity)); };
   if (blockIdx.x == 0) {
     for (int32_t id = tid; id < E; id += kThreads) {
       const int32_t m = call.local.Div(id);
-      int32_t* header = reinterpret_cast<int32_t*>(Slots(args.table, call.slot_base, m, parity));
-      header[me * L + id - m * L] = min(counted.counts[id], C);
+      header_of(m)[me * L + id - m * L] = min(counted.counts[id], C);
     }
+    for (int32_t m = tid; m < N; m += kThreads) header_of(m)[E + me] = counted.first_row[m + 1] - counted.first_row[m];
   }
-  // Each kept pair's {p, weight} into its member's map, at (me, e, j): the receiver's index of the rows.
+  // Each kept pair's {p | r << 16, weight} into its member's map, at (me, e, j): the receiver's index of the
+  // rows, and where the pair's token row is among those from this member.
   for (int32_t p = thread; p < P; p += threads) {
     const int32_t id = counted.id[p], j = counted.rank[p];
     if (id >= E || j >= C) continue;
     const int32_t m = call.local.Div(id), e = id - m * L;
     int2* map = reinterpret_cast<int2*>(Slots(args.table, call.slot_base + call.counts_bytes, m, parity));
-    map[(int64_t{me} * L + e) * C + j] = make_int2(p, args.with_weights ? __float_as_int(args.weights[p]) : 0);
+    map[(int64_t{me} * L + e) * C + j] = make_int2(p | row_rank(m, call.top_k.Div(p)) << 16,
+                                                   args.with_weights ? __float_as_int(args.weights[p]) : 0);
   }
   // Token t's row once to each member that keeps one of its pairs: row me * T + t of the member's slots.
   auto slot_row = [&](int32_t m, int32_t t) {
@@ -264,6 +293,12 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
                              hi - lo);
     }
   }
+  // choice_rows' and choice_weights' "none" entries before the flags: a block writes its rows' entries after
+  // every block's flag.
+  for (int32_t i = thread; i < N * R * k; i += threads) {
+    args.choice_rows[i] = L * NC;
+    if (args.with_weights) args.choice_weights[i] = 0.0f;
+  }
   __syncthreads();  // every thread's writes come before the releases
   if (tid < N) StoreRelease(&args.table->control[tid]->arrived[me][blockIdx.x], epoch);
   if (tid == 0) trace.Sent();
@@ -287,6 +322,10 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
     over = __reduce_add_sync(0xffffffffu, over);
     if (lane == 0) args.dropped[m] = over;
   }
+  for (int32_t i = thread; i < T * N; i += threads) {
+    const int32_t t = i / N, m = i - t * N;
+    args.return_row[i] = counted.goes[t] >> m & 1u ? m * R + row_rank(m, t) : N * R;
+  }
   stamp(kMaskedDispatchResults);
 
   // ---- wait: every member's every block has written its rows and its header here ----
@@ -307,6 +346,14 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
   const uint8_t* rows = mine + call.header_bytes;
   // Clamped: a stale header (a wait that gave up) must not take the rows past the slots.
   for (int32_t i = tid; i < E; i += kThreads) counted.recv[i] = min(max(__ldcg(header + i), 0), C);
+  if (tid == 0) {
+    int32_t running = 0;
+    for (int32_t s = 0; s < N; ++s) {
+      counted.recv_start[s] = running;
+      running += min(max(__ldcg(header + E + s), 0), R);
+    }
+    counted.recv_start[N] = running;
+  }
   __syncthreads();
   for (int32_t e = tid; e < L; e += kThreads) {
     int32_t running = 0;
@@ -319,6 +366,16 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
   __syncthreads();
   for (int32_t i = thread; i < E; i += threads) args.recv_counts[i] = counted.recv[i];
   for (int32_t e = thread; e < L; e += threads) args.group_sizes[e] = counted.group[e];
+  for (int32_t s = thread; s < N; s += threads) args.recv_tokens[s] = counted.recv_start[s + 1] - counted.recv_start[s];
+  for (int32_t q = thread; q < N * R; q += threads) {  // the token rows, packed source-major, for combine's way back
+    int32_t back = N * R;
+    if (q < counted.recv_start[N]) {
+      int32_t s = 0;
+      while (counted.recv_start[s + 1] <= q) ++s;
+      back = s * R + q - counted.recv_start[s];
+    }
+    args.send_back_rows[q] = back;
+  }
   // Row i < group[e] of expert e comes from the last source whose rows start at or before it (empty sources
   // start where their successor does), as its j-th row: the map's entry (s, e, j) names its pair.
   auto entry_of = [&](int32_t e, int32_t i, int32_t& s) {
@@ -335,9 +392,14 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
     if (i < counted.group[e]) {
       int32_t s;
       const int2 word = entry_of(e, i, s);
-      // Unsigned: a stale entry must not overflow.
-      pair = static_cast<int32_t>(static_cast<uint32_t>(s * P) + static_cast<uint32_t>(word.x));
+      const int32_t p = word.x & 0xFFFF, r = static_cast<int32_t>(static_cast<uint32_t>(word.x) >> 16);
+      pair = s * P + p;
       weight = __int_as_float(word.y);
+      if (p < P && r < R) {  // a stale entry (a wait that gave up) writes nowhere
+        const int64_t at = (int64_t{s} * R + r) * k + call.top_k.Mod(p);
+        args.choice_rows[at] = static_cast<int32_t>(x);
+        if (args.with_weights) args.choice_weights[at] = weight;
+      }
     }
     args.row_pair[x] = pair;
     if (args.with_weights) args.recv_weights[x] = weight;
@@ -357,7 +419,7 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
     }
     int32_t s;
     // Clamped: a stale entry (a wait that gave up) must not take the copy past the slots.
-    const uint32_t t = static_cast<uint32_t>(entry_of(e, i, s).x) / static_cast<uint32_t>(k);
+    const uint32_t t = static_cast<uint32_t>(entry_of(e, i, s).x & 0xFFFF) / static_cast<uint32_t>(k);
     const uint8_t* from = rows + (int64_t{s} * T + min(t, static_cast<uint32_t>(T - 1))) * args.wire_row_bytes;
     if constexpr (kOnWire<Rows>) {
       using Token = typename WireOf<Rows>::Token;
@@ -411,10 +473,8 @@ cudaError_t LaunchDispatchOnWire(const DispatchCall& call, int blocks, size_t sh
 
 // ---- combine ----
 
-// Choices of a token loaded together on the token side (their rows' latencies overlap); vectors a lane loads
-// together when it scales a row on the expert side.
+// Choices of a token loaded together on the token side (their rows' latencies overlap).
 constexpr int kChunk = 8;
-constexpr int kScaleBatch = 4;
 
 struct CombineCall {
   MoeMaskedCombineArgs args;
@@ -460,44 +520,19 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedCombineKernel(CombineCall c
   for (int64_t base = first_unit; base < expert_units; base += 32 * warps) {
     const int64_t looked = base + lane * warps;
     int32_t x = 0, tag = none;
-    float weight = 1.0f;
     if (looked < expert_units) {
       const int32_t walked = static_cast<int32_t>(looked / expert.pieces);  // i * L + e
       const int32_t i = call.local.Div(walked), e = walked - i * L;
       x = e * NC + i;
       tag = args.row_pair[x];
-      if (args.expert_weights) weight = args.weights[x];
     }
     for (unsigned live = __ballot_sync(0xffffffffu, tag >= 0 && tag < none); live != 0; live &= live - 1) {
       const int from_lane = __ffs(live) - 1;
       const int64_t unit = base + from_lane * warps;
       const int32_t row = __shfl_sync(0xffffffffu, x, from_lane), pair = __shfl_sync(0xffffffffu, tag, from_lane);
-      const float w = __shfl_sync(0xffffffffu, weight, from_lane);
       const int64_t lo = unit % expert.pieces * expert.piece_len, hi = min(vectors, lo + expert.piece_len);
       const int32_t s = pair / P;
-      const uint4* from = expert_out + int64_t{row} * vectors;
-      uint4* to = slot_row(s, pair - s * P);
-      if (!args.expert_weights) {
-        WarpCopy<uint4, false>(to + lo, from + lo, hi - lo);
-        continue;
-      }
-      // float32(row) * weight, rounded to the row's dtype once.
-      for (int64_t v = lo + lane; v < hi; v += 32 * kScaleBatch) {
-        uint4 in[kScaleBatch];
-#pragma unroll
-        for (int u = 0; u < kScaleBatch; ++u) {
-          if (v + 32 * u < hi) in[u] = from[v + 32 * u];
-        }
-#pragma unroll
-        for (int u = 0; u < kScaleBatch; ++u) {
-          if (v + 32 * u >= hi) continue;
-          float f[V::kCount];
-          V::ToFloat(in[u], f);
-#pragma unroll
-          for (int l = 0; l < V::kCount; ++l) f[l] = __fmul_rn(f[l], w);
-          to[v + 32 * u] = V::FromFloat(f);
-        }
-      }
+      WarpCopy<uint4, false>(slot_row(s, pair - s * P) + lo, expert_out + int64_t{row} * vectors + lo, hi - lo);
     }
   }
   __syncthreads();  // every thread's writes come before the releases
@@ -515,7 +550,7 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedCombineKernel(CombineCall c
     if (unit >= token_units || lane >= k) return;
     const int64_t pair = unit / token.pieces * k + lane;
     slot = args.pair_slot[pair];
-    w = args.expert_weights ? 1.0f : args.weights[pair];
+    w = args.weights[pair];
   };
   int32_t first_slot;
   float first_weight;
@@ -590,8 +625,10 @@ int64_t Align256(int64_t bytes) {
                                                            : (bytes + 255) / 256 * 256;
 }
 
-// The dispatch slots' counts: [N][L] int32, rounded up to 256 bytes.
-int64_t CountsBytes(int size, int64_t local_experts) { return Align256(Saturated(int64_t{size} * 4, local_experts)); }
+// The dispatch slots' counts: [N][L] int32 and [N] token rows, rounded up to 256 bytes.
+int64_t CountsBytes(int size, int64_t local_experts) {
+  return Align256(Saturated(int64_t{size} * 4, SaturatedAdd(local_experts, 1)));
+}
 
 // The counts, then the pair map: [N][L][C] int2 {pair, weight bits}, rounded up to 256 bytes.
 int64_t HeaderBytes(int size, int64_t local_experts, int64_t capacity) {
@@ -614,7 +651,8 @@ int64_t MoeMaskedCombineSlotBytes(int64_t pairs, int64_t hidden, int element_byt
 }
 
 size_t MoeMaskedDispatchSharedBytes(const MoeMaskedDispatchArgs& args) {
-  return static_cast<size_t>(CountedBytes(args.tokens * args.top_k, args.num_experts, args.num_experts / args.size));
+  return static_cast<size_t>(
+      CountedBytes(args.tokens * args.top_k, args.tokens, args.size, args.num_experts, args.num_experts / args.size));
 }
 
 int ChooseMoeMaskedDispatchBlocks(const MoeMaskedDispatchArgs& args, int requested, int sm_count) {
@@ -656,6 +694,7 @@ cudaError_t LaunchMoeMaskedDispatch(const MoeMaskedDispatchArgs& args, int block
                           Divisor(args.top_k),
                           Divisor(E / N),
                           Divisor(N * C),
+                          Divisor(args.tokens),
                           NvlinkLowLatencyAreaBytes(args.size),
                           CountsBytes(args.size, E / N),
                           HeaderBytes(args.size, E / N, C)};
