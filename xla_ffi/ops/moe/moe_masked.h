@@ -7,12 +7,13 @@
 // Dispatch. The sender decides every slot alone: pair p with id in [0, E) goes to member m = id / L, local expert
 // e = id % L, as its j-th pair to that expert (j: earlier pairs of this member with the same id), and is kept
 // if j < C. Every block counts the ids itself, in shared memory (the same counts in each: no grid barrier
-// before the rows go out), and the rank r of each token among those this member sends each member (the token
-// rows' order, which combine's way back keeps). Then each block sends its share: every kept pair's
-// {p | r << 16, weight} into entry (me, e, j) of m's pair map, and token t's row once to each member that keeps
-// one of its pairs, as row me * T + t of that member's slots (so a token with several choices on one member
-// crosses the link once). Block 0 writes this member's kept pairs per (member, expert) and token rows per member
-// into each member's counts first. Each block fills its share of the token rows' "none" entries, raises
+// before the rows go out). Then each block sends its share of the rows: token t's row once to each member that
+// keeps one of its pairs, as row me * T + t of that member's slots (so a token with several choices on one
+// member crosses the link once). While those stores drain it takes the rank r of each token among those this
+// member sends each member (the token rows' order, which combine's way back keeps) and writes its share of the
+// kept pairs' {p | r << 16, weight} into entry (me, e, j) of m's pair map; block 0 writes this member's kept
+// pairs per (member, expert) and token rows per member into each member's counts. Each block fills its share of
+// the token rows' "none" entries, raises
 // arrived[me][b] on every member and writes its share of the token side's results (off the critical path). Once
 // every (source, block) flag holds the call's epoch, every block reads the counts, lays out expert e's rows
 // source by source (source s's from off(e, s), the sum of the earlier sources' counts) and writes its share of
@@ -50,7 +51,8 @@ namespace jax_ncclx {
 enum MoeMaskedDispatchPhase : int {
   kMaskedDispatchStart,    // the block begins
   kMaskedDispatchCounted,  // every pair's rank and the pairs per id, in shared memory
-  kMaskedDispatchSent,     // the header, the block's share of the kept pairs' rows, its flags
+  kMaskedDispatchSent,     // the block's share of the kept pairs' rows, the token rows' ranks, the header and
+                           // map, its flags
   kMaskedDispatchResults,  // the token side's results (the block's share)
   kMaskedDispatchArrived,  // every (member, block) flag seen
   kMaskedDispatchIndexed,  // recv_counts, group_sizes, row_pair and recv_weights written

@@ -75,7 +75,7 @@ struct Counted {
   int32_t* start;       // [L][N] where source s's rows start in expert e's block: off(e, s)
   int32_t* group;       // [L] rows of each local expert
   int32_t* first_row;   // [N + 1] where member m's tokens start in token_row's count, then the total
-  int32_t* recv_start;  // [N + 1] where source s's token rows start among those received, then the total
+  int32_t* delivered;   // [N] token rows each source sent (the header, clamped to R)
   int16_t* id;          // [P] each pair's id, or E for none
   int16_t* rank;        // [P] j: the pair's rank among this member's pairs with its id
   int16_t* token_row;   // [N * T] member-major: first_row[m] + r for the r-th token sent to member m
@@ -88,8 +88,8 @@ __host__ __device__ constexpr int64_t HistogramInts(int64_t pairs, int64_t num_e
 
 __host__ __device__ constexpr int64_t CountedBytes(int64_t pairs, int64_t tokens, int64_t size, int64_t num_experts,
                                                    int64_t local_experts) {
-  // counts, kept_start, recv and start take E each (N * L = E), group L, first_row and recv_start N + 1.
-  const int64_t ints = 4 * num_experts + HistogramInts(pairs, num_experts) + local_experts + 2 * (size + 1);
+  // counts, kept_start, recv and start take E each (N * L = E), group L, first_row N + 1 and delivered N.
+  const int64_t ints = 4 * num_experts + HistogramInts(pairs, num_experts) + local_experts + 2 * size + 1;
   return (ints * 4 + pairs * 4 + tokens * (2 * size + 1) + 15) / 16 * 16;
 }
 
@@ -107,8 +107,8 @@ __device__ Counted LayOutCounted(int32_t* shared, int32_t P, int32_t T, int32_t 
   c.start = c.recv + E;
   c.group = c.start + E;
   c.first_row = c.group + L;
-  c.recv_start = c.first_row + N + 1;
-  c.id = reinterpret_cast<int16_t*>(c.recv_start + N + 1);
+  c.delivered = c.first_row + N + 1;
+  c.id = reinterpret_cast<int16_t*>(c.delivered + N);
   c.rank = c.id + P;
   c.token_row = c.rank + P;
   c.goes = reinterpret_cast<uint8_t*>(c.token_row + N * T);
@@ -225,41 +225,11 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
   }
   if (N * T == 0 && tid <= N) counted.first_row[tid] = 0;
   __syncthreads();
-  // Each token's rank among the tokens sent to each member, member-major: the order of this member's token
-  // rows on every member, and of combine's rows back.
-  ScanBlock<kThreads>(
-      N * T,
-      [&](int32_t i) { return static_cast<int32_t>(counted.goes[call.tokens.Mod(i)] >> call.tokens.Div(i) & 1u); },
-      [&](int32_t i, int32_t start, int32_t goes) {
-        counted.token_row[i] = static_cast<int16_t>(start);
-        if (call.tokens.Mod(i) == 0) counted.first_row[call.tokens.Div(i)] = start;
-        if (i == N * T - 1) counted.first_row[N] = start + goes;
-      },
-      scan);
-  // r of token t among those sent to member m (which must be sent t).
-  auto row_rank = [&](int32_t m, int32_t t) { return counted.token_row[m * T + t] - counted.first_row[m]; };
   if (tid == 0) trace.Ready();
   stamp(kMaskedDispatchCounted);
 
-  // ---- send: this member's counts into every member's header, then the kept pairs' rows ----
-  auto header_of = [&](int32_t m) { return reinterpret_cast<int32_t*>(Slots(args.table, call.slot_base, m, parity)); };
-  if (blockIdx.x == 0) {
-    for (int32_t id = tid; id < E; id += kThreads) {
-      const int32_t m = call.local.Div(id);
-      header_of(m)[me * L + id - m * L] = min(counted.counts[id], C);
-    }
-    for (int32_t m = tid; m < N; m += kThreads) header_of(m)[E + me] = counted.first_row[m + 1] - counted.first_row[m];
-  }
-  // Each kept pair's {p | r << 16, weight} into its member's map, at (me, e, j): the receiver's index of the
-  // rows, and where the pair's token row is among those from this member.
-  for (int32_t p = thread; p < P; p += threads) {
-    const int32_t id = counted.id[p], j = counted.rank[p];
-    if (id >= E || j >= C) continue;
-    const int32_t m = call.local.Div(id), e = id - m * L;
-    int2* map = reinterpret_cast<int2*>(Slots(args.table, call.slot_base + call.counts_bytes, m, parity));
-    map[(int64_t{me} * L + e) * C + j] = make_int2(p | row_rank(m, call.top_k.Div(p)) << 16,
-                                                   args.with_weights ? __float_as_int(args.weights[p]) : 0);
-  }
+  // ---- send: the kept pairs' rows, then (while those stores drain) the token rows' ranks, this member's counts
+  // into every member's header and the pair map ----
   // Token t's row once to each member that keeps one of its pairs: row me * T + t of the member's slots.
   auto slot_row = [&](int32_t m, int32_t t) {
     return Slots(args.table, call.slot_base + call.header_bytes, m, parity) +
@@ -292,6 +262,37 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
       WarpCopy<uint4, false>(reinterpret_cast<uint4*>(slot_row(m, t)) + lo, tokens + int64_t{t} * row_vectors + lo,
                              hi - lo);
     }
+  }
+  // Each token's rank among the tokens sent to each member, member-major: the order of this member's token
+  // rows on every member, and of combine's rows back.
+  ScanBlock<kThreads>(
+      N * T,
+      [&](int32_t i) { return static_cast<int32_t>(counted.goes[call.tokens.Mod(i)] >> call.tokens.Div(i) & 1u); },
+      [&](int32_t i, int32_t start, int32_t goes) {
+        counted.token_row[i] = static_cast<int16_t>(start);
+        if (call.tokens.Mod(i) == 0) counted.first_row[call.tokens.Div(i)] = start;
+        if (i == N * T - 1) counted.first_row[N] = start + goes;
+      },
+      scan);
+  // r of token t among those sent to member m (which must be sent t).
+  auto row_rank = [&](int32_t m, int32_t t) { return counted.token_row[m * T + t] - counted.first_row[m]; };
+  auto header_of = [&](int32_t m) { return reinterpret_cast<int32_t*>(Slots(args.table, call.slot_base, m, parity)); };
+  if (blockIdx.x == 0) {
+    for (int32_t id = tid; id < E; id += kThreads) {
+      const int32_t m = call.local.Div(id);
+      header_of(m)[me * L + id - m * L] = min(counted.counts[id], C);
+    }
+    for (int32_t m = tid; m < N; m += kThreads) header_of(m)[E + me] = counted.first_row[m + 1] - counted.first_row[m];
+  }
+  // Each kept pair's {p | r << 16, weight} into its member's map, at (me, e, j): the receiver's index of the
+  // rows, and where the pair's token row is among those from this member.
+  for (int32_t p = thread; p < P; p += threads) {
+    const int32_t id = counted.id[p], j = counted.rank[p];
+    if (id >= E || j >= C) continue;
+    const int32_t m = call.local.Div(id), e = id - m * L;
+    int2* map = reinterpret_cast<int2*>(Slots(args.table, call.slot_base + call.counts_bytes, m, parity));
+    map[(int64_t{me} * L + e) * C + j] = make_int2(p | row_rank(m, call.top_k.Div(p)) << 16,
+                                                   args.with_weights ? __float_as_int(args.weights[p]) : 0);
   }
   // choice_rows' and choice_weights' "none" entries before the flags: a block writes its rows' entries after
   // every block's flag.
@@ -346,14 +347,7 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
   const uint8_t* rows = mine + call.header_bytes;
   // Clamped: a stale header (a wait that gave up) must not take the rows past the slots.
   for (int32_t i = tid; i < E; i += kThreads) counted.recv[i] = min(max(__ldcg(header + i), 0), C);
-  if (tid == 0) {
-    int32_t running = 0;
-    for (int32_t s = 0; s < N; ++s) {
-      counted.recv_start[s] = running;
-      running += min(max(__ldcg(header + E + s), 0), R);
-    }
-    counted.recv_start[N] = running;
-  }
+  if (tid < N) counted.delivered[tid] = min(max(__ldcg(header + E + tid), 0), R);
   __syncthreads();
   for (int32_t e = tid; e < L; e += kThreads) {
     int32_t running = 0;
@@ -366,13 +360,14 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall
   __syncthreads();
   for (int32_t i = thread; i < E; i += threads) args.recv_counts[i] = counted.recv[i];
   for (int32_t e = thread; e < L; e += threads) args.group_sizes[e] = counted.group[e];
-  for (int32_t s = thread; s < N; s += threads) args.recv_tokens[s] = counted.recv_start[s + 1] - counted.recv_start[s];
+  for (int32_t s = thread; s < N; s += threads) args.recv_tokens[s] = counted.delivered[s];
   for (int32_t q = thread; q < N * R; q += threads) {  // the token rows, packed source-major, for combine's way back
-    int32_t back = N * R;
-    if (q < counted.recv_start[N]) {
-      int32_t s = 0;
-      while (counted.recv_start[s + 1] <= q) ++s;
-      back = s * R + q - counted.recv_start[s];
+    int32_t back = N * R, start = 0;
+    for (int32_t s = 0; s < N; start += counted.delivered[s++]) {
+      if (q < start + counted.delivered[s]) {
+        back = s * R + q - start;
+        break;
+      }
     }
     args.send_back_rows[q] = back;
   }
