@@ -123,8 +123,10 @@ struct DispatchCall {
   int64_t header_bytes;  // HeaderBytes: where the rows start
 };
 
+// One block per SM is all a call takes (every block waits for every other): saying so leaves ptxas the
+// registers to keep the whole kernel out of local memory.
 template <typename Rows>
-__global__ void __launch_bounds__(kThreads) MoeMaskedDispatchKernel(DispatchCall call) {
+__global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchCall call) {
   const MoeMaskedDispatchArgs& args = call.args;
   const int32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int32_t T = static_cast<int32_t>(args.tokens), k = args.top_k, P = T * k;
