@@ -40,6 +40,7 @@ static_assert(kMaxMoeMaskedPairs < 32768 && kMaxRoutingExperts + 32 < 32768, "id
 static_assert(int64_t{kMaxNvlinkRanks} * kMaxMoeMaskedPairs < (int64_t{1} << 31), "row_pair's s * P + p is int32");
 static_assert(int64_t{kMaxNvlinkRanks} * kMaxMoeMaskedPairs < 32768, "token rows are counted in int16");
 static_assert(kMaxMoeMaskedPairs <= 65536, "a map entry holds p | r << 16");
+static_assert(kMaxNvlinkRanks <= 8, "a token's members are kept in a byte");
 
 using BlockScan = cub::BlockScan<int32_t, kThreads>;
 
@@ -627,7 +628,7 @@ int64_t CountsBytes(int size, int64_t local_experts) {
   return Align256(Saturated(int64_t{size} * 4, SaturatedAdd(local_experts, 1)));
 }
 
-// The counts, then the pair map: [N][L][C] int2 {pair, weight bits}, rounded up to 256 bytes.
+// The counts, then the pair map: [N][L][C] int2 {p | r << 16, weight bits}, rounded up to 256 bytes.
 int64_t HeaderBytes(int size, int64_t local_experts, int64_t capacity) {
   const int64_t entries = Saturated(Saturated(local_experts, size), capacity);
   return SaturatedAdd(CountsBytes(size, local_experts), Align256(Saturated(entries, 8)));
