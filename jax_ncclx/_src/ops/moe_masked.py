@@ -161,18 +161,22 @@ def _dispatch_fwd(tokens, weights, expert_ids, num_experts, axis_name, capacity,
 
 
 def _dispatch_bwd(num_experts, axis_name, capacity, wire_dtype, residuals, cotangents):
-    """Each row's cotangent goes back to its pair and the token side sums its pairs; the weights' cotangents go
-    back the same way, one float32 column. The 8-bit wire counts as the identity."""
+    """As the packed layout's: the rows' cotangents go back summed per token on the expert side (one row per
+    token and member, in float32, rounded to the rows' dtype; the token side adds the members' rows in
+    float32), and the weights' cotangents go back as rows of k float32. The 8-bit wire counts as the
+    identity."""
     handle, weights = residuals
     ct_rows, _, ct_handle = cotangents
-    num_tokens, top_k = handle.pair_slot.shape[0] // handle.top_k, handle.top_k
-    per_pair = gather_pairs(ct_rows, handle)
-    ct_tokens = per_pair.astype(jnp.float32).reshape(num_tokens, top_k, -1).sum(axis=1).astype(ct_rows.dtype)
+    local, rows, width = ct_rows.shape
+    routing = (handle.recv_tokens, handle.send_back_rows, handle.return_row, handle.axis_name)
+    ct_tokens = moe_combine.reduce_back(ct_rows.reshape(local * rows, width), handle.choice_rows, None, *routing)
     ct_weights = None
     if weights is not None:
-        ct_weights = gather_pairs(ct_handle.recv_weights[..., None], handle).reshape(num_tokens, top_k)
+        # The weights reach the handle twice, per expert row and per choice: both cotangents, per choice.
+        per_row = jnp.take(ct_handle.recv_weights.reshape(-1), handle.choice_rows, mode="fill", fill_value=0)
+        ct_weights = moe_combine.return_per_token(ct_handle.choice_weights + per_row, *routing)
         ct_weights = ct_weights.astype(weights.dtype)
-    return ct_tokens, ct_weights, None
+    return ct_tokens.astype(ct_rows.dtype), ct_weights, None
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
