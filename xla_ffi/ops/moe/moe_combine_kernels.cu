@@ -117,13 +117,7 @@ __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
                         : static_cast<int32_t>(n * R);
   }
   // Every member's every block has written its rows here.
-  const int grid = static_cast<int>(gridDim.x);
-  bool came = true;
-  for (int flag = threadIdx.x; came && flag < n * grid; flag += kThreads) {
-    const int member = flag / grid;
-    came = patience.AtLeast(&args.control->arrived[member][flag % grid], epoch, member);
-  }
-  __syncthreads_or(!came);  // a wait that gave up leaves stale rows, never a hang
+  WaitForEveryBlock<kThreads>(patience, args.control, n, epoch);
   if (threadIdx.x == 0) trace.DataArrived();
 
   // Each lane adds kTokenVectors vectors of every member at once: with few members one row per token is

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "common/device_sync.cuh"
 #include "common/symmetric_layout.h"
 #include "ops/moe/moe_routing.h"
 
@@ -109,6 +110,20 @@ __device__ int32_t ScanBlock(int32_t n, Value value, Emit emit,
   }
   __syncthreads();  // emit's writes are visible, and the storage may be used again
   return total;
+}
+
+// Waits until every (member, block) arrival flag of this call holds `epoch`, the block's threads sharing the
+// N * gridDim.x flags, then meets at a barrier. A wait that gave up leaves stale rows, never a hang.
+template <int kBlockThreads>
+__device__ __forceinline__ void WaitForEveryBlock(Patience<>& patience, const SymmetricControl* control, int size,
+                                                  uint64_t epoch) {
+  const int grid = static_cast<int>(gridDim.x);
+  bool came = true;
+  for (int flag = threadIdx.x; came && flag < size * grid; flag += kBlockThreads) {
+    const int member = flag / grid;
+    came = patience.AtLeast(&control->arrived[member][flag % grid], epoch, member);
+  }
+  __syncthreads_or(!came);
 }
 
 // Where the slots at `base` of `owner`'s symmetric memory start for calls of `parity`.

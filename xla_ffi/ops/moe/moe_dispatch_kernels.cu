@@ -422,13 +422,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   stamp(kPhaseSent);
 
   // ---- wait: every member's every block has written its rows here ----
-  const int grid = static_cast<int>(gridDim.x);
-  bool came = true;
-  for (int flag = tid; came && flag < N * grid; flag += kThreads) {
-    const int member = flag / grid;
-    came = patience.AtLeast(&args.control->arrived[member][flag % grid], epoch, member);
-  }
-  __syncthreads_or(!came);  // a wait that gave up leaves stale rows, never a hang
+  WaitForEveryBlock<kThreads>(patience, args.control, N, epoch);
   if (tid == 0) trace.DataArrived();
   stamp(kPhaseArrived);
 

@@ -333,13 +333,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
   stamp(kMaskedDispatchResults);
 
   // ---- wait: every member's every block has written its rows and its header here ----
-  const int grid = static_cast<int>(gridDim.x);
-  bool came = true;
-  for (int flag = tid; came && flag < N * grid; flag += kThreads) {
-    const int member = flag / grid;
-    came = patience.AtLeast(&args.control->arrived[member][flag % grid], epoch, member);
-  }
-  __syncthreads_or(!came);  // a wait that gave up leaves stale rows, never a hang
+  WaitForEveryBlock<kThreads>(patience, args.control, N, epoch);
   if (tid == 0) trace.DataArrived();
   stamp(kMaskedDispatchArrived);
 
@@ -553,13 +547,7 @@ __global__ void __launch_bounds__(kThreads) MoeMaskedCombineKernel(CombineCall c
   int32_t first_slot;
   float first_weight;
   choice(first_unit, first_slot, first_weight);
-  const int grid = static_cast<int>(gridDim.x);
-  bool came = true;
-  for (int flag = tid; came && flag < N * grid; flag += kThreads) {
-    const int member = flag / grid;
-    came = patience.AtLeast(&args.control->arrived[member][flag % grid], epoch, member);
-  }
-  __syncthreads_or(!came);  // a wait that gave up leaves stale rows, never a hang
+  WaitForEveryBlock<kThreads>(patience, args.control, N, epoch);
   if (tid == 0) trace.DataArrived();
   stamp(kMaskedCombineArrived);
 
