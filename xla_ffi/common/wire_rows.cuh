@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -32,6 +33,33 @@ struct WireOf<Wire<T, F>> {
   using Token = T;
   static constexpr __nv_fp8_interpretation_t kFormat = F;
 };
+
+// launch(Rows{}) for the Rows of a call's wire and tokens' dtype: Plain without an 8-bit wire, else
+// Wire<token type, format>. cudaErrorInvalidValue for a wire or dtype that names none.
+template <typename Launch>
+cudaError_t WithRows(MoeWire wire, FloatType token_type, Launch launch) {
+  auto on_wire = [&](auto format) -> cudaError_t {
+    constexpr __nv_fp8_interpretation_t kFormat = decltype(format)::value;
+    switch (token_type) {
+      case FloatType::kF32:
+        return launch(Wire<float, kFormat>{});
+      case FloatType::kBF16:
+        return launch(Wire<__nv_bfloat16, kFormat>{});
+      case FloatType::kF16:
+        return launch(Wire<__half, kFormat>{});
+    }
+    return cudaErrorInvalidValue;
+  };
+  switch (wire) {
+    case MoeWire::kNone:
+      return launch(Plain{});
+    case MoeWire::kE4M3:
+      return on_wire(std::integral_constant<__nv_fp8_interpretation_t, __NV_E4M3>{});
+    case MoeWire::kE5M2:
+      return on_wire(std::integral_constant<__nv_fp8_interpretation_t, __NV_E5M2>{});
+  }
+  return cudaErrorInvalidValue;
+}
 
 __device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }

@@ -126,6 +126,22 @@ __device__ __forceinline__ void WaitForEveryBlock(Patience<>& patience, const Sy
   __syncthreads_or(!came);
 }
 
+// Launches kernel<<<blocks, threads, shared>>>(call). A kernel whose dynamic shared memory, with its
+// `static_bytes`, passes the 48 KiB every kernel gets must opt in first: always to `most`, the most any call
+// takes, so that calls of other sizes (on other streams, or replayed from graphs) never lower the limit.
+template <typename Call>
+cudaError_t LaunchOptingIn(void (*kernel)(Call), int blocks, int threads, size_t shared, size_t static_bytes,
+                           size_t most, cudaStream_t stream, const Call& call) {
+  constexpr size_t kDefaultSharedBytes = 48 * 1024;
+  if (shared + static_bytes > kDefaultSharedBytes) {
+    const cudaError_t opted = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(most));
+    if (opted != cudaSuccess) return opted;
+  }
+  kernel<<<blocks, threads, shared, stream>>>(call);
+  return cudaGetLastError();
+}
+
 // Where the slots at `base` of `owner`'s symmetric memory start for calls of `parity`.
 __device__ __forceinline__ uint8_t* Slots(const PeerTable* table, int64_t base, int owner, int parity) {
   return table->data[owner] + parity * table->parity_half_bytes + base;

@@ -28,7 +28,6 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int64_t kHeaderBytes = 256;              // a 16-byte token count per source, ahead of the rows
-constexpr size_t kDefaultSharedBytes = 48 * 1024;  // shared memory a kernel gets without opting in
 static_assert(16 * kMaxNvlinkRanks <= kHeaderBytes);
 static_assert(kMaxMoeDispatchBlocks <= kMaxFlagGroups);
 
@@ -630,36 +629,6 @@ int ChooseMoeDispatchBlocks(const MoeDispatchArgs& args, int requested, int sm_c
   return static_cast<int>(std::clamp<int64_t>(requested > 0 ? requested : by_size, 1, cap));
 }
 
-namespace {
-
-template <typename Rows>
-cudaError_t Launch(const Call& call, int blocks, size_t shared, cudaStream_t stream) {
-  // Past the default (with the scan's static storage), the kernel must opt in: always to the most any call
-  // takes, so that calls of other sizes (on other streams, or replayed from graphs) never lower the limit.
-  if (shared + sizeof(BlockScan::TempStorage) > kDefaultSharedBytes) {
-    const cudaError_t opted = cudaFuncSetAttribute(MoeDispatchKernel<Rows>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   static_cast<int>(kMostSharedBytes));
-    if (opted != cudaSuccess) return opted;
-  }
-  MoeDispatchKernel<Rows><<<blocks, kThreads, shared, stream>>>(call);
-  return cudaGetLastError();
-}
-
-template <__nv_fp8_interpretation_t kFormat>
-cudaError_t LaunchOnWire(const Call& call, int blocks, size_t shared, cudaStream_t stream) {
-  switch (call.args.token_type) {
-    case FloatType::kF32:
-      return Launch<Wire<float, kFormat>>(call, blocks, shared, stream);
-    case FloatType::kBF16:
-      return Launch<Wire<__nv_bfloat16, kFormat>>(call, blocks, shared, stream);
-    case FloatType::kF16:
-      return Launch<Wire<__half, kFormat>>(call, blocks, shared, stream);
-  }
-  return cudaErrorInvalidValue;
-}
-
-}  // namespace
-
 cudaError_t LaunchMoeDispatch(const MoeDispatchArgs& args, int blocks, cudaStream_t stream) {
   const int64_t local = args.num_experts / args.size, R = std::min(args.capacity, args.tokens);
   const Divisors by{Divisor(args.top_k), Divisor(local), Divisor(args.tokens), Divisor(R * args.top_k),
@@ -678,15 +647,10 @@ cudaError_t LaunchMoeDispatch(const MoeDispatchArgs& args, int blocks, cudaStrea
   }
   const size_t shared = SharedBytes(args);
   if (shared > kMostSharedBytes) return cudaErrorInvalidValue;
-  switch (args.wire) {
-    case MoeWire::kNone:
-      return Launch<Plain>(call, blocks, shared, stream);
-    case MoeWire::kE4M3:
-      return LaunchOnWire<__NV_E4M3>(call, blocks, shared, stream);
-    case MoeWire::kE5M2:
-      return LaunchOnWire<__NV_E5M2>(call, blocks, shared, stream);
-  }
-  return cudaErrorInvalidValue;
+  return WithRows(args.wire, args.token_type, [&](auto rows) {
+    return LaunchOptingIn(MoeDispatchKernel<decltype(rows)>, blocks, kThreads, shared, sizeof(BlockScan::TempStorage),
+                          kMostSharedBytes, stream, call);
+  });
 }
 
 }  // namespace jax_ncclx
