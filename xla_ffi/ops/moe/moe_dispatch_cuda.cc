@@ -16,6 +16,7 @@
 #include "common/symmetric.h"
 #include "common/watchdog.h"
 #include "ops/moe/moe_dispatch.h"
+#include "ops/moe/moe_dispatch_checks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ncclx {
@@ -58,15 +59,10 @@ ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Any
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   const int64_t n = symmetric->size;
-  const auto token_dims = tokens.dimensions();
-  const auto id_dims = expert_ids.dimensions();
-  if (token_dims.size() != 2 || id_dims.size() != 2 || id_dims[0] != token_dims[0]) {
-    return InvalidArgument(kOp, "tokens must be [T, H] and expert_ids [T, k], got " + DimsString(token_dims) + " and " +
-                                    DimsString(id_dims));
-  }
-  NCCLX_RETURN_IF_ERROR(CheckDtype(kOp, "expert_ids", expert_ids, ffi::S32));
-  const int64_t T = token_dims[0], H = token_dims[1], k = id_dims[1];
-  const int64_t element_bytes = ffi::ByteWidth(tokens.element_type());
+  ffi::ErrorOr<DispatchOperands> read = ReadDispatchOperands(kOp, tokens, expert_ids, weights_arg, wire,
+                                                             /*float_tokens=*/false);
+  if (read.has_error()) return read.error();
+  const int64_t T = read->tokens, H = read->hidden, k = read->top_k;
   if (num_experts < 1 || num_experts % n != 0 || num_experts > kMaxRoutingExperts || capacity < 1 ||
       n * capacity > kMaxCapacity) {
     return InvalidArgument(kOp, "num_experts " + std::to_string(num_experts) +
@@ -75,37 +71,13 @@ ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Any
                                     std::to_string(capacity) + ") at most " + std::to_string(kMaxCapacity));
   }
   if (k < 1 || k > kMaxMoeDispatchTopK || T * k > kMaxMoeDispatchPairs || n * T > kMaxMoeDispatchMemberTokens ||
-      (H * element_bytes) % 16 != 0) {
+      read->row_bytes % 16 != 0) {
     return InvalidArgument(kOp, "the NVLink kernel takes top-k 1 to " + std::to_string(kMaxMoeDispatchTopK) +
                                     ", at most " + std::to_string(kMaxMoeDispatchPairs) + " pairs and " +
                                     std::to_string(kMaxMoeDispatchMemberTokens) +
                                     " (member, token) pairs, and rows of a multiple of 16 bytes; got T = " +
                                     std::to_string(T) + ", k = " + std::to_string(k) + ", rows of " +
-                                    std::to_string(H * element_bytes) + " bytes (larger calls take the chain)");
-  }
-  if (!ValidMoeWire(wire)) {
-    return InvalidArgument(kOp, "wire " + std::to_string(static_cast<int>(wire)) + " is not a MoeWire (contract.h)");
-  }
-  FloatType token_type = FloatType::kF32;
-  const int64_t wire_row_bytes = MoeDispatchWireRowBytes(H, element_bytes, wire);
-  if (wire != MoeWire::kNone) {
-    ffi::ErrorOr<FloatType> type = WireTokenType(kOp, "tokens", tokens.element_type());
-    if (type.has_error()) return type.error();
-    token_type = *type;
-    if (H % kMoeWireBlock != 0 || wire_row_bytes % 16 != 0) {
-      return InvalidArgument(kOp, "the NVLink kernel's 8-bit wire takes H a multiple of " +
-                                      std::to_string(kMoeWireBlock) + " whose wire row (" +
-                                      std::to_string(wire_row_bytes) + " bytes) is a multiple of 16; got H = " +
-                                      std::to_string(H) + " (other rows take the chain)");
-    }
-  }
-  const bool with_weights = weights_arg.size() > 0;
-  const float* weights = nullptr;
-  if (with_weights) {
-    ffi::ErrorOr<ffi::AnyBuffer> buffer = weights_arg.get<ffi::AnyBuffer>(0);
-    if (buffer.has_error()) return buffer.error();
-    NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "weights", *buffer, ffi::F32, {T, k}));
-    weights = static_cast<const float*>(buffer->untyped_data());
+                                    std::to_string(read->row_bytes) + " bytes (larger calls take the chain)");
   }
   MoeDispatchArgs args;
   args.rank = symmetric->rank;
@@ -114,11 +86,11 @@ ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Any
   args.tokens = T;
   args.num_experts = num_experts;
   args.capacity = capacity;
-  args.row_bytes = H * element_bytes;
+  args.row_bytes = read->row_bytes;
   args.wire = wire;
-  args.token_type = token_type;
-  args.wire_row_bytes = wire_row_bytes;
-  args.with_weights = with_weights;
+  args.token_type = read->token_type;
+  args.wire_row_bytes = read->wire_row_bytes;
+  args.with_weights = read->weights != nullptr;
   const PlanSendsShape shape = args.plan_shape();
   const int64_t L = num_experts / n, NC = n * capacity, R = shape.rows_per_member(), S = shape.num_rows();
   NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "expert_rows", *expert_rows, tokens.element_type(), {NC, H}));
@@ -138,7 +110,7 @@ ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Any
   NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "pair_entry", *pair_entry, ffi::S32, {NC}));
   NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "row_pairs", *row_pairs, ffi::S32, {n * R, k}));
   NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "send_back_rows", *send_back_rows, ffi::S32, {n * R}));
-  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "recv_weights", *recv_weights, ffi::F32, {n * R, with_weights ? k : 0}));
+  NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "recv_weights", *recv_weights, ffi::F32, {n * R, args.with_weights ? k : 0}));
   NCCLX_RETURN_IF_ERROR(CheckNvlinkFault(kOp, comm_id, *symmetric));
 
   args.trace = attrs.trace_device;
@@ -146,7 +118,7 @@ ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Any
   args.timeout_ns = static_cast<uint64_t>(attrs.timeout_ms) * 1000000;
   args.tokens_in = tokens.untyped_data();
   args.expert_ids = static_cast<const int32_t*>(expert_ids.untyped_data());
-  args.weights = weights;
+  args.weights = read->weights;
   args.expert_rows = expert_rows->untyped_data();
   args.plan.order = Ints(order);
   args.plan.send_counts = Ints(send_counts);
@@ -167,7 +139,7 @@ ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Any
   args.placed.recv_weights = static_cast<float*>(recv_weights->untyped_data());
   args.table = symmetric->table;
   args.control = symmetric->control;
-  const int64_t need = MoeDispatchSlotBytes(args.size, R, args.top_k, args.wire_row_bytes, with_weights);
+  const int64_t need = MoeDispatchSlotBytes(args.size, R, args.top_k, args.wire_row_bytes, args.with_weights);
   if (need > symmetric->parity_half_bytes) {
     return Internal(kOp, "the symmetric low-latency slots hold " + std::to_string(symmetric->parity_half_bytes) +
                              " bytes per call parity but this call needs " + std::to_string(need) +

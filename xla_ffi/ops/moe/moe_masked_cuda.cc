@@ -19,6 +19,7 @@
 #include "common/symmetric.h"
 #include "common/watchdog.h"
 #include "ops/moe/moe_dispatch.h"
+#include "ops/moe/moe_dispatch_checks.h"
 #include "ops/moe/moe_masked.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -71,20 +72,11 @@ ffi::Error MoeMaskedDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ff
   ffi::ErrorOr<SymmetricRank> symmetric = LookupSymmetric(kOp, comm_id, device_ordinal);
   if (symmetric.has_error()) return symmetric.error();
   const int64_t n = symmetric->size;
-  const auto token_dims = tokens.dimensions();
-  const auto id_dims = expert_ids.dimensions();
-  if (token_dims.size() != 2 || id_dims.size() != 2 || id_dims[0] != token_dims[0]) {
-    return InvalidArgument(kOp, "tokens must be [T, H] and expert_ids [T, k], got " + DimsString(token_dims) + " and " +
-                                    DimsString(id_dims));
-  }
-  NCCLX_RETURN_IF_ERROR(CheckDtype(kOp, "expert_ids", expert_ids, ffi::S32));
-  ffi::ErrorOr<FloatType> token_type = WireTokenType(kOp, "tokens", tokens.element_type());
-  if (token_type.has_error()) {
-    return InvalidArgument(kOp, "the NVLink kernel takes f32, bf16 or f16 tokens, got " +
-                                    std::string(DataTypeName(tokens.element_type())) + " (others take the chain)");
-  }
-  const int64_t T = token_dims[0], H = token_dims[1], k = id_dims[1];
-  const int64_t element_bytes = ffi::ByteWidth(tokens.element_type());
+  ffi::ErrorOr<DispatchOperands> read = ReadDispatchOperands(kOp, tokens, expert_ids, weights_arg, wire,
+                                                             /*float_tokens=*/true);
+  if (read.has_error()) return read.error();
+  const int64_t T = read->tokens, H = read->hidden, k = read->top_k;
+  const bool with_weights = read->weights != nullptr;
   if (num_experts < 1 || num_experts % n != 0 || num_experts > kMaxRoutingExperts || capacity < 1 ||
       capacity > kMaxCapacity / num_experts) {
     return InvalidArgument(kOp, "num_experts " + std::to_string(num_experts) +
@@ -92,34 +84,12 @@ ffi::Error MoeMaskedDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ff
                                     std::to_string(kMaxRoutingExperts) + ", and num_experts * capacity (capacity " +
                                     std::to_string(capacity) + ") from 1 to " + std::to_string(kMaxCapacity));
   }
-  if (k < 1 || k > kMaxMoeMaskedTopK || T * k > kMaxMoeMaskedPairs || (H * element_bytes) % 16 != 0) {
+  if (k < 1 || k > kMaxMoeMaskedTopK || T * k > kMaxMoeMaskedPairs || read->row_bytes % 16 != 0) {
     return InvalidArgument(kOp, "the NVLink kernel takes top-k 1 to " + std::to_string(kMaxMoeMaskedTopK) +
                                     ", at most " + std::to_string(kMaxMoeMaskedPairs) +
                                     " pairs (T * k) and rows of a multiple of 16 bytes; got T = " + std::to_string(T) +
-                                    ", k = " + std::to_string(k) + ", rows of " + std::to_string(H * element_bytes) +
+                                    ", k = " + std::to_string(k) + ", rows of " + std::to_string(read->row_bytes) +
                                     " bytes (larger calls take the chain)");
-  }
-  if (!ValidMoeWire(wire)) {
-    return InvalidArgument(kOp, "wire " + std::to_string(static_cast<int>(wire)) + " is not a MoeWire (contract.h)");
-  }
-  const int64_t wire_row_bytes = MoeDispatchWireRowBytes(H, element_bytes, wire);
-  if (wire != MoeWire::kNone && (H % kMoeWireBlock != 0 || wire_row_bytes % 16 != 0)) {
-    return InvalidArgument(kOp, "the NVLink kernel's 8-bit wire takes H a multiple of " +
-                                    std::to_string(kMoeWireBlock) + " whose wire row (" +
-                                    std::to_string(wire_row_bytes) + " bytes) is a multiple of 16; got H = " +
-                                    std::to_string(H) + " (other rows take the chain)");
-  }
-  const bool with_weights = weights_arg.size() > 0;
-  const float* weights = nullptr;
-  if (weights_arg.size() > 1) {
-    return InvalidArgument(kOp, "takes tokens, expert_ids and at most one weights operand, got " +
-                                    std::to_string(2 + weights_arg.size()) + " operands");
-  }
-  if (with_weights) {
-    ffi::ErrorOr<ffi::AnyBuffer> buffer = weights_arg.get<ffi::AnyBuffer>(0);
-    if (buffer.has_error()) return buffer.error();
-    NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "weights", *buffer, ffi::F32, {T, k}));
-    weights = static_cast<const float*>(buffer->untyped_data());
   }
   const int64_t L = num_experts / n, NC = n * capacity, P = T * k, R = std::min(T, L * capacity);
   NCCLX_RETURN_IF_ERROR(CheckBuffer(kOp, "expert_rows", *expert_rows, tokens.element_type(), {L, NC, H}));
@@ -145,17 +115,17 @@ ffi::Error MoeMaskedDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ff
   args.tokens = T;
   args.num_experts = num_experts;
   args.capacity = capacity;
-  args.row_bytes = H * element_bytes;
+  args.row_bytes = read->row_bytes;
   args.wire = wire;
-  args.token_type = *token_type;
-  args.wire_row_bytes = wire_row_bytes;
+  args.token_type = read->token_type;
+  args.wire_row_bytes = read->wire_row_bytes;
   args.with_weights = with_weights;
   args.trace = attrs.trace_device;
   args.site = attrs.site;
   args.timeout_ns = static_cast<uint64_t>(attrs.timeout_ms) * 1000000;
   args.tokens_in = tokens.untyped_data();
   args.expert_ids = static_cast<const int32_t*>(expert_ids.untyped_data());
-  args.weights = weights;
+  args.weights = read->weights;
   args.expert_rows = expert_rows->untyped_data();
   args.group_sizes = Ints(group_sizes);
   args.send_pairs = Ints(send_pairs);
@@ -172,8 +142,9 @@ ffi::Error MoeMaskedDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ff
   args.return_row = Ints(return_row);
   args.table = symmetric->table;
   args.control = symmetric->control;
-  NCCLX_RETURN_IF_ERROR(
-      CheckSlots(kOp, MoeMaskedDispatchSlotBytes(args.size, args.tokens, L, capacity, wire_row_bytes), *symmetric));
+  NCCLX_RETURN_IF_ERROR(CheckSlots(kOp,
+                                   MoeMaskedDispatchSlotBytes(args.size, args.tokens, L, capacity, args.wire_row_bytes),
+                                   *symmetric));
   ffi::ErrorOr<int> sm_count = SmCount(kOp, device_ordinal);
   if (sm_count.has_error()) return sm_count.error();
   const int grid = ChooseMoeMaskedDispatchBlocks(args, RequestedBlocks(blocks), *sm_count);
