@@ -90,6 +90,27 @@ def oneshot_protocol(op: str, nbytes: int, size: int, settings: config.Config) -
     return contract.NVLINK_PROTOCOLS.index(protocol)
 
 
+def kernel_route(op: str, comm_id: int, misfit: str | None, slot_bytes: int, *, label: str | None = None,
+                 most_slot_bytes: int | None = None, operands: tuple[int, ...] | None = None) -> CudaRoute | None:
+    """The route of ``op``'s one-kernel path (the MoE kernels), or None, which lowers the exchange chain: where
+    ``misfit`` says why the kernel cannot take the call, where its ``slot_bytes`` per call parity pass
+    ``most_slot_bytes``, where the transport is NCCL or where :func:`usable` says no. A misfit is logged at
+    debug level, naming ``label`` (default ``op``). The handler takes ``blocks`` (``nvlink_blocks``) and
+    ``operands`` (default: every operand)."""
+    settings = config.current()
+    if settings.transport == "nccl":
+        return None
+    if misfit is None and most_slot_bytes is not None and slot_bytes > most_slot_bytes:
+        misfit = f"slots of {slot_bytes} bytes (more than the kernel's {most_slot_bytes})"
+    if misfit is not None:
+        logger.debug("jax_ncclx: %s takes the exchange chain: %s", label or op, misfit)
+        return None
+    if not usable(op, comm_id):
+        return None
+    return CudaRoute("nvlink", dict(blocks=np.int64(settings.nvlink_blocks)), slot_bytes=slot_bytes,
+                     operands=operands)
+
+
 def route_of(op: str) -> Callable[..., CudaRoute]:
     """The ``cuda_route`` of :func:`lowering.register_lowerings` for the dense op ``op``: its route does not
     depend on the primitive's params (an all_reduce's reduction included)."""

@@ -27,13 +27,10 @@ Sharding model: every operand varies over the axis, and so does the result. Batc
 vmapped. No AD rules: ``jax_ncclx.moe.combine``'s custom VJP differentiates it.
 """
 
-import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ncclx._src import config
 from jax_ncclx._src import contract
 from jax_ncclx._src import lib
 from jax_ncclx._src import lowering
@@ -41,7 +38,6 @@ from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
 from jax_ncclx._src.ops.all_to_allv_dynamic import all_to_allv_dynamic
 
-logger = logging.getLogger("jax_ncclx")
 
 # The most bytes of rows one member's share of the kernel's slots may hold (R rows of H'). The slots stay in
 # symmetric memory for the communicator's life, two calls' worth (2 * N * R * H' bytes), where the exchange
@@ -126,28 +122,19 @@ def _route(ctx, comm_id, size):
     """The NVLink kernel's route, or None (the exchange chain) where it cannot run."""
     expert_out, row_pairs = ctx.avals_in[0], ctx.avals_in[1]
     dtype, hidden = np.dtype(expert_out.dtype), expert_out.shape[1]
-    settings = config.current()
-    if settings.transport == "nccl":
-        return None
     module = lib.cuda_module()
-    if dtype.name not in contract.FLOAT_TYPES or hidden * dtype.itemsize % 16:
-        logger.debug("jax_ncclx: moe.combine of %s rows of %d takes the exchange chain: the NVLink kernel moves "
-                     "float32, bfloat16 and float16 rows of a multiple of 16 bytes", dtype, hidden)
-        return None
-    if row_pairs.shape[1] > module.MOE_COMBINE_MAX_TOP_K:
-        logger.debug("jax_ncclx: moe.combine of top-%d takes the exchange chain: the NVLink kernel takes up to "
-                     "top-%d", row_pairs.shape[1], module.MOE_COMBINE_MAX_TOP_K)
-        return None
     rows_per_member = row_pairs.shape[0] // size
-    if rows_per_member * hidden * dtype.itemsize > KERNEL_MAX_MEMBER_BYTES:
-        logger.debug("jax_ncclx: moe.combine takes the exchange chain: %d rows of %d bytes per member are more than "
-                     "the kernel's %d", rows_per_member, hidden * dtype.itemsize, KERNEL_MAX_MEMBER_BYTES)
-        return None
-    slots = module.moe_combine_slot_bytes(size, rows_per_member, hidden, dtype.itemsize)
-    if not nvlink.usable("moe.combine", comm_id):
-        return None
-    return lowering.CudaRoute("nvlink", dict(blocks=np.int64(settings.nvlink_blocks)), slot_bytes=slots,
-                              operands=(0, 1, 2, 3, 5))  # send_back_rows is the chain's only
+    why = None
+    if dtype.name not in contract.FLOAT_TYPES or hidden * dtype.itemsize % 16:
+        why = f"{dtype} rows of {hidden} (the kernel moves float32, bfloat16 and float16 rows of 16-byte multiples)"
+    elif row_pairs.shape[1] > module.MOE_COMBINE_MAX_TOP_K:
+        why = f"top-{row_pairs.shape[1]} (the kernel takes up to top-{module.MOE_COMBINE_MAX_TOP_K})"
+    elif rows_per_member * hidden * dtype.itemsize > KERNEL_MAX_MEMBER_BYTES:
+        why = (f"{rows_per_member} rows of {hidden * dtype.itemsize} bytes per member (more than the kernel's "
+               f"{KERNEL_MAX_MEMBER_BYTES})")
+    slots = module.moe_combine_slot_bytes(size, rows_per_member, hidden, dtype.itemsize) if why is None else 0
+    return nvlink.kernel_route("moe.combine", comm_id, why, slots,
+                               operands=(0, 1, 2, 3, 5))  # send_back_rows is the chain's only
 
 
 moe_combine_p.def_effectful_abstract_eval(_moe_combine_abstract_eval)

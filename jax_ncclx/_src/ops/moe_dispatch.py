@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ncclx._src import config
 from jax_ncclx._src import contract
 from jax_ncclx._src import lib
 from jax_ncclx._src import lowering
@@ -223,19 +222,12 @@ def _route(ctx, comm_id, size, *, num_experts, num_members, capacity, wire_dtype
     (num_tokens, hidden), top_k = tokens.shape, expert_ids.shape[1]
     element_bytes = np.dtype(tokens.dtype).itemsize
     with_weights = len(ctx.avals_in) > 2
-    if config.current().transport == "nccl":
-        return None
     module = lib.cuda_module()
     wire_row_bytes = module.moe_dispatch_wire_row_bytes(hidden, element_bytes, _wire(wire_dtype))
     rows_per_member = min(capacity, num_tokens)
     why = _kernel_misfit(module, tokens, top_k, size, rows_per_member, wire_dtype, wire_row_bytes)
-    if why is not None:
-        logger.debug("jax_ncclx: moe.dispatch takes the exchange chain: %s", why)
-        return None
     slots = module.moe_dispatch_slot_bytes(size, rows_per_member, top_k, wire_row_bytes, with_weights)
-    if not nvlink.usable("moe.dispatch", comm_id):
-        return None
-    return lowering.CudaRoute("nvlink", dict(blocks=np.int64(config.current().nvlink_blocks)), slot_bytes=slots)
+    return nvlink.kernel_route("moe.dispatch", comm_id, why, slots)
 
 
 def _kernel_misfit(module, tokens, top_k, size, rows_per_member, wire_dtype, wire_row_bytes) -> str | None:

@@ -52,7 +52,6 @@ exchange chain with the handle's routing, so counts are never exchanged again.
 
 import dataclasses
 import functools
-import logging
 from collections.abc import Hashable
 from typing import NamedTuple
 
@@ -60,7 +59,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ncclx._src import config
 from jax_ncclx._src import contract
 from jax_ncclx._src import lib
 from jax_ncclx._src import lowering
@@ -72,7 +70,6 @@ from jax_ncclx._src.ops.moe_combine import gather_rows
 from jax_ncclx._src.ops.take_rows import encode_misfit
 from jax_ncclx._src.ops.take_rows import take_rows
 
-logger = logging.getLogger("jax_ncclx")
 
 # The most bytes the dispatch kernel's slots may take per call parity (L * N * C wire rows): decode sizes.
 # Larger calls take the exchange chain, whose buffers are XLA temporaries rather than symmetric memory.
@@ -500,8 +497,6 @@ def _dispatch_route(ctx, comm_id, size, *, num_experts, num_members, capacity, w
     tokens, expert_ids = ctx.avals_in[0], ctx.avals_in[1]
     (num_tokens, hidden), top_k = tokens.shape, expert_ids.shape[1]
     dtype = np.dtype(tokens.dtype)
-    if config.current().transport == "nccl":
-        return None
     module = lib.cuda_module()
     wire_row_bytes = module.moe_dispatch_wire_row_bytes(hidden, dtype.itemsize, moe_dispatch._wire(wire_dtype))
     local = num_experts // num_members
@@ -515,14 +510,8 @@ def _dispatch_route(ctx, comm_id, size, *, num_experts, num_members, capacity, w
                f"{module.MOE_MASKED_MAX_PAIRS} pairs)")
     slots = (module.moe_masked_dispatch_slot_bytes(size, num_tokens, local, capacity, wire_row_bytes)
              if why is None else 0)
-    if why is None and slots > KERNEL_MAX_SLOT_BYTES:
-        why = f"slots of {slots} bytes (more than the kernel's {KERNEL_MAX_SLOT_BYTES})"
-    if why is not None:
-        logger.debug("jax_ncclx: moe.dispatch (masked) takes the exchange chain: %s", why)
-        return None
-    if not nvlink.usable("moe.dispatch", comm_id):
-        return None
-    return lowering.CudaRoute("nvlink", dict(blocks=np.int64(config.current().nvlink_blocks)), slot_bytes=slots)
+    return nvlink.kernel_route("moe.dispatch", comm_id, why, slots, label="moe.dispatch (masked)",
+                               most_slot_bytes=KERNEL_MAX_SLOT_BYTES)
 
 
 moe_masked_dispatch_p.def_effectful_abstract_eval(_dispatch_abstract_eval)
@@ -551,9 +540,6 @@ def _combine_route(ctx, comm_id, size, *, capacity, num_tokens):
     expert_out, pair_slot = ctx.avals_in[0], ctx.avals_in[2]
     dtype, hidden = np.dtype(expert_out.dtype), expert_out.shape[2]
     pairs = pair_slot.shape[0]
-    settings = config.current()
-    if settings.transport == "nccl":
-        return None
     module = lib.cuda_module()
     why = None
     if dtype.name not in contract.FLOAT_TYPES or hidden * dtype.itemsize % 16:
@@ -562,15 +548,9 @@ def _combine_route(ctx, comm_id, size, *, capacity, num_tokens):
         why = (f"{pairs} pairs (the kernel takes up to top-{module.MOE_MASKED_MAX_TOP_K} and "
                f"{module.MOE_MASKED_MAX_PAIRS} pairs)")
     slots = module.moe_masked_combine_slot_bytes(pairs, hidden, dtype.itemsize) if why is None else 0
-    if why is None and slots > KERNEL_MAX_SLOT_BYTES:
-        why = f"slots of {slots} bytes (more than the kernel's {KERNEL_MAX_SLOT_BYTES})"
-    if why is not None:
-        logger.debug("jax_ncclx: moe.combine (masked) takes the exchange chain: %s", why)
-        return None
-    if not nvlink.usable("moe.combine", comm_id):
-        return None
-    return lowering.CudaRoute("nvlink", dict(blocks=np.int64(settings.nvlink_blocks)), slot_bytes=slots,
-                              operands=(0, 1, 2, 5))  # the counts are the chain's only
+    return nvlink.kernel_route("moe.combine", comm_id, why, slots, label="moe.combine (masked)",
+                               most_slot_bytes=KERNEL_MAX_SLOT_BYTES,
+                               operands=(0, 1, 2, 5))  # the counts are the chain's only
 
 
 moe_masked_combine_p.def_effectful_abstract_eval(_combine_abstract_eval)
