@@ -7,18 +7,20 @@
 // Dispatch. The sender decides every slot alone: pair p with id in [0, E) goes to member m = id / L, local expert
 // e = id % L, as its j-th pair to that expert (j: earlier pairs of this member with the same id), and is kept
 // if j < C. Every block counts the ids itself, in shared memory (the same counts in each: no grid barrier
-// before the rows go out). Then each block sends its share of the rows: token t's row once to each member that
-// keeps one of its pairs, as row me * T + t of that member's slots (so a token with several choices on one
-// member crosses the link once). While those stores drain it takes the rank r of each token among those this
-// member sends each member (the token rows' order, which combine's way back keeps) and writes its share of the
-// kept pairs' {p | r << 16, weight} into entry (me, e, j) of m's pair map; block 0 writes this member's kept
-// pairs per (member, expert) and token rows per member into each member's counts. Each block fills its share of
-// the token rows' "none" entries, raises
-// arrived[me][b] on every member and writes its share of the token side's results (off the critical path). Once
-// every (source, block) flag holds the call's epoch, every block reads the counts, lays out expert e's rows
-// source by source (source s's from off(e, s), the sum of the earlier sources' counts) and writes its share of
-// the [L, N * C] rows: for row off(e, s) + j below group_sizes[e], a copy of slot row s * T + t of the pair p in
-// map entry (s, e, j), t = p / k, and the row's entry in choice_rows; zeros past group_sizes[e].
+// before the rows go out), with one warp (up to half of them for large calls) while its other warps send its
+// share of the rows: token t's row once to each member that one of its ids names, as row me * T + t of that
+// member's slots (so a token with several choices on one member crosses the link once). The rows go out before
+// the count says which pairs are kept: a row whose pairs on that member are all dropped travels but is never
+// read. Once counted, it takes the rank r of each token among those this member sends each member with a kept
+// pair (the token rows' order, which combine's way back keeps) and writes its share of the kept pairs'
+// {p | r << 16, weight} into entry (me, e, j) of m's pair map; block 0 writes this member's kept pairs per
+// (member, expert) and token rows per member into each member's counts. Each block fills its share of the
+// token rows' "none" entries, raises arrived[me][b] on every member and writes its share of the token side's
+// results (off the critical path). Once every (source, block) flag holds the call's epoch, every block reads
+// the counts, lays out expert e's rows source by source (source s's from off(e, s), the sum of the earlier
+// sources' counts) and writes its share of the [L, N * C] rows: a warp per (row, piece) reads map entry
+// (s, e, j) of row off(e, s) + j below group_sizes[e], then copies slot row s * T + t of its pair p, t = p / k;
+// the row's first piece also writes the row's indices and its entry in choice_rows; zeros past group_sizes[e].
 //
 // Dispatch slots: in every rank's low-latency half of the call's parity (symmetric_layout.h), past the LL
 // areas: the counts, [N][L] int32 (source s's from s * L) then [N] token rows per source, then the pair map,
@@ -50,13 +52,13 @@ namespace jax_ncclx {
 // at the end of each phase, after a block barrier that only profiled calls take.
 enum MoeMaskedDispatchPhase : int {
   kMaskedDispatchStart,    // the block begins
-  kMaskedDispatchCounted,  // every pair's rank and the pairs per id, in shared memory
-  kMaskedDispatchSent,     // the block's share of the kept pairs' rows, the token rows' ranks, the header and
-                           // map, its flags
+  kMaskedDispatchCounted,  // every pair's rank and the pairs per id, in shared memory; the block's share of
+                           // the rows sent (their stores may still drain)
+  kMaskedDispatchSent,     // the token rows' ranks, the header and map, its flags
   kMaskedDispatchResults,  // the token side's results (the block's share)
   kMaskedDispatchArrived,  // every (member, block) flag seen
-  kMaskedDispatchIndexed,  // recv_counts, group_sizes, row_pair and recv_weights written
-  kMaskedDispatchEnd,      // the expert rows written
+  kMaskedDispatchIndexed,  // the header read: recv_counts, group_sizes, recv_tokens and send_back_rows written
+  kMaskedDispatchEnd,      // the expert rows and their indices (row_pair, recv_weights, choice_rows) written
   kMoeMaskedDispatchPhases
 };
 inline constexpr const char* kMoeMaskedDispatchPhaseNames[kMoeMaskedDispatchPhases] = {"start",   "counted", "sent",

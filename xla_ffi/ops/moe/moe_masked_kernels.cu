@@ -1,12 +1,12 @@
 // The NVLink kernels of the masked layout (see moe_masked.h for the algorithms and the slots).
 //
 // Dispatch, every block: count (each pair's rank among this member's pairs to its expert and each token's rank
-// among the tokens sent to each member, in shared memory, the same in every block), send (a share of the kept
-// pairs' rows, then one flag per member), the token side's results (a share, while peers still send), wait
-// (every member's every block), then the receive side: the layout of each expert's rows from the counts in the
-// header, and a share of the [L, N * C] rows and indices. Combine, every block: the expert side (a share of the
-// rows with a pair, then one flag per member), wait, the token side (a share of the tokens' rows, weighted and
-// added in float32).
+// among the tokens sent to each member, in shared memory, the same in every block) in some warps while the
+// others send a share of the rows, then the header, map and one flag per member, the token side's results (a
+// share, while peers still send), wait (every member's every block), then the receive side: the layout of each
+// expert's rows from the counts in the header, and a share of the [L, N * C] rows with their indices. Combine,
+// every block: the expert side (a share of the rows with a pair, then one flag per member), wait, the token side
+// (a share of the tokens' rows, weighted and added in float32).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -30,7 +30,6 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-constexpr size_t kDefaultSharedBytes = 48 * 1024;  // shared memory a kernel gets without opting in
 // Ids a dispatch thread loads at the start, all at once.
 constexpr int kIdsPerThread = static_cast<int>(kMaxMoeMaskedPairs / kThreads);
 static_assert(kMaxMoeMaskedPairs % kThreads == 0);
@@ -55,16 +54,18 @@ __device__ __forceinline__ void StampPhase(int64_t* clocks, int phases, int phas
 // ---- dispatch ----
 
 // Calls of at most this many pairs are counted by one warp, 32 pairs a step with running counters per id;
-// larger ones by every warp, each over a contiguous range of pairs with its own histogram row of E counters
-// (at most kCountCounters in all, so fewer warps for many experts), then a sum over the rows per id.
+// larger ones by up to half the warps, each over a contiguous range of pairs with its own histogram row of E
+// counters (at most kCountCounters in all, so fewer warps for many experts), then a sum over the rows per id.
+// The other warps send the rows meanwhile.
 constexpr int32_t kWarpCountPairs = 256;
 constexpr int64_t kCountCounters = 8192;
+constexpr int32_t kMostCountWarps = kWarps / 2;
 
 __host__ __device__ constexpr int32_t CountWarps(int64_t pairs, int64_t num_experts) {
-  return pairs <= kWarpCountPairs                ? 1
-         : kCountCounters / num_experts < 1      ? 1
-         : kCountCounters / num_experts > kWarps ? kWarps
-                                                 : static_cast<int32_t>(kCountCounters / num_experts);
+  return pairs <= kWarpCountPairs                         ? 1
+         : kCountCounters / num_experts < 1               ? 1
+         : kCountCounters / num_experts > kMostCountWarps ? kMostCountWarps
+                                                          : static_cast<int32_t>(kCountCounters / num_experts);
 }
 
 // The shared memory of a dispatch block: int32 arrays, then int16 arrays, then a byte per token.
@@ -162,13 +163,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
   __shared__ BlockScan::TempStorage scan;
   const Counted counted = LayOutCounted(reinterpret_cast<int32_t*>(shared_vectors), P, T, N, E, L);
 
-  // The token rows into L2 while the ids are counted (each block a share): the send reads them from there.
-  const char* token_bytes = static_cast<const char*>(args.tokens_in);
-  for (int64_t at = int64_t{thread} * 128; at < int64_t{T} * args.row_bytes; at += int64_t{threads} * 128) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(token_bytes + at));
-  }
-
-  // ---- count: j of every pair and the pairs per id ----
+  // ---- count (warps below count_warps): j of every pair and the pairs per id; send (the other warps): the rows
   const bool one_warp = P <= kWarpCountPairs;
   const int32_t count_warps = CountWarps(P, E);
   for (int32_t i = tid; i < E; i += kThreads) counted.counts[i] = 0;
@@ -194,6 +189,50 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
       __syncwarp();
     }
   };
+  // Token t's row once to each member that one of its ids names, kept or not (the count is not known yet; a
+  // row sent for dropped pairs only is never read, as the receiver reads the rows the map names): row me * T + t
+  // of the member's slots. A warp per (token, member, piece), the warps the count leaves.
+  auto slot_row = [&](int32_t m, int32_t t) {
+    return Slots(args.table, call.slot_base + call.header_bytes, m, parity) +
+           (int64_t{me} * T + t) * args.wire_row_bytes;
+  };
+  // Whether token t has an id on member m, the same on every lane.
+  auto reaches = [&](int32_t t, int32_t m) {
+    const int32_t id = lane < k ? counted.id[t * k + lane] : E;
+    return __any_sync(0xffffffffu, id < E && call.local.Div(id) == m);
+  };
+  auto send = [&](int64_t first, int64_t step) {
+    const int32_t sends = T * N;  // (token, member) units, member-minor
+    if constexpr (kOnWire<Rows>) {
+      // A warp per (token, member, kQuantizeBlocks blocks of values).
+      using Token = typename WireOf<Rows>::Token;
+      const int64_t hidden = args.row_bytes / static_cast<int64_t>(sizeof(Token));
+      const int32_t wire_blocks = static_cast<int32_t>(hidden / kMoeWireBlock);
+      const int32_t groups = (wire_blocks + kQuantizeBlocks - 1) / kQuantizeBlocks;
+      const Token* tokens = static_cast<const Token*>(args.tokens_in);
+      for (int64_t item = first; item < int64_t{sends} * groups; item += step) {
+        const int32_t tm = static_cast<int32_t>(item / groups), b = static_cast<int32_t>(item - int64_t{tm} * groups);
+        const int32_t t = tm / N, m = tm - t * N;
+        if (!reaches(t, m)) continue;
+        QuantizeBlocks<Token, WireOf<Rows>::kFormat>(slot_row(m, t), tokens + int64_t{t} * hidden, b * kQuantizeBlocks,
+                                                     wire_blocks, hidden, lane);
+      }
+    } else {
+      const uint4* tokens = static_cast<const uint4*>(args.tokens_in);
+      const Units units(sends, wire_vectors, step);
+      for (int64_t unit = first; unit < int64_t{sends} * units.pieces; unit += step) {
+        const int32_t tm = static_cast<int32_t>(unit / units.pieces);
+        const int64_t lo = (unit - int64_t{tm} * units.pieces) * units.piece_len;
+        const int64_t hi = min(wire_vectors, lo + units.piece_len);
+        const int32_t t = tm / N, m = tm - t * N;
+        if (!reaches(t, m)) continue;
+        WarpCopy<uint4, false>(reinterpret_cast<uint4*>(slot_row(m, t)) + lo, tokens + int64_t{t} * row_vectors + lo,
+                               hi - lo);
+      }
+    }
+  };
+  const int32_t send_warps = kWarps - count_warps;  // per block
+  if (warp >= count_warps) send(int64_t{blockIdx.x} * send_warps + warp - count_warps, int64_t{gridDim.x} * send_warps);
   if (one_warp) {
     if (warp == 0) count_run(counted.counts, 0, P);
   } else {
@@ -231,41 +270,8 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
   if (tid == 0) trace.Ready();
   stamp(kMaskedDispatchCounted);
 
-  // ---- send: the kept pairs' rows, then (while those stores drain) the token rows' ranks, this member's counts
-  // into every member's header and the pair map ----
-  // Token t's row once to each member that keeps one of its pairs: row me * T + t of the member's slots.
-  auto slot_row = [&](int32_t m, int32_t t) {
-    return Slots(args.table, call.slot_base + call.header_bytes, m, parity) +
-           (int64_t{me} * T + t) * args.wire_row_bytes;
-  };
-  const int32_t sends = T * N;  // (token, member) units, member-minor
-  if constexpr (kOnWire<Rows>) {
-    // A warp per (token, member, kQuantizeBlocks blocks of values).
-    using Token = typename WireOf<Rows>::Token;
-    const int64_t hidden = args.row_bytes / static_cast<int64_t>(sizeof(Token));
-    const int32_t wire_blocks = static_cast<int32_t>(hidden / kMoeWireBlock);
-    const int32_t groups = (wire_blocks + kQuantizeBlocks - 1) / kQuantizeBlocks;
-    const Token* tokens = static_cast<const Token*>(args.tokens_in);
-    for (int64_t item = first_unit; item < int64_t{sends} * groups; item += warps) {
-      const int32_t send = static_cast<int32_t>(item / groups), b = static_cast<int32_t>(item - int64_t{send} * groups);
-      const int32_t t = send / N, m = send - t * N;
-      if (!(counted.goes[t] >> m & 1u)) continue;  // the same on every lane
-      QuantizeBlocks<Token, WireOf<Rows>::kFormat>(slot_row(m, t), tokens + int64_t{t} * hidden, b * kQuantizeBlocks,
-                                                   wire_blocks, hidden, lane);
-    }
-  } else {
-    const uint4* tokens = static_cast<const uint4*>(args.tokens_in);
-    const Units send(sends, wire_vectors, warps);
-    for (int64_t unit = first_unit; unit < int64_t{sends} * send.pieces; unit += warps) {
-      const int32_t tm = static_cast<int32_t>(unit / send.pieces);
-      const int64_t lo = (unit - int64_t{tm} * send.pieces) * send.piece_len;
-      const int64_t hi = min(wire_vectors, lo + send.piece_len);
-      const int32_t t = tm / N, m = tm - t * N;
-      if (!(counted.goes[t] >> m & 1u)) continue;  // the same on every lane
-      WarpCopy<uint4, false>(reinterpret_cast<uint4*>(slot_row(m, t)) + lo, tokens + int64_t{t} * row_vectors + lo,
-                             hi - lo);
-    }
-  }
+  // ---- send: the token rows' ranks (while the rows' stores drain), this member's counts into every member's
+  // header and the pair map ----
   // Each token's rank among the tokens sent to each member, member-major: the order of this member's token
   // rows on every member, and of combine's rows back.
   ScanBlock<kThreads>(
@@ -368,36 +374,14 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
     }
     args.send_back_rows[q] = back;
   }
+  stamp(kMaskedDispatchIndexed);
   // Row i < group[e] of expert e comes from the last source whose rows start at or before it (empty sources
-  // start where their successor does), as its j-th row: the map's entry (s, e, j) names its pair.
-  auto entry_of = [&](int32_t e, int32_t i, int32_t& s) {
-    s = 0;
-    while (s + 1 < N && counted.start[e * N + s + 1] <= i) ++s;
-    return __ldcg(map + (int64_t{s} * L + e) * C + i - counted.start[e * N + s]);
-  };
+  // start where their successor does), as its j-th row: the map's entry (s, e, j) names its pair and token.
+  // A warp per (row, piece) of the [L, N * C] rows loads the entry once (every lane the same word), then the
+  // slot row; the row's first piece also writes its indices (row_pair, recv_weights, choice_rows).
+  uint4* expert_rows = static_cast<uint4*>(args.expert_rows);
   const int64_t total_rows = int64_t{L} * NC;
   const int32_t none = N * P;
-  for (int64_t x = thread; x < total_rows; x += threads) {
-    const int32_t e = call.rows.Div(static_cast<int32_t>(x)), i = static_cast<int32_t>(x) - e * NC;
-    int32_t pair = none;
-    float weight = 0.0f;
-    if (i < counted.group[e]) {
-      int32_t s;
-      const int2 word = entry_of(e, i, s);
-      const int32_t p = word.x & 0xFFFF, r = static_cast<int32_t>(static_cast<uint32_t>(word.x) >> 16);
-      pair = s * P + p;
-      weight = __int_as_float(word.y);
-      if (p < P && r < R) {  // a stale entry (a wait that gave up) writes nowhere
-        const int64_t at = (int64_t{s} * R + r) * k + call.top_k.Mod(p);
-        args.choice_rows[at] = static_cast<int32_t>(x);
-        if (args.with_weights) args.choice_weights[at] = weight;
-      }
-    }
-    args.row_pair[x] = pair;
-    if (args.with_weights) args.recv_weights[x] = weight;
-  }
-  stamp(kMaskedDispatchIndexed);
-  uint4* expert_rows = static_cast<uint4*>(args.expert_rows);
   const Units expand(total_rows, row_vectors, warps);
   for (int64_t unit = first_unit; unit < total_rows * expand.pieces; unit += warps) {
     const int64_t x = unit / expand.pieces;
@@ -406,12 +390,27 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
     const int32_t e = call.rows.Div(static_cast<int32_t>(x)), i = static_cast<int32_t>(x) - e * NC;
     uint4* to = expert_rows + x * row_vectors;
     if (i >= counted.group[e]) {  // the same on every lane
+      if (lo == 0 && lane == 0) {
+        args.row_pair[x] = none;
+        if (args.with_weights) args.recv_weights[x] = 0.0f;
+      }
       WarpZero(to + lo, hi - lo);
       continue;
     }
-    int32_t s;
+    const int32_t s = BlockAt(counted.start + e * N, N, i);
+    const int2 word = __ldcg(map + (int64_t{s} * L + e) * C + i - counted.start[e * N + s]);
+    const int32_t p = word.x & 0xFFFF, r = static_cast<int32_t>(static_cast<uint32_t>(word.x) >> 16);
+    if (lo == 0 && lane == 0) {
+      args.row_pair[x] = s * P + p;
+      if (args.with_weights) args.recv_weights[x] = __int_as_float(word.y);
+      if (p < P && r < R) {  // a stale entry (a wait that gave up) writes nowhere
+        const int64_t at = (int64_t{s} * R + r) * k + call.top_k.Mod(p);
+        args.choice_rows[at] = static_cast<int32_t>(x);
+        if (args.with_weights) args.choice_weights[at] = __int_as_float(word.y);
+      }
+    }
     // Clamped: a stale entry (a wait that gave up) must not take the copy past the slots.
-    const uint32_t t = static_cast<uint32_t>(entry_of(e, i, s).x & 0xFFFF) / static_cast<uint32_t>(k);
+    const uint32_t t = static_cast<uint32_t>(p) / static_cast<uint32_t>(k);
     const uint8_t* from = rows + (int64_t{s} * T + min(t, static_cast<uint32_t>(T - 1))) * args.wire_row_bytes;
     if constexpr (kOnWire<Rows>) {
       using Token = typename WireOf<Rows>::Token;
@@ -434,33 +433,6 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
   }
   stamp(kMaskedDispatchEnd);
   FinishCall(args.control, epoch, ticket, trace, kTraceMoeMaskedDispatch);
-}
-
-template <typename Rows>
-cudaError_t LaunchDispatch(const DispatchCall& call, int blocks, size_t shared, cudaStream_t stream) {
-  // Past the default (with the scan's static storage), the kernel must opt in: always to the most any call
-  // takes, so that calls of other sizes (on other streams, or replayed from graphs) never lower the limit.
-  if (shared + sizeof(BlockScan::TempStorage) > kDefaultSharedBytes) {
-    const cudaError_t opted = cudaFuncSetAttribute(MoeMaskedDispatchKernel<Rows>,
-                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   static_cast<int>(kMostCountedBytes));
-    if (opted != cudaSuccess) return opted;
-  }
-  MoeMaskedDispatchKernel<Rows><<<blocks, kThreads, shared, stream>>>(call);
-  return cudaGetLastError();
-}
-
-template <__nv_fp8_interpretation_t kFormat>
-cudaError_t LaunchDispatchOnWire(const DispatchCall& call, int blocks, size_t shared, cudaStream_t stream) {
-  switch (call.args.token_type) {
-    case FloatType::kF32:
-      return LaunchDispatch<Wire<float, kFormat>>(call, blocks, shared, stream);
-    case FloatType::kBF16:
-      return LaunchDispatch<Wire<__nv_bfloat16, kFormat>>(call, blocks, shared, stream);
-    case FloatType::kF16:
-      return LaunchDispatch<Wire<__half, kFormat>>(call, blocks, shared, stream);
-  }
-  return cudaErrorInvalidValue;
 }
 
 // ---- combine ----
@@ -686,15 +658,10 @@ cudaError_t LaunchMoeMaskedDispatch(const MoeMaskedDispatchArgs& args, int block
                           HeaderBytes(args.size, E / N, C)};
   const size_t shared = MoeMaskedDispatchSharedBytes(args);
   if (shared > static_cast<size_t>(kMostCountedBytes)) return cudaErrorInvalidValue;
-  switch (args.wire) {
-    case MoeWire::kNone:
-      return LaunchDispatch<Plain>(call, blocks, shared, stream);
-    case MoeWire::kE4M3:
-      return LaunchDispatchOnWire<__NV_E4M3>(call, blocks, shared, stream);
-    case MoeWire::kE5M2:
-      return LaunchDispatchOnWire<__NV_E5M2>(call, blocks, shared, stream);
-  }
-  return cudaErrorInvalidValue;
+  return WithRows(args.wire, args.token_type, [&](auto rows) {
+    return LaunchOptingIn(MoeMaskedDispatchKernel<decltype(rows)>, blocks, kThreads, shared,
+                          sizeof(BlockScan::TempStorage), kMostCountedBytes, stream, call);
+  });
 }
 
 cudaError_t LaunchMoeMaskedCombine(const MoeMaskedCombineArgs& args, int blocks, cudaStream_t stream) {
