@@ -295,6 +295,39 @@ def test_nvlink_thresholds_by_gpu_count_and_op(monkeypatch):
     assert config.nvlink_thresholds(8, "all_gather") == (64, 1024)
 
 
+def test_kernel_route_decides_and_logs(monkeypatch, caplog):
+    """nvlink.kernel_route, the MoE kernels' route: None (the exchange chain) for NCCL, a misfit (logged with its
+    label), slots past the kernel's most (logged) or a communicator without NVLink; else the NVLink route with
+    the blocks setting, the slots and the operands."""
+    import logging
+
+    from jax_ncclx._src import comm
+    from jax_ncclx._src import nvlink
+
+    for name in ("JAX_NCCLX_TRANSPORT", "JAX_NCCLX_NVLINK_BLOCKS"):
+        monkeypatch.delenv(name, raising=False)
+    reasons = {7: "", 8: "rank 1 is not an NVLink peer of rank 0"}
+    monkeypatch.setattr(comm, "nvlink_reason", reasons.get)
+    with caplog.at_level(logging.DEBUG, logger="jax_ncclx"):
+        assert nvlink.kernel_route("moe.dispatch", 7, "top-40", 1024, label="moe.dispatch (masked)") is None
+        assert nvlink.kernel_route("moe.combine", 7, None, 4096, most_slot_bytes=4095) is None
+    logged = [record.getMessage() for record in caplog.records]
+    assert "jax_ncclx: moe.dispatch (masked) takes the exchange chain: top-40" in logged
+    assert ("jax_ncclx: moe.combine takes the exchange chain: slots of 4096 bytes (more than the kernel's 4095)"
+            in logged)
+    assert nvlink.kernel_route("moe.combine", 8, None, 4096) is None  # no NVLink: NCCL's chain
+    route = nvlink.kernel_route("moe.combine", 7, None, 4096, most_slot_bytes=4096, operands=(0, 2))
+    assert (route.transport, route.slot_bytes, route.operands) == ("nvlink", 4096, (0, 2))
+    assert route.attrs == dict(blocks=np.int64(0))
+    monkeypatch.setenv("JAX_NCCLX_NVLINK_BLOCKS", "16")
+    assert nvlink.kernel_route("moe.dispatch", 7, None, 256).attrs == dict(blocks=np.int64(16))
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nccl")
+    assert nvlink.kernel_route("moe.dispatch", 7, None, 256) is None
+    monkeypatch.setenv("JAX_NCCLX_TRANSPORT", "nvlink")
+    with pytest.raises(RuntimeError, match="JAX_NCCLX_TRANSPORT=nvlink but this communicator cannot use NVLink"):
+        nvlink.kernel_route("moe.dispatch", 8, None, 256)
+
+
 def test_nvlink_protocol_setting(monkeypatch):
     """JAX_NCCLX_NVLINK_PROTOCOL takes NCCL's protocol names or auto (LL below the measured crossover for the
     GPU count and op, or JAX_NCCLX_NVLINK_LL128_MIN_BYTES, per segment; LL128 from there)."""
