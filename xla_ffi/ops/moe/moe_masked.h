@@ -2,7 +2,7 @@
 // the weights given to combine in another, for decode sizes (with the weights given to dispatch, combine is
 // moe_combine.h's kernel over the token rows this dispatch describes). Shapes: N members, E experts, L = E / N
 // local experts, T tokens, k choices, P = T * k pairs (pair p = t * k + c), C the capacity of one (local
-// expert, source member), R = min(T, L * C) token rows one source sends one member.
+// expert, source member), R = min(T, L * C) token rows with a kept pair one source delivers to one member.
 //
 // Dispatch. The sender decides every slot alone: pair p with id in [0, E) goes to member m = id / L, local expert
 // e = id % L, as its j-th pair to that expert (j: earlier pairs of this member with the same id), and is kept

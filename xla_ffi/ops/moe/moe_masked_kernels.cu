@@ -80,7 +80,7 @@ struct Counted {
   int32_t* delivered;   // [N] token rows each source sent (the header, clamped to R)
   int16_t* id;          // [P] each pair's id, or E for none
   int16_t* rank;        // [P] j: the pair's rank among this member's pairs with its id
-  int16_t* token_row;   // [N * T] member-major: first_row[m] + r for the r-th token sent to member m
+  int16_t* token_row;   // [N * T] member-major: first_row[m] + r for the r-th token with a pair kept on m
   uint8_t* goes;        // [T] bit m: a pair of the token is kept for member m
 };
 
@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
   }
   const int32_t N = args.size, me = args.rank, E = static_cast<int32_t>(args.num_experts);
   const int32_t L = E / N, C = static_cast<int32_t>(args.capacity), NC = N * C;
-  const int32_t R = min(T, L * C);  // token rows one source sends one member
+  const int32_t R = min(T, L * C);  // token rows with a kept pair one source delivers to one member
   const int32_t thread = blockIdx.x * kThreads + tid, threads = gridDim.x * kThreads;
   const int64_t warps = int64_t{gridDim.x} * kWarps;
   const int64_t first_unit = int64_t{blockIdx.x} * kWarps + warp;
@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
         if (i == N * T - 1) counted.first_row[N] = start + goes;
       },
       scan);
-  // r of token t among those sent to member m (which must be sent t).
+  // r of token t among those with a pair kept on member m (t must be one).
   auto row_rank = [&](int32_t m, int32_t t) { return counted.token_row[m * T + t] - counted.first_row[m]; };
   auto header_of = [&](int32_t m) { return reinterpret_cast<int32_t*>(Slots(args.table, call.slot_base, m, parity)); };
   if (blockIdx.x == 0) {
