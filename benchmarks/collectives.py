@@ -392,10 +392,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     parser, args = parse_args(argv)
-    if args.processes and args.process_id is None:
-        return common.run_processes(args, sys.argv[1:] if argv is None else argv)
-    if args.process_id is not None:
-        common.join_distributed(args)
+    if (status := common.run_or_join(args, argv)) is not None:
+        return status
     log = common.Progress()
     if args.from_json:
         document = json.loads(args.from_json.read_text())

@@ -368,6 +368,17 @@ def run_processes(args, argv) -> int:
     return 0 if failed is None else procs[failed].returncode or 1
 
 
+def run_or_join(args, argv) -> int | None:
+    """The multi-process start of a benchmark's main: with ``--processes`` the first call starts the processes
+    and returns their exit status, which main returns; a started process joins jax.distributed. None where main
+    goes on to measure."""
+    if args.processes and args.process_id is None:
+        return run_processes(args, sys.argv[1:] if argv is None else argv)
+    if args.process_id is not None:
+        join_distributed(args)
+    return None
+
+
 def join_distributed(args):
     """In a process that :func:`run_processes` started: ``jax.distributed.initialize`` for its one GPU (before
     anything else touches JAX's backends)."""
