@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "common/contract.h"
+#include "common/warp_copy.cuh"
 
 namespace jax_ncclx {
 
@@ -169,6 +170,32 @@ __device__ __forceinline__ void QuantizeBlocks(uint8_t* row, const Token* in, in
 #pragma unroll
   for (int k = 0; k < kQuantizeBlocks; ++k) {
     if (first + k < blocks) StoreQuantizedBlock<Token, kFormat>(row, v[k], first + k, hidden, lane);
+  }
+}
+
+// Vectors [lo, hi) of the token row `to`, taken from the wire row `from` (written by peers during the kernel)
+// with the 32 lanes of a warp: copied as they are (Plain) or dequantized, four vectors in flight per lane as in
+// WarpCopy. row_bytes: a token row's bytes.
+template <typename Rows>
+__device__ __forceinline__ void WarpTakeWireRow(uint4* to, const uint8_t* from, int64_t lo, int64_t hi,
+                                                int64_t row_bytes) {
+  if constexpr (kOnWire<Rows>) {
+    using Token = typename WireOf<Rows>::Token;
+    const int64_t hidden = row_bytes / static_cast<int64_t>(sizeof(Token));
+    constexpr int kBatch = 4;
+    for (int64_t v = lo + threadIdx.x % 32; v < hi; v += 32 * kBatch) {
+      uint4 out[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (v + 32 * u < hi) out[u] = DequantizeVector<Token, WireOf<Rows>::kFormat>(from, v + 32 * u, hidden);
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (v + 32 * u < hi) to[v + 32 * u] = out[u];
+      }
+    }
+  } else {
+    WarpCopy<uint4, true>(to + lo, reinterpret_cast<const uint4*>(from) + lo, hi - lo);
   }
 }
 

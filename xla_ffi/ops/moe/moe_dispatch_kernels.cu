@@ -551,23 +551,8 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     uint4* to = expert_rows + int64_t{x} * row_vectors;
     if (from == nullptr) {
       WarpZero(to + lo, hi - lo);
-    } else if constexpr (kOnWire<Rows>) {
-      using Token = typename WireOf<Rows>::Token;
-      const int64_t hidden = args.row_bytes / static_cast<int64_t>(sizeof(Token));
-      constexpr int kBatch = 4;  // loads in flight per lane, as WarpCopy
-      for (int64_t v = lo + lane; v < hi; v += 32 * kBatch) {
-        uint4 out[kBatch];
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          if (v + 32 * u < hi) out[u] = DequantizeVector<Token, WireOf<Rows>::kFormat>(from, v + 32 * u, hidden);
-        }
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          if (v + 32 * u < hi) to[v + 32 * u] = out[u];
-        }
-      }
     } else {
-      WarpCopy<uint4, true>(to + lo, reinterpret_cast<const uint4*>(from) + lo, hi - lo);
+      WarpTakeWireRow<Rows>(to, from, lo, hi, args.row_bytes);
     }
   }
   if (profiled) {

@@ -412,24 +412,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
     // Clamped: a stale entry (a wait that gave up) must not take the copy past the slots.
     const uint32_t t = static_cast<uint32_t>(p) / static_cast<uint32_t>(k);
     const uint8_t* from = rows + (int64_t{s} * T + min(t, static_cast<uint32_t>(T - 1))) * args.wire_row_bytes;
-    if constexpr (kOnWire<Rows>) {
-      using Token = typename WireOf<Rows>::Token;
-      const int64_t hidden = args.row_bytes / static_cast<int64_t>(sizeof(Token));
-      constexpr int kBatch = 4;  // loads in flight per lane, as WarpCopy
-      for (int64_t v = lo + lane; v < hi; v += 32 * kBatch) {
-        uint4 out[kBatch];
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          if (v + 32 * u < hi) out[u] = DequantizeVector<Token, WireOf<Rows>::kFormat>(from, v + 32 * u, hidden);
-        }
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          if (v + 32 * u < hi) to[v + 32 * u] = out[u];
-        }
-      }
-    } else {
-      WarpCopy<uint4, true>(to + lo, reinterpret_cast<const uint4*>(from) + lo, hi - lo);
-    }
+    WarpTakeWireRow<Rows>(to, from, lo, hi, args.row_bytes);
   }
   stamp(kMaskedDispatchEnd);
   FinishCall(args.control, epoch, ticket, trace, kTraceMoeMaskedDispatch);
