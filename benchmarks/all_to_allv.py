@@ -578,13 +578,7 @@ def parse_args(argv=None):
     parser.add_argument("--name", help=common.name_help(NAME))
     parser.add_argument("--from-json", type=Path, help="rewrite the .md and .png of an earlier run's JSON, "
                         "without running anything")
-    common.add_process_arguments(parser)
-    args = parser.parse_args(argv)
-    common.check_processes(parser, args)
-
-    for key, (full, smoke) in DEFAULTS.items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, smoke if args.smoke else full)
+    args = common.parse_arguments(parser, argv, DEFAULTS)
     tokens = {int(t) for t in str(args.tokens).split(",") if t.strip()}
     if args.sweep:
         low, high = args.sweep_range

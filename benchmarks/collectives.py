@@ -375,12 +375,7 @@ def parse_args(argv=None):
                         "folder; --from-json: the JSON's folder)")
     parser.add_argument("--name", help=common.name_help(NAME))
     parser.add_argument("--from-json", type=Path, help="rewrite the .md and .png of an earlier run's JSON")
-    common.add_process_arguments(parser)
-    args = parser.parse_args(argv)
-    common.check_processes(parser, args)
-    for key, (full, smoke) in DEFAULTS.items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, smoke if args.smoke else full)
+    args = common.parse_arguments(parser, argv, DEFAULTS)
     args.sizes = common.byte_sizes(parser, args.sizes, "--sizes")
     args.ops = common.choices(parser, args.ops, OPS, "--ops")
     args.impls = common.choices(parser, args.impls, IMPLS, "--impls")

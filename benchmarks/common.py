@@ -324,7 +324,7 @@ def time_jitted(fn, *args, ops_per_call: int = 1, feedback: bool = False, warmup
 
 # ---- one process per GPU -----------------------------------------------------------------------------------
 
-def add_process_arguments(parser):
+def _add_process_arguments(parser):
     """``--processes N``, and the two hidden arguments :func:`run_processes` gives each process it starts."""
     parser.add_argument("--processes", type=int,
                         help="one process per GPU: start N processes on this host, each driving one GPU (the first "
@@ -333,6 +333,18 @@ def add_process_arguments(parser):
                         "--pipeline calls; process 0 prints and writes the results")
     parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--coordinator-port", type=int, help=argparse.SUPPRESS)
+
+
+def parse_arguments(parser, argv, defaults: dict):
+    """A benchmark's arguments: ``parser``'s, the process ones (``--processes``), checked, then each one left unset
+    taken from ``defaults`` (name -> (full run's value, --smoke's value))."""
+    _add_process_arguments(parser)
+    args = parser.parse_args(argv)
+    _check_processes(parser, args)
+    for key, (full, smoke) in defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, smoke if args.smoke else full)
+    return args
 
 
 def run_processes(args, argv) -> int:
@@ -388,7 +400,7 @@ def join_distributed(args):
                                process_id=args.process_id, local_device_ids=[args.process_id])
 
 
-def check_processes(parser, args):
+def _check_processes(parser, args):
     """Ends the script through ``parser.error`` where ``--processes`` cannot apply."""
     if args.processes is not None and (args.processes < 2 or args.smoke):
         parser.error("--processes needs at least 2 (GPU) processes, and not --smoke")
