@@ -89,6 +89,13 @@ def output_aval(aval, axis_name, *inputs, shape=None, dtype=None, invariant: boo
     return compat.with_varying_axes(out, varying)
 
 
+def output_avals(shapes, aval, axis_name, *inputs, dtypes: dict):
+    """output_aval for each field of the NamedTuple ``shapes`` (its values are the results' shapes): dtype
+    ``dtypes[field]``, int32 for a field not named there."""
+    return [output_aval(aval, axis_name, *inputs, shape=shape, dtype=dtypes.get(name, jnp.int32))
+            for name, shape in zip(shapes._fields, shapes)]
+
+
 def effects(axis_name):
     return {compat.NamedAxisEffect(name) for name in validation.axes_of(axis_name)}
 

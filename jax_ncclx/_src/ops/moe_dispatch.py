@@ -210,9 +210,7 @@ def _moe_dispatch_abstract_eval(tokens, expert_ids, *weights, axis_name, num_exp
         expand_rows=(rows,), pair_entry=(rows,), row_pairs=(received, top_k), send_back_rows=(received,),
         recv_weights=(received, top_k if weights else 0))
     dtypes = {"expert_rows": tokens.dtype, "recv_weights": jnp.float32}
-    avals = [primitive.output_aval(tokens, axis_name, expert_ids, *weights, shape=shape,
-                                   dtype=dtypes.get(name, jnp.int32))
-             for name, shape in zip(Dispatched._fields, shapes)]
+    avals = primitive.output_avals(shapes, tokens, axis_name, expert_ids, *weights, dtypes=dtypes)
     return avals, primitive.effects(axis_name)
 
 

@@ -486,9 +486,7 @@ def _dispatch_abstract_eval(tokens, expert_ids, *weights, axis_name, num_experts
                     choice_rows=(received, top_k), choice_weights=(received, top_k if weights else 0),
                     send_back_rows=(received,), return_row=(num_tokens, num_members))
     dtypes = {"expert_rows": tokens.dtype, "recv_weights": jnp.float32, "choice_weights": jnp.float32}
-    avals = [primitive.output_aval(tokens, axis_name, expert_ids, *weights, shape=shape,
-                                   dtype=dtypes.get(name, jnp.int32))
-             for name, shape in zip(Masked._fields, shapes)]
+    avals = primitive.output_avals(shapes, tokens, axis_name, expert_ids, *weights, dtypes=dtypes)
     return avals, primitive.effects(axis_name)
 
 
