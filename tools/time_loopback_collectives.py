@@ -31,7 +31,7 @@ builds of the kernels in the same session (``tools/ab_trees.sh`` builds both; ru
 ``PYTHONPATH``), never with XLA.
 
     python tools/time_loopback_collectives.py OUT.json [--ranks 2,4] [--calls 400] [--moe 16,128]
-        [--moe-blocks 0,16,32] [--moe-phases] [--moe-layout packed,masked]
+        [--moe-blocks 0,16,32] [--moe-phases] [--moe-layout packed,masked] [--moe-only]
         (--ranks 1: the MoE kernels on an axis of one, their fixed cost)
 """
 import argparse
@@ -209,6 +209,8 @@ def main():
                         "(SM clock per block, the last call): packed dispatch, masked dispatch and combine")
     parser.add_argument("--moe-layout", default="packed", help="the MoE layouts to time, comma separated: "
                         "packed (moe.dispatch's default), masked (layout=\"masked\")")
+    parser.add_argument("--moe-only", action="store_true", help="time the MoE kernels (--moe) alone, not the "
+                        "small collectives: with scarce GPU time, a run that asks only what the kernels cost")
     parser.add_argument("--moe-calls", type=int, default=60, help=f"calls per MoE case (more than "
                         f"{MOE_SKIPPED_CALLS}; each call's rows stay on the GPU)")
     args = parser.parse_args()
@@ -219,12 +221,14 @@ def main():
     layouts = args.moe_layout.split(",")
     if not set(layouts) <= {"packed", "masked"}:
         parser.error(f"--moe-layout {args.moe_layout}: expected packed, masked or both")
+    if args.moe_only and not args.moe:
+        parser.error("--moe-only needs --moe (the token counts to time)")
     rank_counts = [int(r) for r in args.ranks.split(",")]
     if not all(1 <= r <= 8 for r in rank_counts):
         parser.error(f"--ranks {args.ranks}: every count must be 1 to 8 (1: the MoE kernels only)")
     results = []
     print(f"{'case':52s} {'after_last':>10s} {'span':>8s}  (µs, medians)")
-    for ranks in (r for r in rank_counts if r > 1):
+    for ranks in (r for r in rank_counts if r > 1 and not args.moe_only):
         for op, nbytes, protocol, algorithm in CASES:
             after_last, span = time_case(op, nbytes, protocol, algorithm, ranks, args.calls)
             results.append(dict(op=op, bytes=nbytes, protocol=protocol, algorithm=algorithm, ranks=ranks,
