@@ -114,6 +114,17 @@ def test_explicit_mesh_input_sharded_otherwise_is_named(line, spec, text):
                 jax.device_put(x, NamedSharding(mesh, P("x"))), jax.device_put(counts, NamedSharding(mesh, P())))
 
 
+def test_explicit_mesh_input_made_outside_the_mesh_is_named(line):
+    """An array made before the mesh was set (no sharding on it) is replicated to shard_map on an explicit mesh:
+    refused by this package, naming the argument, not by JAX's error about in_specs."""
+    x = jnp.ones((line.size * 2, 3))
+    with jax.set_mesh(explicit_line(line)):
+        with pytest.raises(ValueError, match=re.escape("all_reduce: outside shard_map it runs per shard of arrays "
+                                                       "whose leading dimension is sharded over 'x', and nothing "
+                                                       "else; argument 0 is sharded P()")):
+            nx.all_reduce(x, "x")
+
+
 def test_global_view_needs_a_leading_dimension_of_whole_blocks(line):
     """Outside shard_map each array's leading dimension holds the members' blocks: a length that does not split
     into them is refused by this package, naming the argument, not by JAX's error about in_specs."""

@@ -34,14 +34,18 @@ def _check_global_arguments(args, mesh, axis_name, op: str, in_specs):
     """Refuses, by argument, what ``shard_map`` would refuse with an error about ``in_specs`` that the caller
     never wrote: an array whose leading dimension does not split into one block per member, and, on a mesh
     whose axes are explicit (``jax.make_mesh``'s default), where ``shard_map`` does not reshard its inputs, an
-    array sharded otherwise than ``in_specs``."""
+    array sharded otherwise than ``in_specs`` (an array made outside the mesh counts as replicated)."""
     specs = in_specs if isinstance(in_specs, tuple) else (in_specs,) * len(args)
-    members = int(np.prod([mesh.shape[name] for name in validation.axes_of(axis_name)]))
+    axes = set(validation.axes_of(axis_name))
+    members = int(np.prod([mesh.shape[name] for name in axes]))
     for position, (arg, spec) in enumerate(zip(args, specs)):
         for leaf in jax.tree.leaves(arg):
             aval = jax.typeof(leaf)
-            if set(validation.axes_of(axis_name)) <= _explicit_axes(aval):
-                have, want = _padded_spec(aval.sharding.spec, aval.ndim), _padded_spec(spec, aval.ndim)
+            own_mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+            on_mesh = own_mesh is not None and axes <= set(own_mesh.axis_names)
+            if axes <= _explicit_axes(own_mesh if on_mesh else mesh):
+                have = _padded_spec(aval.sharding.spec if on_mesh else (), aval.ndim)
+                want = _padded_spec(spec, aval.ndim)
                 if have != want:
                     raise ValueError(
                         f"jax_ncclx.{op}: outside shard_map it runs per shard of arrays whose leading dimension is "
@@ -55,8 +59,7 @@ def _check_global_arguments(args, mesh, axis_name, op: str, in_specs):
                     f"has shape {tuple(aval.shape)}")
 
 
-def _explicit_axes(aval) -> set:
-    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+def _explicit_axes(mesh) -> set:
     if mesh is None:
         return set()
     return {name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == jax.sharding.AxisType.Explicit}
