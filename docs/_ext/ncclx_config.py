@@ -148,7 +148,8 @@ def runtime_variables():
                     choices = eval(compile(ast.Expression(node.args[2]), "config.py", "eval"), namespace)
                     accepted = ", ".join(f"`{c}`" for c in choices)
                 elif parser == "_seconds":
-                    accepted = f"seconds, 0 to {module._MAX_TIMEOUT_S:.0e} (0: no timeout)".replace("e+0", "e")
+                    zero = next((k.value.value for k in node.keywords if k.arg == "zero"), "no timeout")
+                    accepted = f"seconds, 0 to {module._MAX_TIMEOUT_S:.0e} (0: {zero})".replace("e+0", "e")
                 elif parser == "_non_negative_int":
                     accepted = "an integer ≥ 0"
                 elif parser == "parse_faults":
@@ -175,7 +176,8 @@ def build_variables():
             continue
         variable = spec.get("env", name) if isinstance(spec, dict) else name
         default = spec.get("default", "") if isinstance(spec, dict) else spec
-        match = re.search(rf'set\({name}\s+"[^"]*"\s+CACHE\s+\w+\s+"([^"]*)"\)', cmake)
+        match = (re.search(rf'set\({name}\s+"[^"]*"\s+CACHE\s+\w+\s+"([^"]*)"\)', cmake)
+                 or re.search(rf'option\({name}\s+"([^"]*)"', cmake))
         rows.append((variable, default, match.group(1) if match else ""))
     return rows
 
