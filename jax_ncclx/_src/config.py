@@ -65,7 +65,7 @@ class Config:
       faults: faults to inject into calls of programs compiled from now on (``JAX_NCCLX_FAULT``; default
         none), see :class:`Fault`.
       checksum: collectives traced from now on verify their payload end to end (``JAX_NCCLX_CHECKSUM=1``),
-        see :mod:`jax_ncclx._src.checksum`.
+        see docs/reliability.md, "Checksum mode".
       init_ranks_per_root: communicators of more ranks than this are created with NCCL's multi-root
         ``ncclCommInitRankScalable``, one unique id (root) per this many ranks, at most ``init_max_roots``
         (``JAX_NCCLX_INIT_RANKS_PER_ROOT``, default 1024; 0 always uses one root).
@@ -75,8 +75,8 @@ class Config:
         (not all_to_allv_dynamic's) lowers to handlers marked command-buffer compatible
         (``JAX_NCCLX_NCCL_COMMAND_BUFFERS=1``; default 0), so that XLA records their NCCL launches into the
         CUDA graphs of its command buffers with the rest of the program (XLA records custom calls there by
-        default, in runs of at least 5 recordable ops): 1.3-2.9x faster than XLA's own collectives on
-        2xH200 with one process, 1.05-2.7x with one per GPU (docs/performance.md, "Small collectives"). The cost:
+        default, in runs of at least 5 recordable ops), which makes them faster than XLA's own collectives
+        (``benchmarks/results/collectives_2gpu_cmdbuf.md``; docs/performance.md, "Small collectives"). The cost:
         a replayed graph does not come back to the host, so the watchdog times those calls only with
         ``watch_replays``; without it a peer that never arrives hangs them instead of failing with its name.
         The NVLink kernels bound their own waits and are recorded either way. Where ``XLA_FLAGS`` record loops
@@ -91,8 +91,8 @@ class Config:
         (``xla_ffi/common/replay_watch.h``). And every call that XLA may record into a graph (NVLink, and NCCL
         with ``nccl_command_buffers``) lowers (at compile time) to a handler with a prepare stage that makes an
         execution fail once its communicator has failed, instead of replaying on it with undefined outputs.
-        That costs host time in every execution, before the program launches: 0.6 us per call in a program of
-        200 NVLink calls on one H100, up to 1.7 in programs of 20 (docs/reliability.md, "Calls inside CUDA graphs").
+        That costs host time per call in every execution, before the program launches (the ``nx-watched`` rows
+        of ``benchmarks/results/launch_floor_1gpu.md``).
       nccl_max_ctas: the most thread blocks (channels) NCCL may use per call on communicators created from
         now on (``JAX_NCCLX_NCCL_MAX_CTAS``, NCCL's ``ncclConfig_t.maxCTAs``; default 0: NCCL's choice, 24-32
         on H200). NCCL allocates a few KiB per channel at init, each in its own 2 MiB cuMem granule, so an idle
