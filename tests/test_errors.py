@@ -187,8 +187,8 @@ def test_a_result_larger_than_the_device_is_refused_when_compiled(line):
     """max_recv_per_peer=2**31-1 sizes y past any device: the error names the op, the result, its bytes and the
     argument, not XLA's bare RESOURCE_EXHAUSTED when it runs."""
     n = line.size
-    message = (r"jax_ncclx\.all_to_allv_dynamic: result 0 \(float32\[1, \d+, 2147483647, 1024\]\) needs \d+ bytes, "
-               r"more than .*max_recv_per_peer")
+    message = (r"jax_ncclx\.all_to_allv_dynamic: result 0 per device \(float32\[1, \d+, 2147483647, 1024\]\) "
+               r"needs \d+ bytes, more than .*max_recv_per_peer")
     with pytest.raises(ValueError, match=message):
         per_shard(line, lambda v, c: nx.all_to_allv_dynamic(v, c, "x", max_recv_per_peer=2**31 - 1)[0],
                   jnp.ones((n * 4, 1024)), jnp.ones((n * n,), jnp.int32))

@@ -231,7 +231,7 @@ def _check_results_fit(op: str, avals_out, platform: str, device) -> None:
         limit, where = stats.get("bytes_limit"), f"the memory of {device.device_kind} {device.id}"
     for index, aval in enumerate(avals_out):
         if limit and _nbytes(aval) > limit:
-            raise ValueError(f"jax_ncclx.{op}: result {index} ({aval.dtype}{list(aval.shape)}) needs "
+            raise ValueError(f"jax_ncclx.{op}: result {index} per device ({aval.dtype}{list(aval.shape)}) needs "
                              f"{_nbytes(aval)} bytes, more than {where} ({limit} bytes).{_SIZED_BY.get(op, '')}")
 
 
