@@ -60,6 +60,8 @@ __device__ __forceinline__ void StampPhase(int64_t* clocks, int phases, int phas
 constexpr int32_t kWarpCountPairs = 256;
 constexpr int64_t kCountCounters = 8192;
 constexpr int32_t kMostCountWarps = kWarps / 2;
+// 16-byte vectors a lane of a send warp loads before the count (see early_loaded).
+constexpr int kEarlyVectors = 4;
 
 __host__ __device__ constexpr int32_t CountWarps(int64_t pairs, int64_t num_experts) {
   return pairs <= kWarpCountPairs                         ? 1
@@ -141,6 +143,29 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
     const int32_t p = tid + u * kThreads;
     loaded[u] = p < P ? args.expert_ids[p] : -1;
   }
+  const int32_t N = args.size, me = args.rank, E = static_cast<int32_t>(args.num_experts);
+  // Warps below count_warps count; the others send the rows, a (token, member, piece) unit at a time.
+  const int32_t count_warps = CountWarps(P, E), send_warps = kWarps - count_warps;  // per block
+  const int64_t first_send = int64_t{blockIdx.x} * send_warps + warp - count_warps;
+  const int64_t send_step = int64_t{gridDim.x} * send_warps;
+  // Vectors of 16 bytes: of a token row (tokens' dtype), of its bytes on the wire (a slot row).
+  const int64_t row_vectors = args.row_bytes / 16, wire_vectors = args.wire_row_bytes / 16;
+  const Units send_units(int64_t{T} * N, wire_vectors, send_step);
+  // A send warp's first unit, loaded with the ids: its stores then wait for the ids alone, not for a second
+  // round trip after the count's barrier. Plain rows whose piece fits kEarlyVectors a lane.
+  uint4 early[kEarlyVectors];
+  const bool early_loaded = !kOnWire<Rows> && warp >= count_warps && send_units.piece_len <= kEarlyVectors * 32 &&
+                            first_send < int64_t{T} * N * send_units.pieces;
+  if (early_loaded) {
+    const int32_t t = static_cast<int32_t>(first_send / send_units.pieces) / N;
+    const int64_t lo = first_send % send_units.pieces * send_units.piece_len;
+    const int64_t hi = min(wire_vectors, lo + send_units.piece_len);
+    const uint4* row = static_cast<const uint4*>(args.tokens_in) + int64_t{t} * row_vectors;
+#pragma unroll
+    for (int u = 0; u < kEarlyVectors; ++u) {
+      if (lo + lane + 32 * u < hi) early[u] = row[lo + lane + 32 * u];
+    }
+  }
   const uint64_t epoch = CallEpoch(args.control);
   const uint32_t ticket = TakeTicket(args.control, epoch);
   const int parity = static_cast<int>(epoch & 1);
@@ -151,21 +176,17 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
     trace.Start();
     trace.PeersEntered();  // nothing to wait for before writing: the slots of this parity are free
   }
-  const int32_t N = args.size, me = args.rank, E = static_cast<int32_t>(args.num_experts);
   const int32_t L = E / N, C = static_cast<int32_t>(args.capacity), NC = N * C;
   const int32_t R = min(T, L * C);  // token rows with a kept pair one source delivers to one member
   const int32_t thread = blockIdx.x * kThreads + tid, threads = gridDim.x * kThreads;
   const int64_t warps = int64_t{gridDim.x} * kWarps;
   const int64_t first_unit = int64_t{blockIdx.x} * kWarps + warp;
-  // Vectors of 16 bytes: of a token row (tokens' dtype), of its bytes on the wire (a slot row).
-  const int64_t row_vectors = args.row_bytes / 16, wire_vectors = args.wire_row_bytes / 16;
   extern __shared__ int4 shared_vectors[];  // int4: 16-byte aligned
   __shared__ BlockScan::TempStorage scan;
   const Counted counted = LayOutCounted(reinterpret_cast<int32_t*>(shared_vectors), P, T, N, E, L);
 
   // ---- count (warps below count_warps): j of every pair and the pairs per id; send (the other warps): the rows
   const bool one_warp = P <= kWarpCountPairs;
-  const int32_t count_warps = CountWarps(P, E);
   for (int32_t i = tid; i < E; i += kThreads) counted.counts[i] = 0;
   for (int32_t i = tid; i < HistogramInts(P, E); i += kThreads) counted.histogram[i] = 0;
 #pragma unroll
@@ -219,20 +240,26 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
       }
     } else {
       const uint4* tokens = static_cast<const uint4*>(args.tokens_in);
-      const Units units(sends, wire_vectors, step);
+      const Units& units = send_units;
       for (int64_t unit = first; unit < int64_t{sends} * units.pieces; unit += step) {
         const int32_t tm = static_cast<int32_t>(unit / units.pieces);
         const int64_t lo = (unit - int64_t{tm} * units.pieces) * units.piece_len;
         const int64_t hi = min(wire_vectors, lo + units.piece_len);
         const int32_t t = tm / N, m = tm - t * N;
         if (!reaches(t, m)) continue;
-        WarpCopy<uint4, false>(reinterpret_cast<uint4*>(slot_row(m, t)) + lo, tokens + int64_t{t} * row_vectors + lo,
-                               hi - lo);
+        uint4* to = reinterpret_cast<uint4*>(slot_row(m, t)) + lo;
+        if (early_loaded && unit == first) {
+#pragma unroll
+          for (int u = 0; u < kEarlyVectors; ++u) {
+            if (lo + lane + 32 * u < hi) to[lane + 32 * u] = early[u];
+          }
+        } else {
+          WarpCopy<uint4, false>(to, tokens + int64_t{t} * row_vectors + lo, hi - lo);
+        }
       }
     }
   };
-  const int32_t send_warps = kWarps - count_warps;  // per block
-  if (warp >= count_warps) send(int64_t{blockIdx.x} * send_warps + warp - count_warps, int64_t{gridDim.x} * send_warps);
+  if (warp >= count_warps) send(first_send, send_step);
   if (one_warp) {
     if (warp == 0) count_run(counted.counts, 0, P);
   } else {
