@@ -66,9 +66,8 @@ __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
   // Expert side: received row i = s * R + r is source s's r-th token row; its sum goes to row me * R + r of
   // s's slots. kChunk choices are loaded before any is added, so their latencies overlap.
   const Units expert(n * R, vectors, warps);
-  for (int64_t unit = first_unit; unit < n * R * expert.pieces; unit += warps) {
-    const int64_t i = unit / expert.pieces;
-    const int64_t lo = (unit - i * expert.pieces) * expert.piece_len;
+  for (int64_t unit = first_unit; unit < expert.count(); unit += warps) {
+    const auto [i, lo, hi] = expert.At(unit);
     const int s = static_cast<int>(i / R);
     const int64_t r = i - s * R;
     const int32_t delivered = args.recv_tokens[s];  // loaded with the indices: one round trip, not two
@@ -79,7 +78,6 @@ __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
     __syncwarp();
     if (r >= delivered) continue;  // the same on every lane
     uint4* to = SlotRow(call, s, parity, me * R + r, vectors);
-    const int64_t hi = min(vectors, lo + expert.piece_len);
     for (int64_t v = lo + lane; v < hi; v += 32) {
       float acc[V::kCount] = {};
       for (int j0 = 0; j0 < k; j0 += kChunk) {
@@ -112,9 +110,8 @@ __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
   int32_t first_rows[kMaxNvlinkRanks];
 #pragma unroll
   for (int m = 0; m < kMaxNvlinkRanks; ++m) {
-    first_rows[m] = m < n && first_unit < args.tokens * token.pieces
-                        ? args.return_row[first_unit / token.pieces * n + m]
-                        : static_cast<int32_t>(n * R);
+    first_rows[m] = m < n && first_unit < token.count() ? args.return_row[token.At(first_unit).row * n + m]
+                                                        : static_cast<int32_t>(n * R);
   }
   // Every member's every block has written its rows here.
   WaitForEveryBlock<kThreads>(patience, args.control, n, epoch);
@@ -122,10 +119,8 @@ __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
 
   // Each lane adds kTokenVectors vectors of every member at once: with few members one row per token is
   // all there is to read, and its latency would otherwise be paid vector by vector.
-  for (int64_t unit = first_unit; unit < args.tokens * token.pieces; unit += warps) {
-    const int64_t t = unit / token.pieces;
-    const int64_t lo = (unit - t * token.pieces) * token.piece_len;
-    const int64_t hi = min(vectors, lo + token.piece_len);
+  for (int64_t unit = first_unit; unit < token.count(); unit += warps) {
+    const auto [t, lo, hi] = token.At(unit);
     const uint4* from[kMaxNvlinkRanks];
 #pragma unroll
     for (int m = 0; m < kMaxNvlinkRanks; ++m) {

@@ -37,16 +37,28 @@ struct Divisor {
   __device__ int32_t Mod(int32_t n) const { return n - Div(n) * static_cast<int32_t>(divisor); }
 };
 
+// A unit of Units: its row and the vectors [lo, hi) of that row it covers.
+struct Piece {
+  int64_t row, lo, hi;
+};
+
 // How the NVLink MoE kernels share rows out: warp-sized units of (row, piece of its vectors), as many pieces
 // per row as it takes to give every warp of the grid work, so a few decode rows still spread over every SM
-// while prefill rows go whole to a warp, which reads the row's indices once.
+// while prefill rows go whole to a warp, which reads the row's indices once. Units are numbered row-major:
+//   for (int64_t unit = first_warp; unit < units.count(); unit += warps) { const Piece piece = units.At(unit); ... }
 struct Units {
+  int64_t rows, vectors;
   int64_t pieces;     // per row
   int64_t piece_len;  // vectors per piece
-  __device__ Units(int64_t rows, int64_t vectors, int64_t warps) {
+  __device__ Units(int64_t rows, int64_t vectors, int64_t warps) : rows(rows), vectors(vectors) {
     const int64_t most = max(int64_t{1}, (vectors + 31) / 32);  // a piece of at least one vector per lane
     pieces = rows == 0 ? 1 : min(most, max(int64_t{1}, (warps + rows - 1) / rows));
     piece_len = (vectors + pieces - 1) / pieces;
+  }
+  __device__ int64_t count() const { return rows * pieces; }
+  __device__ Piece At(int64_t unit) const {
+    const int64_t row = unit / pieces, lo = (unit - row * pieces) * piece_len;
+    return {row, lo, min(vectors, lo + piece_len)};
   }
 };
 

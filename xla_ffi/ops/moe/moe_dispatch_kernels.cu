@@ -410,10 +410,9 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   } else {
     const uint4* tokens = static_cast<const uint4*>(args.tokens_in);
     const Units send(sent_rows, slot_vectors, warps);
-    for (int64_t unit = first_unit; unit < int64_t{sent_rows} * send.pieces; unit += warps) {
-      const int32_t g = static_cast<int32_t>(unit / send.pieces);
-      const int64_t lo = (unit - int64_t{g} * send.pieces) * send.piece_len;
-      const int64_t hi = min(slot_vectors, lo + send.piece_len);
+    for (int64_t unit = first_unit; unit < send.count(); unit += warps) {
+      const auto [row, lo, hi] = send.At(unit);
+      const int32_t g = static_cast<int32_t>(row);
       int32_t m, r;
       uint4* to = reinterpret_cast<uint4*>(slot_row(g, m, r));
       const int32_t token = plan.send_token[g];
@@ -549,10 +548,9 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   // ---- expand: expert-major row x is a copy of its received row (zeros past the data) ----
   uint4* expert_rows = static_cast<uint4*>(args.expert_rows);
   const Units expand(NC, row_vectors, warps);
-  for (int64_t unit = first_unit; unit < int64_t{NC} * expand.pieces; unit += warps) {
-    const int32_t x = static_cast<int32_t>(unit / expand.pieces);
-    const int64_t lo = (unit - int64_t{x} * expand.pieces) * expand.piece_len;
-    const int64_t hi = min(row_vectors, lo + expand.piece_len);
+  for (int64_t unit = first_unit; unit < expand.count(); unit += warps) {
+    const auto [row, lo, hi] = expand.At(unit);
+    const int32_t x = static_cast<int32_t>(row);
     const uint32_t of = x < total ? placed.pair_of[x] : kNoRow;
     const uint8_t* from = nullptr;
     if (of != kNoRow && (of & kNoPair) != kNoPair) {

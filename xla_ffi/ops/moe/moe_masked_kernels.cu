@@ -155,12 +155,10 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
   // round trip after the count's barrier. Plain rows whose piece fits kEarlyVectors a lane.
   uint4 early[kEarlyVectors];
   const bool early_loaded = !kOnWire<Rows> && warp >= count_warps && send_units.piece_len <= kEarlyVectors * 32 &&
-                            first_send < int64_t{T} * N * send_units.pieces;
+                            first_send < send_units.count();
   if (early_loaded) {
-    const int32_t t = static_cast<int32_t>(first_send / send_units.pieces) / N;
-    const int64_t lo = first_send % send_units.pieces * send_units.piece_len;
-    const int64_t hi = min(wire_vectors, lo + send_units.piece_len);
-    const uint4* row = static_cast<const uint4*>(args.tokens_in) + int64_t{t} * row_vectors;
+    const auto [tm, lo, hi] = send_units.At(first_send);
+    const uint4* row = static_cast<const uint4*>(args.tokens_in) + tm / N * row_vectors;
 #pragma unroll
     for (int u = 0; u < kEarlyVectors; ++u) {
       if (lo + lane + 32 * u < hi) early[u] = row[lo + lane + 32 * u];
@@ -240,12 +238,9 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
       }
     } else {
       const uint4* tokens = static_cast<const uint4*>(args.tokens_in);
-      const Units& units = send_units;
-      for (int64_t unit = first; unit < int64_t{sends} * units.pieces; unit += step) {
-        const int32_t tm = static_cast<int32_t>(unit / units.pieces);
-        const int64_t lo = (unit - int64_t{tm} * units.pieces) * units.piece_len;
-        const int64_t hi = min(wire_vectors, lo + units.piece_len);
-        const int32_t t = tm / N, m = tm - t * N;
+      for (int64_t unit = first; unit < send_units.count(); unit += step) {
+        const auto [row, lo, hi] = send_units.At(unit);
+        const int32_t tm = static_cast<int32_t>(row), t = tm / N, m = tm - t * N;
         if (!reaches(t, m)) continue;
         uint4* to = reinterpret_cast<uint4*>(slot_row(m, t)) + lo;
         if (early_loaded && unit == first) {
@@ -410,10 +405,8 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
   const int64_t total_rows = int64_t{L} * NC;
   const int32_t none = N * P;
   const Units expand(total_rows, row_vectors, warps);
-  for (int64_t unit = first_unit; unit < total_rows * expand.pieces; unit += warps) {
-    const int64_t x = unit / expand.pieces;
-    const int64_t lo = (unit - x * expand.pieces) * expand.piece_len;
-    const int64_t hi = min(row_vectors, lo + expand.piece_len);
+  for (int64_t unit = first_unit; unit < expand.count(); unit += warps) {
+    const auto [x, lo, hi] = expand.At(unit);
     const int32_t e = call.rows.Div(static_cast<int32_t>(x)), i = static_cast<int32_t>(x) - e * NC;
     uint4* to = expert_rows + x * row_vectors;
     if (i >= counted.group[e]) {  // the same on every lane
