@@ -72,6 +72,14 @@ ffi::Error GrowSymmetric(std::string_view op, int64_t comm_id, const SymmetricNe
 // The symmetric memory of `comm_id` on `device_ordinal`; an error if it was never connected or cannot use NVLink.
 ffi::ErrorOr<SymmetricRank> LookupSymmetric(std::string_view op, int64_t comm_id, int32_t device_ordinal);
 
+// An error naming `op` where a call needs more than the low-latency slots' `need` bytes per call parity hold.
+inline ffi::Error CheckSlots(std::string_view op, int64_t need, const SymmetricRank& symmetric) {
+  if (need <= symmetric.parity_half_bytes) return ffi::Error::Success();
+  return Internal(op, "the symmetric low-latency slots hold " + std::to_string(symmetric.parity_half_bytes) +
+                          " bytes per call parity but this call needs " + std::to_string(need) +
+                          "; they are sized when the program is lowered by jax_ncclx");
+}
+
 // The fault records of every local rank whose NVLink kernels gave up waiting (state != kNvlinkHealthy).
 struct NvlinkFaultReport {
   int64_t comm_id = 0;

@@ -101,13 +101,10 @@ ffi::Error Launch(std::string_view op, cudaStream_t stream, int32_t device_ordin
   args.table = symmetric.table;
   args.control = symmetric.control;
   if (args.bytes == 0) return ffi::Error::Success();
-  const int64_t need = NvlinkCollectiveSlotBytes(args.op, args.algorithm, args.protocol, args.bytes, args.size,
-                                                 args.element_bytes, args.direct);
-  if (need > symmetric.parity_half_bytes) {
-    return Internal(op, "the symmetric low-latency slots hold " + std::to_string(symmetric.parity_half_bytes) +
-                            " bytes per call parity but this call needs " + std::to_string(need) +
-                            "; they are sized when the program is lowered by jax_ncclx");
-  }
+  NCCLX_RETURN_IF_ERROR(CheckSlots(op,
+                                   NvlinkCollectiveSlotBytes(args.op, args.algorithm, args.protocol, args.bytes,
+                                                             args.size, args.element_bytes, args.direct),
+                                   symmetric));
   ffi::ErrorOr<int> sm_count = SmCount(op, device_ordinal);
   if (sm_count.has_error()) return sm_count.error();
   const int grid = ChooseNvlinkCollectiveBlocks(args, RequestedBlocks(blocks), *sm_count);

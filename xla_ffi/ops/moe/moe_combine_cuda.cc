@@ -92,12 +92,9 @@ ffi::Error MoeCombineImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyB
   args.out = out->untyped_data();
   args.table = symmetric->table;
   args.control = symmetric->control;
-  const int64_t need = MoeCombineSlotBytes(n, args.rows_per_member, hidden, static_cast<int>(element_bytes));
-  if (need > symmetric->parity_half_bytes) {
-    return Internal(kOp, "the symmetric low-latency slots hold " + std::to_string(symmetric->parity_half_bytes) +
-                             " bytes per call parity but this call needs " + std::to_string(need) +
-                             "; they are sized when the program is lowered by jax_ncclx");
-  }
+  NCCLX_RETURN_IF_ERROR(
+      CheckSlots(kOp, MoeCombineSlotBytes(n, args.rows_per_member, hidden, static_cast<int>(element_bytes)),
+                 *symmetric));
   if (hidden == 0) return ffi::Error::Success();  // the same on every rank: no call at all
   ffi::ErrorOr<int> sm_count = SmCount(kOp, device_ordinal);
   if (sm_count.has_error()) return sm_count.error();

@@ -15,6 +15,9 @@
 
 namespace jax_ncclx {
 
+// An int32 result's data, for the kernels' arguments.
+inline int32_t* Ints(ffi::Result<ffi::AnyBuffer>& buffer) { return static_cast<int32_t*>(buffer->untyped_data()); }
+
 struct DispatchOperands {
   int64_t tokens = 0;          // T
   int64_t hidden = 0;          // H

@@ -39,8 +39,6 @@ namespace {
 
 constexpr std::string_view kOp = "moe.dispatch";
 
-int32_t* Ints(ffi::Result<ffi::AnyBuffer>& buffer) { return static_cast<int32_t*>(buffer->untyped_data()); }
-
 ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer tokens,
                            ffi::AnyBuffer expert_ids, ffi::RemainingArgs weights_arg,
                            ffi::Result<ffi::AnyBuffer> expert_rows, ffi::Result<ffi::AnyBuffer> group_sizes,
@@ -139,12 +137,9 @@ ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Any
   args.placed.recv_weights = static_cast<float*>(recv_weights->untyped_data());
   args.table = symmetric->table;
   args.control = symmetric->control;
-  const int64_t need = MoeDispatchSlotBytes(args.size, R, args.top_k, args.wire_row_bytes, args.with_weights);
-  if (need > symmetric->parity_half_bytes) {
-    return Internal(kOp, "the symmetric low-latency slots hold " + std::to_string(symmetric->parity_half_bytes) +
-                             " bytes per call parity but this call needs " + std::to_string(need) +
-                             "; they are sized when the program is lowered by jax_ncclx");
-  }
+  NCCLX_RETURN_IF_ERROR(
+      CheckSlots(kOp, MoeDispatchSlotBytes(args.size, R, args.top_k, args.wire_row_bytes, args.with_weights),
+                 *symmetric));
   ffi::ErrorOr<int> sm_count = SmCount(kOp, device_ordinal);
   if (sm_count.has_error()) return sm_count.error();
   const int grid = ChooseMoeDispatchBlocks(args, RequestedBlocks(blocks), *sm_count);

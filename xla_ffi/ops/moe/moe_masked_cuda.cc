@@ -45,15 +45,6 @@ namespace {
 constexpr std::string_view kDispatchOp = "moe.masked_dispatch";
 constexpr std::string_view kCombineOp = "moe.masked_combine";
 
-ffi::Error CheckSlots(std::string_view op, int64_t need, const SymmetricRank& symmetric) {
-  if (need <= symmetric.parity_half_bytes) return ffi::Error::Success();
-  return Internal(op, "the symmetric low-latency slots hold " + std::to_string(symmetric.parity_half_bytes) +
-                          " bytes per call parity but this call needs " + std::to_string(need) +
-                          "; they are sized when the program is lowered by jax_ncclx");
-}
-
-int32_t* Ints(ffi::Result<ffi::AnyBuffer>& buffer) { return static_cast<int32_t*>(buffer->untyped_data()); }
-
 ffi::Error MoeMaskedDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer tokens,
                                  ffi::AnyBuffer expert_ids, ffi::RemainingArgs weights_arg,
                                  ffi::Result<ffi::AnyBuffer> expert_rows, ffi::Result<ffi::AnyBuffer> group_sizes,
