@@ -16,6 +16,7 @@ import math
 import os
 import platform
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -49,6 +50,17 @@ class Progress:
 
     def warn(self, message: str):
         self(f"WARNING: {message}")
+
+
+def stop_on_sigterm():
+    """Makes SIGTERM (from ``timeout`` or a job scheduler) raise ``SystemExit`` in the main thread, so that a
+    benchmark's abort path writes the rows it measured, marked incomplete, instead of the process dying with
+    nothing written. The exception comes when the main thread is next in Python: after the GPU work it waits
+    on, not in the middle of it."""
+    def stop(signum, frame):
+        raise SystemExit(f"stopped by {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 class TablePrinter:
@@ -457,9 +469,12 @@ def byte_sizes(parser, text, flag: str) -> list:
 def start(parser, args, axis: str, skip=(), min_gpus: int = 2) -> tuple:
     """(devices, a one-axis mesh named ``axis`` over them, metadata, run config) for a benchmark run: the
     devices of :func:`pick_devices`, the config of :func:`run_config`. A ``{topology}`` in ``args.name`` becomes
-    :func:`topology` of the devices."""
+    :func:`topology` of the devices. From here on SIGTERM stops the run with its rows written
+    (:func:`stop_on_sigterm`)."""
     import jax
     import numpy as np
+
+    stop_on_sigterm()
 
     devices = pick_devices(parser, args.smoke, min_gpus)
     args.name = args.name.replace("{topology}", topology(devices))
@@ -543,7 +558,8 @@ def write_results(name: str, rows: list, meta: dict, plot_fn=None, *, out_dir=RE
         When matplotlib is missing the PNG is skipped with a warning (``log``) and the other files are written.
       columns: markdown table columns as ``(key, header, format)``; default every key of the first row.
       title, notes: markdown heading and a markdown paragraph (column definitions, ...) above the table.
-      extra: more top-level JSON entries (configuration, shapes, ...).
+      extra: more top-level JSON entries (configuration, shapes, ...). An ``aborted`` entry (why the run
+        stopped early) also heads the markdown as an incomplete run.
       log: where warnings and the written paths are reported.
       replot_hint: the command that redraws the plot from the JSON, named in the missing-matplotlib warning.
 
@@ -560,6 +576,9 @@ def write_results(name: str, rows: list, meta: dict, plot_fn=None, *, out_dir=RE
     if columns is None:
         columns = [(key, key, "") for key in (rows[0] if rows else {})]
     lines = [f"# {title or name}", "", _meta_line(meta), ""]
+    if (extra or {}).get("aborted"):
+        lines += [f"**Incomplete run**: it stopped early ({extra['aborted']}); the table holds the rows measured "
+                  "before that.", ""]
     if notes:
         lines += [notes.strip(), ""]
     lines.append("| " + " | ".join(header for _, header, _ in columns) + " |")

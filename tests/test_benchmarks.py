@@ -5,8 +5,10 @@ collectives' timer runs on one GPU."""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -62,12 +64,54 @@ def test_all_to_allv_moe_smoke(tmp_path):
         assert rows[variant]["vs_xla_moe"] == pytest.approx(rows[baseline]["median_us"] / rows[variant]["median_us"])
 
 
-def test_results_header_names_the_commit_and_its_note():
+def import_common():
     sys.path.insert(0, BENCHMARKS)
     try:
         import common
     finally:
         sys.path.remove(BENCHMARKS)
+    return common
+
+
+@pytest.mark.slow  # a benchmark end to end in its own process
+def test_a_terminated_run_writes_the_rows_it_measured(tmp_path):
+    """SIGTERM (what `timeout` sends) mid-run: the rows measured so far are written, marked incomplete."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    run = subprocess.Popen([sys.executable, os.path.join(BENCHMARKS, "all_to_allv.py"), "--smoke", "--sweep",
+                            "--out", str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    line = ""
+    try:
+        for line in run.stdout:  # the first timed row, with most of the sweep still to run
+            if line.rstrip().endswith(" ok"):
+                break
+        run.send_signal(signal.SIGTERM)
+        output = line + run.communicate(timeout=300)[0]
+    finally:
+        run.kill()
+    assert run.returncode != 0 and "ABORTED" in output, output[-3000:]
+    document = json.loads((tmp_path / "all_to_allv.json").read_text())
+    assert document["aborted"] == "SystemExit: stopped by SIGTERM"
+    assert any(r["status"] == "ok" for r in document["rows"])
+    assert len({r["tokens"] for r in document["rows"]}) < len(document["config"]["tokens"])
+    assert "**Incomplete run**: it stopped early (SystemExit: stopped by SIGTERM)" in (
+        tmp_path / "all_to_allv.md").read_text()
+
+
+def test_sigterm_raises_system_exit_once_asked():
+    common = import_common()
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        common.stop_on_sigterm()
+        with pytest.raises(SystemExit, match="stopped by SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs at the next bytecode, long before this ends
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_results_header_names_the_commit_and_its_note():
+    common = import_common()
     meta = {"num_devices": 2, "git": {"commit": "0123456789abcdef", "dirty": False}}
     assert "commit 0123456789ab," in common._meta_line(meta)
     meta["git"]["note"] = "a scratch build"
