@@ -126,18 +126,42 @@ def test_launch_floor_smoke(tmp_path):
     assert [r["ffi_targets"] for r in rows] == [[], ["ncclx_all_reduce"], []]
 
 
-@pytest.mark.slow  # a benchmark end to end in its own process
-def test_routing_kernel_timer_compiles(tmp_path):
-    """tools/time_routing_kernels.cu includes the routing kernels' source and calls their launchers: it must
-    keep compiling as they change (it runs only on a GPU machine)."""
+def nvcc_or_skip():
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
     if nvcc is None:
         pytest.skip("nvcc not found (PATH, /usr/local/cuda/bin)")
+    return nvcc
+
+
+def build_cuda_tool(name, out_dir):
     root = os.path.dirname(BENCHMARKS)
-    done = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-I", os.path.join(root, "xla_ffi"),
-                           os.path.join(root, "tools", "time_routing_kernels.cu"), "-o", str(tmp_path / "timer")],
+    binary = str(out_dir / name)
+    done = subprocess.run([nvcc_or_skip(), "-std=c++17", "-O3", "-arch=sm_90", "-I", os.path.join(root, "xla_ffi"),
+                           os.path.join(root, "tools", name + ".cu"), "-o", binary],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return binary
+
+
+@pytest.mark.slow  # nvcc, a minute each
+@pytest.mark.parametrize("name", ["time_routing_kernels", "time_copy_rates", "time_decode_signal"])
+def test_cuda_diagnostics_compile(tmp_path, name):
+    """The CUDA diagnostics in tools/ include the kernels' sources or headers: they must keep compiling as those
+    change (they run only on a GPU machine)."""
+    build_cuda_tool(name, tmp_path)
+
+
+@pytest.mark.gpu
+def test_decode_signal_timer_runs(tmp_path):
+    """tools/time_decode_signal.cu times every scheme at 16 and 128 rows and checks each copies the rows out
+    whole (it exits non-zero otherwise)."""
+    done = subprocess.run([build_cuda_tool("time_decode_signal", tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = [line.split() for line in done.stdout.splitlines()[1:]]
+    assert {(int(r[0]), r[1]) for r in table} == {(rows, scheme) for rows in (16, 128)
+                                                   for scheme in ("empty", "local", "flags.sys", "flags.gpu", "lines")}
+    assert all(float(r[2]) > 0 for r in table)
 
 
 @pytest.mark.gpu

@@ -36,6 +36,8 @@
 #                 the masked kernels through XLA against the chain (minutes under the sanitizer)
 #   copy_rates    builds and runs tools/time_copy_rates.cu (dispatch's row expansion beside the device's copy
 #                 and store rates; a diagnostic, seconds)
+#   decode_signal builds and runs tools/time_decode_signal.cu (what the signal between a dispatch's senders and
+#                 receivers costs at decode sizes: release flags against LL128 lines; a diagnostic, seconds)
 #   startup | collectives | all_to_allv | launch_floor   benchmarks/<step>.py --out OUT_DIR $ARGS_<step>
 #                 (e.g. ARGS_all_to_allv="--experts-per-rank 32 --name all_to_allv_8gpu")
 #   collectives_cmdbuf | all_to_allv_cmdbuf | launch_floor_cmdbuf   the same benchmark with custom calls
@@ -105,11 +107,11 @@ run_step() {
       cmd=(bash -c "for tool in memcheck racecheck; do echo == \$tool; $sanitizer --tool \$tool $single &&
                     $sanitizer --tool \$tool $loopback && $sanitizer --tool \$tool $masked || exit; done &&
                     echo '== memcheck, masked kernels through XLA' && $sanitizer --tool memcheck $masked_xla") ;;
-    copy_rates)
+    copy_rates | decode_signal)
       local nvcc
       nvcc="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
-      cmd=(bash -c "$nvcc -std=c++17 -O3 -arch=sm_90 -Ixla_ffi tools/time_copy_rates.cu -o $out/time_copy_rates.bin &&
-                    $out/time_copy_rates.bin && rm -f $out/time_copy_rates.bin") ;;
+      cmd=(bash -c "$nvcc -std=c++17 -O3 -arch=sm_90 -Ixla_ffi tools/time_$step.cu -o $out/time_$step.bin &&
+                    $out/time_$step.bin && rm -f $out/time_$step.bin") ;;
     startup | collectives | all_to_allv | launch_floor | collectives_cmdbuf | all_to_allv_cmdbuf | launch_floor_cmdbuf)
       local args_var="ARGS_$step" extra
       read -ra extra <<< "${!args_var:-}"
@@ -129,7 +131,7 @@ for step in "${steps[@]}"; do run_step "$step"; done
 echo "== summary"
 for step in "${steps[@]}"; do
   echo "-- $step"
-  if [ "$step" = copy_rates ]; then tail -14 "$out/$step.log"; continue; fi  # its table
+  if [ "$step" = copy_rates ] || [ "$step" = decode_signal ]; then tail -14 "$out/$step.log"; continue; fi  # a table
   grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed|skipped)|== $step: exit" "$out/$step.log" | tail -12
 done
 if [ "${TAR:-0}" = 1 ]; then

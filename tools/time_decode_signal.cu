@@ -1,0 +1,241 @@
+// What the signal between a dispatch's senders and its receivers costs at decode sizes, by scheme, on one GPU:
+// every block of one kernel writes its share of R token rows into slots, signals, then waits until every
+// block's share has landed and copies the rows out (as the NVLink MoE kernels' send, wait and expansion do, with
+// one rank). A diagnostic for the decode kernels' design, not a benchmark (no XLA baseline; time the MoE layer
+// with benchmarks/all_to_allv.py). Build and run from the repository root on a GPU machine:
+//
+//   nvcc -std=c++17 -O3 -arch=sm_90 -Ixla_ffi tools/time_decode_signal.cu -o /tmp/time_signal && /tmp/time_signal
+//
+// Schemes:
+//   empty       the kernel with nothing in it: the launch floor of a call on a busy stream
+//   local       rows written, then each block copies out only the rows it wrote itself: no signal at all (the
+//               floor of the data movement; not a correct exchange)
+//   flags.sys   rows stored plainly; each block: a barrier, then one st.release.sys flag; every block waits for
+//               every block's flag (ld.acquire.sys), then copies its share out: the MoE kernels' scheme
+//   flags.gpu   the same with gpu-scope release and acquire: what the fence costs when no peer GPU is involved
+//               (not enough across GPUs)
+//   lines       rows as LL128 lines (120 payload bytes and the call's epoch in each 128-byte line, stored as one
+//               16-byte access per lane, 8 lanes a line); the reader polls each line until its epoch is the
+//               call's and copies the payload out: no fence, no flag (the small collectives' LL128 protocol)
+// Each time is the mean µs per call over 200 back-to-back launches between two events (the launch gaps
+// included, as in a program), the median of 9 such runs. Every scheme's output is checked against the rows.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "common/device_sync.cuh"
+#include "ops/moe/moe_device.cuh"
+
+namespace decode_signal {  // named: nvcc's kernel stubs cannot tell two anonymous namespaces apart
+
+using jax_ncclx::LoadVolatile;
+using jax_ncclx::Pair64;
+using jax_ncclx::StoreVolatile;
+
+void Check(cudaError_t error, const char* what) {
+  if (error == cudaSuccess) return;
+  std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(error));
+  std::exit(1);
+}
+
+constexpr int kThreads = 512, kWarps = kThreads / 32;
+constexpr int64_t kRowBytes = 7168 * 2;  // hidden 7168 bf16, all_to_allv.py's rows
+constexpr int64_t kRowVectors = kRowBytes / 16;
+constexpr int kLanesPerLine = 8;                           // 8 lanes' 16-byte parts make a 128-byte line
+constexpr int64_t kLineWords = 30;                         // payload: 7 full parts and 8 bytes of the last
+constexpr int64_t kRowWords = kRowBytes / 4;
+constexpr int64_t kRowLines = (kRowWords + kLineWords - 1) / kLineWords;
+
+// A wait that spins this long has lost its writer (a bug here): the kernel traps, and the launch's error says so.
+constexpr uint32_t kMostSpins = 1u << 28;
+
+enum class Scheme { kEmpty, kLocal, kFlagsSys, kFlagsGpu, kLines };
+
+struct Buffers {
+  const uint4* rows;    // [R, kRowVectors] the tokens
+  uint4* slots;         // [R, kRowVectors] plain slots, or [R, kRowLines, 8] Pair64 lines
+  uint64_t* flags;      // [blocks] one per block
+  uint4* out;           // [R, kRowVectors]
+  int64_t num_rows;
+};
+
+__device__ __forceinline__ void Release(uint64_t* flag, uint64_t value, bool system) {
+  if (system) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+  } else {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+  }
+}
+
+__device__ __forceinline__ uint64_t Acquire(const uint64_t* flag, bool system) {
+  uint64_t value;
+  if (system) {
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
+  } else {
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
+  }
+  return value;
+}
+
+// Word j of the row's words (zero past the row).
+__device__ __forceinline__ uint32_t RowWord(const uint32_t* row, int64_t j) { return j < kRowWords ? row[j] : 0; }
+
+template <Scheme kScheme>
+__global__ void __launch_bounds__(kThreads, 1) SignalKernel(Buffers b, uint64_t epoch) {
+  if constexpr (kScheme == Scheme::kEmpty) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t{gridDim.x} * kWarps, warp = int64_t{blockIdx.x} * kWarps + threadIdx.x / 32;
+  if constexpr (kScheme == Scheme::kLines) {
+    // A warp takes 4 lines a step (lane / 8: which, lane % 8: its part), the lines of all rows in order.
+    const int part = lane % kLanesPerLine;
+    const bool flag_part = part == kLanesPerLine - 1;
+    const int64_t lines = b.num_rows * kRowLines;
+    Pair64* slots = reinterpret_cast<Pair64*>(b.slots);
+    for (int64_t step = warp * 4; step < lines; step += warps * 4) {
+      const int64_t line = step + lane / kLanesPerLine;
+      if (line >= lines) continue;
+      const int64_t r = line / kRowLines, first = (line % kRowLines) * kLineWords + part * 4;
+      const uint32_t* row = reinterpret_cast<const uint32_t*>(b.rows + r * kRowVectors);
+      const uint64_t lo = RowWord(row, first) | uint64_t{RowWord(row, first + 1)} << 32;
+      const uint64_t hi = flag_part ? epoch : RowWord(row, first + 2) | uint64_t{RowWord(row, first + 3)} << 32;
+      StoreVolatile(slots + line * kLanesPerLine + part, Pair64{lo, hi});
+    }
+    // Read back by the warp at the other end of the grid: lines another block wrote.
+    for (int64_t step = (warps - 1 - warp) * 4; step < lines; step += warps * 4) {
+      const int64_t line = step + lane / kLanesPerLine;
+      const bool valid = line < lines;
+      Pair64 got = valid ? LoadVolatile(slots + line * kLanesPerLine + part) : Pair64{};
+      for (uint32_t spins = 0; !__all_sync(0xffffffffu, !valid || !flag_part || got.hi == epoch); ++spins) {
+        if (spins > kMostSpins) __trap();
+        if (valid) got = LoadVolatile(slots + line * kLanesPerLine + part);
+      }
+      if (!valid) continue;
+      const int64_t r = line / kRowLines, first = (line % kRowLines) * kLineWords + part * 4;
+      uint32_t* to = reinterpret_cast<uint32_t*>(b.out + r * kRowVectors);
+      const uint32_t words[4] = {static_cast<uint32_t>(got.lo), static_cast<uint32_t>(got.lo >> 32),
+                                 static_cast<uint32_t>(got.hi), static_cast<uint32_t>(got.hi >> 32)};
+      for (int j = 0; j < (flag_part ? 2 : 4); ++j) {
+        if (first + j < kRowWords) to[first + j] = words[j];
+      }
+    }
+  } else {
+    // A warp per (row, piece), as the MoE kernels share rows out.
+    const jax_ncclx::Units units(b.num_rows, kRowVectors, warps);
+    for (int64_t unit = warp; unit < units.count(); unit += warps) {
+      const auto [r, lo, hi] = units.At(unit);
+      for (int64_t v = lo + lane; v < hi; v += 32) b.slots[r * kRowVectors + v] = b.rows[r * kRowVectors + v];
+    }
+    if constexpr (kScheme == Scheme::kFlagsSys || kScheme == Scheme::kFlagsGpu) {
+      constexpr bool kSystem = kScheme == Scheme::kFlagsSys;
+      __syncthreads();
+      if (threadIdx.x == 0) Release(&b.flags[blockIdx.x], epoch, kSystem);
+      for (int64_t i = threadIdx.x; i < gridDim.x; i += kThreads) {
+        for (uint32_t spins = 0; Acquire(&b.flags[i], kSystem) != epoch; ++spins) {
+          if (spins > kMostSpins) __trap();
+        }
+      }
+      __syncthreads();
+    }
+    // kLocal: each warp copies out the units it wrote; the flag schemes: the warp at the other end of the grid
+    // does, so that the rows come from another block.
+    const int64_t reader = kScheme == Scheme::kLocal ? warp : warps - 1 - warp;
+    for (int64_t unit = reader; unit < units.count(); unit += warps) {
+      const auto [r, lo, hi] = units.At(unit);
+      for (int64_t v = lo + lane; v < hi; v += 32) b.out[r * kRowVectors + v] = b.slots[r * kRowVectors + v];
+    }
+  }
+}
+
+}  // namespace decode_signal
+
+namespace decode_signal {
+
+struct Case {
+  const char* name;
+  Scheme scheme;
+  void (*kernel)(Buffers, uint64_t);
+};
+
+constexpr Case kCases[] = {
+    {"empty", Scheme::kEmpty, SignalKernel<Scheme::kEmpty>},
+    {"local", Scheme::kLocal, SignalKernel<Scheme::kLocal>},
+    {"flags.sys", Scheme::kFlagsSys, SignalKernel<Scheme::kFlagsSys>},
+    {"flags.gpu", Scheme::kFlagsGpu, SignalKernel<Scheme::kFlagsGpu>},
+    {"lines", Scheme::kLines, SignalKernel<Scheme::kLines>},
+};
+
+constexpr int kLaunches = 200, kRuns = 9;
+
+// Median over kRuns of the mean µs per call of kLaunches back-to-back calls, epochs counting on from `epoch`.
+double MicrosPerCall(const Case& c, const Buffers& b, int blocks, cudaStream_t stream, uint64_t& epoch) {
+  cudaEvent_t start, stop;
+  Check(cudaEventCreate(&start), "cudaEventCreate");
+  Check(cudaEventCreate(&stop), "cudaEventCreate");
+  for (int i = 0; i < 3; ++i) c.kernel<<<blocks, kThreads, 0, stream>>>(b, ++epoch);  // warm-up
+  std::vector<float> ms(kRuns);
+  for (float& t : ms) {
+    Check(cudaEventRecord(start, stream), "cudaEventRecord");
+    for (int i = 0; i < kLaunches; ++i) c.kernel<<<blocks, kThreads, 0, stream>>>(b, ++epoch);
+    Check(cudaEventRecord(stop, stream), "cudaEventRecord");
+    Check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    Check(cudaEventElapsedTime(&t, start, stop), "cudaEventElapsedTime");
+  }
+  Check(cudaGetLastError(), c.name);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return 1e3 * ms[kRuns / 2] / kLaunches;
+}
+
+}  // namespace decode_signal
+
+int main() {
+  using namespace decode_signal;
+  int sms = 0;
+  Check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "cudaDeviceGetAttribute");
+  cudaStream_t stream;
+  Check(cudaStreamCreate(&stream), "cudaStreamCreate");
+  std::printf("%-6s %-10s %10s  (one block per SM: %d blocks of %d threads; rows of %lld bytes)\n", "rows", "scheme",
+              "us/call", sms, kThreads, static_cast<long long>(kRowBytes));
+  for (const int64_t num_rows : {int64_t{16}, int64_t{128}}) {
+    const int64_t row_bytes = num_rows * kRowBytes, line_bytes = num_rows * kRowLines * kLanesPerLine * 16;
+    std::vector<uint32_t> host(row_bytes / 4);
+    uint32_t seed = 12345;
+    for (uint32_t& w : host) w = seed = seed * 1664525u + 1013904223u;
+    uint4 *rows, *slots, *out;
+    uint64_t* flags;
+    Check(cudaMalloc(&rows, row_bytes), "cudaMalloc");
+    Check(cudaMalloc(&slots, std::max(row_bytes, line_bytes)), "cudaMalloc");
+    Check(cudaMalloc(&out, row_bytes), "cudaMalloc");
+    Check(cudaMalloc(&flags, sms * sizeof(uint64_t)), "cudaMalloc");
+    Check(cudaMemcpy(rows, host.data(), row_bytes, cudaMemcpyHostToDevice), "cudaMemcpy");
+    const Buffers b{rows, slots, flags, out, num_rows};
+    for (const Case& c : kCases) {
+      Check(cudaMemset(slots, 0, std::max(row_bytes, line_bytes)), "cudaMemset");
+      Check(cudaMemset(flags, 0, sms * sizeof(uint64_t)), "cudaMemset");
+      Check(cudaMemset(out, 0, row_bytes), "cudaMemset");
+      uint64_t epoch = 0;
+      const double us = MicrosPerCall(c, b, sms, stream, epoch);
+      Check(cudaStreamSynchronize(stream), c.name);
+      std::vector<uint32_t> got(row_bytes / 4);
+      Check(cudaMemcpy(got.data(), out, row_bytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
+      const bool moves = c.scheme != Scheme::kEmpty;
+      if (moves && std::memcmp(got.data(), host.data(), row_bytes) != 0) {
+        std::fprintf(stderr, "%s at %lld rows: the rows copied out differ from the rows sent\n", c.name,
+                     static_cast<long long>(num_rows));
+        return 1;
+      }
+      std::printf("%-6lld %-10s %10.2f\n", static_cast<long long>(num_rows), c.name, us);
+    }
+    cudaFree(rows);
+    cudaFree(slots);
+    cudaFree(out);
+    cudaFree(flags);
+  }
+  return 0;
+}
