@@ -72,7 +72,7 @@ ffi::Error GrowSymmetric(std::string_view op, int64_t comm_id, const SymmetricNe
 // The symmetric memory of `comm_id` on `device_ordinal`; an error if it was never connected or cannot use NVLink.
 ffi::ErrorOr<SymmetricRank> LookupSymmetric(std::string_view op, int64_t comm_id, int32_t device_ordinal);
 
-// An error naming `op` where a call needs more than the low-latency slots' `need` bytes per call parity hold.
+// An error naming `op` where a call's `need` bytes exceed what the low-latency slots hold per call parity.
 inline ffi::Error CheckSlots(std::string_view op, int64_t need, const SymmetricRank& symmetric) {
   if (need <= symmetric.parity_half_bytes) return ffi::Error::Success();
   return Internal(op, "the symmetric low-latency slots hold " + std::to_string(symmetric.parity_half_bytes) +

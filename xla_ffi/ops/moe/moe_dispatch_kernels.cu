@@ -128,8 +128,8 @@ template <typename Rows>
 __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   const MoeDispatchArgs& args = call.args;
   const Divisors& by = call.by;
-  // The ids before anything else, in one batch: their loads overlap the set-up below, and the plan reads them
-  // from shared memory rather than a global round trip per 32 pairs.
+  // The ids before anything else, in one batch: their loads overlap the set-up below, and the warp plan reads
+  // them from shared memory rather than a global round trip per 32 pairs.
   const int32_t P = static_cast<int32_t>(args.tokens) * args.top_k;
   int32_t loaded[kIdsPerThread];
 #pragma unroll
@@ -628,9 +628,11 @@ cudaError_t LaunchMoeDispatch(const MoeDispatchArgs& args, int blocks, cudaStrea
                     Divisor(args.top_k * local)};
   const Call call{args, by, NvlinkLowLatencyAreaBytes(args.size),
                   MoeDispatchSlotRowBytes(args.top_k, args.wire_row_bytes, args.with_weights)};
-  // The placement holds every received tag in registers and packs list entries in 16 bits: the handlers'
-  // limits (N <= 8, T * k <= kMaxMoeDispatchPairs) keep within both; a call past them is refused here too.
-  if (args.size > kMaxNvlinkRanks || args.size * R * args.top_k > int64_t{kTagsPerThread} * kThreads) {
+  // The ids load kIdsPerThread a thread, and the placement holds every received tag in registers and packs
+  // list entries in 16 bits: the handlers' limits (N <= 8, T * k <= kMaxMoeDispatchPairs) keep within all three;
+  // a call past them is refused here too.
+  if (args.size > kMaxNvlinkRanks || args.tokens * args.top_k > kMaxMoeDispatchPairs ||
+      args.size * R * args.top_k > int64_t{kTagsPerThread} * kThreads) {
     return cudaErrorInvalidValue;
   }
   // Rows on the wire are whole vectors, and as they are without an 8-bit wire.

@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
   const int64_t row_vectors = args.row_bytes / 16, wire_vectors = args.wire_row_bytes / 16;
   const Units send_units(int64_t{T} * N, wire_vectors, send_step);
   // A send warp's first unit, loaded with the ids: its stores then wait for the ids alone, not for a second
-  // round trip after the count's barrier. Plain rows whose piece fits kEarlyVectors a lane.
+  // round trip after the barrier that publishes the ids. Plain rows whose piece fits kEarlyVectors a lane.
   uint4 early[kEarlyVectors];
   const bool early_loaded = !kOnWire<Rows> && warp >= count_warps && send_units.piece_len <= kEarlyVectors * 32 &&
                             first_send < send_units.count();
