@@ -17,8 +17,10 @@
 //   lines       rows as LL128 lines (120 payload bytes and the call's epoch in each 128-byte line, stored as one
 //               16-byte access per lane, 8 lanes a line); the reader polls each line until its epoch is the
 //               call's and copies the payload out: no fence, no flag (the small collectives' LL128 protocol)
-// Each time is the mean µs per call over 200 back-to-back launches between two events (the launch gaps
-// included, as in a program), the median of 9 such runs. Every scheme's output is checked against the rows.
+// The grid is one block of 512 threads per SM, all resident at once (checked), as the flag wait needs. Each time
+// is the mean µs per call over 200 back-to-back launches between two events (the launch gaps included, as in a
+// program), the median of 9 such runs. The last call's output is checked against the rows; every payload word
+// travels XORed with its call's epoch, so a wait that let a reader copy an earlier call's slots fails the check.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -51,8 +53,8 @@ constexpr int64_t kLineWords = 30;                         // payload: 7 full pa
 constexpr int64_t kRowWords = kRowBytes / 4;
 constexpr int64_t kRowLines = (kRowWords + kLineWords - 1) / kLineWords;
 
-// A wait that spins this long has lost its writer (a bug here): the kernel traps, and the launch's error says so.
-constexpr uint32_t kMostSpins = 1u << 28;
+// A wait this long has lost its writer (a bug here, or a block that never ran): the kernel traps.
+constexpr uint64_t kMostWaitNs = 2'000'000'000;
 
 enum class Scheme { kEmpty, kLocal, kFlagsSys, kFlagsGpu, kLines };
 
@@ -82,14 +84,36 @@ __device__ __forceinline__ uint64_t Acquire(const uint64_t* flag, bool system) {
   return value;
 }
 
-// Word j of the row's words (zero past the row).
-__device__ __forceinline__ uint32_t RowWord(const uint32_t* row, int64_t j) { return j < kRowWords ? row[j] : 0; }
+// Word pair j / 2 of the row (j even; zeros past the row), as one 8-byte access.
+__device__ __forceinline__ uint64_t RowPair(const uint2* row, int64_t j) {
+  if (j >= kRowWords) return 0;
+  const uint2 v = row[j / 2];
+  return v.x | uint64_t{v.y} << 32;
+}
+
+// Every payload word travels XORed with its call's epoch, so that a copy of an earlier call's slots fails the
+// check: every call sends the same rows.
+__device__ __forceinline__ uint4 Mixed(uint4 v, uint32_t key) { return {v.x ^ key, v.y ^ key, v.z ^ key, v.w ^ key}; }
+__device__ __forceinline__ uint64_t Mixed(uint64_t v, uint32_t key) { return v ^ (uint64_t{key} << 32 | key); }
+
+// Spins until done() or the wait outlasts kMostWaitNs; then traps (the launch's error says so).
+template <typename Done>
+__device__ __forceinline__ void WaitFor(Done done) {
+  const uint64_t start = jax_ncclx::GlobalTimerNs();
+  while (!done()) {
+    if (jax_ncclx::GlobalTimerNs() - start > kMostWaitNs) __trap();
+  }
+}
 
 template <Scheme kScheme>
 __global__ void __launch_bounds__(kThreads, 1) SignalKernel(Buffers b, uint64_t epoch) {
   if constexpr (kScheme == Scheme::kEmpty) return;
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t{gridDim.x} * kWarps, warp = int64_t{blockIdx.x} * kWarps + threadIdx.x / 32;
+  // Rows are read back by the warp at the other end of the grid (another block on an even grid, as one block
+  // per SM gives on the H100 and H200), except in kLocal, which reads what it wrote itself.
+  const int64_t reader = kScheme == Scheme::kLocal ? warp : warps - 1 - warp;
+  const uint32_t key = static_cast<uint32_t>(epoch);
   if constexpr (kScheme == Scheme::kLines) {
     // A warp takes 4 lines a step (lane / 8: which, lane % 8: its part), the lines of all rows in order.
     const int part = lane % kLanesPerLine;
@@ -100,27 +124,28 @@ __global__ void __launch_bounds__(kThreads, 1) SignalKernel(Buffers b, uint64_t 
       const int64_t line = step + lane / kLanesPerLine;
       if (line >= lines) continue;
       const int64_t r = line / kRowLines, first = (line % kRowLines) * kLineWords + part * 4;
-      const uint32_t* row = reinterpret_cast<const uint32_t*>(b.rows + r * kRowVectors);
-      const uint64_t lo = RowWord(row, first) | uint64_t{RowWord(row, first + 1)} << 32;
-      const uint64_t hi = flag_part ? epoch : RowWord(row, first + 2) | uint64_t{RowWord(row, first + 3)} << 32;
+      const uint2* row = reinterpret_cast<const uint2*>(b.rows + r * kRowVectors);
+      const uint64_t lo = Mixed(RowPair(row, first), key);
+      const uint64_t hi = flag_part ? epoch : Mixed(RowPair(row, first + 2), key);
       StoreVolatile(slots + line * kLanesPerLine + part, Pair64{lo, hi});
     }
-    // Read back by the warp at the other end of the grid: lines another block wrote.
-    for (int64_t step = (warps - 1 - warp) * 4; step < lines; step += warps * 4) {
+    for (int64_t step = reader * 4; step < lines; step += warps * 4) {
       const int64_t line = step + lane / kLanesPerLine;
       const bool valid = line < lines;
       Pair64 got = valid ? LoadVolatile(slots + line * kLanesPerLine + part) : Pair64{};
-      for (uint32_t spins = 0; !__all_sync(0xffffffffu, !valid || !flag_part || got.hi == epoch); ++spins) {
-        if (spins > kMostSpins) __trap();
+      // A line is whole once its flag part holds the epoch; the warp polls until its 4 lines are.
+      WaitFor([&] {
+        if (__all_sync(0xffffffffu, !valid || !flag_part || got.hi == epoch)) return true;
         if (valid) got = LoadVolatile(slots + line * kLanesPerLine + part);
-      }
+        return false;
+      });
       if (!valid) continue;
       const int64_t r = line / kRowLines, first = (line % kRowLines) * kLineWords + part * 4;
-      uint32_t* to = reinterpret_cast<uint32_t*>(b.out + r * kRowVectors);
-      const uint32_t words[4] = {static_cast<uint32_t>(got.lo), static_cast<uint32_t>(got.lo >> 32),
-                                 static_cast<uint32_t>(got.hi), static_cast<uint32_t>(got.hi >> 32)};
-      for (int j = 0; j < (flag_part ? 2 : 4); ++j) {
-        if (first + j < kRowWords) to[first + j] = words[j];
+      uint2* to = reinterpret_cast<uint2*>(b.out + r * kRowVectors);
+      const uint64_t lo = Mixed(got.lo, key), hi = Mixed(got.hi, key);
+      if (first < kRowWords) to[first / 2] = make_uint2(static_cast<uint32_t>(lo), static_cast<uint32_t>(lo >> 32));
+      if (!flag_part && first + 2 < kRowWords) {
+        to[first / 2 + 1] = make_uint2(static_cast<uint32_t>(hi), static_cast<uint32_t>(hi >> 32));
       }
     }
   } else {
@@ -128,25 +153,22 @@ __global__ void __launch_bounds__(kThreads, 1) SignalKernel(Buffers b, uint64_t 
     const jax_ncclx::Units units(b.num_rows, kRowVectors, warps);
     for (int64_t unit = warp; unit < units.count(); unit += warps) {
       const auto [r, lo, hi] = units.At(unit);
-      for (int64_t v = lo + lane; v < hi; v += 32) b.slots[r * kRowVectors + v] = b.rows[r * kRowVectors + v];
+      for (int64_t v = lo + lane; v < hi; v += 32)
+        b.slots[r * kRowVectors + v] = Mixed(b.rows[r * kRowVectors + v], key);
     }
     if constexpr (kScheme == Scheme::kFlagsSys || kScheme == Scheme::kFlagsGpu) {
       constexpr bool kSystem = kScheme == Scheme::kFlagsSys;
       __syncthreads();
       if (threadIdx.x == 0) Release(&b.flags[blockIdx.x], epoch, kSystem);
       for (int64_t i = threadIdx.x; i < gridDim.x; i += kThreads) {
-        for (uint32_t spins = 0; Acquire(&b.flags[i], kSystem) != epoch; ++spins) {
-          if (spins > kMostSpins) __trap();
-        }
+        WaitFor([&] { return Acquire(&b.flags[i], kSystem) == epoch; });
       }
       __syncthreads();
     }
-    // kLocal: each warp copies out the units it wrote; the flag schemes: the warp at the other end of the grid
-    // does, so that the rows come from another block.
-    const int64_t reader = kScheme == Scheme::kLocal ? warp : warps - 1 - warp;
     for (int64_t unit = reader; unit < units.count(); unit += warps) {
       const auto [r, lo, hi] = units.At(unit);
-      for (int64_t v = lo + lane; v < hi; v += 32) b.out[r * kRowVectors + v] = b.slots[r * kRowVectors + v];
+      for (int64_t v = lo + lane; v < hi; v += 32)
+        b.out[r * kRowVectors + v] = Mixed(b.slots[r * kRowVectors + v], key);
     }
   }
 }
@@ -198,6 +220,14 @@ int main() {
   using namespace decode_signal;
   int sms = 0;
   Check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "cudaDeviceGetAttribute");
+  for (const Case& c : kCases) {  // the flag wait spins on every block: all must be resident at once
+    int per_sm = 0;
+    Check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, c.kernel, kThreads, 0), "occupancy");
+    if (per_sm < 1) {
+      std::fprintf(stderr, "%s: no block of %d threads fits an SM\n", c.name, kThreads);
+      return 1;
+    }
+  }
   cudaStream_t stream;
   Check(cudaStreamCreate(&stream), "cudaStreamCreate");
   std::printf("%-6s %-10s %10s  (one block per SM: %d blocks of %d threads; rows of %lld bytes)\n", "rows", "scheme",
