@@ -616,10 +616,6 @@ def status_of(error: Exception) -> str:
     return "unsupported" if "UNIMPLEMENTED" in text or "not supported" in text.lower() else "error"
 
 
-def short(error: Exception) -> str:
-    return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
-
-
 def make_row(variant, transport, size, args, timing=None, status="ok", message=None, verified=None) -> dict:
     label, shuffles = VARIANTS[variant]
     row = {"tokens": size["tokens"], "variant": variant, "label": label, "transport": transport, "status": status,
@@ -685,8 +681,8 @@ def run_size(tokens, mesh, args, log, table, rows, sizes):
             row = make_row("xla_all_to_all", "xla", size, args,
                            time_variant("xla_all_to_all", mesh, arrays, routing, args))
         except Exception as e:  # noqa: BLE001 - a baseline that fails is recorded, not fatal
-            log(f"WARNING: lax.all_to_all at T={tokens}: {short(e)}")
-            row = make_row("xla_all_to_all", "xla", size, args, status=status_of(e), message=short(e))
+            log(f"WARNING: lax.all_to_all at T={tokens}: {common.error_line(e)}")
+            row = make_row("xla_all_to_all", "xla", size, args, status=status_of(e), message=common.error_line(e))
         baselines["xla_all_to_all"] = row
         record(row)
     ragged = [v for v in ("xla_ragged", "xla_ragged_counts") if v in wanted]
@@ -702,7 +698,8 @@ def run_size(tokens, mesh, args, log, table, rows, sizes):
                                               verified=verified)
         except Exception as e:  # noqa: BLE001 - XLA:CPU has no ragged_all_to_all; record and go on
             for variant in ragged:
-                baselines[variant] = make_row(variant, "xla", size, args, status=status_of(e), message=short(e))
+                baselines[variant] = make_row(variant, "xla", size, args, status=status_of(e),
+                                              message=common.error_line(e))
         for variant in ragged:
             record(baselines[variant])
     for row in moe_rows([v for v in XLA_MOE_VARIANTS if v in wanted], mesh, arrays, routing, args, "xla", size, log):
@@ -728,8 +725,9 @@ def run_size(tokens, mesh, args, log, table, rows, sizes):
             except VerificationError:
                 raise  # wrong results: stop here
             except Exception as e:  # noqa: BLE001 - an error (out of memory, ...): record it, go on, fail at the end
-                log(f"ERROR: {variant} [{transport}] at T={tokens}: {short(e)}")
-                row = make_row(variant, transport, size, args, status="error", message=short(e), verified=verified)
+                log(f"ERROR: {variant} [{transport}] at T={tokens}: {common.error_line(e)}")
+                row = make_row(variant, transport, size, args, status="error", message=common.error_line(e),
+                               verified=verified)
             record(row)
         for row in moe_rows([v for v in MOE_VARIANTS if v in wanted], mesh, arrays, routing, args, transport, size,
                             log):
@@ -751,8 +749,9 @@ def moe_rows(variants, mesh, arrays, routing, args, transport, size, log):
         try:
             error = verify_moe(mesh, arrays, routing, args.experts_per_rank, round_trip)
         except Exception as e:  # noqa: BLE001 - record the failure and go on
-            log(f"WARNING: {label} failed: {short(e)}")
-            failed.update({v: make_row(v, transport, size, args, status="error", message=short(e)) for v in mine})
+            log(f"WARNING: {label} failed: {common.error_line(e)}")
+            failed.update({v: make_row(v, transport, size, args, status="error", message=common.error_line(e))
+                           for v in mine})
             continue
         if not error <= ROUND_TRIP_TOLERANCE[wire_of(round_trip)]:
             log(f"WARNING: {label} is wrong: max relative error {error:.3g}; not timed")
@@ -952,20 +951,18 @@ def main(argv=None):
                                 if args.device_trace else TABLE)
     rows, sizes = [], []
     original_transport = os.environ.get("JAX_NCCLX_TRANSPORT")
-    try:
-        for tokens in args.tokens:
-            run_size(tokens, mesh, args, log, table, rows, sizes)
-    except BaseException as e:
-        log(f"ABORTED at T={sizes[-1]['tokens'] if sizes else '?'}: {short(e)}; writing the rows so far")
-        if writer:
-            write(args, meta, config, rows, sizes, log, aborted=short(e))
-        raise
-    finally:
-        set_transport(original_transport or "default")
-    meta["elapsed_s"] = round(log.elapsed(), 1)
-    meta["jax_ncclx_state"] = {"memory": nx.memory_stats()}  # process 0's communicators with --processes
-    if writer:
-        write(args, meta, config, rows, sizes, log)
+
+    def measure():
+        try:
+            for tokens in args.tokens:
+                run_size(tokens, mesh, args, log, table, rows, sizes)
+        finally:
+            set_transport(original_transport or "default")
+        meta["elapsed_s"] = round(log.elapsed(), 1)
+        meta["jax_ncclx_state"] = {"memory": nx.memory_stats()}  # process 0's communicators with --processes
+
+    common.run_then_write(measure, lambda **aborted: write(args, meta, config, rows, sizes, log, **aborted), log,
+                          writer=writer)
     log(f"done in {meta['elapsed_s']} s")
     failed = [f"{r['variant']} [{r['transport']}] T={r['tokens']}" for r in rows
               if r["status"] == "error" and r["variant"] in ("nx_padded", "nx_packed", "nx_ragged")]

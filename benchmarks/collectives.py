@@ -401,16 +401,13 @@ def main(argv=None):
     table = common.TablePrinter(TABLE + ([(k, head, 9, f) for k, _, head, f in TRACE_COLUMNS]
                                          if args.device_trace else []))
     rows = []
-    try:
+
+    def measure():
         run(args, mesh, log, table, rows)
-    except BaseException as e:
-        log(f"ABORTED: {type(e).__name__}: {e}; writing the rows so far")
-        if writer:
-            write(args, meta, config, rows, log, aborted=f"{type(e).__name__}: {e}")
-        raise
-    meta["elapsed_s"] = round(log.elapsed(), 1)
-    if writer:
-        write(args, meta, config, rows, log)
+        meta["elapsed_s"] = round(log.elapsed(), 1)
+
+    common.run_then_write(measure, lambda **aborted: write(args, meta, config, rows, log, **aborted), log,
+                          writer=writer)
     log(f"done in {meta['elapsed_s']} s")
     failed = [f"{r['impl']} {r['op']} {r['bytes']} B" for r in rows if r["impl"] != "xla" and r["status"] != "ok"]
     if failed:

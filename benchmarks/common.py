@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -53,14 +54,57 @@ class Progress:
 
 
 def stop_on_sigterm():
-    """Makes SIGTERM (from ``timeout`` or a job scheduler) raise ``SystemExit`` in the main thread, so that a
-    benchmark's abort path writes the rows it measured, marked incomplete, instead of the process dying with
+    """Makes SIGTERM (from ``timeout`` or a job scheduler) raise ``SystemExit`` in the main thread, so that
+    :func:`run_then_write` writes the rows measured so far, marked incomplete, instead of the process dying with
     nothing written. The exception comes when the main thread is next in Python: after the GPU work it waits
     on, not in the middle of it."""
     def stop(signum, frame):
         raise SystemExit(f"stopped by {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, stop)
+
+
+def error_line(error: BaseException) -> str:
+    """``Type: first line of the message`` (300 characters at most), for a table row or a log line."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
+def run_then_write(measure, write, log, *, writer: bool = True):
+    """Runs ``measure()`` (the measurements and the run's closing metadata), then ``write()`` where ``writer``
+    (process 0). An error or SIGTERM before the write still writes the rows so far, as
+    ``write(aborted=why)``, and is raised again."""
+    try:
+        measure()
+    except BaseException as e:
+        why = error_line(e)
+        log(f"ABORTED: {why}; writing the rows so far")
+        if writer:
+            write(aborted=why)
+        raise
+    if writer:
+        write()
+
+
+@contextlib.contextmanager
+def _sigterm_ignored():
+    """SIGTERM ignored meanwhile (in the main thread; elsewhere signals cannot be set and arrive there anyway):
+    results are never left half written."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _write_whole(path: Path, text: str):
+    """``path`` holds ``text`` or what it held before, never a part: written beside it, then renamed over it."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 class TablePrinter:
@@ -359,11 +403,16 @@ def parse_arguments(parser, argv, defaults: dict):
     return args
 
 
+# How long processes stopped by SIGTERM get to write their rows before they are killed.
+STOP_GRACE_S = 60
+
+
 def run_processes(args, argv) -> int:
     """Starts ``args.processes`` copies of this script with ``argv`` plus their process id and a coordinator
     port, and waits for them. Process 0 writes to this terminal, the others to temporary files, whose last lines
     are printed if they fail. Returns 0, or the exit code of the first process that failed (the others are then
-    stopped: they would wait for it until jax.distributed gave up)."""
+    stopped: they would wait for it until jax.distributed gave up). SIGTERM goes on to every process, which
+    then writes its rows (:func:`run_then_write`) within ``STOP_GRACE_S``."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -377,8 +426,23 @@ def run_processes(args, argv) -> int:
     def first_failed():
         return next((pid for pid, p in enumerate(procs) if p.poll() not in (None, 0)), None)
 
-    while first_failed() is None and any(p.poll() is None for p in procs):
-        time.sleep(0.2)
+    stopping = threading.Event()
+
+    def forward(signum, frame):  # each process then writes what it has (process 0 the results) and ends
+        stopping.set()
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        while first_failed() is None and any(p.poll() is None for p in procs) and not stopping.is_set():
+            time.sleep(0.2)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while stopping.is_set() and any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     failed = first_failed()
     for p in procs:
         if p.poll() is None:
@@ -571,7 +635,8 @@ def write_results(name: str, rows: list, meta: dict, plot_fn=None, *, out_dir=RE
     paths = {"json": out_dir / f"{name}.json", "md": out_dir / f"{name}.md", "png": None}
 
     document = {"name": name, "meta": meta, **(extra or {}), "rows": rows}
-    paths["json"].write_text(json.dumps(document, indent=1, default=_json_default) + "\n")
+    with _sigterm_ignored():
+        _write_whole(paths["json"], json.dumps(document, indent=1, default=_json_default) + "\n")
 
     if columns is None:
         columns = [(key, key, "") for key in (rows[0] if rows else {})]
@@ -585,7 +650,8 @@ def write_results(name: str, rows: list, meta: dict, plot_fn=None, *, out_dir=RE
     lines.append("|" + "|".join(" --- " for _ in columns) + "|")
     for row in rows:
         lines.append("| " + " | ".join(format_value(row.get(key), fmt) for key, _, fmt in columns) + " |")
-    paths["md"].write_text("\n".join(lines) + "\n")
+    with _sigterm_ignored():
+        _write_whole(paths["md"], "\n".join(lines) + "\n")
 
     if plot_fn is not None:
         try:
@@ -599,7 +665,10 @@ def write_results(name: str, rows: list, meta: dict, plot_fn=None, *, out_dir=RE
         else:
             figure = plot_fn(plt, rows)
             paths["png"] = out_dir / f"{name}.png"
-            figure.savefig(paths["png"], dpi=120, bbox_inches="tight")
+            partial = paths["png"].with_name(paths["png"].name + ".partial")
+            with _sigterm_ignored():
+                figure.savefig(partial, format="png", dpi=120, bbox_inches="tight")
+                os.replace(partial, paths["png"])
             plt.close(figure)
     log("wrote " + ", ".join(str(p) for p in paths.values() if p is not None))
     return paths

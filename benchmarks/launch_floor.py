@@ -108,13 +108,13 @@ def plotter(meta):
     return plot
 
 
-def write(args, meta, config, rows, log):
+def write(args, meta, config, rows, log, **extra):
     return common.write_results(
         args.name, rows, meta, plotter(meta), out_dir=args.out, columns=MD_COLUMNS,
         title="What one op costs at the least: XLA kernel, jax_ncclx custom call, all_reduce, psum",
         notes=("Chains of dependent ops per jitted call, several calls per sample (benchmarks/README.md); "
                "`minus ffi-kernel`: this row's median minus the custom-call floor's."),
-        extra={"config": config}, log=log,
+        extra={"config": config, **extra}, log=log,
         replot_hint=f"python benchmarks/launch_floor.py --from-json {Path(args.out) / (args.name + '.json')}")
 
 
@@ -190,9 +190,12 @@ def main(argv=None):
     log(f"{len(devices)} × {devices[0].device_kind} ({devices[0].platform}), jax {jax.__version__}, bytes "
         f"{args.bytes}, impls {args.impls}, unroll {args.unroll}, pipeline {args.pipeline}")
     rows = []
-    run(args, mesh, log, common.TablePrinter(TABLE), rows)
-    meta["elapsed_s"] = round(log.elapsed(), 1)
-    write(args, meta, config, rows, log)
+
+    def measure():
+        run(args, mesh, log, common.TablePrinter(TABLE), rows)
+        meta["elapsed_s"] = round(log.elapsed(), 1)
+
+    common.run_then_write(measure, lambda **aborted: write(args, meta, config, rows, log, **aborted), log)
     log(f"done in {meta['elapsed_s']} s")
 
 

@@ -8,6 +8,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
+import threading
 import time
 
 import pytest
@@ -81,6 +83,8 @@ def test_a_terminated_run_writes_the_rows_it_measured(tmp_path):
                             "--out", str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True)
     line = ""
+    deadline = threading.Timer(300, run.kill)  # a run that hangs without output ends the loop below
+    deadline.start()
     try:
         for line in run.stdout:  # the first timed row, with most of the sweep still to run
             if line.rstrip().endswith(" ok"):
@@ -88,6 +92,7 @@ def test_a_terminated_run_writes_the_rows_it_measured(tmp_path):
         run.send_signal(signal.SIGTERM)
         output = line + run.communicate(timeout=300)[0]
     finally:
+        deadline.cancel()
         run.kill()
     assert run.returncode != 0 and "ABORTED" in output, output[-3000:]
     document = json.loads((tmp_path / "all_to_allv.json").read_text())
@@ -96,6 +101,58 @@ def test_a_terminated_run_writes_the_rows_it_measured(tmp_path):
     assert len({r["tokens"] for r in document["rows"]}) < len(document["config"]["tokens"])
     assert "**Incomplete run**: it stopped early (SystemExit: stopped by SIGTERM)" in (
         tmp_path / "all_to_allv.md").read_text()
+
+
+def test_run_then_write_writes_what_an_error_left():
+    common = import_common()
+    written = []
+    common.run_then_write(lambda: None, lambda **extra: written.append(extra), lambda message: None)
+    assert written == [{}]
+
+    def measure():
+        raise ValueError("out of memory\nmore lines")
+
+    with pytest.raises(ValueError):
+        common.run_then_write(measure, lambda **extra: written.append(extra), lambda message: None)
+    assert written[1:] == [{"aborted": "ValueError: out of memory"}]
+    with pytest.raises(ValueError):  # a process other than 0 writes nothing
+        common.run_then_write(measure, lambda **extra: written.append(extra), lambda message: None, writer=False)
+    assert len(written) == 2
+
+
+@pytest.mark.slow  # three processes
+def test_processes_launcher_passes_sigterm_on(tmp_path):
+    """SIGTERM to the --processes launcher reaches every process, which then writes its rows and ends."""
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(f"""
+        import argparse, pathlib, sys, time
+        sys.path.insert(0, {BENCHMARKS!r})
+        import common
+        out = pathlib.Path({str(tmp_path)!r})
+        if "--process-id" in sys.argv:
+            pid = sys.argv[sys.argv.index("--process-id") + 1]
+            common.stop_on_sigterm()
+            (out / f"started{{pid}}").write_text("")
+            try:
+                time.sleep(120)
+            except SystemExit:
+                (out / f"stopped{{pid}}").write_text("")
+                raise
+        else:
+            sys.exit(common.run_processes(argparse.Namespace(processes=2), []))
+    """))
+    run = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(600):  # both started, their handlers set
+            if (tmp_path / "started0").exists() and (tmp_path / "started1").exists():
+                break
+            time.sleep(0.1)
+        run.send_signal(signal.SIGTERM)
+        output = run.communicate(timeout=60)[0]
+    finally:
+        run.kill()
+    assert (tmp_path / "stopped0").exists() and (tmp_path / "stopped1").exists(), output[-3000:]
+    assert run.returncode != 0
 
 
 def test_sigterm_raises_system_exit_once_asked():
