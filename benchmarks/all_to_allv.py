@@ -681,8 +681,9 @@ def run_size(tokens, mesh, args, log, table, rows, sizes):
             row = make_row("xla_all_to_all", "xla", size, args,
                            time_variant("xla_all_to_all", mesh, arrays, routing, args))
         except Exception as e:  # noqa: BLE001 - a baseline that fails is recorded, not fatal
-            log(f"WARNING: lax.all_to_all at T={tokens}: {common.error_line(e)}")
-            row = make_row("xla_all_to_all", "xla", size, args, status=status_of(e), message=common.error_line(e))
+            why = common.error_line(e)
+            log(f"WARNING: lax.all_to_all at T={tokens}: {why}")
+            row = make_row("xla_all_to_all", "xla", size, args, status=status_of(e), message=why)
         baselines["xla_all_to_all"] = row
         record(row)
     ragged = [v for v in ("xla_ragged", "xla_ragged_counts") if v in wanted]
@@ -725,9 +726,9 @@ def run_size(tokens, mesh, args, log, table, rows, sizes):
             except VerificationError:
                 raise  # wrong results: stop here
             except Exception as e:  # noqa: BLE001 - an error (out of memory, ...): record it, go on, fail at the end
-                log(f"ERROR: {variant} [{transport}] at T={tokens}: {common.error_line(e)}")
-                row = make_row(variant, transport, size, args, status="error", message=common.error_line(e),
-                               verified=verified)
+                why = common.error_line(e)
+                log(f"ERROR: {variant} [{transport}] at T={tokens}: {why}")
+                row = make_row(variant, transport, size, args, status="error", message=why, verified=verified)
             record(row)
         for row in moe_rows([v for v in MOE_VARIANTS if v in wanted], mesh, arrays, routing, args, transport, size,
                             log):
@@ -749,9 +750,9 @@ def moe_rows(variants, mesh, arrays, routing, args, transport, size, log):
         try:
             error = verify_moe(mesh, arrays, routing, args.experts_per_rank, round_trip)
         except Exception as e:  # noqa: BLE001 - record the failure and go on
-            log(f"WARNING: {label} failed: {common.error_line(e)}")
-            failed.update({v: make_row(v, transport, size, args, status="error", message=common.error_line(e))
-                           for v in mine})
+            why = common.error_line(e)
+            log(f"WARNING: {label} failed: {why}")
+            failed.update({v: make_row(v, transport, size, args, status="error", message=why) for v in mine})
             continue
         if not error <= ROUND_TRIP_TOLERANCE[wire_of(round_trip)]:
             log(f"WARNING: {label} is wrong: max relative error {error:.3g}; not timed")

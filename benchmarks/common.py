@@ -100,11 +100,13 @@ def _sigterm_ignored():
         signal.signal(signal.SIGTERM, previous)
 
 
-def _write_whole(path: Path, text: str):
-    """``path`` holds ``text`` or what it held before, never a part: written beside it, then renamed over it."""
+def _write_whole(path: Path, write):
+    """``path`` holds what ``write(partial_path)`` writes, or what it held before, never a part: written beside
+    it, then renamed over it, with SIGTERM ignored meanwhile."""
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    os.replace(partial, path)
+    with _sigterm_ignored():
+        write(partial)
+        os.replace(partial, path)
 
 
 class TablePrinter:
@@ -635,8 +637,7 @@ def write_results(name: str, rows: list, meta: dict, plot_fn=None, *, out_dir=RE
     paths = {"json": out_dir / f"{name}.json", "md": out_dir / f"{name}.md", "png": None}
 
     document = {"name": name, "meta": meta, **(extra or {}), "rows": rows}
-    with _sigterm_ignored():
-        _write_whole(paths["json"], json.dumps(document, indent=1, default=_json_default) + "\n")
+    _write_whole(paths["json"], lambda p: p.write_text(json.dumps(document, indent=1, default=_json_default) + "\n"))
 
     if columns is None:
         columns = [(key, key, "") for key in (rows[0] if rows else {})]
@@ -650,8 +651,7 @@ def write_results(name: str, rows: list, meta: dict, plot_fn=None, *, out_dir=RE
     lines.append("|" + "|".join(" --- " for _ in columns) + "|")
     for row in rows:
         lines.append("| " + " | ".join(format_value(row.get(key), fmt) for key, _, fmt in columns) + " |")
-    with _sigterm_ignored():
-        _write_whole(paths["md"], "\n".join(lines) + "\n")
+    _write_whole(paths["md"], lambda p: p.write_text("\n".join(lines) + "\n"))
 
     if plot_fn is not None:
         try:
@@ -665,10 +665,7 @@ def write_results(name: str, rows: list, meta: dict, plot_fn=None, *, out_dir=RE
         else:
             figure = plot_fn(plt, rows)
             paths["png"] = out_dir / f"{name}.png"
-            partial = paths["png"].with_name(paths["png"].name + ".partial")
-            with _sigterm_ignored():
-                figure.savefig(partial, format="png", dpi=120, bbox_inches="tight")
-                os.replace(partial, paths["png"])
+            _write_whole(paths["png"], lambda p: figure.savefig(p, format="png", dpi=120, bbox_inches="tight"))
             plt.close(figure)
     log("wrote " + ", ".join(str(p) for p in paths.values() if p is not None))
     return paths
