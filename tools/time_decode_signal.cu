@@ -31,10 +31,13 @@
 #include <vector>
 
 #include "common/device_sync.cuh"
+#include "common/ll128_lines.cuh"
 #include "ops/moe/moe_device.cuh"
 
 namespace decode_signal {  // named: nvcc's kernel stubs cannot tell two anonymous namespaces apart
 
+using jax_ncclx::kLanesPerLine;
+using jax_ncclx::kLinePayloadWords;
 using jax_ncclx::LoadVolatile;
 using jax_ncclx::Pair64;
 using jax_ncclx::StoreVolatile;
@@ -48,10 +51,8 @@ void Check(cudaError_t error, const char* what) {
 constexpr int kThreads = 512, kWarps = kThreads / 32;
 constexpr int64_t kRowBytes = 7168 * 2;  // hidden 7168 bf16, all_to_allv.py's rows
 constexpr int64_t kRowVectors = kRowBytes / 16;
-constexpr int kLanesPerLine = 8;                           // 8 lanes' 16-byte parts make a 128-byte line
-constexpr int64_t kLineWords = 30;                         // payload: 7 full parts and 8 bytes of the last
 constexpr int64_t kRowWords = kRowBytes / 4;
-constexpr int64_t kRowLines = (kRowWords + kLineWords - 1) / kLineWords;
+constexpr int64_t kRowLines = jax_ncclx::LinesOf(kRowBytes);
 
 // A wait this long has lost its writer (a bug here, or a block that never ran): the kernel traps.
 constexpr uint64_t kMostWaitNs = 2'000'000'000;
@@ -123,7 +124,7 @@ __global__ void __launch_bounds__(kThreads, 1) SignalKernel(Buffers b, uint64_t 
     for (int64_t step = warp * 4; step < lines; step += warps * 4) {
       const int64_t line = step + lane / kLanesPerLine;
       if (line >= lines) continue;
-      const int64_t r = line / kRowLines, first = (line % kRowLines) * kLineWords + part * 4;
+      const int64_t r = line / kRowLines, first = (line % kRowLines) * kLinePayloadWords + part * 4;
       const uint2* row = reinterpret_cast<const uint2*>(b.rows + r * kRowVectors);
       const uint64_t lo = Mixed(RowPair(row, first), key);
       const uint64_t hi = flag_part ? epoch : Mixed(RowPair(row, first + 2), key);
@@ -140,7 +141,7 @@ __global__ void __launch_bounds__(kThreads, 1) SignalKernel(Buffers b, uint64_t 
         return false;
       });
       if (!valid) continue;
-      const int64_t r = line / kRowLines, first = (line % kRowLines) * kLineWords + part * 4;
+      const int64_t r = line / kRowLines, first = (line % kRowLines) * kLinePayloadWords + part * 4;
       uint2* to = reinterpret_cast<uint2*>(b.out + r * kRowVectors);
       const uint64_t lo = Mixed(got.lo, key), hi = Mixed(got.hi, key);
       if (first < kRowWords) to[first / 2] = make_uint2(static_cast<uint32_t>(lo), static_cast<uint32_t>(lo >> 32));

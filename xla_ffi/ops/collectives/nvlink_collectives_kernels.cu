@@ -25,6 +25,7 @@
 #include <type_traits>
 
 #include "common/device_sync.cuh"
+#include "common/ll128_lines.cuh"
 #include "common/symmetric_layout.h"
 #include "ops/collectives/nvlink_collectives_kernels.h"
 
@@ -41,19 +42,12 @@ constexpr int kGatherFlag = kMaxTwoShotBlocks;
 // One-shot segments up to this size may travel as LL128 lines or LL words: no fence and no flag on the
 // critical path, which is what a call of this size waits for.
 constexpr int64_t kLowLatencyMaxBytes = 64 * 1024;
-// LL128: a line is 8 lanes' 16-byte parts; the last lane's part holds 8 payload bytes and the flag. Smaller
-// blocks than the other kernels, so that a 64 KiB segment is pushed by many SMs with one part per lane.
-constexpr int kLineBytes = 128;
-constexpr int kLinePayloadWords = 30;  // 120 bytes
-constexpr int kLanesPerLine = 8;
+// LL128 lines (ll128_lines.cuh): smaller blocks than the other kernels, so that a 64 KiB segment is pushed by
+// many SMs with one part per lane.
 constexpr int kLineThreads = 128;
 constexpr int kLinesPerBlock = kLineThreads / kLanesPerLine;
 
 int64_t Align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
-// LL128 lines that carry `segment_bytes` (a multiple of 4).
-__host__ __device__ int64_t LinesOf(int64_t segment_bytes) {
-  return (segment_bytes / 4 + kLinePayloadWords - 1) / kLinePayloadWords;
-}
 
 // Bytes at the start of every parity half reserved for each protocol's slots on a communicator of `size`:
 // LL words first (what the smallest calls use by default, so they reserve only what they need), then LL128
@@ -428,12 +422,6 @@ __device__ __forceinline__ void LoadWords(const uint32_t* x, int64_t words, int6
   for (int j = 0; j < 4; ++j) w[j] = j < count && first + j < words ? x[first + j] : 0u;
 }
 
-// Word j (0..3) of a lane's part of a line.
-__device__ __forceinline__ uint32_t WordOf(const Pair64& part, int j) {
-  const uint64_t half = j < 2 ? part.lo : part.hi;
-  return static_cast<uint32_t>(j % 2 == 0 ? half : half >> 32);
-}
-
 // One-shot with LL128 lines. Every warp takes 4 consecutive lines at a time (a lane: part lane % 8 of line
 // lane / 8), in step, so that the 8 lanes of a line store and load it with one instruction; x and y are read
 // and written as 4-byte words.
@@ -455,7 +443,7 @@ __global__ void __launch_bounds__(kLineThreads) OneShotLinesKernel(Call call, Tr
   const int count = flag_lane ? 2 : 4;  // payload words of this lane's part
   const int64_t warps = int64_t{gridDim.x} * (kLineThreads / 32);
   const int64_t warp = int64_t{blockIdx.x} * (kLineThreads / 32) + threadIdx.x / 32;
-  const int64_t lines_per_step = 32 / kLanesPerLine;
+  const int64_t lines_per_step = kLinesPerWarpStep;
   const uint32_t* x = static_cast<const uint32_t*>(args.x);
   uint32_t* y = static_cast<uint32_t*>(args.y);
   auto part_of = [&](int owner, int source, int64_t line) {
