@@ -38,6 +38,7 @@ namespace decode_signal {  // named: nvcc's kernel stubs cannot tell two anonymo
 
 using jax_ncclx::kLanesPerLine;
 using jax_ncclx::kLinePayloadWords;
+using jax_ncclx::kLinesPerWarpStep;
 using jax_ncclx::LoadVolatile;
 using jax_ncclx::Pair64;
 using jax_ncclx::StoreVolatile;
@@ -116,12 +117,12 @@ __global__ void __launch_bounds__(kThreads, 1) SignalKernel(Buffers b, uint64_t 
   const int64_t reader = kScheme == Scheme::kLocal ? warp : warps - 1 - warp;
   const uint32_t key = static_cast<uint32_t>(epoch);
   if constexpr (kScheme == Scheme::kLines) {
-    // A warp takes 4 lines a step (lane / 8: which, lane % 8: its part), the lines of all rows in order.
+    // A warp takes kLinesPerWarpStep lines a step (lane / 8: which, lane % 8: its part), all rows' lines in order.
     const int part = lane % kLanesPerLine;
     const bool flag_part = part == kLanesPerLine - 1;
     const int64_t lines = b.num_rows * kRowLines;
     Pair64* slots = reinterpret_cast<Pair64*>(b.slots);
-    for (int64_t step = warp * 4; step < lines; step += warps * 4) {
+    for (int64_t step = warp * kLinesPerWarpStep; step < lines; step += warps * kLinesPerWarpStep) {
       const int64_t line = step + lane / kLanesPerLine;
       if (line >= lines) continue;
       const int64_t r = line / kRowLines, first = (line % kRowLines) * kLinePayloadWords + part * 4;
@@ -130,7 +131,7 @@ __global__ void __launch_bounds__(kThreads, 1) SignalKernel(Buffers b, uint64_t 
       const uint64_t hi = flag_part ? epoch : Mixed(RowPair(row, first + 2), key);
       StoreVolatile(slots + line * kLanesPerLine + part, Pair64{lo, hi});
     }
-    for (int64_t step = reader * 4; step < lines; step += warps * 4) {
+    for (int64_t step = reader * kLinesPerWarpStep; step < lines; step += warps * kLinesPerWarpStep) {
       const int64_t line = step + lane / kLanesPerLine;
       const bool valid = line < lines;
       Pair64 got = valid ? LoadVolatile(slots + line * kLanesPerLine + part) : Pair64{};

@@ -443,7 +443,6 @@ __global__ void __launch_bounds__(kLineThreads) OneShotLinesKernel(Call call, Tr
   const int count = flag_lane ? 2 : 4;  // payload words of this lane's part
   const int64_t warps = int64_t{gridDim.x} * (kLineThreads / 32);
   const int64_t warp = int64_t{blockIdx.x} * (kLineThreads / 32) + threadIdx.x / 32;
-  const int64_t lines_per_step = kLinesPerWarpStep;
   const uint32_t* x = static_cast<const uint32_t*>(args.x);
   uint32_t* y = static_cast<uint32_t*>(args.y);
   auto part_of = [&](int owner, int source, int64_t line) {
@@ -454,7 +453,7 @@ __global__ void __launch_bounds__(kLineThreads) OneShotLinesKernel(Call call, Tr
     return Pair64{lo, flag_lane ? epoch : w[2] | static_cast<uint64_t>(w[3]) << 32};
   };
 
-  for (int64_t step = warp * lines_per_step; step < lines; step += warps * lines_per_step) {
+  for (int64_t step = warp * kLinesPerWarpStep; step < lines; step += warps * kLinesPerWarpStep) {
     const int64_t line = step + lane / kLanesPerLine;
     if (line >= lines) continue;
     const int64_t first = line * kLinePayloadWords + part * 4;
@@ -468,7 +467,7 @@ __global__ void __launch_bounds__(kLineThreads) OneShotLinesKernel(Call call, Tr
   }
   if (threadIdx.x == 0) trace.Sent();
 
-  for (int64_t step = warp * lines_per_step; step < lines; step += warps * lines_per_step) {
+  for (int64_t step = warp * kLinesPerWarpStep; step < lines; step += warps * kLinesPerWarpStep) {
     const int64_t line = step + lane / kLanesPerLine;
     const bool valid = line < lines;
     const int64_t first = line * kLinePayloadWords + part * 4;
