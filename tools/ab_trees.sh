@@ -17,7 +17,8 @@
 # (a lent machine returns only a few files of a folder).
 # LOOPBACK="--ranks 1,8 --moe 16,128" also times the NVLink kernels per call with each tree after the rounds
 # (tools/time_loopback_collectives.py with those arguments, OUT_DIR/loopback_{a,b}.{json,log}); both trees
-# are then built with the test-only modules (JAX_NCCLX_TESTING=ON).
+# are then built with the test-only modules (JAX_NCCLX_TESTING=ON). WORK=DIR builds into DIR (its a/ and b/ are
+# the two import folders), for a later command on the same machine, e.g. the tests with PYTHONPATH=DIR/a.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:?usage: bash tools/ab_trees.sh OUT_DIR B_TREE.tgz ROUNDS BENCHMARK [ARGS ...]}"
@@ -29,7 +30,7 @@ export NCCL_NVLS_ENABLE=0 NCCL_NVLINK_MULTICAST_ENABLE=0 TORCH_SYMM_MEM_DISABLE_
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 python="${PYTHON:-python3}"
 mkdir -p "$out"
-work="$(mktemp -d)"
+work="${WORK:-$(mktemp -d)}"  # WORK: keep the wheels where a later command finds them
 if [ "${TAR:-0}" = 1 ]; then
   trap 'tar -C "$(dirname "$out")" -czf "$out.tgz" "$(basename "$out")" && rm -rf "$out"' EXIT
 fi
