@@ -94,7 +94,8 @@ MOE_COMBINE_TYPES = {np.dtype(np.float32): 0, np.dtype(ml_dtypes.bfloat16): 1, n
 def moe_combine(expert_out, row_pairs, weights, recv_tokens, return_row, **options):
     """moe.combine's NVLink kernel. expert_out [calls, ranks, N * C, H'] (float32, bfloat16 or float16),
     row_pairs int32 [calls, ranks, N * R, k], weights float32 of the same shape, recv_tokens int32 [calls,
-    ranks, N], return_row int32 [calls, ranks, T, N]. Returns (out [calls, ranks, T, H'], ranks)."""
+    ranks, N], return_row int32 [calls, ranks, T, N]. Returns (out [calls, ranks, T, H'], ranks); each rank's
+    state says whether the call sent LL128 lines ('lines') or rows and flags."""
     expert_out = np.ascontiguousarray(expert_out)
     calls, size, expert_rows, hidden = expert_out.shape
     rows, top_k = row_pairs.shape[2:]
@@ -106,7 +107,7 @@ def moe_combine(expert_out, row_pairs, weights, recv_tokens, return_row, **optio
         type=MOE_COMBINE_TYPES[expert_out.dtype], expert_rows=expert_rows, rows_per_member=rows // size,
         top_k=top_k, tokens=tokens, hidden=hidden, **options)
     out = np.frombuffer(done["out"], expert_out.dtype).reshape(calls, size, tokens, hidden)
-    return out, with_grid(done)
+    return out, [dict(state, lines=done["lines"]) for state in with_grid(done)]
 
 
 # moe.dispatch's results in the kernel's order, each (name, int32 or float32, shape from T, k, N, E_local, C, R, S).

@@ -563,13 +563,17 @@ def test_moe_combine(size, pattern, dtype):
     check_moe_combine(loopback.moe_combine(expert_out, *routing), expert_out, routing, calls)
 
 
-@pytest.mark.parametrize("tokens, hidden", [(1, 8), (128, 7168)], ids=["one-token", "decode-rows"])
-def test_moe_combine_shapes(tokens, hidden):
-    """One token of one 16-byte vector, and DeepSeek-sized rows (7168 bfloat16) at 128 tokens on 8 ranks."""
+@pytest.mark.parametrize("tokens, hidden, lines", [(1, 8, True), (16, 7168, True), (128, 7168, False)],
+                         ids=["one-token", "decode-rows-lines", "decode-rows-flags"])
+def test_moe_combine_shapes(tokens, hidden, lines):
+    """One token of one 16-byte vector, and DeepSeek-sized rows (7168 bfloat16) on 8 ranks: at 16 tokens as
+    LL128 lines, at 128 (16 MB of slot rows) as rows and flags."""
     size, calls, top_k = 8, 2, 8
     routing = moe_routing("random", size, calls, tokens, tokens, top_k, seed=tokens)
     expert_out = random_array((calls, size, size * tokens, hidden), ml_dtypes.bfloat16, seed=tokens)
-    check_moe_combine(loopback.moe_combine(expert_out, *routing), expert_out, routing, calls)
+    actual = loopback.moe_combine(expert_out, *routing)
+    assert actual[1][0]["lines"] == lines
+    check_moe_combine(actual, expert_out, routing, calls)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -540,7 +540,9 @@ nb::dict MoeCombine(const nb::bytes& expert_out, const nb::bytes& row_pairs, con
                           mine.control = ranks.control[rank];
                           return LaunchMoeCombine(mine, grid, stream);
                         });
-  return ToDict(std::move(outcome), {"out"}, grid);
+  nb::dict result = ToDict(std::move(outcome), {"out"}, grid);
+  result["lines"] = MoeCombineUsesLines(size, rows_per_member, hidden * element_bytes);
+  return result;
 }
 
 // moe.dispatch's results, in the order MoeDispatch returns them (and the FFI handler's results but the rows).
