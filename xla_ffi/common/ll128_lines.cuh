@@ -49,8 +49,10 @@ struct LinePart {
 // The part's payload words as a 16-byte vector (zeros where it carries none, the flag's place included), and
 // back, with the flag in the flag lane's upper half.
 __device__ __forceinline__ uint4 PayloadOf(Pair64 part, int count) {
-  return make_uint4(count > 0 ? static_cast<uint32_t>(part.lo) : 0u, count > 0 ? static_cast<uint32_t>(part.lo >> 32) : 0u,
-                    count > 2 ? static_cast<uint32_t>(part.hi) : 0u, count > 2 ? static_cast<uint32_t>(part.hi >> 32) : 0u);
+  return make_uint4(count > 0 ? static_cast<uint32_t>(part.lo) : 0u,
+                    count > 0 ? static_cast<uint32_t>(part.lo >> 32) : 0u,
+                    count > 2 ? static_cast<uint32_t>(part.hi) : 0u,
+                    count > 2 ? static_cast<uint32_t>(part.hi >> 32) : 0u);
 }
 __device__ __forceinline__ Pair64 PartOf(uint4 payload, bool flag_lane, uint64_t flag) {
   return Pair64{payload.x | static_cast<uint64_t>(payload.y) << 32,

@@ -47,7 +47,6 @@ __host__ __device__ constexpr int64_t LineStepsOf(int64_t bytes) {
 }
 constexpr int64_t kLineStepBytes = kLinesPerWarpStep * kLineBytes;
 
-
 template <typename T, bool kLines>
 __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
   using V = Lanes<T>;
