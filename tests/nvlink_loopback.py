@@ -170,7 +170,8 @@ def moe_masked_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, w
     every result by name, each [calls, ranks, ...]: expert_rows [L, N * C, H] in tokens' dtype, group_sizes [L],
     send_pairs [P], pair_slot [P], send_counts [N, L], dropped [N], recv_counts [N, L], row_pair [L, N * C],
     recv_weights float32 [L, N * C or 0], and with R = min(T, L * C): recv_tokens [N], choice_rows [N * R, k],
-    choice_weights float32 [N * R, k or 0], send_back_rows [N * R], return_row [T, N]; ranks)."""
+    choice_weights float32 [N * R, k or 0], send_back_rows [N * R], return_row [T, N]; ranks, each rank's state
+    saying whether the call sent LL128 lines ('lines') or rows and flags)."""
     tokens = np.ascontiguousarray(tokens)
     calls, size, num_tokens, hidden = tokens.shape
     top_k = expert_ids.shape[-1]
@@ -195,7 +196,7 @@ def moe_masked_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, w
     results["choice_weights"] = np.frombuffer(done["choice_weights"], np.float32).reshape(
         calls, size, received, top_k if with_weights else 0)
     add_phase_clocks(results, done, size)
-    return results, with_grid(done)
+    return results, [dict(state, lines=done["lines"]) for state in with_grid(done)]
 
 
 def add_phase_clocks(results, done, size):
@@ -224,3 +225,17 @@ def moe_masked_combine(expert_out, row_pair, pair_slot, weights, *, num_tokens, 
         add_phase_clocks(results, done, size)
         return results, with_grid(done)
     return out, with_grid(done)
+
+
+def assert_absent_rank_named(ranks, absent, calls):
+    """Every rank that ran gave up (or was aborted by one that did), named ``absent`` alone, and still
+    finished its calls; ``absent`` itself never ran."""
+    for rank, state in enumerate(ranks):
+        if rank == absent:
+            assert state["calls_finished"] == 0 and state["fault"] == "healthy", state
+            continue
+        assert state["fault"] in ("gave_up", "aborted"), (rank, state)
+        assert state["missing"] == [absent], (rank, state)
+        assert state["fault_call"] == 1, (rank, state)  # the first call is the one that waited in vain
+        assert state["calls_finished"] == calls, (rank, state)
+    assert any(state["fault"] == "gave_up" for state in ranks), ranks

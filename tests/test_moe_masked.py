@@ -327,6 +327,43 @@ def test_loopback_kernels_match_the_reference(ranks, pattern):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens, lines", [(16, True), (128, False)], ids=["lines", "flags"])
+def test_loopback_decode_rows(tokens, lines):
+    """DeepSeek-sized rows (7168 bfloat16) on 8 ranks, top-8: at 16 tokens the rows travel as LL128 lines with
+    flagged counts and map entries, at 128 (16 MB of slot rows) as rows and flags; two calls, every result the
+    reference's."""
+    import nvlink_loopback
+
+    ranks, calls = 8, 2
+    ids, num_experts, capacity = routing("at_capacity", ranks, tokens=tokens, top_k=8, num_experts=64, seed=tokens)
+    x = random_array((calls, ranks, tokens, 7168), jnp.bfloat16, seed=tokens)
+    ids2 = np.stack([ids, ids[::-1]])
+    got, states = nvlink_loopback.moe_masked_dispatch(x, ids2, None, num_experts=num_experts, capacity=capacity)
+    assert states[0]["lines"] == lines
+    for call in range(calls):
+        expected = reference.moe_masked_dispatch(x[call], ids2[call], num_experts, capacity)
+        for name in moe_masked.Masked._fields:
+            if name not in ("recv_weights", "choice_weights"):
+                np.testing.assert_array_equal(got[name][call], expected[name], err_msg=f"{name}, call {call}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden, lines", [(64, True), (1 << 16, False)], ids=["lines", "flags"])
+def test_loopback_missing_rank_is_named(hidden, lines):
+    """A rank that never launches is named by every other, whether they poll its counts (lines) or wait for its
+    flags; they still finish their calls."""
+    import nvlink_loopback
+
+    ranks, calls, tokens = 4, 2, 8
+    ids, num_experts, capacity = routing("random", ranks, tokens=tokens, top_k=3, seed=7)
+    x = np.ones((calls, ranks, tokens, hidden), np.float32)
+    _, states = nvlink_loopback.moe_masked_dispatch(x, np.stack([ids, ids]), None, num_experts=num_experts,
+                                                     capacity=capacity, absent=1, timeout_ms=200)
+    assert states[0]["lines"] == lines
+    nvlink_loopback.assert_absent_rank_named(states, absent=1, calls=calls)
+
+
+@pytest.mark.gpu
 def test_loopback_phase_clocks():
     """A profiled call (time_loopback_collectives.py --moe-phases) computes the same results, and every block of
     both kernels reads its clock at each phase, in order."""

@@ -206,27 +206,13 @@ MISSING_RANK_CASES = {
 }
 
 
-def assert_absent_rank_named(ranks, absent, calls):
-    """Every rank that ran gave up (or was aborted by one that did), named ``absent`` alone, and still
-    finished its calls; ``absent`` itself never ran."""
-    for rank, state in enumerate(ranks):
-        if rank == absent:
-            assert state["calls_finished"] == 0 and state["fault"] == "healthy", state
-            continue
-        assert state["fault"] in ("gave_up", "aborted"), (rank, state)
-        assert state["missing"] == [absent], (rank, state)
-        assert state["fault_call"] == 1, (rank, state)  # the first call is the one that waited in vain
-        assert state["calls_finished"] == calls, (rank, state)
-    assert any(state["fault"] == "gave_up" for state in ranks), ranks
-
-
 @pytest.mark.parametrize("graph", [False, True], ids=["streams", "graph"])
 @pytest.mark.parametrize("case", MISSING_RANK_CASES)
 def test_a_rank_that_never_launches_is_named(case, graph):
     op, options, elements = MISSING_RANK_CASES[case]
     x = np.ones((2, 4, elements), np.int32)
     _, ranks = loopback.collective(op, x, absent=2, timeout_ms=200, graph=graph, **options)
-    assert_absent_rank_named(ranks, absent=2, calls=2)
+    loopback.assert_absent_rank_named(ranks, absent=2, calls=2)
 
 
 def test_a_rank_later_than_the_timeout_is_named():
@@ -483,7 +469,7 @@ def test_all_to_allv_missing_rank_is_named(direct):
     x = random_array((calls, size, 1, ROWS, FEATURES), np.float32, seed=4)
     counts = counts_of("random", size, 1, calls, 1, seed=4)
     *_, ranks = loopback.all_to_allv(x, counts, CAPACITY, layout="padded", direct=direct, absent=1, timeout_ms=200)
-    assert_absent_rank_named(ranks, absent=1, calls=calls)
+    loopback.assert_absent_rank_named(ranks, absent=1, calls=calls)
 
 
 # ---- moe.combine ---------------------------------------------------------------------------------------------
@@ -594,7 +580,7 @@ def test_moe_combine_missing_rank_is_named():
     routing = moe_routing("random", size, calls, 8, 8, 2, seed=6)
     expert_out = random_array((calls, size, size * 8, 64), np.float32, seed=6)
     _, ranks = loopback.moe_combine(expert_out, *routing, absent=1, timeout_ms=200)
-    assert_absent_rank_named(ranks, absent=1, calls=calls)
+    loopback.assert_absent_rank_named(ranks, absent=1, calls=calls)
 
 
 # ---- moe.dispatch ----------------------------------------------------------------------------------------------
@@ -723,7 +709,7 @@ def test_moe_dispatch_missing_rank_is_named():
     ids, capacity = dispatch_routing("random", size, calls, 8, 2, 8, seed=8)
     x = random_array((calls, size, 8, 16), np.float32, seed=8)
     _, ranks = loopback.moe_dispatch(x, ids, None, num_experts=8, capacity=capacity, absent=1, timeout_ms=200)
-    assert_absent_rank_named(ranks, absent=1, calls=calls)
+    loopback.assert_absent_rank_named(ranks, absent=1, calls=calls)
 
 
 # ---- random configurations ------------------------------------------------------------------------------------

@@ -23,6 +23,13 @@ __host__ __device__ constexpr int64_t LinesOf(int64_t bytes) {
   return (bytes / 4 + kLinePayloadWords - 1) / kLinePayloadWords;
 }
 
+// Warp steps of lines that a row of `bytes` of payload takes, where rows start on whole steps (no step spans
+// two rows), and a step's bytes.
+__host__ __device__ constexpr int64_t LineStepsOf(int64_t bytes) {
+  return (LinesOf(bytes) + kLinesPerWarpStep - 1) / kLinesPerWarpStep;
+}
+constexpr int64_t kLineStepBytes = kLinesPerWarpStep * kLineBytes;
+
 // Word j (0..3) of a lane's part of a line.
 __device__ __forceinline__ uint32_t WordOf(const Pair64& part, int j) {
   const uint64_t half = j < 2 ? part.lo : part.hi;
@@ -71,6 +78,39 @@ __device__ __forceinline__ void StorePayload(uint32_t* row, LinePart at, uint4 p
   uint2* to = reinterpret_cast<uint2*>(row + at.first);
   if (at.count > 0) to[0] = make_uint2(payload.x, payload.y);
   if (at.count > 2) to[1] = make_uint2(payload.z, payload.w);
+}
+
+// Takes the lines of warp steps [lo, hi) of a row whose parts start at `row` (a step is 4 lines, 32 parts:
+// lane l reads part l of each), kBatch steps at a time: loads them all, polls until every line of the batch
+// carries `flag`, asking keep_waiting(spins) (the same on every lane) after each failed poll, then calls
+// take(step, part) for each. kBatch steps of loads are in flight at once, not one step's.
+template <int kBatch, typename KeepWaiting, typename Take>
+__device__ __forceinline__ void WarpTakeLines(const Pair64* row, int64_t lo, int64_t hi, uint64_t flag,
+                                              KeepWaiting keep_waiting, Take take) {
+  constexpr int kStepParts = kLinesPerWarpStep * kLanesPerLine;
+  const int lane = threadIdx.x % 32;
+  const bool flag_lane = lane % kLanesPerLine == kLanesPerLine - 1;
+  for (int64_t first = lo; first < hi; first += kBatch) {
+    Pair64 got[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (first + b < hi) got[b] = LoadVolatile(row + (first + b) * kStepParts + lane);
+    }
+    for (uint32_t spins = 1;; ++spins) {
+      bool torn = false;
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) torn |= first + b < hi && flag_lane && got[b].hi != flag;
+      if (!__any_sync(0xffffffffu, torn) || !keep_waiting(spins)) break;
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        if (first + b < hi) got[b] = LoadVolatile(row + (first + b) * kStepParts + lane);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (first + b < hi) take(first + b, got[b]);
+    }
+  }
 }
 
 }  // namespace jax_ncclx

@@ -761,6 +761,7 @@ nb::dict MoeMaskedDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids,
                            std::vector<std::string>(std::begin(kMoeMaskedDispatchResults),
                                                     std::end(kMoeMaskedDispatchResults)),
                            grid);
+  result["lines"] = MoeMaskedDispatchUsesLines(args);
   if (clocks != nullptr) AddPhaseClocks(result, clocks, clock_count, kMoeMaskedDispatchPhaseNames);
   return result;
 }

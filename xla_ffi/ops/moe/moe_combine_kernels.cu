@@ -41,12 +41,6 @@ __device__ __forceinline__ U* SlotRow(const Call& call, int owner, int parity, i
   return reinterpret_cast<U*>(Slots(call.args.table, call.slot_base, owner, parity)) + row * row_units;
 }
 
-// Warp steps of lines a row of `bytes` takes: each row starts on a whole step, so no step spans two rows.
-__host__ __device__ constexpr int64_t LineStepsOf(int64_t bytes) {
-  return (LinesOf(bytes) + kLinesPerWarpStep - 1) / kLinesPerWarpStep;
-}
-constexpr int64_t kLineStepBytes = kLinesPerWarpStep * kLineBytes;
-
 template <typename T, bool kLines>
 __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
   using V = Lanes<T>;

@@ -146,6 +146,12 @@ constexpr int kMaxMoeMaskedTopK = 32;
 // The most blocks a call takes: each raises its own arrival flag on every member.
 constexpr int kMaxMoeMaskedBlocks = kMaxFlagGroups;
 
+// The most bytes of slot rows (N * T rows as lines) a dispatch call with plain rows sends as LL128 lines, with
+// 16-byte {value, flag} entries for its counts and map: the receive side then polls what it reads instead of
+// waiting for every block of every member. Larger calls, and 8-bit wires, send plain rows and flags.
+constexpr int64_t kMoeMaskedLinesMaxBytes = int64_t{8} << 20;
+bool MoeMaskedDispatchUsesLines(const MoeMaskedDispatchArgs& args);
+
 // Bytes of each parity half a call needs (PeerTable::parity_half_bytes), a multiple of 256: dispatch's past
 // the LL areas of `size` ranks; combine's past those of kMaxNvlinkRanks ranks (it takes no size). Saturated at
 // the largest int64 where they would overflow.
