@@ -25,7 +25,12 @@
 // Dispatch slots: in every rank's low-latency half of the call's parity (symmetric_layout.h), past the LL
 // areas: the counts, [N][L] int32 (source s's from s * L) then [N] token rows per source, then the pair map,
 // [N][L][C] int2 {p | r << 16, weight bits}, each rounded up to 256 bytes, then [N, T] slot rows of
-// wire_row_bytes. On an 8-bit wire the sender quantizes
+// wire_row_bytes. Calls with plain rows up to kMoeMaskedLinesMaxBytes of slot rows take lines instead: each
+// count and map entry is a 16-byte {value, flag} entry stored with one vector store, each slot row LL128 lines
+// in whole warp steps (ll128_lines.cuh), all carrying the call's flag. No block raises a flag for peers; the
+// receive side polls each member's counts, then each map entry and row line it reads, and every block of its
+// own rank raises arrived[me][b] at its start once its share of choice_rows' "none" entries is written, which
+// every block awaits before it writes a real entry. On an 8-bit wire the sender quantizes
 // each block of kMoeWireBlock values as it writes it and the expansion dequantizes as it copies, with
 // moe.dispatch's arithmetic (wire_rows.cuh).
 //
