@@ -562,15 +562,18 @@ def test_moe_combine_shapes(tokens, hidden, lines):
     check_moe_combine(actual, expert_out, routing, calls)
 
 
+@pytest.mark.parametrize("path", ["lines", "flags"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_moe_combine_many_calls(schedule):
+def test_moe_combine_many_calls(schedule, path):
     """New routings every call on one set of flags and slots: call after call, as replays of one recorded call
-    and with rank 2 late to every call (its peers write its next parity half while it reads the last)."""
+    and with rank 2 late to every call (its peers write its next parity half while it reads the last). Rows of
+    64 float32 travel as lines; rows of 65536 (9 MB of slot rows) as rows and flags, over fewer calls."""
     size, (calls, options) = 4, SCHEDULES[schedule]
-    calls = min(calls, 100)
+    calls, hidden = (min(calls, 100), 64) if path == "lines" else (min(calls, 6), 1 << 16)
     routing = moe_routing("random", size, calls, 8, 8, 2, seed=5)
-    expert_out = random_array((calls, size, size * 8, 64), np.float32, seed=5)
+    expert_out = random_array((calls, size, size * 8, hidden), np.float32, seed=5)
     actual = loopback.moe_combine(expert_out, *routing, trace=True, **options)
+    assert actual[1][0]["lines"] == (path == "lines")
     check_moe_combine(actual, expert_out, routing, calls)
     assert_timelines(actual[1], calls, kernel="moe.combine")
 

@@ -123,11 +123,12 @@ class Patience {
     return static_cast<uint32_t>(seen);
   }
 
-  // Waits until the 16-byte entry at `entry` (written by `peer` with one vector store) carries `flag` in its
-  // upper half, and returns it (on giving up, whatever it holds).
-  __device__ Pair64 Entry(const Pair64* entry, uint64_t flag, int peer) {
+  // Waits until holds(entry) for the 16-byte entry at `entry`, which `peer` writes, and returns it (on giving
+  // up, whatever it holds).
+  template <typename Holds>
+  __device__ Pair64 Entry(const Pair64* entry, Holds holds, int peer) {
     Pair64 seen = LoadVolatile(entry);
-    for (uint32_t spins = 1; seen.hi != flag && !gave_up_; ++spins) {
+    for (uint32_t spins = 1; !holds(seen) && !gave_up_; ++spins) {
       if (spins % kSpinsPerCheck == 0 && !KeepWaiting(peer)) break;
       seen = LoadVolatile(entry);
     }

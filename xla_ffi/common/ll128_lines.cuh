@@ -42,6 +42,18 @@ __device__ __forceinline__ uint64_t ScrambledLineFlag(uint64_t epoch) {
   return epoch * 0x9E3779B97F4A7C15ull | uint64_t{1} << 63;
 }
 
+// A 16-byte {a, b} entry that one lane stores alone: each 8-byte half carries the upper 32 bits of the flag
+// (distinct for calls two apart), since a lone lane's store is seen whole only 8 bytes at a time.
+__device__ __forceinline__ uint32_t EntryFlag(uint64_t flag) { return static_cast<uint32_t>(flag >> 32); }
+__device__ __forceinline__ Pair64 EntryOf(uint32_t a, uint32_t b, uint64_t flag) {
+  const uint64_t tag = static_cast<uint64_t>(EntryFlag(flag)) << 32;
+  return Pair64{a | tag, b | tag};
+}
+__device__ __forceinline__ bool EntryHolds(Pair64 entry, uint64_t flag) {
+  return static_cast<uint32_t>(entry.lo >> 32) == EntryFlag(flag) &&
+         static_cast<uint32_t>(entry.hi >> 32) == EntryFlag(flag);
+}
+
 // Where a lane's part of a line holds payload: its first word in the row (a multiple of 2) and how many words
 // it carries (4, or 2 on the flag lane), counted past the row's `words` as none.
 struct LinePart {

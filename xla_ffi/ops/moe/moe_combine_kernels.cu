@@ -120,6 +120,7 @@ __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
         const int64_t line = step * kLinesPerWarpStep + lane / kLanesPerLine;
         const LinePart at(line, part, words);
         const uint4 sum = sum_choices([&](int64_t pair) { return LoadPayload(expert_words + pair * words, at); });
+        __syncwarp();  // a line's 8 lanes store it in one instruction
         StoreVolatile(to + line * kLanesPerLine + part, PartOf(sum, flag_lane, flag));
       }
     } else {

@@ -26,7 +26,7 @@
 // areas: the counts, [N][L] int32 (source s's from s * L) then [N] token rows per source, then the pair map,
 // [N][L][C] int2 {p | r << 16, weight bits}, each rounded up to 256 bytes, then [N, T] slot rows of
 // wire_row_bytes. Calls with plain rows up to kMoeMaskedLinesMaxBytes of slot rows take lines instead: each
-// count and map entry is a 16-byte {value, flag} entry stored with one vector store, each slot row LL128 lines
+// count and map entry is a 16-byte entry with a flag in each 8-byte half (EntryOf), each slot row LL128 lines
 // in whole warp steps (ll128_lines.cuh), all carrying the call's flag. No block raises a flag for peers; the
 // receive side polls each member's counts, then each map entry and row line it reads, and every block of its
 // own rank raises arrived[me][b] at its start once its share of choice_rows' "none" entries is written, which
@@ -152,7 +152,7 @@ constexpr int kMaxMoeMaskedTopK = 32;
 constexpr int kMaxMoeMaskedBlocks = kMaxFlagGroups;
 
 // The most bytes of slot rows (N * T rows as lines) a dispatch call with plain rows sends as LL128 lines, with
-// 16-byte {value, flag} entries for its counts and map: the receive side then polls what it reads instead of
+// flagged 16-byte entries for its counts and map: the receive side then polls what it reads instead of
 // waiting for every block of every member. Larger calls, and 8-bit wires, send plain rows and flags.
 constexpr int64_t kMoeMaskedLinesMaxBytes = int64_t{8} << 20;
 bool MoeMaskedDispatchUsesLines(const MoeMaskedDispatchArgs& args);

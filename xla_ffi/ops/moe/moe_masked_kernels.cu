@@ -282,6 +282,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
       auto store = [&](int64_t unit, int64_t lo, int64_t hi, const uint4(&payload)[kLineBatch]) {
         const int32_t tm = static_cast<int32_t>(send_units.At(unit).row), t = tm / N, m = tm - t * N;
         Pair64* to = reinterpret_cast<Pair64*>(slot_row(m, t)) + lane;
+        __syncwarp();  // a line's 8 lanes store it in one instruction
 #pragma unroll
         for (int b = 0; b < kLineBatch; ++b) {
           if (lo + b < hi) StoreVolatile(to + (lo + b) * kStepParts, PartOf(payload[b], flag_lane, flag));
@@ -383,7 +384,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
   auto put_count = [&](int32_t m, int32_t i, int32_t value) {
     uint8_t* header = Slots(args.table, call.slot_base, m, parity);
     if constexpr (kLines) {
-      StoreVolatile(reinterpret_cast<Pair64*>(header) + i, Pair64{static_cast<uint32_t>(value), flag});
+      StoreVolatile(reinterpret_cast<Pair64*>(header) + i, EntryOf(static_cast<uint32_t>(value), 0u, flag));
     } else {
       reinterpret_cast<int32_t*>(header)[i] = value;
     }
@@ -406,7 +407,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
     const uint32_t index = static_cast<uint32_t>(p | row_rank(m, call.top_k.Div(p)) << 16);
     const uint32_t weight = args.with_weights ? __float_as_uint(args.weights[p]) : 0u;
     if constexpr (kLines) {
-      StoreVolatile(reinterpret_cast<Pair64*>(map) + at, Pair64{index | static_cast<uint64_t>(weight) << 32, flag});
+      StoreVolatile(reinterpret_cast<Pair64*>(map) + at, EntryOf(index, weight, flag));
     } else {
       reinterpret_cast<int2*>(map)[at] = make_int2(static_cast<int32_t>(index), static_cast<int32_t>(weight));
     }
@@ -455,11 +456,12 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
       counted.delivered[i - E] = min(max(value, 0), R);
     }
   };
+  auto holds = [&](Pair64 entry) { return EntryHolds(entry, flag); };
   if constexpr (kLines) {
     const Pair64* header = reinterpret_cast<const Pair64*>(mine);
     for (int32_t i = tid; i < E + N; i += kThreads) {
       const int32_t source = i < E ? call.local.Div(i) : i - E;
-      take_count(i, static_cast<int32_t>(patience.Entry(header + i, flag, source).lo));
+      take_count(i, static_cast<int32_t>(patience.Entry(header + i, holds, source).lo));
     }
     for (int32_t b = tid; b < static_cast<int32_t>(gridDim.x); b += kThreads) {
       patience.AtLeast(&args.control->arrived[me][b], epoch, me);
@@ -529,8 +531,8 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
     const int64_t entry = (int64_t{s} * L + e) * C + i - counted.start[e * N + s];
     int2 word;
     if constexpr (kLines) {
-      const uint64_t seen = patience.Entry(reinterpret_cast<const Pair64*>(map) + entry, flag, s).lo;
-      word = make_int2(static_cast<int32_t>(seen), static_cast<int32_t>(seen >> 32));
+      const Pair64 seen = patience.Entry(reinterpret_cast<const Pair64*>(map) + entry, holds, s);
+      word = make_int2(static_cast<int32_t>(seen.lo), static_cast<int32_t>(seen.hi));
     } else {
       word = __ldcg(reinterpret_cast<const int2*>(map) + entry);
     }
@@ -727,13 +729,12 @@ int64_t HeaderBytes(int size, int64_t local_experts, int64_t capacity, bool line
 
 // Bytes of a slot row: the wire's, or whole warp steps of lines.
 int64_t SlotRowBytes(int64_t wire_row_bytes, bool lines) {
-  return lines ? LineStepsOf(wire_row_bytes) * kLineStepBytes : wire_row_bytes;
+  return lines ? Saturated(LineStepsOf(wire_row_bytes), kLineStepBytes) : wire_row_bytes;
 }
 
 // Whether a call's size lets it take lines (plain rows take them then; an 8-bit wire never does).
 bool LinesFit(int size, int64_t tokens, int64_t wire_row_bytes) {
-  return size * tokens <= kMaxNvlinkRanks * kMaxMoeMaskedPairs &&
-         size * tokens * SlotRowBytes(wire_row_bytes, true) <= kMoeMaskedLinesMaxBytes;
+  return Saturated(Saturated(tokens, size), SlotRowBytes(wire_row_bytes, true)) <= kMoeMaskedLinesMaxBytes;
 }
 
 }  // namespace
