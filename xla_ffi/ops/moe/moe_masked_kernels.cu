@@ -63,8 +63,10 @@ constexpr int64_t kCountCounters = 8192;
 constexpr int32_t kMostCountWarps = kWarps / 2;
 // 16-byte vectors a lane of a send warp loads before the count (see early_loaded).
 constexpr int kEarlyVectors = 4;
-// With lines: warp steps of lines loaded before any is stored or polled, so that their latencies overlap.
+// With lines: warp steps of lines loaded before any is stored (send) or polled (receive), so that their
+// latencies overlap; the receive side takes 3, since 4 would spill there.
 constexpr int kLineBatch = 4;
+constexpr int kTakeBatch = 3;
 static_assert(kLineBatch <= kEarlyVectors, "a send warp's early loads fill its first batch of lines");
 constexpr int64_t kStepVectors = kLinesPerWarpStep * kLinePayloadWords / 4;  // a step's payload in 16-byte vectors
 constexpr int kStepParts = kLinesPerWarpStep * kLanesPerLine;
@@ -551,7 +553,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
     const uint8_t* from = rows + (int64_t{s} * T + min(t, static_cast<uint32_t>(T - 1))) * call.slot_row_bytes;
     if constexpr (kLines) {
       uint32_t* to_words = reinterpret_cast<uint32_t*>(to);
-      WarpTakeLines<kLineBatch>(
+      WarpTakeLines<kTakeBatch>(
           reinterpret_cast<const Pair64*>(from), lo, hi, flag,
           [&](uint32_t spins) { return live = live && patience.WarpKeepsWaiting(spins, s); },
           [&](int64_t step, Pair64 got) {
