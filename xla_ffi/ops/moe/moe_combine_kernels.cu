@@ -178,6 +178,8 @@ __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
             got[m] = LoadVolatile(from[m] + line * kLanesPerLine);
           }
         }
+        // Traced: when thread 0's first lines arrived, the handshake's end (its rows then take the rest).
+        if (threadIdx.x == 0 && unit == first_unit && step == lo) trace.DataArrived();
         const LinePart at(line, part, words);
         float acc[V::kCount] = {};
 #pragma unroll
@@ -187,8 +189,7 @@ __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
         StorePayload(out + t * words, at, V::FromFloat(acc));
       }
     }
-    if (args.trace) __syncthreads();
-    if (threadIdx.x == 0) trace.DataArrived();
+    if (threadIdx.x == 0 && first_unit >= token.count()) trace.DataArrived();  // a block with no token rows
     // Every member has entered this call, so it finished the last one: the parity half that this rank writes
     // into two calls on is free, as it is where every rank hears from every member (symmetric_layout.h).
     if (blockIdx.x == 0 && threadIdx.x < n) patience.AtLeast(&args.control->entered[threadIdx.x], epoch, threadIdx.x);
