@@ -9,7 +9,8 @@
 //   * up to kMoeCombineLinesMaxBytes of slot rows (decode): the rows travel as LL128 lines (ll128_lines.cuh,
 //     each row padded to whole warp steps of 4 lines) and s polls each line it reads. Each rank also raises
 //     `entered` on every member at its start and ends the call once every member's has reached it, since a
-//     token side hears only from the members its tokens chose;
+//     token side hears only from the members its tokens chose. A return_row entry that names a row its member
+//     never wrote (not one of dispatch's) waits out the timeout and aborts the communicator;
 //   * larger: plain rows; m raises flag arrived[m][b] on s for each of its blocks b, and s reads once every
 //     (member, block) flag holds the call's epoch.
 // Writers never wait for the readers: a rank cannot still be reading a half that a peer writes two calls later
