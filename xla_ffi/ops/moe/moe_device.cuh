@@ -51,10 +51,14 @@ struct Units {
   int64_t rows, vectors;
   int64_t pieces;     // per row
   int64_t piece_len;  // vectors per piece
+  // With whole-warp units (least 1) no warp takes two pieces while rows fit the grid: a warp's second piece
+  // would wait out its own round trips after the first.
   __device__ Units(int64_t rows, int64_t vectors, int64_t warps, int64_t least = 32) : rows(rows), vectors(vectors) {
     const int64_t most = max(int64_t{1}, (vectors + least - 1) / least);
-    pieces = rows == 0 ? 1 : min(most, max(int64_t{1}, (warps + rows - 1) / rows));
+    const int64_t per_row = least == 1 ? warps / max(rows, int64_t{1}) : (warps + rows - 1) / max(rows, int64_t{1});
+    pieces = rows == 0 ? 1 : min(most, max(int64_t{1}, per_row));
     piece_len = (vectors + pieces - 1) / pieces;
+    if (least == 1) pieces = (vectors + piece_len - 1) / max(piece_len, int64_t{1});  // no empty piece
   }
   __device__ int64_t count() const { return rows * pieces; }
   __device__ Piece At(int64_t unit) const {

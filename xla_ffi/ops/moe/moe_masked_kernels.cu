@@ -233,7 +233,8 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
     if (p < P) counted.id[p] = static_cast<int16_t>(RoutingKey(loaded[u], E));
   }
   __syncthreads();
-  if (kLines && tid == 0) StoreReleaseGpu(&args.control->arrived[me][blockIdx.x], epoch);
+  // By a send warp's thread: the release waits for the fill, which the count warps must not.
+  if (kLines && tid == kThreads - 1) StoreReleaseGpu(&args.control->arrived[me][blockIdx.x], epoch);
   // Pairs [begin, end) 32 at a time, with running counters per id: the first lane of each id adds that id's
   // lanes, each lane's rank is the counter before plus its lanes below. Lanes without an id match nobody.
   auto count_run = [&](int32_t* counters, int32_t begin, int32_t end) {
@@ -460,13 +461,14 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
   };
   auto holds = [&](Pair64 entry) { return EntryHolds(entry, flag); };
   if constexpr (kLines) {
+    // This rank's flags first: raised at the blocks' starts, they are in by now, and the counts come later.
+    for (int32_t b = tid; b < static_cast<int32_t>(gridDim.x); b += kThreads) {
+      patience.AtLeast(&args.control->arrived[me][b], epoch, me);
+    }
     const Pair64* header = reinterpret_cast<const Pair64*>(mine);
     for (int32_t i = tid; i < E + N; i += kThreads) {
       const int32_t source = i < E ? call.local.Div(i) : i - E;
       take_count(i, static_cast<int32_t>(patience.Entry(header + i, holds, source).lo));
-    }
-    for (int32_t b = tid; b < static_cast<int32_t>(gridDim.x); b += kThreads) {
-      patience.AtLeast(&args.control->arrived[me][b], epoch, me);
     }
     __syncthreads();
   } else {
