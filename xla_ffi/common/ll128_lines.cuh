@@ -43,7 +43,7 @@ __device__ __forceinline__ uint64_t ScrambledLineFlag(uint64_t epoch) {
 }
 
 // A 16-byte {a, b} entry that one lane stores alone: each 8-byte half carries the upper 32 bits of the flag
-// (distinct for calls two apart), since a lone lane's store is seen whole only 8 bytes at a time.
+// (they repeat only for calls billions apart), since a lone lane's store is seen whole only 8 bytes at a time.
 __device__ __forceinline__ uint32_t EntryFlag(uint64_t flag) { return static_cast<uint32_t>(flag >> 32); }
 __device__ __forceinline__ Pair64 EntryOf(uint32_t a, uint32_t b, uint64_t flag) {
   const uint64_t tag = static_cast<uint64_t>(EntryFlag(flag)) << 32;
