@@ -135,7 +135,8 @@ def moe_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, **option
     """moe.dispatch's NVLink kernel. tokens [calls, ranks, T, H] (any dtype, rows of a multiple of 16 bytes),
     expert_ids int32 [calls, ranks, T, k], weights float32 of the same shape or None. Returns (a dict of every
     result by name, expert_rows [calls, ranks, N * C, H] in tokens' dtype and recv_weights float32 [calls,
-    ranks, N * R, k or 0] among them, ranks)."""
+    ranks, N * R, k or 0] among them, ranks); each rank's state says whether the call sent LL128 lines ('lines')
+    or rows and flags."""
     tokens = np.ascontiguousarray(tokens)
     calls, size, num_tokens, hidden = tokens.shape
     top_k = expert_ids.shape[-1]
@@ -156,7 +157,7 @@ def moe_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, **option
     results["recv_weights"] = np.frombuffer(done["recv_weights"], np.float32).reshape(
         calls, size, size * R, top_k if with_weights else 0)
     add_phase_clocks(results, done, size)
-    return results, with_grid(done)
+    return results, [dict(state, lines=done["lines"]) for state in with_grid(done)]
 
 
 # The masked layout's wire attribute, by wire dtype name (None: tokens' dtype).

@@ -669,28 +669,40 @@ def test_moe_dispatch(size, pattern, weighted):
     check_moe_dispatch(actual, x, ids, weights, num_experts, capacity)
 
 
-@pytest.mark.parametrize("tokens, top_k, hidden, experts", [(1, 1, 8, 8), (1, 8, 64, 64), (128, 8, 7168, 256)],
-                         ids=["one-token-top-1", "one-token", "decode-rows"])
-def test_moe_dispatch_shapes(tokens, top_k, hidden, experts):
-    """T = 1 (one 16-byte vector per row), and DeepSeek-V3's decode shape: 128 tokens of 7168 bfloat16, top-8
-    of 256 experts on 8 ranks."""
+@pytest.mark.parametrize("tokens, top_k, hidden, experts, lines",
+                         [(1, 1, 8, 8, True), (1, 8, 64, 64, True), (16, 8, 7168, 256, True),
+                          (128, 8, 7168, 256, False)],
+                         ids=["one-token-top-1", "one-token", "decode-rows-lines", "decode-rows-flags"])
+def test_moe_dispatch_shapes(tokens, top_k, hidden, experts, lines):
+    """T = 1 (one 16-byte vector per row), and DeepSeek-V3's decode shape: tokens of 7168 bfloat16, top-8 of
+    256 experts on 8 ranks; 16 tokens travel as LL128 lines, 128 (16 MB of slot rows) as rows and flags."""
     size, calls = 8, 2
     ids, capacity = dispatch_routing("random", size, calls, tokens, top_k, experts, seed=tokens)
     x = random_array((calls, size, tokens, hidden), ml_dtypes.bfloat16, seed=tokens)
     weights = random_array(ids.shape, np.float32, seed=3)
     actual = loopback.moe_dispatch(x, ids, weights, num_experts=experts, capacity=capacity)
+    assert actual[1][0]["lines"] == lines
     check_moe_dispatch(actual, x, ids, weights, experts, capacity)
 
 
+@pytest.mark.parametrize("path", ["lines", "flags"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_moe_dispatch_many_calls(schedule):
-    """New routings every call on one set of flags and slots, as for combine."""
+def test_moe_dispatch_many_calls(schedule, path):
+    """New routings and weights every call on one set of flags and slots, as for combine. Rows of 16 float32
+    (a capacity that drops) travel as lines; rows of 65536 (9 MB of slot rows) as rows and flags, over fewer
+    calls."""
     size, (calls, options) = 4, SCHEDULES[schedule]
-    calls = min(calls, 60)
-    ids, capacity = dispatch_routing("tight", size, calls, 8, 2, 8, seed=7)
-    x = random_array((calls, size, 8, 16), np.float32, seed=7)
-    actual = loopback.moe_dispatch(x, ids, None, num_experts=8, capacity=capacity, trace=True, **options)
-    check_moe_dispatch(actual, x, ids, None, 8, capacity)
+    if path == "lines":
+        calls, hidden = min(calls, 60), 16
+        ids, capacity = dispatch_routing("tight", size, calls, 8, 2, 8, seed=7)
+    else:
+        calls, hidden = min(calls, 6), 1 << 16
+        ids, capacity = dispatch_routing("random", size, calls, 8, 2, 8, seed=7)
+    x = random_array((calls, size, 8, hidden), np.float32, seed=7)
+    weights = random_array(ids.shape, np.float32, seed=8)
+    actual = loopback.moe_dispatch(x, ids, weights, num_experts=8, capacity=capacity, trace=True, **options)
+    assert actual[1][0]["lines"] == (path == "lines")
+    check_moe_dispatch(actual, x, ids, weights, 8, capacity)
     assert_timelines(actual[1], calls, kernel="moe.dispatch")
 
 
@@ -707,11 +719,13 @@ def test_moe_dispatch_phase_clocks():
     assert (np.diff(clocks, axis=-1) >= 0).all()
 
 
-def test_moe_dispatch_missing_rank_is_named():
+@pytest.mark.parametrize("hidden", [16, 1 << 16], ids=["lines", "flags"])
+def test_moe_dispatch_missing_rank_is_named(hidden):
     size, calls = 4, 2
     ids, capacity = dispatch_routing("random", size, calls, 8, 2, 8, seed=8)
-    x = random_array((calls, size, 8, 16), np.float32, seed=8)
+    x = random_array((calls, size, 8, hidden), np.float32, seed=8)
     _, ranks = loopback.moe_dispatch(x, ids, None, num_experts=8, capacity=capacity, absent=1, timeout_ms=200)
+    assert ranks[0]["lines"] == (hidden == 16)
     loopback.assert_absent_rank_named(ranks, absent=1, calls=calls)
 
 

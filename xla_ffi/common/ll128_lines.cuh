@@ -29,6 +29,8 @@ __host__ __device__ constexpr int64_t LineStepsOf(int64_t bytes) {
   return (LinesOf(bytes) + kLinesPerWarpStep - 1) / kLinesPerWarpStep;
 }
 constexpr int64_t kLineStepBytes = kLinesPerWarpStep * kLineBytes;
+constexpr int kStepParts = kLinesPerWarpStep * kLanesPerLine;                    // 16-byte parts of a step
+constexpr int64_t kStepVectors = kLinesPerWarpStep * kLinePayloadWords / 4;  // a step's payload in 16-byte vectors
 
 // Word j (0..3) of a lane's part of a line.
 __device__ __forceinline__ uint32_t WordOf(const Pair64& part, int j) {
@@ -99,7 +101,6 @@ __device__ __forceinline__ void StorePayload(uint32_t* row, LinePart at, uint4 p
 template <int kBatch, typename KeepWaiting, typename Take>
 __device__ __forceinline__ void WarpTakeLines(const Pair64* row, int64_t lo, int64_t hi, uint64_t flag,
                                               KeepWaiting keep_waiting, Take take) {
-  constexpr int kStepParts = kLinesPerWarpStep * kLanesPerLine;
   const int lane = threadIdx.x % 32;
   const bool flag_lane = lane % kLanesPerLine == kLanesPerLine - 1;
   for (int64_t first = lo; first < hi; first += kBatch) {

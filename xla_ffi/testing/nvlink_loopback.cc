@@ -657,6 +657,7 @@ nb::dict MoeDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids, const
   nb::dict result = ToDict(std::move(outcome),
                            std::vector<std::string>(std::begin(kMoeDispatchResults), std::end(kMoeDispatchResults)),
                            grid);
+  result["lines"] = MoeDispatchUsesLines(args);
   if (clocks != nullptr) AddPhaseClocks(result, clocks, clock_count, kMoeDispatchPhaseNames);
   return result;
 }

@@ -68,8 +68,6 @@ constexpr int kEarlyVectors = 4;
 constexpr int kLineBatch = 4;
 constexpr int kTakeBatch = 3;
 static_assert(kLineBatch <= kEarlyVectors, "a send warp's early loads fill its first batch of lines");
-constexpr int64_t kStepVectors = kLinesPerWarpStep * kLinePayloadWords / 4;  // a step's payload in 16-byte vectors
-constexpr int kStepParts = kLinesPerWarpStep * kLanesPerLine;
 
 __host__ __device__ constexpr int32_t CountWarps(int64_t pairs, int64_t num_experts) {
   return pairs <= kWarpCountPairs                         ? 1
