@@ -45,7 +45,7 @@ enum MoeDispatchPhase : int {
   kPhasePlanned,  // send rows numbered
   kPhaseReady,    // the plan's results written
   kPhaseSent,     // rows and flags sent
-  kPhaseArrived,  // every flag seen
+  kPhaseArrived,  // every flag seen (with lines: thread 0's counts and list entries)
   kPhasePlaced,   // received tags placed (counts, the row map)
   kPhaseEnd,      // index arrays and expert rows written
   kMoeDispatchPhases

@@ -548,7 +548,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
         tags[u0 + b] = static_cast<int32_t>(seen[b].lo);
       }
     }
-    // This rank's blocks' "none" entries (raised at their starts, they are in by now).
+    // This rank's blocks' "none" entries (each block's flag raised before its send, so in by now).
     for (int32_t b = tid; b < static_cast<int32_t>(gridDim.x); b += kThreads) {
       patience.AtLeast(&args.control->arrived[me][b], epoch, me);
     }
