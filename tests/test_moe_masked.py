@@ -327,10 +327,10 @@ def test_loopback_kernels_match_the_reference(ranks, pattern):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens, lines", [(16, True), (128, False)], ids=["lines", "flags"])
+@pytest.mark.parametrize("tokens, lines", [(8, True), (128, False)], ids=["lines", "flags"])
 def test_loopback_decode_rows(tokens, lines):
-    """DeepSeek-sized rows (7168 bfloat16) on 8 ranks, top-8: at 16 tokens the rows travel as LL128 lines with
-    flagged counts and map entries, at 128 (16 MB of slot rows) as rows and flags; two calls, every result the
+    """DeepSeek-sized rows (7168 bfloat16) on 8 ranks, top-8: at 8 tokens (0.9 MiB of slot rows) the rows travel
+    as LL128 lines with flagged counts and map entries, at 128 (16 MB) as rows and flags; two calls, every result the
     reference's."""
     import nvlink_loopback
 
@@ -348,7 +348,7 @@ def test_loopback_decode_rows(tokens, lines):
 
 
 # Row widths (float32 elements) whose slot rows, 4 ranks of 8 tokens, travel as lines and as rows and flags.
-PATH_HIDDEN = {"lines": 64, "flags": 1 << 16}
+PATH_HIDDEN = {"lines": 64, "flags": 8192}  # flags: 4 ranks of 8 tokens take 1.1 MiB of slot rows as lines
 
 
 @pytest.mark.gpu

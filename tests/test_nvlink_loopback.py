@@ -549,11 +549,11 @@ def test_moe_combine(size, pattern, dtype):
     check_moe_combine(loopback.moe_combine(expert_out, *routing), expert_out, routing, calls)
 
 
-@pytest.mark.parametrize("tokens, hidden, lines", [(1, 8, True), (16, 7168, True), (128, 7168, False)],
+@pytest.mark.parametrize("tokens, hidden, lines", [(1, 8, True), (8, 7168, True), (128, 7168, False)],
                          ids=["one-token", "decode-rows-lines", "decode-rows-flags"])
 def test_moe_combine_shapes(tokens, hidden, lines):
-    """One token of one 16-byte vector, and DeepSeek-sized rows (7168 bfloat16) on 8 ranks: at 16 tokens as
-    LL128 lines, at 128 (16 MB of slot rows) as rows and flags."""
+    """One token of one 16-byte vector, and DeepSeek-sized rows (7168 bfloat16) on 8 ranks: at 8 tokens (0.9 MiB
+    of slot rows) as LL128 lines, at 128 (16 MB) as rows and flags."""
     size, calls, top_k = 8, 2, 8
     routing = moe_routing("random", size, calls, tokens, tokens, top_k, seed=tokens)
     expert_out = random_array((calls, size, size * tokens, hidden), ml_dtypes.bfloat16, seed=tokens)
@@ -567,9 +567,9 @@ def test_moe_combine_shapes(tokens, hidden, lines):
 def test_moe_combine_many_calls(schedule, path):
     """New routings every call on one set of flags and slots: call after call, as replays of one recorded call
     and with rank 2 late to every call (its peers write its next parity half while it reads the last). Rows of
-    64 float32 travel as lines; rows of 65536 (9 MB of slot rows) as rows and flags, over fewer calls."""
+    64 float32 travel as lines; rows of 8192 (1.1 MiB of slot rows) as rows and flags, over fewer calls."""
     size, (calls, options) = 4, SCHEDULES[schedule]
-    calls, hidden = (min(calls, 100), 64) if path == "lines" else (min(calls, 6), 1 << 16)
+    calls, hidden = (min(calls, 100), 64) if path == "lines" else (min(calls, 20), 8192)
     routing = moe_routing("random", size, calls, 8, 8, 2, seed=5)
     expert_out = random_array((calls, size, size * 8, hidden), np.float32, seed=5)
     actual = loopback.moe_combine(expert_out, *routing, trace=True, **options)
@@ -670,12 +670,13 @@ def test_moe_dispatch(size, pattern, weighted):
 
 
 @pytest.mark.parametrize("tokens, top_k, hidden, experts, lines",
-                         [(1, 1, 8, 8, True), (1, 8, 64, 64, True), (16, 8, 7168, 256, True),
+                         [(1, 1, 8, 8, True), (1, 8, 64, 64, True), (8, 8, 7168, 256, True),
                           (128, 8, 7168, 256, False)],
                          ids=["one-token-top-1", "one-token", "decode-rows-lines", "decode-rows-flags"])
 def test_moe_dispatch_shapes(tokens, top_k, hidden, experts, lines):
     """T = 1 (one 16-byte vector per row), and DeepSeek-V3's decode shape: tokens of 7168 bfloat16, top-8 of
-    256 experts on 8 ranks; 16 tokens travel as LL128 lines, 128 (16 MB of slot rows) as rows and flags."""
+    256 experts on 8 ranks; 8 tokens (0.9 MiB of slot rows) travel as LL128 lines, 128 (16 MB) as rows and
+    flags."""
     size, calls = 8, 2
     ids, capacity = dispatch_routing("random", size, calls, tokens, top_k, experts, seed=tokens)
     x = random_array((calls, size, tokens, hidden), ml_dtypes.bfloat16, seed=tokens)
@@ -689,14 +690,14 @@ def test_moe_dispatch_shapes(tokens, top_k, hidden, experts, lines):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_moe_dispatch_many_calls(schedule, path):
     """New routings and weights every call on one set of flags and slots, as for combine. Rows of 16 float32
-    (a capacity that drops) travel as lines; rows of 65536 (9 MB of slot rows) as rows and flags, over fewer
+    (a capacity that drops) travel as lines; rows of 8192 (1.1 MiB of slot rows) as rows and flags, over fewer
     calls."""
     size, (calls, options) = 4, SCHEDULES[schedule]
     if path == "lines":
         calls, hidden = min(calls, 60), 16
         ids, capacity = dispatch_routing("tight", size, calls, 8, 2, 8, seed=7)
     else:
-        calls, hidden = min(calls, 6), 1 << 16
+        calls, hidden = min(calls, 20), 8192
         ids, capacity = dispatch_routing("random", size, calls, 8, 2, 8, seed=7)
     x = random_array((calls, size, 8, hidden), np.float32, seed=7)
     weights = random_array(ids.shape, np.float32, seed=8)
@@ -719,7 +720,7 @@ def test_moe_dispatch_phase_clocks():
     assert (np.diff(clocks, axis=-1) >= 0).all()
 
 
-@pytest.mark.parametrize("hidden", [16, 1 << 16], ids=["lines", "flags"])
+@pytest.mark.parametrize("hidden", [16, 8192], ids=["lines", "flags"])
 def test_moe_dispatch_missing_rank_is_named(hidden):
     size, calls = 4, 2
     ids, capacity = dispatch_routing("random", size, calls, 8, 2, 8, seed=8)

@@ -6,7 +6,7 @@
 // token side keeps [N * R] rows of H' elements, member m's rows from row m * R (the layout of the handle's
 // return_row). Member m writes row m * R + r of source s for the r-th token row s sent it. How s learns it
 // landed depends on the call's size:
-//   * up to kMoeCombineLinesMaxBytes of slot rows (decode): the rows travel as LL128 lines (ll128_lines.cuh,
+//   * up to kMoeLinesMaxBytes of slot rows (decode): the rows travel as LL128 lines (ll128_lines.cuh,
 //     each row padded to whole warp steps of 4 lines) and s polls each line it reads. Each rank also raises
 //     `entered` on every member at its start and ends the call once every member's has reached it, since a
 //     token side hears only from the members its tokens chose. A return_row entry that names a row its member
@@ -54,9 +54,7 @@ struct MoeCombineArgs {
 constexpr int kMaxMoeCombineTopK = 256;
 size_t MoeCombineSharedBytes(int top_k);
 
-// The most bytes of slot rows (N * R rows as lines) a call sends as LL128 lines; larger calls send plain rows
-// and flags, where the lines' extra bytes (an eighth of a line) would cost more than the flags' wait.
-constexpr int64_t kMoeCombineLinesMaxBytes = int64_t{8} << 20;
+// Whether a call sends its N * R slot rows as LL128 lines: up to kMoeLinesMaxBytes of them.
 bool MoeCombineUsesLines(int size, int64_t rows_per_member, int64_t row_bytes);
 
 // Bytes of each parity half a call needs (PeerTable::parity_half_bytes), a multiple of 256.

@@ -3,7 +3,7 @@
 // Every block does both halves, over (row, piece) units shared out among all the grid's warps: on the expert
 // side each received row's sum over its k choices (in float32, rounded once, as the exchange chain sends it);
 // on the token side each token's members' rows added in float32 in member order. Two ways to signal:
-//   * lines (calls whose slot rows fit kMoeCombineLinesMaxBytes): the sums travel as LL128 lines and the token
+//   * lines (calls whose slot rows fit kMoeLinesMaxBytes): the sums travel as LL128 lines and the token
 //     side polls the lines it reads, so no block waits for the whole grid of every member;
 //   * flags (larger calls, where the lines' extra 1/15 of bytes costs more than the wait): 16-byte vectors,
 //     then one flag per (member, block), and the token side starts once every flag holds the epoch.
@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(kThreads) MoeCombineKernel(Call call) {
 size_t MoeCombineSharedBytes(int top_k) { return size_t{kThreads / 32} * 2 * top_k * sizeof(int32_t); }
 
 bool MoeCombineUsesLines(int size, int64_t rows_per_member, int64_t row_bytes) {
-  return size * rows_per_member * LineStepsOf(row_bytes) * kLineStepBytes <= kMoeCombineLinesMaxBytes;
+  return size * rows_per_member * LineStepsOf(row_bytes) * kLineStepBytes <= kMoeLinesMaxBytes;
 }
 
 int64_t MoeCombineSlotBytes(int size, int64_t rows_per_member, int64_t hidden, int element_bytes) {

@@ -15,7 +15,7 @@
 // the scale maps the block's largest magnitude to the format's largest finite value) and the expansion
 // dequantizes as it copies, with the chain's arithmetic (moe_dispatch.py's _encode and _decode).
 //
-// Lines (plain rows, up to kMoeDispatchLinesMaxBytes of slot rows: decode sizes). The slots hold the header,
+// Lines (plain rows, up to kMoeLinesMaxBytes of slot rows: decode sizes). The slots hold the header,
 // then [N * R * k] 16-byte list entries, then [N * R] rows of whole warp steps of LL128 lines
 // (ll128_lines.cuh). Each count is a flagged entry {count, flag}; entry i of source s's list is
 // {tag, weight of choice i % k of its row i / k, flag} at s * R * k + i, every one written each call (-1 past
@@ -102,10 +102,9 @@ int64_t MoeDispatchWireRowBytes(int64_t hidden, int64_t element_bytes, MoeWire w
 // Bytes of a slot row: the row's bytes on the wire, then its suffix (tags, and weights), a multiple of 16.
 int64_t MoeDispatchSlotRowBytes(int top_k, int64_t wire_row_bytes, bool with_weights);
 
-// The most bytes of slot rows (N * R rows as lines) a call with plain rows sends as LL128 lines, with its counts
-// and list entries as flagged 16-byte entries: the receive side then polls what it reads instead of waiting
-// for every block of every member. Larger calls, and 8-bit wires, send rows with their suffixes and flags.
-constexpr int64_t kMoeDispatchLinesMaxBytes = int64_t{8} << 20;
+// Whether a call sends its N * R slot rows as LL128 lines (plain rows up to kMoeLinesMaxBytes of them), with its
+// counts and list entries as flagged 16-byte entries: the receive side then polls what it reads instead of
+// waiting for every block of every member. Larger calls, and 8-bit wires, send rows with suffixes and flags.
 bool MoeDispatchUsesLines(const MoeDispatchArgs& args);
 
 // Bytes of each parity half a call needs (PeerTable::parity_half_bytes), a multiple of 256: the larger of the

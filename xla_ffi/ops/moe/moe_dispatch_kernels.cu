@@ -5,7 +5,7 @@
 // and expand (a share of the expert-major rows). Each block writes its share of every result array; the
 // plan's and placement's values are the same in every block, so the shares agree.
 //
-// With lines (plain rows up to kMoeDispatchLinesMaxBytes of slot rows) no block waits for the others: the
+// With lines (plain rows up to kMoeLinesMaxBytes of slot rows) no block waits for the others: the
 // counts and every list entry travel as flagged 16-byte entries and the rows as LL128 lines, so the wait is
 // the polls of what a block reads (moe_dispatch.h).
 #include <cuda_bf16.h>
@@ -730,7 +730,7 @@ int64_t EntriesBytes(int size, int64_t rows_per_member, int top_k) {
 int64_t LineRowBytes(int64_t wire_row_bytes) { return LineStepsOf(wire_row_bytes) * kLineStepBytes; }
 
 bool LinesFit(int size, int64_t rows_per_member, int64_t wire_row_bytes) {
-  return size * rows_per_member * LineRowBytes(wire_row_bytes) <= kMoeDispatchLinesMaxBytes;
+  return size * rows_per_member * LineRowBytes(wire_row_bytes) <= kMoeLinesMaxBytes;
 }
 
 }  // namespace

@@ -736,7 +736,7 @@ int64_t SlotRowBytes(int64_t wire_row_bytes, bool lines) {
 
 // Whether a call's size lets it take lines (plain rows take them then; an 8-bit wire never does).
 bool LinesFit(int size, int64_t tokens, int64_t wire_row_bytes) {
-  return Saturated(Saturated(tokens, size), SlotRowBytes(wire_row_bytes, true)) <= kMoeMaskedLinesMaxBytes;
+  return Saturated(Saturated(tokens, size), SlotRowBytes(wire_row_bytes, true)) <= kMoeLinesMaxBytes;
 }
 
 }  // namespace
