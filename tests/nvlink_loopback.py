@@ -94,7 +94,8 @@ MOE_COMBINE_TYPES = {np.dtype(np.float32): 0, np.dtype(ml_dtypes.bfloat16): 1, n
 def moe_combine(expert_out, row_pairs, weights, recv_tokens, return_row, **options):
     """moe.combine's NVLink kernel. expert_out [calls, ranks, N * C, H'] (float32, bfloat16 or float16),
     row_pairs int32 [calls, ranks, N * R, k], weights float32 of the same shape, recv_tokens int32 [calls,
-    ranks, N], return_row int32 [calls, ranks, T, N]. Returns (out [calls, ranks, T, H'], ranks)."""
+    ranks, N], return_row int32 [calls, ranks, T, N]. Returns (out [calls, ranks, T, H'], ranks); each rank's
+    state says whether the call sent LL128 lines ('lines') or rows and flags."""
     expert_out = np.ascontiguousarray(expert_out)
     calls, size, expert_rows, hidden = expert_out.shape
     rows, top_k = row_pairs.shape[2:]
@@ -106,7 +107,7 @@ def moe_combine(expert_out, row_pairs, weights, recv_tokens, return_row, **optio
         type=MOE_COMBINE_TYPES[expert_out.dtype], expert_rows=expert_rows, rows_per_member=rows // size,
         top_k=top_k, tokens=tokens, hidden=hidden, **options)
     out = np.frombuffer(done["out"], expert_out.dtype).reshape(calls, size, tokens, hidden)
-    return out, with_grid(done)
+    return out, [dict(state, lines=done["lines"]) for state in with_grid(done)]
 
 
 # moe.dispatch's results in the kernel's order, each (name, int32 or float32, shape from T, k, N, E_local, C, R, S).
@@ -134,7 +135,8 @@ def moe_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, **option
     """moe.dispatch's NVLink kernel. tokens [calls, ranks, T, H] (any dtype, rows of a multiple of 16 bytes),
     expert_ids int32 [calls, ranks, T, k], weights float32 of the same shape or None. Returns (a dict of every
     result by name, expert_rows [calls, ranks, N * C, H] in tokens' dtype and recv_weights float32 [calls,
-    ranks, N * R, k or 0] among them, ranks)."""
+    ranks, N * R, k or 0] among them, ranks); each rank's state says whether the call sent LL128 lines ('lines')
+    or rows and flags."""
     tokens = np.ascontiguousarray(tokens)
     calls, size, num_tokens, hidden = tokens.shape
     top_k = expert_ids.shape[-1]
@@ -155,7 +157,7 @@ def moe_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, **option
     results["recv_weights"] = np.frombuffer(done["recv_weights"], np.float32).reshape(
         calls, size, size * R, top_k if with_weights else 0)
     add_phase_clocks(results, done, size)
-    return results, with_grid(done)
+    return results, [dict(state, lines=done["lines"]) for state in with_grid(done)]
 
 
 # The masked layout's wire attribute, by wire dtype name (None: tokens' dtype).
@@ -169,7 +171,8 @@ def moe_masked_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, w
     every result by name, each [calls, ranks, ...]: expert_rows [L, N * C, H] in tokens' dtype, group_sizes [L],
     send_pairs [P], pair_slot [P], send_counts [N, L], dropped [N], recv_counts [N, L], row_pair [L, N * C],
     recv_weights float32 [L, N * C or 0], and with R = min(T, L * C): recv_tokens [N], choice_rows [N * R, k],
-    choice_weights float32 [N * R, k or 0], send_back_rows [N * R], return_row [T, N]; ranks)."""
+    choice_weights float32 [N * R, k or 0], send_back_rows [N * R], return_row [T, N]; ranks, each rank's state
+    saying whether the call sent LL128 lines ('lines') or rows and flags)."""
     tokens = np.ascontiguousarray(tokens)
     calls, size, num_tokens, hidden = tokens.shape
     top_k = expert_ids.shape[-1]
@@ -194,7 +197,7 @@ def moe_masked_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, w
     results["choice_weights"] = np.frombuffer(done["choice_weights"], np.float32).reshape(
         calls, size, received, top_k if with_weights else 0)
     add_phase_clocks(results, done, size)
-    return results, with_grid(done)
+    return results, [dict(state, lines=done["lines"]) for state in with_grid(done)]
 
 
 def add_phase_clocks(results, done, size):
@@ -223,3 +226,17 @@ def moe_masked_combine(expert_out, row_pair, pair_slot, weights, *, num_tokens, 
         add_phase_clocks(results, done, size)
         return results, with_grid(done)
     return out, with_grid(done)
+
+
+def assert_absent_rank_named(ranks, absent, calls):
+    """Every rank that ran gave up (or was aborted by one that did), named ``absent`` alone, and still
+    finished its calls; ``absent`` itself never ran."""
+    for rank, state in enumerate(ranks):
+        if rank == absent:
+            assert state["calls_finished"] == 0 and state["fault"] == "healthy", state
+            continue
+        assert state["fault"] in ("gave_up", "aborted"), (rank, state)
+        assert state["missing"] == [absent], (rank, state)
+        assert state["fault_call"] == 1, (rank, state)  # the first call is the one that waited in vain
+        assert state["calls_finished"] == calls, (rank, state)
+    assert any(state["fault"] == "gave_up" for state in ranks), ranks

@@ -327,6 +327,77 @@ def test_loopback_kernels_match_the_reference(ranks, pattern):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens, lines", [(8, True), (128, False)], ids=["lines", "flags"])
+def test_loopback_decode_rows(tokens, lines):
+    """DeepSeek-sized rows (7168 bfloat16) on 8 ranks, top-8: at 8 tokens (0.9 MiB of slot rows) the rows travel
+    as LL128 lines with flagged counts and map entries, at 128 (16 MB) as rows and flags; two calls, every result the
+    reference's."""
+    import nvlink_loopback
+
+    ranks, calls = 8, 2
+    ids, num_experts, capacity = routing("at_capacity", ranks, tokens=tokens, top_k=8, num_experts=64, seed=tokens)
+    x = random_array((calls, ranks, tokens, 7168), jnp.bfloat16, seed=tokens)
+    ids2 = np.stack([ids, ids[::-1]])
+    got, states = nvlink_loopback.moe_masked_dispatch(x, ids2, None, num_experts=num_experts, capacity=capacity)
+    assert states[0]["lines"] == lines
+    for call in range(calls):
+        expected = reference.moe_masked_dispatch(x[call], ids2[call], num_experts, capacity)
+        for name in moe_masked.Masked._fields:
+            if name not in ("recv_weights", "choice_weights"):
+                np.testing.assert_array_equal(got[name][call], expected[name], err_msg=f"{name}, call {call}")
+
+
+# Row widths (float32 elements) whose slot rows, 4 ranks of 8 tokens, travel as lines and as rows and flags.
+PATH_HIDDEN = {"lines": 64, "flags": 8192}  # flags: 4 ranks of 8 tokens take 1.1 MiB of slot rows as lines
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", [dict(calls=6), dict(calls=4, graph=True), dict(calls=4, late=2, late_us=200)],
+                         ids=["streams", "graph", "late-rank"])
+@pytest.mark.parametrize("path", PATH_HIDDEN)
+def test_loopback_many_calls(path, schedule):
+    """New routings and rows every call on one set of slots, so both parity halves are reused: call after call,
+    as replays of one recorded call, and with rank 2 late to every call (its peers write its next parity half
+    while it reads the last). Every result is the reference's, weights included."""
+    import nvlink_loopback
+
+    ranks, tokens, hidden = 4, 8, PATH_HIDDEN[path]
+    calls = schedule["calls"]
+    options = {key: value for key, value in schedule.items() if key != "calls"}
+    per_call = [routing(("random", "at_capacity", "one_expert")[c % 3], ranks, tokens=tokens, seed=c)
+                for c in range(calls)]
+    num_experts, capacity = per_call[0][1], 4  # the same every call; the skewed patterns drop pairs
+    ids = np.stack([i for i, _, _ in per_call])
+    x = random_array((calls, ranks, tokens, hidden), np.float32, seed=11)
+    weights = np.random.default_rng(11).random(ids.shape).astype(np.float32)
+    got, states = nvlink_loopback.moe_masked_dispatch(x, ids, weights, num_experts=num_experts, capacity=capacity,
+                                                      **options)
+    assert states[0]["lines"] == (path == "lines")
+    for state in states:
+        assert state["fault"] == "healthy" and state["calls_finished"] == calls, state
+    for call in range(calls):
+        expected = reference.moe_masked_dispatch(x[call], ids[call], num_experts, capacity, weights=weights[call])
+        for name in moe_masked.Masked._fields:
+            np.testing.assert_array_equal(got[name][call], expected[name], err_msg=f"{name}, call {call}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", PATH_HIDDEN)
+def test_loopback_missing_rank_is_named(path):
+    """A rank that never launches is named by every other, whether they poll its counts (lines) or wait for its
+    flags; they still finish their calls."""
+    import nvlink_loopback
+
+    ranks, calls, tokens = 4, 2, 8
+    ids, num_experts, capacity = routing("random", ranks, tokens=tokens, top_k=3, seed=7)
+    x = np.ones((calls, ranks, tokens, PATH_HIDDEN[path]), np.float32)
+    _, states = nvlink_loopback.moe_masked_dispatch(x, np.stack([ids, ids]), None, num_experts=num_experts,
+                                                     capacity=capacity, absent=1, timeout_ms=200)
+    assert states[0]["lines"] == (path == "lines")
+    nvlink_loopback.assert_absent_rank_named(states, absent=1, calls=calls)
+
+
+@pytest.mark.gpu
 def test_loopback_phase_clocks():
     """A profiled call (time_loopback_collectives.py --moe-phases) computes the same results, and every block of
     both kernels reads its clock at each phase, in order."""

@@ -206,27 +206,13 @@ MISSING_RANK_CASES = {
 }
 
 
-def assert_absent_rank_named(ranks, absent, calls):
-    """Every rank that ran gave up (or was aborted by one that did), named ``absent`` alone, and still
-    finished its calls; ``absent`` itself never ran."""
-    for rank, state in enumerate(ranks):
-        if rank == absent:
-            assert state["calls_finished"] == 0 and state["fault"] == "healthy", state
-            continue
-        assert state["fault"] in ("gave_up", "aborted"), (rank, state)
-        assert state["missing"] == [absent], (rank, state)
-        assert state["fault_call"] == 1, (rank, state)  # the first call is the one that waited in vain
-        assert state["calls_finished"] == calls, (rank, state)
-    assert any(state["fault"] == "gave_up" for state in ranks), ranks
-
-
 @pytest.mark.parametrize("graph", [False, True], ids=["streams", "graph"])
 @pytest.mark.parametrize("case", MISSING_RANK_CASES)
 def test_a_rank_that_never_launches_is_named(case, graph):
     op, options, elements = MISSING_RANK_CASES[case]
     x = np.ones((2, 4, elements), np.int32)
     _, ranks = loopback.collective(op, x, absent=2, timeout_ms=200, graph=graph, **options)
-    assert_absent_rank_named(ranks, absent=2, calls=2)
+    loopback.assert_absent_rank_named(ranks, absent=2, calls=2)
 
 
 def test_a_rank_later_than_the_timeout_is_named():
@@ -483,7 +469,7 @@ def test_all_to_allv_missing_rank_is_named(direct):
     x = random_array((calls, size, 1, ROWS, FEATURES), np.float32, seed=4)
     counts = counts_of("random", size, 1, calls, 1, seed=4)
     *_, ranks = loopback.all_to_allv(x, counts, CAPACITY, layout="padded", direct=direct, absent=1, timeout_ms=200)
-    assert_absent_rank_named(ranks, absent=1, calls=calls)
+    loopback.assert_absent_rank_named(ranks, absent=1, calls=calls)
 
 
 # ---- moe.combine ---------------------------------------------------------------------------------------------
@@ -563,24 +549,31 @@ def test_moe_combine(size, pattern, dtype):
     check_moe_combine(loopback.moe_combine(expert_out, *routing), expert_out, routing, calls)
 
 
-@pytest.mark.parametrize("tokens, hidden", [(1, 8), (128, 7168)], ids=["one-token", "decode-rows"])
-def test_moe_combine_shapes(tokens, hidden):
-    """One token of one 16-byte vector, and DeepSeek-sized rows (7168 bfloat16) at 128 tokens on 8 ranks."""
+@pytest.mark.parametrize("tokens, hidden, lines", [(1, 8, True), (8, 7168, True), (128, 7168, False)],
+                         ids=["one-token", "decode-rows-lines", "decode-rows-flags"])
+def test_moe_combine_shapes(tokens, hidden, lines):
+    """One token of one 16-byte vector, and DeepSeek-sized rows (7168 bfloat16) on 8 ranks: at 8 tokens (0.9 MiB
+    of slot rows) as LL128 lines, at 128 (16 MB) as rows and flags."""
     size, calls, top_k = 8, 2, 8
     routing = moe_routing("random", size, calls, tokens, tokens, top_k, seed=tokens)
     expert_out = random_array((calls, size, size * tokens, hidden), ml_dtypes.bfloat16, seed=tokens)
-    check_moe_combine(loopback.moe_combine(expert_out, *routing), expert_out, routing, calls)
+    actual = loopback.moe_combine(expert_out, *routing)
+    assert actual[1][0]["lines"] == lines
+    check_moe_combine(actual, expert_out, routing, calls)
 
 
+@pytest.mark.parametrize("path", ["lines", "flags"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_moe_combine_many_calls(schedule):
+def test_moe_combine_many_calls(schedule, path):
     """New routings every call on one set of flags and slots: call after call, as replays of one recorded call
-    and with rank 2 late to every call (its peers write its next parity half while it reads the last)."""
+    and with rank 2 late to every call (its peers write its next parity half while it reads the last). Rows of
+    64 float32 travel as lines; rows of 8192 (1.1 MiB of slot rows) as rows and flags, over fewer calls."""
     size, (calls, options) = 4, SCHEDULES[schedule]
-    calls = min(calls, 100)
+    calls, hidden = (min(calls, 100), 64) if path == "lines" else (min(calls, 20), 8192)
     routing = moe_routing("random", size, calls, 8, 8, 2, seed=5)
-    expert_out = random_array((calls, size, size * 8, 64), np.float32, seed=5)
+    expert_out = random_array((calls, size, size * 8, hidden), np.float32, seed=5)
     actual = loopback.moe_combine(expert_out, *routing, trace=True, **options)
+    assert actual[1][0]["lines"] == (path == "lines")
     check_moe_combine(actual, expert_out, routing, calls)
     assert_timelines(actual[1], calls, kernel="moe.combine")
 
@@ -590,7 +583,7 @@ def test_moe_combine_missing_rank_is_named():
     routing = moe_routing("random", size, calls, 8, 8, 2, seed=6)
     expert_out = random_array((calls, size, size * 8, 64), np.float32, seed=6)
     _, ranks = loopback.moe_combine(expert_out, *routing, absent=1, timeout_ms=200)
-    assert_absent_rank_named(ranks, absent=1, calls=calls)
+    loopback.assert_absent_rank_named(ranks, absent=1, calls=calls)
 
 
 # ---- moe.dispatch ----------------------------------------------------------------------------------------------
@@ -676,28 +669,41 @@ def test_moe_dispatch(size, pattern, weighted):
     check_moe_dispatch(actual, x, ids, weights, num_experts, capacity)
 
 
-@pytest.mark.parametrize("tokens, top_k, hidden, experts", [(1, 1, 8, 8), (1, 8, 64, 64), (128, 8, 7168, 256)],
-                         ids=["one-token-top-1", "one-token", "decode-rows"])
-def test_moe_dispatch_shapes(tokens, top_k, hidden, experts):
-    """T = 1 (one 16-byte vector per row), and DeepSeek-V3's decode shape: 128 tokens of 7168 bfloat16, top-8
-    of 256 experts on 8 ranks."""
+@pytest.mark.parametrize("tokens, top_k, hidden, experts, lines",
+                         [(1, 1, 8, 8, True), (1, 8, 64, 64, True), (8, 8, 7168, 256, True),
+                          (128, 8, 7168, 256, False)],
+                         ids=["one-token-top-1", "one-token", "decode-rows-lines", "decode-rows-flags"])
+def test_moe_dispatch_shapes(tokens, top_k, hidden, experts, lines):
+    """T = 1 (one 16-byte vector per row), and DeepSeek-V3's decode shape: tokens of 7168 bfloat16, top-8 of
+    256 experts on 8 ranks; 8 tokens (0.9 MiB of slot rows) travel as LL128 lines, 128 (16 MB) as rows and
+    flags."""
     size, calls = 8, 2
     ids, capacity = dispatch_routing("random", size, calls, tokens, top_k, experts, seed=tokens)
     x = random_array((calls, size, tokens, hidden), ml_dtypes.bfloat16, seed=tokens)
     weights = random_array(ids.shape, np.float32, seed=3)
     actual = loopback.moe_dispatch(x, ids, weights, num_experts=experts, capacity=capacity)
+    assert actual[1][0]["lines"] == lines
     check_moe_dispatch(actual, x, ids, weights, experts, capacity)
 
 
+@pytest.mark.parametrize("path", ["lines", "flags"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_moe_dispatch_many_calls(schedule):
-    """New routings every call on one set of flags and slots, as for combine."""
+def test_moe_dispatch_many_calls(schedule, path):
+    """New routings and weights every call on one set of flags and slots, as for combine. Rows of 16 float32
+    (a capacity that drops) travel as lines; rows of 8192 (1.1 MiB of slot rows) as rows and flags, over fewer
+    calls."""
     size, (calls, options) = 4, SCHEDULES[schedule]
-    calls = min(calls, 60)
-    ids, capacity = dispatch_routing("tight", size, calls, 8, 2, 8, seed=7)
-    x = random_array((calls, size, 8, 16), np.float32, seed=7)
-    actual = loopback.moe_dispatch(x, ids, None, num_experts=8, capacity=capacity, trace=True, **options)
-    check_moe_dispatch(actual, x, ids, None, 8, capacity)
+    if path == "lines":
+        calls, hidden = min(calls, 60), 16
+        ids, capacity = dispatch_routing("tight", size, calls, 8, 2, 8, seed=7)
+    else:
+        calls, hidden = min(calls, 20), 8192
+        ids, capacity = dispatch_routing("random", size, calls, 8, 2, 8, seed=7)
+    x = random_array((calls, size, 8, hidden), np.float32, seed=7)
+    weights = random_array(ids.shape, np.float32, seed=8)
+    actual = loopback.moe_dispatch(x, ids, weights, num_experts=8, capacity=capacity, trace=True, **options)
+    assert actual[1][0]["lines"] == (path == "lines")
+    check_moe_dispatch(actual, x, ids, weights, 8, capacity)
     assert_timelines(actual[1], calls, kernel="moe.dispatch")
 
 
@@ -714,12 +720,14 @@ def test_moe_dispatch_phase_clocks():
     assert (np.diff(clocks, axis=-1) >= 0).all()
 
 
-def test_moe_dispatch_missing_rank_is_named():
+@pytest.mark.parametrize("hidden", [16, 8192], ids=["lines", "flags"])
+def test_moe_dispatch_missing_rank_is_named(hidden):
     size, calls = 4, 2
     ids, capacity = dispatch_routing("random", size, calls, 8, 2, 8, seed=8)
-    x = random_array((calls, size, 8, 16), np.float32, seed=8)
+    x = random_array((calls, size, 8, hidden), np.float32, seed=8)
     _, ranks = loopback.moe_dispatch(x, ids, None, num_experts=8, capacity=capacity, absent=1, timeout_ms=200)
-    assert_absent_rank_named(ranks, absent=1, calls=calls)
+    assert ranks[0]["lines"] == (hidden == 16)
+    loopback.assert_absent_rank_named(ranks, absent=1, calls=calls)
 
 
 # ---- random configurations ------------------------------------------------------------------------------------

@@ -17,7 +17,9 @@ masked layout's kernels, capacity the most pairs any rank sends one expert) it a
 call (the one that finds every peer already in) into
 
 * ``own``: its time in the kernel outside the wait for peers (start to rows sent, then flags seen to end);
-* ``handshake``: rows sent to every peer's flag seen (the cross-rank handshake once all are in).
+* ``handshake``: rows sent to every peer's flag seen (the cross-rank handshake once all are in). Kernels
+  that send LL128 lines raise no flags: there it ends when the first lines (combine: thread 0's) or the
+  counts (masked dispatch) arrived.
 
 With ``--moe-phases`` the kernels' blocks also read their SM clock after each phase in the last call (packed
 dispatch: the plan's steps, the send, the wait, the placement, the expansion, moe_dispatch.h's

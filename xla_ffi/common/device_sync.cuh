@@ -16,6 +16,11 @@ __device__ __forceinline__ void StoreRelease(uint64_t* flag, uint64_t value) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
 }
 
+// A release for the threads of this GPU alone (a flag no peer reads): gpu scope, not sys.
+__device__ __forceinline__ void StoreReleaseGpu(uint64_t* flag, uint64_t value) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(flag), "l"(value) : "memory");
+}
+
 __device__ __forceinline__ uint64_t LoadAcquire(const uint64_t* flag) {
   uint64_t value;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
@@ -116,6 +121,18 @@ class Patience {
       seen = LoadRelaxed(word);
     }
     return static_cast<uint32_t>(seen);
+  }
+
+  // Waits until holds(entry) for the 16-byte entry at `entry`, which `peer` writes, and returns it (on giving
+  // up, whatever it holds).
+  template <typename Holds>
+  __device__ Pair64 Entry(const Pair64* entry, Holds holds, int peer) {
+    Pair64 seen = LoadVolatile(entry);
+    for (uint32_t spins = 1; !holds(seen) && !gave_up_; ++spins) {
+      if (spins % kSpinsPerCheck == 0 && !KeepWaiting(peer)) break;
+      seen = LoadVolatile(entry);
+    }
+    return seen;
   }
 
   // For a wait that a whole warp polls in step (every lane calls this after each failed poll, `spins` counting

@@ -540,7 +540,9 @@ nb::dict MoeCombine(const nb::bytes& expert_out, const nb::bytes& row_pairs, con
                           mine.control = ranks.control[rank];
                           return LaunchMoeCombine(mine, grid, stream);
                         });
-  return ToDict(std::move(outcome), {"out"}, grid);
+  nb::dict result = ToDict(std::move(outcome), {"out"}, grid);
+  result["lines"] = MoeCombineUsesLines(size, rows_per_member, hidden * element_bytes);
+  return result;
 }
 
 // moe.dispatch's results, in the order MoeDispatch returns them (and the FFI handler's results but the rows).
@@ -655,6 +657,7 @@ nb::dict MoeDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids, const
   nb::dict result = ToDict(std::move(outcome),
                            std::vector<std::string>(std::begin(kMoeDispatchResults), std::end(kMoeDispatchResults)),
                            grid);
+  result["lines"] = MoeDispatchUsesLines(args);
   if (clocks != nullptr) AddPhaseClocks(result, clocks, clock_count, kMoeDispatchPhaseNames);
   return result;
 }
@@ -759,6 +762,7 @@ nb::dict MoeMaskedDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids,
                            std::vector<std::string>(std::begin(kMoeMaskedDispatchResults),
                                                     std::end(kMoeMaskedDispatchResults)),
                            grid);
+  result["lines"] = MoeMaskedDispatchUsesLines(args);
   if (clocks != nullptr) AddPhaseClocks(result, clocks, clock_count, kMoeMaskedDispatchPhaseNames);
   return result;
 }

@@ -4,10 +4,17 @@
 //
 // Slots: in every rank's low-latency half of the call's parity (symmetric_layout.h), past the LL areas, the
 // token side keeps [N * R] rows of H' elements, member m's rows from row m * R (the layout of the handle's
-// return_row). Member m writes row m * R + r of source s for the r-th token row s sent it, raises flag
-// arrived[m][b] on s for each of its blocks b, and s reads once every (member, block) flag holds the call's
-// epoch. Writers never wait for the readers: a rank cannot still be reading a half that a peer writes two
-// calls later (symmetric_layout.h), so a call costs one NVLink write and one flag latency.
+// return_row). Member m writes row m * R + r of source s for the r-th token row s sent it. How s learns it
+// landed depends on the call's size:
+//   * up to kMoeLinesMaxBytes of slot rows (decode): the rows travel as LL128 lines (ll128_lines.cuh,
+//     each row padded to whole warp steps of 4 lines) and s polls each line it reads. Each rank also raises
+//     `entered` on every member at its start and ends the call once every member's has reached it, since a
+//     token side hears only from the members its tokens chose. A return_row entry that names a row its member
+//     never wrote (not one of dispatch's) waits out the timeout and aborts the communicator;
+//   * larger: plain rows; m raises flag arrived[m][b] on s for each of its blocks b, and s reads once every
+//     (member, block) flag holds the call's epoch.
+// Writers never wait for the readers: a rank cannot still be reading a half that a peer writes two calls later
+// (symmetric_layout.h), so a call costs one NVLink write and one flag latency.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -46,6 +53,9 @@ struct MoeCombineArgs {
 // memory (MoeCombineSharedBytes, within the default 48 KiB).
 constexpr int kMaxMoeCombineTopK = 256;
 size_t MoeCombineSharedBytes(int top_k);
+
+// Whether a call sends its N * R slot rows as LL128 lines: up to kMoeLinesMaxBytes of them.
+bool MoeCombineUsesLines(int size, int64_t rows_per_member, int64_t row_bytes);
 
 // Bytes of each parity half a call needs (PeerTable::parity_half_bytes), a multiple of 256.
 int64_t MoeCombineSlotBytes(int size, int64_t rows_per_member, int64_t hidden, int element_bytes);

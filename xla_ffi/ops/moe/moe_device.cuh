@@ -46,14 +46,19 @@ struct Piece {
 // per row as it takes to give every warp of the grid work, so a few decode rows still spread over every SM
 // while prefill rows go whole to a warp, which reads the row's indices once. Units are numbered row-major:
 //   for (int64_t unit = first_warp; unit < units.count(); unit += warps) { const Piece piece = units.At(unit); ... }
+// A piece holds at least `least` vectors: 32 for a vector per lane; 1 where a "vector" is a whole warp's step.
 struct Units {
   int64_t rows, vectors;
   int64_t pieces;     // per row
   int64_t piece_len;  // vectors per piece
-  __device__ Units(int64_t rows, int64_t vectors, int64_t warps) : rows(rows), vectors(vectors) {
-    const int64_t most = max(int64_t{1}, (vectors + 31) / 32);  // a piece of at least one vector per lane
-    pieces = rows == 0 ? 1 : min(most, max(int64_t{1}, (warps + rows - 1) / rows));
+  // With whole-warp units (least 1) no warp takes two pieces while rows fit the grid: a warp's second piece
+  // would wait out its own round trips after the first.
+  __device__ Units(int64_t rows, int64_t vectors, int64_t warps, int64_t least = 32) : rows(rows), vectors(vectors) {
+    const int64_t most = max(int64_t{1}, (vectors + least - 1) / least);
+    const int64_t per_row = least == 1 ? warps / max(rows, int64_t{1}) : (warps + rows - 1) / max(rows, int64_t{1});
+    pieces = rows == 0 ? 1 : min(most, max(int64_t{1}, per_row));
     piece_len = (vectors + pieces - 1) / pieces;
+    if (least == 1) pieces = (vectors + piece_len - 1) / max(piece_len, int64_t{1});  // no empty piece
   }
   __device__ int64_t count() const { return rows * pieces; }
   __device__ Piece At(int64_t unit) const {

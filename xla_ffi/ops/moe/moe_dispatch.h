@@ -14,6 +14,14 @@
 // On an 8-bit wire the sender quantizes each block of kMoeWireBlock values as it writes it (a warp per block:
 // the scale maps the block's largest magnitude to the format's largest finite value) and the expansion
 // dequantizes as it copies, with the chain's arithmetic (moe_dispatch.py's _encode and _decode).
+//
+// Lines (plain rows, up to kMoeLinesMaxBytes of slot rows: decode sizes). The slots hold the header,
+// then [N * R * k] 16-byte list entries, then [N * R] rows of whole warp steps of LL128 lines
+// (ll128_lines.cuh). Each count is a flagged entry {count, flag}; entry i of source s's list is
+// {tag, weight of choice i % k of its row i / k, flag} at s * R * k + i, every one written each call (-1 past
+// the list); the rows travel as lines. No block raises a flag for its peers: each polls the counts and every
+// list entry (the call's handshake, since every member writes them all), places, then polls each line it
+// copies. The flag is the call's epoch scrambled (ScrambledLineFlag), so another call's bytes never match it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -37,7 +45,7 @@ enum MoeDispatchPhase : int {
   kPhasePlanned,  // send rows numbered
   kPhaseReady,    // the plan's results written
   kPhaseSent,     // rows and flags sent
-  kPhaseArrived,  // every flag seen
+  kPhaseArrived,  // every flag seen (with lines: thread 0's counts and list entries)
   kPhasePlaced,   // received tags placed (counts, the row map)
   kPhaseEnd,      // index arrays and expert rows written
   kMoeDispatchPhases
@@ -94,7 +102,13 @@ int64_t MoeDispatchWireRowBytes(int64_t hidden, int64_t element_bytes, MoeWire w
 // Bytes of a slot row: the row's bytes on the wire, then its suffix (tags, and weights), a multiple of 16.
 int64_t MoeDispatchSlotRowBytes(int top_k, int64_t wire_row_bytes, bool with_weights);
 
-// Bytes of each parity half a call needs (PeerTable::parity_half_bytes), a multiple of 256.
+// Whether a call sends its N * R slot rows as LL128 lines (plain rows up to kMoeLinesMaxBytes of them), with its
+// counts and list entries as flagged 16-byte entries: the receive side then polls what it reads instead of
+// waiting for every block of every member. Larger calls, and 8-bit wires, send rows with suffixes and flags.
+bool MoeDispatchUsesLines(const MoeDispatchArgs& args);
+
+// Bytes of each parity half a call needs (PeerTable::parity_half_bytes), a multiple of 256: the larger of the
+// two layouts where lines fit.
 int64_t MoeDispatchSlotBytes(int size, int64_t rows_per_member, int top_k, int64_t wire_row_bytes, bool with_weights);
 
 // Where the kernel can run: every block keeps the plan and the placement in shared memory (up to about 90 KiB

@@ -4,6 +4,10 @@
 // flag per member), wait (every member's every block), place (shared memory again, the same in every block)
 // and expand (a share of the expert-major rows). Each block writes its share of every result array; the
 // plan's and placement's values are the same in every block, so the shares agree.
+//
+// With lines (plain rows up to kMoeLinesMaxBytes of slot rows) no block waits for the others: the
+// counts and every list entry travel as flagged 16-byte entries and the rows as LL128 lines, so the wait is
+// the polls of what a block reads (moe_dispatch.h).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -15,6 +19,7 @@
 #include <type_traits>
 
 #include "common/device_sync.cuh"
+#include "common/ll128_lines.cuh"
 #include "common/symmetric_layout.h"
 #include "common/warp_copy.cuh"
 #include "common/wire_rows.cuh"
@@ -28,6 +33,11 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 constexpr int64_t kHeaderBytes = 256;              // a 16-byte token count per source, ahead of the rows
+// With lines: warp steps of lines loaded before any is stored (send) or polled (expand), and list entries
+// loaded before any is polled again, so that their latencies overlap (a take batch of 4 spills).
+constexpr int kLineBatch = 4;
+constexpr int kTakeBatch = 3;
+constexpr int kEntryBatch = 4;
 static_assert(16 * kMaxNvlinkRanks <= kHeaderBytes);
 static_assert(kMaxMoeDispatchBlocks <= kMaxFlagGroups);
 
@@ -45,7 +55,9 @@ struct Call {
   MoeDispatchArgs args;
   Divisors by;
   int64_t slot_base;  // where the header starts in a parity half: past the LL areas
-  int64_t slot_row;  // bytes of a slot row
+  int64_t entries_at;  // with lines: where the list entries start, past the header
+  int64_t rows_at;    // where the rows start, past the header (and the list entries)
+  int64_t slot_row;   // bytes of a slot row: its wire bytes and suffix, or with lines whole warp steps of lines
 };
 
 // Calls of at most this many pairs (T * k), (member, token) entries and keys are planned by one warp: past
@@ -124,8 +136,9 @@ __device__ Placement LayOutPlacement(int32_t* shared, int32_t N, int32_t L) {
   return placed;
 }
 
-template <typename Rows>
+template <typename Rows, bool kLines>
 __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
+  static_assert(!kLines || !kOnWire<Rows>, "an 8-bit wire keeps the flags");
   const MoeDispatchArgs& args = call.args;
   const Divisors& by = call.by;
   // The ids before anything else, in one batch: their loads overlap the set-up below, and the warp plan reads
@@ -138,6 +151,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     loaded[u] = p < P ? args.expert_ids[p] : 0;
   }
   const uint64_t epoch = CallEpoch(args.control);
+  const uint64_t flag = ScrambledLineFlag(epoch);
   const uint32_t ticket = TakeTicket(args.control, epoch);
   const int parity = static_cast<int>(epoch & 1);
   CallTrace trace(args.control, epoch, args.trace);
@@ -163,9 +177,15 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   const int32_t thread = blockIdx.x * kThreads + tid, threads = gridDim.x * kThreads;
   const int64_t warps = int64_t{gridDim.x} * kWarps;
   const int64_t first_unit = int64_t{blockIdx.x} * kWarps + warp;
-  // Vectors of 16 bytes: of a token row (tokens' dtype), of its bytes on the wire, of a slot row.
+  // Vectors of 16 bytes: of a token row (tokens' dtype), of its bytes on the wire, of a slot row. With lines a
+  // row's pieces count warp steps of lines, and a lane's part of a step holds the row's words at `part_at`.
   const int64_t row_vectors = args.row_bytes / 16, wire_vectors = args.wire_row_bytes / 16;
   const int64_t slot_vectors = call.slot_row / 16;
+  const int64_t row_words = args.row_bytes / 4, row_steps = LineStepsOf(args.row_bytes);
+  const bool flag_lane = lane % kLanesPerLine == kLanesPerLine - 1;
+  auto part_at = [&](int64_t step) {
+    return LinePart(step * kLinesPerWarpStep + lane / kLanesPerLine, lane % kLanesPerLine, row_words);
+  };
   extern __shared__ int32_t shared[];
   __shared__ BlockScan::TempStorage scan;
 
@@ -347,10 +367,15 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     const int32_t member = by.tokens.Div(i), token = i - member * T, row = plan.row_of[i];
     out.return_row[token * N + member] = row >= 0 ? member * R + row - plan.first_row[member] : N * R;
   }
-  // row_pairs' and to_source_major's "none" entries before the flags: a block places its rows' entries after
-  // every block's flag.
+  // row_pairs' and to_source_major's "none" entries before any block places its rows' entries: with flags
+  // every block's flag orders them; with lines each block raises its own arrival flag here, on this rank
+  // alone, and every block sees them all before it places.
   for (int32_t i = thread; i < N * R * k; i += threads) args.placed.row_pairs[i] = N * C;
   for (int32_t i = thread; i < N * C; i += threads) args.placed.to_source_major[i] = N * C;
+  if constexpr (kLines) {
+    __syncthreads();
+    if (tid == 0) StoreReleaseGpu(&args.control->arrived[me][blockIdx.x], epoch);
+  }
 
   if (tid == 0) trace.Ready();
   stamp(kPhaseReady);
@@ -386,9 +411,43 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     m = 0;
     while (m + 1 < N && plan.first_row[m + 1] <= g) ++m;
     r = g - plan.first_row[m];
-    return Slots(call.args.table, call.slot_base, m, parity) + kHeaderBytes + (int64_t{me} * R + r) * call.slot_row;
+    return Slots(call.args.table, call.slot_base, m, parity) + call.rows_at + (int64_t{me} * R + r) * call.slot_row;
   };
-  if constexpr (kOnWire<Rows>) {
+  if constexpr (kLines) {
+    // Entry i < R * k of member m's list, with the weight of choice i % k of row i / k, at me * R * k + i of its
+    // entries: every one each call (-1 past the list), so that the receiver polls them all at once.
+    for (int32_t i = thread; i < N * R * k; i += threads) {
+      const int32_t m = by.per_source.Div(i), entry = i - m * R * k, r = by.top_k.Div(entry);
+      const int32_t g = plan.first_row[m] + r;
+      const uint32_t weight = args.with_weights && g < plan.first_row[m + 1]
+                                  ? __float_as_uint(args.weights[plan.send_token[g] * k + entry - r * k])
+                                  : 0u;
+      Pair64* to = reinterpret_cast<Pair64*>(Slots(call.args.table, call.slot_base + call.entries_at, m, parity));
+      StoreVolatile(to + int64_t{me} * R * k + entry, EntryOf(static_cast<uint32_t>(tag_of(m, entry)), weight, flag));
+    }
+    // The rows, kLineBatch steps loaded before they are stored as lines with the call's flag.
+    const uint32_t* tokens = static_cast<const uint32_t*>(args.tokens_in);
+    const Units send(sent_rows, row_steps, warps, 1);
+    for (int64_t unit = first_unit; unit < send.count(); unit += warps) {
+      const auto [row, lo, hi] = send.At(unit);
+      const int32_t g = static_cast<int32_t>(row);
+      int32_t m, r;
+      Pair64* to = reinterpret_cast<Pair64*>(slot_row(g, m, r)) + lane;
+      const uint32_t* from = tokens + int64_t{plan.send_token[g]} * row_words;
+      for (int64_t batch = lo; batch < hi; batch += kLineBatch) {
+        uint4 payload[kLineBatch];
+#pragma unroll
+        for (int b = 0; b < kLineBatch; ++b) {
+          if (batch + b < hi) payload[b] = LoadPayload(from, part_at(batch + b));
+        }
+        __syncwarp();  // a line's 8 lanes store it in one instruction
+#pragma unroll
+        for (int b = 0; b < kLineBatch; ++b) {
+          if (batch + b < hi) StoreVolatile(to + (batch + b) * kStepParts, PartOf(payload[b], flag_lane, flag));
+        }
+      }
+    }
+  } else if constexpr (kOnWire<Rows>) {
     // A warp per (row, kQuantizeBlocks blocks of values), and one more item per row for its suffix.
     using Token = typename WireOf<Rows>::Token;
     const int64_t hidden = args.row_bytes / static_cast<int64_t>(sizeof(Token));
@@ -420,46 +479,91 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
       write_suffix(to, m, r, token, lo, hi);
     }
   }
-  if (blockIdx.x == 0 && tid < N) {  // this member's token count, in member tid's header
-    *reinterpret_cast<int32_t*>(Slots(call.args.table, call.slot_base, tid, parity) +
-                                16 * me) = plan.first_row[tid + 1] - plan.first_row[tid];
+  if (blockIdx.x == 0 && tid < N) {  // this member's token count, in member tid's header (16 bytes a source)
+    uint8_t* header = Slots(call.args.table, call.slot_base, tid, parity) + 16 * me;
+    const int32_t count = plan.first_row[tid + 1] - plan.first_row[tid];
+    if constexpr (kLines) {
+      StoreVolatile(reinterpret_cast<Pair64*>(header), EntryOf(static_cast<uint32_t>(count), 0u, flag));
+    } else {
+      *reinterpret_cast<int32_t*>(header) = count;
+    }
   }
-  __syncthreads();  // every thread's writes come before the releases
-  if (tid < N) StoreRelease(&args.table->control[tid]->arrived[me][blockIdx.x], epoch);
+  __syncthreads();  // every thread's writes come before the releases; with lines, done with the plan
+  if (!kLines && tid < N) StoreRelease(&args.table->control[tid]->arrived[me][blockIdx.x], epoch);
   if (tid == 0) trace.Sent();
   stamp(kPhaseSent);
 
-  // ---- wait: every member's every block has written its rows here ----
-  WaitForEveryBlock<kThreads>(patience, args.control, N, epoch);
-  if (tid == 0) trace.DataArrived();
-  stamp(kPhaseArrived);
+  // ---- wait: with flags, every member's every block has written its rows here; with lines, the polls of the
+  // counts and list entries below ----
+  if constexpr (!kLines) {
+    WaitForEveryBlock<kThreads>(patience, args.control, N, epoch);
+    if (tid == 0) trace.DataArrived();
+    stamp(kPhaseArrived);
+  }
 
   // ---- place: place_received's arithmetic over the tags in this member's slots ----
   const uint8_t* mine = Slots(call.args.table, call.slot_base, me, parity);
-  const uint8_t* rows = mine + kHeaderBytes;
+  const uint8_t* rows = mine + call.rows_at;
+  const Pair64* list_entries = reinterpret_cast<const Pair64*>(mine + call.entries_at);
+  auto holds = [&](Pair64 entry) { return EntryHolds(entry, flag); };
   const int32_t per_source = R * k, entries = N * per_source, blocks = N * L, NC = N * C;
   auto suffix_word = [&](int32_t entry, int32_t word) {  // word `word` of the suffix of entry's received row
     return __ldcg(
         reinterpret_cast<const int32_t*>(rows + int64_t{by.top_k.Div(entry)} * call.slot_row + args.wire_row_bytes) +
         word);
   };
+  // Weight of list entry `entry` (that of choice entry % k of received row entry / k); with lines, of an entry
+  // this block has polled.
+  auto weight_of = [&](int32_t entry) {
+    if constexpr (kLines) return __uint_as_float(static_cast<uint32_t>(__ldcg(&list_entries[entry].hi)));
+    return __int_as_float(suffix_word(entry, padded + by.top_k.Mod(entry)));
+  };
   // One round of loads: the token counts, every tag (entry i of the list is tag i % k of received row i / k)
-  // and this thread's share of the weights; rows past a source's data hold another call's bytes.
-  const int32_t got = tid < N ? __ldcg(reinterpret_cast<const int32_t*>(mine + 16 * tid)) : 0;
+  // and this thread's share of the weights; rows past a source's data hold another call's bytes. With lines,
+  // polls of each: kEntryBatch entries loaded, then each polled until it holds the call's flag.
+  int32_t got = 0;
+  if (tid < N) {
+    const uint8_t* count = mine + 16 * tid;
+    got = kLines ? static_cast<int32_t>(patience.Entry(reinterpret_cast<const Pair64*>(count), holds, tid).lo)
+                 : __ldcg(reinterpret_cast<const int32_t*>(count));
+  }
   // Each loop over them stops at this thread's count: fully unrolled, the empty iterations cost more issue
   // slots than the whole placement at decode sizes.
   const int32_t held = tid < entries ? (entries - 1 - tid) / kThreads + 1 : 0;
   int32_t tags[kTagsPerThread];
+  if constexpr (kLines) {
 #pragma unroll
-  for (int u = 0; u < kTagsPerThread; ++u) {
-    if (u >= held) break;
-    const int32_t entry = tid + u * kThreads;
-    tags[u] = suffix_word(entry, by.top_k.Mod(entry));
+    for (int u0 = 0; u0 < kTagsPerThread; u0 += kEntryBatch) {
+      if (u0 >= held) break;
+      Pair64 seen[kEntryBatch];
+#pragma unroll
+      for (int b = 0; b < kEntryBatch; ++b) {
+        if (u0 + b < held) seen[b] = LoadVolatile(list_entries + tid + (u0 + b) * kThreads);
+      }
+#pragma unroll
+      for (int b = 0; b < kEntryBatch; ++b) {
+        if (u0 + b >= held) break;
+        const int32_t entry = tid + (u0 + b) * kThreads;
+        if (!holds(seen[b])) seen[b] = patience.Entry(list_entries + entry, holds, by.per_source.Div(entry));
+        tags[u0 + b] = static_cast<int32_t>(seen[b].lo);
+      }
+    }
+    // This rank's blocks' "none" entries (each block's flag raised before its send, so in by now).
+    for (int32_t b = tid; b < static_cast<int32_t>(gridDim.x); b += kThreads) {
+      patience.AtLeast(&args.control->arrived[me][b], epoch, me);
+    }
+    if (tid == 0) trace.DataArrived();  // thread 0's counts and entries: the handshake's end
+    stamp(kPhaseArrived);
+  } else {
+#pragma unroll
+    for (int u = 0; u < kTagsPerThread; ++u) {
+      if (u >= held) break;
+      const int32_t entry = tid + u * kThreads;
+      tags[u] = suffix_word(entry, by.top_k.Mod(entry));
+    }
   }
   const int32_t weight_entry = args.with_weights ? thread : entries;
-  const float first_weight = weight_entry < entries
-                                 ? __int_as_float(suffix_word(weight_entry, padded + by.top_k.Mod(weight_entry)))
-                                 : 0.0f;
+  const float first_weight = !kLines && weight_entry < entries ? weight_of(weight_entry) : 0.0f;
   const Placement placed = LayOutPlacement(shared, N, L);
   for (int32_t i = tid; i < blocks; i += kThreads) placed.counts[i] = 0;
   if (tid < N) {
@@ -479,8 +583,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   }
   for (int32_t entry = weight_entry; entry < entries; entry += threads) {
     const int32_t source = by.per_source.Div(entry), row = by.top_k.Div(entry);
-    const float weight = entry == weight_entry ? first_weight
-                                               : __int_as_float(suffix_word(entry, padded + by.top_k.Mod(entry)));
+    const float weight = !kLines && entry == weight_entry ? first_weight : weight_of(entry);
     args.placed.recv_weights[entry] = (row - source * R) < placed.delivered[source] ? weight : 0.0f;
   }
   __syncthreads();
@@ -547,18 +650,32 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
 
   // ---- expand: expert-major row x is a copy of its received row (zeros past the data) ----
   uint4* expert_rows = static_cast<uint4*>(args.expert_rows);
-  const Units expand(NC, row_vectors, warps);
+  const Units expand(NC, kLines ? row_steps : row_vectors, warps, kLines ? 1 : 32);
+  [[maybe_unused]] bool live = true;  // with lines: false once a wait gave up; the call then reads what is there
   for (int64_t unit = first_unit; unit < expand.count(); unit += warps) {
     const auto [row, lo, hi] = expand.At(unit);
     const int32_t x = static_cast<int32_t>(row);
     const uint32_t of = x < total ? placed.pair_of[x] : kNoRow;
     const uint8_t* from = nullptr;
-    if (of != kNoRow && (of & kNoPair) != kNoPair) {
-      from = rows + int64_t{by.top_k.Div(static_cast<int32_t>(of & kNoPair))} * call.slot_row;
-    }
+    const int32_t pair = static_cast<int32_t>(of & kNoPair);
+    if (of != kNoRow && (of & kNoPair) != kNoPair) from = rows + int64_t{by.top_k.Div(pair)} * call.slot_row;
     uint4* to = expert_rows + int64_t{x} * row_vectors;
     if (from == nullptr) {
-      WarpZero(to + lo, hi - lo);
+      if constexpr (kLines) {  // steps [lo, hi) hold the row's vectors from lo * kStepVectors
+        WarpZero(to + lo * kStepVectors, min(hi * kStepVectors, row_vectors) - lo * kStepVectors);
+      } else {
+        WarpZero(to + lo, hi - lo);
+      }
+    } else if constexpr (kLines) {
+      const int32_t source = by.per_source.Div(pair);
+      uint32_t* to_words = reinterpret_cast<uint32_t*>(to);
+      WarpTakeLines<kTakeBatch>(
+          reinterpret_cast<const Pair64*>(from), lo, hi, flag,
+          [&](uint32_t spins) { return live = live && patience.WarpKeepsWaiting(spins, source); },
+          [&](int64_t step, Pair64 got_part) {
+            const LinePart at = part_at(step);
+            StorePayload(to_words, at, PayloadOf(got_part, at.count));
+          });
     } else {
       WarpTakeWireRow<Rows>(to, from, lo, hi, args.row_bytes);
     }
@@ -604,20 +721,44 @@ int64_t MoeDispatchSlotRowBytes(int top_k, int64_t wire_row_bytes, bool with_wei
   return wire_row_bytes + SuffixWords(top_k, with_weights) * 4;
 }
 
+namespace {
+
+// With lines: the list entries' bytes (N * R * k of 16 bytes) and a slot row's (whole warp steps of lines).
+int64_t EntriesBytes(int size, int64_t rows_per_member, int top_k) {
+  return (size * rows_per_member * top_k * 16 + 255) / 256 * 256;
+}
+int64_t LineRowBytes(int64_t wire_row_bytes) { return LineStepsOf(wire_row_bytes) * kLineStepBytes; }
+
+bool LinesFit(int size, int64_t rows_per_member, int64_t wire_row_bytes) {
+  return size * rows_per_member * LineRowBytes(wire_row_bytes) <= kMoeLinesMaxBytes;
+}
+
+}  // namespace
+
+bool MoeDispatchUsesLines(const MoeDispatchArgs& args) {
+  return args.wire == MoeWire::kNone && LinesFit(args.size, std::min(args.capacity, args.tokens), args.wire_row_bytes);
+}
+
 int64_t MoeDispatchSlotBytes(int size, int64_t rows_per_member, int top_k, int64_t wire_row_bytes, bool with_weights) {
-  const int64_t bytes = NvlinkLowLatencyAreaBytes(size) + kHeaderBytes +
-                        size * rows_per_member * MoeDispatchSlotRowBytes(top_k, wire_row_bytes, with_weights);
-  return (bytes + 255) / 256 * 256;
+  int64_t bytes = kHeaderBytes + size * rows_per_member * MoeDispatchSlotRowBytes(top_k, wire_row_bytes, with_weights);
+  // Sized for lines too wherever they fit, whatever the wire (the call takes them with plain rows).
+  if (LinesFit(size, rows_per_member, wire_row_bytes)) {
+    bytes = std::max(bytes, kHeaderBytes + EntriesBytes(size, rows_per_member, top_k) +
+                                size * rows_per_member * LineRowBytes(wire_row_bytes));
+  }
+  return (NvlinkLowLatencyAreaBytes(size) + bytes + 255) / 256 * 256;
 }
 
 int ChooseMoeDispatchBlocks(const MoeDispatchArgs& args, int requested, int sm_count) {
-  // A thread per 16-byte vector of the larger side (the expert-major rows written, or the rows sent), up to a
-  // block per SM (every block waits for every other, so all must be resident at once) and the flags.
+  // A warp per line step (lines) or a thread per 16-byte vector (flags) of the larger side (the expert-major
+  // rows written, or the rows sent), up to a block per SM (a block may wait for rows another block of its
+  // grid writes, so all must be resident at once) and the flags.
   const int64_t R = std::min(args.capacity, args.tokens);
   const int64_t rows = std::max(args.size * args.capacity, args.size * R);
   const int64_t row_bytes = std::max(args.row_bytes, args.wire_row_bytes);
   const int64_t items = rows * (MoeDispatchSlotRowBytes(args.top_k, row_bytes, args.with_weights) / 16);
-  const int64_t by_size = (items + kThreads - 1) / kThreads;
+  const int64_t by_size = MoeDispatchUsesLines(args) ? (rows * LineStepsOf(row_bytes) + kWarps - 1) / kWarps
+                                                     : (items + kThreads - 1) / kThreads;
   const int cap = std::min(kMaxMoeDispatchBlocks, std::max(1, sm_count));
   return static_cast<int>(std::clamp<int64_t>(requested > 0 ? requested : by_size, 1, cap));
 }
@@ -626,8 +767,15 @@ cudaError_t LaunchMoeDispatch(const MoeDispatchArgs& args, int blocks, cudaStrea
   const int64_t local = args.num_experts / args.size, R = std::min(args.capacity, args.tokens);
   const Divisors by{Divisor(args.top_k), Divisor(local), Divisor(args.tokens), Divisor(R * args.top_k),
                     Divisor(args.top_k * local)};
-  const Call call{args, by, NvlinkLowLatencyAreaBytes(args.size),
-                  MoeDispatchSlotRowBytes(args.top_k, args.wire_row_bytes, args.with_weights)};
+  const bool lines = MoeDispatchUsesLines(args);
+  const int64_t entries_bytes = lines ? EntriesBytes(args.size, R, args.top_k) : 0;
+  const Call call{args,
+                  by,
+                  NvlinkLowLatencyAreaBytes(args.size),
+                  kHeaderBytes,
+                  kHeaderBytes + entries_bytes,
+                  lines ? LineRowBytes(args.wire_row_bytes)
+                        : MoeDispatchSlotRowBytes(args.top_k, args.wire_row_bytes, args.with_weights)};
   // The ids load kIdsPerThread a thread, and the placement holds every received tag in registers and packs
   // list entries in 16 bits: the handlers' limits (N <= 8, T * k <= kMaxMoeDispatchPairs) keep within all three;
   // a call past them is refused here too.
@@ -643,7 +791,14 @@ cudaError_t LaunchMoeDispatch(const MoeDispatchArgs& args, int blocks, cudaStrea
   const size_t shared = SharedBytes(args);
   if (shared > kMostSharedBytes) return cudaErrorInvalidValue;
   return WithRows(args.wire, args.token_type, [&](auto rows) {
-    return LaunchOptingIn(MoeDispatchKernel<decltype(rows)>, blocks, kThreads, shared, sizeof(BlockScan::TempStorage),
+    using Rows = decltype(rows);
+    if constexpr (!kOnWire<Rows>) {
+      if (lines) {
+        return LaunchOptingIn(MoeDispatchKernel<Rows, true>, blocks, kThreads, shared, sizeof(BlockScan::TempStorage),
+                              kMostSharedBytes, stream, call);
+      }
+    }
+    return LaunchOptingIn(MoeDispatchKernel<Rows, false>, blocks, kThreads, shared, sizeof(BlockScan::TempStorage),
                           kMostSharedBytes, stream, call);
   });
 }

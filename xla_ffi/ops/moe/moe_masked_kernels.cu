@@ -18,6 +18,7 @@
 #include <limits>
 
 #include "common/device_sync.cuh"
+#include "common/ll128_lines.cuh"
 #include "common/symmetric_layout.h"
 #include "common/warp_copy.cuh"
 #include "common/wire_rows.cuh"
@@ -62,6 +63,11 @@ constexpr int64_t kCountCounters = 8192;
 constexpr int32_t kMostCountWarps = kWarps / 2;
 // 16-byte vectors a lane of a send warp loads before the count (see early_loaded).
 constexpr int kEarlyVectors = 4;
+// With lines: warp steps of lines loaded before any is stored (send) or polled (receive), so that their
+// latencies overlap; the receive side takes 3, since 4 would spill there.
+constexpr int kLineBatch = 4;
+constexpr int kTakeBatch = 3;
+static_assert(kLineBatch <= kEarlyVectors, "a send warp's early loads fill its first batch of lines");
 
 __host__ __device__ constexpr int32_t CountWarps(int64_t pairs, int64_t num_experts) {
   return pairs <= kWarpCountPairs                         ? 1
@@ -122,15 +128,19 @@ __device__ Counted LayOutCounted(int32_t* shared, int32_t P, int32_t T, int32_t 
 struct DispatchCall {
   MoeMaskedDispatchArgs args;
   Divisor top_k, local, rows, tokens;  // k, L, N * C, T
-  int64_t slot_base;     // where the counts start in a parity half: past the LL areas
-  int64_t counts_bytes;  // CountsBytes: where the pair map starts
-  int64_t header_bytes;  // HeaderBytes: where the rows start
+  int64_t slot_base;       // where the counts start in a parity half: past the LL areas
+  int64_t counts_bytes;    // CountsBytes: where the pair map starts
+  int64_t header_bytes;    // HeaderBytes: where the rows start
+  int64_t slot_row_bytes;  // a slot row's bytes: wire_row_bytes, or with lines whole warp steps of lines
 };
 
 // One block per SM is all a call takes (every block waits for every other): saying so leaves ptxas the
-// registers to keep the whole kernel out of local memory.
-template <typename Rows>
+// registers to keep the whole kernel out of local memory. kLines (plain rows only): the counts and map entries
+// carry their own flag and the rows travel as LL128 lines, so the receive side polls what it reads instead of
+// waiting for every block of every member (moe_masked.h).
+template <typename Rows, bool kLines>
 __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchCall call) {
+  static_assert(!kLines || !kOnWire<Rows>, "an 8-bit wire keeps the flags");
   const MoeMaskedDispatchArgs& args = call.args;
   const int32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int32_t T = static_cast<int32_t>(args.tokens), k = args.top_k, P = T * k;
@@ -148,23 +158,40 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
   const int32_t count_warps = CountWarps(P, E), send_warps = kWarps - count_warps;  // per block
   const int64_t first_send = int64_t{blockIdx.x} * send_warps + warp - count_warps;
   const int64_t send_step = int64_t{gridDim.x} * send_warps;
-  // Vectors of 16 bytes: of a token row (tokens' dtype), of its bytes on the wire (a slot row).
+  // Vectors of 16 bytes: of a token row (tokens' dtype), of its bytes on the wire (a slot row). With lines a
+  // row's pieces count warp steps of lines, and a lane's part of a step holds the row's words at `part_at`.
   const int64_t row_vectors = args.row_bytes / 16, wire_vectors = args.wire_row_bytes / 16;
-  const Units send_units(int64_t{T} * N, wire_vectors, send_step);
+  const int64_t row_words = args.row_bytes / 4, row_steps = LineStepsOf(args.row_bytes);
+  const int part = lane % kLanesPerLine;
+  const bool flag_lane = part == kLanesPerLine - 1;
+  auto part_at = [&](int64_t step) {
+    return LinePart(step * kLinesPerWarpStep + lane / kLanesPerLine, part, row_words);
+  };
+  const Units send_units(int64_t{T} * N, kLines ? row_steps : wire_vectors, send_step, kLines ? 1 : 32);
   // A send warp's first unit, loaded with the ids: its stores then wait for the ids alone, not for a second
   // round trip after the barrier that publishes the ids. Plain rows whose piece fits kEarlyVectors a lane.
   uint4 early[kEarlyVectors];
-  const bool early_loaded = !kOnWire<Rows> && warp >= count_warps && send_units.piece_len <= kEarlyVectors * 32 &&
+  const bool early_loaded = !kOnWire<Rows> && warp >= count_warps &&
+                            send_units.piece_len <= (kLines ? kLineBatch : kEarlyVectors * 32) &&
                             first_send < send_units.count();
   if (early_loaded) {
     const auto [tm, lo, hi] = send_units.At(first_send);
-    const uint4* row = static_cast<const uint4*>(args.tokens_in) + tm / N * row_vectors;
+    if constexpr (kLines) {
+      const uint32_t* row = static_cast<const uint32_t*>(args.tokens_in) + tm / N * row_words;
 #pragma unroll
-    for (int u = 0; u < kEarlyVectors; ++u) {
-      if (lo + lane + 32 * u < hi) early[u] = row[lo + lane + 32 * u];
+      for (int u = 0; u < kLineBatch; ++u) {
+        if (lo + u < hi) early[u] = LoadPayload(row, part_at(lo + u));
+      }
+    } else {
+      const uint4* row = static_cast<const uint4*>(args.tokens_in) + tm / N * row_vectors;
+#pragma unroll
+      for (int u = 0; u < kEarlyVectors; ++u) {
+        if (lo + lane + 32 * u < hi) early[u] = row[lo + lane + 32 * u];
+      }
     }
   }
   const uint64_t epoch = CallEpoch(args.control);
+  const uint64_t flag = ScrambledLineFlag(epoch);
   const uint32_t ticket = TakeTicket(args.control, epoch);
   const int parity = static_cast<int>(epoch & 1);
   CallTrace trace(args.control, epoch, args.trace);
@@ -183,6 +210,17 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
   __shared__ BlockScan::TempStorage scan;
   const Counted counted = LayOutCounted(reinterpret_cast<int32_t*>(shared_vectors), P, T, N, E, L);
 
+  // choice_rows' and choice_weights' "none" entries, before any block writes its rows' entries: with flags
+  // every block's flag orders them (below); with lines each block raises its own arrival flag here, on this
+  // rank alone, and every block sees them all before it writes an entry.
+  auto fill_none = [&]() {
+    for (int32_t i = thread; i < N * R * k; i += threads) {
+      args.choice_rows[i] = L * NC;
+      if (args.with_weights) args.choice_weights[i] = 0.0f;
+    }
+  };
+  if constexpr (kLines) fill_none();
+
   // ---- count (warps below count_warps): j of every pair and the pairs per id; send (the other warps): the rows
   const bool one_warp = P <= kWarpCountPairs;
   for (int32_t i = tid; i < E; i += kThreads) counted.counts[i] = 0;
@@ -193,6 +231,8 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
     if (p < P) counted.id[p] = static_cast<int16_t>(RoutingKey(loaded[u], E));
   }
   __syncthreads();
+  // By a send warp's thread: the release waits for the fill, which the count warps must not.
+  if (kLines && tid == kThreads - 1) StoreReleaseGpu(&args.control->arrived[me][blockIdx.x], epoch);
   // Pairs [begin, end) 32 at a time, with running counters per id: the first lane of each id adds that id's
   // lanes, each lane's rank is the counter before plus its lanes below. Lanes without an id match nobody.
   auto count_run = [&](int32_t* counters, int32_t begin, int32_t end) {
@@ -213,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
   // of the member's slots. A warp per (token, member, piece), the warps the count leaves.
   auto slot_row = [&](int32_t m, int32_t t) {
     return Slots(args.table, call.slot_base + call.header_bytes, m, parity) +
-           (int64_t{me} * T + t) * args.wire_row_bytes;
+           (int64_t{me} * T + t) * call.slot_row_bytes;
   };
   // Whether token t has an id on member m, the same on every lane.
   auto reaches = [&](int32_t t, int32_t m) {
@@ -235,6 +275,40 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
         if (!reaches(t, m)) continue;
         QuantizeBlocks<Token, WireOf<Rows>::kFormat>(slot_row(m, t), tokens + int64_t{t} * hidden, b * kQuantizeBlocks,
                                                      wire_blocks, hidden, lane);
+      }
+    } else if constexpr (kLines) {
+      // kLineBatch steps of the row loaded, then stored as lines with the call's flag.
+      const uint32_t* tokens = static_cast<const uint32_t*>(args.tokens_in);
+      // Stores steps [lo, hi) of unit `unit`'s row, at most kLineBatch of them, from payload[].
+      auto store = [&](int64_t unit, int64_t lo, int64_t hi, const uint4(&payload)[kLineBatch]) {
+        const int32_t tm = static_cast<int32_t>(send_units.At(unit).row), t = tm / N, m = tm - t * N;
+        Pair64* to = reinterpret_cast<Pair64*>(slot_row(m, t)) + lane;
+        __syncwarp();  // a line's 8 lanes store it in one instruction
+#pragma unroll
+        for (int b = 0; b < kLineBatch; ++b) {
+          if (lo + b < hi) StoreVolatile(to + (lo + b) * kStepParts, PartOf(payload[b], flag_lane, flag));
+        }
+      };
+      int64_t unit = first;
+      if (early_loaded) {  // the first unit's steps, all in `early`
+        const auto [row, lo, hi] = send_units.At(unit);
+        const int32_t t = static_cast<int32_t>(row) / N;
+        if (reaches(t, static_cast<int32_t>(row) - t * N)) store(unit, lo, hi, early);
+        unit += step;
+      }
+      for (; unit < send_units.count(); unit += step) {
+        const auto [row, lo, hi] = send_units.At(unit);
+        const int32_t t = static_cast<int32_t>(row) / N;
+        if (!reaches(t, static_cast<int32_t>(row) - t * N)) continue;
+        const uint32_t* from = tokens + int64_t{t} * row_words;
+        for (int64_t batch = lo; batch < hi; batch += kLineBatch) {
+          uint4 payload[kLineBatch];
+#pragma unroll
+          for (int b = 0; b < kLineBatch; ++b) {
+            if (batch + b < hi) payload[b] = LoadPayload(from, part_at(batch + b));
+          }
+          store(unit, batch, hi, payload);
+        }
       }
     } else {
       const uint4* tokens = static_cast<const uint4*>(args.tokens_in);
@@ -307,13 +381,21 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
       scan);
   // r of token t among those with a pair kept on member m (t must be one).
   auto row_rank = [&](int32_t m, int32_t t) { return counted.token_row[m * T + t] - counted.first_row[m]; };
-  auto header_of = [&](int32_t m) { return reinterpret_cast<int32_t*>(Slots(args.table, call.slot_base, m, parity)); };
+  // Entry i of member m's counts: an int32, or with lines a 16-byte {value, flag} entry.
+  auto put_count = [&](int32_t m, int32_t i, int32_t value) {
+    uint8_t* header = Slots(args.table, call.slot_base, m, parity);
+    if constexpr (kLines) {
+      StoreVolatile(reinterpret_cast<Pair64*>(header) + i, EntryOf(static_cast<uint32_t>(value), 0u, flag));
+    } else {
+      reinterpret_cast<int32_t*>(header)[i] = value;
+    }
+  };
   if (blockIdx.x == 0) {
     for (int32_t id = tid; id < E; id += kThreads) {
       const int32_t m = call.local.Div(id);
-      header_of(m)[me * L + id - m * L] = min(counted.counts[id], C);
+      put_count(m, me * L + id - m * L, min(counted.counts[id], C));
     }
-    for (int32_t m = tid; m < N; m += kThreads) header_of(m)[E + me] = counted.first_row[m + 1] - counted.first_row[m];
+    for (int32_t m = tid; m < N; m += kThreads) put_count(m, E + me, counted.first_row[m + 1] - counted.first_row[m]);
   }
   // Each kept pair's {p | r << 16, weight} into its member's map, at (me, e, j): the receiver's index of the
   // rows, and where the pair's token row is among those from this member.
@@ -321,18 +403,21 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
     const int32_t id = counted.id[p], j = counted.rank[p];
     if (id >= E || j >= C) continue;
     const int32_t m = call.local.Div(id), e = id - m * L;
-    int2* map = reinterpret_cast<int2*>(Slots(args.table, call.slot_base + call.counts_bytes, m, parity));
-    map[(int64_t{me} * L + e) * C + j] = make_int2(p | row_rank(m, call.top_k.Div(p)) << 16,
-                                                   args.with_weights ? __float_as_int(args.weights[p]) : 0);
+    uint8_t* map = Slots(args.table, call.slot_base + call.counts_bytes, m, parity);
+    const int64_t at = (int64_t{me} * L + e) * C + j;
+    const uint32_t index = static_cast<uint32_t>(p | row_rank(m, call.top_k.Div(p)) << 16);
+    const uint32_t weight = args.with_weights ? __float_as_uint(args.weights[p]) : 0u;
+    if constexpr (kLines) {
+      StoreVolatile(reinterpret_cast<Pair64*>(map) + at, EntryOf(index, weight, flag));
+    } else {
+      reinterpret_cast<int2*>(map)[at] = make_int2(static_cast<int32_t>(index), static_cast<int32_t>(weight));
+    }
   }
-  // choice_rows' and choice_weights' "none" entries before the flags: a block writes its rows' entries after
-  // every block's flag.
-  for (int32_t i = thread; i < N * R * k; i += threads) {
-    args.choice_rows[i] = L * NC;
-    if (args.with_weights) args.choice_weights[i] = 0.0f;
+  if constexpr (!kLines) {
+    fill_none();
+    __syncthreads();  // every thread's writes come before the releases
+    if (tid < N) StoreRelease(&args.table->control[tid]->arrived[me][blockIdx.x], epoch);
   }
-  __syncthreads();  // every thread's writes come before the releases
-  if (tid < N) StoreRelease(&args.table->control[tid]->arrived[me][blockIdx.x], epoch);
   if (tid == 0) trace.Sent();
   stamp(kMaskedDispatchSent);
 
@@ -360,20 +445,42 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
   }
   stamp(kMaskedDispatchResults);
 
-  // ---- wait: every member's every block has written its rows and its header here ----
-  WaitForEveryBlock<kThreads>(patience, args.control, N, epoch);
+  // ---- wait: with flags, every member's every block has written its rows and its header here; with lines,
+  // every member's counts are here (polled one entry a thread) and every block of this rank filled its share
+  // of the "none" entries ----
+  const uint8_t* mine = Slots(args.table, call.slot_base, me, parity);
+  // Clamped: a stale header (a wait that gave up) must not take the rows past the slots.
+  auto take_count = [&](int32_t i, int32_t value) {
+    if (i < E) {
+      counted.recv[i] = min(max(value, 0), C);
+    } else {
+      counted.delivered[i - E] = min(max(value, 0), R);
+    }
+  };
+  auto holds = [&](Pair64 entry) { return EntryHolds(entry, flag); };
+  if constexpr (kLines) {
+    // This rank's flags first: raised at the blocks' starts, they are in by now, and the counts come later.
+    for (int32_t b = tid; b < static_cast<int32_t>(gridDim.x); b += kThreads) {
+      patience.AtLeast(&args.control->arrived[me][b], epoch, me);
+    }
+    const Pair64* header = reinterpret_cast<const Pair64*>(mine);
+    for (int32_t i = tid; i < E + N; i += kThreads) {
+      const int32_t source = i < E ? call.local.Div(i) : i - E;
+      take_count(i, static_cast<int32_t>(patience.Entry(header + i, holds, source).lo));
+    }
+    __syncthreads();
+  } else {
+    WaitForEveryBlock<kThreads>(patience, args.control, N, epoch);
+    const int32_t* header = reinterpret_cast<const int32_t*>(mine);
+    for (int32_t i = tid; i < E + N; i += kThreads) take_count(i, __ldcg(header + i));
+    __syncthreads();
+  }
   if (tid == 0) trace.DataArrived();
   stamp(kMaskedDispatchArrived);
 
   // ---- receive: each expert's rows source by source ----
-  const uint8_t* mine = Slots(args.table, call.slot_base, me, parity);
-  const int32_t* header = reinterpret_cast<const int32_t*>(mine);
-  const int2* map = reinterpret_cast<const int2*>(mine + call.counts_bytes);
+  const uint8_t* map = mine + call.counts_bytes;
   const uint8_t* rows = mine + call.header_bytes;
-  // Clamped: a stale header (a wait that gave up) must not take the rows past the slots.
-  for (int32_t i = tid; i < E; i += kThreads) counted.recv[i] = min(max(__ldcg(header + i), 0), C);
-  if (tid < N) counted.delivered[tid] = min(max(__ldcg(header + E + tid), 0), R);
-  __syncthreads();
   for (int32_t e = tid; e < L; e += kThreads) {
     int32_t running = 0;
     for (int32_t s = 0; s < N; ++s) {
@@ -404,7 +511,8 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
   uint4* expert_rows = static_cast<uint4*>(args.expert_rows);
   const int64_t total_rows = int64_t{L} * NC;
   const int32_t none = N * P;
-  const Units expand(total_rows, row_vectors, warps);
+  const Units expand(total_rows, kLines ? row_steps : row_vectors, warps, kLines ? 1 : 32);
+  [[maybe_unused]] bool live = true;  // with lines: false once a wait gave up; the call then reads what is there
   for (int64_t unit = first_unit; unit < expand.count(); unit += warps) {
     const auto [x, lo, hi] = expand.At(unit);
     const int32_t e = call.rows.Div(static_cast<int32_t>(x)), i = static_cast<int32_t>(x) - e * NC;
@@ -414,11 +522,22 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
         args.row_pair[x] = none;
         if (args.with_weights) args.recv_weights[x] = 0.0f;
       }
-      WarpZero(to + lo, hi - lo);
+      if constexpr (kLines) {  // steps [lo, hi) hold the row's vectors from lo * kStepVectors
+        WarpZero(to + lo * kStepVectors, min(hi * kStepVectors, row_vectors) - lo * kStepVectors);
+      } else {
+        WarpZero(to + lo, hi - lo);
+      }
       continue;
     }
     const int32_t s = BlockAt(counted.start + e * N, N, i);
-    const int2 word = __ldcg(map + (int64_t{s} * L + e) * C + i - counted.start[e * N + s]);
+    const int64_t entry = (int64_t{s} * L + e) * C + i - counted.start[e * N + s];
+    int2 word;
+    if constexpr (kLines) {
+      const Pair64 seen = patience.Entry(reinterpret_cast<const Pair64*>(map) + entry, holds, s);
+      word = make_int2(static_cast<int32_t>(seen.lo), static_cast<int32_t>(seen.hi));
+    } else {
+      word = __ldcg(reinterpret_cast<const int2*>(map) + entry);
+    }
     const int32_t p = word.x & 0xFFFF, r = static_cast<int32_t>(static_cast<uint32_t>(word.x) >> 16);
     if (lo == 0 && lane == 0) {
       args.row_pair[x] = s * P + p;
@@ -431,8 +550,19 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
     }
     // Clamped: a stale entry (a wait that gave up) must not take the copy past the slots.
     const uint32_t t = static_cast<uint32_t>(p) / static_cast<uint32_t>(k);
-    const uint8_t* from = rows + (int64_t{s} * T + min(t, static_cast<uint32_t>(T - 1))) * args.wire_row_bytes;
-    WarpTakeWireRow<Rows>(to, from, lo, hi, args.row_bytes);
+    const uint8_t* from = rows + (int64_t{s} * T + min(t, static_cast<uint32_t>(T - 1))) * call.slot_row_bytes;
+    if constexpr (kLines) {
+      uint32_t* to_words = reinterpret_cast<uint32_t*>(to);
+      WarpTakeLines<kTakeBatch>(
+          reinterpret_cast<const Pair64*>(from), lo, hi, flag,
+          [&](uint32_t spins) { return live = live && patience.WarpKeepsWaiting(spins, s); },
+          [&](int64_t step, Pair64 got) {
+            const LinePart at = part_at(step);
+            StorePayload(to_words, at, PayloadOf(got, at.count));
+          });
+    } else {
+      WarpTakeWireRow<Rows>(to, from, lo, hi, args.row_bytes);
+    }
   }
   stamp(kMaskedDispatchEnd);
   FinishCall(args.control, epoch, ticket, trace, kTraceMoeMaskedDispatch);
@@ -586,24 +716,43 @@ int64_t Align256(int64_t bytes) {
                                                            : (bytes + 255) / 256 * 256;
 }
 
-// The dispatch slots' counts: [N][L] int32 and [N] token rows, rounded up to 256 bytes.
-int64_t CountsBytes(int size, int64_t local_experts) {
-  return Align256(Saturated(int64_t{size} * 4, SaturatedAdd(local_experts, 1)));
+// The dispatch slots' counts: [N][L] int32 and [N] token rows (with lines 16-byte entries), rounded up to 256
+// bytes.
+int64_t CountsBytes(int size, int64_t local_experts, bool lines) {
+  return Align256(Saturated(int64_t{size} * (lines ? 16 : 4), SaturatedAdd(local_experts, 1)));
 }
 
-// The counts, then the pair map: [N][L][C] int2 {p | r << 16, weight bits}, rounded up to 256 bytes.
-int64_t HeaderBytes(int size, int64_t local_experts, int64_t capacity) {
+// The counts, then the pair map: [N][L][C] int2 {p | r << 16, weight bits} (with lines 16-byte entries, the
+// int2 then the flag), rounded up to 256 bytes.
+int64_t HeaderBytes(int size, int64_t local_experts, int64_t capacity, bool lines) {
   const int64_t entries = Saturated(Saturated(local_experts, size), capacity);
-  return SaturatedAdd(CountsBytes(size, local_experts), Align256(Saturated(entries, 8)));
+  return SaturatedAdd(CountsBytes(size, local_experts, lines), Align256(Saturated(entries, lines ? 16 : 8)));
+}
+
+// Bytes of a slot row: the wire's, or whole warp steps of lines.
+int64_t SlotRowBytes(int64_t wire_row_bytes, bool lines) {
+  return lines ? Saturated(LineStepsOf(wire_row_bytes), kLineStepBytes) : wire_row_bytes;
+}
+
+// Whether a call's size lets it take lines (plain rows take them then; an 8-bit wire never does).
+bool LinesFit(int size, int64_t tokens, int64_t wire_row_bytes) {
+  return Saturated(Saturated(tokens, size), SlotRowBytes(wire_row_bytes, true)) <= kMoeLinesMaxBytes;
 }
 
 }  // namespace
 
+bool MoeMaskedDispatchUsesLines(const MoeMaskedDispatchArgs& args) {
+  return args.wire == MoeWire::kNone && LinesFit(args.size, args.tokens, args.wire_row_bytes);
+}
+
 int64_t MoeMaskedDispatchSlotBytes(int size, int64_t tokens, int64_t local_experts, int64_t capacity,
                                    int64_t wire_row_bytes) {
-  const int64_t rows = Saturated(Saturated(tokens, size), wire_row_bytes);
+  // Sized for lines wherever they fit, whatever the wire: their layout takes more than the flags'.
+  const bool lines = tokens >= 0 && wire_row_bytes >= 0 && LinesFit(size, tokens, wire_row_bytes);
+  const int64_t rows = Saturated(Saturated(tokens, size), SlotRowBytes(wire_row_bytes, lines));
   return Align256(
-      SaturatedAdd(SaturatedAdd(NvlinkLowLatencyAreaBytes(size), HeaderBytes(size, local_experts, capacity)), rows));
+      SaturatedAdd(SaturatedAdd(NvlinkLowLatencyAreaBytes(size), HeaderBytes(size, local_experts, capacity, lines)),
+                   rows));
 }
 
 int64_t MoeMaskedCombineSlotBytes(int64_t pairs, int64_t hidden, int element_bytes) {
@@ -651,18 +800,27 @@ cudaError_t LaunchMoeMaskedDispatch(const MoeMaskedDispatchArgs& args, int block
       (args.wire == MoeWire::kNone && args.wire_row_bytes != args.row_bytes)) {
     return cudaErrorInvalidValue;
   }
+  const bool lines = MoeMaskedDispatchUsesLines(args);
   const DispatchCall call{args,
                           Divisor(args.top_k),
                           Divisor(E / N),
                           Divisor(N * C),
                           Divisor(args.tokens),
                           NvlinkLowLatencyAreaBytes(args.size),
-                          CountsBytes(args.size, E / N),
-                          HeaderBytes(args.size, E / N, C)};
+                          CountsBytes(args.size, E / N, lines),
+                          HeaderBytes(args.size, E / N, C, lines),
+                          SlotRowBytes(args.wire_row_bytes, lines)};
   const size_t shared = MoeMaskedDispatchSharedBytes(args);
   if (shared > static_cast<size_t>(kMostCountedBytes)) return cudaErrorInvalidValue;
   return WithRows(args.wire, args.token_type, [&](auto rows) {
-    return LaunchOptingIn(MoeMaskedDispatchKernel<decltype(rows)>, blocks, kThreads, shared,
+    using Rows = decltype(rows);
+    if constexpr (!kOnWire<Rows>) {
+      if (lines) {
+        return LaunchOptingIn(MoeMaskedDispatchKernel<Rows, true>, blocks, kThreads, shared,
+                              sizeof(BlockScan::TempStorage), kMostCountedBytes, stream, call);
+      }
+    }
+    return LaunchOptingIn(MoeMaskedDispatchKernel<Rows, false>, blocks, kThreads, shared,
                           sizeof(BlockScan::TempStorage), kMostCountedBytes, stream, call);
   });
 }
