@@ -178,14 +178,11 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   const int64_t warps = int64_t{gridDim.x} * kWarps;
   const int64_t first_unit = int64_t{blockIdx.x} * kWarps + warp;
   // Vectors of 16 bytes: of a token row (tokens' dtype), of its bytes on the wire, of a slot row. With lines a
-  // row's pieces count warp steps of lines, and a lane's part of a step holds the row's words at `part_at`.
+  // row's pieces count warp steps of lines (StepPart: a lane's part of one).
   const int64_t row_vectors = args.row_bytes / 16, wire_vectors = args.wire_row_bytes / 16;
   const int64_t slot_vectors = call.slot_row / 16;
   const int64_t row_words = args.row_bytes / 4, row_steps = LineStepsOf(args.row_bytes);
   const bool flag_lane = lane % kLanesPerLine == kLanesPerLine - 1;
-  auto part_at = [&](int64_t step) {
-    return LinePart(step * kLinesPerWarpStep + lane / kLanesPerLine, lane % kLanesPerLine, row_words);
-  };
   extern __shared__ int32_t shared[];
   __shared__ BlockScan::TempStorage scan;
 
@@ -438,7 +435,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
         uint4 payload[kLineBatch];
 #pragma unroll
         for (int b = 0; b < kLineBatch; ++b) {
-          if (batch + b < hi) payload[b] = LoadPayload(from, part_at(batch + b));
+          if (batch + b < hi) payload[b] = LoadPayload(from, StepPart(batch + b, row_words));
         }
         __syncwarp();  // a line's 8 lanes store it in one instruction
 #pragma unroll
@@ -668,14 +665,10 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
       }
     } else if constexpr (kLines) {
       const int32_t source = by.per_source.Div(pair);
-      uint32_t* to_words = reinterpret_cast<uint32_t*>(to);
-      WarpTakeLines<kTakeBatch>(
-          reinterpret_cast<const Pair64*>(from), lo, hi, flag,
-          [&](uint32_t spins) { return live = live && patience.WarpKeepsWaiting(spins, source); },
-          [&](int64_t step, Pair64 got_part) {
-            const LinePart at = part_at(step);
-            StorePayload(to_words, at, PayloadOf(got_part, at.count));
-          });
+      WarpTakeLineRow<kTakeBatch>(reinterpret_cast<const Pair64*>(from), reinterpret_cast<uint32_t*>(to), row_words, lo,
+                                  hi, flag, [&](uint32_t spins) {
+                                    return live = live && patience.WarpKeepsWaiting(spins, source);
+                                  });
     } else {
       WarpTakeWireRow<Rows>(to, from, lo, hi, args.row_bytes);
     }
