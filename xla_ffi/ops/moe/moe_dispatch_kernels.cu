@@ -365,14 +365,10 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     out.return_row[token * N + member] = row >= 0 ? member * R + row - plan.first_row[member] : N * R;
   }
   // row_pairs' and to_source_major's "none" entries before any block places its rows' entries: with flags
-  // every block's flag orders them; with lines each block raises its own arrival flag here, on this rank
-  // alone, and every block sees them all before it places.
+  // every block's flag orders them; with lines each block raises its own arrival flag after its send, on this
+  // rank alone, and every block sees them all before it places (at its end).
   for (int32_t i = thread; i < N * R * k; i += threads) args.placed.row_pairs[i] = N * C;
   for (int32_t i = thread; i < N * C; i += threads) args.placed.to_source_major[i] = N * C;
-  if constexpr (kLines) {
-    __syncthreads();
-    if (tid == 0) StoreReleaseGpu(&args.control->arrived[me][blockIdx.x], epoch);
-  }
 
   if (tid == 0) trace.Ready();
   stamp(kPhaseReady);
@@ -487,6 +483,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   }
   __syncthreads();  // every thread's writes come before the releases; with lines, done with the plan
   if (!kLines && tid < N) StoreRelease(&args.table->control[tid]->arrived[me][blockIdx.x], epoch);
+  if (kLines && tid == 0) StoreReleaseGpu(&args.control->arrived[me][blockIdx.x], epoch);
   if (tid == 0) trace.Sent();
   stamp(kPhaseSent);
 
@@ -544,10 +541,6 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
         if (!holds(seen[b])) seen[b] = patience.Entry(list_entries + entry, holds, by.per_source.Div(entry));
         tags[u0 + b] = static_cast<int32_t>(seen[b].lo);
       }
-    }
-    // This rank's blocks' "none" entries (each block's flag raised before its send, so in by now).
-    for (int32_t b = tid; b < static_cast<int32_t>(gridDim.x); b += kThreads) {
-      patience.AtLeast(&args.control->arrived[me][b], epoch, me);
     }
     if (tid == 0) trace.DataArrived();  // thread 0's counts and entries: the handshake's end
     stamp(kPhaseArrived);
@@ -617,20 +610,30 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     for (int32_t source = 0; source < N; ++source) sum += placed.counts[source * L + e];
     args.placed.group_sizes[e] = sum;
   }
+  // Placed row x's list entry (of = pair_of[x]): its source and its place j in that source's list.
+  auto list_entry = [&](uint32_t of, int32_t& source, int32_t& j) {
+    const int32_t list = static_cast<int32_t>(of >> 16);
+    source = by.per_source.Div(list);
+    j = list - source * per_source;
+  };
+  // row_pairs' and to_source_major's entries of placed row x, which go over every block's "none" entries.
+  auto place_back = [&](int32_t x, uint32_t of, int32_t source, int32_t j) {
+    if ((of & kNoPair) != kNoPair) args.placed.row_pairs[of & kNoPair] = x;
+    const int32_t source_row = placed.source_major[source * L] + j;  // the same row, source-major
+    if (source_row < NC) args.placed.to_source_major[source_row] = x;
+  };
   for (int32_t x = thread; x < NC; x += threads) {
     int32_t expand = N * R, entry = entries, expert_row = NC;
     const uint32_t of = x < total ? placed.pair_of[x] : kNoRow;
     if (of != kNoRow) {
-      const int32_t list = static_cast<int32_t>(of >> 16), source = by.per_source.Div(list),
-                    j = list - source * per_source;
+      int32_t source, j;
+      list_entry(of, source, j);
       if (j < C) expert_row = source * C + j;
       if ((of & kNoPair) != kNoPair) {
         entry = static_cast<int32_t>(of & kNoPair);
         expand = by.top_k.Div(entry);
-        args.placed.row_pairs[entry] = x;
       }
-      const int32_t source_row = placed.source_major[source * L] + j;  // the same row, source-major
-      if (source_row < NC) args.placed.to_source_major[source_row] = x;
+      if constexpr (!kLines) place_back(x, of, source, j);  // every block's flag ordered them
     }
     args.placed.expand_rows[x] = expand;
     args.placed.pair_entry[x] = entry;
@@ -671,6 +674,21 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
                                   });
     } else {
       WarpTakeWireRow<Rows>(to, from, lo, hi, args.row_bytes);
+    }
+  }
+  if constexpr (kLines) {
+    // Every block of this rank has written its "none" entries (each raised its flag after its send): waited for
+    // after the copies, so that no block waits for the grid's slowest before its own work.
+    for (int32_t b = tid; b < static_cast<int32_t>(gridDim.x); b += kThreads) {
+      patience.AtLeast(&args.control->arrived[me][b], epoch, me);
+    }
+    __syncthreads();
+    for (int32_t x = thread; x < total; x += threads) {
+      const uint32_t of = placed.pair_of[x];
+      if (of == kNoRow) continue;
+      int32_t source, j;
+      list_entry(of, source, j);
+      place_back(x, of, source, j);
     }
   }
   if (profiled) {
