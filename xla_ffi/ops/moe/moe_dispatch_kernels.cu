@@ -60,11 +60,14 @@ struct Call {
   int64_t slot_row;   // bytes of a slot row: its wire bytes and suffix, or with lines whole warp steps of lines
 };
 
-// Calls of at most this many pairs (T * k), (member, token) entries and keys are planned by one warp: past
-// them its serial loops (a ballot per 32 entries, a run of keys per lane) would cost more than the block's.
+// Calls of at most this many pairs (T * k), (member, token) entries and keys sort the pairs by comparing every
+// pair with every other (kComparers threads per pair) and number the send rows in one warp: past them the
+// comparisons (P * P) and the warp's serial loop (a ballot per 32 entries) would cost more than the block's
+// counting sort and scan.
 constexpr int32_t kWarpPlanPairs = 256;
 constexpr int32_t kWarpPlanEntries = 512;
 constexpr int32_t kWarpPlanKeys = 1025;
+constexpr int32_t kComparers = 4;
 
 // Pairs are sorted by per-warp counting: sort warp w takes a contiguous range of pairs and a histogram row of
 // E + 1 counters; at most kSortCounters counters in all, so fewer sort warps for many experts.
@@ -84,11 +87,18 @@ struct Plan {
   int32_t* row_of;  // [N * T] (member, token): its send row, or -1
   int32_t* first_row;  // [N + 1] each member's first send row
   int32_t* send_token;  // [S] the token of each send row
-  int32_t* histogram;  // [sort warps][E + 1] per sort warp and key: its pairs, then its next place in `sorted`
+  int32_t* histogram;  // [sort warps][E + 1] per sort warp and key: its pairs, then its next place in `sorted`;
+                       // within the kWarpPlan* limits [P] sort words instead (key << 16 | pair)
 };
 
+// The histogram's ints: room for the sort words too where the pairs are sorted by comparing.
+__host__ __device__ inline int64_t HistogramInts(int64_t P, int64_t E) {
+  const int64_t counters = SortWarps(E) * (E + 1), words = P < kWarpPlanPairs ? P : kWarpPlanPairs;
+  return counters > words ? counters : words;
+}
+
 __host__ __device__ inline int64_t PlanInts(int64_t P, int64_t E, int64_t N, int64_t T) {
-  return P + (E + 1) + (E + 2) + N * T + (N + 1) + N * T + SortWarps(E) * (E + 1);
+  return P + (E + 1) + (E + 2) + N * T + (N + 1) + N * T + HistogramInts(P, E);
 }
 
 __device__ Plan LayOutPlan(int32_t* shared, int32_t P, int32_t E, int32_t N, int32_t T) {
@@ -100,7 +110,7 @@ __device__ Plan LayOutPlan(int32_t* shared, int32_t P, int32_t E, int32_t N, int
   plan.first_row = plan.row_of + N * T;
   plan.send_token = plan.first_row + (N + 1);
   plan.histogram = plan.send_token + N * T;
-  plan.key = reinterpret_cast<int16_t*>(plan.histogram + SortWarps(E) * (E + 1));
+  plan.key = reinterpret_cast<int16_t*>(plan.histogram + HistogramInts(P, E));
   return plan;
 }
 
@@ -195,90 +205,49 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   // ---- plan: plan_sends' arithmetic for this member, in shared memory ----
   const Plan plan = LayOutPlan(shared, P, E, N, T);
   const int32_t sort_warps = SortWarps(E), keys = E + 1;
-  // Within the kWarpPlan* limits warp 0 plans alone (warp-synchronous, two block barriers in all); past them
-  // every warp takes a share (about ten barriers and two block scans).
+  // Within the kWarpPlan* limits the pairs are sorted by comparing them (below) and warp 0 numbers the send rows
+  // (three block barriers in all); past them every warp takes a share (about ten barriers and two block scans).
   const bool warp_plans = P <= kWarpPlanPairs && N * T <= kWarpPlanEntries && keys <= kWarpPlanKeys;
-  for (int32_t i = tid; i < keys; i += kThreads) plan.counts[i] = 0;
+  int32_t* const sort_words = plan.histogram;  // with warp_plans: [P] key << 16 | pair, the pairs' order
+  for (int32_t i = tid; !warp_plans && i < keys; i += kThreads) plan.counts[i] = 0;
   for (int32_t i = tid; !warp_plans && i < sort_warps * keys; i += kThreads) plan.histogram[i] = 0;
   for (int32_t i = tid; i < N * T; i += kThreads) plan.row_of[i] = 0;
   for (int32_t i = tid; i < S; i += kThreads) plan.send_token[i] = T;
 #pragma unroll
   for (int u = 0; u < kIdsPerThread; ++u) {
     const int32_t p = tid + u * kThreads;
-    if (p < P) plan.key[p] = static_cast<int16_t>(RoutingKey(loaded[u], E));
+    if (p < P) {
+      const int32_t key = RoutingKey(loaded[u], E);
+      plan.key[p] = static_cast<int16_t>(key);
+      if (warp_plans) sort_words[p] = key << 16 | p;
+    }
   }
   __syncthreads();
   stamp(kPhaseCleared);
   if (warp_plans) {
-    if (warp == 0) {
-      // Count per key: within 32 pairs the first lane of each key adds that key's lanes.
-      for (int32_t base = 0; base < P; base += 32) {
-        const int32_t p = base + lane;
-        const int32_t key = p < P ? plan.key[p] : keys + lane;
-        const unsigned same = __match_any_sync(0xffffffffu, key);
-        if (p < P && lane == __ffs(same) - 1) plan.counts[key] += __popc(same);
-        __syncwarp();
+    // Pair i's place in `sorted` is the number of sort words below its own, and key i's start the number below
+    // i << 16: no shared counter, so no thread waits on another, and the order is stable by construction.
+    // kComparers threads per index, each over every kComparers-th word, joined by shuffles.
+    const int32_t part = lane % kComparers, indices = max(P, keys + 1);
+    for (int32_t base = 0; base < indices; base += kThreads / kComparers) {
+      const int32_t i = base + tid / kComparers;
+      const int32_t own = i < P ? sort_words[i] : -1, start = i << 16;
+      int32_t place = 0, below = 0;
+#pragma unroll 8
+      for (int32_t q = part; q < P; q += kComparers) {
+        const int32_t word = sort_words[q];
+        place += word < own;
+        below += word < start;
       }
-      stamp(kPhaseCounted);
-      // key_start: each lane scans a run of keys, the warp its runs' totals; histogram[key] is the key's next
-      // place in `sorted`.
-      const int32_t per_lane = (keys + 31) / 32, first = min(keys, lane * per_lane), past = min(keys, first + per_lane);
-      int32_t run = 0;
-      for (int32_t key = first; key < past; ++key) run += plan.counts[key];
-      int32_t before = run;
 #pragma unroll
-      for (int d = 1; d < 32; d *= 2) {
-        const int32_t up = __shfl_up_sync(0xffffffffu, before, d);
-        if (lane >= d) before += up;
+      for (int d = 1; d < kComparers; d *= 2) {
+        place += __shfl_xor_sync(0xffffffffu, place, d);
+        below += __shfl_xor_sync(0xffffffffu, below, d);
       }
-      before -= run;
-      for (int32_t key = first; key < past; ++key) {
-        plan.key_start[key] = before;
-        plan.histogram[key] = before;
-        before += plan.counts[key];
-      }
-      if (lane == 0) plan.key_start[keys] = P;
-      __syncwarp();
-      // The stable placement: lanes of one key take consecutive places in pair order.
-      for (int32_t base = 0; base < P; base += 32) {
-        const int32_t p = base + lane;
-        const int32_t key = p < P ? plan.key[p] : keys + lane;
-        const unsigned same = __match_any_sync(0xffffffffu, key);
-        const int32_t start = p < P ? plan.histogram[key] : 0;
-        __syncwarp();
-        if (p < P) {
-          if (lane == __ffs(same) - 1) plan.histogram[key] = start + __popc(same);
-          plan.sorted[start + __popc(same & LanesBelow())] = p;
-        }
-        __syncwarp();
-      }
-      stamp(kPhaseSorted);
-      // Which pairs each member takes (its first C in the order), and the tokens that go to it.
-      for (int32_t position = lane; position < P; position += 32) {
-        const int32_t pair = plan.sorted[position], key = plan.key[pair];
-        if (key < E) {
-          const int32_t member = by.local.Div(key);
-          if (position - plan.key_start[member * L] < C) plan.row_of[member * T + by.top_k.Div(pair)] = 1;
-        }
-      }
-      __syncwarp();
-      // Send rows numbered in (member, token) order, 32 entries a ballot.
-      int32_t rows_before = 0;
-      for (int32_t base = 0; base < N * T; base += 32) {
-        const int32_t i = base + lane;
-        const int32_t goes = i < N * T ? plan.row_of[i] : 0;
-        const unsigned going = __ballot_sync(0xffffffffu, goes);
-        const int32_t row = rows_before + __popc(going & LanesBelow());
-        if (i < N * T) {
-          const int32_t member = by.tokens.Div(i), token = i - member * T;
-          if (token == 0) plan.first_row[member] = row;
-          if (i == N * T - 1) plan.first_row[N] = row + goes;
-          plan.row_of[i] = goes ? row : -1;
-          if (goes) plan.send_token[row] = token;
-        }
-        rows_before += __popc(going);
-      }
+      if (part == 0 && i < P) plan.sorted[place] = i;
+      if (part == 0 && i <= keys) plan.key_start[i] = below;
     }
+    stamp(kPhaseCounted);
   } else {
     for (int32_t p = tid; p < P; p += kThreads) atomicAdd(&plan.counts[plan.key[p]], 1);
     __syncthreads();
@@ -315,27 +284,40 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
         if (live) plan.sorted[start + __popc(same & LanesBelow())] = pair;
       });
     }
-    __syncthreads();
-    stamp(kPhaseSorted);
-    // Which pairs each member takes (its first C in the order), and the tokens that go to it.
-    for (int32_t position = tid; position < P; position += kThreads) {
-      const int32_t pair = plan.sorted[position], key = plan.key[pair];
-      if (key < E) {
-        const int32_t member = by.local.Div(key);
-        if (position - plan.key_start[member * L] < C) plan.row_of[member * T + by.top_k.Div(pair)] = 1;
+  }
+  __syncthreads();
+  stamp(kPhaseSorted);
+  // Which pairs each member takes (its first C in the order), and the tokens that go to it.
+  for (int32_t position = tid; position < P; position += kThreads) {
+    const int32_t pair = plan.sorted[position], key = plan.key[pair];
+    if (key < E) {
+      const int32_t member = by.local.Div(key);
+      if (position - plan.key_start[member * L] < C) plan.row_of[member * T + by.top_k.Div(pair)] = 1;
+    }
+  }
+  __syncthreads();
+  // Send rows numbered in (member, token) order: by warp 0, 32 entries a ballot, within kWarpPlanEntries; else
+  // by a block scan.
+  auto number = [&](int32_t i, int32_t row, int32_t goes) {
+    const int32_t member = by.tokens.Div(i), token = i - member * T;
+    if (token == 0) plan.first_row[member] = row;
+    if (i == N * T - 1) plan.first_row[N] = row + goes;
+    plan.row_of[i] = goes ? row : -1;
+    if (goes) plan.send_token[row] = token;
+  };
+  if (warp_plans) {
+    if (warp == 0) {
+      int32_t rows_before = 0;
+      for (int32_t base = 0; base < N * T; base += 32) {
+        const int32_t i = base + lane;
+        const int32_t goes = i < N * T ? plan.row_of[i] : 0;
+        const unsigned going = __ballot_sync(0xffffffffu, goes);
+        if (i < N * T) number(i, rows_before + __popc(going & LanesBelow()), goes);
+        rows_before += __popc(going);
       }
     }
-    __syncthreads();
-    ScanBlock<kThreads>(
-        N * T, [&](int32_t i) { return plan.row_of[i]; },
-        [&](int32_t i, int32_t row, int32_t goes) {
-          const int32_t member = by.tokens.Div(i), token = i - member * T;
-          if (token == 0) plan.first_row[member] = row;
-          if (i == N * T - 1) plan.first_row[N] = row + goes;
-          plan.row_of[i] = goes ? row : -1;
-          if (goes) plan.send_token[row] = token;
-        },
-        scan);
+  } else {
+    ScanBlock<kThreads>(N * T, [&](int32_t i) { return plan.row_of[i]; }, number, scan);
   }
   if (N * T == 0 && tid <= N) plan.first_row[tid] = 0;
   __syncthreads();
