@@ -67,6 +67,13 @@ struct LinePart {
   }
 };
 
+// This lane's part of warp step `step` of a row of `words` payload words (lane / 8 picks the line, lane % 8 the
+// part).
+__device__ __forceinline__ LinePart StepPart(int64_t step, int64_t words) {
+  const int lane = threadIdx.x % 32;
+  return LinePart(step * kLinesPerWarpStep + lane / kLanesPerLine, lane % kLanesPerLine, words);
+}
+
 // The part's payload words as a 16-byte vector (zeros where it carries none, the flag's place included), and
 // back, with the flag in the flag lane's upper half.
 __device__ __forceinline__ uint4 PayloadOf(Pair64 part, int count) {
@@ -124,6 +131,17 @@ __device__ __forceinline__ void WarpTakeLines(const Pair64* row, int64_t lo, int
       if (first + b < hi) take(first + b, got[b]);
     }
   }
+}
+
+// Copies warp steps [lo, hi) of a row sent as lines (its parts at `from`) into the row of `words` payload
+// words at `to`, kBatch steps at a time, as WarpTakeLines polls them.
+template <int kBatch, typename KeepWaiting>
+__device__ __forceinline__ void WarpTakeLineRow(const Pair64* from, uint32_t* to, int64_t words, int64_t lo, int64_t hi,
+                                                uint64_t flag, KeepWaiting keep_waiting) {
+  WarpTakeLines<kBatch>(from, lo, hi, flag, keep_waiting, [&](int64_t step, Pair64 got) {
+    const LinePart at = StepPart(step, words);
+    StorePayload(to, at, PayloadOf(got, at.count));
+  });
 }
 
 }  // namespace jax_ncclx

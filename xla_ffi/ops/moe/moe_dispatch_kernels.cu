@@ -60,11 +60,14 @@ struct Call {
   int64_t slot_row;   // bytes of a slot row: its wire bytes and suffix, or with lines whole warp steps of lines
 };
 
-// Calls of at most this many pairs (T * k), (member, token) entries and keys are planned by one warp: past
-// them its serial loops (a ballot per 32 entries, a run of keys per lane) would cost more than the block's.
+// Calls of at most this many pairs (T * k), (member, token) entries and keys sort the pairs by comparing every
+// pair with every other (kComparers threads per pair) and number the send rows in one warp: past them the
+// comparisons (P * P) and the warp's serial loop (a ballot per 32 entries) would cost more than the block's
+// counting sort and scan.
 constexpr int32_t kWarpPlanPairs = 256;
 constexpr int32_t kWarpPlanEntries = 512;
 constexpr int32_t kWarpPlanKeys = 1025;
+constexpr int32_t kComparers = 4;
 
 // Pairs are sorted by per-warp counting: sort warp w takes a contiguous range of pairs and a histogram row of
 // E + 1 counters; at most kSortCounters counters in all, so fewer sort warps for many experts.
@@ -84,11 +87,18 @@ struct Plan {
   int32_t* row_of;  // [N * T] (member, token): its send row, or -1
   int32_t* first_row;  // [N + 1] each member's first send row
   int32_t* send_token;  // [S] the token of each send row
-  int32_t* histogram;  // [sort warps][E + 1] per sort warp and key: its pairs, then its next place in `sorted`
+  int32_t* histogram;  // [sort warps][E + 1] per sort warp and key: its pairs, then its next place in `sorted`;
+                       // within the kWarpPlan* limits [P] sort words instead (key << 16 | pair)
 };
 
+// The histogram's ints: room for the sort words too where the pairs are sorted by comparing.
+__host__ __device__ inline int64_t HistogramInts(int64_t P, int64_t E) {
+  const int64_t counters = SortWarps(E) * (E + 1), words = P < kWarpPlanPairs ? P : kWarpPlanPairs;
+  return counters > words ? counters : words;
+}
+
 __host__ __device__ inline int64_t PlanInts(int64_t P, int64_t E, int64_t N, int64_t T) {
-  return P + (E + 1) + (E + 2) + N * T + (N + 1) + N * T + SortWarps(E) * (E + 1);
+  return P + (E + 1) + (E + 2) + N * T + (N + 1) + N * T + HistogramInts(P, E);
 }
 
 __device__ Plan LayOutPlan(int32_t* shared, int32_t P, int32_t E, int32_t N, int32_t T) {
@@ -100,7 +110,7 @@ __device__ Plan LayOutPlan(int32_t* shared, int32_t P, int32_t E, int32_t N, int
   plan.first_row = plan.row_of + N * T;
   plan.send_token = plan.first_row + (N + 1);
   plan.histogram = plan.send_token + N * T;
-  plan.key = reinterpret_cast<int16_t*>(plan.histogram + SortWarps(E) * (E + 1));
+  plan.key = reinterpret_cast<int16_t*>(plan.histogram + HistogramInts(P, E));
   return plan;
 }
 
@@ -178,14 +188,11 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   const int64_t warps = int64_t{gridDim.x} * kWarps;
   const int64_t first_unit = int64_t{blockIdx.x} * kWarps + warp;
   // Vectors of 16 bytes: of a token row (tokens' dtype), of its bytes on the wire, of a slot row. With lines a
-  // row's pieces count warp steps of lines, and a lane's part of a step holds the row's words at `part_at`.
+  // row's pieces count warp steps of lines (StepPart: a lane's part of one).
   const int64_t row_vectors = args.row_bytes / 16, wire_vectors = args.wire_row_bytes / 16;
   const int64_t slot_vectors = call.slot_row / 16;
   const int64_t row_words = args.row_bytes / 4, row_steps = LineStepsOf(args.row_bytes);
   const bool flag_lane = lane % kLanesPerLine == kLanesPerLine - 1;
-  auto part_at = [&](int64_t step) {
-    return LinePart(step * kLinesPerWarpStep + lane / kLanesPerLine, lane % kLanesPerLine, row_words);
-  };
   extern __shared__ int32_t shared[];
   __shared__ BlockScan::TempStorage scan;
 
@@ -198,90 +205,49 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   // ---- plan: plan_sends' arithmetic for this member, in shared memory ----
   const Plan plan = LayOutPlan(shared, P, E, N, T);
   const int32_t sort_warps = SortWarps(E), keys = E + 1;
-  // Within the kWarpPlan* limits warp 0 plans alone (warp-synchronous, two block barriers in all); past them
-  // every warp takes a share (about ten barriers and two block scans).
+  // Within the kWarpPlan* limits the pairs are sorted by comparing them (below) and warp 0 numbers the send rows
+  // (three block barriers in all); past them every warp takes a share (about ten barriers and two block scans).
   const bool warp_plans = P <= kWarpPlanPairs && N * T <= kWarpPlanEntries && keys <= kWarpPlanKeys;
-  for (int32_t i = tid; i < keys; i += kThreads) plan.counts[i] = 0;
+  int32_t* const sort_words = plan.histogram;  // with warp_plans: [P] key << 16 | pair, the pairs' order
+  for (int32_t i = tid; !warp_plans && i < keys; i += kThreads) plan.counts[i] = 0;
   for (int32_t i = tid; !warp_plans && i < sort_warps * keys; i += kThreads) plan.histogram[i] = 0;
   for (int32_t i = tid; i < N * T; i += kThreads) plan.row_of[i] = 0;
   for (int32_t i = tid; i < S; i += kThreads) plan.send_token[i] = T;
 #pragma unroll
   for (int u = 0; u < kIdsPerThread; ++u) {
     const int32_t p = tid + u * kThreads;
-    if (p < P) plan.key[p] = static_cast<int16_t>(RoutingKey(loaded[u], E));
+    if (p < P) {
+      const int32_t key = RoutingKey(loaded[u], E);
+      plan.key[p] = static_cast<int16_t>(key);
+      if (warp_plans) sort_words[p] = key << 16 | p;
+    }
   }
   __syncthreads();
   stamp(kPhaseCleared);
   if (warp_plans) {
-    if (warp == 0) {
-      // Count per key: within 32 pairs the first lane of each key adds that key's lanes.
-      for (int32_t base = 0; base < P; base += 32) {
-        const int32_t p = base + lane;
-        const int32_t key = p < P ? plan.key[p] : keys + lane;
-        const unsigned same = __match_any_sync(0xffffffffu, key);
-        if (p < P && lane == __ffs(same) - 1) plan.counts[key] += __popc(same);
-        __syncwarp();
+    // Pair i's place in `sorted` is the number of sort words below its own, and key i's start the number below
+    // i << 16: no shared counter, so no thread waits on another, and the order is stable by construction.
+    // kComparers threads per index, each over every kComparers-th word, joined by shuffles.
+    const int32_t part = lane % kComparers, indices = max(P, keys + 1);
+    for (int32_t base = 0; base < indices; base += kThreads / kComparers) {
+      const int32_t i = base + tid / kComparers;
+      const int32_t own = i < P ? sort_words[i] : -1, start = i << 16;
+      int32_t place = 0, below = 0;
+#pragma unroll 8
+      for (int32_t q = part; q < P; q += kComparers) {
+        const int32_t word = sort_words[q];
+        place += word < own;
+        below += word < start;
       }
-      stamp(kPhaseCounted);
-      // key_start: each lane scans a run of keys, the warp its runs' totals; histogram[key] is the key's next
-      // place in `sorted`.
-      const int32_t per_lane = (keys + 31) / 32, first = min(keys, lane * per_lane), past = min(keys, first + per_lane);
-      int32_t run = 0;
-      for (int32_t key = first; key < past; ++key) run += plan.counts[key];
-      int32_t before = run;
 #pragma unroll
-      for (int d = 1; d < 32; d *= 2) {
-        const int32_t up = __shfl_up_sync(0xffffffffu, before, d);
-        if (lane >= d) before += up;
+      for (int d = 1; d < kComparers; d *= 2) {
+        place += __shfl_xor_sync(0xffffffffu, place, d);
+        below += __shfl_xor_sync(0xffffffffu, below, d);
       }
-      before -= run;
-      for (int32_t key = first; key < past; ++key) {
-        plan.key_start[key] = before;
-        plan.histogram[key] = before;
-        before += plan.counts[key];
-      }
-      if (lane == 0) plan.key_start[keys] = P;
-      __syncwarp();
-      // The stable placement: lanes of one key take consecutive places in pair order.
-      for (int32_t base = 0; base < P; base += 32) {
-        const int32_t p = base + lane;
-        const int32_t key = p < P ? plan.key[p] : keys + lane;
-        const unsigned same = __match_any_sync(0xffffffffu, key);
-        const int32_t start = p < P ? plan.histogram[key] : 0;
-        __syncwarp();
-        if (p < P) {
-          if (lane == __ffs(same) - 1) plan.histogram[key] = start + __popc(same);
-          plan.sorted[start + __popc(same & LanesBelow())] = p;
-        }
-        __syncwarp();
-      }
-      stamp(kPhaseSorted);
-      // Which pairs each member takes (its first C in the order), and the tokens that go to it.
-      for (int32_t position = lane; position < P; position += 32) {
-        const int32_t pair = plan.sorted[position], key = plan.key[pair];
-        if (key < E) {
-          const int32_t member = by.local.Div(key);
-          if (position - plan.key_start[member * L] < C) plan.row_of[member * T + by.top_k.Div(pair)] = 1;
-        }
-      }
-      __syncwarp();
-      // Send rows numbered in (member, token) order, 32 entries a ballot.
-      int32_t rows_before = 0;
-      for (int32_t base = 0; base < N * T; base += 32) {
-        const int32_t i = base + lane;
-        const int32_t goes = i < N * T ? plan.row_of[i] : 0;
-        const unsigned going = __ballot_sync(0xffffffffu, goes);
-        const int32_t row = rows_before + __popc(going & LanesBelow());
-        if (i < N * T) {
-          const int32_t member = by.tokens.Div(i), token = i - member * T;
-          if (token == 0) plan.first_row[member] = row;
-          if (i == N * T - 1) plan.first_row[N] = row + goes;
-          plan.row_of[i] = goes ? row : -1;
-          if (goes) plan.send_token[row] = token;
-        }
-        rows_before += __popc(going);
-      }
+      if (part == 0 && i < P) plan.sorted[place] = i;
+      if (part == 0 && i <= keys) plan.key_start[i] = below;
     }
+    stamp(kPhaseCounted);
   } else {
     for (int32_t p = tid; p < P; p += kThreads) atomicAdd(&plan.counts[plan.key[p]], 1);
     __syncthreads();
@@ -318,27 +284,40 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
         if (live) plan.sorted[start + __popc(same & LanesBelow())] = pair;
       });
     }
-    __syncthreads();
-    stamp(kPhaseSorted);
-    // Which pairs each member takes (its first C in the order), and the tokens that go to it.
-    for (int32_t position = tid; position < P; position += kThreads) {
-      const int32_t pair = plan.sorted[position], key = plan.key[pair];
-      if (key < E) {
-        const int32_t member = by.local.Div(key);
-        if (position - plan.key_start[member * L] < C) plan.row_of[member * T + by.top_k.Div(pair)] = 1;
+  }
+  __syncthreads();
+  stamp(kPhaseSorted);
+  // Which pairs each member takes (its first C in the order), and the tokens that go to it.
+  for (int32_t position = tid; position < P; position += kThreads) {
+    const int32_t pair = plan.sorted[position], key = plan.key[pair];
+    if (key < E) {
+      const int32_t member = by.local.Div(key);
+      if (position - plan.key_start[member * L] < C) plan.row_of[member * T + by.top_k.Div(pair)] = 1;
+    }
+  }
+  __syncthreads();
+  // Send rows numbered in (member, token) order: by warp 0, 32 entries a ballot, within kWarpPlanEntries; else
+  // by a block scan.
+  auto number = [&](int32_t i, int32_t row, int32_t goes) {
+    const int32_t member = by.tokens.Div(i), token = i - member * T;
+    if (token == 0) plan.first_row[member] = row;
+    if (i == N * T - 1) plan.first_row[N] = row + goes;
+    plan.row_of[i] = goes ? row : -1;
+    if (goes) plan.send_token[row] = token;
+  };
+  if (warp_plans) {
+    if (warp == 0) {
+      int32_t rows_before = 0;
+      for (int32_t base = 0; base < N * T; base += 32) {
+        const int32_t i = base + lane;
+        const int32_t goes = i < N * T ? plan.row_of[i] : 0;
+        const unsigned going = __ballot_sync(0xffffffffu, goes);
+        if (i < N * T) number(i, rows_before + __popc(going & LanesBelow()), goes);
+        rows_before += __popc(going);
       }
     }
-    __syncthreads();
-    ScanBlock<kThreads>(
-        N * T, [&](int32_t i) { return plan.row_of[i]; },
-        [&](int32_t i, int32_t row, int32_t goes) {
-          const int32_t member = by.tokens.Div(i), token = i - member * T;
-          if (token == 0) plan.first_row[member] = row;
-          if (i == N * T - 1) plan.first_row[N] = row + goes;
-          plan.row_of[i] = goes ? row : -1;
-          if (goes) plan.send_token[row] = token;
-        },
-        scan);
+  } else {
+    ScanBlock<kThreads>(N * T, [&](int32_t i) { return plan.row_of[i]; }, number, scan);
   }
   if (N * T == 0 && tid <= N) plan.first_row[tid] = 0;
   __syncthreads();
@@ -368,14 +347,10 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     out.return_row[token * N + member] = row >= 0 ? member * R + row - plan.first_row[member] : N * R;
   }
   // row_pairs' and to_source_major's "none" entries before any block places its rows' entries: with flags
-  // every block's flag orders them; with lines each block raises its own arrival flag here, on this rank
-  // alone, and every block sees them all before it places.
+  // every block's flag orders them; with lines each block raises its own arrival flag after its send, on this
+  // rank alone, and every block sees them all before it places (at its end).
   for (int32_t i = thread; i < N * R * k; i += threads) args.placed.row_pairs[i] = N * C;
   for (int32_t i = thread; i < N * C; i += threads) args.placed.to_source_major[i] = N * C;
-  if constexpr (kLines) {
-    __syncthreads();
-    if (tid == 0) StoreReleaseGpu(&args.control->arrived[me][blockIdx.x], epoch);
-  }
 
   if (tid == 0) trace.Ready();
   stamp(kPhaseReady);
@@ -438,7 +413,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
         uint4 payload[kLineBatch];
 #pragma unroll
         for (int b = 0; b < kLineBatch; ++b) {
-          if (batch + b < hi) payload[b] = LoadPayload(from, part_at(batch + b));
+          if (batch + b < hi) payload[b] = LoadPayload(from, StepPart(batch + b, row_words));
         }
         __syncwarp();  // a line's 8 lanes store it in one instruction
 #pragma unroll
@@ -490,6 +465,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   }
   __syncthreads();  // every thread's writes come before the releases; with lines, done with the plan
   if (!kLines && tid < N) StoreRelease(&args.table->control[tid]->arrived[me][blockIdx.x], epoch);
+  if (kLines && tid == 0) StoreReleaseGpu(&args.control->arrived[me][blockIdx.x], epoch);
   if (tid == 0) trace.Sent();
   stamp(kPhaseSent);
 
@@ -547,10 +523,6 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
         if (!holds(seen[b])) seen[b] = patience.Entry(list_entries + entry, holds, by.per_source.Div(entry));
         tags[u0 + b] = static_cast<int32_t>(seen[b].lo);
       }
-    }
-    // This rank's blocks' "none" entries (each block's flag raised before its send, so in by now).
-    for (int32_t b = tid; b < static_cast<int32_t>(gridDim.x); b += kThreads) {
-      patience.AtLeast(&args.control->arrived[me][b], epoch, me);
     }
     if (tid == 0) trace.DataArrived();  // thread 0's counts and entries: the handshake's end
     stamp(kPhaseArrived);
@@ -620,20 +592,30 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     for (int32_t source = 0; source < N; ++source) sum += placed.counts[source * L + e];
     args.placed.group_sizes[e] = sum;
   }
+  // Placed row x's list entry (of = pair_of[x]): its source and its place j in that source's list.
+  auto list_entry = [&](uint32_t of, int32_t& source, int32_t& j) {
+    const int32_t list = static_cast<int32_t>(of >> 16);
+    source = by.per_source.Div(list);
+    j = list - source * per_source;
+  };
+  // row_pairs' and to_source_major's entries of placed row x, which go over every block's "none" entries.
+  auto place_back = [&](int32_t x, uint32_t of, int32_t source, int32_t j) {
+    if ((of & kNoPair) != kNoPair) args.placed.row_pairs[of & kNoPair] = x;
+    const int32_t source_row = placed.source_major[source * L] + j;  // the same row, source-major
+    if (source_row < NC) args.placed.to_source_major[source_row] = x;
+  };
   for (int32_t x = thread; x < NC; x += threads) {
     int32_t expand = N * R, entry = entries, expert_row = NC;
     const uint32_t of = x < total ? placed.pair_of[x] : kNoRow;
     if (of != kNoRow) {
-      const int32_t list = static_cast<int32_t>(of >> 16), source = by.per_source.Div(list),
-                    j = list - source * per_source;
+      int32_t source, j;
+      list_entry(of, source, j);
       if (j < C) expert_row = source * C + j;
       if ((of & kNoPair) != kNoPair) {
         entry = static_cast<int32_t>(of & kNoPair);
         expand = by.top_k.Div(entry);
-        args.placed.row_pairs[entry] = x;
       }
-      const int32_t source_row = placed.source_major[source * L] + j;  // the same row, source-major
-      if (source_row < NC) args.placed.to_source_major[source_row] = x;
+      if constexpr (!kLines) place_back(x, of, source, j);  // every block's flag ordered them
     }
     args.placed.expand_rows[x] = expand;
     args.placed.pair_entry[x] = entry;
@@ -668,16 +650,27 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
       }
     } else if constexpr (kLines) {
       const int32_t source = by.per_source.Div(pair);
-      uint32_t* to_words = reinterpret_cast<uint32_t*>(to);
-      WarpTakeLines<kTakeBatch>(
-          reinterpret_cast<const Pair64*>(from), lo, hi, flag,
-          [&](uint32_t spins) { return live = live && patience.WarpKeepsWaiting(spins, source); },
-          [&](int64_t step, Pair64 got_part) {
-            const LinePart at = part_at(step);
-            StorePayload(to_words, at, PayloadOf(got_part, at.count));
-          });
+      WarpTakeLineRow<kTakeBatch>(reinterpret_cast<const Pair64*>(from), reinterpret_cast<uint32_t*>(to), row_words, lo,
+                                  hi, flag, [&](uint32_t spins) {
+                                    return live = live && patience.WarpKeepsWaiting(spins, source);
+                                  });
     } else {
       WarpTakeWireRow<Rows>(to, from, lo, hi, args.row_bytes);
+    }
+  }
+  if constexpr (kLines) {
+    // Every block of this rank has written its "none" entries (each raised its flag after its send): waited for
+    // after the copies, so that no block waits for the grid's slowest before its own work.
+    for (int32_t b = tid; b < static_cast<int32_t>(gridDim.x); b += kThreads) {
+      patience.AtLeast(&args.control->arrived[me][b], epoch, me);
+    }
+    __syncthreads();
+    for (int32_t x = thread; x < total; x += threads) {
+      const uint32_t of = placed.pair_of[x];
+      if (of == kNoRow) continue;
+      int32_t source, j;
+      list_entry(of, source, j);
+      place_back(x, of, source, j);
     }
   }
   if (profiled) {

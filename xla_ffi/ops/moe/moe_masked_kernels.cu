@@ -159,14 +159,10 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
   const int64_t first_send = int64_t{blockIdx.x} * send_warps + warp - count_warps;
   const int64_t send_step = int64_t{gridDim.x} * send_warps;
   // Vectors of 16 bytes: of a token row (tokens' dtype), of its bytes on the wire (a slot row). With lines a
-  // row's pieces count warp steps of lines, and a lane's part of a step holds the row's words at `part_at`.
+  // row's pieces count warp steps of lines (StepPart: a lane's part of one).
   const int64_t row_vectors = args.row_bytes / 16, wire_vectors = args.wire_row_bytes / 16;
   const int64_t row_words = args.row_bytes / 4, row_steps = LineStepsOf(args.row_bytes);
-  const int part = lane % kLanesPerLine;
-  const bool flag_lane = part == kLanesPerLine - 1;
-  auto part_at = [&](int64_t step) {
-    return LinePart(step * kLinesPerWarpStep + lane / kLanesPerLine, part, row_words);
-  };
+  const bool flag_lane = lane % kLanesPerLine == kLanesPerLine - 1;
   const Units send_units(int64_t{T} * N, kLines ? row_steps : wire_vectors, send_step, kLines ? 1 : 32);
   // A send warp's first unit, loaded with the ids: its stores then wait for the ids alone, not for a second
   // round trip after the barrier that publishes the ids. Plain rows whose piece fits kEarlyVectors a lane.
@@ -180,7 +176,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
       const uint32_t* row = static_cast<const uint32_t*>(args.tokens_in) + tm / N * row_words;
 #pragma unroll
       for (int u = 0; u < kLineBatch; ++u) {
-        if (lo + u < hi) early[u] = LoadPayload(row, part_at(lo + u));
+        if (lo + u < hi) early[u] = LoadPayload(row, StepPart(lo + u, row_words));
       }
     } else {
       const uint4* row = static_cast<const uint4*>(args.tokens_in) + tm / N * row_vectors;
@@ -305,7 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
           uint4 payload[kLineBatch];
 #pragma unroll
           for (int b = 0; b < kLineBatch; ++b) {
-            if (batch + b < hi) payload[b] = LoadPayload(from, part_at(batch + b));
+            if (batch + b < hi) payload[b] = LoadPayload(from, StepPart(batch + b, row_words));
           }
           store(unit, batch, hi, payload);
         }
@@ -552,14 +548,9 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
     const uint32_t t = static_cast<uint32_t>(p) / static_cast<uint32_t>(k);
     const uint8_t* from = rows + (int64_t{s} * T + min(t, static_cast<uint32_t>(T - 1))) * call.slot_row_bytes;
     if constexpr (kLines) {
-      uint32_t* to_words = reinterpret_cast<uint32_t*>(to);
-      WarpTakeLines<kTakeBatch>(
-          reinterpret_cast<const Pair64*>(from), lo, hi, flag,
-          [&](uint32_t spins) { return live = live && patience.WarpKeepsWaiting(spins, s); },
-          [&](int64_t step, Pair64 got) {
-            const LinePart at = part_at(step);
-            StorePayload(to_words, at, PayloadOf(got, at.count));
-          });
+      WarpTakeLineRow<kTakeBatch>(reinterpret_cast<const Pair64*>(from), reinterpret_cast<uint32_t*>(to), row_words, lo,
+                                  hi, flag,
+                                  [&](uint32_t spins) { return live = live && patience.WarpKeepsWaiting(spins, s); });
     } else {
       WarpTakeWireRow<Rows>(to, from, lo, hi, args.row_bytes);
     }
