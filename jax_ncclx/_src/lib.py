@@ -19,9 +19,9 @@ try:
 except ImportError as e:  # the source tree has no built modules: say so rather than a circular-import riddle
     _here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     raise ImportError(
-        f"jax_ncclx: imported from {_here}, a source tree without the built modules ({e}). Run Python from "
-        "another directory to use the installed package, or build into this tree with `pip install -e .` "
-        "(tools/dev.sh does)") from e
+        f"jax_ncclx: imported from {_here}, a source tree without the built modules. Run Python from another "
+        "directory to use the installed package, or build into this tree with `pip install -e .` (tools/dev.sh "
+        "does)") from e  # the cause, chained, says which module is missing
 
 from jax_ncclx._src import compat  # noqa: E402 - after the check above
 
