@@ -40,7 +40,7 @@ namespace jax_ncclx {
 enum MoeDispatchPhase : int {
   kPhaseStart,    // the block begins
   kPhaseCleared,  // the plan's counters are zero
-  kPhaseCounted,  // pairs counted per key
+  kPhaseCounted,  // pairs counted per key (within the warp-plan limits: thread 0's comparisons done)
   kPhaseSorted,   // pairs sorted by key
   kPhasePlanned,  // send rows numbered
   kPhaseReady,    // the plan's results written

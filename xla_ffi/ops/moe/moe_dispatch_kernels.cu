@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   const Plan plan = LayOutPlan(shared, P, E, N, T);
   const int32_t sort_warps = SortWarps(E), keys = E + 1;
   // Within the kWarpPlan* limits the pairs are sorted by comparing them (below) and warp 0 numbers the send rows
-  // (three block barriers in all); past them every warp takes a share (about ten barriers and two block scans).
+  // (four block barriers in all); past them every warp takes a share (about ten barriers and two block scans).
   const bool warp_plans = P <= kWarpPlanPairs && N * T <= kWarpPlanEntries && keys <= kWarpPlanKeys;
   int32_t* const sort_words = plan.histogram;  // with warp_plans: [P] key << 16 | pair, the pairs' order
   for (int32_t i = tid; !warp_plans && i < keys; i += kThreads) plan.counts[i] = 0;
