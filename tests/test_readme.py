@@ -1,22 +1,30 @@
-"""The README's first program runs as written and gives what its comments say."""
+"""The README's first program, and every program in the docs (a block that starts with ``import jax``), runs as
+written and gives what its comments say."""
 
 import pathlib
 import re
 
 import jax
 import numpy as np
+import pytest
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 CPU_DEVICES_LINE = 'jax.config.update("jax_num_cpu_devices", 4)'
 
 
-def test_first_program_runs():
-    block = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)[0]
+def python_blocks(path):
+    return re.findall(r"```python\n(.*?)```", (ROOT / path).read_text(), re.S)
+
+
+def run_program(block, path):
     # conftest.py has started JAX with 8 CPU devices already, and the count can only be set before that.
     assert CPU_DEVICES_LINE in block
-    block = block.replace(CPU_DEVICES_LINE, "pass")
     namespace = {}
-    exec(compile(block, str(README), "exec"), namespace)
+    exec(compile(block.replace(CPU_DEVICES_LINE, "pass"), str(ROOT / path), "exec"), namespace)
+    return namespace
+
+
+def check_first_program(namespace):
     n = namespace["n"]
     assert n == len(jax.devices())
     y = np.asarray(namespace["y"])
@@ -26,3 +34,28 @@ def test_first_program_runs():
     np.testing.assert_array_equal(per_member[:, : 2 * n], np.broadcast_to(received, per_member[:, : 2 * n].shape))
     np.testing.assert_array_equal(per_member[:, 2 * n:], 0)
     np.testing.assert_array_equal(np.asarray(namespace["recv_counts"]), 2)
+
+
+def test_first_program_runs():
+    check_first_program(run_program(python_blocks("README.md")[0], "README.md"))
+
+
+DOC_PROGRAMS = [(path, i) for path in ["docs/getting_started.md", "docs/moe.md", "docs/reliability.md"]
+                for i, block in enumerate(python_blocks(path)) if block.startswith("import jax\n")]
+
+
+def test_the_docs_have_programs():
+    assert ("docs/getting_started.md", 0) in DOC_PROGRAMS and len(DOC_PROGRAMS) >= 2
+
+
+@pytest.mark.parametrize("path, index", DOC_PROGRAMS, ids=[f"{p}-{i}" for p, i in DOC_PROGRAMS])
+def test_docs_program_runs(path, index):
+    namespace = run_program(python_blocks(path)[index], path)
+    if "shuffle" in namespace:  # the first collective, as in the README
+        check_first_program(namespace)
+    if "route_lax" in python_blocks(path)[index]:  # the psum ran as nx.all_reduce, with psum's result
+        n, layer, x = len(jax.devices()), namespace["layer"], namespace["x"]
+        np.testing.assert_array_equal(np.asarray(namespace["out"]), np.full(8, 4 * n, np.float32))
+        with namespace["nx"].route_lax():
+            assert "ncclx_all_reduce" in jax.jit(layer).lower(x).as_text()
+        assert "ncclx_all_reduce" not in jax.jit(layer).lower(x).as_text()
