@@ -465,7 +465,9 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   }
   __syncthreads();  // every thread's writes come before the releases; with lines, done with the plan
   if (!kLines && tid < N) StoreRelease(&args.table->control[tid]->arrived[me][blockIdx.x], epoch);
-  if (kLines && tid == 0) StoreReleaseGpu(&args.control->arrived[me][blockIdx.x], epoch);
+  // With lines by the last thread: its fence waits for the block's sends to land, which thread 0's polls (the
+  // handshake's clock) need not.
+  if (kLines && tid == kThreads - 1) StoreReleaseGpu(&args.control->arrived[me][blockIdx.x], epoch);
   if (tid == 0) trace.Sent();
   stamp(kPhaseSent);
 
