@@ -568,6 +568,10 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   // Each valid tag's expert-major row x: its source's list is sorted by local expert, so entry j of source s
   // with expert e is row j - (where e starts in s's list) of block (e, s).
   for (int32_t x = tid; x < total; x += kThreads) placed.pair_of[x] = kNoRow;
+  for (int32_t i = tid; i < entries; i += kThreads) {
+    placed.row_of_pair[i] = NC;
+    placed.row_of_source[i] = NC;
+  }
   __syncthreads();
 #pragma unroll
   for (int u = 0; u < kTagsPerThread; ++u) {
@@ -579,10 +583,21 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
                       (placed.source_major[source * L + e] - placed.source_major[source * L]);
     const uint32_t pair = row < R ? static_cast<uint32_t>((source * R + row) * k + by.top_k.Mod(by.local.Div(tags[u])))
                                   : kNoPair;
-    if (x >= 0 && x < total) placed.pair_of[x] = static_cast<uint32_t>(entry) << 16 | pair;
+    if (x >= 0 && x < total) {
+      placed.pair_of[x] = static_cast<uint32_t>(entry) << 16 | pair;
+      if (pair != kNoPair) placed.row_of_pair[pair] = static_cast<int32_t>(x);
+      const int32_t source_row = placed.source_major[source * L] + j;  // the same row, source-major (< total)
+      if (source_row < NC) placed.row_of_source[source_row] = x;
+    }
   }
   __syncthreads();
   stamp(kPhasePlaced);
+  // row_pairs and to_source_major, each entry by one thread, from the inverses of pair_of above (the same in
+  // every block): no block writes over another's entries, so none waits for another.
+  for (int32_t i = thread; i < entries; i += threads) args.placed.row_pairs[i] = placed.row_of_pair[i];
+  for (int32_t i = thread; i < NC; i += threads) {
+    args.placed.to_source_major[i] = i < entries ? placed.row_of_source[i] : NC;
+  }
   for (int32_t i = thread; i < blocks; i += threads) args.placed.recv_counts[i] = placed.counts[i];
   for (int32_t e = thread; e < L; e += threads) {
     int32_t sum = 0;
@@ -647,27 +662,6 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     } else {
       WarpTakeWireRow<Rows>(to, from, lo, hi, args.row_bytes);
     }
-  }
-  // row_pairs and to_source_major, each entry once: their inverses of pair_of in this block's shared memory
-  // (the same in every block), so that no block writes over another's entries and none waits for another.
-  for (int32_t i = tid; i < entries; i += kThreads) {
-    placed.row_of_pair[i] = NC;
-    placed.row_of_source[i] = NC;
-  }
-  __syncthreads();
-  for (int32_t x = tid; x < total; x += kThreads) {
-    const uint32_t of = placed.pair_of[x];
-    if (of == kNoRow) continue;
-    int32_t source, j;
-    list_entry(of, source, j);
-    if ((of & kNoPair) != kNoPair) placed.row_of_pair[of & kNoPair] = x;
-    const int32_t source_row = placed.source_major[source * L] + j;  // the same row, source-major (< total)
-    if (source_row < NC) placed.row_of_source[source_row] = x;
-  }
-  __syncthreads();
-  for (int32_t i = thread; i < entries; i += threads) args.placed.row_pairs[i] = placed.row_of_pair[i];
-  for (int32_t i = thread; i < NC; i += threads) {
-    args.placed.to_source_major[i] = i < entries ? placed.row_of_source[i] : NC;
   }
   if (profiled) {
     __syncthreads();
