@@ -123,6 +123,8 @@ struct Placement {
   int32_t* delivered;  // [N] token rows each source delivered, clamped to [0, R]
   uint32_t* pair_of;  // [N * R * k] per expert-major row below the total: its list entry << 16 | its pair
   // (received row * k + choice, kNoPair if none); kNoRow where no entry maps to it
+  int32_t* row_of_pair;  // [N * R * k] row_pairs: each pair's expert-major row, or N * C
+  int32_t* row_of_source;  // [N * R * k] to_source_major below N * R * k (the rows past it are none)
 };
 constexpr uint32_t kNoPair = 0xffffu;
 constexpr uint32_t kNoRow = 0xffffffffu;
@@ -132,10 +134,10 @@ static_assert(int64_t{kMaxNvlinkRanks} * kMaxMoeDispatchPairs < kNoPair, "a pair
 constexpr int kTagsPerThread = static_cast<int>((kMaxNvlinkRanks * kMaxMoeDispatchPairs + kThreads - 1) / kThreads);
 
 __host__ __device__ inline int64_t PlacementInts(int64_t N, int64_t E, int64_t entries) {
-  return 3 * E + 2 * N + entries;
+  return 3 * E + 2 * N + 3 * entries;
 }
 
-__device__ Placement LayOutPlacement(int32_t* shared, int32_t N, int32_t L) {
+__device__ Placement LayOutPlacement(int32_t* shared, int32_t N, int32_t L, int32_t entries) {
   Placement placed;
   placed.counts = shared;
   placed.source_major = placed.counts + N * L;
@@ -143,6 +145,8 @@ __device__ Placement LayOutPlacement(int32_t* shared, int32_t N, int32_t L) {
   placed.packed_start = placed.expert_major + N * L;
   placed.delivered = placed.packed_start + N;
   placed.pair_of = reinterpret_cast<uint32_t*>(placed.delivered + N);
+  placed.row_of_pair = reinterpret_cast<int32_t*>(placed.pair_of + entries);
+  placed.row_of_source = placed.row_of_pair + entries;
   return placed;
 }
 
@@ -346,12 +350,6 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     const int32_t member = by.tokens.Div(i), token = i - member * T, row = plan.row_of[i];
     out.return_row[token * N + member] = row >= 0 ? member * R + row - plan.first_row[member] : N * R;
   }
-  // row_pairs' and to_source_major's "none" entries before any block places its rows' entries: with flags
-  // every block's flag orders them; with lines each block raises its own arrival flag after its send, on this
-  // rank alone, and every block sees them all before it places (at its end).
-  for (int32_t i = thread; i < N * R * k; i += threads) args.placed.row_pairs[i] = N * C;
-  for (int32_t i = thread; i < N * C; i += threads) args.placed.to_source_major[i] = N * C;
-
   if (tid == 0) trace.Ready();
   stamp(kPhaseReady);
 
@@ -465,7 +463,6 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   }
   __syncthreads();  // every thread's writes come before the releases; with lines, done with the plan
   if (!kLines && tid < N) StoreRelease(&args.table->control[tid]->arrived[me][blockIdx.x], epoch);
-  if (kLines && tid == 0) StoreReleaseGpu(&args.control->arrived[me][blockIdx.x], epoch);
   if (tid == 0) trace.Sent();
   stamp(kPhaseSent);
 
@@ -536,7 +533,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   }
   const int32_t weight_entry = args.with_weights ? thread : entries;
   const float first_weight = !kLines && weight_entry < entries ? weight_of(weight_entry) : 0.0f;
-  const Placement placed = LayOutPlacement(shared, N, L);
+  const Placement placed = LayOutPlacement(shared, N, L, entries);
   for (int32_t i = tid; i < blocks; i += kThreads) placed.counts[i] = 0;
   if (tid < N) {
     placed.delivered[tid] = min(max(got, 0), R);
@@ -571,6 +568,10 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   // Each valid tag's expert-major row x: its source's list is sorted by local expert, so entry j of source s
   // with expert e is row j - (where e starts in s's list) of block (e, s).
   for (int32_t x = tid; x < total; x += kThreads) placed.pair_of[x] = kNoRow;
+  for (int32_t i = tid; i < entries; i += kThreads) {
+    placed.row_of_pair[i] = NC;
+    placed.row_of_source[i] = NC;
+  }
   __syncthreads();
 #pragma unroll
   for (int u = 0; u < kTagsPerThread; ++u) {
@@ -582,10 +583,21 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
                       (placed.source_major[source * L + e] - placed.source_major[source * L]);
     const uint32_t pair = row < R ? static_cast<uint32_t>((source * R + row) * k + by.top_k.Mod(by.local.Div(tags[u])))
                                   : kNoPair;
-    if (x >= 0 && x < total) placed.pair_of[x] = static_cast<uint32_t>(entry) << 16 | pair;
+    if (x >= 0 && x < total) {
+      placed.pair_of[x] = static_cast<uint32_t>(entry) << 16 | pair;
+      if (pair != kNoPair) placed.row_of_pair[pair] = static_cast<int32_t>(x);
+      const int32_t source_row = placed.source_major[source * L] + j;  // the same row, source-major (< total)
+      if (source_row < NC) placed.row_of_source[source_row] = x;
+    }
   }
   __syncthreads();
   stamp(kPhasePlaced);
+  // row_pairs and to_source_major, each entry by one thread, from the inverses of pair_of above (the same in
+  // every block): no block writes over another's entries, so none waits for another.
+  for (int32_t i = thread; i < entries; i += threads) args.placed.row_pairs[i] = placed.row_of_pair[i];
+  for (int32_t i = thread; i < NC; i += threads) {
+    args.placed.to_source_major[i] = i < entries ? placed.row_of_source[i] : NC;
+  }
   for (int32_t i = thread; i < blocks; i += threads) args.placed.recv_counts[i] = placed.counts[i];
   for (int32_t e = thread; e < L; e += threads) {
     int32_t sum = 0;
@@ -598,12 +610,6 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     source = by.per_source.Div(list);
     j = list - source * per_source;
   };
-  // row_pairs' and to_source_major's entries of placed row x, which go over every block's "none" entries.
-  auto place_back = [&](int32_t x, uint32_t of, int32_t source, int32_t j) {
-    if ((of & kNoPair) != kNoPair) args.placed.row_pairs[of & kNoPair] = x;
-    const int32_t source_row = placed.source_major[source * L] + j;  // the same row, source-major
-    if (source_row < NC) args.placed.to_source_major[source_row] = x;
-  };
   for (int32_t x = thread; x < NC; x += threads) {
     int32_t expand = N * R, entry = entries, expert_row = NC;
     const uint32_t of = x < total ? placed.pair_of[x] : kNoRow;
@@ -615,7 +621,6 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
         entry = static_cast<int32_t>(of & kNoPair);
         expand = by.top_k.Div(entry);
       }
-      if constexpr (!kLines) place_back(x, of, source, j);  // every block's flag ordered them
     }
     args.placed.expand_rows[x] = expand;
     args.placed.pair_entry[x] = entry;
@@ -658,21 +663,6 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
       WarpTakeWireRow<Rows>(to, from, lo, hi, args.row_bytes);
     }
   }
-  if constexpr (kLines) {
-    // Every block of this rank has written its "none" entries (each raised its flag after its send): waited for
-    // after the copies, so that no block waits for the grid's slowest before its own work.
-    for (int32_t b = tid; b < static_cast<int32_t>(gridDim.x); b += kThreads) {
-      patience.AtLeast(&args.control->arrived[me][b], epoch, me);
-    }
-    __syncthreads();
-    for (int32_t x = thread; x < total; x += threads) {
-      const uint32_t of = placed.pair_of[x];
-      if (of == kNoRow) continue;
-      int32_t source, j;
-      list_entry(of, source, j);
-      place_back(x, of, source, j);
-    }
-  }
   if (profiled) {
     __syncthreads();
     stamp(kPhaseEnd);
@@ -686,7 +676,7 @@ constexpr int64_t kMostPlanBytes = (kMaxMoeDispatchPairs + 2 * kMaxRoutingExpert
                                        4 +
                                    kMaxMoeDispatchPairs * 2;
 constexpr int64_t kMostPlacementBytes = (3 * kMaxRoutingExperts + 2 * kMaxNvlinkRanks +
-                                         int64_t{kMaxNvlinkRanks} * kMaxMoeDispatchPairs) *
+                                         3 * int64_t{kMaxNvlinkRanks} * kMaxMoeDispatchPairs) *
                                         4;
 constexpr size_t kMostSharedBytes = ((kMostPlanBytes > kMostPlacementBytes ? kMostPlanBytes : kMostPlacementBytes) +
                                      15) /
