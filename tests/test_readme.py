@@ -50,16 +50,17 @@ def test_the_docs_have_programs():
 
 @pytest.mark.parametrize("path, index", DOC_PROGRAMS, ids=[f"{p}-{i}" for p, i in DOC_PROGRAMS])
 def test_docs_program_runs(path, index):
-    namespace = run_program(python_blocks(path)[index], path)
+    block = python_blocks(path)[index]
+    namespace = run_program(block, path)
     if "shuffle" in namespace:  # the first collective, as in the README
         check_first_program(namespace)
-    if "route_lax" in python_blocks(path)[index]:  # the psum ran as nx.all_reduce, with psum's result
+    if "route_lax" in block:  # the psum ran as nx.all_reduce, with psum's result
         n, layer, x = len(jax.devices()), namespace["layer"], namespace["x"]
         np.testing.assert_array_equal(np.asarray(namespace["out"]), np.full(8, 4 * n, np.float32))
         with namespace["nx"].route_lax():
             assert "ncclx_all_reduce" in jax.jit(layer).lower(x).as_text()
         assert "ncclx_all_reduce" not in jax.jit(layer).lower(x).as_text()
-    if "moe.dispatch" in python_blocks(path)[index]:  # the MoE layer: the dense layer's result, nothing dropped
+    if "moe.dispatch" in block:  # the MoE layer: the dense layer's result, nothing dropped
         np.testing.assert_allclose(np.asarray(namespace["out"]), np.asarray(namespace["dense"]), rtol=1e-5,
                                    atol=1e-5)
         np.testing.assert_array_equal(np.asarray(namespace["dropped"]), 0)

@@ -112,9 +112,9 @@ bool MoeDispatchUsesLines(const MoeDispatchArgs& args);
 int64_t MoeDispatchSlotBytes(int size, int64_t rows_per_member, int top_k, int64_t wire_row_bytes, bool with_weights);
 
 // Where the kernel can run: every block keeps the plan and the placement in shared memory (up to about 216 KiB
-// at these limits, so one block per SM; a thread holds up to N * T * k / 512 of the received tags in registers), so at most
-// kMaxMoeDispatchPairs pairs (T * k) and kMaxMoeDispatchMemberTokens (N * T), and top-k at most
-// kMaxMoeDispatchTopK. Larger calls take the chain.
+// at these limits, so one block per SM; a thread holds up to N * T * k / 512 of the received tags in
+// registers), so at most kMaxMoeDispatchPairs pairs (T * k) and kMaxMoeDispatchMemberTokens (N * T), and top-k
+// at most kMaxMoeDispatchTopK. Larger calls take the chain.
 constexpr int64_t kMaxMoeDispatchPairs = 2048;
 constexpr int64_t kMaxMoeDispatchMemberTokens = 2048;
 constexpr int kMaxMoeDispatchTopK = 32;
