@@ -43,15 +43,15 @@ enum MoeDispatchPhase : int {
   kPhaseCounted,  // pairs counted per key (within the warp-plan limits: thread 0's comparisons done)
   kPhaseSorted,   // pairs sorted by key
   kPhasePlanned,  // send rows numbered
-  kPhaseReady,    // the plan's results written
-  kPhaseSent,     // rows and flags sent
+  kPhaseSent,     // this block's rows (and with lines their list entries) stored
+  kPhaseResults,  // the plan's results written (the block's share); with flags, its flags raised
   kPhaseArrived,  // every flag seen (with lines: thread 0's counts and list entries)
   kPhasePlaced,   // received tags placed (counts, the row map)
   kPhaseEnd,      // index arrays and expert rows written
   kMoeDispatchPhases
 };
 inline constexpr const char* kMoeDispatchPhaseNames[kMoeDispatchPhases] = {"start",   "cleared", "counted", "sorted",
-                                                                           "planned", "ready",   "sent",    "arrived",
+                                                                           "planned", "sent",    "results", "arrived",
                                                                            "placed",  "end"};
 
 struct MoeDispatchArgs {

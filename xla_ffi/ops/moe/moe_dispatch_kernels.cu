@@ -327,31 +327,7 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   __syncthreads();
   stamp(kPhasePlanned);
 
-  // The plan's results, each block its share.
-  const PlanSendsResults& out = args.plan;
-  for (int32_t position = thread; position < P; position += threads) {
-    const int32_t pair = plan.sorted[position], key = plan.key[pair];
-    int32_t slot = N * C;
-    if (key < E) {
-      const int32_t member = by.local.Div(key), offset = position - plan.key_start[member * L];
-      if (offset < C) slot = member * C + offset;
-    }
-    out.order[position] = pair;
-    out.return_slot[pair] = slot;
-  }
-  for (int32_t e = thread; e < E; e += threads) out.send_counts[e] = plan.key_start[e + 1] - plan.key_start[e];
-  for (int32_t m = thread; m < N; m += threads) {
-    const int32_t sent = plan.key_start[(m + 1) * L] - plan.key_start[m * L];
-    out.dropped[m] = sent > C ? sent - C : 0;
-    out.token_counts[m] = plan.first_row[m + 1] - plan.first_row[m];
-  }
-  for (int32_t i = thread; i < S; i += threads) out.send_token[i] = plan.send_token[i];
-  for (int32_t i = thread; i < N * T; i += threads) {
-    const int32_t member = by.tokens.Div(i), token = i - member * T, row = plan.row_of[i];
-    out.return_row[token * N + member] = row >= 0 ? member * R + row - plan.first_row[member] : N * R;
-  }
   if (tid == 0) trace.Ready();
-  stamp(kPhaseReady);
 
   // ---- send: each send row's token bytes, then its suffix, to row me * R + r of its member's slots ----
   // Tag `entry` of member m's list (the entry-th of its delivered pairs, or -1).
@@ -461,10 +437,37 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
       *reinterpret_cast<int32_t*>(header) = count;
     }
   }
-  __syncthreads();  // every thread's writes come before the releases; with lines, done with the plan
+  if (profiled) __syncthreads();
+  stamp(kPhaseSent);
+
+  // The plan's results, each block its share: after the rows, which the peers wait for, and before the
+  // barrier that ends the plan's use of shared memory.
+  const PlanSendsResults& out = args.plan;
+  for (int32_t position = thread; position < P; position += threads) {
+    const int32_t pair = plan.sorted[position], key = plan.key[pair];
+    int32_t slot = N * C;
+    if (key < E) {
+      const int32_t member = by.local.Div(key), offset = position - plan.key_start[member * L];
+      if (offset < C) slot = member * C + offset;
+    }
+    out.order[position] = pair;
+    out.return_slot[pair] = slot;
+  }
+  for (int32_t e = thread; e < E; e += threads) out.send_counts[e] = plan.key_start[e + 1] - plan.key_start[e];
+  for (int32_t m = thread; m < N; m += threads) {
+    const int32_t sent = plan.key_start[(m + 1) * L] - plan.key_start[m * L];
+    out.dropped[m] = sent > C ? sent - C : 0;
+    out.token_counts[m] = plan.first_row[m + 1] - plan.first_row[m];
+  }
+  for (int32_t i = thread; i < S; i += threads) out.send_token[i] = plan.send_token[i];
+  for (int32_t i = thread; i < N * T; i += threads) {
+    const int32_t member = by.tokens.Div(i), token = i - member * T, row = plan.row_of[i];
+    out.return_row[token * N + member] = row >= 0 ? member * R + row - plan.first_row[member] : N * R;
+  }
+  __syncthreads();  // every thread's writes come before the releases; done with the plan
   if (!kLines && tid < N) StoreRelease(&args.table->control[tid]->arrived[me][blockIdx.x], epoch);
   if (tid == 0) trace.Sent();
-  stamp(kPhaseSent);
+  stamp(kPhaseResults);
 
   // ---- wait: with flags, every member's every block has written its rows here; with lines, the polls of the
   // counts and list entries below ----
