@@ -141,6 +141,9 @@ class Patience {
     return __all_sync(0xffffffffu, spins % kSpinsPerCheck != 0 || KeepWaiting(peer));
   }
 
+  // Whether this thread's waits gave up (or found the communicator aborted) during this call.
+  __device__ bool GaveUp() const { return gave_up_; }
+
  private:
   static constexpr uint32_t kSpinsPerCheck = 1024;
 

@@ -542,12 +542,14 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     placed.delivered[tid] = min(max(got, 0), R);
     if (blockIdx.x == 0) args.recv_tokens[tid] = got;
   }
-  __syncthreads();
+  // A block whose waits gave up places nothing: the tags it read are another call's, and two of them could
+  // claim one row of the inverses below (outputs are undefined then, but shared memory stays race-free).
+  const bool gave_up = __syncthreads_or(patience.GaveUp());
 #pragma unroll
   for (int u = 0; u < kTagsPerThread; ++u) {
     if (u >= held) break;
     const int32_t entry = tid + u * kThreads, source = by.per_source.Div(entry);
-    if (by.top_k.Div(entry - source * per_source) < placed.delivered[source] && tags[u] >= 0) {
+    if (!gave_up && by.top_k.Div(entry - source * per_source) < placed.delivered[source] && tags[u] >= 0) {
       atomicAdd(&placed.counts[source * L + by.local.Mod(tags[u])], 1);
     } else {
       tags[u] = -1;
