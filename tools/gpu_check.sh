@@ -32,8 +32,9 @@
 #   moe_sanitize  compute-sanitizer memcheck, then racecheck (shared-memory hazards), over the MoE kernels on
 #                 one GPU: test_moe.py's kernel cases (against the chain) and the loopback's moe_dispatch and
 #                 moe_combine cases with 2 to 8 ranks, the shapes sweep left out, and the masked layout's
-#                 kernels in loopback with 2 to 8 ranks on three routing patterns; then, under memcheck alone,
-#                 the masked kernels through XLA against the chain (minutes under the sanitizer)
+#                 kernels in loopback with 2 to 8 ranks on three routing patterns (about two minutes). Not the
+#                 masked kernels through XLA: the sanitizer process crashes there (a segfault, no report) on
+#                 cases that pass without it, and not always the same ones
 #   copy_rates    builds and runs tools/time_copy_rates.cu (dispatch's row expansion beside the device's copy
 #                 and store rates; a diagnostic, seconds)
 #   decode_signal builds and runs tools/time_decode_signal.cu (what the signal between a dispatch's senders and
@@ -101,12 +102,8 @@ run_step() {
       local single="${pytest[*]} -q -m gpu tests/test_moe.py -k kernel"
       local loopback="${pytest[*]} -q -m gpu tests/test_nvlink_loopback.py -k 'moe and not shapes'"
       local masked="${pytest[*]} -q -m gpu tests/test_moe_masked.py -k 'loopback_kernels and (random or one_expert or tight)'"
-      # Last and on its own: this process has crashed inside compute-sanitizer (a segfault, no report) while the
-      # same test passes without it and the same kernels pass it in loopback.
-      local masked_xla="${pytest[*]} -q -m gpu tests/test_moe_masked.py -k 'kernels_give and (random or tight)'"
       cmd=(bash -c "for tool in memcheck racecheck; do echo == \$tool; $sanitizer --tool \$tool $single &&
-                    $sanitizer --tool \$tool $loopback && $sanitizer --tool \$tool $masked || exit; done &&
-                    echo '== memcheck, masked kernels through XLA' && $sanitizer --tool memcheck $masked_xla") ;;
+                    $sanitizer --tool \$tool $loopback && $sanitizer --tool \$tool $masked || exit; done") ;;
     copy_rates | decode_signal)
       local nvcc
       nvcc="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
