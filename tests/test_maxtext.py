@@ -172,6 +172,17 @@ class TestRouteLax:
         assert any("jax.lax.psum runs on jax.lax" in m and "float8_e4m3fn" in m for m in messages), messages
         np.testing.assert_array_equal(got, want)
 
+    def test_an_unbound_axis_is_a_name_error_naming_op_and_axis(self):
+        """jax.lax fails on an axis no shard_map or vmap binds (jax 0.11 with a bare AssertionError); in the
+        scope the error is a NameError that names the call and the axis, raised from jax.lax's."""
+        x = jnp.arange(N, dtype=jnp.float32)
+        with nx.route_lax(), pytest.raises(NameError, match=r"jax\.lax\.psum .*axis 'y' is not bound") as info:
+            jitted(lambda v: jax.lax.psum(v, "y"))(x)
+        assert info.value.__cause__ is not None
+        with nx.route_lax():  # a bound axis inside: unchanged
+            np.testing.assert_array_equal(np.asarray(jitted(lambda v: jax.lax.psum(v, "x"))(x)),
+                                          np.full(N, x.sum()))
+
 
 @pytest.fixture(scope="module")
 def layers():

@@ -71,11 +71,11 @@ def route_lax(*, ragged_max_recv_per_peer: int | None = None):
 
     Calls jax_ncclx does not take go to ``jax.lax`` itself, each logged at INFO on the ``jax_ncclx`` logger
     with the op and the reason: ``axis_index_groups`` for a twin that does not take them, positional
-    (integer) axes, an axis not bound by an enclosing ``shard_map`` or ``vmap`` (jax.lax raises its
-    NameError), operands of which none is traced (jax.lax computes constants such as ``psum(1, axis)``
-    statically), a dtype the twin refuses, ``all_gather(to="reduced")``, a ``shard_map``
-    that leaves mesh axes of size > 1 to the compiler, and (but for reductions and all_to_all) a vmapped
-    axis in a tuple with other axes.
+    (integer) axes, an axis not bound by an enclosing ``shard_map`` or ``vmap`` (where jax.lax fails, a
+    NameError that names the op and the axis is raised from its error), operands of which none is traced
+    (jax.lax computes constants such as ``psum(1, axis)`` statically), a dtype the twin refuses,
+    ``all_gather(to="reduced")``, a ``shard_map`` that leaves mesh axes of size > 1 to the compiler, and (but
+    for reductions and all_to_all) a vmapped axis in a tuple with other axes.
 
     Nesting works (the inner scope changes nothing), and so do scopes on several threads at once: routing is
     per thread, and while any scope is open ``jax.lax``'s attributes are the wrappers, which call the
@@ -121,10 +121,19 @@ def _wrapper(name: str, original):
         call.apply_defaults()
         arguments = dict(call.arguments)
         reason = _refusal(name, arguments)
-        if reason:
-            logger.info("jax_ncclx.route_lax: jax.lax.%s runs on jax.lax, not jax_ncclx: %s", name, reason)
+        if not reason:
+            return _twin(name, arguments)
+        logger.info("jax_ncclx.route_lax: jax.lax.%s runs on jax.lax, not jax_ncclx: %s", name, reason)
+        try:
             return original(*args, **kwargs)
-        return _twin(name, arguments)
+        except Exception as error:  # jax.lax's own error for an unbound axis can be a bare AssertionError
+            unbound = _unbound_axes(arguments)
+            if not unbound:
+                raise
+            raise NameError(
+                f"jax.lax.{name} (in jax_ncclx.route_lax): axis {unbound[0]!r} is not bound by an enclosing "
+                f"shard_map or vmap; name an axis of the shard_map's mesh or a vmap's axis_name"
+            ) from error
 
     return routed
 
@@ -157,6 +166,17 @@ def _takes_groups(name: str) -> bool:
     return "axis_index_groups" in inspect.signature(_TWINS[name]).parameters
 
 
+def _axis_names(a: dict) -> tuple:
+    """The call's axis names, a tuple (its ``axis_name`` bound argument)."""
+    axis_name = a["axis_name"]
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _unbound_axes(a: dict) -> list:
+    """The call's named (not positional) axes that no enclosing shard_map or vmap binds."""
+    return [n for n in _axis_names(a) if not isinstance(n, (int, np.integer)) and not validation.is_bound(n)]
+
+
 def _refusal(name: str, a: dict) -> str | None:
     """Why jax_ncclx's twin does not take this call of ``jax.lax.<name>`` (its bound arguments), or None."""
     if a.get("axis_index_groups") is not None and not _takes_groups(name):
@@ -166,12 +186,12 @@ def _refusal(name: str, a: dict) -> str | None:
     if name == "all_gather" and a["to"] == "invarying" and a.get("axis_index_groups") is not None:
         return "to='invarying' with axis_index_groups"
     axis_name = a["axis_name"]
-    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    names = _axis_names(a)
     if not names:
         return "no axis named"
     if any(isinstance(n, (int, np.integer)) for n in names):
         return f"positional axes in axis_name={axis_name!r}"
-    unbound = [n for n in names if not validation.is_bound(n)]
+    unbound = _unbound_axes(a)
     if unbound:
         return f"axis {unbound[0]!r} is not bound by an enclosing shard_map or vmap"
     data = (a["operand"], a["output"]) if name == "ragged_all_to_all" else a["x"]
