@@ -87,7 +87,8 @@ elif mode in ("stall", "eager", "nvlink"):
         message = expect_error(mode, "NVLink call", "all_reduce", f"rank(s) {n - 1} of {n} did not arrive")
     else:
         where = "replayed from a CUDA graph" if mode == "stall" else "has not finished"
-        message = expect_error(mode, "all_reduce", where, f"of {n} (JAX_NCCLX_TIMEOUT_S)")
+        message = expect_error(mode, "all_reduce", where,
+                               f"of {n} (JAX_NCCLX_TIMEOUT_S, or JAX_NCCLX_TIMEOUT_S_<OP> for one op)")
         assert (mode == "stall") == ("replayed" in message), message
     try:
         jax.block_until_ready(f(x))

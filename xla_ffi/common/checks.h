@@ -27,6 +27,9 @@ inline ffi::Error Internal(std::string_view op, std::string_view message) {
   return ffi::Error::Internal("jax_ncclx " + std::string(op) + ": " + std::string(message));
 }
 
+// What sets a call's timeout, for the messages that report one.
+inline constexpr std::string_view kTimeoutSettings = "JAX_NCCLX_TIMEOUT_S, or JAX_NCCLX_TIMEOUT_S_<OP> for one op";
+
 inline ffi::Error DeadlineExceeded(std::string_view op, std::string_view message) {
   return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, "jax_ncclx " + std::string(op) + ": " + std::string(message));
 }

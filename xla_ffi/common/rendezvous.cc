@@ -17,6 +17,7 @@
 #include <tuple>
 #include <utility>
 
+#include "common/checks.h"
 #include "common/monitor.h"
 
 namespace jax_ncclx {
@@ -54,6 +55,7 @@ struct Round {
   int64_t num_arrived = 0;
   bool abandoned = false;  // a participant gave up waiting for arrivals; everyone else fails too
   std::string missing;     // the ranks it gave up on, for everyone else's error
+  std::string waited;      // its timeout in seconds, for the same
 };
 
 // Never destroyed: detached threads use them until the process exits.
@@ -87,8 +89,9 @@ std::string MissingRanks(const std::vector<bool>& present) {
 
 ffi::Error AbandonedError(std::string_view op, std::string_view what, const Round& round) {
   // Named as the peer that timed out saw them: a late rank that arrives afterwards is no longer missing.
-  return DeadlineExceeded(op, std::string(what) + ": abandoned because a peer timed out waiting for rank(s) " +
-                                  round.missing);
+  return DeadlineExceeded(op, std::string(what) + ": abandoned because a peer timed out after " + round.waited +
+                                  " s waiting for rank(s) " + round.missing + " (" + std::string(kTimeoutSettings) +
+                                  ")");
 }
 
 // Completes `promise` on a pool thread: completing a future runs XLA's continuation of that device's program
@@ -141,8 +144,8 @@ void WarnLate(State& state, const Warning& due) {
   state.warnings.erase(*round.warning);
   round.warning.reset();
   const std::string waiting = due.timeout.count() > 0
-                                  ? "until the timeout of " + DescribeSeconds(due.timeout.count() * 1000000) +
-                                        " (JAX_NCCLX_TIMEOUT_S; "
+                                  ? "until the timeout of " + DescribeSeconds(due.timeout.count() * 1000000) + " (" +
+                                        std::string(kTimeoutSettings) + "; "
                                   : "with no timeout (JAX_NCCLX_TIMEOUT_S=0; ";
   const std::string message = due.op + ": " + due.what + ": rank(s) " + MissingRanks(round.arrived) + " of " +
                               std::to_string(round.arrived.size()) + " have not arrived after " +
@@ -160,12 +163,13 @@ void Abandon(State& state, Round& round, const Deadline& expired) {
   round.missing = MissingRanks(round.arrived);
   char seconds[32];  // snprintf, not an ostream: the module's own libstdc++ locale is not set up
   std::snprintf(seconds, sizeof(seconds), "%g", expired.timeout.count() / 1000.0);
+  round.waited = seconds;
   for (size_t r = 0; r < round.waiting.size(); ++r) {
     if (!round.waiting[r]) continue;
     ffi::Error error = static_cast<int64_t>(r) == expired.rank
                            ? DeadlineExceeded(expired.op, expired.what + ": rank(s) " + round.missing +
-                                                              " did not arrive within " + seconds +
-                                                              " s (JAX_NCCLX_TIMEOUT_S)")
+                                                              " did not arrive within " + seconds + " s (" +
+                                                              std::string(kTimeoutSettings) + ")")
                            : AbandonedError(expired.op, expired.what, round);
     round.work[r]({});
     CompleteLater(std::move(*round.waiting[r]), std::move(error));

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <set>
 
+#include "common/checks.h"
 #include "common/monitor.h"
 #include "common/nccl_comms.h"
 #include "common/replay_watch_kernels.h"
@@ -167,7 +168,8 @@ std::string HangMessage(ReplayWatch& w, const Watched& stalled) {
                         std::string(hung.op) + ", " + DescribeCallSite(site) + "; its replay " +
                         std::to_string(hung.replays + 1) + " on this rank) has not finished " +
                         DescribeSeconds(call.timeout_ns) + " after it could start on rank " +
-                        std::to_string(call.rank) + " of " + std::to_string(call.size) + " (JAX_NCCLX_TIMEOUT_S): ";
+                        std::to_string(call.rank) + " of " + std::to_string(call.size) + " (" +
+                        std::string(kTimeoutSettings) + "): ";
   if (!never.empty()) {
     message += "rank(s) " + RankList(never) + " never reached it";
   } else if (static_cast<int>(local.size()) < call.size) {

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/checks.h"
 #include "common/nccl_comms.h"
 #include "common/replay_watch.h"
 #include "common/replay_watch_kernels.h"
@@ -70,9 +71,9 @@ std::string NvlinkFaultMessage(int64_t comm_id, const std::vector<NvlinkFaultRep
   std::string message = "NVLink call #" + std::to_string(f.epoch) + " on communicator " + std::to_string(comm_id) +
                         " (" + KernelName(f.kernel) + ", " + DescribeCallSite(f.site) + ") ";
   if (first_gave_up != nullptr) {
-    message += "timed out after " + DescribeSeconds(f.waited_ns) + " (JAX_NCCLX_TIMEOUT_S): rank(s) " +
-               RankList(missing) + " of " + std::to_string(shown->size) + " did not arrive (seen by rank " +
-               std::to_string(shown->rank) + "); the communicator is aborted";
+    message += "timed out after " + DescribeSeconds(f.waited_ns) + " (" + std::string(kTimeoutSettings) +
+               "): rank(s) " + RankList(missing) + " of " + std::to_string(shown->size) +
+               " did not arrive (seen by rank " + std::to_string(shown->rank) + "); the communicator is aborted";
   } else {
     message += "was aborted on rank " + std::to_string(shown->rank) + " of " + std::to_string(shown->size) +
                " because rank " + std::to_string(static_cast<int>(f.aborted_by) - 1) + " timed out waiting for " +
@@ -217,7 +218,7 @@ std::string HangMessage(Watchdog& w, const WatchedCall& hung, const std::string&
                              ? "has not finished " + DescribeSeconds(hung.timeout_ns) + " after it could start"
                              : "was ended by NCCL (" + nccl_error + ": a peer aborted or died)") +
                         " on rank " + std::to_string(hung.rank) + " of " + std::to_string(hung.size) +
-                        (nccl_error.empty() ? " (JAX_NCCLX_TIMEOUT_S): " : ": ");
+                        (nccl_error.empty() ? " (" + std::string(kTimeoutSettings) + "): " : ": ");
   bool elsewhere = false;
   message += MissingFrom(w, hung, "did not complete", &elsewhere);
   if (elsewhere) w.unnamed.emplace(hung.comm_id, hung.sequence);
@@ -237,8 +238,8 @@ std::string LateWarning(Watchdog& w, const WatchedCall& call, int64_t waited_ns,
          (queueing ? "is still being queued by NCCL (connection set-up waits for the peers) " : "has not finished ") +
          DescribeSeconds(call.warn_ns) + " after it could start on rank " + std::to_string(call.rank) + " of " +
          std::to_string(call.size) + ": " + MissingFrom(w, call, "has not completed", &elsewhere, nvlink) +
-         "; still waiting, until the timeout of " + DescribeSeconds(call.timeout_ns) +
-         " (JAX_NCCLX_TIMEOUT_S; JAX_NCCLX_WARN_AFTER_S sets when this is printed)";
+         "; still waiting, until the timeout of " + DescribeSeconds(call.timeout_ns) + " (" +
+         std::string(kTimeoutSettings) + "; JAX_NCCLX_WARN_AFTER_S sets when this is printed)";
 }
 
 // One pass over the watched calls. A rank's calls run in order on its stream, so only the oldest unfinished
