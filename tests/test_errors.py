@@ -1,6 +1,10 @@
 """Misuse gets a clear error at trace time; a peer that never arrives gets a timeout naming it."""
 
+import logging
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -236,6 +240,26 @@ def test_bad_timeout_setting(monkeypatch, value):
     with pytest.raises(ValueError, match=rf"JAX_NCCLX_TIMEOUT_S='{value}' is not valid: it must be a number of "
                                          r"seconds from 0 to 1e\+09"):
         config.current()
+
+
+def test_a_bad_setting_fails_the_import():
+    """The environment is read once at import: a bad value fails there, naming its variable."""
+    env = dict(os.environ, JAX_NCCLX_TRANSPORT="nvlnk", PYTHONPATH=os.pathsep.join(sys.path))  # this jax_ncclx
+    run = subprocess.run([sys.executable, "-c", "import jax_ncclx"], env=env, capture_output=True, text=True)
+    assert run.returncode != 0 and "JAX_NCCLX_TRANSPORT='nvlnk' is not valid: it must be one of" in run.stderr
+
+
+def test_a_misspelled_variable_is_a_warning_naming_the_nearest(monkeypatch, caplog):
+    from jax_ncclx._src import config
+
+    monkeypatch.setenv("JAX_NCCLX_TRANSPOR", "nccl")
+    monkeypatch.setenv("JAX_NCCLX_CUDA", "OFF")  # a build variable: no warning
+    with caplog.at_level(logging.WARNING, logger="jax_ncclx"):
+        config.current()
+        config.current()  # once per name
+    warnings = [r.getMessage() for r in caplog.records if "is not a jax_ncclx variable" in r.getMessage()]
+    assert warnings == ["JAX_NCCLX_TRANSPOR is not a jax_ncclx variable and is ignored; did you mean "
+                        "JAX_NCCLX_TRANSPORT? (docs/configuration.md lists them)"], warnings
 
 
 @pytest.mark.parametrize("value, timeout_ms", [("0.0004", 1), ("0.0015", 2), ("2.5", 2500)])

@@ -105,8 +105,10 @@ class _Reads(ast.NodeVisitor):
     def visit_Call(self, node):
         name = node.func.id if isinstance(node.func, ast.Name) else None
         arg = node.args[0] if node.args else None
-        if name and isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) and arg.func.attr == "get":
-            node, arg = arg, arg.args[0] if arg.args else None  # parse_faults(os.environ.get("JAX_NCCLX_FAULT", ""))
+        reader = getattr(arg.func, "id", getattr(arg.func, "attr", "")) if isinstance(arg, ast.Call) else ""
+        reads_env = reader in ("get", "_env")
+        if name and reads_env:
+            node, arg = arg, arg.args[0] if arg.args else None  # parse_faults(_env("JAX_NCCLX_FAULT", ""))
         value = self.constant(arg) if arg is not None else None
         if value and value.startswith("JAX_NCCLX_") and not value.endswith("_"):
             self.reads.append((value, name, node))

@@ -1,10 +1,14 @@
 """Process-wide settings of jax_ncclx, read from ``JAX_NCCLX_*`` environment variables.
 
 The variables are read when a collective is lowered (compiled), so a test or a program can change them between
-compilations; a bad value raises at once with the variable's name and what it accepts.
+compilations; a bad value raises at once with the variable's name and what it accepts. They are also read once at
+import, so that a bad value in the environment fails there; a ``JAX_NCCLX_*`` name that is no variable (a typo)
+is logged as a warning, with the nearest variable's name, once per name.
 """
 
 import dataclasses
+import difflib
+import logging
 import math
 import os
 import re
@@ -222,9 +226,33 @@ TRANSPORTS = ("auto", "nvlink", "nccl")
 
 _MAX_TIMEOUT_S = 1e9  # about 32 years, and its nanoseconds still fit the watchdog's uint64
 
+# Read by the build (CMake through pip), not at run time.
+BUILD_VARIABLES = ("JAX_NCCLX_CUDA", "JAX_NCCLX_CUDA_ARCHITECTURES", "JAX_NCCLX_TESTING")
+_known_names: set[str] = set(BUILD_VARIABLES)  # grows with every variable current() reads
+_warned_names: set[str] = set()
+logger = logging.getLogger("jax_ncclx")
+
+
+def _env(name: str, default=None):
+    """os.environ.get(name, default), with `name` recorded as a variable of jax_ncclx."""
+    _known_names.add(name)
+    return os.environ.get(name, default)
+
+
+def _warn_unknown_names() -> None:
+    """Logs each JAX_NCCLX_* name in the environment that is no variable (once), with the nearest one."""
+    for name in os.environ:
+        if (not name.startswith("JAX_NCCLX_") or name.startswith(_TIMEOUT_PREFIX) or name in _known_names
+                or name in _warned_names):
+            continue
+        _warned_names.add(name)
+        nearest = difflib.get_close_matches(name, sorted(_known_names), n=1)
+        logger.warning("%s is not a jax_ncclx variable and is ignored%s (docs/configuration.md lists them)", name,
+                       f"; did you mean {nearest[0]}?" if nearest else "")
+
 
 def _seconds(name: str, default: float, zero: str = "no timeout") -> float:
-    raw = os.environ.get(name)
+    raw = _env(name)
     if raw is None or raw == "":
         return default
     try:
@@ -238,7 +266,7 @@ def _seconds(name: str, default: float, zero: str = "no timeout") -> float:
 
 
 def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
-    raw = os.environ.get(name, "")
+    raw = _env(name, "")
     value = raw.strip().lower() or default
     if value not in choices:
         raise ValueError(f"{name}={raw!r} is not valid: it must be one of {', '.join(choices)}")
@@ -246,7 +274,7 @@ def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
 
 
 def _non_negative_int(name: str, default):
-    raw = os.environ.get(name, "")
+    raw = _env(name, "")
     if raw.strip() == "":
         return default
     try:
@@ -365,7 +393,7 @@ def _op_timeouts() -> tuple[tuple[str, float], ...]:
 def current() -> Config:
     """The settings in force now, from the environment."""
     op_timeouts = _op_timeouts()
-    return Config(
+    settings = Config(
         timeout_s=_seconds("JAX_NCCLX_TIMEOUT_S", Config.timeout_s),
         op_timeouts_s=op_timeouts,
         warn_after_s=_seconds("JAX_NCCLX_WARN_AFTER_S", Config.warn_after_s, zero="no warning"),
@@ -381,7 +409,7 @@ def current() -> Config:
                                                   Config.nvlink_direct_min_bytes),
         trace=_choice("JAX_NCCLX_TRACE", "0", ("0", "1", "device")) == "1",
         trace_device=_choice("JAX_NCCLX_TRACE", "0", ("0", "1", "device")) != "0",
-        faults=parse_faults(os.environ.get("JAX_NCCLX_FAULT", "")),
+        faults=parse_faults(_env("JAX_NCCLX_FAULT", "")),
         checksum=_choice("JAX_NCCLX_CHECKSUM", "0", ("0", "1")) == "1",
         init_ranks_per_root=_non_negative_int("JAX_NCCLX_INIT_RANKS_PER_ROOT", Config.init_ranks_per_root),
         init_max_roots=_non_negative_int("JAX_NCCLX_INIT_MAX_ROOTS", Config.init_max_roots),
@@ -390,3 +418,8 @@ def current() -> Config:
         nccl_max_ctas=_non_negative_int("JAX_NCCLX_NCCL_MAX_CTAS", Config.nccl_max_ctas),
         warn_drops=_choice("JAX_NCCLX_WARN_DROPS", "0", ("0", "1")) == "1",
     )
+    _warn_unknown_names()
+    return settings
+
+
+current()  # at import: a bad value in the environment fails here, naming its variable
