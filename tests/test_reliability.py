@@ -6,6 +6,7 @@ by the watchdog (NCCL), and the host reports it through ``nx.check_errors()`` an
 """
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -100,6 +101,17 @@ def test_skipped_rank_is_named(line, monkeypatch):
     started = time.monotonic()
     expect_fault(line, f, (jnp.ones((line.size, 4)),), rf"rank\(s\) {last}\b")
     assert time.monotonic() - started < 60
+
+
+def test_a_fault_past_the_ranks_is_a_warning(line, monkeypatch, caplog):
+    """A fault whose rank the call's communicator lacks never applies: the lowering says so, and the call runs."""
+    monkeypatch.setenv("JAX_NCCLX_FAULT", f"skip:rank={line.size + 5},seq=0")
+    f = per_shard(line, lambda v: nx.all_reduce(v, "x"))
+    with caplog.at_level(logging.WARNING, logger="jax_ncclx"):
+        out = jax.block_until_ready(f(jnp.ones((line.size, 4))))
+    np.testing.assert_array_equal(np.asarray(out), line.size)
+    assert any(f"names rank {line.size + 5}, but all_reduce's communicator has ranks 0 to {line.size - 1}"
+               in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
 def test_message_names_op_sequence_and_axis(line, monkeypatch):

@@ -180,6 +180,7 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, alias
     _check_results_fit(op, avals_out, platform, None if platform == "cpu" else mesh_devices[0])
     trace.register_call_site(module, site, site_info)
     faults.install(module, settings.faults)
+    faults.warn_past_ranks(settings.faults, len(groups[0]), op)
     lowered = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases or None)(
         ctx.replace(avals_in=avals_in, avals_out=avals_out), *operands, **op_attrs)
     return lowered[: len(ctx.avals_out)]
