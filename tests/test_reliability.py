@@ -503,6 +503,28 @@ def test_merge_tool_names_the_rank_that_never_started(line, monkeypatch, tmp_pat
     assert next(e for e in report if e["seq"] == seq)["never_started"] == [skipped]
 
 
+def test_summary_counts_a_timed_out_call_as_failed(monkeypatch):
+    """CPU: the members that waited in vain end failed, left out of the percentiles; the skipped one never
+    started. A call that completes counts as done."""
+    monkeypatch.setenv("JAX_NCCLX_TRACE", "1")
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:4]), ("x",))
+    f = per_shard(mesh, lambda v: nx.all_reduce(v, "x"))
+    nx.shutdown()  # call numbers from 0 on these devices
+    nx.trace.reset()
+    monkeypatch.setenv("JAX_NCCLX_TIMEOUT_S", "0.2")
+    monkeypatch.setenv("JAX_NCCLX_FAULT", "skip:rank=3,seq=1")
+    jax.block_until_ready(f(jnp.ones((4, 4))))
+    with pytest.raises(Exception, match="DEADLINE_EXCEEDED"):
+        jax.block_until_ready(f(jnp.ones((4, 4))))
+    calls = nx.trace.records()
+    assert sorted((c["seq"], c["rank"], c["failed"]) for c in calls if c["start_ns"]) == \
+        [(0, r, False) for r in range(4)] + [(1, r, True) for r in range(3)], calls
+    summary = nx.trace.summary(calls)["all_reduce/cpu/rendezvous"]
+    assert (summary["calls"], summary["unfinished"], summary["failed"]) == (8, 1, 3), summary
+    assert summary["max_us"] < 200_000, summary  # the percentiles are the finished call's, not the timeout's
+    nx.shutdown()
+
+
 def test_merge_takes_a_dump_file_its_json_or_its_part(monkeypatch, tmp_path):
     monkeypatch.setenv("JAX_NCCLX_TRACE", "1")
     mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:4]), ("x",))

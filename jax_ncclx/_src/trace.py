@@ -64,6 +64,7 @@ def _describe(r: dict, on_gpu: bool, device_ids: dict[int, int]) -> dict:
                 bytes=info.get("bytes"), dtype=info.get("dtype"), transport=info.get("transport"),
                 algorithm=info.get("algorithm"), enqueue_ns=r["enqueue_ns"], start_ns=r["start_ns"],
                 arrive_ns=r["arrive_ns"], end_ns=r["end_ns"],
+                failed=None if on_gpu else bool(r["end_ns"] and not r["arrive_ns"]),  # CPU: its round abandoned
                 injected=contract.FAULT_KINDS[injected] if injected >= 0 else None, site=r["site"], comm=r["comm"])
 
 
@@ -74,8 +75,10 @@ def records() -> list[dict]:
     ``rank`` (in the group), ``size``, ``process``, ``host``, ``device``, ``bytes`` / ``dtype`` of the
     operand, ``transport`` ("nvlink", "nccl" or "cpu"), ``algorithm``, ``enqueue_ns``, ``start_ns``,
     ``arrive_ns`` (CPU), ``end_ns`` (0: not reached, e.g. a call still running or that never started),
-    ``injected`` (the fault injected into the call, or None), ``site`` and ``comm``. Reading a GPU call's times
-    needs its CUDA events to have completed; calls still running read as not ended.
+    ``failed`` (CPU: True for a call that ended without its peers, a timeout; None on GPU, where
+    :func:`jax_ncclx.check_errors` reports failures), ``injected`` (the fault injected into the call, or
+    None), ``site`` and ``comm``. Reading a GPU call's times needs its CUDA events to have completed; calls
+    still running read as not ended.
     """
     device_ids = None
     for module, on_gpu in ((lib.cpu_module(), False), (lib.cuda_module_if_available(), True)):
@@ -108,9 +111,10 @@ def summary(calls: list[dict] | None = None) -> dict[str, dict]:
       calls: the records to summarize (as :func:`records` returns them); None: :func:`records` itself.
 
     Returns:
-      ``{"all_reduce/nvlink/one_shot": {"calls", "unfinished", "p50_us", "p90_us", "p99_us", "max_us",
-      "queue_p50_us"}, ...}``: percentiles of end - start (µs), calls that never ended, and the median time
-      from the handler queueing the call to its start (on GPU, the work ahead of it on the stream).
+      ``{"all_reduce/nvlink/one_shot": {"calls", "unfinished", "failed", "p50_us", "p90_us", "p99_us",
+      "max_us", "queue_p50_us"}, ...}``: percentiles of end - start (µs) over the calls that finished, calls
+      that never ended, calls that ended failed (CPU; left out of the percentiles), and the median time from
+      the handler queueing the call to its start (on GPU, the work ahead of it on the stream).
     """
     calls = records() if calls is None else calls
     by_op: dict[str, list[dict]] = {}
@@ -118,8 +122,9 @@ def summary(calls: list[dict] | None = None) -> dict[str, dict]:
         by_op.setdefault(f"{c['op']}/{c['transport']}/{c['algorithm']}", []).append(c)
     out = {}
     for key, group in sorted(by_op.items()):
-        done = [c for c in group if c["start_ns"] and c["end_ns"] >= c["start_ns"]]
-        entry = dict(calls=len(group), unfinished=len(group) - len(done))
+        ended = [c for c in group if c["start_ns"] and c["end_ns"] >= c["start_ns"]]
+        done = [c for c in ended if not c.get("failed")]
+        entry = dict(calls=len(group), unfinished=len(group) - len(ended), failed=len(ended) - len(done))
         if done:
             entry.update(_percentiles([c["end_ns"] - c["start_ns"] for c in done]))
             entry["queue_p50_us"] = statistics.median((c["start_ns"] - c["enqueue_ns"]) / 1e3 for c in done)
