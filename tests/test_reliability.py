@@ -525,7 +525,7 @@ def test_summary_counts_a_timed_out_call_as_failed(monkeypatch):
     nx.shutdown()
 
 
-def test_merge_takes_a_dump_file_its_json_or_its_part(monkeypatch, tmp_path):
+def test_merge_takes_a_dump_file_its_json_or_its_part(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("JAX_NCCLX_TRACE", "1")
     mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:4]), ("x",))
     nx.trace.reset()
@@ -535,6 +535,9 @@ def test_merge_takes_a_dump_file_its_json_or_its_part(monkeypatch, tmp_path):
     merged = nx.trace.merge([path])
     assert [(e["op"], e["ranks"], e["never_started"]) for e in merged] == [("all_reduce", 4, [])]
     assert nx.trace.merge([whole]) == nx.trace.merge([whole["jax_ncclx"]]) == merged
+    with caplog.at_level(logging.WARNING, logger="jax_ncclx"):
+        nx.trace.merge([path, path])  # one dump twice: each rank's call twice
+    assert any("hold two records of one rank" in r.getMessage() for r in caplog.records), caplog.records
     with pytest.raises(TypeError, match="trace.merge: expected a file written by jax_ncclx.trace.dump"):
         nx.trace.merge([{"traceEvents": []}])
 

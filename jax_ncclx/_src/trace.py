@@ -176,6 +176,9 @@ def merge(dumps: list) -> list[dict]:
       ``slowest_rank`` (the last to end), ``late_rank`` (the last to start), ``start_spread_us`` (last start -
       first start) and ``duration_us`` (first start to last end).
 
+    A rank recorded twice for one collective (dumps of different runs, or one dump given twice) is logged as
+    a warning.
+
     Raises:
       TypeError: an entry that is none of the three.
     """
@@ -183,6 +186,11 @@ def merge(dumps: list) -> list[dict]:
     for d in dumps:
         for c in _recorded_calls(d):
             calls.setdefault((tuple(c["group"]), c["seq"]), []).append(c)
+    twice = sorted(key for key, seen in calls.items() if len({c["rank"] for c in seen}) < len(seen))
+    if twice:  # one rank's call recorded more than once: not dumps of one run
+        logger.warning("jax_ncclx.trace.merge: %d collective(s) hold two records of one rank (first: group %s, seq "
+                       "%d): the dumps are of different runs, or one was given twice", len(twice), list(twice[0][0]),
+                       twice[0][1])
     out = []
     for (group, seq), seen in sorted(calls.items()):
         size = max(len(group), max(c["size"] for c in seen))
