@@ -4,6 +4,8 @@ that overlap in the operand (to several peers and within one), calls the jax.lax
 (memory safe, as documented), small capacities, dtypes and row shapes, grad, vmap, global view and bad
 arguments."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -197,6 +199,32 @@ def test_rows_past_the_capacity_are_not_written(backend, capacity, overlapping):
     mesh, n = line(backend), len(backend)
     call = overlapping_call(n, 2, 7, False) if overlapping else valid_call(n, 2, 7)
     check(mesh, *inputs(n, jnp.float32, (3,), 7), call, capacity=capacity)
+
+
+def test_warn_drops_names_the_member(monkeypatch, caplog):
+    """JAX_NCCLX_WARN_DROPS=1 logs the rows each member dropped past max_recv_per_peer, per destination; none
+    when nothing drops or when the variable is unset."""
+    mesh = line(jax.devices("cpu")[:2])
+    sizes = np.asarray([[3, 1], [0, 2]], np.int32)  # member 0 sends 3 rows to 0 and 1 to 1; member 1 2 to 1
+    zeros = np.zeros((2, 2), np.int32)
+    args = (jnp.ones((2, 4, 3)), jnp.zeros((2, 4, 3)), zeros, sizes, zeros, sizes.T.copy())
+
+    def run(capacity):
+        jax.block_until_ready(ragged(mesh, capacity)(*args))
+        jax.effects_barrier()
+
+    with caplog.at_level(logging.WARNING, logger="jax_ncclx"):
+        run(capacity=1)  # unset: no warning
+        monkeypatch.setenv("JAX_NCCLX_WARN_DROPS", "1")
+        run(capacity=3)  # nothing drops
+        assert not [r for r in caplog.records if "dropped" in r.getMessage()]
+        run(capacity=1)
+    messages = sorted(r.getMessage() for r in caplog.records if "dropped" in r.getMessage())
+    assert messages == [
+        "jax_ncclx.ragged_all_to_all: member 0 dropped 2 rows past capacity 1 (max_recv_per_peer); per destination "
+        "member: [2, 0]",
+        "jax_ncclx.ragged_all_to_all: member 1 dropped 1 rows past capacity 1 (max_recv_per_peer); per destination "
+        "member: [0, 1]"], messages
 
 
 def test_overlapping_landings_keep_the_later_slice(backend):

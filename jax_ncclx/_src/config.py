@@ -102,9 +102,10 @@ class Config:
         on H200). NCCL allocates a few KiB per channel at init, each in its own 2 MiB cuMem granule, so an idle
         communicator holds about 6 MiB per channel: fewer channels make it leaner, at the cost of NCCL's
         bandwidth on large messages (docs/performance.md, "Start-up and memory").
-      warn_drops: ``jax_ncclx.moe.dispatch`` calls traced from now on log a warning from the host whenever a
-        member drops pairs past ``capacity``, naming the member and the count per destination
-        (``JAX_NCCLX_WARN_DROPS=1``; default 0: drops are counted in ``handle.dropped`` only). A host callback
+      warn_drops: ``jax_ncclx.moe.dispatch`` and ``ragged_all_to_all`` calls traced from now on log a warning
+        from the host whenever a member drops pairs or rows past ``capacity`` / ``max_recv_per_peer``, naming
+        the member and the count per destination (``JAX_NCCLX_WARN_DROPS=1``; default 0: moe's drops are
+        counted in ``handle.dropped`` only, ragged_all_to_all's nowhere). A host callback
         per call: for finding a capacity, not for production runs.
     """
 

@@ -5,6 +5,7 @@ forgotten with them (``comm.destroy_all``).
 """
 
 import atexit
+import functools
 import hashlib
 import json
 import logging
@@ -12,6 +13,7 @@ import threading
 import time
 
 import jax
+import numpy as np
 
 from jax_ncclx._src import checksum
 from jax_ncclx._src import comm
@@ -205,3 +207,17 @@ def _forget() -> None:
 
 comm._on_destroy.append(_forget)
 comm._on_register.append(_start_progress_publisher)
+
+
+def warn_drops(op: str, dropped, axis_name, *, capacity: int, unit: str, detail: str = ""):
+    """``JAX_NCCLX_WARN_DROPS=1`` (the caller checks it): a host callback that logs one warning per member that
+    dropped anything past ``capacity``, with ``dropped`` int ``[..., N]`` per destination member."""
+    jax.debug.callback(functools.partial(_log_drops, op=op, capacity=capacity, unit=unit, detail=detail),
+                       dropped, jax.lax.axis_index(axis_name))
+
+
+def _log_drops(dropped, member, *, op, capacity, unit, detail):
+    dropped, member = np.asarray(dropped), np.asarray(member)
+    if dropped.any():
+        logger.warning("jax_ncclx.%s: member %s dropped %d %s past capacity %d%s; per destination member: %s", op,
+                       member.tolist(), int(dropped.sum()), unit, capacity, detail, dropped.tolist())

@@ -33,7 +33,7 @@ def all_gather(x, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bo
         as ``jax.lax.axis_index`` of the tuple).
       axis_index_groups: as in ``jax.lax.all_gather`` (static): groups of one size G that cover the axis once;
         each gathers only its members' arrays (N = G below). Run over the whole axis, then kept to the group,
-        so it moves N / G times the bytes of a gather within the group (``_src/axis_groups.py``).
+        so it moves N / G times the bytes of a gather within the group (docs/api.md, "Groups").
       axis: where the gathered dimension goes in the result (static; negative counts from the end).
       tiled: if False the result has a new dimension of size N at ``axis``; if True the members' arrays are
         concatenated along the existing dimension ``axis`` (static).

@@ -40,7 +40,7 @@ def all_reduce(x, axis_name, op: str = "sum", *, axis_index_groups=None):
         divided by the group's size N, so integers and booleans give float32 (float64 under x64).
       axis_index_groups: as in ``jax.lax.psum`` (static): groups of axis indices that cover the axis once, each
         reduced on its own. Run over the whole axis (an all_gather of every member's array, then a local
-        reduction), so it moves N times the bytes of the plain op (``_src/axis_groups.py``).
+        reduction), so it moves N times the bytes of the plain op (docs/api.md, "Groups").
 
     Returns:
       An array of ``x``'s shape and dtype (int32 for a sum of booleans), the same bits on every member of the

@@ -37,7 +37,7 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, axis_index_gr
       concat_axis: where the received blocks go (static).
       axis_index_groups: as in ``jax.lax.all_to_all`` (static): groups of one size G that cover the axis once;
         each exchanges among its own members (N = G here). Run over the whole axis with zero blocks for the
-        other groups, so it moves N / G times the bytes (``_src/axis_groups.py``).
+        other groups, so it moves N / G times the bytes (docs/api.md, "Groups").
       tiled: False: ``split_axis`` is removed and a new dimension of size N is inserted at ``concat_axis``;
         True: the blocks are concatenated along the existing ``concat_axis`` (static).
 

@@ -74,7 +74,9 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
       the rows this member asked to send to each peer that did not arrive. The counts are walked peer by
       peer, chunk by chunk: a negative count sends nothing (its magnitude counts as dropped), counts that run
       past the S send rows are cut at the end, and each peer takes at most C rows from this member; so any
-      nonzero ``dropped`` flags overflow or bad counts, and no count writes out of bounds.
+      nonzero ``dropped`` flags overflow or bad counts, and no count writes out of bounds. Each peer's rows
+      start in x at the sum of the earlier non-negative counts as given: a count cut at C does not move the
+      next peer's rows.
 
     Differentiable in x and the suffix (the VJP sends cotangents back to the rows they came from, at the cost
     of one extra exchange of counts, and sums them over the send rows that read one row of x) and vmap-able

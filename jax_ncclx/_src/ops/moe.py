@@ -43,6 +43,7 @@ import numpy as np
 from jax_ncclx._src import compat
 from jax_ncclx._src import config
 from jax_ncclx._src import contract
+from jax_ncclx._src import health
 from jax_ncclx._src import primitive
 from jax_ncclx._src import validation
 from jax_ncclx._src.ops import moe_combine
@@ -228,18 +229,9 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
         outputs = _dispatch(tokens, weights[0] if weights else None, expert_ids, int(num_experts), axis_name,
                             int(capacity), wire_dtype)
     if config.current().warn_drops:
-        jax.debug.callback(functools.partial(_warn_drops, capacity=int(capacity), layout=layout),
-                           outputs[2].dropped, jax.lax.axis_index(axis_name))
+        health.warn_drops("moe.dispatch", outputs[2].dropped, axis_name, capacity=int(capacity),
+                          unit="(token, choice) pairs", detail=f" ({layout} layout)")
     return outputs
-
-
-def _warn_drops(dropped, member, *, capacity, layout):
-    """JAX_NCCLX_WARN_DROPS=1: one warning per member that dropped pairs (``dropped`` [..., N], any batch)."""
-    dropped, member = np.asarray(dropped), np.asarray(member)
-    if dropped.any():
-        logger.warning("jax_ncclx.moe.dispatch: member %s dropped %d (token, choice) pairs past capacity %d (%s "
-                       "layout); per destination member: %s", member.tolist(), int(dropped.sum()), capacity,
-                       layout, dropped.tolist())
 
 
 def combine(expert_out, handle, weights=None):

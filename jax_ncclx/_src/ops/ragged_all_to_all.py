@@ -36,6 +36,7 @@ from jax_ncclx._src import all_to_allv_plan
 from jax_ncclx._src import axis_groups
 from jax_ncclx._src import config
 from jax_ncclx._src import global_view
+from jax_ncclx._src import health
 from jax_ncclx._src import lowering
 from jax_ncclx._src import primitive
 from jax_ncclx._src import validation
@@ -66,12 +67,14 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
       axis_name: the mesh axis, or a tuple of axes taken as one (static).
       axis_index_groups: as in ``jax.lax`` (static): groups of axis indices, all of one size G, that cover the
         axis once, each exchanging on its own; the four arrays are then ``[G * K]``, slice i going to the
-        group's member ``i // K``. Run over the whole axis with nothing sent to other groups
-        (``_src/axis_groups.py``), so the tables below are ``N * C`` long all the same.
+        group's member ``i // K``. Run over the whole axis with nothing sent to other groups (docs/api.md,
+        "Groups"), so the tables below are ``N * C`` long all the same.
       max_recv_per_peer: C, the most rows this member takes from one peer, all its slices together (static
-        int >= 0; default O, which no valid call exceeds). It sizes the int32 ``[N * C]`` send rows and place
-        table, the NVLink staging slots (ranks in other processes) and the NCCL path's ``[N, C, ...]``
-        buffers: a smaller C saves memory where the rows from one peer are known to be fewer.
+        int >= 0; default O, enough unless one peer's slices overlap in the result). It sizes the int32
+        ``[N * C]`` send rows and place table, the NVLink staging slots (ranks in other processes) and the
+        NCCL path's ``[N, C, ...]`` buffers: a smaller C saves memory where the rows from one peer are known
+        to be fewer. Rows past it are dropped without an error (below); ``JAX_NCCLX_WARN_DROPS=1`` logs each
+        call that drops, per member and destination.
 
     Returns:
       ``[O, ...]`` with output's dtype.
@@ -110,8 +113,6 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     peers = size if groups is None else len(groups[0])
     slices, capacity = _check(*args, peers=peers, grouped=groups is not None, max_recv_per_peer=max_recv_per_peer)
     num_rows, out_rows = jnp.shape(operand)[0], jnp.shape(output)[0]
-    if not slices or not capacity or not out_rows:  # static on every member: nothing can land
-        return output
 
     def per_member(values):
         """int32 ``[N, K]`` from this member's ``[G * K]`` (its group's members, in group order): zeros for
@@ -119,7 +120,13 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
         values = validation.as_int32(values).reshape(peers, slices)
         return values if groups is None else axis_groups.spread_blocks(values, groups, axis_name)
 
-    sizes = _peer_sizes(per_member(send_sizes), capacity)
+    asked = per_member(send_sizes)
+    sizes = _peer_sizes(asked, capacity)
+    if config.current().warn_drops and slices:
+        health.warn_drops(_OP, jnp.maximum(asked, 0).sum(axis=1) - sizes.sum(axis=1), axis_name, capacity=capacity,
+                          unit="rows", detail=" (max_recv_per_peer)")
+    if not slices or not capacity or not out_rows:  # static on every member: nothing can land
+        return output
     send_rows = _send_rows(per_member(input_offsets).reshape(-1), sizes.reshape(-1), num_rows, size * capacity)
     # What each source sends this member, slice by slice, and where it lands: one all_to_all of [N, 2K].
     theirs = all_to_all(jnp.concatenate([sizes, per_member(output_offsets)], axis=1), axis_name, 0, 0, tiled=True)

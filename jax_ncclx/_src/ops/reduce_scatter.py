@@ -38,7 +38,7 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, axis_index_group
       scatter_dimension: the dimension split into N blocks (static).
       axis_index_groups: as in ``jax.lax.psum_scatter`` (static): groups of one size G that cover the axis
         once; each sums and scatters among its own members (N = G above). Run as an all_to_all over the whole
-        axis with zeros for the other groups, so it moves N / G times the bytes (``_src/axis_groups.py``).
+        axis with zeros for the other groups, so it moves N / G times the bytes (docs/api.md, "Groups").
       tiled: if False the scattered dimension is removed; if True it shrinks to ``shape // N`` (static).
 
     Returns:
