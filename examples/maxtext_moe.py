@@ -13,7 +13,7 @@ input and every weight. Runs on every GPU there is (with one GPU the expert axis
 layer makes no all-to-all, so only the two paths' agreement is checked), otherwise, or with
 ``--platform cpu``, on 8 virtual CPU devices:
 
-    pip install -r requirements-maxtext.txt --no-deps   # MaxText and what its moe.py imports
+    .venv/bin/pip install --no-deps -r requirements-maxtext.txt   # MaxText and what its moe.py imports
     JAX_NCCLX_TIMEOUT_S=20 python examples/maxtext_moe.py [--platform cpu] [--seq 16] [--decode-tokens 4]
 
 Prints the largest absolute error of the output and of the gradients at each shape, and PASSED (exit code 0)

@@ -3,6 +3,7 @@
 import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -247,6 +248,42 @@ def test_a_bad_setting_fails_the_import():
     env = dict(os.environ, JAX_NCCLX_TRANSPORT="nvlnk", PYTHONPATH=os.pathsep.join(sys.path))  # this jax_ncclx
     run = subprocess.run([sys.executable, "-c", "import jax_ncclx"], env=env, capture_output=True, text=True)
     assert run.returncode != 0 and "JAX_NCCLX_TRANSPORT='nvlnk' is not valid: it must be one of" in run.stderr
+
+
+TWO_CPU_PROCESSES = """
+import sys
+import jax
+jax.config.update("jax_num_cpu_devices", 1)
+jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+import numpy as np
+import jax_ncclx as nx
+from jax.sharding import NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((2,), ("x",))
+x = jax.make_array_from_callback((2, 3), NamedSharding(mesh, P("x")), lambda i: np.ones((1, 3), np.float32))
+psum = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+with nx.route_lax():
+    print("routed", np.asarray(psum(x).addressable_shards[0].data).ravel().tolist(), flush=True)
+try:
+    jax.jit(jax.shard_map(lambda v: nx.all_reduce(v, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))(x)
+except Exception as error:
+    print("refused", error, flush=True)
+"""
+
+
+def test_cpu_collectives_across_processes_are_refused_at_compile_time(tmp_path):
+    """On CPU the rendezvous is in-process: a group spanning two processes is refused when compiled (it would
+    wait for peers until the timeout), and route_lax leaves jax.lax's collectives on jax.lax there."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), XLA_FLAGS="", JAX_PLATFORMS="cpu",
+               JAX_NCCLX_TIMEOUT_S="20")
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_CPU_PROCESSES, address, str(i)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    for out in outputs:
+        assert "routed [2.0, 2.0, 2.0]" in out, out
+        assert "refused jax_ncclx.all_reduce: on CPU the collectives run within one process" in out, out
 
 
 def test_a_misspelled_variable_is_a_warning_naming_the_nearest(monkeypatch, caplog):

@@ -126,6 +126,7 @@ def _lower(ctx, *operands, axis_name, target, attrs, platform, cuda_route, alias
     site_info = dict(op=op, axis=str(axis_name), platform=platform, bytes=_nbytes(ctx.avals_in[0]),
                      dtype=str(ctx.avals_in[0].dtype))
     if platform == "cpu":
+        _check_one_process(op, axis_context.mesh, groups)
         module = lib.cpu_module()
         op_attrs.update(groups=np.asarray(groups, np.int64).reshape(-1), group_size=np.int64(len(groups[0])))
         # First, ahead of the op's operands, so that a handler's trailing operands may be optional.
@@ -238,6 +239,20 @@ def _check_results_fit(op: str, avals_out, platform: str, device) -> None:
 
 def _nbytes(aval) -> int:
     return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def _check_one_process(op: str, mesh, groups):
+    """The CPU backend meets its participants in one process: a group of devices in several processes would
+    wait for peers that never come to this process, so it is refused when the program is compiled."""
+    if jax.process_count() == 1:
+        return
+    devices = list(mesh.devices.flat) if isinstance(mesh, jax.sharding.Mesh) else None
+    spans = devices is None or any(len({devices[p].process_index for p in g}) > 1 for g in groups)
+    if spans:
+        raise NotImplementedError(
+            f"jax_ncclx.{op}: on CPU the collectives run within one process, and this call's devices are in "
+            f"{jax.process_count()} processes; use jax.lax's collectives there (nx.route_lax leaves them on "
+            "jax.lax), or GPUs")
 
 
 def _concrete_mesh(mesh, target) -> jax.sharding.Mesh:

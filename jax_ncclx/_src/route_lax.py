@@ -74,8 +74,9 @@ def route_lax(*, ragged_max_recv_per_peer: int | None = None):
     (integer) axes, an axis not bound by an enclosing ``shard_map`` or ``vmap`` (where jax.lax fails, a
     NameError that names the op and the axis is raised from its error), operands of which none is traced
     (jax.lax computes constants such as ``psum(1, axis)`` statically), a dtype the twin refuses,
-    ``all_gather(to="reduced")``, a ``shard_map`` that leaves mesh axes of size > 1 to the compiler, and (but
-    for reductions and all_to_all) a vmapped axis in a tuple with other axes.
+    ``all_gather(to="reduced")``, a ``shard_map`` that leaves mesh axes of size > 1 to the compiler, the CPU
+    backend in a program of several processes, and (but for reductions and all_to_all) a vmapped axis in a
+    tuple with other axes.
 
     Nesting works (the inner scope changes nothing), and so do scopes on several threads at once: routing is
     per thread, and while any scope is open ``jax.lax``'s attributes are the wrappers, which call the
@@ -204,6 +205,8 @@ def _refusal(name: str, a: dict) -> str | None:
             validation.check_dtype(leaf, _TWINS[name].__name__, reduce_op=reduce_op)
         except TypeError as error:
             return str(error)
+    if jax.process_count() > 1 and jax.default_backend() == "cpu":
+        return f"the CPU backend runs within one process, and this program has {jax.process_count()}"
     mesh = jax.sharding.get_abstract_mesh()
     automatic = [n for n in mesh.axis_names if n not in mesh.manual_axes and mesh.shape[n] > 1]
     if automatic:
