@@ -1,5 +1,7 @@
 """Shared test helpers: running a per-shard function under jit(shard_map) and comparing with jax.lax."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,3 +77,15 @@ def assert_bits_equal(actual, expected):
     mismatch = np.flatnonzero((words(actual) != words(expected)).any(axis=1))
     assert mismatch.size == 0, (f"{mismatch.size} of {actual.size} elements differ, first at flat index "
                                 f"{mismatch[0]}: got {actual.flat[mismatch[0]]}, expected {expected.flat[mismatch[0]]}")
+
+
+def drop_warnings(monkeypatch, caplog, run):
+    """The warnings JAX_NCCLX_WARN_DROPS=1 logs, sorted: ``run(True)`` (a call that drops) with the variable
+    unset and ``run(False)`` (one that drops nothing) with it set must log none; then ``run(True)`` with it set."""
+    with caplog.at_level(logging.WARNING, logger="jax_ncclx"):
+        run(True)  # unset: no warning
+        monkeypatch.setenv("JAX_NCCLX_WARN_DROPS", "1")
+        run(False)  # nothing drops
+        assert not [r for r in caplog.records if "dropped" in r.getMessage()]
+        run(True)
+    return sorted(r.getMessage() for r in caplog.records if "dropped" in r.getMessage())

@@ -4,8 +4,6 @@ ways of combining, gradients against jax.grad of a dense layer, vmap and argumen
 devices), on one GPU (the NVLink kernels against the exchange chain, bit for bit) and, where present, on
 several GPUs."""
 
-import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import reference
 from conftest import gpu_devices, gpu_skip_reason
-from helpers import random_array
+from helpers import drop_warnings, random_array
 from jax_ncclx import moe
 from jax_ncclx._src.ops import moe_masked
 
@@ -259,21 +257,16 @@ def test_warn_drops_names_the_member(monkeypatch, caplog, layout):
     mesh = line_mesh(jax.devices("cpu")[:2])
     ids = jnp.zeros((2, 4, 2), jnp.int32).at[0, :, 1].set(1)  # member 0: 4 pairs to each of experts 0 and 1
 
-    def run(capacity):
+    def run(drops):
         def body(t, i):
-            return moe.dispatch(t[0], i[0], num_experts=2, axis_name="x", capacity=capacity, layout=layout)[0][None]
+            return moe.dispatch(t[0], i[0], num_experts=2, axis_name="x", capacity=1 if drops else 8,
+                                layout=layout)[0][None]
 
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 2, out_specs=P("x")))
         jax.block_until_ready(f(jnp.ones((2, 4, 8)), ids))
         jax.effects_barrier()
 
-    with caplog.at_level(logging.WARNING, logger="jax_ncclx"):
-        run(capacity=1)  # unset: no warning
-        monkeypatch.setenv("JAX_NCCLX_WARN_DROPS", "1")
-        run(capacity=8)  # nothing drops
-        assert not [r for r in caplog.records if "dropped" in r.getMessage()]
-        run(capacity=1)
-    messages = sorted(r.getMessage() for r in caplog.records if "dropped" in r.getMessage())
+    messages = drop_warnings(monkeypatch, caplog, run)
     assert messages == [
         f"jax_ncclx.moe.dispatch: member 0 dropped 6 (token, choice) pairs past capacity 1 ({layout} layout); per "
         "destination member: [3, 3]",

@@ -4,8 +4,6 @@ that overlap in the operand (to several peers and within one), calls the jax.lax
 (memory safe, as documented), small capacities, dtypes and row shapes, grad, vmap, global view and bad
 arguments."""
 
-import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ncclx as nx
 from conftest import NUM_CPU_DEVICES, gpu_devices, gpu_skip_reason
-from helpers import assert_bits_equal, random_array
+from helpers import assert_bits_equal, drop_warnings, random_array
 
 OPERAND_ROWS, OUTPUT_ROWS = 24, 40
 
@@ -209,17 +207,11 @@ def test_warn_drops_names_the_member(monkeypatch, caplog):
     zeros = np.zeros((2, 2), np.int32)
     args = (jnp.ones((2, 4, 3)), jnp.zeros((2, 4, 3)), zeros, sizes, zeros, sizes.T.copy())
 
-    def run(capacity):
-        jax.block_until_ready(ragged(mesh, capacity)(*args))
+    def run(drops):
+        jax.block_until_ready(ragged(mesh, 1 if drops else 3)(*args))
         jax.effects_barrier()
 
-    with caplog.at_level(logging.WARNING, logger="jax_ncclx"):
-        run(capacity=1)  # unset: no warning
-        monkeypatch.setenv("JAX_NCCLX_WARN_DROPS", "1")
-        run(capacity=3)  # nothing drops
-        assert not [r for r in caplog.records if "dropped" in r.getMessage()]
-        run(capacity=1)
-    messages = sorted(r.getMessage() for r in caplog.records if "dropped" in r.getMessage())
+    messages = drop_warnings(monkeypatch, caplog, run)
     assert messages == [
         "jax_ncclx.ragged_all_to_all: member 0 dropped 2 rows past capacity 1 (max_recv_per_peer); per destination "
         "member: [2, 0]",

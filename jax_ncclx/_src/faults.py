@@ -27,7 +27,7 @@ def install(module, faults: tuple[config.Fault, ...]):
 def warn_past_ranks(faults: tuple[config.Fault, ...], size: int, op: str):
     """Logs a warning, once per rank and size, for a fault whose rank no member of an ``op`` call of ``size``
     ranks has: it can never apply to that call."""
-    for rank in sorted({f.rank for f in faults if f.rank >= size} - {r for r, s in _warned_ranks if s == size}):
+    for rank in sorted({f.rank for f in faults if f.rank >= size and (f.rank, size) not in _warned_ranks}):
         _warned_ranks.add((rank, size))
         logger.warning("jax_ncclx: JAX_NCCLX_FAULT names rank %d, but %s's communicator has ranks 0 to %d: the "
                        "fault never applies to it", rank, op, size - 1)

@@ -122,7 +122,8 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
 
     asked = per_member(send_sizes)
     sizes = _peer_sizes(asked, capacity)
-    if config.current().warn_drops and slices:
+    settings = config.current()
+    if settings.warn_drops and slices:
         health.warn_drops(_OP, jnp.maximum(asked, 0).sum(axis=1) - sizes.sum(axis=1), axis_name, capacity=capacity,
                           unit="rows", detail=" (max_recv_per_peer)")
     if not slices or not capacity or not out_rows:  # static on every member: nothing can land
@@ -132,7 +133,7 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     theirs = all_to_all(jnp.concatenate([sizes, per_member(output_offsets)], axis=1), axis_name, 0, 0, tiled=True)
     arriving, landing = theirs[:, :slices], theirs[:, slices:]
     place = _place(arriving, jnp.minimum(arriving, per_member(recv_sizes)), landing, capacity, out_rows)
-    if config.current().checksum:
+    if settings.checksum:
         logger.info("jax_ncclx.ragged_all_to_all: checksum mode: the rows travel in all_to_allv_dynamic's padded "
                     "layout, whose checksum covers them, and are placed by a scatter")
         y, recv_counts, _ = exchange.all_to_allv_dynamic(operand, sizes, axis_name, max_recv_per_peer=capacity,
