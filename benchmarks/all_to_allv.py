@@ -78,12 +78,15 @@ VARIANTS = {  # key: (label, times the payload moves per op)
     "nx_moe_dispatch_fp8": ("nx moe dispatch, fp8 wire", 1),
     "nx_moe_masked": ("nx moe dispatch+combine, masked layout", 2),
     "nx_moe_masked_dispatch": ("nx moe dispatch, masked layout", 1),
+    "nx_moe_masked_fp8": ("nx moe dispatch+combine, masked layout, fp8 dispatch wire", 2),
+    "nx_moe_masked_dispatch_fp8": ("nx moe dispatch, masked layout, fp8 wire", 1),
     "xla_moe": ("XLA moe layer dispatch+combine", 2),
     "xla_moe_dispatch": ("XLA moe layer dispatch", 1),
 }
 LONG_OP_BYTES = 64 * 2**20  # padded buffers past this take ~0.2 ms per op or more: 10 ops per call
 MOE_VARIANTS = ("nx_moe", "nx_moe_pairs", "nx_moe_dispatch", "nx_moe_combine", "nx_moe_fp8",
-                "nx_moe_dispatch_fp8", "nx_moe_masked", "nx_moe_masked_dispatch")
+                "nx_moe_dispatch_fp8", "nx_moe_masked", "nx_moe_masked_dispatch", "nx_moe_masked_fp8",
+                "nx_moe_masked_dispatch_fp8")
 FP8_WIRE = jnp.float8_e4m3fn  # the *_fp8 variants: moe.dispatch(wire_dtype=FP8_WIRE)
 # Largest round-trip error (relative to max |token|) accepted before timing, by dispatch wire: bf16 tokens
 # round once per op; e4m3 keeps each value within 2^-4 of itself, and the weights sum to 1.
@@ -328,9 +331,8 @@ def checked_by(variant):
         return "xla_moe"
     if variant == "nx_moe_pairs":
         return variant
-    if layout_of(variant) == "masked":
-        return "nx_moe_masked"
-    return "nx_moe_fp8" if variant.endswith("_fp8") else "nx_moe"
+    layout = "_masked" if layout_of(variant) == "masked" else ""
+    return f"nx_moe{layout}_fp8" if variant.endswith("_fp8") else f"nx_moe{layout}"
 
 
 def round_trip_of(variant, num_experts, capacity):
@@ -412,11 +414,12 @@ def chain_and_args(variant, mesh, arrays, routing, args):
                                unroll=unroll, ours=variant == "nx_ragged")
         return per_rank(mesh, fn, 5), ("x", "in_offsets", "send_sizes", "out_offsets", "recv_sizes"), False
     num_experts = routing.counts.shape[0] * args.experts_per_rank
-    if variant in ("nx_moe", "nx_moe_pairs", "nx_moe_fp8", "nx_moe_masked", "xla_moe"):
+    if variant in ("nx_moe", "nx_moe_pairs", "nx_moe_fp8", "nx_moe_masked", "nx_moe_masked_fp8", "xla_moe"):
         fn = functools.partial(moe_chain, round_trip=round_trip_of(variant, num_experts, capacity_of(variant, routing)),
                                unroll=unroll)
         return per_rank(mesh, fn, 3, donate_argnums=0), ("tokens", "expert_ids", "weights"), True
-    if variant in ("nx_moe_dispatch", "nx_moe_dispatch_fp8", "nx_moe_masked_dispatch", "xla_moe_dispatch"):
+    if variant in ("nx_moe_dispatch", "nx_moe_dispatch_fp8", "nx_moe_masked_dispatch", "nx_moe_masked_dispatch_fp8",
+                   "xla_moe_dispatch"):
         dispatch = dispatch_of(variant, num_experts, capacity_of(variant, routing))
         fn = functools.partial(moe_dispatch_chain, dispatch=dispatch, unroll=unroll)
         return per_rank(mesh, fn, 2), ("tokens", "expert_ids"), False
