@@ -8,6 +8,7 @@ against the same reference."""
 import logging
 import math
 import os
+import subprocess
 import sys
 
 import jax
@@ -183,6 +184,41 @@ def test_combine_with_dispatch_weights_on_every_path(combine_path, capacity):
     np.testing.assert_allclose(grad_t, np.broadcast_to(masked.sum(-1, keepdims=True), grad_t.shape), rtol=1e-5,
                                atol=1e-6)
     np.testing.assert_allclose(grad_w, tokens.sum(-1)[..., None] * delivered * (1 + ids), rtol=1e-5, atol=1e-5)
+
+
+# combine(expert_out, handle, weights) of bfloat16 pairs: 1 * 1 + (1.125 * 2^-8) * 0.890625 = 1 + 2^-8 + 2^-17,
+# which rounds up to 1 + 2^-7; a product rounded to bfloat16 first (2^-8, then a tie) gives 1. argv[1]: layout.
+COMBINE_IN_FLOAT32 = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+from jax_ncclx import moe
+layout = sys.argv[1]
+scale = jnp.asarray([[1.0], [1.125 * 2.0 ** -8]], jnp.bfloat16)  # expert 0's output, expert 1's
+
+def layer(t, i, w):
+    capacity = 1 if layout == "masked" else 2  # per expert, per member
+    rows, _, handle = moe.dispatch(t, i, num_experts=2, axis_name="x", capacity=capacity, layout=layout)
+    return moe.combine(rows * scale.reshape((2, 1, 1) if layout == "masked" else (2, 1)), handle, w)
+
+mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:1]), ("x",))
+f = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x")))
+out = f(jnp.ones((1, 8), jnp.bfloat16), jnp.asarray([[0, 1]], jnp.int32),
+        jnp.asarray([[1.0, 0.890625]], jnp.bfloat16))
+print(out.dtype, *np.unique(np.asarray(out, np.float32)))
+"""
+
+
+@pytest.mark.parametrize("layout", ["packed", "masked"])
+def test_combine_with_weights_sums_in_float32(layout):
+    """With the weights given to combine, bfloat16 pairs are scaled and summed in float32 and rounded once,
+    also where XLA keeps no excess precision (its default may compute a bfloat16 product in float32 anyway)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_allow_excess_precision=false", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join(sys.path))  # this jax_ncclx
+    run = subprocess.run([sys.executable, "-c", COMBINE_IN_FLOAT32, layout], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["bfloat16", str(1 + 2.0 ** -7)], run.stdout
 
 
 @pytest.mark.gpu

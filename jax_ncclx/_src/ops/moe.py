@@ -137,8 +137,8 @@ def dispatch(tokens, expert_ids, *, num_experts: int, axis_name, capacity: int, 
       axis_name: the expert-parallel mesh axis, or a tuple of axes taken as one (static; members in the
         order of ``jax.lax.axis_index`` of the tuple, the first axis major).
       capacity: C, 1 to 2**31 - 1, the most (token, choice) pairs this member gives any one member, and takes
-        from any one member (static). Pairs past it are dropped (see ``DispatchHandle.dropped``;
-        ``JAX_NCCLX_WARN_DROPS=1`` logs every call that drops).
+        from any one member (static; masked layout: the most it gives any one expert of a member). Pairs past
+        it are dropped (see ``handle.dropped``; ``JAX_NCCLX_WARN_DROPS=1`` logs every call that drops).
       weights: None, or ``[T, k]`` any float dtype, the router weight of each pair. They travel with the rows
         (as float32, k * 4 bytes per row) into ``handle.recv_weights``, so that ``combine(expert_out,
         handle)`` can sum each token's pairs before sending them back: one row per token and member on the
@@ -248,7 +248,8 @@ def combine(expert_out, handle, weights=None):
       member sums the weighted pairs of each token it holds in float32 and sends one row per token back,
       rounded to expert_out's dtype; the token side adds the members' rows in float32. The same bytes on
       the wire as dispatch (about 3.7 rows per token for top-8 of 32 experts on 4 members instead of 8).
-    * ``combine(expert_out, handle, weights)``: one row per pair comes back and the token side sums them.
+    * ``combine(expert_out, handle, weights)``: one row per pair comes back and the token side scales and
+      sums them in float32 (float64 for float64 inputs), rounded once to expert_out's dtype.
 
     A ``MaskedHandle`` (``layout="masked"``) combines the same two ways: with the weights given to dispatch one
     row per token and member comes back, summed and rounded as above; with the weights here one row per kept
@@ -262,8 +263,7 @@ def combine(expert_out, handle, weights=None):
         each (token, choice) pair; then ``dispatch`` must have had none.
 
     Returns:
-      ``[T, H']`` with expert_out's dtype. With ``weights``, the sum is accumulated in the promoted dtype of
-      expert_out and weights (masked layout: float32); without, as described above.
+      ``[T, H']`` with expert_out's dtype, summed as described above.
 
     Raises:
       NameError: the handle's axis is not bound by an enclosing ``jax.shard_map``.
@@ -355,7 +355,7 @@ def _combine_fwd(expert_out, handle, weights):
 
 def _combine_bwd(residuals, ct_out):
     handle, weights, returned = residuals
-    accumulate = jnp.promote_types(returned.dtype, weights.dtype)
+    accumulate = _accumulation_dtype(returned, weights)
     per_pair = returned.reshape(*weights.shape, -1).astype(accumulate)
     ct_out = ct_out.astype(accumulate)
     ct_rows = (ct_out[:, None, :] * weights[:, :, None].astype(accumulate)).astype(returned.dtype)
@@ -398,12 +398,17 @@ def _combine_reduced_bwd(residuals, ct_out):
 _combine_reduced.defvjp(_combine_reduced_fwd, _combine_reduced_bwd)
 
 
+def _accumulation_dtype(rows, weights):
+    """float32, or float64 where rows or weights are: the weighted sums' dtype, as the kernels'."""
+    return jnp.promote_types(jnp.promote_types(rows.dtype, weights.dtype), jnp.float32)
+
+
 def _weighted_sum(returned, weights, dtype):
-    """``[T * k, H']`` rows and ``[T, k]`` weights -> ``[T, H']``.
+    """``[T * k, H']`` rows and ``[T, k]`` weights -> ``[T, H']``, summed in _accumulation_dtype and rounded once.
 
     An elementwise product and a sum, not a dot, so float32 stays exact on GPUs (no TF32).
     """
-    accumulate = jnp.promote_types(returned.dtype, weights.dtype)
+    accumulate = _accumulation_dtype(returned, weights)
     per_pair = returned.reshape(*weights.shape, -1).astype(accumulate)
     return (per_pair * weights[:, :, None].astype(accumulate)).sum(axis=1).astype(dtype)
 

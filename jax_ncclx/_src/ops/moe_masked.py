@@ -16,21 +16,9 @@ then source 1's, packed, ``group_sizes[e]`` of them; the rest of the N * C rows 
 of a masked grouped matmul (``jnp.einsum("lrh,lhf->lrf")`` with a mask, or DeepGEMM's masked kernels), and
 the one DeepEP's low-latency kernels use.
 
-:class:`MaskedHandle` holds the routing for ``combine`` and both backward passes (int32 but for the weights):
-
-- token side: ``send_pairs [P]`` the kept pairs in (member, expert, rank) order, then P; ``pair_slot [P]``
-  ``(m * L + e) * C + j`` of each kept pair, ``N * L * C`` for the others; ``send_counts [N, L]``;
-  ``dropped [N]`` pairs that did not fit, per destination member.
-- expert side: ``recv_counts [N, L]`` pairs each source delivered to each local expert; ``row_pair
-  [L, N * C]`` ``s * P + p`` of each row's source s and pair p, ``N * P`` past the data; ``recv_weights
-  [L, N * C]`` float32 router weights (None without weights at dispatch).
-- per token row, R = min(T, L * C) rows per source: ``recv_tokens [N]`` token rows each source delivered
-  (source s's r-th, in token order, is received row s * R + r); ``choice_rows [N * R, k]`` the expert-layout
-  row (``e * N * C + i``) of each received row's choices, ``L * N * C`` for a choice not kept here;
-  ``choice_weights [N * R, k]`` float32 their router weights, 0 for those (None without weights at
-  dispatch); ``send_back_rows [N * R]`` the received rows packed source-major, then ``N * R``;
-  ``return_row [T, N]`` ``m * R + r`` where token t is the r-th row it sent member m, ``N * R`` where it sent
-  none. These are the packed layout's names for the same roles (``moe_combine.combine_reduced``).
+:class:`MaskedHandle` holds the routing for ``combine`` and both backward passes; its docstring lists its
+arrays. The per-token-row ones have the packed layout's names for the same roles
+(``moe_combine.combine_reduced``).
 
 ``combine`` with the weights given to dispatch is the packed layout's reduced combine over the flattened
 ``[L * N * C, H']`` rows: each member sums a token's weighted pairs in float32, rounds once to expert_out's
@@ -82,8 +70,35 @@ SUFFIX_WORDS = 4  # a row's pair index and weight on the wire, padded to 16 byte
 class MaskedHandle:
     """The routing of one ``dispatch(..., layout="masked")`` call, for ``combine`` and both backward passes.
 
-    A pytree whose leaves are device arrays (int32 but for ``recv_weights``); ``axis_name``, ``capacity`` and
-    ``top_k`` are static aux data. Shapes and meanings: see ``jax_ncclx.moe`` (masked layout).
+    A pytree whose leaves are device arrays, int32 but for the weights (N members, L = E_local local experts,
+    C = capacity per (local expert, source member), T tokens, k choices, P = T * k pairs, pair p = t * k + c).
+    ``axis_name``, ``capacity`` and ``top_k`` are static aux data. On the token side this member is the
+    sender; on the expert side it is the receiver.
+
+    Token side:
+      send_pairs: ``[P]`` the kept pairs in (member, local expert, rank) order, then P past them.
+      pair_slot: ``[P]`` ``(m * L + e) * C + j`` of each kept pair (member m, local expert e, rank j among
+        this member's pairs to that expert); ``N * L * C`` for a dropped pair or one that chose no expert.
+      send_counts: ``[N, L]`` kept pairs this member sent to each local expert of each member.
+      dropped: ``[N]`` pairs this member had for each member that did not fit in ``capacity``.
+      return_row: ``[T, N]`` ``m * R + r`` where token t was the r-th token row sent to member m (R =
+        min(T, L * C) rows per source); ``N * R`` where it sent none there.
+
+    Expert side:
+      recv_counts: ``[N, L]`` pairs each source delivered to each local expert.
+      row_pair: ``[L, N * C]`` ``s * P + p`` of each expert row's source s and pair p; ``N * P`` past
+        ``group_sizes``.
+      recv_weights: float32 ``[L, N * C]``, each expert row's router weight (0 past the data), or None when
+        ``dispatch`` got no weights.
+      recv_tokens: ``[N]`` token rows each source delivered (source s's r-th, in token order, is received
+        row s * R + r).
+      choice_rows: ``[N * R, k]`` the expert row (``e * N * C + i``) of each received token row's choices;
+        ``L * N * C`` for a choice not kept here.
+      choice_weights: float32 ``[N * R, k]``, their router weights (0 for those), or None without weights at
+        ``dispatch``.
+      send_back_rows: ``[N * R]`` the received token rows packed source-major, then ``N * R``.
+
+    The per-token-row arrays have the names and roles of ``jax_ncclx.moe.DispatchHandle``'s.
     """
 
     send_pairs: jax.Array    # [T * k]
