@@ -594,6 +594,28 @@ def test_vmap_over_the_expert_axis(capacity, weights_in):
     np.testing.assert_allclose(grad, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("layout", ["packed", "masked"])
+@pytest.mark.parametrize("last", ["dispatch", "combine_with_dispatch_weights", "combine_with_weights"])
+def test_grad_of_vmap_over_the_expert_axis_names_the_fix(layout, last):
+    """Under jax.grad(jax.vmap(..., axis_name="ep")) JAX 0.11 leaves the axis unbound in a custom VJP's backward
+    pass: the NameError names the op whose backward pass runs first and the order that works."""
+    n = 4
+
+    def body(t, i, w):
+        if last == "dispatch":
+            return moe.dispatch(t, i, num_experts=8, axis_name="ep", capacity=AMPLE, layout=layout)[0].sum()
+        weights_in = "dispatch" if last == "combine_with_dispatch_weights" else "combine"
+        return dispatch_and_combine(t, i, w, weights_in=weights_in, num_experts=8, axis_name="ep",
+                                    capacity=AMPLE, layout=layout)[3].sum()
+
+    tokens = random_array((n, TOKENS, HIDDEN), jnp.float32)
+    ids, weights = random_ids(n, 8, seed=0), random_array((n, TOKENS, TOP_K), jnp.float32, seed=1)
+    op = "dispatch" if last == "dispatch" else "combine"
+    with pytest.raises(NameError, match=rf"jax_ncclx.moe.{op}: axis 'ep' is unbound in the backward pass; .* "
+                                        r"write jax.vmap\(jax.grad\(...\), axis_name='ep'\) instead"):
+        jax.grad(lambda t: jax.vmap(body, axis_name="ep")(t, ids, weights).sum())(tokens)
+
+
 @pytest.mark.parametrize("weights_in", WEIGHTS_IN)
 @pytest.mark.parametrize("axis", ["b", ("a", "b"), ("b", "a")], ids=lambda a: "+".join(a))
 def test_2d_mesh_with_replicated_routing(mesh, axis, weights_in):

@@ -121,3 +121,12 @@ def accumulation_dtype(dtype):
 
 def is_bound(axis_name) -> bool:
     return all(compat.axis_is_bound(name) for name in axes_of(axis_name))
+
+
+def check_bound_in_backward(axis_name, op: str):
+    """Raises the NameError of a custom VJP's backward pass traced where ``axis_name`` is unbound: JAX 0.11
+    leaves a vmapped axis unbound there under ``jax.grad(jax.vmap(..., axis_name=...))``."""
+    if not is_bound(axis_name):
+        raise NameError(f"jax_ncclx.{op}: axis {axis_name!r} is unbound in the backward pass; under "
+                        f"jax.grad(jax.vmap(..., axis_name={axis_name!r})) JAX leaves a vmapped axis unbound there: "
+                        f"write jax.vmap(jax.grad(...), axis_name={axis_name!r}) instead")

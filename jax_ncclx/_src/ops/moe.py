@@ -329,6 +329,7 @@ def _dispatch_fwd(tokens, weights, expert_ids, num_experts, axis_name, capacity,
 def _dispatch_bwd(num_experts, axis_name, capacity, wire_dtype, residuals, cotangents):
     """The rows' cotangents go back summed per token on the expert side; the cotangents of recv_weights (from
     the reduced combine's backward pass) go back as rows of k float32, summed over the members."""
+    validation.check_bound_in_backward(axis_name, "moe.dispatch")
     handle, weights = residuals
     ct_rows, _, ct_handle = cotangents
     ct_tokens = _reduce_back(ct_rows, None, handle).astype(ct_rows.dtype)
@@ -355,6 +356,7 @@ def _combine_fwd(expert_out, handle, weights):
 
 def _combine_bwd(residuals, ct_out):
     handle, weights, returned = residuals
+    validation.check_bound_in_backward(handle.axis_name, "moe.combine")
     accumulate = _accumulation_dtype(returned, weights)
     per_pair = returned.reshape(*weights.shape, -1).astype(accumulate)
     ct_out = ct_out.astype(accumulate)
@@ -382,6 +384,7 @@ def _combine_reduced_bwd(residuals, ct_out):
     and member); each pair's row is scaled by its weight, and each weight's cotangent is the dot product of
     its row with the pair's expert output."""
     expert_out, handle = residuals
+    validation.check_bound_in_backward(handle.axis_name, "moe.combine")
     received, _, _ = moe_dispatch.exchange(ct_out, handle.token_counts, handle.axis_name, _rows_per_member(handle),
                                send_rows=handle.send_token)
     weights = moe_combine.pair_weights(handle.row_pairs, handle.recv_weights, handle.expand_rows.shape[0])
@@ -399,8 +402,8 @@ _combine_reduced.defvjp(_combine_reduced_fwd, _combine_reduced_bwd)
 
 
 def _accumulation_dtype(rows, weights):
-    """float32, or float64 where rows or weights are: the weighted sums' dtype, as the kernels'."""
-    return jnp.promote_types(jnp.promote_types(rows.dtype, weights.dtype), jnp.float32)
+    """The weighted sums' dtype: float32 for 16-bit floats, as the kernels'."""
+    return validation.accumulation_dtype(jnp.promote_types(rows.dtype, weights.dtype))
 
 
 def _weighted_sum(returned, weights, dtype):

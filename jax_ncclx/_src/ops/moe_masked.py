@@ -52,6 +52,7 @@ from jax_ncclx._src import lib
 from jax_ncclx._src import lowering
 from jax_ncclx._src import nvlink
 from jax_ncclx._src import primitive
+from jax_ncclx._src import validation
 from jax_ncclx._src.ops import moe_combine
 from jax_ncclx._src.ops import moe_dispatch
 from jax_ncclx._src.ops.moe_combine import gather_rows
@@ -177,6 +178,7 @@ def _dispatch_bwd(num_experts, axis_name, capacity, wire_dtype, residuals, cotan
     token and member, in float32, rounded to the rows' dtype; the token side adds the members' rows in
     float32), and the weights' cotangents go back as rows of k float32. The 8-bit wire counts as the
     identity."""
+    validation.check_bound_in_backward(axis_name, "moe.dispatch")
     handle, weights = residuals
     ct_rows, _, ct_handle = cotangents
     local, rows, width = ct_rows.shape
@@ -218,6 +220,7 @@ def _combine_expert_weights_bwd(residuals, ct_out):
     """The output's cotangent goes out to every kept pair's row (as dispatch sent the tokens); each row's is
     scaled by its weight, and each weight's is the dot product of the row's cotangent with its output."""
     expert_out, handle = residuals
+    validation.check_bound_in_backward(handle.axis_name, "moe.combine")
     ct_rows = scatter_pairs(ct_out, handle, token_rows=True).astype(jnp.float32)
     ct_expert_out = (ct_rows * handle.recv_weights[..., None]).astype(expert_out.dtype)
     ct_weights = jnp.sum(ct_rows * expert_out.astype(jnp.float32), axis=2)
@@ -243,6 +246,7 @@ def _combine_token_weights_bwd(residuals, ct_out):
     """Each pair's row gets the output's cotangent times its weight; each weight gets the dot product of the
     output's cotangent with its pair's row."""
     expert_out, handle, weights = residuals
+    validation.check_bound_in_backward(handle.axis_name, "moe.combine")
     num_tokens, top_k = weights.shape
     ct_out = ct_out.astype(jnp.float32)
     ct_pairs = (ct_out[:, None, :] * weights[:, :, None].astype(jnp.float32)).reshape(num_tokens * top_k, -1)
