@@ -57,6 +57,10 @@ LABELS = {  # all_to_allv variants, as benchmarks/all_to_allv.py's plot names th
     "nx_moe_pairs": "the same, weights given to `combine`",
     "nx_moe_dispatch_fp8": "`moe.dispatch`, FP8 wire",
     "nx_moe_fp8": "`moe.dispatch` + `moe.combine`, FP8 wire",
+    "nx_moe_masked_dispatch": "`moe.dispatch`, masked layout",
+    "nx_moe_masked": "`moe.dispatch` + `moe.combine`, masked layout",
+    "nx_moe_masked_dispatch_fp8": "`moe.dispatch`, masked layout, FP8 wire",
+    "nx_moe_masked_fp8": "`moe.dispatch` + `moe.combine`, masked layout, FP8 wire",
 }
 
 
@@ -137,6 +141,8 @@ class ResultsTable(SphinxDirective):
         for variant in variants:
             if not any((variant, t) in median for t in tokens):
                 raise self.error(f"results-table: no ok row of variant {variant!r}")
+            if variant not in LABELS:
+                raise self.error(f"results-table: variant {variant!r} has no label (LABELS in {__name__})")
             cells = []
             for t in tokens:
                 value, base = median.get((variant, t)), median.get((versus.get(variant), t))
@@ -144,7 +150,7 @@ class ResultsTable(SphinxDirective):
                 if value and base:
                     cell += f" ({_ratio(base / value)})"
                 cells.append(cell)
-            lines.append(f"| {LABELS.get(variant, variant)} | " + " | ".join(cells) + " |")
+            lines.append(f"| {LABELS[variant]} | " + " | ".join(cells) + " |")
         return lines
 
     def collectives(self, rows):
