@@ -362,6 +362,17 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     r = g - plan.first_row[m];
     return Slots(call.args.table, call.slot_base, m, parity) + call.rows_at + (int64_t{me} * R + r) * call.slot_row;
   };
+  // This member's token count, in member tid's header (16 bytes a source): first, since every receiver polls
+  // the counts before anything else.
+  if (blockIdx.x == 0 && tid < N) {
+    uint8_t* header = Slots(call.args.table, call.slot_base, tid, parity) + 16 * me;
+    const int32_t count = plan.first_row[tid + 1] - plan.first_row[tid];
+    if constexpr (kLines) {
+      StoreVolatile(reinterpret_cast<Pair64*>(header), EntryOf(static_cast<uint32_t>(count), 0u, flag));
+    } else {
+      *reinterpret_cast<int32_t*>(header) = count;
+    }
+  }
   if constexpr (kLines) {
     // Entry i < R * k of member m's list, with the weight of choice i % k of row i / k, at me * R * k + i of its
     // entries: every one each call (-1 past the list), so that the receiver polls them all at once.
@@ -414,15 +425,6 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
       const int32_t token = plan.send_token[g];
       WarpCopy<uint4, false>(to + lo, tokens + int64_t{token} * row_vectors + lo, min(hi, wire_vectors) - lo);
       write_suffix(to, m, r, token, lo, hi);
-    }
-  }
-  if (blockIdx.x == 0 && tid < N) {  // this member's token count, in member tid's header (16 bytes a source)
-    uint8_t* header = Slots(call.args.table, call.slot_base, tid, parity) + 16 * me;
-    const int32_t count = plan.first_row[tid + 1] - plan.first_row[tid];
-    if constexpr (kLines) {
-      StoreVolatile(reinterpret_cast<Pair64*>(header), EntryOf(static_cast<uint32_t>(count), 0u, flag));
-    } else {
-      *reinterpret_cast<int32_t*>(header) = count;
     }
   }
   if (profiled) __syncthreads();
