@@ -404,7 +404,6 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
     __syncthreads();  // every thread's writes come before the releases
     if (tid < N) StoreRelease(&args.table->control[tid]->arrived[me][blockIdx.x], epoch);
   }
-  if (tid == 0) trace.Sent();
   stamp(kMaskedDispatchSent);
 
   // ---- the token side's results, each block its share, while the peers' rows come ----
@@ -429,6 +428,8 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
     const int32_t t = i / N, m = i - t * N;
     args.return_row[i] = counted.goes[t] >> m & 1u ? m * R + row_rank(m, t) : N * R;
   }
+  // The trace's "sent" after this rank's own work, as the packed kernel's: its handshake is then the wait alone.
+  if (tid == 0) trace.Sent();
   stamp(kMaskedDispatchResults);
 
   // ---- wait: with flags, every member's every block has written its rows and its header here; with lines,
