@@ -89,3 +89,26 @@ def drop_warnings(monkeypatch, caplog, run):
         assert not [r for r in caplog.records if "dropped" in r.getMessage()]
         run(True)
     return sorted(r.getMessage() for r in caplog.records if "dropped" in r.getMessage())
+
+
+def assert_wire_rows(actual, rows, wire_dtype):
+    """``actual`` [..., H] (H a multiple of 128) is ``rows`` through moe.dispatch's 8-bit wire as the chain
+    quantizes and dequantizes it (``_encode``, ``_decode``, in XLA on the default device): within one step of
+    each block's largest magnitude, and equal for at least 99 % of the nonzero values (a kernel and XLA may
+    round a quotient differently; a misplaced value or scale breaks both)."""
+    from jax_ncclx._src.ops import moe_dispatch
+
+    rows = np.asarray(rows)
+    hidden = rows.shape[-1]
+    flat = rows.reshape(-1, hidden)
+    expected = np.asarray(moe_dispatch._decode(moe_dispatch._encode(jnp.asarray(flat), wire_dtype), hidden,
+                                               wire_dtype, flat.dtype)).astype(np.float32)
+    got = np.asarray(actual).reshape(flat.shape).astype(np.float32)
+    largest = np.abs(flat.astype(np.float32)).reshape(len(flat), -1, 128).max(axis=2)
+    mantissa_bits = 3 if jnp.dtype(wire_dtype) == jnp.float8_e4m3fn else 2
+    step = np.repeat(largest, 128, axis=1) * 2.0 ** -mantissa_bits
+    off = np.abs(got - expected) > step
+    assert not off.any(), (f"{off.sum()} values off by more than a step, first at {np.argwhere(off)[0]}: "
+                           f"{got[off][:4]} against {expected[off][:4]}")
+    nonzero = expected != 0
+    assert np.mean(got[nonzero] == expected[nonzero]) >= 0.99, "fewer than 99 % of the values equal the chain's"

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import gpu_skip_reason
+from jax_ncclx._src import contract
 
 PROTOCOLS = {"ll128": 0, "ll": 1, "simple": 2}
 ALGORITHMS = {"one-shot": 1, "two-shot": 2}
@@ -131,9 +132,10 @@ MOE_DISPATCH_RESULTS = [
 ]
 
 
-def moe_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, **options):
-    """moe.dispatch's NVLink kernel. tokens [calls, ranks, T, H] (any dtype, rows of a multiple of 16 bytes),
-    expert_ids int32 [calls, ranks, T, k], weights float32 of the same shape or None. Returns (a dict of every
+def moe_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, wire=None, **options):
+    """moe.dispatch's NVLink kernel. tokens [calls, ranks, T, H] (any dtype, rows of a multiple of 16 bytes; with
+    an 8-bit wire float32, bfloat16 or float16 and H a multiple of 128), expert_ids int32 [calls, ranks, T, k],
+    weights float32 of the same shape or None; wire None, "float8_e4m3fn" or "float8_e5m2". Returns (a dict of every
     result by name, expert_rows [calls, ranks, N * C, H] in tokens' dtype and recv_weights float32 [calls,
     ranks, N * R, k or 0] among them, ranks); each rank's state says whether the call sent LL128 lines ('lines')
     or rows and flags."""
@@ -146,7 +148,8 @@ def moe_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, **option
         tokens.tobytes(), np.ascontiguousarray(expert_ids, np.int32).tobytes(),
         np.ascontiguousarray(weights, np.float32).tobytes(), size=size, calls=calls, num_tokens=num_tokens,
         row_bytes=hidden * tokens.itemsize, top_k=top_k, num_experts=num_experts, capacity=capacity,
-        with_weights=with_weights, **options)
+        with_weights=with_weights, wire=contract.MOE_WIRES[wire or "none"],
+        type=MOE_COMBINE_TYPES[tokens.dtype] if contract.MOE_WIRES[wire or "none"] else 0, **options)
     R = min(capacity, num_tokens)
     dims = (num_tokens, top_k, size, num_experts // size, capacity, R,
             min(num_tokens * min(top_k, size), size * capacity))
@@ -158,10 +161,6 @@ def moe_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, **option
         calls, size, size * R, top_k if with_weights else 0)
     add_phase_clocks(results, done, size)
     return results, [dict(state, lines=done["lines"]) for state in with_grid(done)]
-
-
-# The masked layout's wire attribute, by wire dtype name (None: tokens' dtype).
-MOE_MASKED_WIRES = {None: 0, "none": 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
 
 
 def moe_masked_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, wire=None, **options):
@@ -182,7 +181,7 @@ def moe_masked_dispatch(tokens, expert_ids, weights, *, num_experts, capacity, w
         tokens.tobytes(), np.ascontiguousarray(expert_ids, np.int32).tobytes(),
         np.ascontiguousarray(weights, np.float32).tobytes(), size=size, calls=calls, num_tokens=num_tokens,
         hidden=hidden, type=MOE_COMBINE_TYPES[tokens.dtype], top_k=top_k, num_experts=num_experts,
-        capacity=capacity, wire=MOE_MASKED_WIRES[wire], with_weights=with_weights, **options)
+        capacity=capacity, wire=contract.MOE_WIRES[wire or "none"], with_weights=with_weights, **options)
     local, rows, pairs = num_experts // size, size * capacity, num_tokens * top_k
     received = size * min(num_tokens, local * capacity)
     shapes = {"group_sizes": (local,), "send_pairs": (pairs,), "pair_slot": (pairs,), "send_counts": (size, local),

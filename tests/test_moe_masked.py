@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import reference
 from conftest import gpu_devices, gpu_skip_reason
-from helpers import drop_warnings, random_array
+from helpers import assert_wire_rows, drop_warnings, random_array
 from jax_ncclx import moe
 from jax_ncclx._src.ops import moe_masked
 
@@ -338,6 +338,36 @@ def test_loopback_decode_rows(tokens, lines):
         for name in moe_masked.Masked._fields:
             if name not in ("recv_weights", "choice_weights"):
                 np.testing.assert_array_equal(got[name][call], expected[name], err_msg=f"{name}, call {call}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wire", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("hidden", [7168, 1536, 512], ids=["deepseek", "whole-steps", "one-step"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16], ids=["bf16", "f32", "f16"])
+@pytest.mark.parametrize("ranks, tokens", [(1, 8), (2, 8), (8, 8), (2, 64)],
+                         ids=["1-rank", "2-ranks", "8-ranks", "2-ranks-64"])
+def test_loopback_8bit_wire(ranks, tokens, dtype, hidden, wire):
+    """On an 8-bit wire at decode sizes the slot rows travel as LL128 lines, three quantized blocks and their
+    scales a warp step (a partial last step at H = 7168 and 512, whole steps at 1536); 64 tokens on 2 ranks at
+    H = 7168 (over 1 MiB of lines) take rows and flags. Over two calls the expert rows are the reference's rows
+    through the wire and every other result is the reference's."""
+    import nvlink_loopback
+    from test_nvlink_loopback import wire_takes_lines, wire_tokens
+
+    ids, num_experts, capacity = routing("random", ranks, tokens=tokens, top_k=4, seed=ranks)
+    x = wire_tokens((2, ranks, ids.shape[1], hidden), dtype, seed=ranks)
+    weights = np.random.default_rng(ranks).random((2, ranks) + ids.shape[1:]).astype(np.float32)
+    ids2 = np.stack([ids, ids[::-1]])
+    got, states = nvlink_loopback.moe_masked_dispatch(x, ids2, weights, num_experts=num_experts, capacity=capacity,
+                                                      wire=wire)
+    assert states[0]["lines"] == wire_takes_lines(ranks * tokens, hidden)
+    for state in states:
+        assert state["fault"] == "healthy" and state["calls_finished"] == 2, state
+    for call in range(2):
+        expected = reference.moe_masked_dispatch(x[call], ids2[call], num_experts, capacity, weights=weights[call])
+        assert_wire_rows(got["expert_rows"][call], expected["expert_rows"], wire)
+        for name in moe_masked.Masked._fields[1:]:
+            np.testing.assert_array_equal(got[name][call], expected[name], err_msg=f"{name}, call {call}")
 
 
 # Row widths (float32 elements) whose slot rows, 4 ranks of 8 tokens, travel as lines and as rows and flags.

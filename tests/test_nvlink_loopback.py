@@ -18,7 +18,7 @@ import pytest
 
 import nvlink_loopback as loopback
 import reference
-from helpers import assert_bits_equal, random_array, random_bits
+from helpers import assert_bits_equal, assert_wire_rows, random_array, random_bits
 from jax_ncclx._src import contract
 
 pytestmark = pytest.mark.gpu
@@ -640,7 +640,8 @@ def expected_moe_dispatch(tokens, ids, weights, num_experts, capacity):
     return expected
 
 
-def check_moe_dispatch(actual, tokens, ids, weights, num_experts, capacity):
+def check_moe_dispatch(actual, tokens, ids, weights, num_experts, capacity, wire=None):
+    """Every result equals the chain's; with an 8-bit wire the expert rows are the chain's rows through it."""
     results, ranks = actual
     calls, size = tokens.shape[:2]
     assert_healthy(ranks, calls)
@@ -649,7 +650,10 @@ def check_moe_dispatch(actual, tokens, ids, weights, num_experts, capacity):
             for name, value in expected.items():
                 got = results[name][c, rank]
                 try:
-                    assert_bits_equal(got, np.asarray(value, got.dtype))
+                    if name == "expert_rows" and wire is not None:
+                        assert_wire_rows(got, value, wire)
+                    else:
+                        assert_bits_equal(got, np.asarray(value, got.dtype))
                 except AssertionError as error:
                     raise AssertionError(f"{name} of call {c} on rank {rank}: {error}") from None
 
@@ -684,6 +688,43 @@ def test_moe_dispatch_shapes(tokens, top_k, hidden, experts, lines):
     actual = loopback.moe_dispatch(x, ids, weights, num_experts=experts, capacity=capacity)
     assert actual[1][0]["lines"] == lines
     check_moe_dispatch(actual, x, ids, weights, experts, capacity)
+
+
+MOE_LINES_MAX_BYTES = 1 << 20  # symmetric_layout.h's kMoeLinesMaxBytes
+
+
+def wire_takes_lines(rows, hidden):
+    """Whether `rows` slot rows of H values on the 8-bit wire take lines: a 512-byte warp step per three blocks of
+    128 values, up to MOE_LINES_MAX_BYTES."""
+    return rows * -(-hidden // 384) * 512 <= MOE_LINES_MAX_BYTES
+
+
+def wire_tokens(shape, dtype, seed):
+    """Random tokens whose blocks of 128 values differ in magnitude by up to 2^6 (a scale taken from the wrong
+    block is then off by far more than a step), the first block all zeros (scale 0, decoded as zeros)."""
+    x = random_array(shape, np.float32, seed=seed) * 2.0 ** (np.arange(shape[-1]) // 128 % 7 - 3)
+    x[(0,) * (len(shape) - 1) + (slice(0, 128),)] = 0
+    return x.astype(dtype)
+
+
+@pytest.mark.parametrize("wire", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("hidden", [7168, 1536, 512], ids=["deepseek", "whole-steps", "one-step"])
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32, np.float16], ids=["bf16", "f32", "f16"])
+@pytest.mark.parametrize("size, tokens", [(1, 8), (2, 8), (8, 8), (2, 64)],
+                         ids=["1-rank", "2-ranks", "8-ranks", "2-ranks-64"])
+def test_moe_dispatch_8bit_wire(size, tokens, dtype, hidden, wire):
+    """On an 8-bit wire at decode sizes the rows travel as LL128 lines, three quantized blocks and their scales a
+    warp step (a partial last step at H = 7168 and 512, whole steps at 1536); 64 tokens on 2 ranks at H = 7168
+    (over 1 MiB of lines) take rows and flags. The expert rows are the chain's rows through the wire, every other
+    result is the chain's, over three calls (both parity halves)."""
+    calls, top_k = 3, 4
+    num_experts = 4 * size
+    ids, capacity = dispatch_routing("random", size, calls, tokens, top_k, num_experts, seed=size)
+    x = wire_tokens((calls, size, tokens, hidden), dtype, seed=size)
+    weights = random_array(ids.shape, np.float32, seed=size + 1)
+    actual = loopback.moe_dispatch(x, ids, weights, num_experts=num_experts, capacity=capacity, wire=wire)
+    assert actual[1][0]["lines"] == wire_takes_lines(size * tokens, hidden)
+    check_moe_dispatch(actual, x, ids, weights, num_experts, capacity, wire=wire)
 
 
 @pytest.mark.parametrize("path", ["lines", "flags"])

@@ -619,16 +619,19 @@ NB_MODULE(_ncclx_cuda, m) {
   m.attr("MOE_DISPATCH_MAX_MEMBER_TOKENS") = jn::kMaxMoeDispatchMemberTokens;
   m.def(
       "moe_dispatch_slot_bytes",
-      [](int size, int64_t rows_per_member, int top_k, int64_t wire_row_bytes, bool with_weights) {
-        if (size < 1 || size > jn::kMaxNvlinkRanks || rows_per_member < 0 || top_k < 1 || wire_row_bytes < 0) {
-          throw std::invalid_argument("moe_dispatch_slot_bytes: bad sizes");
+      [](int size, int64_t rows_per_member, int top_k, int wire, int64_t wire_row_bytes, bool with_weights) {
+        if (size < 1 || size > jn::kMaxNvlinkRanks || rows_per_member < 0 || top_k < 1 || wire_row_bytes < 0 ||
+            !jn::ValidMoeWire(static_cast<jn::MoeWire>(wire))) {
+          throw std::invalid_argument("moe_dispatch_slot_bytes: bad sizes or wire");
         }
-        return jn::MoeDispatchSlotBytes(size, rows_per_member, top_k, wire_row_bytes, with_weights);
+        return jn::MoeDispatchSlotBytes(size, rows_per_member, top_k, static_cast<jn::MoeWire>(wire), wire_row_bytes,
+                                        with_weights);
       },
-      nb::arg("size"), nb::arg("rows_per_member"), nb::arg("top_k"), nb::arg("wire_row_bytes"), nb::arg("with_weights"),
+      nb::arg("size"), nb::arg("rows_per_member"), nb::arg("top_k"), nb::arg("wire"), nb::arg("wire_row_bytes"),
+      nb::arg("with_weights"),
       "Low-latency slot bytes per call parity that moe.dispatch's NVLink kernel needs on `size` ranks for\n"
-      "`rows_per_member` token rows per member of `wire_row_bytes` bytes each on the wire\n"
-      "(moe_dispatch_wire_row_bytes), with top-k tags (and weights).");
+      "`rows_per_member` token rows per member of `wire_row_bytes` bytes each on the wire `wire` (a\n"
+      "contract.MOE_WIRES value; moe_dispatch_wire_row_bytes), with top-k tags (and weights).");
   m.def(
       "moe_dispatch_wire_row_bytes",
       [](int64_t hidden, int64_t element_bytes, int wire) {
@@ -645,18 +648,20 @@ NB_MODULE(_ncclx_cuda, m) {
   m.attr("MOE_MASKED_MAX_PAIRS") = jn::kMaxMoeMaskedPairs;
   m.def(
       "moe_masked_dispatch_slot_bytes",
-      [](int size, int64_t tokens, int64_t local_experts, int64_t capacity, int64_t wire_row_bytes) {
+      [](int size, int64_t tokens, int64_t local_experts, int64_t capacity, int wire, int64_t wire_row_bytes) {
         if (size < 1 || size > jn::kMaxNvlinkRanks || tokens < 0 || local_experts < 0 || capacity < 0 ||
-            wire_row_bytes < 0) {
-          throw std::invalid_argument("moe_masked_dispatch_slot_bytes: bad sizes");
+            wire_row_bytes < 0 || !jn::ValidMoeWire(static_cast<jn::MoeWire>(wire))) {
+          throw std::invalid_argument("moe_masked_dispatch_slot_bytes: bad sizes or wire");
         }
-        return jn::MoeMaskedDispatchSlotBytes(size, tokens, local_experts, capacity, wire_row_bytes);
+        return jn::MoeMaskedDispatchSlotBytes(size, tokens, local_experts, capacity, static_cast<jn::MoeWire>(wire),
+                                              wire_row_bytes);
       },
-      nb::arg("size"), nb::arg("tokens"), nb::arg("local_experts"), nb::arg("capacity"), nb::arg("wire_row_bytes"),
+      nb::arg("size"), nb::arg("tokens"), nb::arg("local_experts"), nb::arg("capacity"), nb::arg("wire"),
+      nb::arg("wire_row_bytes"),
       "Low-latency slot bytes per call parity that the masked dispatch's NVLink kernel needs on `size` ranks\n"
       "for `tokens` tokens per rank and `local_experts` experts per rank of `capacity` rows per source, a row\n"
-      "of `wire_row_bytes` bytes on the wire (moe_dispatch_wire_row_bytes): the counts and the pair map, then\n"
-      "each source's token rows.");
+      "of `wire_row_bytes` bytes on the wire `wire` (a contract.MOE_WIRES value; moe_dispatch_wire_row_bytes):\n"
+      "the counts and the pair map, then each source's token rows.");
   m.def(
       "moe_masked_combine_slot_bytes",
       [](int64_t pairs, int64_t hidden, int element_bytes) {

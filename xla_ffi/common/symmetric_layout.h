@@ -32,7 +32,7 @@ constexpr int kMaxFlagGroups = 128;
 
 // The most bytes of slot rows (as LL128 lines) that a call of an MoE NVLink kernel sends as lines (moe_combine.h,
 // moe_dispatch.h, moe_masked.h): small calls gain from skipping the wait for every block's flag, while larger
-// ones lose more to the lines' extra bytes and polls, so they send plain rows and flags.
+// ones lose more to the lines' extra bytes and polls, so they send rows and flags.
 constexpr int64_t kMoeLinesMaxBytes = int64_t{1} << 20;
 
 // Calls whose device-side timeline a communicator remembers (a ring: call e lives in slot e % kTraceSlots).

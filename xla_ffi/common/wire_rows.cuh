@@ -124,11 +124,11 @@ __device__ __forceinline__ void LoadBlockValues(const Token* in, int32_t b, int 
   }
 }
 
-// Quantizes block b of a token row, whose lane's values are v (LoadBlockValues), into the wire row `row` (H
-// values, then the float32 scales) with the 32 lanes of a warp: the block's values, and lane 0 its scale.
+// One block of a token row quantized by the 32 lanes of a warp, each holding its 4 values v (LoadBlockValues):
+// the lane's 4 8-bit values (the first in the low byte), and in `scale` the block's scale (the same on every
+// lane).
 template <typename Token, __nv_fp8_interpretation_t kFormat>
-__device__ __forceinline__ void StoreQuantizedBlock(uint8_t* row, const float (&v)[4], int32_t b, int64_t hidden,
-                                                    int lane) {
+__device__ __forceinline__ uint32_t QuantizeBlock(const float (&v)[4], float& scale) {
   // A NaN anywhere makes the block's scale NaN, as jnp.max does in the chain (fmaxf would drop it).
   auto max_nan = [](float a, float b) {
     float m;
@@ -140,7 +140,7 @@ __device__ __forceinline__ void StoreQuantizedBlock(uint8_t* row, const float (&
   for (int d = 16; d > 0; d /= 2) largest = max_nan(largest, __shfl_xor_sync(0xffffffffu, largest, d));
   // The chain's arithmetic (_encode): scale = max |v| * (1 / largest), q = v / scale (v / 1 for a zero block),
   // divided as XLA's GPU backend divides (div.full.f32, not div.rn), so that both round q alike.
-  const float scale = largest * Wire<Token, kFormat>::kInverse;
+  scale = largest * Wire<Token, kFormat>::kInverse;
   const float divisor = scale > 0.0f ? scale : 1.0f;
   auto q = [divisor](float x) {
     float quotient;
@@ -149,8 +149,35 @@ __device__ __forceinline__ void StoreQuantizedBlock(uint8_t* row, const float (&
   };
   const uint32_t low = __nv_cvt_float2_to_fp8x2(make_float2(q(v[0]), q(v[1])), __NV_SATFINITE, kFormat);
   const uint32_t high = __nv_cvt_float2_to_fp8x2(make_float2(q(v[2]), q(v[3])), __NV_SATFINITE, kFormat);
-  reinterpret_cast<uint32_t*>(row + int64_t{b} * kMoeWireBlock)[lane] = low | high << 16;
+  return low | high << 16;
+}
+
+// Quantizes block b of a token row, whose lane's values are v (LoadBlockValues), into the wire row `row` (H
+// values, then the float32 scales) with the 32 lanes of a warp: the block's values, and lane 0 its scale.
+template <typename Token, __nv_fp8_interpretation_t kFormat>
+__device__ __forceinline__ void StoreQuantizedBlock(uint8_t* row, const float (&v)[4], int32_t b, int64_t hidden,
+                                                    int lane) {
+  float scale;
+  const uint32_t word = QuantizeBlock<Token, kFormat>(v, scale);
+  reinterpret_cast<uint32_t*>(row + int64_t{b} * kMoeWireBlock)[lane] = word;
   if (lane == 0) reinterpret_cast<float*>(row + hidden)[b] = scale;
+}
+
+// A lane's 4 values of block b, four 8-bit values of `word` (the first in the low byte) times scale, stored into
+// the token row `out` where LoadBlockValues reads them: one 16-byte (float) or 8-byte store.
+template <typename Token, __nv_fp8_interpretation_t kFormat>
+__device__ __forceinline__ void StoreDecodedWord(Token* out, uint32_t word, float scale, int32_t b, int lane) {
+  const float2 low = DecodePair<kFormat>(word, scale), high = DecodePair<kFormat>(word >> 16, scale);
+  Token* values = out + int64_t{b} * kMoeWireBlock + lane * 4;
+  if constexpr (sizeof(Token) == 4) {
+    *reinterpret_cast<float4*>(values) = make_float4(low.x, low.y, high.x, high.y);
+  } else {
+    uint2 bits;
+    Token* four = reinterpret_cast<Token*>(&bits);
+    four[0] = FromFloat<Token>(low.x), four[1] = FromFloat<Token>(low.y);
+    four[2] = FromFloat<Token>(high.x), four[3] = FromFloat<Token>(high.y);
+    *reinterpret_cast<uint2*>(values) = bits;
+  }
 }
 
 // Blocks a warp quantizes at once (QuantizeBlocks): their loads go out together, where one block at a time would

@@ -570,13 +570,20 @@ void AddPhaseClocks(nb::dict& result, const int64_t* clocks, int64_t count, cons
 
 nb::dict MoeDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids, const nb::bytes& weights, int size,
                      int calls, int64_t num_tokens, int64_t row_bytes, int top_k, int64_t num_experts, int64_t capacity,
-                     bool with_weights, int blocks, bool trace, bool phases, bool graph, int64_t timeout_ms, int absent,
-                     int late, int64_t late_us) {
+                     bool with_weights, int wire, int type, int blocks, bool trace, bool phases, bool graph,
+                     int64_t timeout_ms, int absent, int late, int64_t late_us) {
   const Schedule schedule{calls, graph, absent, late, late_us, timeout_ms};
   CheckSchedule(size, schedule);
   Require(num_tokens >= 1 && top_k >= 1 && top_k <= kMaxMoeDispatchTopK && row_bytes >= 0 && row_bytes % 16 == 0 &&
               num_tokens * top_k <= kMaxMoeDispatchPairs && size * num_tokens <= kMaxMoeDispatchMemberTokens,
           "bad sizes: tokens and top_k positive within the kernel's limits, rows a multiple of 16 bytes");
+  Require(wire >= 0 && wire <= 2, "wire is " + std::to_string(wire) + ", expected 0 (none), 1 (e4m3) or 2 (e5m2)");
+  Require(type >= 0 && type <= 2, "type is " + std::to_string(type) + ", expected 0 (f32), 1 (bf16) or 2 (f16)");
+  const MoeWire on = static_cast<MoeWire>(wire);
+  const int64_t element_bytes = FloatTypeBytes(static_cast<FloatType>(type)), hidden = row_bytes / element_bytes;
+  const int64_t wire_row_bytes = on == MoeWire::kNone ? row_bytes : MoeDispatchWireRowBytes(hidden, element_bytes, on);
+  Require(on == MoeWire::kNone || (hidden % kMoeWireBlock == 0 && wire_row_bytes % 16 == 0),
+          "bad sizes: an 8-bit wire takes rows of a multiple of the wire block");
   Require(num_experts >= 1 && num_experts % size == 0 && num_experts <= kMaxRoutingExperts && capacity >= 1,
           "bad sizes: num_experts a multiple of size up to the routing's limit, capacity positive");
   MoeDispatchArgs args;
@@ -586,7 +593,9 @@ nb::dict MoeDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids, const
   args.num_experts = num_experts;
   args.capacity = capacity;
   args.row_bytes = row_bytes;
-  args.wire_row_bytes = row_bytes;  // rows travel as they are (the 8-bit wire is tested on one GPU, test_moe.py)
+  args.wire = on;
+  args.token_type = static_cast<FloatType>(type);
+  args.wire_row_bytes = wire_row_bytes;
   args.with_weights = with_weights;
   args.trace = trace;
   args.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000;
@@ -595,7 +604,7 @@ nb::dict MoeDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids, const
   const int64_t R = shape.rows_per_member(), S = shape.num_rows(), I = sizeof(int32_t);
   const int grid = ChooseMoeDispatchBlocks(args, blocks, SmsPerRank(size));
   Resources resources;
-  Ranks ranks(resources, size, MoeDispatchSlotBytes(size, R, top_k, row_bytes, with_weights), 0);
+  Ranks ranks(resources, size, MoeDispatchSlotBytes(size, R, top_k, on, wire_row_bytes, with_weights), 0);
   const int64_t clock_count = int64_t{size} * grid * kMoeDispatchPhases;
   int64_t* clocks = phases ? resources.Filled<int64_t>(clock_count * 8, 0, "phase clocks") : nullptr;
   std::vector<Operand> operands = {
@@ -705,7 +714,7 @@ nb::dict MoeMaskedDispatch(const nb::bytes& tokens, const nb::bytes& expert_ids,
   const int64_t I = sizeof(int32_t), R = std::min(T, L * capacity);
   const int grid = ChooseMoeMaskedDispatchBlocks(args, blocks, SmsPerRank(size));
   Resources resources;
-  Ranks ranks(resources, size, MoeMaskedDispatchSlotBytes(size, T, L, capacity, wire_row_bytes), 0);
+  Ranks ranks(resources, size, MoeMaskedDispatchSlotBytes(size, T, L, capacity, on, wire_row_bytes), 0);
   const int64_t clock_count = int64_t{size} * grid * kMoeMaskedDispatchPhases;
   int64_t* clocks = phases ? resources.Filled<int64_t>(clock_count * 8, 0, "phase clocks") : nullptr;
   std::vector<Operand> operands = {
@@ -866,12 +875,13 @@ NB_MODULE(_ncclx_loopback, m) {
         "and 'blocks' as collective() does.");
   m.def("moe_dispatch", &jn::MoeDispatch, nb::arg("tokens"), nb::arg("expert_ids"), nb::arg("weights"), nb::kw_only(),
         nb::arg("size"), nb::arg("calls"), nb::arg("num_tokens"), nb::arg("row_bytes"), nb::arg("top_k"),
-        nb::arg("num_experts"), nb::arg("capacity"), nb::arg("with_weights"), nb::arg("blocks") = 0,
-        nb::arg("trace") = false, nb::arg("phases") = false, nb::arg("graph") = false, nb::arg("timeout_ms") = 5000,
-        nb::arg("absent") = -1, nb::arg("late") = -1, nb::arg("late_us") = 0,
+        nb::arg("num_experts"), nb::arg("capacity"), nb::arg("with_weights"), nb::arg("wire") = 0, nb::arg("type") = 0,
+        nb::arg("blocks") = 0, nb::arg("trace") = false, nb::arg("phases") = false, nb::arg("graph") = false,
+        nb::arg("timeout_ms") = 5000, nb::arg("absent") = -1, nb::arg("late") = -1, nb::arg("late_us") = 0,
         "Runs `calls` calls of moe.dispatch's NVLink kernel on `size` logical ranks of the current GPU. Each\n"
         "input is bytes of [calls, size, ...]: tokens [num_tokens, row_bytes], expert_ids int32 [num_tokens,\n"
-        "top_k], weights float32 of the same shape (read with with_weights only). Returns every result of the\n"
+        "top_k], weights float32 of the same shape (read with with_weights only). wire: 0 none (rows of any\n"
+        "dtype), 1 float8_e4m3fn, 2 float8_e5m2 (tokens of `type`: 0 f32, 1 bf16, 2 f16). Returns every result of the\n"
         "kernel by name (bytes of [calls, size, ...], shapes as the FFI handler's), 'ranks' and 'blocks' as\n"
         "collective() does. phases: also 'phase_clocks' (int64 bytes of [size, blocks, len(phase_names)], the\n"
         "last call's clock64() per block at each of 'phase_names', moe_dispatch.h) and 'clock_khz'.");

@@ -221,10 +221,11 @@ def _route(ctx, comm_id, size, *, num_experts, num_members, capacity, wire_dtype
     element_bytes = np.dtype(tokens.dtype).itemsize
     with_weights = len(ctx.avals_in) > 2
     module = lib.cuda_module()
-    wire_row_bytes = module.moe_dispatch_wire_row_bytes(hidden, element_bytes, _wire(wire_dtype))
+    wire = _wire(wire_dtype)
+    wire_row_bytes = module.moe_dispatch_wire_row_bytes(hidden, element_bytes, wire)
     rows_per_member = min(capacity, num_tokens)
     why = _kernel_misfit(module, tokens, top_k, size, rows_per_member, wire_dtype, wire_row_bytes)
-    slots = module.moe_dispatch_slot_bytes(size, rows_per_member, top_k, wire_row_bytes, with_weights)
+    slots = module.moe_dispatch_slot_bytes(size, rows_per_member, top_k, wire, wire_row_bytes, with_weights)
     return nvlink.kernel_route("moe.dispatch", comm_id, why, slots)
 
 

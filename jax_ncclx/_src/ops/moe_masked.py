@@ -515,7 +515,8 @@ def _dispatch_route(ctx, comm_id, size, *, num_experts, num_members, capacity, w
     (num_tokens, hidden), top_k = tokens.shape, expert_ids.shape[1]
     dtype = np.dtype(tokens.dtype)
     module = lib.cuda_module()
-    wire_row_bytes = module.moe_dispatch_wire_row_bytes(hidden, dtype.itemsize, moe_dispatch._wire(wire_dtype))
+    wire = moe_dispatch._wire(wire_dtype)
+    wire_row_bytes = module.moe_dispatch_wire_row_bytes(hidden, dtype.itemsize, wire)
     local = num_experts // num_members
     why = None
     if wire_dtype is not None and encode_misfit(tokens.dtype, hidden) is not None:
@@ -525,7 +526,7 @@ def _dispatch_route(ctx, comm_id, size, *, num_experts, num_members, capacity, w
     elif top_k > module.MOE_MASKED_MAX_TOP_K or num_tokens * top_k > module.MOE_MASKED_MAX_PAIRS:
         why = (f"{num_tokens} tokens of top-{top_k} (the kernel takes up to top-{module.MOE_MASKED_MAX_TOP_K} and "
                f"{module.MOE_MASKED_MAX_PAIRS} pairs)")
-    slots = (module.moe_masked_dispatch_slot_bytes(size, num_tokens, local, capacity, wire_row_bytes)
+    slots = (module.moe_masked_dispatch_slot_bytes(size, num_tokens, local, capacity, wire, wire_row_bytes)
              if why is None else 0)
     return nvlink.kernel_route("moe.dispatch", comm_id, why, slots, label="moe.dispatch (masked)",
                                most_slot_bytes=KERNEL_MAX_SLOT_BYTES)

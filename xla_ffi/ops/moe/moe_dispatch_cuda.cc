@@ -138,7 +138,7 @@ ffi::Error MoeDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ffi::Any
   args.table = symmetric->table;
   args.control = symmetric->control;
   NCCLX_RETURN_IF_ERROR(
-      CheckSlots(kOp, MoeDispatchSlotBytes(args.size, R, args.top_k, args.wire_row_bytes, args.with_weights),
+      CheckSlots(kOp, MoeDispatchSlotBytes(args.size, R, args.top_k, args.wire, args.wire_row_bytes, args.with_weights),
                  *symmetric));
   ffi::ErrorOr<int> sm_count = SmCount(kOp, device_ordinal);
   if (sm_count.has_error()) return sm_count.error();

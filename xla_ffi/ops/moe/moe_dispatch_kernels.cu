@@ -5,9 +5,9 @@
 // and expand (a share of the expert-major rows). Each block writes its share of every result array; the
 // plan's and placement's values are the same in every block, so the shares agree.
 //
-// With lines (plain rows up to kMoeLinesMaxBytes of slot rows) no block waits for the others: the
-// counts and every list entry travel as flagged 16-byte entries and the rows as LL128 lines, so the wait is
-// the polls of what a block reads (moe_dispatch.h).
+// With lines (up to kMoeLinesMaxBytes of slot rows) no block waits for the others: the counts and every list
+// entry travel as flagged 16-byte entries and the rows as LL128 lines (on the 8-bit wire quantized as they are
+// sent, wire_lines.cuh), so the wait is the polls of what a block reads (moe_dispatch.h).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -22,6 +22,7 @@
 #include "common/ll128_lines.cuh"
 #include "common/symmetric_layout.h"
 #include "common/warp_copy.cuh"
+#include "common/wire_lines.cuh"
 #include "common/wire_rows.cuh"
 #include "ops/collectives/nvlink_collectives_kernels.h"
 #include "ops/moe/moe_device.cuh"
@@ -152,7 +153,6 @@ __device__ Placement LayOutPlacement(int32_t* shared, int32_t N, int32_t L, int3
 
 template <typename Rows, bool kLines>
 __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
-  static_assert(!kLines || !kOnWire<Rows>, "an 8-bit wire keeps the flags");
   const MoeDispatchArgs& args = call.args;
   const Divisors& by = call.by;
   // The ids before anything else, in one batch: their loads overlap the set-up below, and the warp plan reads
@@ -192,11 +192,11 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
   const int64_t warps = int64_t{gridDim.x} * kWarps;
   const int64_t first_unit = int64_t{blockIdx.x} * kWarps + warp;
   // Vectors of 16 bytes: of a token row (tokens' dtype), of its bytes on the wire, of a slot row. With lines a
-  // row's pieces count warp steps of lines (StepPart: a lane's part of one).
+  // row's pieces count warp steps of lines (wire_lines.cuh), and an 8-bit wire row its blocks.
   const int64_t row_vectors = args.row_bytes / 16, wire_vectors = args.wire_row_bytes / 16;
   const int64_t slot_vectors = call.slot_row / 16;
-  const int64_t row_words = args.row_bytes / 4, row_steps = LineStepsOf(args.row_bytes);
-  const bool flag_lane = lane % kLanesPerLine == kLanesPerLine - 1;
+  const int64_t row_words = args.row_bytes / 4, row_steps = RowLineSteps(args.wire, args.wire_row_bytes);
+  const int32_t wire_blocks = static_cast<int32_t>(WireBlocks(args.wire_row_bytes));
   extern __shared__ int32_t shared[];
   __shared__ BlockScan::TempStorage scan;
 
@@ -362,6 +362,17 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     r = g - plan.first_row[m];
     return Slots(call.args.table, call.slot_base, m, parity) + call.rows_at + (int64_t{me} * R + r) * call.slot_row;
   };
+  // This member's token count, in member tid's header (16 bytes a source): first, since every receiver polls
+  // the counts before anything else.
+  if (blockIdx.x == 0 && tid < N) {
+    uint8_t* header = Slots(call.args.table, call.slot_base, tid, parity) + 16 * me;
+    const int32_t count = plan.first_row[tid + 1] - plan.first_row[tid];
+    if constexpr (kLines) {
+      StoreVolatile(reinterpret_cast<Pair64*>(header), EntryOf(static_cast<uint32_t>(count), 0u, flag));
+    } else {
+      *reinterpret_cast<int32_t*>(header) = count;
+    }
+  }
   if constexpr (kLines) {
     // Entry i < R * k of member m's list, with the weight of choice i % k of row i / k, at me * R * k + i of its
     // entries: every one each call (-1 past the list), so that the receiver polls them all at once.
@@ -374,33 +385,21 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
       Pair64* to = reinterpret_cast<Pair64*>(Slots(call.args.table, call.slot_base + call.entries_at, m, parity));
       StoreVolatile(to + int64_t{me} * R * k + entry, EntryOf(static_cast<uint32_t>(tag_of(m, entry)), weight, flag));
     }
-    // The rows, kLineBatch steps loaded before they are stored as lines with the call's flag.
-    const uint32_t* tokens = static_cast<const uint32_t*>(args.tokens_in);
+    // The rows, kLineBatch steps loaded (or quantized) before they are stored as lines with the call's flag.
+    const char* tokens = static_cast<const char*>(args.tokens_in);
     const Units send(sent_rows, row_steps, warps, 1);
     for (int64_t unit = first_unit; unit < send.count(); unit += warps) {
       const auto [row, lo, hi] = send.At(unit);
       const int32_t g = static_cast<int32_t>(row);
       int32_t m, r;
-      Pair64* to = reinterpret_cast<Pair64*>(slot_row(g, m, r)) + lane;
-      const uint32_t* from = tokens + int64_t{plan.send_token[g]} * row_words;
-      for (int64_t batch = lo; batch < hi; batch += kLineBatch) {
-        uint4 payload[kLineBatch];
-#pragma unroll
-        for (int b = 0; b < kLineBatch; ++b) {
-          if (batch + b < hi) payload[b] = LoadPayload(from, StepPart(batch + b, row_words));
-        }
-        __syncwarp();  // a line's 8 lanes store it in one instruction
-#pragma unroll
-        for (int b = 0; b < kLineBatch; ++b) {
-          if (batch + b < hi) StoreVolatile(to + (batch + b) * kStepParts, PartOf(payload[b], flag_lane, flag));
-        }
-      }
+      Pair64* to = reinterpret_cast<Pair64*>(slot_row(g, m, r));
+      WarpSendLineSteps<Rows, kLineBatch>(to, tokens + int64_t{plan.send_token[g]} * args.row_bytes, row_words,
+                                          wire_blocks, lo, hi, flag);
     }
   } else if constexpr (kOnWire<Rows>) {
     // A warp per (row, kQuantizeBlocks blocks of values), and one more item per row for its suffix.
     using Token = typename WireOf<Rows>::Token;
     const int64_t hidden = args.row_bytes / static_cast<int64_t>(sizeof(Token));
-    const int32_t wire_blocks = static_cast<int32_t>(hidden / kMoeWireBlock);
     const int32_t groups = (wire_blocks + kQuantizeBlocks - 1) / kQuantizeBlocks, items = groups + 1;
     const Token* tokens = static_cast<const Token*>(args.tokens_in);
     for (int64_t item = first_unit; item < int64_t{sent_rows} * items; item += warps) {
@@ -426,15 +425,6 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
       const int32_t token = plan.send_token[g];
       WarpCopy<uint4, false>(to + lo, tokens + int64_t{token} * row_vectors + lo, min(hi, wire_vectors) - lo);
       write_suffix(to, m, r, token, lo, hi);
-    }
-  }
-  if (blockIdx.x == 0 && tid < N) {  // this member's token count, in member tid's header (16 bytes a source)
-    uint8_t* header = Slots(call.args.table, call.slot_base, tid, parity) + 16 * me;
-    const int32_t count = plan.first_row[tid + 1] - plan.first_row[tid];
-    if constexpr (kLines) {
-      StoreVolatile(reinterpret_cast<Pair64*>(header), EntryOf(static_cast<uint32_t>(count), 0u, flag));
-    } else {
-      *reinterpret_cast<int32_t*>(header) = count;
     }
   }
   if (profiled) __syncthreads();
@@ -653,17 +643,18 @@ __global__ void __launch_bounds__(kThreads) MoeDispatchKernel(Call call) {
     if (of != kNoRow && (of & kNoPair) != kNoPair) from = rows + int64_t{by.top_k.Div(pair)} * call.slot_row;
     uint4* to = expert_rows + int64_t{x} * row_vectors;
     if (from == nullptr) {
-      if constexpr (kLines) {  // steps [lo, hi) hold the row's vectors from lo * kStepVectors
-        WarpZero(to + lo * kStepVectors, min(hi * kStepVectors, row_vectors) - lo * kStepVectors);
+      if constexpr (kLines) {  // the row's vectors that steps [lo, hi) hold
+        const int64_t first = StepVector<Rows>(lo, row_vectors);
+        WarpZero(to + first, StepVector<Rows>(hi, row_vectors) - first);
       } else {
         WarpZero(to + lo, hi - lo);
       }
     } else if constexpr (kLines) {
       const int32_t source = by.per_source.Div(pair);
-      WarpTakeLineRow<kTakeBatch>(reinterpret_cast<const Pair64*>(from), reinterpret_cast<uint32_t*>(to), row_words, lo,
-                                  hi, flag, [&](uint32_t spins) {
-                                    return live = live && patience.WarpKeepsWaiting(spins, source);
-                                  });
+      WarpTakeLineSteps<Rows, kTakeBatch>(reinterpret_cast<const Pair64*>(from), to, row_words, wire_blocks, lo, hi,
+                                          flag, [&](uint32_t spins) {
+                                            return live = live && patience.WarpKeepsWaiting(spins, source);
+                                          });
     } else {
       WarpTakeWireRow<Rows>(to, from, lo, hi, args.row_bytes);
     }
@@ -715,24 +706,27 @@ namespace {
 int64_t EntriesBytes(int size, int64_t rows_per_member, int top_k) {
   return (size * rows_per_member * top_k * 16 + 255) / 256 * 256;
 }
-int64_t LineRowBytes(int64_t wire_row_bytes) { return LineStepsOf(wire_row_bytes) * kLineStepBytes; }
+int64_t LineRowBytes(MoeWire wire, int64_t wire_row_bytes) {
+  return RowLineSteps(wire, wire_row_bytes) * kLineStepBytes;
+}
 
-bool LinesFit(int size, int64_t rows_per_member, int64_t wire_row_bytes) {
-  return size * rows_per_member * LineRowBytes(wire_row_bytes) <= kMoeLinesMaxBytes;
+bool LinesFit(int size, int64_t rows_per_member, MoeWire wire, int64_t wire_row_bytes) {
+  return size * rows_per_member * LineRowBytes(wire, wire_row_bytes) <= kMoeLinesMaxBytes;
 }
 
 }  // namespace
 
 bool MoeDispatchUsesLines(const MoeDispatchArgs& args) {
-  return args.wire == MoeWire::kNone && LinesFit(args.size, std::min(args.capacity, args.tokens), args.wire_row_bytes);
+  return LinesFit(args.size, std::min(args.capacity, args.tokens), args.wire, args.wire_row_bytes);
 }
 
-int64_t MoeDispatchSlotBytes(int size, int64_t rows_per_member, int top_k, int64_t wire_row_bytes, bool with_weights) {
+int64_t MoeDispatchSlotBytes(int size, int64_t rows_per_member, int top_k, MoeWire wire, int64_t wire_row_bytes,
+                             bool with_weights) {
   int64_t bytes = kHeaderBytes + size * rows_per_member * MoeDispatchSlotRowBytes(top_k, wire_row_bytes, with_weights);
-  // Sized for lines too wherever they fit, whatever the wire (the call takes them with plain rows).
-  if (LinesFit(size, rows_per_member, wire_row_bytes)) {
+  // Sized for lines too wherever they fit: with few tags a row's lines take more than its flagged bytes.
+  if (LinesFit(size, rows_per_member, wire, wire_row_bytes)) {
     bytes = std::max(bytes, kHeaderBytes + EntriesBytes(size, rows_per_member, top_k) +
-                                size * rows_per_member * LineRowBytes(wire_row_bytes));
+                                size * rows_per_member * LineRowBytes(wire, wire_row_bytes));
   }
   return (NvlinkLowLatencyAreaBytes(size) + bytes + 255) / 256 * 256;
 }
@@ -745,7 +739,8 @@ int ChooseMoeDispatchBlocks(const MoeDispatchArgs& args, int requested, int sm_c
   const int64_t rows = std::max(args.size * args.capacity, args.size * R);
   const int64_t row_bytes = std::max(args.row_bytes, args.wire_row_bytes);
   const int64_t items = rows * (MoeDispatchSlotRowBytes(args.top_k, row_bytes, args.with_weights) / 16);
-  const int64_t by_size = MoeDispatchUsesLines(args) ? (rows * LineStepsOf(row_bytes) + kWarps - 1) / kWarps
+  const int64_t steps = RowLineSteps(args.wire, args.wire_row_bytes);
+  const int64_t by_size = MoeDispatchUsesLines(args) ? (rows * steps + kWarps - 1) / kWarps
                                                      : (items + kThreads - 1) / kThreads;
   const int cap = std::min(kMaxMoeDispatchBlocks, std::max(1, sm_count));
   return static_cast<int>(std::clamp<int64_t>(requested > 0 ? requested : by_size, 1, cap));
@@ -762,7 +757,7 @@ cudaError_t LaunchMoeDispatch(const MoeDispatchArgs& args, int blocks, cudaStrea
                   NvlinkLowLatencyAreaBytes(args.size),
                   kHeaderBytes,
                   kHeaderBytes + entries_bytes,
-                  lines ? LineRowBytes(args.wire_row_bytes)
+                  lines ? LineRowBytes(args.wire, args.wire_row_bytes)
                         : MoeDispatchSlotRowBytes(args.top_k, args.wire_row_bytes, args.with_weights)};
   // The ids load kIdsPerThread a thread, and the placement holds every received tag in registers and packs
   // list entries in 16 bits: the handlers' limits (N <= 8, T * k <= kMaxMoeDispatchPairs) keep within all three;
@@ -771,20 +766,18 @@ cudaError_t LaunchMoeDispatch(const MoeDispatchArgs& args, int blocks, cudaStrea
       args.size * R * args.top_k > int64_t{kTagsPerThread} * kThreads) {
     return cudaErrorInvalidValue;
   }
-  // Rows on the wire are whole vectors, and as they are without an 8-bit wire.
+  // Rows on the wire are whole vectors, as they are without an 8-bit wire, else whole blocks of the tokens.
   if (args.wire_row_bytes <= 0 || args.wire_row_bytes % 16 != 0 ||
-      (args.wire == MoeWire::kNone && args.wire_row_bytes != args.row_bytes)) {
+      !WireRowMatches(args.wire, args.token_type, args.row_bytes, args.wire_row_bytes)) {
     return cudaErrorInvalidValue;
   }
   const size_t shared = SharedBytes(args);
   if (shared > kMostSharedBytes) return cudaErrorInvalidValue;
   return WithRows(args.wire, args.token_type, [&](auto rows) {
     using Rows = decltype(rows);
-    if constexpr (!kOnWire<Rows>) {
-      if (lines) {
-        return LaunchOptingIn(MoeDispatchKernel<Rows, true>, blocks, kThreads, shared, sizeof(BlockScan::TempStorage),
-                              kMostSharedBytes, stream, call);
-      }
+    if (lines) {
+      return LaunchOptingIn(MoeDispatchKernel<Rows, true>, blocks, kThreads, shared, sizeof(BlockScan::TempStorage),
+                            kMostSharedBytes, stream, call);
     }
     return LaunchOptingIn(MoeDispatchKernel<Rows, false>, blocks, kThreads, shared, sizeof(BlockScan::TempStorage),
                           kMostSharedBytes, stream, call);

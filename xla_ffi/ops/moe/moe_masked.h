@@ -25,14 +25,15 @@
 // Dispatch slots: in every rank's low-latency half of the call's parity (symmetric_layout.h), past the LL
 // areas: the counts, [N][L] int32 (source s's from s * L) then [N] token rows per source, then the pair map,
 // [N][L][C] int2 {p | r << 16, weight bits}, each rounded up to 256 bytes, then [N, T] slot rows of
-// wire_row_bytes. Calls with plain rows up to kMoeLinesMaxBytes of slot rows take lines instead: each
+// wire_row_bytes. Calls up to kMoeLinesMaxBytes of slot rows take lines instead: each
 // count and map entry is a 16-byte entry with a flag in each 8-byte half (EntryOf), each slot row LL128 lines
 // in whole warp steps (ll128_lines.cuh), all carrying the call's flag. No block raises a flag for peers; the
 // receive side polls each member's counts, then each map entry and row line it reads, and every block of its
 // own rank raises arrived[me][b] at its start once its share of choice_rows' "none" entries is written, which
 // every block awaits before it writes a real entry. On an 8-bit wire the sender quantizes
 // each block of kMoeWireBlock values as it writes it and the expansion dequantizes as it copies, with
-// moe.dispatch's arithmetic (wire_rows.cuh).
+// moe.dispatch's arithmetic (wire_rows.cuh); as lines, three blocks and their scales a warp step
+// (wire_lines.cuh).
 //
 // Combine (weights given to combine). The expert side sends each row (e, i) whose row_pair is s * P + p < N * P
 // back to source s, as row p of its slots, and raises arrived[me][b] on every member; the token side waits for
@@ -151,15 +152,15 @@ constexpr int kMaxMoeMaskedTopK = 32;
 // The most blocks a call takes: each raises its own arrival flag on every member.
 constexpr int kMaxMoeMaskedBlocks = kMaxFlagGroups;
 
-// Whether a dispatch call sends its N * T slot rows as LL128 lines (plain rows up to kMoeLinesMaxBytes of them),
-// with flagged 16-byte entries for its counts and map: the receive side then polls what it reads instead of
-// waiting for every block of every member. Larger calls, and 8-bit wires, send plain rows and flags.
+// Whether a dispatch call sends its N * T slot rows as LL128 lines (up to kMoeLinesMaxBytes of them), with
+// flagged 16-byte entries for its counts and map: the receive side then polls what it reads instead of waiting
+// for every block of every member. Larger calls send rows and flags.
 bool MoeMaskedDispatchUsesLines(const MoeMaskedDispatchArgs& args);
 
 // Bytes of each parity half a call needs (PeerTable::parity_half_bytes), a multiple of 256: dispatch's past
 // the LL areas of `size` ranks; combine's past those of kMaxNvlinkRanks ranks (it takes no size). Saturated at
 // the largest int64 where they would overflow.
-int64_t MoeMaskedDispatchSlotBytes(int size, int64_t tokens, int64_t local_experts, int64_t capacity,
+int64_t MoeMaskedDispatchSlotBytes(int size, int64_t tokens, int64_t local_experts, int64_t capacity, MoeWire wire,
                                    int64_t wire_row_bytes);
 int64_t MoeMaskedCombineSlotBytes(int64_t pairs, int64_t hidden, int element_bytes);
 

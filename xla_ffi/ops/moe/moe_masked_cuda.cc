@@ -133,9 +133,9 @@ ffi::Error MoeMaskedDispatchImpl(cudaStream_t stream, int32_t device_ordinal, ff
   args.return_row = Ints(return_row);
   args.table = symmetric->table;
   args.control = symmetric->control;
-  NCCLX_RETURN_IF_ERROR(CheckSlots(kOp,
-                                   MoeMaskedDispatchSlotBytes(args.size, args.tokens, L, capacity, args.wire_row_bytes),
-                                   *symmetric));
+  NCCLX_RETURN_IF_ERROR(
+      CheckSlots(kOp, MoeMaskedDispatchSlotBytes(args.size, args.tokens, L, capacity, args.wire, args.wire_row_bytes),
+                 *symmetric));
   ffi::ErrorOr<int> sm_count = SmCount(kOp, device_ordinal);
   if (sm_count.has_error()) return sm_count.error();
   const int grid = ChooseMoeMaskedDispatchBlocks(args, RequestedBlocks(blocks), *sm_count);

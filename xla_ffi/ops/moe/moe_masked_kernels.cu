@@ -21,6 +21,7 @@
 #include "common/ll128_lines.cuh"
 #include "common/symmetric_layout.h"
 #include "common/warp_copy.cuh"
+#include "common/wire_lines.cuh"
 #include "common/wire_rows.cuh"
 #include "ops/collectives/nvlink_collectives_kernels.h"
 #include "ops/moe/moe_device.cuh"
@@ -135,12 +136,11 @@ struct DispatchCall {
 };
 
 // One block per SM is all a call takes (every block waits for every other): saying so leaves ptxas the
-// registers to keep the whole kernel out of local memory. kLines (plain rows only): the counts and map entries
+// registers to keep the whole kernel out of local memory. kLines: the counts and map entries
 // carry their own flag and the rows travel as LL128 lines, so the receive side polls what it reads instead of
 // waiting for every block of every member (moe_masked.h).
 template <typename Rows, bool kLines>
 __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchCall call) {
-  static_assert(!kLines || !kOnWire<Rows>, "an 8-bit wire keeps the flags");
   const MoeMaskedDispatchArgs& args = call.args;
   const int32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int32_t T = static_cast<int32_t>(args.tokens), k = args.top_k, P = T * k;
@@ -159,9 +159,10 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
   const int64_t first_send = int64_t{blockIdx.x} * send_warps + warp - count_warps;
   const int64_t send_step = int64_t{gridDim.x} * send_warps;
   // Vectors of 16 bytes: of a token row (tokens' dtype), of its bytes on the wire (a slot row). With lines a
-  // row's pieces count warp steps of lines (StepPart: a lane's part of one).
+  // row's pieces count warp steps of lines (wire_lines.cuh), and an 8-bit wire row its blocks.
   const int64_t row_vectors = args.row_bytes / 16, wire_vectors = args.wire_row_bytes / 16;
-  const int64_t row_words = args.row_bytes / 4, row_steps = LineStepsOf(args.row_bytes);
+  const int64_t row_words = args.row_bytes / 4, row_steps = RowLineSteps(args.wire, args.wire_row_bytes);
+  const int32_t wire_blocks = static_cast<int32_t>(WireBlocks(args.wire_row_bytes));
   const bool flag_lane = lane % kLanesPerLine == kLanesPerLine - 1;
   const Units send_units(int64_t{T} * N, kLines ? row_steps : wire_vectors, send_step, kLines ? 1 : 32);
   // A send warp's first unit, loaded with the ids: its stores then wait for the ids alone, not for a second
@@ -258,11 +259,34 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
   };
   auto send = [&](int64_t first, int64_t step) {
     const int32_t sends = T * N;  // (token, member) units, member-minor
-    if constexpr (kOnWire<Rows>) {
+    if constexpr (kLines) {
+      // kLineBatch steps of the row loaded (or quantized), then stored as lines with the call's flag.
+      const char* tokens = static_cast<const char*>(args.tokens_in);
+      int64_t unit = first;
+      if (early_loaded) {  // the first unit's steps, all in `early`
+        const auto [row, lo, hi] = send_units.At(unit);
+        const int32_t t = static_cast<int32_t>(row) / N, m = static_cast<int32_t>(row) - t * N;
+        if (reaches(t, m)) {
+          Pair64* to = reinterpret_cast<Pair64*>(slot_row(m, t)) + lane;
+          __syncwarp();  // a line's 8 lanes store it in one instruction
+#pragma unroll
+          for (int b = 0; b < kLineBatch; ++b) {
+            if (lo + b < hi) StoreVolatile(to + (lo + b) * kStepParts, PartOf(early[b], flag_lane, flag));
+          }
+        }
+        unit += step;
+      }
+      for (; unit < send_units.count(); unit += step) {
+        const auto [row, lo, hi] = send_units.At(unit);
+        const int32_t t = static_cast<int32_t>(row) / N, m = static_cast<int32_t>(row) - t * N;
+        if (!reaches(t, m)) continue;
+        WarpSendLineSteps<Rows, kLineBatch>(reinterpret_cast<Pair64*>(slot_row(m, t)),
+                                            tokens + int64_t{t} * args.row_bytes, row_words, wire_blocks, lo, hi, flag);
+      }
+    } else if constexpr (kOnWire<Rows>) {
       // A warp per (token, member, kQuantizeBlocks blocks of values).
       using Token = typename WireOf<Rows>::Token;
       const int64_t hidden = args.row_bytes / static_cast<int64_t>(sizeof(Token));
-      const int32_t wire_blocks = static_cast<int32_t>(hidden / kMoeWireBlock);
       const int32_t groups = (wire_blocks + kQuantizeBlocks - 1) / kQuantizeBlocks;
       const Token* tokens = static_cast<const Token*>(args.tokens_in);
       for (int64_t item = first; item < int64_t{sends} * groups; item += step) {
@@ -271,40 +295,6 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
         if (!reaches(t, m)) continue;
         QuantizeBlocks<Token, WireOf<Rows>::kFormat>(slot_row(m, t), tokens + int64_t{t} * hidden, b * kQuantizeBlocks,
                                                      wire_blocks, hidden, lane);
-      }
-    } else if constexpr (kLines) {
-      // kLineBatch steps of the row loaded, then stored as lines with the call's flag.
-      const uint32_t* tokens = static_cast<const uint32_t*>(args.tokens_in);
-      // Stores steps [lo, hi) of unit `unit`'s row, at most kLineBatch of them, from payload[].
-      auto store = [&](int64_t unit, int64_t lo, int64_t hi, const uint4(&payload)[kLineBatch]) {
-        const int32_t tm = static_cast<int32_t>(send_units.At(unit).row), t = tm / N, m = tm - t * N;
-        Pair64* to = reinterpret_cast<Pair64*>(slot_row(m, t)) + lane;
-        __syncwarp();  // a line's 8 lanes store it in one instruction
-#pragma unroll
-        for (int b = 0; b < kLineBatch; ++b) {
-          if (lo + b < hi) StoreVolatile(to + (lo + b) * kStepParts, PartOf(payload[b], flag_lane, flag));
-        }
-      };
-      int64_t unit = first;
-      if (early_loaded) {  // the first unit's steps, all in `early`
-        const auto [row, lo, hi] = send_units.At(unit);
-        const int32_t t = static_cast<int32_t>(row) / N;
-        if (reaches(t, static_cast<int32_t>(row) - t * N)) store(unit, lo, hi, early);
-        unit += step;
-      }
-      for (; unit < send_units.count(); unit += step) {
-        const auto [row, lo, hi] = send_units.At(unit);
-        const int32_t t = static_cast<int32_t>(row) / N;
-        if (!reaches(t, static_cast<int32_t>(row) - t * N)) continue;
-        const uint32_t* from = tokens + int64_t{t} * row_words;
-        for (int64_t batch = lo; batch < hi; batch += kLineBatch) {
-          uint4 payload[kLineBatch];
-#pragma unroll
-          for (int b = 0; b < kLineBatch; ++b) {
-            if (batch + b < hi) payload[b] = LoadPayload(from, StepPart(batch + b, row_words));
-          }
-          store(unit, batch, hi, payload);
-        }
       }
     } else {
       const uint4* tokens = static_cast<const uint4*>(args.tokens_in);
@@ -414,7 +404,6 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
     __syncthreads();  // every thread's writes come before the releases
     if (tid < N) StoreRelease(&args.table->control[tid]->arrived[me][blockIdx.x], epoch);
   }
-  if (tid == 0) trace.Sent();
   stamp(kMaskedDispatchSent);
 
   // ---- the token side's results, each block its share, while the peers' rows come ----
@@ -439,6 +428,8 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
     const int32_t t = i / N, m = i - t * N;
     args.return_row[i] = counted.goes[t] >> m & 1u ? m * R + row_rank(m, t) : N * R;
   }
+  // The trace's "sent" after this rank's own work, as the packed kernel's: its handshake is then the wait alone.
+  if (tid == 0) trace.Sent();
   stamp(kMaskedDispatchResults);
 
   // ---- wait: with flags, every member's every block has written its rows and its header here; with lines,
@@ -518,8 +509,9 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
         args.row_pair[x] = none;
         if (args.with_weights) args.recv_weights[x] = 0.0f;
       }
-      if constexpr (kLines) {  // steps [lo, hi) hold the row's vectors from lo * kStepVectors
-        WarpZero(to + lo * kStepVectors, min(hi * kStepVectors, row_vectors) - lo * kStepVectors);
+      if constexpr (kLines) {  // the row's vectors that steps [lo, hi) hold
+        const int64_t first = StepVector<Rows>(lo, row_vectors);
+        WarpZero(to + first, StepVector<Rows>(hi, row_vectors) - first);
       } else {
         WarpZero(to + lo, hi - lo);
       }
@@ -548,9 +540,10 @@ __global__ void __launch_bounds__(kThreads, 1) MoeMaskedDispatchKernel(DispatchC
     const uint32_t t = static_cast<uint32_t>(p) / static_cast<uint32_t>(k);
     const uint8_t* from = rows + (int64_t{s} * T + min(t, static_cast<uint32_t>(T - 1))) * call.slot_row_bytes;
     if constexpr (kLines) {
-      WarpTakeLineRow<kTakeBatch>(reinterpret_cast<const Pair64*>(from), reinterpret_cast<uint32_t*>(to), row_words, lo,
-                                  hi, flag,
-                                  [&](uint32_t spins) { return live = live && patience.WarpKeepsWaiting(spins, s); });
+      WarpTakeLineSteps<Rows, kTakeBatch>(reinterpret_cast<const Pair64*>(from), to, row_words, wire_blocks, lo, hi,
+                                          flag, [&](uint32_t spins) {
+                                            return live = live && patience.WarpKeepsWaiting(spins, s);
+                                          });
     } else {
       WarpTakeWireRow<Rows>(to, from, lo, hi, args.row_bytes);
     }
@@ -721,26 +714,26 @@ int64_t HeaderBytes(int size, int64_t local_experts, int64_t capacity, bool line
 }
 
 // Bytes of a slot row: the wire's, or whole warp steps of lines.
-int64_t SlotRowBytes(int64_t wire_row_bytes, bool lines) {
-  return lines ? Saturated(LineStepsOf(wire_row_bytes), kLineStepBytes) : wire_row_bytes;
+int64_t SlotRowBytes(MoeWire wire, int64_t wire_row_bytes, bool lines) {
+  return lines ? Saturated(RowLineSteps(wire, wire_row_bytes), kLineStepBytes) : wire_row_bytes;
 }
 
-// Whether a call's size lets it take lines (plain rows take them then; an 8-bit wire never does).
-bool LinesFit(int size, int64_t tokens, int64_t wire_row_bytes) {
-  return Saturated(Saturated(tokens, size), SlotRowBytes(wire_row_bytes, true)) <= kMoeLinesMaxBytes;
+// Whether a call's size lets it take lines.
+bool LinesFit(int size, int64_t tokens, MoeWire wire, int64_t wire_row_bytes) {
+  return Saturated(Saturated(tokens, size), SlotRowBytes(wire, wire_row_bytes, true)) <= kMoeLinesMaxBytes;
 }
 
 }  // namespace
 
 bool MoeMaskedDispatchUsesLines(const MoeMaskedDispatchArgs& args) {
-  return args.wire == MoeWire::kNone && LinesFit(args.size, args.tokens, args.wire_row_bytes);
+  return LinesFit(args.size, args.tokens, args.wire, args.wire_row_bytes);
 }
 
-int64_t MoeMaskedDispatchSlotBytes(int size, int64_t tokens, int64_t local_experts, int64_t capacity,
+int64_t MoeMaskedDispatchSlotBytes(int size, int64_t tokens, int64_t local_experts, int64_t capacity, MoeWire wire,
                                    int64_t wire_row_bytes) {
-  // Sized for lines wherever they fit, whatever the wire: their layout takes more than the flags'.
-  const bool lines = tokens >= 0 && wire_row_bytes >= 0 && LinesFit(size, tokens, wire_row_bytes);
-  const int64_t rows = Saturated(Saturated(tokens, size), SlotRowBytes(wire_row_bytes, lines));
+  // Lines wherever they fit: their layout takes more than the flags'.
+  const bool lines = tokens >= 0 && wire_row_bytes >= 0 && LinesFit(size, tokens, wire, wire_row_bytes);
+  const int64_t rows = Saturated(Saturated(tokens, size), SlotRowBytes(wire, wire_row_bytes, lines));
   return Align256(
       SaturatedAdd(SaturatedAdd(NvlinkLowLatencyAreaBytes(size), HeaderBytes(size, local_experts, capacity, lines)),
                    rows));
@@ -786,9 +779,9 @@ cudaError_t LaunchMoeMaskedDispatch(const MoeMaskedDispatchArgs& args, int block
       E > kMaxRoutingExperts || C < 1 || E * C > kMaxCapacity || blocks < 1 || blocks > kMaxMoeMaskedBlocks) {
     return cudaErrorInvalidValue;
   }
-  // Rows are whole vectors, and travel as they are without an 8-bit wire.
+  // Rows are whole vectors, and travel as they are without an 8-bit wire, else as whole blocks of the tokens.
   if (args.row_bytes < 0 || args.row_bytes % 16 != 0 || args.wire_row_bytes < 0 || args.wire_row_bytes % 16 != 0 ||
-      (args.wire == MoeWire::kNone && args.wire_row_bytes != args.row_bytes)) {
+      !WireRowMatches(args.wire, args.token_type, args.row_bytes, args.wire_row_bytes)) {
     return cudaErrorInvalidValue;
   }
   const bool lines = MoeMaskedDispatchUsesLines(args);
@@ -800,16 +793,14 @@ cudaError_t LaunchMoeMaskedDispatch(const MoeMaskedDispatchArgs& args, int block
                           NvlinkLowLatencyAreaBytes(args.size),
                           CountsBytes(args.size, E / N, lines),
                           HeaderBytes(args.size, E / N, C, lines),
-                          SlotRowBytes(args.wire_row_bytes, lines)};
+                          SlotRowBytes(args.wire, args.wire_row_bytes, lines)};
   const size_t shared = MoeMaskedDispatchSharedBytes(args);
   if (shared > static_cast<size_t>(kMostCountedBytes)) return cudaErrorInvalidValue;
   return WithRows(args.wire, args.token_type, [&](auto rows) {
     using Rows = decltype(rows);
-    if constexpr (!kOnWire<Rows>) {
-      if (lines) {
-        return LaunchOptingIn(MoeMaskedDispatchKernel<Rows, true>, blocks, kThreads, shared,
-                              sizeof(BlockScan::TempStorage), kMostCountedBytes, stream, call);
-      }
+    if (lines) {
+      return LaunchOptingIn(MoeMaskedDispatchKernel<Rows, true>, blocks, kThreads, shared,
+                            sizeof(BlockScan::TempStorage), kMostCountedBytes, stream, call);
     }
     return LaunchOptingIn(MoeMaskedDispatchKernel<Rows, false>, blocks, kThreads, shared,
                           sizeof(BlockScan::TempStorage), kMostCountedBytes, stream, call);
