@@ -727,24 +727,26 @@ def test_moe_dispatch_8bit_wire(size, tokens, dtype, hidden, wire):
     check_moe_dispatch(actual, x, ids, weights, num_experts, capacity, wire=wire)
 
 
-@pytest.mark.parametrize("path", ["lines", "flags"])
+@pytest.mark.parametrize("path", ["lines", "flags", "lines-fp8"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_moe_dispatch_many_calls(schedule, path):
     """New routings and weights every call on one set of flags and slots, as for combine. Rows of 16 float32
-    (a capacity that drops) travel as lines; rows of 8192 (1.1 MiB of slot rows) as rows and flags, over fewer
-    calls."""
+    (a capacity that drops) travel as lines, and rows of 512 on the 8-bit wire; rows of 8192 (1.1 MiB of slot
+    rows) as rows and flags, over fewer calls."""
     size, (calls, options) = 4, SCHEDULES[schedule]
-    if path == "lines":
-        calls, hidden = min(calls, 60), 16
-        ids, capacity = dispatch_routing("tight", size, calls, 8, 2, 8, seed=7)
-    else:
+    wire = "float8_e4m3fn" if path == "lines-fp8" else None
+    if path == "flags":
         calls, hidden = min(calls, 20), 8192
         ids, capacity = dispatch_routing("random", size, calls, 8, 2, 8, seed=7)
+    else:
+        calls, hidden = min(calls, 60), 16 if wire is None else 512
+        ids, capacity = dispatch_routing("tight", size, calls, 8, 2, 8, seed=7)
     x = random_array((calls, size, 8, hidden), np.float32, seed=7)
     weights = random_array(ids.shape, np.float32, seed=8)
-    actual = loopback.moe_dispatch(x, ids, weights, num_experts=8, capacity=capacity, trace=True, **options)
-    assert actual[1][0]["lines"] == (path == "lines")
-    check_moe_dispatch(actual, x, ids, weights, 8, capacity)
+    actual = loopback.moe_dispatch(x, ids, weights, num_experts=8, capacity=capacity, trace=True, wire=wire,
+                                   **options)
+    assert actual[1][0]["lines"] == path.startswith("lines")
+    check_moe_dispatch(actual, x, ids, weights, 8, capacity, wire=wire)
     assert_timelines(actual[1], calls, kernel="moe.dispatch")
 
 
