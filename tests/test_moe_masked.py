@@ -413,16 +413,17 @@ def test_loopback_many_calls(path, schedule):
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", PATH_HIDDEN)
 def test_loopback_missing_rank_is_named(path):
-    """A rank that never launches is named by every other, whether they poll its counts (lines) or wait for its
-    flags; they still finish their calls."""
+    """A rank that never launches is named by every other, whether they poll its counts (lines, of plain or
+    8-bit rows) or wait for its flags; they still finish their calls."""
     import nvlink_loopback
 
     ranks, calls, tokens = 4, 2, 8
     ids, num_experts, capacity = routing("random", ranks, tokens=tokens, top_k=3, seed=7)
     x = np.ones((calls, ranks, tokens, PATH_HIDDEN[path]), np.float32)
     _, states = nvlink_loopback.moe_masked_dispatch(x, np.stack([ids, ids]), None, num_experts=num_experts,
-                                                     capacity=capacity, absent=1, timeout_ms=200)
-    assert states[0]["lines"] == (path == "lines")
+                                                     capacity=capacity, wire=PATH_WIRE.get(path), absent=1,
+                                                     timeout_ms=200)
+    assert states[0]["lines"] == path.startswith("lines")
     nvlink_loopback.assert_absent_rank_named(states, absent=1, calls=calls)
 
 
