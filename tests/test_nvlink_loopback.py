@@ -763,13 +763,15 @@ def test_moe_dispatch_phase_clocks():
     assert (np.diff(clocks, axis=-1) >= 0).all()
 
 
-@pytest.mark.parametrize("hidden", [16, 8192], ids=["lines", "flags"])
-def test_moe_dispatch_missing_rank_is_named(hidden):
+@pytest.mark.parametrize("hidden, wire", [(16, None), (8192, None), (512, "float8_e4m3fn")],
+                         ids=["lines", "flags", "lines-fp8"])
+def test_moe_dispatch_missing_rank_is_named(hidden, wire):
     size, calls = 4, 2
     ids, capacity = dispatch_routing("random", size, calls, 8, 2, 8, seed=8)
     x = random_array((calls, size, 8, hidden), np.float32, seed=8)
-    _, ranks = loopback.moe_dispatch(x, ids, None, num_experts=8, capacity=capacity, absent=1, timeout_ms=200)
-    assert ranks[0]["lines"] == (hidden == 16)
+    _, ranks = loopback.moe_dispatch(x, ids, None, num_experts=8, capacity=capacity, wire=wire, absent=1,
+                                     timeout_ms=200)
+    assert ranks[0]["lines"] == (hidden != 8192)
     loopback.assert_absent_rank_named(ranks, absent=1, calls=calls)
 
 
