@@ -370,8 +370,10 @@ def test_loopback_8bit_wire(ranks, tokens, dtype, hidden, wire):
             np.testing.assert_array_equal(got[name][call], expected[name], err_msg=f"{name}, call {call}")
 
 
-# Row widths (float32 elements) whose slot rows, 4 ranks of 8 tokens, travel as lines and as rows and flags.
-PATH_HIDDEN = {"lines": 64, "flags": 8192}  # flags: 4 ranks of 8 tokens take 1.1 MiB of slot rows as lines
+# Row widths (float32 elements) whose slot rows, 4 ranks of 8 tokens, travel as lines and as rows and flags,
+# and as lines on the 8-bit wire.
+PATH_HIDDEN = {"lines": 64, "flags": 8192, "lines-fp8": 512}  # flags: 1.1 MiB of slot rows as lines
+PATH_WIRE = {"lines-fp8": "float8_e4m3fn"}
 
 
 @pytest.mark.gpu
@@ -393,30 +395,35 @@ def test_loopback_many_calls(path, schedule):
     ids = np.stack([i for i, _, _ in per_call])
     x = random_array((calls, ranks, tokens, hidden), np.float32, seed=11)
     weights = np.random.default_rng(11).random(ids.shape).astype(np.float32)
+    wire = PATH_WIRE.get(path)
     got, states = nvlink_loopback.moe_masked_dispatch(x, ids, weights, num_experts=num_experts, capacity=capacity,
-                                                      **options)
-    assert states[0]["lines"] == (path == "lines")
+                                                      wire=wire, **options)
+    assert states[0]["lines"] == path.startswith("lines")
     for state in states:
         assert state["fault"] == "healthy" and state["calls_finished"] == calls, state
     for call in range(calls):
         expected = reference.moe_masked_dispatch(x[call], ids[call], num_experts, capacity, weights=weights[call])
         for name in moe_masked.Masked._fields:
-            np.testing.assert_array_equal(got[name][call], expected[name], err_msg=f"{name}, call {call}")
+            if name == "expert_rows" and wire is not None:
+                assert_wire_rows(got[name][call], expected[name], wire)
+            else:
+                np.testing.assert_array_equal(got[name][call], expected[name], err_msg=f"{name}, call {call}")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("path", PATH_HIDDEN)
 def test_loopback_missing_rank_is_named(path):
-    """A rank that never launches is named by every other, whether they poll its counts (lines) or wait for its
-    flags; they still finish their calls."""
+    """A rank that never launches is named by every other, whether they poll its counts (lines, of plain or
+    8-bit rows) or wait for its flags; they still finish their calls."""
     import nvlink_loopback
 
     ranks, calls, tokens = 4, 2, 8
     ids, num_experts, capacity = routing("random", ranks, tokens=tokens, top_k=3, seed=7)
     x = np.ones((calls, ranks, tokens, PATH_HIDDEN[path]), np.float32)
     _, states = nvlink_loopback.moe_masked_dispatch(x, np.stack([ids, ids]), None, num_experts=num_experts,
-                                                     capacity=capacity, absent=1, timeout_ms=200)
-    assert states[0]["lines"] == (path == "lines")
+                                                     capacity=capacity, wire=PATH_WIRE.get(path), absent=1,
+                                                     timeout_ms=200)
+    assert states[0]["lines"] == path.startswith("lines")
     nvlink_loopback.assert_absent_rank_named(states, absent=1, calls=calls)
 
 

@@ -727,24 +727,26 @@ def test_moe_dispatch_8bit_wire(size, tokens, dtype, hidden, wire):
     check_moe_dispatch(actual, x, ids, weights, num_experts, capacity, wire=wire)
 
 
-@pytest.mark.parametrize("path", ["lines", "flags"])
+@pytest.mark.parametrize("path", ["lines", "flags", "lines-fp8"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_moe_dispatch_many_calls(schedule, path):
     """New routings and weights every call on one set of flags and slots, as for combine. Rows of 16 float32
-    (a capacity that drops) travel as lines; rows of 8192 (1.1 MiB of slot rows) as rows and flags, over fewer
-    calls."""
+    (a capacity that drops) travel as lines, and rows of 512 on the 8-bit wire; rows of 8192 (1.1 MiB of slot
+    rows) as rows and flags, over fewer calls."""
     size, (calls, options) = 4, SCHEDULES[schedule]
-    if path == "lines":
-        calls, hidden = min(calls, 60), 16
-        ids, capacity = dispatch_routing("tight", size, calls, 8, 2, 8, seed=7)
-    else:
+    wire = "float8_e4m3fn" if path == "lines-fp8" else None
+    if path == "flags":
         calls, hidden = min(calls, 20), 8192
         ids, capacity = dispatch_routing("random", size, calls, 8, 2, 8, seed=7)
+    else:
+        calls, hidden = min(calls, 60), 16 if wire is None else 512
+        ids, capacity = dispatch_routing("tight", size, calls, 8, 2, 8, seed=7)
     x = random_array((calls, size, 8, hidden), np.float32, seed=7)
     weights = random_array(ids.shape, np.float32, seed=8)
-    actual = loopback.moe_dispatch(x, ids, weights, num_experts=8, capacity=capacity, trace=True, **options)
-    assert actual[1][0]["lines"] == (path == "lines")
-    check_moe_dispatch(actual, x, ids, weights, 8, capacity)
+    actual = loopback.moe_dispatch(x, ids, weights, num_experts=8, capacity=capacity, trace=True, wire=wire,
+                                   **options)
+    assert actual[1][0]["lines"] == path.startswith("lines")
+    check_moe_dispatch(actual, x, ids, weights, 8, capacity, wire=wire)
     assert_timelines(actual[1], calls, kernel="moe.dispatch")
 
 
@@ -761,13 +763,15 @@ def test_moe_dispatch_phase_clocks():
     assert (np.diff(clocks, axis=-1) >= 0).all()
 
 
-@pytest.mark.parametrize("hidden", [16, 8192], ids=["lines", "flags"])
-def test_moe_dispatch_missing_rank_is_named(hidden):
+@pytest.mark.parametrize("hidden, wire", [(16, None), (8192, None), (512, "float8_e4m3fn")],
+                         ids=["lines", "flags", "lines-fp8"])
+def test_moe_dispatch_missing_rank_is_named(hidden, wire):
     size, calls = 4, 2
     ids, capacity = dispatch_routing("random", size, calls, 8, 2, 8, seed=8)
     x = random_array((calls, size, 8, hidden), np.float32, seed=8)
-    _, ranks = loopback.moe_dispatch(x, ids, None, num_experts=8, capacity=capacity, absent=1, timeout_ms=200)
-    assert ranks[0]["lines"] == (hidden == 16)
+    _, ranks = loopback.moe_dispatch(x, ids, None, num_experts=8, capacity=capacity, wire=wire, absent=1,
+                                     timeout_ms=200)
+    assert ranks[0]["lines"] == (hidden != 8192)
     loopback.assert_absent_rank_named(ranks, absent=1, calls=calls)
 
 
