@@ -87,6 +87,8 @@ def test_shard_map_must_make_every_axis_manual():
     (lambda v: nx.all_to_allv_dynamic(v, jnp.ones(3, jnp.int32), "x", max_recv_per_peer=2), ValueError,
      r"\[N\] or \[N, K\] with N = 4"),
     (lambda v: nx.all_to_allv_dynamic(v, jnp.ones(4), "x", max_recv_per_peer=2), TypeError, "must be integers"),
+    (lambda v: nx.all_to_allv_dynamic(v, [1, 1, 1, 1], "x", max_recv_per_peer=2), TypeError,
+     r"all_to_allv_dynamic: send_counts must be an array .*got a list"),
     (lambda v: nx.all_to_allv_dynamic(v, jnp.ones(4, jnp.int32), "x", max_recv_per_peer=-1), ValueError, ">= 0"),
     (lambda v: nx.all_to_allv_dynamic(v, jnp.ones(4, jnp.int32), "x", max_recv_per_peer=2**31), ValueError,
      "max_recv_per_peer must be <= 2147483647"),

@@ -393,6 +393,7 @@ def test_matches_lax_ragged_all_to_all_on_gpus():
     (dict(recv_sizes=np.zeros(0, np.int32)), ValueError, "one length, a multiple of N"),
     (dict(input_offsets=np.zeros(2, np.float32)), ValueError, "input_offsets must be a 1-D integer array"),
     (dict(output_offsets=np.zeros((2, 1), np.int32)), ValueError, "output_offsets must be a 1-D integer array"),
+    (dict(send_sizes=[0, 0]), TypeError, r"ragged_all_to_all: send_sizes must be an array .*got a list"),
     (dict(max_recv_per_peer=-1), ValueError, "max_recv_per_peer must be >= 0"),
     (dict(max_recv_per_peer=2.0), TypeError, "max_recv_per_peer must be a static Python int"),
     (dict(axis_index_groups=[[0], [0]]), ValueError, "must cover the axis indices 0 .. 1 exactly once"),

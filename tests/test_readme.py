@@ -36,6 +36,20 @@ def check_first_program(namespace):
     np.testing.assert_array_equal(np.asarray(namespace["recv_counts"]), 2)
 
 
+def check_ragged_program(namespace):
+    n, rows = len(jax.devices()), namespace["rows"]
+    x = np.asarray(namespace["x"]).reshape(n, rows, 4)
+    sizes = np.asarray(namespace["send_sizes"]).reshape(n, n)  # [source, destination]
+    expected = np.full((n, n * rows, 4), -1.0, np.float32)
+    for dest in range(n):
+        at = 0
+        for source in range(n):
+            first, count = sizes[source, :dest].sum(), sizes[source, dest]
+            expected[dest, at: at + count] = x[source, first: first + count]
+            at += count
+    np.testing.assert_array_equal(np.asarray(namespace["y"]).reshape(n, n * rows, 4), expected)
+
+
 def test_first_program_runs():
     check_first_program(run_program(python_blocks("README.md")[0], "README.md"))
 
@@ -46,7 +60,7 @@ DOC_PROGRAMS = [(path, i) for path in sorted(str(f.relative_to(ROOT)) for f in (
 
 def test_the_docs_have_programs():
     assert {("docs/getting_started.md", 0), ("docs/getting_started.md", 1), ("docs/getting_started.md", 2),
-            ("docs/moe.md", 0)} <= set(DOC_PROGRAMS)
+            ("docs/getting_started.md", 3), ("docs/moe.md", 0)} <= set(DOC_PROGRAMS)
 
 
 @pytest.mark.parametrize("path, index", DOC_PROGRAMS, ids=[f"{p}-{i}" for p, i in DOC_PROGRAMS])
@@ -63,6 +77,8 @@ def test_docs_program_runs(path, index):
         assert "ncclx_all_reduce" not in jax.jit(layer).lower(x).as_text()
     if "jax.vmap(body" in block:  # collectives over a vmapped axis: local work, no mesh
         np.testing.assert_array_equal(np.asarray(namespace["out"]), np.full((4, 8), 16, np.float32))
+    if "nx.ragged_all_to_all(" in block:  # each member's rows from each source, packed in source order
+        check_ragged_program(namespace)
     if "moe.dispatch" in block:  # the MoE layer: the dense layer's result, nothing dropped
         np.testing.assert_allclose(np.asarray(namespace["out"]), np.asarray(namespace["dense"]), rtol=1e-5,
                                    atol=1e-5)

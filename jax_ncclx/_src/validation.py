@@ -81,6 +81,17 @@ def check_whole_bytes(dtype, op: str):
             f"jax.lax.bitcast_convert_type(x.reshape(..., {8 // bits}), jnp.uint8) and unpack the result")
 
 
+def check_arrays(op: str, **arrays):
+    """A TypeError naming the op and the argument where one of ``arrays`` (name -> value) is no array to JAX: a
+    Python list or tuple is a pytree there, and JAX's own error names neither."""
+    for name, value in arrays.items():
+        try:
+            jax.typeof(value)
+        except TypeError:
+            raise TypeError(f"jax_ncclx.{op}: {name} must be an array (a jax.Array, a NumPy array or a scalar; "
+                            f"jnp.asarray makes one of a list), got a {type(value).__name__}") from None
+
+
 def as_int32(x):
     """Integer array ``x`` (counts, row indices, expert ids) as int32, values beyond int32's range saturated to
     its ends rather than wrapped: under ``jax_enable_x64`` a count of 2**32 + 1 must stay a count too large

@@ -89,8 +89,9 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
         leading dimension, or whose leading dimension the axis size does not divide.
       ValueError: a scalar x; send_counts not ``[N]`` / ``[N, K]``; ``max_recv_per_peer`` out of range; an
         unknown layout; a suffix whose shape or dtype does not fit.
-      TypeError: non-integer send_counts; send_rows not a 1-D integer array; ``max_recv_per_peer`` not a static
-        int; a dtype the op cannot take (not a number or boolean, or under a byte).
+      TypeError: an argument that is no array (a Python list); non-integer send_counts; send_rows not a 1-D
+        integer array; ``max_recv_per_peer`` not a static int; a dtype the op cannot take (not a number or
+        boolean, or under a byte).
       NotImplementedError: vmap over ``axis_name`` inside a tuple with mesh axes; a shard_map that leaves a mesh
         axis of size > 1 to the compiler.
     """
@@ -100,6 +101,7 @@ def all_to_allv_dynamic(x, send_counts, axis_name, *, max_recv_per_peer: int, la
     if layout not in LAYOUTS:
         raise ValueError(f"jax_ncclx.all_to_allv_dynamic: layout must be one of {LAYOUTS}, got {layout!r}")
     optional = {name: value for name, value in (("send_rows", send_rows), ("suffix", suffix)) if value is not None}
+    validation.check_arrays("all_to_allv_dynamic", x=x, send_counts=send_counts, **optional)
     if not validation.is_bound(axis_name):
         def op(x, send_counts, *values):
             return all_to_allv_dynamic(x, send_counts, axis_name, max_recv_per_peer=max_recv_per_peer,

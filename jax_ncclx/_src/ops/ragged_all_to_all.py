@@ -46,6 +46,7 @@ from jax_ncclx._src.ops.all_to_all import all_to_all
 logger = logging.getLogger("jax_ncclx")
 
 _OP = "ragged_all_to_all"
+_ARGS = ("operand", "output", "input_offsets", "send_sizes", "output_offsets", "recv_sizes")
 
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name,
@@ -82,7 +83,8 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     Where the contract of ``jax.lax.ragged_all_to_all`` leaves a call undefined, this one is still memory
     safe and says what it does:
 
-    * a slice writes ``min(recv_sizes[i], the rows its sender sent)`` rows, and no row outside ``[0, O)``;
+    * a slice writes ``min(recv_sizes[i], the rows its sender sent)`` rows, row by row, and none outside
+      ``[0, O)``: a slice that straddles an end of the output writes its rows inside it;
     * rows read outside ``[0, X)`` are zero rows;
     * a negative send size sends nothing;
     * a peer's rows past C are not sent (dropped): its send sizes are walked slice after slice and cut
@@ -95,14 +97,16 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     operand and output; vmap-able.
 
     Raises:
-      TypeError / ValueError: a bad argument (the message names it; offsets and sizes that are not 1-D
-        integer arrays: ValueError, as in ``jax.lax``), ``axis_index_groups`` that do not cover the axis once
-        or differ in size among them; outside ``jax.shard_map``, an argument sharded otherwise than over
-        ``axis_name`` along its leading dimension, or whose leading dimension the axis size does not divide.
+      TypeError / ValueError: a bad argument (the message names it; a Python list: TypeError; offsets and sizes
+        that are not 1-D integer arrays: ValueError, as in ``jax.lax``), ``axis_index_groups`` that do not
+        cover the axis once or differ in size among them; outside ``jax.shard_map``, an argument sharded
+        otherwise than over ``axis_name`` along its leading dimension, or whose leading dimension the axis size
+        does not divide.
       NameError: ``axis_name`` is not bound by an enclosing ``jax.shard_map`` (and no mesh shards the operands).
     """
     axis_name = validation.check_axis_name(axis_name, _OP)
     args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
+    validation.check_arrays(_OP, **dict(zip(_ARGS, args)))
     if not validation.is_bound(axis_name):
         op = partial(ragged_all_to_all, axis_name=axis_name, axis_index_groups=axis_index_groups,
                      max_recv_per_peer=max_recv_per_peer)
