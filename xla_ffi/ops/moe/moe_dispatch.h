@@ -12,17 +12,18 @@
 // placement in each, into a map from expert-major row to received row in shared memory) and copies its share
 // of the expert-major rows out of the slots. As for the combine kernel, writers never wait for readers.
 // On an 8-bit wire the sender quantizes each block of kMoeWireBlock values as it writes it (a warp per block,
-// or with lines per step of three: the scale maps the block's largest magnitude to the format's largest finite value) and the expansion
-// dequantizes as it copies, with the chain's arithmetic (moe_dispatch.py's _encode and _decode).
+// or with lines per warp step of three blocks: the scale maps the block's largest magnitude to the format's
+// largest finite value) and the expansion dequantizes as it copies, with the chain's arithmetic
+// (moe_dispatch.py's _encode and _decode).
 //
 // Lines (up to kMoeLinesMaxBytes of slot rows: decode sizes). The slots hold the header,
 // then [N * R * k] 16-byte list entries, then [N * R] rows of whole warp steps of LL128 lines
 // (ll128_lines.cuh). Each count is a flagged entry {count, flag}; entry i of source s's list is
 // {tag, weight of choice i % k of its row i / k, flag} at s * R * k + i, every one written each call (-1 past
 // the list); the rows travel as lines (on the 8-bit wire three quantized blocks and their scales a warp step,
-// wire_lines.cuh). No block raises a flag for its peers: each polls the counts and every
-// list entry (the call's handshake, since every member writes them all), places, then polls each line it
-// copies. The flag is the call's epoch scrambled (ScrambledLineFlag), so another call's bytes never match it.
+// wire_lines.cuh). No block raises a flag for its peers: each polls the counts and every list entry (the
+// call's handshake, since every member writes them all), places, then polls each line it copies. The flag is
+// the call's epoch scrambled (ScrambledLineFlag), so another call's bytes never match it.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -39,16 +40,16 @@ namespace jax_ncclx {
 // Where a profiled call (MoeDispatchArgs::phase_clocks, test-only) has thread 0 of each block read clock64():
 // at its start, then after the barrier that closes each phase of the kernel.
 enum MoeDispatchPhase : int {
-  kPhaseStart,  // the block begins
+  kPhaseStart,    // the block begins
   kPhaseCleared,  // the plan's counters are zero
   kPhaseCounted,  // pairs counted per key (within the warp-plan limits: thread 0's comparisons done)
-  kPhaseSorted,  // pairs sorted by key
+  kPhaseSorted,   // pairs sorted by key
   kPhasePlanned,  // send rows numbered
-  kPhaseSent,  // this block's rows (and with lines their list entries) stored
+  kPhaseSent,     // this block's rows (and with lines their list entries) stored
   kPhaseResults,  // the plan's results written (the block's share); with flags, its flags raised
   kPhaseArrived,  // every flag seen (with lines: thread 0's counts and list entries)
-  kPhasePlaced,  // received tags placed (counts, the row map)
-  kPhaseEnd,  // index arrays and expert rows written
+  kPhasePlaced,   // received tags placed (counts, the row map)
+  kPhaseEnd,      // index arrays and expert rows written
   kMoeDispatchPhases
 };
 inline constexpr const char* kMoeDispatchPhaseNames[kMoeDispatchPhases] = {"start",   "cleared", "counted", "sorted",
@@ -57,26 +58,26 @@ inline constexpr const char* kMoeDispatchPhaseNames[kMoeDispatchPhases] = {"star
 
 struct MoeDispatchArgs {
   int rank = 0;
-  int size = 1;  // N
-  int top_k = 1;  // k
-  int64_t tokens = 0;  // T
-  int64_t num_experts = 0;  // E, a multiple of N
-  int64_t capacity = 0;  // C
-  int64_t row_bytes = 0;  // a token row's bytes (H elements), a multiple of 16
-  MoeWire wire = MoeWire::kNone;  // how rows travel (contract.h)
+  int size = 1;               // N
+  int top_k = 1;              // k
+  int64_t tokens = 0;         // T
+  int64_t num_experts = 0;    // E, a multiple of N
+  int64_t capacity = 0;       // C
+  int64_t row_bytes = 0;      // a token row's bytes (H elements), a multiple of 16
+  MoeWire wire = MoeWire::kNone;         // how rows travel (contract.h)
   FloatType token_type = FloatType::kF32;  // tokens' dtype, which an 8-bit wire converts from and to
   int64_t wire_row_bytes = 0;  // a row's bytes in the slots (MoeDispatchWireRowBytes), a multiple of 16
   bool with_weights = false;  // the rows carry their token's router weights
   bool trace = false;
   int64_t site = 0;
   uint64_t timeout_ns = 0;
-  const void* tokens_in = nullptr;  // [T, H]
+  const void* tokens_in = nullptr;    // [T, H]
   const int32_t* expert_ids = nullptr;  // [T, k]
-  const float* weights = nullptr;  // [T, k] float32, or null without weights
-  void* expert_rows = nullptr;  // [N * C, H] the received rows expert-major, zero past the data
-  PlanSendsResults plan;  // the sender's results, but send_suffix (it travels in the slots only)
-  int32_t* recv_tokens = nullptr;  // [N] token rows each source delivered
-  PlaceReceivedResults placed;  // the receiver's results
+  const float* weights = nullptr;     // [T, k] float32, or null without weights
+  void* expert_rows = nullptr;        // [N * C, H] the received rows expert-major, zero past the data
+  PlanSendsResults plan;              // the sender's results, but send_suffix (it travels in the slots only)
+  int32_t* recv_tokens = nullptr;     // [N] token rows each source delivered
+  PlaceReceivedResults placed;        // the receiver's results
   const PeerTable* table = nullptr;
   SymmetricControl* control = nullptr;
   int64_t* phase_clocks = nullptr;  // test-only: [blocks, kMoeDispatchPhases] clock64() of the call, or null

@@ -723,7 +723,7 @@ bool MoeDispatchUsesLines(const MoeDispatchArgs& args) {
 int64_t MoeDispatchSlotBytes(int size, int64_t rows_per_member, int top_k, MoeWire wire, int64_t wire_row_bytes,
                              bool with_weights) {
   int64_t bytes = kHeaderBytes + size * rows_per_member * MoeDispatchSlotRowBytes(top_k, wire_row_bytes, with_weights);
-  // Sized for lines too wherever they fit: with few tags a row's lines take more than its flagged bytes.
+  // Where lines fit, the larger of the two layouts (a call takes the lines, but the slots serve both).
   if (LinesFit(size, rows_per_member, wire, wire_row_bytes)) {
     bytes = std::max(bytes, kHeaderBytes + EntriesBytes(size, rows_per_member, top_k) +
                                 size * rows_per_member * LineRowBytes(wire, wire_row_bytes));
