@@ -690,13 +690,12 @@ def test_moe_dispatch_shapes(tokens, top_k, hidden, experts, lines):
     check_moe_dispatch(actual, x, ids, weights, experts, capacity)
 
 
-MOE_LINES_MAX_BYTES = 1 << 20  # symmetric_layout.h's kMoeLinesMaxBytes
-
-
 def wire_takes_lines(rows, hidden):
     """Whether `rows` slot rows of H values on the 8-bit wire take lines: a 512-byte warp step per three blocks of
-    128 values, up to MOE_LINES_MAX_BYTES."""
-    return rows * -(-hidden // 384) * 512 <= MOE_LINES_MAX_BYTES
+    128 values, up to the kernels' MOE_LINES_MAX_BYTES."""
+    from jax_ncclx._src import lib
+
+    return rows * -(-hidden // 384) * 512 <= lib.cuda_module().MOE_LINES_MAX_BYTES
 
 
 def wire_tokens(shape, dtype, seed):

@@ -646,6 +646,7 @@ NB_MODULE(_ncclx_cuda, m) {
       "MOE_WIRE_BLOCK values (one for the row where hidden is not a multiple of it).");
   m.attr("MOE_MASKED_MAX_TOP_K") = jn::kMaxMoeMaskedTopK;
   m.attr("MOE_MASKED_MAX_PAIRS") = jn::kMaxMoeMaskedPairs;
+  m.attr("MOE_LINES_MAX_BYTES") = jn::kMoeLinesMaxBytes;  // slot rows up to which the MoE kernels send lines
   m.def(
       "moe_masked_dispatch_slot_bytes",
       [](int size, int64_t tokens, int64_t local_experts, int64_t capacity, int wire, int64_t wire_row_bytes) {
