@@ -112,3 +112,19 @@ def assert_wire_rows(actual, rows, wire_dtype):
                            f"{got[off][:4]} against {expected[off][:4]}")
     nonzero = expected != 0
     assert np.mean(got[nonzero] == expected[nonzero]) >= 0.99, "fewer than 99 % of the values equal the chain's"
+
+
+def wire_takes_lines(rows, hidden):
+    """Whether `rows` slot rows of H values on the 8-bit wire take lines: a 512-byte warp step per three blocks of
+    128 values, up to the kernels' MOE_LINES_MAX_BYTES."""
+    from jax_ncclx._src import lib
+
+    return rows * -(-hidden // 384) * 512 <= lib.cuda_module().MOE_LINES_MAX_BYTES
+
+
+def wire_tokens(shape, dtype, seed):
+    """Random tokens whose blocks of 128 values differ in magnitude by up to 2^6 (a scale taken from the wrong
+    block is then off by far more than a step), the first block all zeros (scale 0, decoded as zeros)."""
+    x = random_array(shape, np.float32, seed=seed) * 2.0 ** (np.arange(shape[-1]) // 128 % 7 - 3)
+    x[(0,) * (len(shape) - 1) + (slice(0, 128),)] = 0
+    return x.astype(dtype)

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import reference
 from conftest import gpu_devices, gpu_skip_reason
-from helpers import assert_wire_rows, drop_warnings, random_array
+from helpers import assert_wire_rows, drop_warnings, random_array, wire_takes_lines, wire_tokens
 from jax_ncclx import moe
 from jax_ncclx._src.ops import moe_masked
 
@@ -352,7 +352,6 @@ def test_loopback_8bit_wire(ranks, tokens, dtype, hidden, wire):
     H = 7168 (over 1 MiB of lines) take rows and flags. Over two calls the expert rows are the reference's rows
     through the wire and every other result is the reference's."""
     import nvlink_loopback
-    from test_nvlink_loopback import wire_takes_lines, wire_tokens
 
     ids, num_experts, capacity = routing("random", ranks, tokens=tokens, top_k=4, seed=ranks)
     x = wire_tokens((2, ranks, ids.shape[1], hidden), dtype, seed=ranks)

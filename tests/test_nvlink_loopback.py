@@ -18,7 +18,7 @@ import pytest
 
 import nvlink_loopback as loopback
 import reference
-from helpers import assert_bits_equal, assert_wire_rows, random_array, random_bits
+from helpers import assert_bits_equal, assert_wire_rows, random_array, random_bits, wire_takes_lines, wire_tokens
 from jax_ncclx._src import contract
 
 pytestmark = pytest.mark.gpu
@@ -688,22 +688,6 @@ def test_moe_dispatch_shapes(tokens, top_k, hidden, experts, lines):
     actual = loopback.moe_dispatch(x, ids, weights, num_experts=experts, capacity=capacity)
     assert actual[1][0]["lines"] == lines
     check_moe_dispatch(actual, x, ids, weights, experts, capacity)
-
-
-def wire_takes_lines(rows, hidden):
-    """Whether `rows` slot rows of H values on the 8-bit wire take lines: a 512-byte warp step per three blocks of
-    128 values, up to the kernels' MOE_LINES_MAX_BYTES."""
-    from jax_ncclx._src import lib
-
-    return rows * -(-hidden // 384) * 512 <= lib.cuda_module().MOE_LINES_MAX_BYTES
-
-
-def wire_tokens(shape, dtype, seed):
-    """Random tokens whose blocks of 128 values differ in magnitude by up to 2^6 (a scale taken from the wrong
-    block is then off by far more than a step), the first block all zeros (scale 0, decoded as zeros)."""
-    x = random_array(shape, np.float32, seed=seed) * 2.0 ** (np.arange(shape[-1]) // 128 % 7 - 3)
-    x[(0,) * (len(shape) - 1) + (slice(0, 128),)] = 0
-    return x.astype(dtype)
 
 
 @pytest.mark.parametrize("wire", ["float8_e4m3fn", "float8_e5m2"])
