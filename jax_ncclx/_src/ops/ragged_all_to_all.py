@@ -46,7 +46,6 @@ from jax_ncclx._src.ops.all_to_all import all_to_all
 logger = logging.getLogger("jax_ncclx")
 
 _OP = "ragged_all_to_all"
-_ARGS = ("operand", "output", "input_offsets", "send_sizes", "output_offsets", "recv_sizes")
 
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name,
@@ -106,7 +105,8 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     """
     axis_name = validation.check_axis_name(axis_name, _OP)
     args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
-    validation.check_arrays(_OP, **dict(zip(_ARGS, args)))
+    validation.check_arrays(_OP, operand=operand, output=output, input_offsets=input_offsets, send_sizes=send_sizes,
+                            output_offsets=output_offsets, recv_sizes=recv_sizes)
     if not validation.is_bound(axis_name):
         op = partial(ragged_all_to_all, axis_name=axis_name, axis_index_groups=axis_index_groups,
                      max_recv_per_peer=max_recv_per_peer)
