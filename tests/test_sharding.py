@@ -96,6 +96,26 @@ def test_global_view_on_an_explicit_mesh(line, name):
     assert jax.typeof(actual).sharding.spec == P("x", None)
 
 
+def test_leading_dimension_over_more_axes_is_pointed_to_shard_map():
+    """An array whose leading dimension is split over the axis and another one (one block per device of a 2-D
+    mesh) is refused with the shard_map that gives jax.lax's per-group result, and the reshard the error offers
+    runs as written, outside any mesh context."""
+    mesh = jax.make_mesh((2, len(jax.devices()) // 2), ("dp", "x"))  # explicit axes
+    x = jax.device_put(jnp.arange(mesh.size * 6.0).reshape(mesh.size * 2, 3), NamedSharding(mesh, P(("dp", "x"))))
+    expected_error = ("argument 0 is sharded P(('dp', 'x')). Reshard it first (jax.reshard(arg, NamedSharding(mesh, "
+                      "P('x')))) or call all_reduce inside jax.shard_map with in_specs=P(('dp', 'x')), which keeps "
+                      "one result per group of 'dp' as jax.lax does")
+    with pytest.raises(ValueError, match=re.escape(expected_error)):
+        nx.all_reduce(x, "x")
+    spec = P(("dp", "x"))
+    per_group = jax.jit(jax.shard_map(lambda v: nx.all_reduce(v, "x"), mesh=mesh, in_specs=spec, out_specs=spec))(x)
+    expected = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh, in_specs=spec, out_specs=spec))(x)
+    np.testing.assert_array_equal(per_group, expected)
+    resharded = nx.all_reduce(jax.reshard(x, NamedSharding(mesh, P("x"))), "x")
+    blocks = np.asarray(x).reshape(mesh.shape["x"], -1, 3)
+    np.testing.assert_array_equal(resharded, np.tile(blocks.sum(0), (mesh.shape["x"], 1)))
+
+
 @pytest.mark.parametrize("spec, text", [(P(), "P()"), (P(None, "x"), "P(None, 'x')")], ids=["replicated", "dim1"])
 def test_explicit_mesh_input_sharded_otherwise_is_named(line, spec, text):
     """An input sharded otherwise than along its leading dimension is refused by this package, naming the
@@ -105,7 +125,8 @@ def test_explicit_mesh_input_sharded_otherwise_is_named(line, spec, text):
     counts = jax.device_put(jnp.ones((line.size * line.size,), jnp.int32), NamedSharding(mesh, P("x")))
     with jax.set_mesh(mesh):
         with pytest.raises(ValueError, match=re.escape(f"argument 0 is sharded {text}. Reshard it first "
-                                                       "(jax.reshard(arg, P('x'))) or call all_reduce")):
+                                                       "(jax.reshard(arg, NamedSharding(mesh, P('x')))) or call "
+                                                       "all_reduce inside jax.shard_map\n")):
             jax.jit(lambda v: nx.all_reduce(v, "x"))(x)
         with pytest.raises(ValueError, match=re.escape("all_to_allv_dynamic: outside shard_map it runs per shard of "
                                                        "arrays whose leading dimension is sharded over 'x', and "

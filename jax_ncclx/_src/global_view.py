@@ -50,13 +50,25 @@ def _check_global_arguments(args, mesh, axis_name, op: str, in_specs):
                     raise ValueError(
                         f"jax_ncclx.{op}: outside shard_map it runs per shard of arrays whose leading dimension is "
                         f"sharded over {axis_name!r}, and nothing else; argument {position} is sharded "
-                        f"{_spec_text(have)}. Reshard it first (jax.reshard(arg, {_spec_text(want)})) or call {op} "
-                        "inside jax.shard_map")
+                        f"{_spec_text(have)}. Reshard it first (jax.reshard(arg, NamedSharding(mesh, "
+                        f"{_spec_text(want)}))) or call {op} inside jax.shard_map" + _per_group_hint(have, axes))
             if aval.ndim == 0 or aval.shape[0] % members:
                 raise ValueError(
                     f"jax_ncclx.{op}: outside shard_map every argument's leading dimension holds the {members} "
                     f"members' blocks of {axis_name!r}, so it must be a multiple of {members}; argument {position} "
                     f"has shape {tuple(aval.shape)}")
+
+
+def _per_group_hint(have: tuple, axes: set) -> str:
+    """For a leading dimension split over the axis and other axes too: the shard_map that gives jax.lax's one
+    result per group of the others, which a reshard to the axis alone would not."""
+    lead = have[0] if have else None
+    lead = set(lead) if isinstance(lead, tuple) else {lead}
+    others = sorted(lead - axes - {None})
+    if not others or not axes <= lead:
+        return ""
+    return (f" with in_specs={_spec_text(have)}, which keeps one result per group of {', '.join(map(repr, others))}"
+            " as jax.lax does (a reshard to the axis alone merges those groups)")
 
 
 def _explicit_axes(mesh) -> set:

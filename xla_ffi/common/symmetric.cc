@@ -9,7 +9,9 @@
 #include <array>
 #include <atomic>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -91,10 +93,19 @@ std::vector<std::pair<int64_t, std::shared_ptr<CommMemory>>> AllCommMemory() {
   return {registry.comms.begin(), registry.comms.end()};
 }
 
+// Which machine a rank runs on, as NCCL tells them apart: NCCL_HOSTID where set, else the host name and the
+// kernel's boot id, so that containers of one host name on different machines are not taken for one host.
 uint64_t HostHash() {
+  if (const char* id = std::getenv("NCCL_HOSTID"); id != nullptr && *id != '\0') {
+    return std::hash<std::string>()(id);
+  }
   char name[HOST_NAME_MAX + 1] = {};
   gethostname(name, sizeof(name) - 1);
-  return std::hash<std::string>()(name);
+  std::string key(name);
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string boot_id;
+  if (std::getline(boot, boot_id)) key += "/" + boot_id;
+  return std::hash<std::string>()(key);
 }
 
 int64_t RoundUp(int64_t bytes, int64_t multiple) { return (bytes + multiple - 1) / multiple * multiple; }
