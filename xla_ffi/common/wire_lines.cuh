@@ -6,7 +6,8 @@
 //   the line's flag lane, whose words 2 and 3 are the flag.
 // So no value moves between lanes but the flag lanes' one word, and a step is whole in itself: any warp can
 // send or take any step. A row of H values takes ceil(H / 384) steps (7168 values: 19 steps, 9728 bytes, 0.63
-// of a bf16 row's lines). The arithmetic is the flags path's (QuantizeBlock, StoreDecodedWord).
+// of a bf16 row's lines). The arithmetic is the flags path's: the same QuantizeBlock, and
+// DecodePair as in DequantizeVector.
 #pragma once
 
 #include <cuda_runtime.h>
